@@ -1,0 +1,31 @@
+# The two commands of the README: `make run` and `make test`. Each sets itself up.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test setup java bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Spark (pipeline tests) needs Java 17+; install Debian's JRE when missing.
+java:
+	@java -version >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openjdk-17-jre-headless)
+
+run: $(STAMP)
+	$(BIN)/gateway serve
+
+test: $(STAMP) java
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m loadtest core
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,54 @@
+"""The broadcaster engine: pure Python, no I/O, no clock (time comes in as `now`).
+
+See docs/architecture.md for the model and engine.py for the calling contract.
+"""
+
+from .config import EngineConfig, TopicConfig, TopicKind, TopicRule
+from .counters import Counters
+from .engine import Batch, Engine, Published, Subscribed
+from .entries import (
+    encode_error,
+    encode_loss,
+    encode_message,
+    encode_reply,
+    frame_batch,
+)
+from .errors import (
+    CoreUsageError,
+    DirectQueueFull,
+    DuplicateSeq,
+    MessageTooLarge,
+    NotSubscribed,
+    QueueFull,
+    RequestError,
+    StaleSeq,
+    TopicExists,
+    UnknownTopic,
+)
+
+__all__ = [
+    "Batch",
+    "CoreUsageError",
+    "Counters",
+    "DirectQueueFull",
+    "DuplicateSeq",
+    "Engine",
+    "EngineConfig",
+    "MessageTooLarge",
+    "NotSubscribed",
+    "Published",
+    "QueueFull",
+    "RequestError",
+    "StaleSeq",
+    "Subscribed",
+    "TopicConfig",
+    "TopicExists",
+    "TopicKind",
+    "TopicRule",
+    "UnknownTopic",
+    "encode_error",
+    "encode_loss",
+    "encode_message",
+    "encode_reply",
+    "frame_batch",
+]

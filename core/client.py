@@ -1,0 +1,60 @@
+"""Per-client state: the direct queue, the ordered coalesced active-handle set, readiness."""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Hashable
+
+if TYPE_CHECKING:
+    from .topics import Topic
+
+
+class ClientState(Enum):
+    #: may be handed a batch (WebSocket: not write-blocked; long-poll: a poll waits; TCP: writable)
+    READY = "ready"
+    #: a batch was handed out and its write has not been reported done
+    WRITING = "writing"
+    #: connected but not able to take data (long-poll with no poll waiting)
+    IDLE = "idle"
+
+
+class Subscription:
+    """One client's handle on one topic. Ring and snapshot handles hold a cursor only (seed 000)."""
+
+    __slots__ = ("client", "topic", "cursor", "active", "queue", "queued_bytes", "peeked", "waiting")
+
+    def __init__(self, client: "Client", topic: "Topic") -> None:
+        self.client = client
+        self.topic = topic
+        #: next seq to deliver (ring, snapshot); for private queues the seq of the next message queued
+        self.cursor = 0
+        #: in the client's active-handle set; otherwise, for shared topics, in the topic's idle set
+        self.active = False
+        # private queues only (seed 001): entries, their size, how many were handed out uncommitted
+        self.queue: deque[bytes] | None = None
+        self.queued_bytes = 0
+        self.peeked = 0
+        #: a publisher was refused for lack of space and wants to hear when space frees
+        self.waiting = False
+
+
+class Client:
+    __slots__ = ("id", "state", "direct", "active", "subs", "budget", "peeked_subs", "info", "in_active_set")
+
+    def __init__(self, client_id: Hashable, budget: int, ready: bool, info: Any = None) -> None:
+        self.id = client_id
+        self.state = ClientState.READY if ready else ClientState.IDLE
+        self.direct: deque[bytes] = deque()
+        #: ordered, coalesced active-handle set (a dict keeps insertion order, a key appears once)
+        self.active: dict[Subscription, None] = {}
+        self.subs: dict[str, Subscription] = {}
+        self.budget = budget
+        #: private handles with entries handed out in the batch being written (commit or rollback them)
+        self.peeked_subs: list[Subscription] = []
+        #: opaque to the core: identity, transport, permissions live with the gateway
+        self.info = info
+        self.in_active_set = False
+
+    def has_work(self) -> bool:
+        return bool(self.direct) or bool(self.active)

@@ -1,0 +1,88 @@
+"""Limits and per-topic settings. Every limit is here, with the reason for its default."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class TopicKind(str, Enum):
+    #: shared, queued, lossy: a ring of `capacity` messages, each subscriber keeps a cursor (seeds 000, 002)
+    RING = "ring"
+    #: shared, last value only: a new subscriber gets the latest at once (seed 002)
+    SNAPSHOT = "snapshot"
+    #: one client's queue, not lossy, back-pressure when full, peek/commit (seeds 001, 002)
+    PRIVATE = "private"
+
+
+@dataclass(frozen=True, slots=True)
+class TopicConfig:
+    kind: TopicKind = TopicKind.RING
+    #: ring size in messages. 64 is Rubris' default ring (seed 002): a lagging client loses the oldest.
+    capacity: int = 64
+    #: messages one handle may give per cycle (seed 002 opt-in batch depth); 1 keeps clients in step.
+    batch_depth: int = 1
+    #: out-of-order publishing window in seqs (seed 004 uses 16 bits; 64 covers interleaved producers).
+    reorder_window: int = 64
+    #: a hole older than this (seconds) is given up and announced as a loss notice.
+    hole_timeout: float = 1.0
+    #: private queue bounds: count and bytes (seed 001: the writer waits while full).
+    max_count: int = 256
+    max_bytes: int = 1 << 20
+    #: whether connected clients may publish to it (admin and ingest always may).
+    client_publish: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", TopicKind(self.kind))
+        for name in ("capacity", "batch_depth", "reorder_window", "max_count", "max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.hole_timeout <= 0:
+            raise ValueError("hole_timeout must be > 0")
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind.value,
+            "capacity": self.capacity,
+            "batch_depth": self.batch_depth,
+            "reorder_window": self.reorder_window,
+            "hole_timeout": self.hole_timeout,
+            "max_count": self.max_count,
+            "max_bytes": self.max_bytes,
+            "client_publish": self.client_publish,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TopicRule:
+    """Topics whose name matches `pattern` (fnmatch) are created on first use with `config`."""
+
+    pattern: str
+    config: TopicConfig
+
+    def matches(self, name: str) -> bool:
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    #: bytes one client may be given per cycle; at least one entry always goes (seed 002 buffer size).
+    cycle_budget_bytes: int = 64 * 1024
+    #: direct queue bound per client: replies pile up only when a client does not read; it is then cut.
+    direct_queue_max: int = 1024
+    #: largest encoded message; bigger payloads are refused with `too_large`.
+    max_message_bytes: int = 1 << 20
+    #: topic count bound: auto-created topics cannot grow without limit.
+    max_topics: int = 100_000
+    #: subscriptions per client.
+    max_subscriptions: int = 1_000
+    #: longest topic name.
+    max_topic_name: int = 256
+    rules: tuple[TopicRule, ...] = field(default_factory=tuple)
+
+    def rule_for(self, name: str) -> TopicConfig | None:
+        for rule in self.rules:
+            if rule.matches(name):
+                return rule.config
+        return None

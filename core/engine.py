@@ -1,0 +1,391 @@
+"""The broadcaster engine and its fair scheduler (seed 002), sans-I/O.
+
+The I/O layer drives it with verbs and writes what `run_cycle` returns:
+
+* `connect` / `disconnect`, `subscribe` / `unsubscribe`, `publish` / `reserve`, `send_direct`;
+* `mark_ready` when a client can take a batch (WebSocket: its last write drained; long-poll: a poll waits),
+  `mark_idle` when it cannot (a long-poll returned empty);
+* `run_cycle()` returns one `Batch` per eligible client; each such client is then WRITING and gets nothing
+  more until the I/O layer calls `write_done` (commit + ready) or `commit` and later `mark_ready`;
+* `tick(now)` gives up out-of-order holes that timed out; `take_space_freed()` names the private queues
+  whose waiting publishers should retry.
+
+Costs: a publish is O(1) plus O(1) per subscriber that was caught up (idle); `run_cycle` is
+O(active clients + active handles + entries emitted); subscribe, unsubscribe and disconnect are
+O(that client's subscriptions). Nothing walks all clients or all topics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+from .client import Client, ClientState, Subscription
+from .config import EngineConfig, TopicConfig, TopicKind
+from .counters import Counters
+from .entries import encode_closed, encode_subscribed, encode_unsubscribed, frame_batch
+from .errors import (
+    CoreUsageError,
+    DirectQueueFull,
+    NotSubscribed,
+    RequestError,
+    TooManySubscriptions,
+    TooManyTopics,
+    TopicExists,
+    UnknownTopic,
+)
+from .private import PrivateTopic
+from .ring import RingTopic
+from .snapshot import SnapshotTopic
+from .topics import Topic
+
+_TOPIC_CLASSES: dict[TopicKind, type[Topic]] = {
+    TopicKind.RING: RingTopic,
+    TopicKind.SNAPSHOT: SnapshotTopic,
+    TopicKind.PRIVATE: PrivateTopic,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Entries for one client, to be written as one frame / response / write."""
+
+    client_id: Hashable
+    entries: list[bytes]
+    size: int
+
+    def frame(self) -> bytes:
+        return frame_batch(self.entries)
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribed:
+    topic: str
+    kind: str
+    epoch: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    topic: str
+    seq: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, *, instance_id: str = "0") -> None:
+        self.config = config or EngineConfig()
+        self.instance_id = instance_id
+        self.counters = Counters()
+        self._topics: dict[str, Topic] = {}
+        self._clients: dict[Hashable, Client] = {}
+        #: ordered, coalesced active-client set: READY clients with work (seed 002)
+        self._active: dict[Client, None] = {}
+        #: ring topics with out-of-order arrivals waiting on a hole (for `tick`)
+        self._holey: dict[RingTopic, None] = {}
+        self._space_freed: list[tuple[str, Hashable]] = []
+        self._epochs = 0
+
+    # -- topics ----------------------------------------------------------------------------------------
+
+    def create_topic(self, name: str, config: TopicConfig | None = None) -> Topic:
+        if name in self._topics:
+            raise TopicExists(f"topic {name!r} exists")
+        if not name or len(name) > self.config.max_topic_name:
+            raise RequestError(f"topic name must be 1..{self.config.max_topic_name} characters", code="bad_topic")
+        if len(self._topics) >= self.config.max_topics:
+            raise TooManyTopics(f"the gateway holds its maximum of {self.config.max_topics} topics")
+        config = config or self.config.rule_for(name) or TopicConfig()
+        self._epochs += 1
+        topic = _TOPIC_CLASSES[config.kind](name, f"{self.instance_id}-{self._epochs}", config, self.counters)
+        topic.max_message_bytes = self.config.max_message_bytes
+        self._topics[name] = topic
+        return topic
+
+    def delete_topic(self, name: str) -> int:
+        """Remove a topic; each subscriber gets a `closed` entry. Returns how many were subscribed."""
+        topic = self.topic(name)
+        subs = list(topic.subs)
+        for sub in subs:
+            client = sub.client
+            del client.subs[name]
+            self._drop_sub(sub)
+            client.direct.append(encode_closed(name, "deleted"))  # past the bound: one per subscription
+            self._note_work(client)
+        del self._topics[name]
+        self._holey.pop(topic, None)  # type: ignore[call-overload]
+        return len(subs)
+
+    def topic(self, name: str) -> Topic:
+        try:
+            return self._topics[name]
+        except KeyError:
+            raise UnknownTopic(f"no topic {name!r}") from None
+
+    def topics(self) -> list[Topic]:
+        return list(self._topics.values())
+
+    def resolve(self, name: str) -> Topic:
+        """The topic, created on first use when a config rule matches its name."""
+        topic = self._topics.get(name)
+        if topic is not None:
+            return topic
+        config = self.config.rule_for(name)
+        if config is None:
+            raise UnknownTopic(f"no topic {name!r} and no rule creates it")
+        return self.create_topic(name, config)
+
+    # -- clients ---------------------------------------------------------------------------------------
+
+    def connect(self, client_id: Hashable, *, ready: bool = True, info: Any = None, budget: int | None = None) -> Client:
+        if client_id in self._clients:
+            raise CoreUsageError(f"client {client_id!r} is already connected")
+        client = Client(client_id, budget or self.config.cycle_budget_bytes, ready, info)
+        self._clients[client_id] = client
+        return client
+
+    def disconnect(self, client_id: Hashable) -> None:
+        """Free everything the client held; no trace stays in any topic."""
+        client = self._clients.pop(client_id, None)
+        if client is None:
+            return
+        for sub in client.subs.values():
+            self._drop_sub(sub)
+        client.subs.clear()
+        client.direct.clear()
+        client.active.clear()
+        client.peeked_subs.clear()
+        self._active.pop(client, None)
+
+    def client(self, client_id: Hashable) -> Client:
+        try:
+            return self._clients[client_id]
+        except KeyError:
+            raise CoreUsageError(f"no client {client_id!r}") from None
+
+    def clients(self) -> list[Client]:
+        return list(self._clients.values())
+
+    def has_client(self, client_id: Hashable) -> bool:
+        return client_id in self._clients
+
+    def subscribe(
+        self, client_id: Hashable, name: str, *, since: tuple[str, int] | None = None, request_id: Any = None
+    ) -> Subscribed:
+        client = self.client(client_id)
+        if name in client.subs:
+            raise RequestError(f"already subscribed to {name!r}", code="already_subscribed")
+        if len(client.subs) >= self.config.max_subscriptions:
+            raise TooManySubscriptions(f"at most {self.config.max_subscriptions} subscriptions per client")
+        if len(client.direct) + 2 > self.config.direct_queue_max:
+            raise DirectQueueFull("direct queue full")
+        topic = self.resolve(name)
+        sub = Subscription(client, topic)
+        start, extra = topic.attach(sub, since)
+        topic.subs[sub] = None
+        client.subs[name] = sub
+        client.direct.append(encode_subscribed(name, topic.kind, topic.epoch, start, request_id))
+        if extra is not None:
+            client.direct.append(extra)
+        if topic.has_data(sub):
+            self._activate(sub)
+        else:
+            self._park(sub)
+        self._note_work(client)
+        return Subscribed(name, topic.kind, topic.epoch, start)
+
+    def unsubscribe(self, client_id: Hashable, name: str, *, request_id: Any = None) -> None:
+        client = self.client(client_id)
+        sub = client.subs.pop(name, None)
+        if sub is None:
+            raise NotSubscribed(f"not subscribed to {name!r}")
+        self._drop_sub(sub)
+        self.send_direct(client_id, encode_unsubscribed(name, request_id))
+
+    def send_direct(self, client_id: Hashable, entry: bytes) -> None:
+        """Queue a priority entry (reply, ack, error); it goes first in the client's next batch."""
+        client = self.client(client_id)
+        if len(client.direct) >= self.config.direct_queue_max:
+            raise DirectQueueFull(f"direct queue of {client_id!r} holds {self.config.direct_queue_max} entries")
+        client.direct.append(entry)
+        self._note_work(client)
+
+    # -- publishing ------------------------------------------------------------------------------------
+
+    def publish(
+        self, name: str, data: Any, *, seq: int | None = None, client_id: Hashable = None, now: float = 0.0
+    ) -> Published:
+        """Publish one message. Private topics need `client_id`, the client whose queue it goes to.
+
+        Raises `RequestError` subclasses: `QueueFull` (back-pressure: wait for `take_space_freed`),
+        `DuplicateSeq` / `StaleSeq` (out-of-order seqs), `UnknownTopic`, `MessageTooLarge`.
+        """
+        topic = self.resolve(name)
+        if isinstance(topic, PrivateTopic):
+            if client_id is None:
+                raise RequestError(f"private topic {name!r} needs a target client", code="bad_command")
+            sub = topic.queues.get(client_id)
+            if sub is None:
+                raise NotSubscribed(f"client {client_id!r} has no queue on {name!r}")
+            seq = topic.publish_to(sub, data, seq)
+            self._activate(sub)
+            return Published(name, seq)
+        seq, advanced = topic.publish(data, seq, now)  # type: ignore[attr-defined]
+        if advanced:
+            self._wake(topic)
+        if isinstance(topic, RingTopic) and topic.pending:
+            self._holey[topic] = None  # type: ignore[index]
+        return Published(name, seq)
+
+    def reserve(self, name: str, count: int) -> tuple[int, int]:
+        """Hand out `count` seqs of a ring topic as [begin, end) (seed 004 TryReserve)."""
+        topic = self.resolve(name)
+        if not isinstance(topic, RingTopic):
+            raise RequestError(f"reserve needs a ring topic, {name!r} is {topic.kind}", code="bad_command")
+        return topic.reserve(count)
+
+    def tick(self, now: float) -> int:
+        """Give up timed-out holes of out-of-order topics. Cost: O(topics with a hole)."""
+        moved = 0
+        for topic in list(self._holey):
+            if topic.expire_hole(now):
+                moved += 1
+                self._wake(topic)
+            if not topic.pending:
+                del self._holey[topic]  # type: ignore[arg-type]
+        return moved
+
+    def take_space_freed(self) -> list[tuple[str, Hashable]]:
+        """(topic, client) private queues whose refused publishers may retry now (or will get an error)."""
+        freed, self._space_freed = self._space_freed, []
+        return freed
+
+    # -- readiness and writes --------------------------------------------------------------------------
+
+    def mark_ready(self, client_id: Hashable) -> None:
+        client = self.client(client_id)
+        client.state = ClientState.READY
+        self._note_work(client)
+
+    def mark_idle(self, client_id: Hashable) -> None:
+        client = self.client(client_id)
+        client.state = ClientState.IDLE
+        self._active.pop(client, None)
+
+    def commit(self, client_id: Hashable) -> None:
+        """The last batch was written: private entries in it leave their queues (seed 001 Shift)."""
+        client = self.client(client_id)
+        for sub in client.peeked_subs:
+            if sub.queue is not None and sub.topic.commit(sub):  # type: ignore[attr-defined]
+                self._space_freed.append((sub.topic.name, client.id))
+        client.peeked_subs.clear()
+
+    def rollback(self, client_id: Hashable) -> None:
+        """The last batch was not delivered: its private entries are handed out again."""
+        client = self.client(client_id)
+        for sub in client.peeked_subs:
+            if sub.queue is not None:
+                sub.topic.rollback(sub)  # type: ignore[attr-defined]
+                self._activate(sub)
+        client.peeked_subs.clear()
+
+    def write_done(self, client_id: Hashable) -> None:
+        self.commit(client_id)
+        self.mark_ready(client_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._active)
+
+    def run_cycle(self) -> list[Batch]:
+        """Visit each eligible active client once; return its batch (seed 002 default batching)."""
+        clients, self._active = self._active, {}
+        batches = []
+        counters = self.counters
+        counters.cycles += 1
+        for client in clients:
+            out, size = self._fill(client)
+            if out:
+                client.state = ClientState.WRITING
+                batches.append(Batch(client.id, out, size))
+                counters.entries_emitted += len(out)
+                counters.bytes_emitted += size
+        counters.clients_served += len(batches)
+        return batches
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _fill(self, client: Client) -> tuple[list[bytes], int]:
+        out: list[bytes] = []
+        size = 0
+        budget = client.budget
+        direct = client.direct
+        while direct and size < budget:
+            entry = direct.popleft()
+            out.append(entry)
+            size += len(entry)
+        self.counters.direct_entries += len(out)
+        if size >= budget or not client.active:
+            return out, size
+        handles, client.active = client.active, {}
+        unreached: list[Subscription] = []
+        again: list[Subscription] = []
+        peeked = client.peeked_subs
+        for sub in handles:
+            if size >= budget:
+                unreached.append(sub)
+                continue
+            topic = sub.topic
+            had_peeked = sub.peeked
+            size += topic.read_into(sub, out, budget - size)
+            if sub.queue is not None and not had_peeked and sub.peeked:
+                peeked.append(sub)
+            if topic.has_data(sub):
+                again.append(sub)
+            else:
+                self._park(sub)
+        # Handles not reached, then handles still holding data, go before any that become active later.
+        active = dict.fromkeys(unreached)
+        active.update(dict.fromkeys(again))
+        client.active = active
+        return out, size
+
+    def _activate(self, sub: Subscription) -> None:
+        if sub.active:
+            return
+        sub.active = True
+        sub.topic.idle.pop(sub, None)
+        client = sub.client
+        client.active[sub] = None
+        if client.state is ClientState.READY and client not in self._active:
+            self._active[client] = None
+
+    def _park(self, sub: Subscription) -> None:
+        sub.active = False
+        if sub.queue is None:
+            sub.topic.idle[sub] = None
+
+    def _wake(self, topic: Topic) -> None:
+        idle = topic.idle
+        if not idle:
+            return
+        topic.idle = {}
+        for sub in idle:
+            self._activate(sub)
+
+    def _note_work(self, client: Client) -> None:
+        if client.state is ClientState.READY and client.has_work() and client not in self._active:
+            self._active[client] = None
+
+    def _drop_sub(self, sub: Subscription) -> None:
+        client = sub.client
+        if sub.active:
+            client.active.pop(sub, None)
+            sub.active = False
+        topic = sub.topic
+        topic.subs.pop(sub, None)
+        if sub in client.peeked_subs:
+            client.peeked_subs.remove(sub)
+        if isinstance(topic, PrivateTopic) and sub.waiting:
+            self._space_freed.append((topic.name, client.id))
+        topic.detach(sub)

@@ -1,0 +1,47 @@
+"""Encoding of server-to-client entries (docs/protocol.md), done once per entry.
+
+A message entry is encoded when it is published and the same `bytes` object is handed to every subscriber
+(seed 000): fan-out never re-serialises. Batches are spliced from entries with `frame_batch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import orjson
+
+
+def encode_message(topic: str, seq: int, data: Any) -> bytes:
+    return orjson.dumps({"type": "msg", "topic": topic, "seq": seq, "data": data})
+
+
+def encode_loss(topic: str, begin: int, end: int | None, reason: str) -> bytes:
+    """A loss notice: seqs in the half-open range [begin, end) will never be delivered."""
+    return orjson.dumps({"type": "loss", "topic": topic, "from": begin, "to": end, "reason": reason})
+
+
+def encode_subscribed(topic: str, kind: str, epoch: str, seq: int, request_id: Any = None) -> bytes:
+    return orjson.dumps(
+        {"type": "subscribed", "topic": topic, "kind": kind, "epoch": epoch, "seq": seq, "id": request_id}
+    )
+
+
+def encode_unsubscribed(topic: str, request_id: Any = None) -> bytes:
+    return orjson.dumps({"type": "unsubscribed", "topic": topic, "id": request_id})
+
+
+def encode_reply(request_id: Any, result: Any) -> bytes:
+    return orjson.dumps({"type": "reply", "id": request_id, "result": result})
+
+
+def encode_error(code: str, message: str, request_id: Any = None) -> bytes:
+    return orjson.dumps({"type": "error", "code": code, "message": message, "id": request_id})
+
+
+def encode_closed(topic: str, reason: str) -> bytes:
+    return orjson.dumps({"type": "closed", "topic": topic, "reason": reason})
+
+
+def frame_batch(entries: Iterable[bytes]) -> bytes:
+    """One JSON array spliced from pre-encoded entries: no per-client serialisation."""
+    return b"[" + b",".join(entries) + b"]"

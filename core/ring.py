@@ -1,0 +1,183 @@
+"""Ring topics: shared, queued, lossy (seeds 000 and 002), with out-of-order publishing (seed 004).
+
+Messages are stored once in a ring of `capacity` slots; a subscriber holds only a cursor. Sequence numbers
+increase from 0 within the topic's epoch. The available range is the half-open [begin, end): `end` is the
+first seq not yet available, `begin` the oldest still retained (end - begin <= capacity).
+
+Out-of-order producers (seed 004) publish explicit seqs in any order within `reorder_window` of `end`.
+Arrivals past `end` wait in `pending`; `available` is the seed's bitmap (bit i: seq end + i has arrived), so
+the contiguous prefix is found with one bit trick. A hole is given up, and announced to subscribers as a
+loss notice, when a seq >= hole + window arrives or when it is older than `hole_timeout` (engine `tick`).
+A given-up seq is kept in the ring as `None`, so each subscriber learns the exact range it will never see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .client import Subscription
+from .config import TopicConfig
+from .counters import Counters
+from .entries import encode_loss
+from .errors import DuplicateSeq, StaleSeq
+from .topics import Topic
+
+
+def _trailing_ones(bits: int) -> int:
+    return (bits ^ (bits + 1)).bit_length() - 1
+
+
+class RingTopic(Topic):
+    kind = "ring"
+
+    def __init__(self, name: str, epoch: str, config: TopicConfig, counters: Counters) -> None:
+        super().__init__(name, epoch, config, counters)
+        self.capacity = config.capacity
+        self.slots: list[bytes | None] = [None] * config.capacity
+        self.begin = 0
+        self.end = 0
+        #: next id `reserve` hands out (seed 004's last_id): never below end
+        self.next_id = 0
+        self.pending: dict[int, bytes] = {}
+        self.available = 0
+        #: when the hole at `end` was first seen (pending non-empty), for the timeout
+        self.hole_since: float | None = None
+
+    # -- producers ---------------------------------------------------------------------------------------
+
+    def reserve(self, count: int) -> tuple[int, int]:
+        """Hand out `count` ids as [begin, end) for producers that publish them later, in any order."""
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        first = self.next_id
+        self.next_id += count
+        return first, self.next_id
+
+    def publish(self, data: Any, seq: int | None, now: float) -> tuple[int, bool]:
+        """Store one message. Returns (seq, whether `end` moved, i.e. subscribers have something new)."""
+        if seq is None:
+            seq = self.next_id
+        elif seq < self.end:
+            raise StaleSeq(f"seq {seq} of {self.name!r} is below the available end {self.end}")
+        elif seq in self.pending:
+            raise DuplicateSeq(f"seq {seq} of {self.name!r} was already published")
+        if seq >= self.next_id:
+            self.next_id = seq + 1
+        entry = self.encode(seq, data)
+        self.counters.messages_published += 1
+        end_before = self.end
+        window = self.config.reorder_window
+        if seq >= self.end + window:
+            self._give_up_before(seq - window + 1, now)
+        if seq == self.end:
+            self._append(entry)
+            self._take_contiguous(now)
+        else:
+            self.pending[seq] = entry
+            self.available |= 1 << (seq - self.end)
+            if self.hole_since is None:
+                self.hole_since = now
+        return seq, self.end != end_before
+
+    def expire_hole(self, now: float) -> bool:
+        """Give up the hole at `end` if it waited `hole_timeout`. Returns whether `end` moved."""
+        if not self.pending or self.hole_since is None or now - self.hole_since < self.config.hole_timeout:
+            return False
+        self._give_up_before(min(self.pending), now)
+        return True
+
+    def _append(self, entry: bytes | None) -> None:
+        self.slots[self.end % self.capacity] = entry
+        self.end += 1
+        self.available >>= 1
+        if self.end - self.begin > self.capacity:
+            self.begin = self.end - self.capacity
+
+    def _take_contiguous(self, now: float) -> None:
+        run = _trailing_ones(self.available)
+        for _ in range(run):
+            self._append(self.pending.pop(self.end))
+        if not self.pending:
+            self.hole_since = None
+        elif run:
+            # A new hole is at `end` now: its timeout starts now, not when the previous one opened.
+            self.hole_since = now
+
+    def _give_up_before(self, target: int, now: float) -> None:
+        """Move `end` to `target`, storing what arrived and marking the holes as lost."""
+        jump_to = target - self.capacity
+        if jump_to > self.end:
+            # Only the last `capacity` seqs can stay in the ring: jump over the rest without a loop.
+            dropped = [s for s in self.pending if s < jump_to]
+            for s in dropped:
+                del self.pending[s]
+            self.counters.holes_skipped += jump_to - self.end - len(dropped)
+            self.available >>= jump_to - self.end
+            self.end = jump_to
+            self.begin = max(self.begin, self.end - self.capacity)
+        while self.end < target:
+            entry = self.pending.pop(self.end, None)
+            if entry is None:
+                self.counters.holes_skipped += 1
+            self._append(entry)
+        self._take_contiguous(now)
+
+    # -- subscribers -------------------------------------------------------------------------------------
+
+    def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
+        if since is None:
+            sub.cursor = self.end
+            return self.end, None
+        epoch, seq = since
+        if epoch != self.epoch:
+            # The recovery point is in another epoch: its range there is unknown, so `to` is null.
+            sub.cursor = self.begin
+            self.counters.loss_notices += 1
+            return self.begin, encode_loss(self.name, seq, None, "epoch")
+        if seq < self.begin:
+            sub.cursor = self.begin
+            self.counters.loss_notices += 1
+            self.counters.messages_lost += self.begin - seq
+            return self.begin, encode_loss(self.name, seq, self.begin, "gone")
+        sub.cursor = min(seq, self.end)
+        return sub.cursor, None
+
+    def has_data(self, sub: Subscription) -> bool:
+        return sub.cursor < self.end
+
+    def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
+        added = 0
+        taken = 0
+        depth = self.config.batch_depth
+        slots = self.slots
+        capacity = self.capacity
+        while taken < depth and sub.cursor < self.end and added < room:
+            cursor = sub.cursor
+            if cursor < self.begin:
+                added += self._emit_loss(out, cursor, self.begin, "lagged")
+                sub.cursor = self.begin
+                continue
+            entry = slots[cursor % capacity]
+            if entry is None:
+                stop = cursor + 1
+                while stop < self.end and slots[stop % capacity] is None:
+                    stop += 1
+                added += self._emit_loss(out, cursor, stop, "skipped")
+                sub.cursor = stop
+                continue
+            out.append(entry)
+            added += len(entry)
+            sub.cursor = cursor + 1
+            taken += 1
+        self.counters.messages_delivered += taken
+        return added
+
+    def _emit_loss(self, out: list[bytes], begin: int, end: int, reason: str) -> int:
+        entry = encode_loss(self.name, begin, end, reason)
+        out.append(entry)
+        self.counters.loss_notices += 1
+        self.counters.messages_lost += end - begin
+        return len(entry)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "begin": self.begin, "end": self.end, "pending": len(self.pending)}

@@ -1,0 +1,54 @@
+"""Snapshot topics: shared, last value only (seed 002).
+
+Only the latest message is kept, with its seq, so a client can tell how many updates were conflated (a seq
+jump is conflation, not loss). A new subscriber gets the latest at once through its direct queue (state of
+the world); a subscriber that fell behind gets only the latest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .client import Subscription
+from .errors import StaleSeq
+from .topics import Topic
+
+
+class SnapshotTopic(Topic):
+    kind = "snapshot"
+    latest: bytes | None = None
+    #: seq of `latest`; the next publish gets seq + 1
+    seq = -1
+
+    def publish(self, data: Any, seq: int | None, now: float) -> tuple[int, bool]:
+        if seq is not None and seq <= self.seq:
+            # Last value wins by seq: an older update arriving late must not replace a newer one.
+            raise StaleSeq(f"seq {seq} of {self.name!r} is not after the latest {self.seq}")
+        new_seq = self.seq + 1 if seq is None else seq
+        self.latest = self.encode(new_seq, data)
+        self.seq = new_seq
+        self.counters.messages_published += 1
+        return self.seq, True
+
+    def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
+        sub.cursor = self.seq + 1
+        if self.latest is None:
+            return sub.cursor, None
+        if since is not None and since[0] == self.epoch and since[1] > self.seq:
+            return sub.cursor, None  # the client already has the latest value
+        self.counters.messages_delivered += 1
+        return self.seq, self.latest
+
+    def has_data(self, sub: Subscription) -> bool:
+        return sub.cursor <= self.seq
+
+    def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
+        if sub.cursor > self.seq or self.latest is None:
+            return 0
+        out.append(self.latest)
+        sub.cursor = self.seq + 1
+        self.counters.messages_delivered += 1
+        return len(self.latest)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "seq": self.seq}

@@ -1,0 +1,36 @@
+"""core/ must stay sans-I/O: no I/O, framework, clock or gateway import (STYLE.md pattern 1)."""
+
+import ast
+from pathlib import Path
+
+CORE = Path(__file__).resolve().parents[2] / "core"
+FORBIDDEN = {
+    "asyncio", "anyio", "trio", "socket", "select", "selectors", "ssl", "threading", "multiprocessing",
+    "subprocess", "time", "datetime", "starlette", "uvicorn", "websockets", "httpx", "gateway", "io", "os",
+    "random", "secrets", "uvloop",
+}
+
+
+def imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "__import__":
+            roots.add("__import__")
+    return roots
+
+
+def test_core_modules_import_no_io_framework_clock_or_gateway():
+    modules = sorted(CORE.glob("*.py"))
+    assert len(modules) >= 5
+    offenders = {m.name: sorted(imported_roots(m) & (FORBIDDEN | {"__import__"})) for m in modules}
+    assert {name: bad for name, bad in offenders.items() if bad} == {}
+
+
+def test_the_check_catches_a_forbidden_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import asyncio\nfrom time import monotonic\nfrom . import fine\n")
+    assert imported_roots(bad) & FORBIDDEN == {"asyncio", "time"}
