@@ -1,0 +1,213 @@
+"""Admin REST API under /api, behind a bearer token. Errors are `{"error": {"code", "message"}}`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from core import QueueFull, RequestError, TopicKind
+
+from .config import ConfigError, topic_config
+from .hub import Hub
+from .longpoll import error_response
+from .openapi import OPENAPI
+
+_STATUS = {
+    "unknown_topic": 404,
+    "not_subscribed": 404,
+    "topic_exists": 409,
+    "duplicate_seq": 409,
+    "stale_seq": 409,
+    "too_large": 413,
+    "too_many_topics": 507,
+}
+
+
+def _hub(request: Request) -> Hub:
+    return request.app.state.hub
+
+
+def _authorized(request: Request) -> bool:
+    token = request.app.state.admin_token
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def _request_error(exc: RequestError) -> JSONResponse:
+    return error_response(_STATUS.get(exc.code, 400), exc.code, exc.message)
+
+
+async def _json_body(request: Request) -> Any:
+    body = await request.body()
+    if len(body) > _hub(request).config.admin.max_body_bytes:
+        raise RequestError("request body too large", code="too_large")
+    if not body:
+        return {}
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"not JSON: {exc}", code="bad_json") from None
+
+
+def guarded(handler):
+    async def endpoint(request: Request) -> Response:
+        if not _authorized(request):
+            return error_response(401, "unauthorized", "a valid `Authorization: Bearer <token>` header is required",
+                                  {"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except RequestError as exc:
+            return _request_error(exc)
+
+    endpoint.__name__ = handler.__name__
+    endpoint.__doc__ = handler.__doc__
+    return endpoint
+
+
+@guarded
+async def list_topics(request: Request) -> Response:
+    return JSONResponse({"topics": [t.info() for t in _hub(request).engine.topics()]})
+
+
+@guarded
+async def create_topic(request: Request) -> Response:
+    body = await _json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        raise RequestError("body must be an object with `name` and topic settings", code="bad_request")
+    settings = {k: v for k, v in body.items() if k != "name"}
+    try:
+        config = topic_config(settings)
+    except ConfigError as exc:
+        raise RequestError(str(exc), code="bad_request") from None
+    topic = _hub(request).engine.create_topic(body["name"], config)
+    return JSONResponse(topic.info(), status_code=201)
+
+
+@guarded
+async def get_topic(request: Request) -> Response:
+    return JSONResponse(_hub(request).engine.topic(request.path_params["name"]).info())
+
+
+@guarded
+async def delete_topic(request: Request) -> Response:
+    hub = _hub(request)
+    count = hub.engine.delete_topic(request.path_params["name"])
+    hub.wake()
+    return JSONResponse({"deleted": request.path_params["name"], "subscribers_notified": count})
+
+
+@guarded
+async def publish(request: Request) -> Response:
+    """Body: {"data": D} or {"messages": [D, ...]}, optional "client" (private topics) and "seq"."""
+    hub = _hub(request)
+    name = request.path_params["name"]
+    body = await _json_body(request)
+    if not isinstance(body, dict) or ("data" in body) == ("messages" in body):
+        raise RequestError("body must have exactly one of `data` or `messages`", code="bad_request")
+    items = [body["data"]] if "data" in body else body["messages"]
+    if not isinstance(items, list):
+        raise RequestError("`messages` must be a list", code="bad_request")
+    client = body.get("client")
+    seq = body.get("seq")
+    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or "messages" in body):
+        raise RequestError("`seq` must be an integer, with `data` only", code="bad_request")
+    topic = hub.engine.resolve(name)
+    timeout = hub.config.admin.publish_timeout_s
+    seqs = []
+    for data in items:
+        try:
+            if topic.config.kind is TopicKind.PRIVATE:
+                result = await hub.publish_wait(name, data, client_id=client, timeout=timeout, seq=seq)
+            else:
+                result = hub.publish(name, data, seq=seq)
+        except (QueueFull, asyncio.TimeoutError):
+            return error_response(503, "queue_full", f"private queue still full after {timeout} s; "
+                                  f"{len(seqs)} of {len(items)} published", {"Retry-After": "1"})
+        seqs.append(result.seq)
+    return JSONResponse({"topic": name, "seqs": seqs})
+
+
+@guarded
+async def list_clients(request: Request) -> Response:
+    hub = _hub(request)
+    clients = []
+    for client in hub.engine.clients():
+        conn = hub.conns.get(client.id)
+        clients.append({
+            "id": client.id,
+            "state": client.state.value,
+            "subscriptions": sorted(client.subs),
+            "direct_queued": len(client.direct),
+            "active_handles": len(client.active),
+            **(conn.describe() if conn is not None else {}),
+        })
+    return JSONResponse({"clients": clients})
+
+
+@guarded
+async def kick_client(request: Request) -> Response:
+    client_id = request.path_params["client_id"]
+    if not _hub(request).kick(client_id, 4000, "kicked by admin", "kicked"):
+        return error_response(404, "unknown_client", f"no client {client_id!r}")
+    return JSONResponse({"kicked": client_id})
+
+
+@guarded
+async def raw_receivers(request: Request) -> Response:
+    raw = _hub(request).raw
+    if raw is None:
+        return error_response(404, "disabled", "the raw TCP broadcaster is disabled")
+    return JSONResponse({"receivers": raw.receivers()})
+
+
+@guarded
+async def raw_stats(request: Request) -> Response:
+    raw = _hub(request).raw
+    if raw is None:
+        return error_response(404, "disabled", "the raw TCP broadcaster is disabled")
+    return JSONResponse(raw.stats())
+
+
+@guarded
+async def stats(request: Request) -> Response:
+    hub = _hub(request)
+    counters = hub.engine.counters.as_dict()
+    cycles = counters["cycles"] or 1
+    return JSONResponse({
+        "instance": hub.instance_id,
+        "core": counters,
+        "entries_per_cycle": counters["entries_emitted"] / cycles,
+        "entries_per_batch": counters["entries_emitted"] / (counters["clients_served"] or 1),
+        "clients": dict(hub.metrics.clients_by_transport),
+        "write_blocked": len(hub.blocked),
+        "topics": len(hub.engine.topics()),
+        "disconnects": {f"{t}:{r}": n for (t, r), n in hub.metrics.disconnects.items()},
+        "ingest": {"records": hub.metrics.ingest_records, "errors": hub.metrics.ingest_errors},
+        "raw": hub.raw.stats() if hub.raw is not None else None,
+    })
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(OPENAPI)
+
+
+routes = [
+    Route("/openapi.json", openapi),
+    Route("/topics", list_topics, methods=["GET"]),
+    Route("/topics", create_topic, methods=["POST"]),
+    Route("/topics/{name:path}/publish", publish, methods=["POST"]),
+    Route("/topics/{name:path}", get_topic, methods=["GET"]),
+    Route("/topics/{name:path}", delete_topic, methods=["DELETE"]),
+    Route("/clients", list_clients, methods=["GET"]),
+    Route("/clients/{client_id}", kick_client, methods=["DELETE"]),
+    Route("/raw/receivers", raw_receivers, methods=["GET"]),
+    Route("/raw/stats", raw_stats, methods=["GET"]),
+    Route("/stats", stats, methods=["GET"]),
+]

@@ -1,0 +1,50 @@
+"""The Starlette application: WebSocket, long-poll, admin API, metrics, health, static files."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from . import admin, longpoll
+from .hub import Hub
+from .ws import websocket_endpoint
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    hub: Hub = request.app.state.hub
+    return Response(hub.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": {"code": "not_found", "message": f"no route {request.url.path}"}}, status_code=404)
+
+
+async def method_not_allowed(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": {"code": "method_not_allowed", "message": request.method}}, status_code=405)
+
+
+def build_app(hub: Hub, admin_token: str) -> Starlette:
+    routes = [
+        WebSocketRoute("/ws", websocket_endpoint),
+        Route("/lp", longpoll.create_session, methods=["POST"]),
+        Route("/lp/{session}", longpoll.poll, methods=["GET"]),
+        Route("/lp/{session}", longpoll.post_commands, methods=["POST"]),
+        Route("/lp/{session}", longpoll.delete_session, methods=["DELETE"]),
+        Mount("/api", routes=admin.routes),
+        Route("/metrics", metrics),
+        Route("/healthz", healthz),
+    ]
+    static = hub.config.static_path()
+    if static.is_dir():
+        routes.append(Mount("/", StaticFiles(directory=static, html=True), name="static"))
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
+    app.state.hub = hub
+    app.state.admin_token = admin_token
+    return app

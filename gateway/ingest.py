@@ -1,0 +1,169 @@
+"""TCP ingest for publishers and pipelines: newline-delimited JSON records (docs/protocol.md).
+
+Records are applied in order, synchronously, as they arrive. A `sync` record is answered when every record
+before it on the connection was applied, with how many were accepted and refused since the last sync.
+Back-pressure: a record for a full private queue stops the connection (reading pauses, later lines stay
+buffered) until the queue frees space. A malformed line gets an error line naming its line number; the
+connection and everything else go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from core import QueueFull, RequestError
+
+from .hub import Hub
+
+log = logging.getLogger("gateway.ingest")
+
+
+def _error_line(line_no: int, code: str, message: str) -> bytes:
+    return orjson.dumps({"type": "error", "line": line_no, "code": code, "message": message}) + b"\n"
+
+
+class IngestProtocol(asyncio.Protocol):
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        config = hub.config.ingest
+        self.max_line = config.max_line_bytes
+        self.max_buffer = config.max_buffer_bytes
+        self.buffer = bytearray()
+        self.line_no = 0
+        self.accepted = 0
+        self.refused = 0
+        self.transport: asyncio.Transport | None = None
+        #: the record waiting for space in a private queue, with its line number
+        self.blocked: tuple[int, dict] | None = None
+        self.reading_paused = False
+        self.skipping = False  # inside an over-long line: drop bytes up to its newline
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.blocked is None:
+            self._process()
+        if len(self.buffer) > self.max_buffer and not self.reading_paused and self.transport:
+            self.transport.pause_reading()
+            self.reading_paused = True
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def _process(self) -> None:
+        buffer = self.buffer
+        start = 0
+        while self.blocked is None:
+            end = buffer.find(b"\n", start)
+            if end < 0:
+                if len(buffer) - start > self.max_line and not self.skipping:
+                    self.line_no += 1
+                    self._error(self.line_no, "too_large", f"line longer than {self.max_line} bytes")
+                    self.skipping = True
+                if self.skipping:
+                    start = len(buffer)
+                break
+            line = bytes(buffer[start:end])
+            start = end + 1
+            if self.skipping:
+                self.skipping = False
+                continue
+            self.line_no += 1
+            if line.strip():
+                self._apply(self.line_no, line)
+        del buffer[:start]
+        self.hub.wake()
+        if self.blocked is None and self.reading_paused and len(buffer) <= self.max_buffer and self.transport:
+            self.transport.resume_reading()
+            self.reading_paused = False
+
+    def _error(self, line_no: int, code: str, message: str) -> None:
+        self.hub.metrics.ingest_errors += 1
+        self._write(_error_line(line_no, code, message))
+
+    def _apply(self, line_no: int, line: bytes) -> None:
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            self.refused += 1
+            self._error(line_no, "bad_json", f"not JSON: {exc}")
+            return
+        if not isinstance(record, dict):
+            self.refused += 1
+            self._error(line_no, "bad_record", "a record is a JSON object")
+            return
+        if "sync" in record:
+            self._write(
+                orjson.dumps({"type": "synced", "id": record["sync"], "accepted": self.accepted, "refused": self.refused})
+                + b"\n"
+            )
+            self.accepted = self.refused = 0
+            return
+        self._publish(line_no, record)
+
+    def _publish(self, line_no: int, record: dict[str, Any]) -> None:
+        topic, seq, client = record.get("topic"), record.get("seq"), record.get("client")
+        if not isinstance(topic, str) or not topic or "data" not in record:
+            self.refused += 1
+            self._error(line_no, "bad_record", "a record needs `topic` (string) and `data`")
+            return
+        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
+            self.refused += 1
+            self._error(line_no, "bad_record", "`seq` must be an integer >= 0")
+            return
+        try:
+            self.hub.engine.publish(topic, record["data"], seq=seq, client_id=client, now=time.monotonic())
+        except QueueFull:
+            self._block(line_no, record)
+            return
+        except RequestError as exc:
+            self.refused += 1
+            self._error(line_no, exc.code, exc.message)
+            return
+        self.accepted += 1
+        self.hub.metrics.ingest_records += 1
+
+    def _block(self, line_no: int, record: dict) -> None:
+        self.blocked = (line_no, record)
+        if self.transport is not None and not self.reading_paused:
+            self.transport.pause_reading()
+            self.reading_paused = True
+        future = self.hub.space_freed(record["topic"], record.get("client"))
+        future.add_done_callback(self._on_space)
+
+    def _on_space(self, _future: asyncio.Future) -> None:
+        if self.blocked is None or self.transport is None:
+            return
+        line_no, record = self.blocked
+        self.blocked = None
+        self._publish(line_no, record)
+        if self.blocked is None:
+            self._process()
+
+
+class IngestServer:
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: IngestProtocol(self.hub), host, port)
+        self.port = self.server.sockets[0].getsockname()[1]
+        log.info("TCP ingest on %s:%d", host, self.port)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()

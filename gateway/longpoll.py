@@ -1,0 +1,161 @@
+"""HTTP long-poll transport.
+
+`POST /lp` creates a session; `GET /lp/{session}?ack=N` waits up to the poll timeout for the next batch and
+returns `{"batch": id, "entries": [...]}` (entries as on WebSocket); `POST /lp/{session}` sends commands;
+`DELETE /lp/{session}` ends it. A waiting poll is what makes the client ready. A batch stays outstanding until
+a poll acknowledges its id: only then are its private-queue entries committed (seed 001 peek/commit), and a
+poll that does not acknowledge it gets the same batch again, so a lost response loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from core import Batch
+
+from .commands import handle_payload
+from .hub import ClientIdentity, Hub
+
+EMPTY_BODY = b'{"batch":null,"entries":[]}'
+
+
+def error_response(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+class LongPollSession:
+    def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
+        self.hub = hub
+        self.identity = identity
+        self.poll: asyncio.Future | None = None
+        #: (batch id, response body) handed out and not yet acknowledged
+        self.outstanding: tuple[int, bytes] | None = None
+        self.batches = 0
+        self.blocked_since = None  # long-poll clients are never write-blocked: they are simply not ready
+        self.polls = 0
+        self._expiry: asyncio.TimerHandle | None = None
+        self.closed = False
+        self.arm_expiry()
+
+    def arm_expiry(self) -> None:
+        self.cancel_expiry()
+        ttl = self.hub.config.longpoll.session_ttl_s
+        self._expiry = asyncio.get_running_loop().call_later(ttl, self._expire)
+
+    def cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def _expire(self) -> None:
+        self.closed = True
+        self.hub.unregister(self.identity.client_id, "expired")
+
+    def deliver(self, batch: Batch, frame: bytes) -> bool:
+        self.batches += 1
+        body = b'{"batch":%d,"entries":%s}' % (self.batches, frame)
+        self.outstanding = (self.batches, body)
+        if self.poll is not None and not self.poll.done():
+            self.poll.set_result(body)
+        self.poll = None
+        return False  # done only when a poll acknowledges it
+
+    def kick(self, code: int, reason: str) -> None:
+        self.closed = True
+        self.cancel_expiry()
+        if self.poll is not None and not self.poll.done():
+            entry = {"type": "error", "code": "closed", "message": reason, "close_code": code}
+            self.poll.set_result(orjson.dumps({"batch": None, "entries": [entry]}))
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": "longpoll", "peer": self.identity.peer, "batches": self.batches, "polling": self.poll is not None}
+
+    async def wait(self, ack: int | None) -> bytes:
+        hub = self.hub
+        cid = self.identity.client_id
+        self.polls += 1
+        if self.poll is not None and not self.poll.done():
+            self.poll.set_result(EMPTY_BODY)  # a newer poll supersedes a waiting one
+        if self.outstanding is not None:
+            if ack != self.outstanding[0]:
+                return self.outstanding[1]  # not acknowledged: the same batch again
+            self.outstanding = None
+            hub.commit(cid)
+        future = asyncio.get_running_loop().create_future()
+        self.poll = future
+        hub.mark_ready(cid)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), hub.config.longpoll.poll_timeout_s)
+        except asyncio.TimeoutError:
+            if future.done():
+                return future.result()
+            if self.poll is future:
+                self.poll = None
+                if cid in hub.conns:
+                    hub.engine.mark_idle(cid)
+            return EMPTY_BODY
+
+
+def _session(request: Request) -> LongPollSession | None:
+    hub: Hub = request.app.state.hub
+    conn = hub.conns.get(request.path_params["session"])
+    return conn if isinstance(conn, LongPollSession) else None
+
+
+async def create_session(request: Request) -> Response:
+    hub: Hub = request.app.state.hub
+    sessions = hub.metrics.clients_by_transport["longpoll"]
+    if sessions >= hub.config.longpoll.max_sessions:
+        return error_response(503, "too_many_sessions", "the long-poll session limit is reached", {"Retry-After": "5"})
+    peer = f"{request.client.host}:{request.client.port}" if request.client else ""
+    identity = ClientIdentity(hub.new_client_id("lp"), "longpoll", peer)
+    hub.register(LongPollSession(hub, identity), ready=False)
+    return JSONResponse({"session": identity.client_id}, status_code=201)
+
+
+async def poll(request: Request) -> Response:
+    session = _session(request)
+    if session is None:
+        return error_response(404, "unknown_session", "no such long-poll session (expired or closed)")
+    ack_text = request.query_params.get("ack")
+    try:
+        ack = int(ack_text) if ack_text not in (None, "", "null") else None
+    except ValueError:
+        return error_response(400, "bad_ack", "`ack` must be an integer batch id")
+    session.cancel_expiry()
+    try:
+        body = await session.wait(ack)
+    finally:
+        if not session.closed:
+            session.arm_expiry()
+    return Response(body, media_type="application/json")
+
+
+async def post_commands(request: Request) -> Response:
+    session = _session(request)
+    if session is None:
+        return error_response(404, "unknown_session", "no such long-poll session (expired or closed)")
+    hub: Hub = request.app.state.hub
+    body = await request.body()
+    if len(body) > hub.config.longpoll.max_body_bytes:
+        return error_response(413, "too_large", f"body exceeds {hub.config.longpoll.max_body_bytes} bytes")
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return error_response(400, "bad_json", f"not JSON: {exc}")
+    count = handle_payload(hub, session.identity.client_id, body)
+    return JSONResponse({"accepted": count}, status_code=202)
+
+
+async def delete_session(request: Request) -> Response:
+    session = _session(request)
+    if session is None:
+        return error_response(404, "unknown_session", "no such long-poll session")
+    session.kick(1000, "session deleted")
+    request.app.state.hub.unregister(session.identity.client_id, "closed")
+    return Response(status_code=204)

@@ -1,0 +1,100 @@
+"""Prometheus metrics (prometheus-client), read from the core's plain counters at scrape time.
+
+The hot path only bumps plain integers; the collector turns them into metric families when /metrics is
+scraped, so exporting costs nothing per message.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+if TYPE_CHECKING:
+    from core import Batch
+
+    from .hub import Hub
+
+CYCLE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _Histogram:
+    """A bucket counter cheap enough for every batch (prometheus' own observe costs more per call)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        buckets, running = [], 0
+        for bound, count in zip(self.bounds, self.counts):
+            running += count
+            buckets.append((repr(float(bound)), running))
+        running += self.counts[-1]
+        buckets.append(("+Inf", running))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
+
+
+class Metrics:
+    def __init__(self, hub: "Hub") -> None:
+        self.hub = hub
+        self.cycle_seconds = _Histogram(CYCLE_BUCKETS)
+        self.entries_per_batch = _Histogram(BATCH_BUCKETS)
+        self.clients_by_transport: Counter[str] = Counter()
+        self.disconnects: Counter[tuple[str, str]] = Counter()
+        self.ingest_records = 0
+        self.ingest_errors = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def connected(self, transport: str) -> None:
+        self.clients_by_transport[transport] += 1
+
+    def disconnected(self, transport: str, reason: str) -> None:
+        self.clients_by_transport[transport] -= 1
+        self.disconnects[(transport, reason)] += 1
+
+    def cycle(self, seconds: float, batches: "list[Batch]") -> None:
+        self.cycle_seconds.observe(seconds)
+        observe = self.entries_per_batch.observe
+        for batch in batches:
+            observe(len(batch.entries))
+
+    def write_blocked(self) -> int:
+        return len(self.hub.blocked)
+
+    def collect(self):
+        counters = self.hub.engine.counters.as_dict()
+        for name, value in counters.items():
+            yield CounterMetricFamily(f"fanout_{name}", f"core counter {name}", value=value)
+        clients = GaugeMetricFamily("fanout_clients", "connected clients", labels=["transport"])
+        for transport, count in sorted(self.clients_by_transport.items()):
+            clients.add_metric([transport], count)
+        yield clients
+        disconnects = CounterMetricFamily("fanout_disconnects", "disconnects by reason", labels=["transport", "reason"])
+        for (transport, reason), count in sorted(self.disconnects.items()):
+            disconnects.add_metric([transport, reason], count)
+        yield disconnects
+        yield GaugeMetricFamily("fanout_write_blocked_clients", "clients whose write has not drained", value=self.write_blocked())
+        yield GaugeMetricFamily("fanout_topics", "topics", value=len(self.hub.engine.topics()))
+        yield CounterMetricFamily("fanout_ingest_records", "records accepted on the TCP ingest", value=self.ingest_records)
+        yield CounterMetricFamily("fanout_ingest_errors", "error lines sent on the TCP ingest", value=self.ingest_errors)
+        yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
+        yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
+        raw = self.hub.raw
+        if raw is not None:
+            for name, value in raw.stats().items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield GaugeMetricFamily(f"fanout_raw_{name}", f"raw TCP broadcaster {name} (seed 003 §9)", value=value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
