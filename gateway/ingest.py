@@ -69,6 +69,7 @@ class IngestProtocol(asyncio.Protocol):
             if end < 0:
                 if len(buffer) - start > self.max_line and not self.skipping:
                     self.line_no += 1
+                    self.refused += 1
                     self._error(self.line_no, "too_large", f"line longer than {self.max_line} bytes")
                     self.skipping = True
                 if self.skipping:
@@ -80,7 +81,10 @@ class IngestProtocol(asyncio.Protocol):
                 self.skipping = False
                 continue
             self.line_no += 1
-            if line.strip():
+            if len(line) > self.max_line:
+                self.refused += 1
+                self._error(self.line_no, "too_large", f"line longer than {self.max_line} bytes")
+            elif line.strip():
                 self._apply(self.line_no, line)
         del buffer[:start]
         self.hub.wake()

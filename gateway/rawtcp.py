@@ -266,7 +266,7 @@ class RawBroadcastServer:
         self._loop.call_soon(self._sync_sender_reading)
 
     def _sender_get_buffer(self) -> memoryview:
-        if not self._pending:
+        if True:
             try:
                 view = self._ring.reserve()
             except BufferError:
