@@ -1,0 +1,127 @@
+"""Fuzz every parser of peer input: it accepts the input or answers with a protocol error, nothing else."""
+
+import orjson
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from gateway.commands import handle_payload
+from gateway.config import load_config
+from gateway.hub import ClientIdentity, Hub
+from gateway.ingest import IngestProtocol
+from gateway.testing import DEFAULTS
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+commands = st.fixed_dictionaries(
+    {},
+    optional={
+        "op": st.sampled_from(["subscribe", "unsubscribe", "publish", "rpc", "ping", "bogus"]) | json_values,
+        "topic": st.sampled_from(["chat.a", "t", "private.x", "state.s", ""]) | json_values,
+        "since": st.fixed_dictionaries({"epoch": st.text(max_size=5) | json_values, "seq": st.integers(-3, 10) | json_values}) | json_values,
+        "data": json_values,
+        "id": json_values,
+        "method": st.sampled_from(["echo", "time", "topics", "whoami", "nope"]) | json_values,
+        "params": json_values,
+    },
+)
+payloads = (
+    st.binary(max_size=200)
+    | commands.map(orjson.dumps)
+    | st.lists(commands, max_size=5).map(orjson.dumps)
+    | json_values.map(orjson.dumps)
+    | st.sampled_from([
+        b'{"op":"publish","topic":"chat.a","data":123456789012345678901234567890}',
+        b'{"op":"subscribe","topic":"t","since":{"epoch":"x","seq":1e400}}',
+        b'{"op":"publish","topic":"chat.a","data":"\\ud800"}',
+        b"[" * 2000 + b"]" * 2000,
+        "{\"op\":\"ping\",\"id\":\"\u00e9\"}".encode(),
+    ])
+)
+
+
+class RecordingConnection:
+    """The smallest transport: it records what the hub hands it."""
+
+    def __init__(self, client_id):
+        self.identity = ClientIdentity(client_id, "test")
+        self.frames = []
+        self.kicked = None
+        self.blocked_since = None
+
+    def deliver(self, batch, frame):
+        self.frames.append(frame)
+        return True
+
+    def kick(self, code, reason):
+        self.kicked = (code, reason)
+
+    def describe(self):
+        return {}
+
+
+def _hub():
+    return Hub(load_config(overrides=DEFAULTS, environ={}), instance_id="fuzz")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(payloads, min_size=1, max_size=6))
+def test_client_commands_are_run_or_answered_with_an_error(frames):
+    hub = _hub()
+    conn = RecordingConnection("c")
+    hub.register(conn, ready=True)
+    for frame in frames:
+        handle_payload(hub, "c", frame)
+        if "c" not in hub.conns:
+            break
+        for batch in hub.engine.run_cycle():
+            for entry in map(orjson.loads, batch.entries):
+                assert entry["type"] in {"subscribed", "unsubscribed", "reply", "error", "msg", "loss", "closed"}
+                if entry["type"] == "error":
+                    assert isinstance(entry["code"], str) and isinstance(entry["message"], str)
+            hub.engine.write_done(batch.client_id)
+
+
+class RecordingTransport:
+    def __init__(self):
+        self.written = bytearray()
+        self.paused = False
+
+    def write(self, data):
+        self.written += data
+
+    def is_closing(self):
+        return False
+
+    def pause_reading(self):
+        self.paused = True
+
+    def resume_reading(self):
+        self.paused = False
+
+
+records = st.fixed_dictionaries(
+    {},
+    optional={"topic": st.sampled_from(["t", "private.x", "state.s", ""]) | json_values, "data": json_values,
+              "seq": st.integers(-2, 200) | json_values, "client": json_values, "sync": json_values},
+)
+lines = st.binary(max_size=80).map(lambda b: b.replace(b"\n", b"")) | records.map(orjson.dumps)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(lines, max_size=12), st.integers(1, 64))
+def test_ingest_lines_are_applied_or_answered_with_an_error_line(body_lines, chunk):
+    hub = _hub()
+    protocol = IngestProtocol(hub)
+    transport = RecordingTransport()
+    protocol.connection_made(transport)
+    data = b"".join(line + b"\n" for line in body_lines) + b'{"sync":"end"}\n'
+    for i in range(0, len(data), chunk):
+        protocol.data_received(data[i:i + chunk])
+    answers = [orjson.loads(line) for line in transport.written.splitlines()]
+    assert answers[-1]["type"] == "synced" and answers[-1]["id"] == "end"
+    errors = [a for a in answers if a["type"] == "error"]
+    assert all(1 <= e["line"] <= len(body_lines) and isinstance(e["code"], str) for e in errors)
+    synced = answers[-1]
+    assert synced["accepted"] + synced["refused"] <= len(body_lines)
