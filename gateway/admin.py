@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from core import QueueFull, RequestError, TopicKind
 
+from . import close_codes
 from .config import ConfigError, topic_config
 from .hub import Hub
 from .longpoll import error_response
@@ -154,7 +155,7 @@ async def list_clients(request: Request) -> Response:
 @guarded
 async def kick_client(request: Request) -> Response:
     client_id = request.path_params["client_id"]
-    if not _hub(request).kick(client_id, 4000, "kicked by admin", "kicked"):
+    if not _hub(request).kick(client_id, close_codes.KICKED, "kicked by admin", "kicked"):
         return error_response(404, "unknown_client", f"no client {client_id!r}")
     return JSONResponse({"kicked": client_id})
 

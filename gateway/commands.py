@@ -14,6 +14,8 @@ import orjson
 from core import RequestError, TopicKind
 from core.entries import encode_reply
 
+from . import close_codes
+
 if TYPE_CHECKING:
     from .hub import Hub
 
@@ -103,7 +105,7 @@ def run_command(hub: "Hub", client_id: str, command: dict) -> None:
             raise RequestError(f"unknown op {op!r}", code="bad_command")
     except RequestError as exc:
         if exc.code == "direct_queue_full":
-            hub.kick(client_id, 4009, "direct queue overflow", "direct_queue_full")
+            hub.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")
         else:
             hub.send_error(client_id, exc, request_id)
 

@@ -18,6 +18,7 @@ from typing import Any, Hashable, Protocol
 from core import Batch, Engine, QueueFull, RequestError
 from core.entries import encode_error
 
+from . import close_codes
 from .config import GatewayConfig
 from .metrics import Metrics
 
@@ -86,7 +87,7 @@ class Hub:
             except asyncio.CancelledError:
                 pass
         for conn in list(self.conns.values()):
-            conn.kick(1001, "server shutting down")
+            conn.kick(close_codes.GOING_AWAY, "server shutting down")
 
     def _schedule_tick(self) -> None:
         period = self.config.scheduler.hole_tick_ms / 1000
@@ -110,7 +111,7 @@ class Hub:
         for client_id, conn in list(self.blocked.items()):
             if conn.blocked_since is not None and now - conn.blocked_since > limit:
                 log.info("disconnecting %s: write-blocked for more than %.1f s", client_id, limit)
-                self.kick(client_id, 4008, "slow consumer", "slow_consumer")
+                self.kick(client_id, close_codes.SLOW_CONSUMER, "slow consumer", "slow_consumer")
         self._schedule_watchdog()
 
     # -- connections -----------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class Hub:
         try:
             self.engine.send_direct(client_id, entry)
         except RequestError:  # DirectQueueFull: the client does not read its replies
-            self.kick(client_id, 4009, "direct queue overflow", "direct_queue_full")
+            self.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")
             return
         self.wake()
 
@@ -235,7 +236,7 @@ class Hub:
                 finished = conn.deliver(batch, frame)
             except Exception:  # a transport that broke mid-write: drop it, never the others
                 log.exception("delivery to %s failed", batch.client_id)
-                self.kick(batch.client_id, 1011, "internal error", "error")
+                self.kick(batch.client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
                 continue
             if finished:
                 done.append(batch.client_id)

@@ -137,10 +137,10 @@ class RawBroadcastServer:
         self._receivers: dict[int, _ReceiverProtocol] = {}
         self._ids = itertools.count(1)
         self._sender: _SenderProtocol | None = None
-        # Sender bytes read while the ring had no free byte at all. Bounded: reading is paused at once,
-        # so at most one read lands here (seed 003 §5.5 pauses at free < recv_chunk_bytes, so this is
-        # only the race of a sender connecting to a full ring, where uvloop starts reading after
-        # connection_made whatever it asked).
+        # Sender bytes read while the ring had no free byte at all, kept in order until it has.
+        # Seed 003 §5.5 pauses reading at free < recv_chunk_bytes, so this only happens when a sender
+        # connects to a full ring: uvloop starts reading after connection_made whatever it asked.
+        # Reading is paused again right after that read, so one read's worth waits here.
         self._spill = memoryview(bytearray(self.config.recv_chunk_bytes))
         self._spilled = False
         self._pending = b""
@@ -160,7 +160,10 @@ class RawBroadcastServer:
 
     # ------------------------------------------------------------- lifecycle
     async def start(self, host: str, sender_port: int, receiver_port: int) -> None:
-        """Listen on ``host``: senders on ``sender_port``, receivers on ``receiver_port``."""
+        """Listen on ``host``: senders on ``sender_port``, receivers on ``receiver_port``.
+
+        Give ``host`` as one address when a port is 0: a name resolving to several addresses would
+        get a different ephemeral port per address, and only the first is reported."""
         if self._running:
             raise RuntimeError("RawBroadcastServer is already started")
         loop = asyncio.get_running_loop()
@@ -266,7 +269,7 @@ class RawBroadcastServer:
         self._loop.call_soon(self._sync_sender_reading)
 
     def _sender_get_buffer(self) -> memoryview:
-        if True:
+        if not self._pending:
             try:
                 view = self._ring.reserve()
             except BufferError:

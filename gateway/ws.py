@@ -23,6 +23,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from core import Batch
 
+from . import close_codes
 from .commands import handle_payload
 from .hub import ClientIdentity, Hub
 
@@ -30,11 +31,8 @@ log = logging.getLogger("gateway.ws")
 SCOPE_KEY = "fanout.ws"
 CLIENT_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
-#: close codes (docs/protocol.md)
-CLOSE_SLOW_CONSUMER = 4008
-CLOSE_DIRECT_OVERFLOW = 4009
-CLOSE_KICKED = 4000
-CLOSE_BAD_ID = 4006
+#: how long a kicked client's buffered data and close frame may take to drain before the cut
+KICK_GRACE_S = 2.0
 
 
 def text_frame_header(length: int) -> bytes:
@@ -168,10 +166,6 @@ class WSConnection:
         transport = proto.transport
         if transport.is_closing():
             return
-        if code == CLOSE_SLOW_CONSUMER:
-            # Its buffer will not drain: a close frame would wait behind it forever. Cut the connection.
-            transport.abort()
-            return
         try:
             proto.conn.send_close(code, reason)
             transport.write(b"".join(proto.conn.data_to_send()))
@@ -179,6 +173,9 @@ class WSConnection:
         except Exception:  # already closing on the websockets side
             pass
         transport.close()
+        # The close frame waits behind whatever is buffered: a reader that wakes up gets it with the code
+        # and reason; one that never reads again is cut after the grace (its buffer will not drain).
+        asyncio.get_running_loop().call_later(KICK_GRACE_S, transport.abort)
 
     async def _close_via_asgi(self, code: int, reason: str) -> None:
         try:
@@ -204,7 +201,7 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     requested = websocket.query_params.get("id")
     if requested is not None:
         if not config.allow_client_ids or not CLIENT_ID.match(requested) or requested in hub.conns:
-            await websocket.close(CLOSE_BAD_ID, "client id refused (invalid, in use, or not allowed)")
+            await websocket.close(close_codes.BAD_CLIENT_ID, "client id refused (invalid, in use, or not allowed)")
             return
         client_id = requested
     else:
