@@ -175,7 +175,7 @@ async def serve(config_path: str, ready_path: str) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.listen(2048)
     ingest_server = await asyncio.start_server(lambda r, w: ingest(hub, r, w), "127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(make_app(hub, token), log_level="warning", ws="websockets"))
+    server = uvicorn.Server(uvicorn.Config(make_app(hub, token), log_level="warning", ws="websockets-sansio"))
     ready = {"http_port": sock.getsockname()[1], "ingest_port": ingest_server.sockets[0].getsockname()[1],
              "raw_sender_port": 0, "raw_receiver_port": 0, "admin_token": token}
     with open(ready_path, "w") as f:

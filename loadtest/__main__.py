@@ -1,0 +1,116 @@
+"""``python -m loadtest``: load runs against the gateway (or nginx + nchan), and the micro-benchmarks.
+
+    python -m loadtest SCENARIO [flags]          one run (starts its own gateway unless --url)
+    python -m loadtest compare SCENARIO [flags]  gateway vs nginx + nchan, alternating
+    python -m loadtest list                      the named scenarios
+    python -m loadtest wsbench                   WebSocket client cost: ours vs websockets' asyncio client
+    python -m loadtest core | rawtcp [...]       the core and raw-TCP benchmarks (their own flags)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from urllib.parse import urlsplit
+
+#: subcommands owned by other modules, imported only when asked for
+DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "wsbench": "loadtest.wsbench"}
+#: exit status when a run saw silent loss: the one figure that is a broken promise, not a slow one
+EXIT_SILENT_LOSS = 3
+
+
+def _run_parser(prog: str) -> argparse.ArgumentParser:
+    from loadtest import scenarios
+
+    parser = argparse.ArgumentParser(prog=prog, description="Load the fan-out gateway and measure it.")
+    scenarios.add_arguments(parser)
+    parser.add_argument("--out", type=Path, help="results directory (default results/SCENARIO-TIME)")
+    parser.add_argument("--url", help="target a running gateway, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--ingest", help="HOST:PORT of the running gateway's TCP ingest (with --url)")
+    parser.add_argument("--admin-token", help="admin token of the running gateway (--publish-via admin)")
+    parser.add_argument("--gateway-pid", type=int, help="pid of the running gateway, to measure its CPU")
+    parser.add_argument("--gateway-cmd", help="command that starts the gateway instead of "
+                        "'python -m gateway' (it gets: serve --config FILE --ready-file PATH)")
+    parser.add_argument("--connect-timeout", type=float, default=20.0, help="seconds for all clients to subscribe")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _gateway_factory(args: argparse.Namespace, capacity: int):  # -> runner.TargetFactory
+    from loadtest.gatewayproc import GatewayProcess
+    from loadtest.target import Target
+
+    if not args.url:
+        return lambda workdir: GatewayProcess(workdir, args.gateway_cmd, capacity)
+    url = urlsplit(args.url if "://" in args.url else f"http://{args.url}")
+    if not url.hostname or not url.port:
+        raise SystemExit(f"--url needs a host and a port: {args.url}")
+    ingest_port = None
+    if args.ingest:
+        host, _, port = args.ingest.rpartition(":")
+        ingest_port = int(port)
+        if host and host != url.hostname:
+            raise SystemExit("--ingest must be on the same host as --url")
+    target = Target("gateway", url.hostname, url.port, ingest_port, args.admin_token, args.gateway_pid)
+    return lambda workdir: nullcontext(target)
+
+
+def _out(args: argparse.Namespace, label: str) -> Path:
+    return args.out or Path("results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command = argv[0]
+    if command in DELEGATED:
+        module = importlib.import_module(DELEGATED[command])
+        return module.main(argv[1:]) or 0
+    if command == "list":
+        from loadtest.scenarios import SCENARIOS
+
+        for s in SCENARIOS.values():
+            rate = "max" if s.rate is None else f"{s.rate:g}/s"
+            print(f"{s.name:12} {s.clients:5} clients {s.topics:4} topics {s.subs:3} subs {rate:>8} "
+                  f"{s.transport:8} {s.duration:g}s  {s.description}")
+        return 0
+
+    from rich.console import Console
+
+    from loadtest import runner, scenarios
+
+    comparing = command == "compare"
+    parser = _run_parser("python -m loadtest compare" if comparing else "python -m loadtest")
+    if comparing:
+        parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of gateway and nchan")
+        argv = argv[1:]
+    args = parser.parse_args(argv)
+    try:
+        scenario = scenarios.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    console = Console()
+    factory = _gateway_factory(args, scenario.capacity)
+    options = {"connect_timeout": args.connect_timeout}
+    if comparing:
+        from loadtest.compare import compare
+
+        result = compare(scenario, factory, _out(args, f"compare-{scenario.name}"), args.rounds, console,
+                         not args.no_progress, **options)
+        silent = max(r["silent loss"] for r in result["runs"]["gateway"])
+    else:
+        summary = runner.run(scenario, factory, _out(args, scenario.name), console, not args.no_progress,
+                             **options)
+        parts = [summary["without"], summary["with"]] if "with" in summary else [summary]
+        silent = max(p["loss"]["silent"] for p in parts)
+    return EXIT_SILENT_LOSS if silent else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""``python -m loadtest compare SCENARIO``: the same scenario against the gateway and nginx + nchan.
+
+Runs alternate (gateway, nchan, gateway, nchan, ...) so that drift of the machine hits both alike; each
+figure is the median over the rounds, printed for both with the ratio gateway / nchan.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from loadtest import analysis, nchan, report, runner
+from loadtest.scenarios import Scenario
+
+
+def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds: int = 1,
+            console: Console | None = None, progress: bool = True, **options: Any) -> dict[str, Any]:
+    console = console or Console()
+    nchan.ensure_installed(console)
+    factories = {"gateway": gateway,
+                 "nchan": lambda workdir: nchan.NchanServer(workdir, scenario.capacity)}
+    runs: dict[str, list[dict[str, float]]] = {"gateway": [], "nchan": []}
+    for r in range(rounds):
+        for label, factory in factories.items():
+            console.rule(f"round {r + 1}/{rounds}: {label}")
+            summary = runner.run(scenario, factory, out / f"{label}-{r + 1}", console, progress, **options)
+            runs[label].append(analysis.figures(summary))
+    medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
+               for label, figures in runs.items()}
+    report.print_comparison(console, medians, f"{scenario.name}: gateway vs nginx + nchan "
+                                              f"(median of {rounds} round{'s' * (rounds > 1)})")
+    report.write_overlay(out / "compare_latency_cdf.png",
+                         {label: out / f"{label}-1" / "deliveries.parquet" for label in factories})
+    result = {"scenario": scenario.name, "rounds": rounds, "median": medians, "runs": runs}
+    (out / "compare.json").write_text(json.dumps(result, indent=2))
+    console.print(f"results in {out}")
+    return result

@@ -1,0 +1,115 @@
+"""Start the gateway as a subprocess with its own temporary config and ephemeral ports; stop it after.
+
+The contract with the gateway: ``python -m gateway serve --config FILE --ready-file PATH`` writes PATH as
+JSON ``{"http_port", "ingest_port", "raw_sender_port", "raw_receiver_port", "admin_token"}`` once it
+listens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loadtest.procstat import raise_nofile_limit
+from loadtest.target import Target
+
+HOST = "127.0.0.1"
+#: a cold start imports starlette, uvicorn and the core: seconds, not minutes
+STARTUP_TIMEOUT = 30.0
+#: grace after SIGTERM; then a second signal (uvicorn: "force quit"), then SIGKILL after as long again
+STOP_TIMEOUT = 2.0
+
+
+def config_text(admin_token: str, capacity: int = 64) -> str:
+    """The gateway config of a load run: loopback, ephemeral ports, every topic a ring."""
+    return f"""\
+[server]
+host = "{HOST}"
+port = 0
+admin_token = "{admin_token}"
+
+[ingest]
+port = 0
+
+[rawtcp]
+enabled = false
+
+[[topics.rules]]
+pattern = "*"
+kind = "ring"
+capacity = {int(capacity)}
+batch_depth = 1
+reorder_window = 64
+client_publish = true
+
+[scheduler]
+cycle_budget_bytes = 65536
+"""
+
+
+class GatewayProcess:
+    """``with GatewayProcess(workdir) as target:`` runs the gateway for the block. Output goes to
+    ``workdir/gateway.log``."""
+
+    def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64) -> None:
+        self.workdir = Path(workdir)
+        self.command = shlex.split(command) if command else [sys.executable, "-m", "gateway"]
+        self.capacity = capacity
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Target:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(16)
+        config = self.workdir / "gateway.toml"
+        ready = self.workdir / "gateway.ready.json"
+        config.write_text(config_text(token, self.capacity))
+        ready.unlink(missing_ok=True)
+        log = open(self.workdir / "gateway.log", "ab")
+        raise_nofile_limit()
+        self.proc = subprocess.Popen(
+            [*self.command, "serve", "--config", str(config), "--ready-file", str(ready)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=raise_nofile_limit, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = (self.workdir / "gateway.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"gateway exited with {self.proc.returncode} before it was ready:\n{tail}")
+            if ready.exists():
+                try:
+                    info = json.loads(ready.read_text())
+                except ValueError:  # written but not complete yet
+                    info = None
+                if info:
+                    return Target("gateway", HOST, int(info["http_port"]), int(info["ingest_port"]),
+                                  info.get("admin_token", token), self.proc.pid)
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"gateway not ready after {STARTUP_TIMEOUT} s (see {self.workdir}/gateway.log)")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(STOP_TIMEOUT)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        proc.wait()
+
+    def __enter__(self) -> Target:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

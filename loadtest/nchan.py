@@ -1,0 +1,129 @@
+"""nginx + nchan as the reference target of ``python -m loadtest compare``.
+
+:func:`ensure_installed` installs Debian's ``nginx`` and ``libnginx-mod-nchan`` with apt-get when they are
+missing (only the compare command calls it). :class:`NchanServer` renders ``nchan.conf.template`` into a
+work directory and runs nginx in the foreground on a free loopback port for the duration of a run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from string import Template
+
+from rich.console import Console
+
+from loadtest.procstat import raise_nofile_limit
+from loadtest.target import Target
+
+PACKAGES = ("nginx", "libnginx-mod-nchan")
+MODULE = Path("/usr/lib/nginx/modules/ngx_nchan_module.so")
+TEMPLATE = Path(__file__).with_name("nchan.conf.template")
+HOST = "127.0.0.1"
+STARTUP_TIMEOUT = 15.0
+STOP_TIMEOUT = 5.0
+POLICY_RC = Path("/usr/sbin/policy-rc.d")
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+
+
+def installed() -> bool:
+    return nginx_binary() is not None and MODULE.exists()
+
+
+def ensure_installed(console: Console) -> None:
+    """apt-get install nginx and nchan when missing, without letting the package start its own service."""
+    if installed():
+        return
+    if os.geteuid() != 0:
+        raise RuntimeError(f"nginx with nchan is missing; install {' '.join(PACKAGES)} (needs root)")
+    console.print(f"installing {' '.join(PACKAGES)} with apt-get")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # policy-rc.d exit 101: the Debian way to tell maintainer scripts not to start services
+    made_policy = not POLICY_RC.exists()
+    if made_policy:
+        POLICY_RC.write_text("#!/bin/sh\nexit 101\n")
+        POLICY_RC.chmod(0o755)
+    try:
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES], check=True,
+                       env=env, stdout=subprocess.DEVNULL)
+    finally:
+        if made_policy:
+            POLICY_RC.unlink(missing_ok=True)
+    if not installed():
+        raise RuntimeError(f"installed {PACKAGES} but {MODULE} or nginx is still missing")
+
+
+def free_port(host: str = HOST) -> int:
+    """A port free right now (nginx cannot report an ephemeral one back to us)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def config_text(prefix: Path, port: int, capacity: int = 64) -> str:
+    nofile = raise_nofile_limit()
+    return Template(TEMPLATE.read_text()).substitute(
+        module=str(MODULE), prefix=str(prefix), port=port, capacity=capacity,
+        nofile=nofile, connections=max(1024, nofile - 100))
+
+
+class NchanServer:
+    """``with NchanServer(workdir) as target:`` runs nginx + nchan for the block (logs in workdir/nginx)."""
+
+    def __init__(self, workdir: Path, capacity: int = 64) -> None:
+        self.prefix = Path(workdir).resolve() / "nginx"
+        self.capacity = capacity
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Target:
+        binary = nginx_binary()
+        if binary is None or not MODULE.exists():
+            raise RuntimeError("nginx with nchan is not installed")
+        self.prefix.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        conf = self.prefix / "nginx.conf"
+        conf.write_text(config_text(self.prefix, port, self.capacity))
+        log = open(self.prefix / "stderr.log", "ab")
+        self.proc = subprocess.Popen([binary, "-p", str(self.prefix), "-c", str(conf)], stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     preexec_fn=raise_nofile_limit, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                errors = (self.prefix / "error.log")
+                tail = errors.read_text(errors="replace")[-2000:] if errors.exists() else ""
+                raise RuntimeError(f"nginx exited with {self.proc.returncode}:\n{tail}")
+            try:
+                socket.create_connection((HOST, port), timeout=0.5).close()
+                return Target("nchan", HOST, port, pid=self.proc.pid)
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nginx not listening after {STARTUP_TIMEOUT} s")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)  # nginx: fast shutdown
+        try:
+            proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def __enter__(self) -> Target:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

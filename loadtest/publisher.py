@@ -1,0 +1,354 @@
+"""The publisher process: paced messages into the gateway's TCP ingest, its admin API, or nchan's HTTP
+publisher location.
+
+Every message's data is ``{"ts": time.time_ns() when written, "t": topic, "n": k, "pad": "..."}``: ``n``
+counts the topic's messages from 0 (``-1`` is the priming message that creates each topic before anyone
+subscribes), so a target without sequence numbers (nchan) still shows gaps.
+
+Conversation with the runner::
+
+    publisher -> ("primed", error or "")   every topic exists
+    runner    -> ("go", go_ns)             publish from go_ns for the scenario's duration / message cap
+    publisher -> ("published", result)     per-topic accepted counts, refusals, timing, CPU
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+from array import array
+from collections import Counter
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Awaitable, Callable
+
+import orjson
+
+from loadtest.aio import run_loop
+from loadtest.httpclient import HttpConnection, open_connection
+from loadtest.procstat import raise_nofile_limit
+from loadtest.target import Target
+
+#: pacing tick at a fixed rate: the event loop wakes this often and writes what is due
+TICK = 0.001
+#: most messages written in one tick (also the chunk size in max mode): bounds a tick's work
+MAX_BURST = 2000
+#: keep-alive connections of an HTTP publisher; a POST waits for its answer, so this bounds its rate
+HTTP_CONNECTIONS = 8
+#: ingest writes pause above this many bytes buffered (the asyncio default high-water mark is 64 KiB)
+WRITE_HIGH_WATER = 1 << 20
+SYNC_TIMEOUT = 60.0
+HTTP_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherSpec:
+    target: Target
+    topics: tuple[str, ...]
+    #: msgs/s per topic; with ``fixed=False`` only their proportions matter
+    rates: tuple[float, ...]
+    fixed: bool
+    duration: float
+    messages: int
+    payload: int
+    #: "ingest" or "admin" for the gateway; ignored for nchan (always its publisher location)
+    via: str = "ingest"
+
+
+def topic_cycle(rates: tuple[float, ...], length: int = 10_000) -> list[int]:
+    """A repeating order of topic indices in which each topic appears in proportion to its rate, spread
+    evenly (topic i's k-th slot sits at (k + 0.5) / count_i of the cycle). Every topic with a rate > 0
+    appears at least once."""
+    total = sum(rates)
+    slots = []
+    for i, rate in enumerate(rates):
+        if rate <= 0:
+            continue
+        count = max(1, round(rate / total * length))
+        slots.extend(((k + 0.5) / count, i) for k in range(count))
+    slots.sort()
+    return [i for _pos, i in slots]
+
+
+class Messages:
+    """Builds message bodies: one counter per topic, the timestamp taken at build time."""
+
+    def __init__(self, topics: tuple[str, ...], rates: tuple[float, ...], payload: int) -> None:
+        self.names = [t.encode() for t in topics]
+        self.cycle = topic_cycle(rates)
+        self.position = 0
+        self.next_n = [0] * len(topics)
+        self.pad = b"x" * payload
+
+    def data(self, topic: int, n: int) -> bytes:
+        return b'{"ts":%d,"t":"%s","n":%d,"pad":"%s"}' % (time.time_ns(), self.names[topic], n, self.pad)
+
+    def take(self, count: int) -> list[int]:
+        """The topics of the next ``count`` messages (and count them)."""
+        cycle, pos, n = self.cycle, self.position, len(self.cycle)
+        out = [cycle[(pos + k) % n] for k in range(count)]
+        self.position = (pos + count) % n
+        return out
+
+    def number(self, topic: int) -> int:
+        n = self.next_n[topic]
+        self.next_n[topic] = n + 1
+        return n
+
+
+class IngestConnection(asyncio.Protocol):
+    """The TCP ingest: newline-delimited JSON out, error and ``synced`` lines in. Writes respect flow
+    control: :meth:`drain` waits while the transport is above its high-water mark."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.lines = 0
+        #: topic index of each line sent (-1 for sync lines), to charge refusals to their topic
+        self.line_topic = array("i")
+        self.refused = Counter[int]()
+        self.errors = Counter[str]()
+        self.error_samples: list[str] = []
+        self.synced: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.buffer = b""
+        self.can_write = asyncio.Event()
+        self.can_write.set()
+        self.lost: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  (uvloop transports are not asyncio.Transport subclasses)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def pause_writing(self) -> None:
+        self.can_write.clear()
+
+    def resume_writing(self) -> None:
+        self.can_write.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc or ConnectionError("ingest connection closed")
+        self.can_write.set()
+        for future in self.synced.values():
+            if not future.done():
+                future.set_exception(self.lost)
+
+    def data_received(self, data: bytes) -> None:
+        lines = (self.buffer + data).split(b"\n")
+        self.buffer = lines.pop()
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                reply = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                self.errors["bad_reply"] += 1
+                continue
+            if reply.get("type") == "synced":
+                future = self.synced.pop(reply.get("id"), None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+            elif reply.get("type") == "error":
+                self.errors[str(reply.get("code"))] += 1
+                if len(self.error_samples) < 10:
+                    self.error_samples.append(line.decode(errors="replace")[:300])
+                number = reply.get("line")
+                if isinstance(number, int) and 1 <= number <= len(self.line_topic):
+                    topic = self.line_topic[number - 1]
+                    if topic >= 0:
+                        self.refused[topic] += 1
+
+    def write_lines(self, topics: list[int], lines: list[bytes]) -> None:
+        if self.lost is not None or self.transport is None:
+            raise ConnectionError(f"ingest connection lost: {self.lost}")
+        self.line_topic.extend(topics)
+        self.lines += len(lines)
+        self.transport.write(b"".join(lines))
+
+    async def drain(self) -> None:
+        await self.can_write.wait()
+        if self.lost is not None:
+            raise ConnectionError(f"ingest connection lost: {self.lost}")
+
+    async def sync(self, sync_id: int, timeout: float = SYNC_TIMEOUT) -> dict[str, Any]:
+        future = asyncio.get_running_loop().create_future()
+        self.synced[sync_id] = future
+        self.write_lines([-1], [b'{"sync":%d}\n' % sync_id])
+        return await asyncio.wait_for(future, timeout)
+
+
+class Publisher:
+    def __init__(self, spec: PublisherSpec, counter: Any = None) -> None:
+        self.spec = spec
+        #: shared int64 array: [0] = messages sent so far, for the progress bar
+        self.counter = counter if counter is not None else [0]
+        self.messages = Messages(spec.topics, spec.rates, spec.payload)
+        self.sent = Counter[int]()
+        self.accepted = Counter[int]()
+        self.errors = Counter[str]()
+        self.error_samples: list[str] = []
+        self.ingest: IngestConnection | None = None
+        self.pool: list[HttpConnection] = []
+        kind = "nchan" if spec.target.kind == "nchan" else spec.via
+        self.send: Callable[[list[int]], Awaitable[None]] = {
+            "ingest": self._send_ingest, "admin": self._send_admin, "nchan": self._send_nchan}[kind]
+        self.kind = kind
+
+    async def open(self) -> None:
+        target = self.spec.target
+        if self.kind == "ingest":
+            if target.ingest_port is None:
+                raise ValueError("publishing through the ingest needs its port (--ingest HOST:PORT)")
+            loop = asyncio.get_running_loop()
+            _t, self.ingest = await loop.create_connection(IngestConnection, target.host, target.ingest_port)
+        else:
+            self.pool = [await open_connection(target.host, target.http_port) for _ in range(HTTP_CONNECTIONS)]
+
+    async def prime(self) -> None:
+        """Publish one ``n = -1`` message per topic so that every topic exists before anyone subscribes."""
+        topics = list(range(len(self.spec.topics)))
+        if self.ingest is not None:
+            self.ingest.write_lines(topics, [self._line(t, -1) for t in topics])
+            await self.ingest.sync(0)
+            self.ingest.refused.clear()
+            self.ingest.errors.clear()
+            return
+        for chunk_start in range(0, len(topics), HTTP_CONNECTIONS):
+            chunk = topics[chunk_start:chunk_start + HTTP_CONNECTIONS]
+            await asyncio.gather(*(self._post(conn, t, [-1]) for conn, t in zip(self.pool, chunk)))
+        self.accepted.clear()
+
+    def _line(self, topic: int, n: int) -> bytes:
+        return b'{"topic":"%s","data":%s}\n' % (self.messages.names[topic], self.messages.data(topic, n))
+
+    async def _send_ingest(self, topics: list[int]) -> None:
+        assert self.ingest is not None
+        number = self.messages.number
+        self.ingest.write_lines(topics, [self._line(t, number(t)) for t in topics])
+        await self.ingest.drain()
+
+    async def _post(self, conn: HttpConnection, topic: int, numbers: list[int]) -> None:
+        """One publish request: nchan takes one raw body, the admin API a batch of messages."""
+        target = self.spec.target
+        if target.kind == "nchan":
+            body = self.messages.data(topic, numbers[0])
+            headers = {"Content-Type": "application/json"}
+        else:
+            datas = [self.messages.data(topic, n) for n in numbers]
+            body = b'{"data":%s}' % datas[0] if len(datas) == 1 else b'{"messages":[%s]}' % b",".join(datas)
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {target.admin_token}"}
+        try:
+            response = await conn.request("POST", target.publish_path(self.spec.topics[topic]), body, headers,
+                                          timeout=HTTP_TIMEOUT)
+        except (ConnectionError, asyncio.TimeoutError) as exc:
+            self.errors["connection"] += 1
+            self._sample(f"{type(exc).__name__}: {exc}")
+            return
+        if 200 <= response.status < 300:
+            self.accepted[topic] += len(numbers)
+        else:
+            self.errors[f"http_{response.status}"] += 1
+            self._sample(f"{response.status} {response.body[:200]!r}")
+
+    def _sample(self, text: str) -> None:
+        if len(self.error_samples) < 10:
+            self.error_samples.append(text)
+
+    async def _send_admin(self, topics: list[int]) -> None:
+        by_topic: dict[int, list[int]] = {}
+        for t in topics:
+            by_topic.setdefault(t, []).append(self.messages.number(t))
+        await self._spread(list(by_topic.items()))
+
+    async def _send_nchan(self, topics: list[int]) -> None:
+        await self._spread([(t, [self.messages.number(t)]) for t in topics])
+
+    async def _spread(self, requests: list[tuple[int, list[int]]]) -> None:
+        """Run the requests over the connection pool, each connection one request at a time."""
+        queue = iter(requests)
+
+        async def drive(conn: HttpConnection) -> None:
+            for topic, numbers in queue:
+                if conn.closed:
+                    self.errors["connection"] += len(numbers)
+                    continue
+                await self._post(conn, topic, numbers)
+
+        await asyncio.gather(*(drive(conn) for conn in self.pool))
+
+    async def run(self, go_ns: int) -> dict[str, Any]:
+        """Publish from ``go_ns`` until the duration or the message cap is reached."""
+        spec = self.spec
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, (go_ns - time.time_ns()) / 1e9))
+        total_rate = sum(spec.rates)
+        start = loop.time()
+        first_ns = time.time_ns()
+        sent = 0
+        while sent < spec.messages:
+            elapsed = loop.time() - start
+            if elapsed >= spec.duration:
+                break
+            due = MAX_BURST if not spec.fixed else min(MAX_BURST, int(total_rate * elapsed) + 1 - sent)
+            due = min(due, spec.messages - sent)
+            if due > 0:
+                topics = self.messages.take(due)
+                self.sent.update(topics)
+                await self.send(topics)
+                sent += due
+                self.counter[0] = sent
+            await asyncio.sleep(TICK if spec.fixed else 0)
+        last_ns = time.time_ns()
+        if self.ingest is not None:
+            try:
+                reply = await self.ingest.sync(1)
+                if reply.get("refused"):
+                    self.errors["refused_total"] += int(reply["refused"])
+            except (asyncio.TimeoutError, ConnectionError) as exc:
+                self.errors["sync_failed"] += 1
+                self._sample(f"final sync: {type(exc).__name__}: {exc}")
+            self.errors.update(self.ingest.errors)
+            self.error_samples += self.ingest.error_samples
+            accepted = {t: n - self.ingest.refused.get(t, 0) for t, n in self.sent.items()}
+        else:
+            accepted = dict(self.accepted)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {"sent": sent, "accepted": {spec.topics[t]: n for t, n in accepted.items()},
+                "errors": dict(self.errors), "error_samples": self.error_samples[:10],
+                "first_ns": first_ns, "last_ns": last_ns,
+                "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss}
+
+    def close(self) -> None:
+        if self.ingest is not None and self.ingest.transport is not None:
+            self.ingest.transport.close()
+        for conn in self.pool:
+            conn.close()
+
+
+async def _serve(spec: PublisherSpec, counter: Any, conn: Connection) -> None:
+    publisher = Publisher(spec, counter)
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+    loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
+    try:
+        await publisher.open()
+        await publisher.prime()
+    except Exception as exc:
+        conn.send(("primed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("primed", ""))
+    message = await inbox.get()
+    if message[0] != "go":
+        publisher.close()
+        return
+    try:
+        result = await publisher.run(message[1])
+    finally:
+        publisher.close()
+    loop.remove_reader(conn.fileno())
+    conn.send(("published", result))
+
+
+def main(spec: PublisherSpec, counter: Any, conn: Connection) -> None:
+    """Process entry point (multiprocessing target)."""
+    raise_nofile_limit()
+    run_loop(_serve(spec, counter, conn))

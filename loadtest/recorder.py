@@ -1,0 +1,161 @@
+"""What the subscribers of one process receive, kept in compact arrays in arrival order.
+
+One row per ``msg`` entry: 40 bytes, no Python object kept per message. The hot path is
+:meth:`Recorder.entries`, called once per delivered frame or poll batch with its already parsed entries.
+Messages are the load generator's own: their data is ``{"ts": publish ns, "t": topic, "n": k, "pad": ...}``;
+``n == -1`` marks the priming message published before anyone subscribed (never counted).
+"""
+
+from __future__ import annotations
+
+import pickle
+import resource
+from array import array
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+#: a row costs 40 bytes: 20 M rows is 800 MB per process, then rows are counted but not kept
+DEFAULT_MAX_ROWS = 20_000_000
+#: how many error entries to keep verbatim for the report
+ERROR_SAMPLES = 20
+
+
+class Recorder:
+    """Accumulates the rows, loss notices, subscription starts and errors of the clients of one process."""
+
+    def __init__(self, topic_index: dict[str, int], stalled: list[bool], max_rows: int = DEFAULT_MAX_ROWS):
+        self.topic_index = topic_index
+        #: by global client index: the client stalls at some point (its counts go to the "stalled" side)
+        self.stalled = stalled
+        self.max_rows = max_rows
+        self.topic, self.client = array("i"), array("i")
+        self.seq, self.publish_ns, self.deliver_ns, self.batch_id = array("q"), array("q"), array("q"), array("q")
+        #: (client, topic, from, to or -1, reason, deliver_ns)
+        self.losses: list[tuple[int, int, int, int, str, int]] = []
+        #: (client, topic) -> first seq the stream promises
+        self.starts: dict[tuple[int, int], int] = {}
+        self.errors: Counter[str] = Counter()
+        self.error_samples: list[Any] = []
+        self.frames = 0
+        self.foreign = 0  # msg entries on topics not ours
+        self.dropped_rows = 0  # beyond max_rows
+        #: [light, stalled] totals, read by the progress reporter
+        self.msgs = [0, 0]
+        self.lost = [0, 0]
+
+    def entries(self, client: int, entries: Any, batch_id: int, now: int) -> int:
+        """Record one delivered batch of gateway entries; returns how many ``subscribed`` entries it held."""
+        self.frames += 1
+        if type(entries) is dict:
+            entries = [entries]
+        elif type(entries) is not list:
+            self._error("bad_batch", entries)
+            return 0
+        topic_index = self.topic_index
+        subscribed = 0
+        rows = 0
+        for e in entries:
+            kind = e.get("type") if type(e) is dict else None
+            if kind == "msg":
+                t = topic_index.get(e.get("topic"))
+                if t is None:
+                    self.foreign += 1
+                    continue
+                data = e.get("data")
+                seq = e.get("seq")
+                if type(seq) is not int:
+                    self._error("bad_seq", e)
+                    continue
+                ts = -1
+                if type(data) is dict:
+                    n = data.get("n")
+                    if type(n) is int and n < 0:  # priming message: the stream starts after it
+                        key = (client, t)
+                        self.starts[key] = max(self.starts.get(key, 0), seq + 1)
+                        continue
+                    ts = data.get("ts", -1)
+                    if type(ts) is not int:  # not one of ours (another publisher on --url)
+                        ts = -1
+                rows += 1
+                if len(self.seq) >= self.max_rows:
+                    self.dropped_rows += 1
+                    continue
+                self.topic.append(t)
+                self.seq.append(seq)
+                self.client.append(client)
+                self.publish_ns.append(ts)
+                self.deliver_ns.append(now)
+                self.batch_id.append(batch_id)
+            elif kind == "loss":
+                t = topic_index.get(e.get("topic"), -1)
+                start, end = e.get("from", 0), e.get("to")
+                end = -1 if end is None else end
+                if type(start) is not int or type(end) is not int:
+                    self._error("bad_loss", e)
+                    continue
+                self.losses.append((client, t, start, end, str(e.get("reason")), now))
+                if end >= 0:
+                    self.lost[self.stalled[client]] += end - start
+            elif kind == "subscribed":
+                t = topic_index.get(e.get("topic"))
+                if t is not None:
+                    subscribed += 1
+                    key = (client, t)
+                    self.starts[key] = max(self.starts.get(key, 0), e.get("seq", 0))
+            elif kind == "error":
+                self._error(str(e.get("code")), e)
+            elif kind not in ("reply", "unsubscribed", "closed"):
+                self._error(f"unknown_entry:{kind}", e)
+        self.msgs[self.stalled[client]] += rows
+        return subscribed
+
+    def raw_message(self, client: int, body: bytes, data: Any, batch_id: int, now: int) -> None:
+        """Record one message delivered as its raw published body (nchan): ``data`` is that body parsed."""
+        self.frames += 1
+        if type(data) is not dict or type(data.get("t")) is not str:
+            self._error("bad_message", body[:200])
+            return
+        t = self.topic_index.get(data["t"])
+        n, ts = data.get("n"), data.get("ts", -1)
+        if type(n) is not int or type(ts) is not int:
+            self._error("bad_message", body[:200])
+            return
+        if t is None or n < 0:
+            if t is None:
+                self.foreign += 1
+            return
+        self.msgs[self.stalled[client]] += 1
+        if len(self.seq) >= self.max_rows:
+            self.dropped_rows += 1
+            return
+        self.topic.append(t)
+        self.seq.append(n)
+        self.client.append(client)
+        self.publish_ns.append(ts)
+        self.deliver_ns.append(now)
+        self.batch_id.append(batch_id)
+
+    def _error(self, code: str, sample: Any) -> None:
+        self.errors[code] += 1
+        if len(self.error_samples) < ERROR_SAMPLES:
+            self.error_samples.append(sample)
+
+    def dump(self, path: Path, clients: dict[int, dict[str, Any]]) -> None:
+        """Write everything to ``path`` (pickle; read back with :func:`load`)."""
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        state = {
+            "arrays": {name: getattr(self, name).tobytes()
+                       for name in ("topic", "client", "seq", "publish_ns", "deliver_ns", "batch_id")},
+            "losses": self.losses, "starts": self.starts, "errors": dict(self.errors),
+            "error_samples": [repr(s)[:300] for s in self.error_samples],
+            "frames": self.frames, "foreign": self.foreign, "dropped_rows": self.dropped_rows,
+            "clients": clients, "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss,
+        }
+        with open(path, "wb") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return pickle.load(f)

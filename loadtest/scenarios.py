@@ -1,0 +1,227 @@
+"""Named load scenarios, their command-line flags, and the deterministic plan a scenario expands to.
+
+A :class:`Scenario` is the knob set (how many clients, topics, how fast); :func:`plan` turns it into who
+subscribes to what, which clients stall and how fast each topic is published. Same scenario and seed, same
+plan: runs against the gateway and against nchan are comparable client by client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+from dataclasses import dataclass
+
+TRANSPORTS = ("ws", "longpoll", "mixed")
+PUBLISH_VIA = ("ingest", "admin")
+
+#: In ``max`` mode the topic mix keeps the proportions the fixed rates would have, with the base rate
+#: counted as this many messages per second.
+NOMINAL_MAX_RATE = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One load shape. Every run is bounded by ``duration`` seconds *and* ``messages`` published."""
+
+    name: str
+    description: str = ""
+    clients: int = 100
+    topics: int = 20
+    #: subscriptions per (light) client
+    subs: int = 3
+    #: total messages per second over the base topics; ``None`` publishes as fast as the target takes them
+    rate: float | None = 1000.0
+    #: bytes of padding in each message's data (the JSON around it adds ~60 bytes)
+    payload: int = 64
+    transport: str = "ws"
+    duration: float = 5.0
+    #: hard cap on published messages, whatever the rate
+    messages: int = 2_000_000
+    #: fraction of the light clients that stop reading at ``stall_at`` for ``stall_for`` seconds
+    stall_frac: float = 0.0
+    #: seconds after the publish start; ``None`` = a quarter of the duration
+    stall_at: float | None = None
+    #: ``None`` = half the duration; ``0`` = never resume
+    stall_for: float | None = None
+    #: the first ``hot_topics`` topics share ``hot_share`` of the rate; each client takes one hot topic
+    hot_topics: int = 0
+    hot_share: float = 0.0
+    #: busy topics subscribed by one "dominator" client only, published at ``dominator_rate`` msgs/s total
+    dominator_topics: int = 0
+    dominator_rate: float = 0.0
+    #: whether the dominator client connects (the ``dominator`` scenario runs once with, once without)
+    dominator: bool = True
+    publish_via: str = "ingest"
+    #: client worker processes
+    procs: int = 1
+    seed: int = 1
+    #: seconds to wait, after the last publish, for deliveries still in flight
+    drain: float = 5.0
+    #: ring capacity of the gateway's topics (config ``topics.rules.capacity``)
+    capacity: int = 64
+
+    def resolved_stall(self) -> tuple[float, float]:
+        """(stall_at, stall_for) with the defaults applied; stall_for 0 means never resume."""
+        at = self.duration / 4 if self.stall_at is None else self.stall_at
+        dur = self.duration / 2 if self.stall_for is None else self.stall_for
+        return at, dur
+
+    def validate(self) -> None:
+        """Raise ValueError on a scenario that cannot run (our misuse, caught before anything starts)."""
+        if self.clients < 1 or self.topics < 1:
+            raise ValueError("need at least one client and one topic")
+        if not 1 <= self.subs <= self.topics:
+            raise ValueError(f"subs must be in [1, topics={self.topics}]")
+        if self.hot_topics and not (self.hot_topics < self.topics and self.subs >= 2):
+            raise ValueError("hot_topics needs fewer hot than total topics and subs >= 2")
+        if self.hot_topics and self.subs - 1 > self.topics - self.hot_topics:
+            raise ValueError("not enough cold topics for subs - 1 per client")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}")
+        if self.publish_via not in PUBLISH_VIA:
+            raise ValueError(f"publish_via must be one of {PUBLISH_VIA}")
+        if not 0.0 <= self.stall_frac <= 1.0 or not 0.0 <= self.hot_share <= 1.0:
+            raise ValueError("fractions must be in [0, 1]")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError("rate must be > 0 (or max)")
+        if self.duration <= 0 or self.messages < 1 or self.procs < 1:
+            raise ValueError("duration, messages and procs must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientPlan:
+    name: str
+    #: "ws" or "longpoll"
+    transport: str
+    #: "light", "stalled" or "dominator"
+    role: str
+    #: indices into Plan.topics
+    topics: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    topics: tuple[str, ...]
+    #: messages per second per topic (relative weights in max mode)
+    rates: tuple[float, ...]
+    #: "hot", "cold" or "busy" per topic
+    classes: tuple[str, ...]
+    clients: tuple[ClientPlan, ...]
+
+    def topic_index(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.topics)}
+
+
+def plan(s: Scenario) -> Plan:
+    """Expand a scenario into topics, per-topic rates and clients (deterministic in ``s.seed``)."""
+    s.validate()
+    rng = random.Random(s.seed)
+    base = s.rate if s.rate is not None else NOMINAL_MAX_RATE
+    n_cold = s.topics - s.hot_topics
+    topics = [f"hot{i:03d}" for i in range(s.hot_topics)] + [f"t{i:04d}" for i in range(n_cold)]
+    classes = ["hot"] * s.hot_topics + ["cold"] * n_cold
+    if s.hot_topics:
+        rates = [base * s.hot_share / s.hot_topics] * s.hot_topics
+        rates += [base * (1 - s.hot_share) / n_cold] * n_cold
+    else:
+        rates = [base / n_cold] * n_cold
+    busy = [f"busy{i:03d}" for i in range(s.dominator_topics)]
+    if busy:
+        rates += [s.dominator_rate / len(busy)] * len(busy)
+        classes += ["busy"] * len(busy)
+        topics += busy
+
+    stalled = set(rng.sample(range(s.clients), round(s.stall_frac * s.clients)))
+    clients = []
+    for i in range(s.clients):
+        if s.hot_topics:
+            cold = rng.sample(range(s.hot_topics, s.topics), s.subs - 1)
+            subs = (i % s.hot_topics, *sorted(cold))
+        else:
+            subs = tuple(sorted(rng.sample(range(s.topics), s.subs)))
+        if s.transport == "mixed":
+            transport = "ws" if i % 2 == 0 else "longpoll"
+        else:
+            transport = s.transport
+        role = "stalled" if i in stalled else "light"
+        clients.append(ClientPlan(f"c{i:05d}", transport, role, subs))
+    if busy and s.dominator:
+        first = s.topics
+        transport = "longpoll" if s.transport == "longpoll" else "ws"
+        clients.append(ClientPlan("dom0", transport, "dominator", tuple(range(first, first + len(busy)))))
+    return Plan(tuple(topics), tuple(rates), tuple(classes), tuple(clients))
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("smoke", "a few clients, a quick sanity run", clients=20, topics=10, subs=3, rate=500,
+                 duration=3, drain=2),
+        Scenario("fanout", "many clients sharing topics at a steady rate", clients=1000, topics=100,
+                 subs=10, rate=1000, duration=10),
+        Scenario("throughput", "publish as fast as the gateway takes it", clients=200, topics=20, subs=5,
+                 rate=None, duration=10, messages=500_000),
+        Scenario("longpoll", "HTTP long-poll clients only", clients=300, topics=50, subs=5, rate=500,
+                 transport="longpoll", duration=10),
+        Scenario("mixed", "half WebSocket, half long-poll", clients=600, topics=100, subs=5, rate=1000,
+                 transport="mixed", duration=10),
+        Scenario("stall", "10% of the clients stop reading for half the run", clients=300, topics=30,
+                 subs=5, rate=1000, duration=10, stall_frac=0.1),
+        Scenario("starvation", "one hot topic beside nine cold ones on every client", clients=200,
+                 topics=44, subs=10, rate=2000, hot_topics=4, hot_share=0.9, duration=10),
+        Scenario("dominator", "one client on 100 busy topics beside many light clients (run with and "
+                 "without it)", clients=300, topics=30, subs=3, rate=300, dominator_topics=100,
+                 dominator_rate=5000, duration=10),
+    )
+}
+
+#: flag name -> (Scenario field, type, help)
+_FLAGS: dict[str, tuple[str, object, str]] = {
+    "--clients": ("clients", int, "number of (light) clients"),
+    "--topics": ("topics", int, "number of base topics"),
+    "--subs": ("subs", int, "subscriptions per client"),
+    "--rate": ("rate", "rate", "total publish rate in msgs/s, or 'max'"),
+    "--payload": ("payload", int, "padding bytes per message"),
+    "--transport": ("transport", str, "ws, longpoll or mixed"),
+    "--duration": ("duration", float, "publish for this many seconds"),
+    "--messages": ("messages", int, "stop publishing after this many messages"),
+    "--stall-frac": ("stall_frac", float, "fraction of clients that stop reading"),
+    "--stall-at": ("stall_at", float, "seconds after the start when stalled clients stop reading"),
+    "--stall-for": ("stall_for", float, "seconds they stay stalled (0: until the end)"),
+    "--hot-topics": ("hot_topics", int, "number of hot topics (one per client)"),
+    "--hot-share": ("hot_share", float, "share of the rate going to hot topics"),
+    "--dominator-topics": ("dominator_topics", int, "busy topics of the dominator client"),
+    "--dominator-rate": ("dominator_rate", float, "msgs/s over the busy topics"),
+    "--publish-via": ("publish_via", str, "ingest (TCP fast path) or admin (HTTP API)"),
+    "--procs": ("procs", int, "client worker processes"),
+    "--seed": ("seed", int, "random seed of the plan"),
+    "--drain": ("drain", float, "max seconds to wait for in-flight deliveries at the end"),
+    "--capacity": ("capacity", int, "ring capacity of the gateway's topics"),
+}
+
+
+def parse_rate(text: str) -> float | None:
+    if text.strip().lower() == "max":
+        return None
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("rate must be > 0 or 'max'")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the scenario positional and the override flags (all default to the scenario's values)."""
+    parser.add_argument("scenario", choices=sorted(SCENARIOS), help="named scenario")
+    for flag, (_field, kind, help_text) in _FLAGS.items():
+        parser.add_argument(flag, type=parse_rate if kind == "rate" else kind, default=argparse.SUPPRESS,
+                            help=help_text)
+
+
+def from_args(args: argparse.Namespace) -> Scenario:
+    """The named scenario with the flags given on the command line applied, validated."""
+    scenario = SCENARIOS[args.scenario]
+    changes = {field: getattr(args, field) for (field, _k, _h) in _FLAGS.values() if hasattr(args, field)}
+    scenario = dataclasses.replace(scenario, **changes)
+    scenario.validate()
+    return scenario

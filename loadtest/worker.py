@@ -1,0 +1,308 @@
+"""A client worker process: many subscribers on one uvloop event loop, driven by the runner over a pipe.
+
+Conversation with the runner (tuples over a ``multiprocessing`` pipe)::
+
+    runner -> ("connect",)                                 the topics exist: connect and subscribe
+    worker -> ("ready", n_ready, n_failed, first_error)   all clients connected and subscribed (or timed out)
+    runner -> ("go", go_ns)                                publishing starts at go_ns: stall timers count from it
+    runner -> ("stop",)                                    close everything, write the log
+    worker -> ("done", path)                               the pickled recorder state (see recorder.dump)
+
+Live totals go to a shared int64 array at ``COUNTERS`` offsets, for the progress bar and the drain test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import orjson
+
+from loadtest.aio import run_loop
+from loadtest.httpclient import HttpConnection, open_connection
+from loadtest.procstat import raise_nofile_limit
+from loadtest.recorder import DEFAULT_MAX_ROWS, Recorder
+from loadtest.scenarios import ClientPlan
+from loadtest.target import Target
+from loadtest.wsclient import WsClient, connect
+
+COUNTERS = ("ready", "closed", "msgs_light", "msgs_stalled", "lost_light", "lost_stalled", "frames", "errors")
+#: handshakes in flight per process: a burst of thousands overflows the server's accept backlog
+CONNECT_CONCURRENCY = 64
+CONNECT_ATTEMPTS = 3
+#: how often the shared counters are refreshed
+COUNTER_PERIOD = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    slot: int
+    target: Target
+    topics: tuple[str, ...]
+    #: (global client index, plan); the index is the client's code in the delivery log
+    clients: tuple[tuple[int, ClientPlan], ...]
+    n_clients: int
+    stall_at: float
+    #: 0: stalled clients never resume
+    stall_for: float
+    out_path: str
+    connect_timeout: float = 20.0
+    max_rows: int = DEFAULT_MAX_ROWS
+
+
+class Subscriber:
+    """One client's state, whatever its transport."""
+
+    def __init__(self, index: int, plan: ClientPlan, worker: Worker) -> None:
+        self.index = index
+        self.plan = plan
+        self.worker = worker
+        self.recorder = worker.recorder
+        self.batch = 0
+        self.subscribed = 0
+        self.ready = asyncio.get_running_loop().create_future()
+        self.connected_ns = 0
+        self.closed_ns = 0
+        self.closed_reason = ""
+        self.error = ""
+
+    def _got(self, entries: Any, batch_id: int, now: int) -> None:
+        self.subscribed += self.recorder.entries(self.index, entries, batch_id, now)
+        if self.subscribed >= len(self.plan.topics) and not self.ready.done():
+            self.ready.set_result(None)
+
+    def _mark_closed(self, reason: str) -> None:
+        if not self.closed_ns and not self.worker.stopping:
+            self.closed_ns = time.time_ns()
+            self.closed_reason = reason
+            self.worker.closed += 1
+
+    def state(self) -> dict[str, Any]:
+        return {"name": self.plan.name, "ready": self.ready.done() and not self.ready.cancelled(),
+                "connected_ns": self.connected_ns, "closed_ns": self.closed_ns,
+                "closed_reason": self.closed_reason, "error": self.error}
+
+
+class WsSubscriber(Subscriber):
+    """A WebSocket client of the gateway (JSON array batches) or of nchan (one raw body per frame)."""
+
+    ws: WsClient | None = None
+
+    async def start(self) -> None:
+        target = self.worker.spec.target
+        topics = [self.worker.spec.topics[t] for t in self.plan.topics]
+        self.ws = await connect(target.host, target.http_port, target.ws_path(topics), self,
+                                timeout=self.worker.spec.connect_timeout)
+
+    def ws_open(self) -> None:
+        self.connected_ns = time.time_ns()
+        if self.worker.spec.target.kind == "nchan" and not self.ready.done():
+            # nchan has no subscribe acknowledgement: the handshake is the subscription, and the
+            # publisher's numbering of each topic starts at 0 once everyone is connected
+            for t in self.plan.topics:
+                self.recorder.starts[(self.index, t)] = 0
+            self.ready.set_result(None)
+
+    def ws_messages(self, messages: list[bytes], now_ns: int) -> None:
+        loads = orjson.loads
+        if self.worker.spec.target.kind == "nchan":
+            for body in messages:
+                self.batch += 1
+                try:
+                    data = loads(body)
+                except orjson.JSONDecodeError:
+                    data = None
+                self.recorder.raw_message(self.index, body, data, self.batch, now_ns)
+            return
+        for body in messages:
+            self.batch += 1
+            try:
+                entries = loads(body)
+            except orjson.JSONDecodeError:
+                self.recorder.errors["bad_json"] += 1
+                continue
+            self._got(entries, self.batch, now_ns)
+
+    def ws_closed(self, reason: str) -> None:
+        self._mark_closed(reason)
+
+    def subscribe(self) -> None:
+        if self.worker.spec.target.kind == "gateway" and self.ws is not None:
+            commands = [{"op": "subscribe", "topic": self.worker.spec.topics[t]} for t in self.plan.topics]
+            self.ws.send_text(orjson.dumps(commands))
+
+    def pause(self) -> None:
+        if self.ws is not None:
+            self.ws.pause()
+
+    def resume(self) -> None:
+        if self.ws is not None:
+            self.ws.resume()
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+
+
+class LpSubscriber(Subscriber):
+    """A long-poll client of the gateway: one keep-alive connection, one GET in flight at a time."""
+
+    conn: HttpConnection | None = None
+    task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        target = self.worker.spec.target
+        timeout = self.worker.spec.connect_timeout
+        self.conn = await open_connection(target.host, target.http_port, timeout)
+        try:
+            response = await self.conn.request("POST", "/lp", b"", timeout=timeout)
+            if not 200 <= response.status < 300:
+                raise ConnectionError(f"POST /lp: {response.status} {response.body[:200]!r}")
+            self.sid = str(orjson.loads(response.body)["session"])
+        except BaseException:
+            self.conn.close()  # a retry opens a new one
+            raise
+        self.connected_ns = time.time_ns()
+        self.reading = asyncio.Event()
+        self.reading.set()
+
+    def subscribe(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self.conn is not None
+        commands = [{"op": "subscribe", "topic": self.worker.spec.topics[t]} for t in self.plan.topics]
+        headers = {"Content-Type": "application/json"}
+        try:
+            response = await self.conn.request("POST", f"/lp/{self.sid}", orjson.dumps(commands), headers)
+            if response.status >= 300:
+                raise ConnectionError(f"POST /lp/{self.sid}: {response.status} {response.body[:200]!r}")
+            ack: Any = None
+            while True:
+                await self.reading.wait()
+                target = f"/lp/{self.sid}" if ack is None else f"/lp/{self.sid}?ack={ack}"
+                response = await self.conn.request("GET", target)
+                if response.status != 200:
+                    raise ConnectionError(f"GET {target}: {response.status} {response.body[:200]!r}")
+                body = orjson.loads(response.body)
+                batch = body.get("batch")
+                entries = body.get("entries") or []
+                if batch is not None:
+                    ack = batch
+                if entries:
+                    self.batch += 1
+                    self._got(entries, batch if isinstance(batch, int) else self.batch, response.recv_ns)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the server ended the session or the connection: the client is gone
+            self.error = f"{type(exc).__name__}: {exc}"[:300]
+            self._mark_closed(self.error)
+
+    def pause(self) -> None:
+        self.reading.clear()
+
+    def resume(self) -> None:
+        self.reading.set()
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.conn is not None:
+            self.conn.close()
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, conn: Connection, counters: Any) -> None:
+        self.spec = spec
+        self.conn = conn
+        self.counters = counters
+        self.base = spec.slot * len(COUNTERS)
+        stalled = [False] * spec.n_clients
+        for index, plan in spec.clients:
+            stalled[index] = plan.role == "stalled"
+        self.recorder = Recorder({t: i for i, t in enumerate(spec.topics)}, stalled, spec.max_rows)
+        self.closed = 0
+        #: set when the runner said stop: the closes that follow are ours, not the server's
+        self.stopping = False
+        self.subscribers: list[WsSubscriber | LpSubscriber] = []
+        self.inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.conn.fileno(), lambda: self.inbox.put_nowait(self.conn.recv()))
+        for index, plan in self.spec.clients:
+            cls = LpSubscriber if plan.transport == "longpoll" else WsSubscriber
+            self.subscribers.append(cls(index, plan, self))
+        publisher = loop.create_task(self._publish_counters())
+        if (await self.inbox.get())[0] != "connect":
+            return
+        limit = asyncio.Semaphore(CONNECT_CONCURRENCY)
+        await asyncio.gather(*(self._open(s, limit) for s in self.subscribers))
+        failed = [s for s in self.subscribers if not (s.ready.done() and not s.ready.cancelled())]
+        first_error = next((s.error for s in failed if s.error), "")
+        self.conn.send(("ready", len(self.subscribers) - len(failed), len(failed), first_error))
+
+        message = await self.inbox.get()
+        if message[0] == "go":
+            self._schedule_stall(message[1])
+            message = await self.inbox.get()
+        self.stopping = True
+        for s in self.subscribers:
+            s.close()
+        await asyncio.sleep(0.05)  # let the close frames go out
+        publisher.cancel()
+        self._copy_counters()
+        loop.remove_reader(self.conn.fileno())
+        self.recorder.dump(self.spec.out_path, {s.index: s.state() for s in self.subscribers})
+        self.conn.send(("done", self.spec.out_path))
+
+    async def _open(self, s: WsSubscriber | LpSubscriber, limit: asyncio.Semaphore) -> None:
+        deadline = time.monotonic() + self.spec.connect_timeout
+        for attempt in range(CONNECT_ATTEMPTS):
+            try:
+                async with limit:
+                    await s.start()
+                break
+            except Exception as exc:
+                s.error = f"{type(exc).__name__}: {exc}"[:300]
+                if attempt + 1 == CONNECT_ATTEMPTS or time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(0.2 * (attempt + 1))
+        s.error = ""
+        s.subscribe()
+        try:
+            await asyncio.wait_for(asyncio.shield(s.ready), max(0.1, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            s.error = f"not subscribed after {self.spec.connect_timeout} s"
+
+    def _schedule_stall(self, go_ns: int) -> None:
+        stalled = [s for s in self.subscribers if s.plan.role == "stalled"]
+        if not stalled:
+            return
+        loop = asyncio.get_running_loop()
+        start = loop.time() + (go_ns - time.time_ns()) / 1e9 + self.spec.stall_at
+        loop.call_at(start, lambda: [s.pause() for s in stalled])
+        if self.spec.stall_for > 0:
+            loop.call_at(start + self.spec.stall_for, lambda: [s.resume() for s in stalled])
+
+    def _copy_counters(self) -> None:
+        r = self.recorder
+        values = (sum(1 for s in self.subscribers if s.ready.done() and not s.ready.cancelled()), self.closed,
+                  r.msgs[0], r.msgs[1], r.lost[0], r.lost[1], r.frames, sum(r.errors.values()))
+        for i, v in enumerate(values):
+            self.counters[self.base + i] = v
+
+    async def _publish_counters(self) -> None:
+        while True:
+            self._copy_counters()
+            await asyncio.sleep(COUNTER_PERIOD)
+
+
+def main(spec: WorkerSpec, counters: Any, conn: Connection) -> None:
+    """Process entry point (multiprocessing target)."""
+    raise_nofile_limit()
+    run_loop(Worker(spec, conn, counters).run())
+
