@@ -86,8 +86,11 @@ class Hub:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for conn in list(self.conns.values()):
-            conn.kick(close_codes.GOING_AWAY, "server shutting down")
+        self.close_all_clients()
+
+    def close_all_clients(self) -> None:
+        for client_id in list(self.conns):
+            self.kick(client_id, close_codes.GOING_AWAY, "server shutting down", "shutdown")
 
     def _schedule_tick(self) -> None:
         period = self.config.scheduler.hole_tick_ms / 1000

@@ -41,6 +41,16 @@ def resolve_admin_token(config: GatewayConfig) -> tuple[str, bool]:
     return secrets.token_urlsafe(18), True
 
 
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, closing the gateway's clients first on shutdown so it never waits on them."""
+
+    hub: Hub
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.hub.close_all_clients()
+        await super().shutdown(sockets)
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -131,8 +141,10 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         lifespan="off",
         log_level=server_cfg.log_level,
         access_log=False,
+        timeout_graceful_shutdown=5,
     )
-    running.server = uvicorn.Server(uv_config)
+    running.server = GatewayServer(uv_config)
+    running.server.hub = hub
     running.task = asyncio.get_running_loop().create_task(running.server.serve(sockets=[sock]))
     while not running.server.started:
         if running.task.done():
