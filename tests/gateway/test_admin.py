@@ -75,3 +75,19 @@ def test_stats_metrics_health_openapi_static():
         assert "<title>fanout-gateway</title>" in http.get("/").text
         r = http.get("/no/such/thing")
         assert r.status_code == 404
+
+
+def test_malformed_admin_requests_get_json_errors():
+    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+        for path, body, status, code in [
+            ("/api/topics", b"{nope", 400, "bad_json"),
+            ("/api/topics", b"[]", 400, "bad_request"),
+            ("/api/topics/t/publish", b'{"data": 1, "messages": [2]}', 400, "bad_request"),
+            ("/api/topics/t/publish", b'{"messages": 5}', 400, "bad_request"),
+            ("/api/topics/t/publish", b'{"data": 1, "seq": "x"}', 400, "bad_request"),
+        ]:
+            r = http.post(path, content=body)
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), path
+        assert http.post("/api/topics/t/publish", json={"data": 1, "seq": 0}).json()["seqs"] == [0]
+        r = http.post("/api/topics/t/publish", json={"data": 1, "seq": 0})  # a retry: already there
+        assert r.status_code == 409 and r.json()["error"]["code"] == "stale_seq"

@@ -1,0 +1,101 @@
+"""Configuration loading and the `gateway serve` command, on the real process."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, load_config
+from gateway.server import resolve_admin_token
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_file_and_environment_overrides(tmp_path):
+    base = load_config(environ={})
+    assert base.server.port == 8080 and base.ingest.port == 7002 and base.rawtcp.sender_port == 7000
+    assert base.rawtcp.hard_lag_bytes == 96 * 1024 * 1024
+    override = tmp_path / "o.toml"
+    override.write_text('[server]\nport = 9001\n[longpoll]\npoll_timeout_s = 3\n'
+                        '[[topics.rules]]\npattern = "*"\nkind = "snapshot"\n')
+    config = load_config(override, environ={"GATEWAY_SERVER_PORT": "9002", "GATEWAY_RAWTCP_ENABLED": "false",
+                                            "GATEWAY_SERVER_LOG_LEVEL": "warning"})
+    assert config.server.port == 9002  # the environment wins over the file
+    assert config.longpoll.poll_timeout_s == 3.0 and config.rawtcp.enabled is False
+    assert config.server.log_level == "warning"
+    assert [r.config.kind.value for r in config.topic_rules()] == ["snapshot"]
+
+
+@pytest.mark.parametrize("text, environ, message", [
+    ('[server]\nprot = 1\n', {}, "unknown config key 'server.prot'"),
+    ('[server]\nport = "x"\n', {}, "'server.port' must be int"),
+    ('[nosuch]\na = 1\n', {}, "unknown config key 'nosuch'"),
+    ('', {"GATEWAY_WHAT_EVER": "1"}, "names no config key"),
+    ('[[topics.rules]]\npattern = "*"\nkind = "bogus"\n', {}, "bad topic setting"),
+    ('[[topics.rules]]\npattern = "*"\ncapacity = 0\n', {}, "capacity must be >= 1"),
+])
+def test_bad_config_is_refused_with_a_clear_message(tmp_path, text, environ, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ=environ)
+    assert message in str(info.value)
+
+
+def test_binding_beyond_loopback_needs_a_token():
+    with pytest.raises(ConfigError):
+        resolve_admin_token(load_config(overrides={"server": {"host": "0.0.0.0"}}, environ={}))
+    token, generated = resolve_admin_token(load_config(environ={}))
+    assert generated and len(token) >= 20
+    assert resolve_admin_token(load_config(overrides={"server": {"host": "0.0.0.0", "admin_token": "s"}}, environ={})) == ("s", False)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.timeout(60)
+def test_gateway_serve_runs_on_the_embedded_default_config(tmp_path):
+    if not all(_port_free(p) for p in (8080, 7000, 7001, 7002)):
+        pytest.skip("a default port (8080, 7000-7002) is taken on this machine")
+    ready = tmp_path / "ready.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--ready-file", str(ready)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        ports = json.loads(ready.read_text())
+        assert ports["http_port"] == 8080 and ports["ingest_port"] == 7002
+        assert (ports["raw_sender_port"], ports["raw_receiver_port"]) == (7000, 7001)
+        base = "http://127.0.0.1:8080"
+        assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
+        headers = {"Authorization": f"Bearer {ports['admin_token']}"}
+        assert httpx.post(f"{base}/api/topics/demo/publish", json={"data": 1}, headers=headers).json()["seqs"] == [0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    assert f"admin token (development, loopback only): {ports['admin_token']}" in out
+
+
+def test_gateway_serve_reports_config_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nport = 'no'\n")
+    result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(bad)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "config error" in result.stderr
