@@ -196,7 +196,7 @@ class WSConnection:
 async def websocket_endpoint(websocket: WebSocket) -> None:
     hub: Hub = websocket.app.state.hub
     config = hub.config.websocket
-    proto = websocket.scope.get("extensions", {}).get(SCOPE_KEY)
+    proto = websocket.scope.get("extensions", {}).get(SCOPE_KEY) if config.direct_write else None
     await websocket.accept()
     requested = websocket.query_params.get("id")
     if requested is not None:
