@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup java bench clean
+.PHONY: run test setup java browser bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,10 +18,14 @@ setup: $(STAMP)
 java:
 	@java -version >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openjdk-17-jre-headless)
 
+# Page tests drive Debian's headless Chromium.
+browser:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
 run: $(STAMP)
 	$(BIN)/gateway serve
 
-test: $(STAMP) java
+test: $(STAMP) java browser
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
