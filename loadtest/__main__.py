@@ -37,15 +37,21 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
                         "'python -m gateway' (it gets: serve --config FILE --ready-file PATH)")
     parser.add_argument("--connect-timeout", type=float, default=20.0, help="seconds for all clients to subscribe")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                        help="before each run, wait up to S seconds until the machine is idle (other "
+                             "programs skew a run on a shared machine)")
     return parser
 
 
-def _gateway_factory(args: argparse.Namespace, capacity: int):  # -> runner.TargetFactory
+def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int = 1):  # -> runner.TargetFactory
     from loadtest.gatewayproc import GatewayProcess
     from loadtest.target import Target
 
     if not args.url:
-        return lambda workdir: GatewayProcess(workdir, args.gateway_cmd, capacity)
+        return lambda workdir: GatewayProcess(workdir, args.gateway_cmd, capacity, batch_depth)
+    if batch_depth != 1:
+        print(f"note: --batch-depth {batch_depth} is not applied to a running gateway (--url): its own topic "
+              "rules decide", file=sys.stderr)
     url = urlsplit(args.url if "://" in args.url else f"http://{args.url}")
     if not url.hostname or not url.port:
         raise SystemExit(f"--url needs a host and a port: {args.url}")
@@ -96,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     console = Console()
-    factory = _gateway_factory(args, scenario.capacity)
-    options = {"connect_timeout": args.connect_timeout}
+    factory = _gateway_factory(args, scenario.capacity, scenario.batch_depth)
+    options = {"connect_timeout": args.connect_timeout, "wait_quiet": args.wait_quiet}
     if comparing:
         from loadtest.compare import compare
 
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         summary = runner.run(scenario, factory, _out(args, scenario.name), console, not args.no_progress,
                              **options)
-        parts = [summary["without"], summary["with"]] if "with" in summary else [summary]
+        parts = [summary[k] for k in runner.PAIRS if k in summary] or [summary]
         silent = max(p["loss"]["silent"] for p in parts)
     return EXIT_SILENT_LOSS if silent else 0
 

@@ -205,10 +205,20 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         dom = summary["dominator"]
         out["light p99 ms w/o dominator"] = dom["light_p99_ms_without"]
         out["light p99 ms with dominator"] = dom["light_p99_ms_with"]
+        out["light p99 with/w/o"] = dom["p99_ratio"] or 0.0
+        return out
+    if "coldhot" in summary and "beside" in summary:
+        out = figures(summary["beside"])
+        pair = summary["coldhot"]
+        out["cold p99 ms alone"] = pair["cold_p99_ms_alone"]
+        out["cold p99 ms beside hot"] = pair["cold_p99_ms_beside"]
+        out["cold p99 beside/alone"] = pair["p99_ratio"] or 0.0
         return out
     cpu = summary.get("cpu", {})
+    delivered = summary["deliveries"]["total"]
     out = {
         "deliveries/s": summary["deliveries"]["per_s"],
+        "published/s": summary["published"]["per_s"],
         "latency p50 ms": summary["latency_ms"]["p50"],
         "latency p90 ms": summary["latency_ms"]["p90"],
         "latency p99 ms": summary["latency_ms"]["p99"],
@@ -225,6 +235,14 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "server rss MB": cpu.get("server", {}).get("rss_max_mb", 0.0),
         "loadgen cpu %": cpu.get("loadgen", {}).get("cpu_pct", 0.0),
         "loadgen busiest proc %": cpu.get("loadgen", {}).get("busiest_pct", 0.0),
+        "publisher cpu %": cpu.get("loadgen", {}).get("by_role_pct", {}).get("publisher", 0.0),
+        "clients cpu %": cpu.get("loadgen", {}).get("by_role_pct", {}).get("clients", 0.0),
+        "other cpu % (not ours)": cpu.get("machine", {}).get("other_pct", 0.0),
+        # CPU seconds over the measured window (start of publishing to the end of the drain) per delivery
+        "server cpu us/delivery": round(1e6 * cpu.get("server", {}).get("cpu_s", 0.0) / delivered, 3)
+        if delivered else 0.0,
+        "loadgen cpu us/delivery": round(1e6 * cpu.get("loadgen", {}).get("cpu_s", 0.0) / delivered, 3)
+        if delivered else 0.0,
     }
     for name, stats in summary.get("topic_classes_ms", {}).items():
         if len(summary["topic_classes_ms"]) > 1:

@@ -6,6 +6,7 @@ figure is the median over the rounds, printed for both with the ratio gateway / 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -21,6 +22,9 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
             console: Console | None = None, progress: bool = True, **options: Any) -> dict[str, Any]:
     console = console or Console()
     nchan.ensure_installed(console)
+    if scenario.batch_depth != 1:
+        console.print(f"gateway: batch_depth {scenario.batch_depth}; nchan has no equivalent (one message per "
+                      "WebSocket frame)")
     factories = {"gateway": gateway,
                  "nchan": lambda workdir: nchan.NchanServer(workdir, scenario.capacity)}
     runs: dict[str, list[dict[str, float]]] = {"gateway": [], "nchan": []}
@@ -31,11 +35,13 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
             runs[label].append(analysis.figures(summary))
     medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
                for label, figures in runs.items()}
+    depth = f", gateway batch depth {scenario.batch_depth}" if scenario.batch_depth != 1 else ""
     report.print_comparison(console, medians, f"{scenario.name}: gateway vs nginx + nchan "
-                                              f"(median of {rounds} round{'s' * (rounds > 1)})")
+                                              f"(median of {rounds} round{'s' * (rounds > 1)}{depth})")
     report.write_overlay(out / "compare_latency_cdf.png",
                          {label: out / f"{label}-1" / "deliveries.parquet" for label in factories})
-    result = {"scenario": scenario.name, "rounds": rounds, "median": medians, "runs": runs}
+    result = {"scenario": scenario.name, "rounds": rounds, "batch_depth": scenario.batch_depth,
+              "settings": dataclasses.asdict(scenario), "median": medians, "runs": runs}
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
     return result

@@ -27,8 +27,9 @@ STARTUP_TIMEOUT = 30.0
 STOP_TIMEOUT = 2.0
 
 
-def config_text(admin_token: str, capacity: int = 64) -> str:
-    """The gateway config of a load run: loopback, ephemeral ports, every topic a ring."""
+def config_text(admin_token: str, capacity: int = 64, batch_depth: int = 1) -> str:
+    """The gateway config of a load run: loopback, ephemeral ports, every topic a ring of ``capacity``
+    messages from which a subscription gives up to ``batch_depth`` messages per cycle."""
     return f"""\
 [server]
 host = "{HOST}"
@@ -45,7 +46,7 @@ enabled = false
 pattern = "*"
 kind = "ring"
 capacity = {int(capacity)}
-batch_depth = 1
+batch_depth = {int(batch_depth)}
 reorder_window = 64
 client_publish = true
 
@@ -58,10 +59,12 @@ class GatewayProcess:
     """``with GatewayProcess(workdir) as target:`` runs the gateway for the block. Output goes to
     ``workdir/gateway.log``."""
 
-    def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64) -> None:
+    def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64,
+                 batch_depth: int = 1) -> None:
         self.workdir = Path(workdir)
         self.command = shlex.split(command) if command else [sys.executable, "-m", "gateway"]
         self.capacity = capacity
+        self.batch_depth = batch_depth
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Target:
@@ -69,7 +72,7 @@ class GatewayProcess:
         token = secrets.token_hex(16)
         config = self.workdir / "gateway.toml"
         ready = self.workdir / "gateway.ready.json"
-        config.write_text(config_text(token, self.capacity))
+        config.write_text(config_text(token, self.capacity, self.batch_depth))
         ready.unlink(missing_ok=True)
         log = open(self.workdir / "gateway.log", "ab")
         raise_nofile_limit()

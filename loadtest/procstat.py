@@ -94,6 +94,17 @@ class TreeSampler:
         self.per_pid.append(dict(self.cpu_by_pid))
         return point
 
+    def pids_pct(self, t0: float, t1: float, pids: list[int]) -> float:
+        """CPU share (% of one core) of the given processes (and no others) between the samples nearest
+        ``t0`` and ``t1``."""
+        inside = [i for i, s in enumerate(self.samples) if t0 - 0.5 <= s[0] <= t1 + 0.5]
+        if len(inside) < 2:
+            return 0.0
+        before, after = self.per_pid[inside[0]], self.per_pid[inside[-1]]
+        wall = max(self.samples[inside[-1]][0] - self.samples[inside[0]][0], 1e-9)
+        cpu = sum(after.get(p, 0.0) - before.get(p, 0.0) for p in pids)
+        return round(100 * cpu / wall, 1)
+
     def window(self, t0: float, t1: float) -> dict[str, float]:
         """CPU share (% of one core) between the samples nearest ``t0`` and ``t1``, the share of the busiest
         single process, and the max RSS then."""
@@ -109,3 +120,44 @@ class TreeSampler:
                 "rss_max_mb": round(max(self.samples[i][2] for i in inside) / 2**20, 1),
                 # one process near 100% is a bottleneck whatever the total says
                 "busiest_pct": round(100 * busiest / wall, 1)}
+
+
+def machine_cpu() -> float:
+    """CPU seconds the whole machine spent busy (all cores, not idle or iowait) since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system idle iowait irq softirq steal
+    return busy / _CLK
+
+
+@dataclass(slots=True)
+class MachineSampler:
+    """Samples the machine's busy CPU time, to tell how much of it neither the server nor the load used
+    (another program on the machine skews a run)."""
+
+    samples: list[tuple[float, float]] = field(default_factory=list)
+
+    def sample(self) -> None:
+        self.samples.append((time.monotonic(), machine_cpu()))
+
+    def window(self, t0: float, t1: float) -> float:
+        """Busy CPU, % of one core (all cores: up to cores x 100), between the samples nearest t0 and t1."""
+        inside = [s for s in self.samples if t0 - 0.5 <= s[0] <= t1 + 0.5]
+        if len(inside) < 2:
+            return 0.0
+        return round(100 * (inside[-1][1] - inside[0][1]) / max(inside[-1][0] - inside[0][0], 1e-9), 1)
+
+
+def wait_quiet(limit_s: float, threshold_pct: float = 15.0, period_s: float = 1.0) -> tuple[bool, float]:
+    """Wait, at most ``limit_s`` seconds, until the whole machine is busy less than ``threshold_pct`` of one
+    core over ``period_s``: another program running beside a run skews it. Returns (quiet, last busy %)."""
+    deadline = time.monotonic() + limit_s
+    busy = 0.0
+    while True:
+        t0, c0 = time.monotonic(), machine_cpu()
+        time.sleep(period_s)
+        busy = 100 * (machine_cpu() - c0) / max(time.monotonic() - t0, 1e-9)
+        if busy < threshold_pct:
+            return True, round(busy, 1)
+        if time.monotonic() >= deadline:
+            return False, round(busy, 1)

@@ -10,6 +10,11 @@ Conversation with the runner::
     publisher -> ("primed", error or "")   every topic exists
     runner    -> ("go", go_ns)             publish from go_ns for the scenario's duration / message cap
     publisher -> ("published", result)     per-topic accepted counts, refusals, timing, CPU
+
+At ``rate=max`` with a ``window`` the publisher runs closed loop: it reads the client processes' shared
+delivery counters (received + announced lost, over the clients that read) and keeps at most ``window``
+deliveries in flight, so it publishes as fast as the clients receive rather than as fast as the target
+accepts bytes. Without a window (open loop) the gateway's ingest takes far more than it can fan out.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ HTTP_CONNECTIONS = 8
 WRITE_HIGH_WATER = 1 << 20
 SYNC_TIMEOUT = 60.0
 HTTP_TIMEOUT = 30.0
+#: closed loop: how often a full window is checked again
+WINDOW_POLL = 0.002
+#: closed loop: a full window whose deliveries do not move for this long is forgiven (the target lost
+#: messages without saying so, or a client is gone): counted in ``window_resets``
+WINDOW_STUCK = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +64,12 @@ class PublisherSpec:
     payload: int
     #: "ingest" or "admin" for the gateway; ignored for nchan (always its publisher location)
     via: str = "ingest"
+    #: closed loop (``fixed=False`` only): most deliveries in flight; 0 = open loop
+    window: int = 0
+    #: per topic: subscriptions of the clients that read (what one message on it owes)
+    fanout: tuple[int, ...] = ()
+    #: client processes whose counters are summed
+    procs: int = 0
 
 
 def topic_cycle(rates: tuple[float, ...], length: int = 10_000) -> list[int]:
@@ -177,10 +193,17 @@ class IngestConnection(asyncio.Protocol):
 
 
 class Publisher:
-    def __init__(self, spec: PublisherSpec, counter: Any = None) -> None:
+    def __init__(self, spec: PublisherSpec, counter: Any = None, deliveries: Any = None) -> None:
         self.spec = spec
         #: shared int64 array: [0] = messages sent so far, for the progress bar
         self.counter = counter if counter is not None else [0]
+        #: the client workers' shared counters (loadtest.worker.COUNTERS per process), for the closed loop
+        self.deliveries = deliveries
+        from loadtest.worker import COUNTERS
+
+        n, msgs, lost = len(COUNTERS), COUNTERS.index("msgs_light"), COUNTERS.index("lost_light")
+        self._delivery_slots = [i * n + k for i in range(spec.procs) for k in (msgs, lost)]
+        self.window_resets = 0
         self.messages = Messages(spec.topics, spec.rates, spec.payload)
         self.sent = Counter[int]()
         self.accepted = Counter[int]()
@@ -281,6 +304,12 @@ class Publisher:
         loop = asyncio.get_running_loop()
         await asyncio.sleep(max(0.0, (go_ns - time.time_ns()) / 1e9))
         total_rate = sum(spec.rates)
+        closed = not spec.fixed and spec.window > 0 and self.deliveries is not None
+        fanout = spec.fanout
+        if closed:
+            mean_fanout = max(1e-9, sum(r * f for r, f in zip(spec.rates, fanout)) / max(total_rate, 1e-9))
+            owed = self._delivered()  # deliveries owed so far, counted like the workers count them
+            stuck_since = None
         start = loop.time()
         first_ns = time.time_ns()
         sent = 0
@@ -289,10 +318,26 @@ class Publisher:
             if elapsed >= spec.duration:
                 break
             due = MAX_BURST if not spec.fixed else min(MAX_BURST, int(total_rate * elapsed) + 1 - sent)
+            if closed:
+                delivered = self._delivered()
+                room = spec.window - (owed - delivered)
+                if room <= 0:
+                    now = loop.time()
+                    if stuck_since is None or delivered != stuck_since[1]:
+                        stuck_since = (now, delivered)
+                    elif now - stuck_since[0] >= WINDOW_STUCK:
+                        owed, stuck_since = delivered, None
+                        self.window_resets += 1
+                    await asyncio.sleep(WINDOW_POLL)
+                    continue
+                stuck_since = None
+                due = min(due, max(1, int(room / mean_fanout)))
             due = min(due, spec.messages - sent)
             if due > 0:
                 topics = self.messages.take(due)
                 self.sent.update(topics)
+                if closed:
+                    owed += sum(fanout[t] for t in topics)
                 await self.send(topics)
                 sent += due
                 self.counter[0] = sent
@@ -312,10 +357,17 @@ class Publisher:
         else:
             accepted = dict(self.accepted)
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        if self.window_resets:
+            self.errors["window_resets"] += self.window_resets
         return {"sent": sent, "accepted": {spec.topics[t]: n for t, n in accepted.items()},
                 "errors": dict(self.errors), "error_samples": self.error_samples[:10],
                 "first_ns": first_ns, "last_ns": last_ns,
                 "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss}
+
+    def _delivered(self) -> int:
+        """Messages received or announced lost so far by the clients that read (all worker processes)."""
+        d = self.deliveries
+        return sum(d[i] for i in self._delivery_slots)
 
     def close(self) -> None:
         if self.ingest is not None and self.ingest.transport is not None:
@@ -324,8 +376,8 @@ class Publisher:
             conn.close()
 
 
-async def _serve(spec: PublisherSpec, counter: Any, conn: Connection) -> None:
-    publisher = Publisher(spec, counter)
+async def _serve(spec: PublisherSpec, counter: Any, deliveries: Any, conn: Connection) -> None:
+    publisher = Publisher(spec, counter, deliveries)
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
     loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
@@ -348,7 +400,7 @@ async def _serve(spec: PublisherSpec, counter: Any, conn: Connection) -> None:
     conn.send(("published", result))
 
 
-def main(spec: PublisherSpec, counter: Any, conn: Connection) -> None:
-    """Process entry point (multiprocessing target)."""
+def main(spec: PublisherSpec, counter: Any, deliveries: Any, conn: Connection) -> None:
+    """Process entry point (multiprocessing target). ``deliveries``: the client workers' shared counters."""
     raise_nofile_limit()
-    run_loop(_serve(spec, counter, conn))
+    run_loop(_serve(spec, counter, deliveries, conn))

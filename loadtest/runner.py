@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from loadtest import analysis, deliverylog, publisher, recorder, report, worker
-from loadtest.procstat import TreeSampler, peak_rss, raise_nofile_limit
+from loadtest.procstat import MachineSampler, TreeSampler, peak_rss, raise_nofile_limit, wait_quiet
 from loadtest.scenarios import Plan, Scenario, plan
 from loadtest.target import Target
 
@@ -107,17 +107,29 @@ class LoadRun:
         s, p, target = self.scenario, self.plan, self.target
         stall_at, stall_for = s.resolved_stall()
         pub_counter = self.ctx.RawArray("q", 1)
-        pub_spec = publisher.PublisherSpec(target, p.topics, p.rates, s.rate is not None, s.duration, s.messages,
-                                           s.payload, s.publish_via)
-        pub = self._start(publisher.main, pub_spec, pub_counter, name="loadtest-publisher")
-        # the client processes start (imports take a while) while the publisher primes the topics
         procs = min(s.procs, len(p.clients))
         counters = self.ctx.RawArray("q", procs * len(worker.COUNTERS))
+        closed_loop = s.rate is None and s.window > 0
+        # closed loop: the publisher keeps window x (subscriptions of the clients that read) in flight,
+        # counted from the clients' shared counters (the "light" side: everyone but stalled clients)
+        fanout = [0] * len(p.topics)
+        for c in p.clients:
+            if c.role != "stalled":
+                for t in c.topics:
+                    fanout[t] += 1
+        pub_spec = publisher.PublisherSpec(target, p.topics, p.rates, s.rate is not None, s.duration, s.messages,
+                                           s.payload, s.publish_via,
+                                           window=s.window * sum(fanout) if closed_loop else 0,
+                                           fanout=tuple(fanout), procs=procs)
+        pub = self._start(publisher.main, pub_spec, pub_counter, counters, name="loadtest-publisher")
+        # the client processes start (imports take a while) while the publisher primes the topics
         workers = []
         indexed = tuple(enumerate(p.clients))
+        period = worker.FAST_COUNTER_PERIOD if closed_loop else worker.COUNTER_PERIOD
         for slot, part in enumerate(_split(indexed, procs)):
             spec = worker.WorkerSpec(slot, target, p.topics, part, len(p.clients), stall_at, stall_for,
-                                     str(self.out / f"worker{slot}.pickle"), self.connect_timeout, self.max_rows)
+                                     str(self.out / f"worker{slot}.pickle"), self.connect_timeout, self.max_rows,
+                                     period)
             workers.append(self._start(worker.main, spec, counters, name=f"loadtest-clients{slot}"))
         _, error = _recv(pub, PRIME_TIMEOUT, "publisher")
         if error:
@@ -137,6 +149,7 @@ class LoadRun:
 
         server = TreeSampler(target.pid) if target.pid else None
         loadgen = TreeSampler(os.getpid(), exclude=target.pid)
+        machine = MachineSampler()
         go_ns = time.time_ns() + int(GO_DELAY * 1e9)
         for conn in [pub, *workers]:
             conn.send(("go", go_ns))
@@ -146,6 +159,7 @@ class LoadRun:
             if server is not None:
                 server.sample()
             loadgen.sample()
+            machine.sample()
 
         def totals() -> dict[str, int]:
             n = len(worker.COUNTERS)
@@ -209,7 +223,7 @@ class LoadRun:
 
         data = analysis.merge(dumps, p, published)
         summary = analysis.summarize(data, s, p, target.kind, go_ns, stall_for > 0)
-        summary["cpu"] = self._cpu(server, loadgen, t_go, t_end, dumps, published)
+        summary["cpu"] = self._cpu(server, loadgen, machine, t_go, t_end, dumps, published)
         summary["timing"] = {"go_ns": go_ns, "publish_s": round(
             (published.get("last_ns", go_ns) - published.get("first_ns", go_ns)) / 1e9, 3),
             "measured_s": round(t_end - t_go, 3)}
@@ -232,15 +246,27 @@ class LoadRun:
             text += f"  server cpu {100 * (c1 - c0) / max(t1 - t0, 1e-9):.0f}% rss {rss / 2**20:.0f}MB"
         return text
 
-    def _cpu(self, server: TreeSampler | None, loadgen: TreeSampler, t0: float, t1: float,
-             dumps: list[dict[str, Any]], published: dict[str, Any]) -> dict[str, Any]:
+    def _cpu(self, server: TreeSampler | None, loadgen: TreeSampler, machine: MachineSampler, t0: float,
+             t1: float, dumps: list[dict[str, Any]], published: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"loadgen": loadgen.window(t0, t1)}
         out["loadgen"]["procs"] = len(dumps) + 1
+        # the publisher is the first process started, the client workers the rest
+        pids = [proc.pid for proc in self.processes]
+        out["loadgen"]["by_role_pct"] = {
+            "runner": loadgen.pids_pct(t0, t1, [os.getpid()]),
+            "publisher": loadgen.pids_pct(t0, t1, pids[:1]),
+            "clients": loadgen.pids_pct(t0, t1, pids[1:]),
+            "busiest_client_proc": max((loadgen.pids_pct(t0, t1, [p]) for p in pids[1:]), default=0.0)}
         out["loadgen"]["client_rss_max_mb"] = round(max((d["maxrss_kb"] for d in dumps), default=0) / 1024, 1)
         if server is not None and self.target.pid:
             out["server"] = server.window(t0, t1)
             out["server"]["rss_peak_mb"] = round(peak_rss(self.target.pid) / 2**20, 1)
         out["cores"] = os.cpu_count()
+        busy = machine.window(t0, t1)
+        ours = out["loadgen"]["cpu_pct"] + out.get("server", {}).get("cpu_pct", 0.0)
+        # busy CPU of the whole machine (% of one core, up to cores x 100) and what neither server nor load
+        # used: other programs (or the kernel's softirq work not charged to our processes)
+        out["machine"] = {"busy_pct": busy, "other_pct": round(max(0.0, busy - ours), 1)}
         return out
 
     def _write(self, data: analysis.RunData, summary: dict[str, Any], go_ns: int) -> None:
@@ -253,18 +279,38 @@ class LoadRun:
         report.write(out, data.log, summary, p, go_ns)
 
 
+def _quiet(console: Console, limit_s: float) -> None:
+    """Wait up to ``limit_s`` for the machine to be quiet before a run (``--wait-quiet``)."""
+    if limit_s <= 0:
+        return
+    quiet, busy = wait_quiet(limit_s)
+    if not quiet:
+        console.print(f"[yellow]the machine is still busy ({busy:.0f}% of a core) after {limit_s:g} s; running anyway")
+
+
+#: the halves of a paired run: a dominator run (without, with) and a coldhot run (alone, beside)
+PAIRS = ("without", "with", "alone", "beside")
+
+
 def run(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console | None = None,
         progress: bool = True, **options: Any) -> dict[str, Any]:
     """Run a scenario against a fresh target from ``target_factory`` and write its results under ``out``.
 
     A scenario with a dominator (``dominator_topics > 0``) runs twice, without then with the dominator
     client, in ``out/without`` and ``out/with``; the top summary compares the light clients' latency.
+    A ``coldhot`` scenario runs twice, its hot topics silent then published, in ``out/alone`` and
+    ``out/beside``; the top summary compares the cold topics' latency.
     """
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
+    options.setdefault("wait_quiet", 0.0)
     if scenario.dominator_topics:
         return _run_dominator(scenario, target_factory, out, console, progress, **options)
+    if scenario.coldhot:
+        return _run_coldhot(scenario, target_factory, out, console, progress, **options)
     console.print(f"[bold]{scenario.name}[/]: {scenario.description}")
+    wait = options.pop("wait_quiet")
+    _quiet(console, wait)
     with target_factory(out) as target:
         summary = LoadRun(scenario, target, out, console, progress, **options).execute()
     report.print_summary(console, summary, f"{scenario.name} against {summary['target']}")
@@ -272,16 +318,27 @@ def run(scenario: Scenario, target_factory: TargetFactory, out: Path, console: C
     return summary
 
 
-def _run_dominator(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console,
-                   progress: bool, **options: Any) -> dict[str, Any]:
+def _run_pair(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console, progress: bool,
+              halves: tuple[tuple[str, str, Scenario], tuple[str, str, Scenario]],
+              **options: Any) -> dict[str, dict[str, Any]]:
+    """Two runs on fresh targets, each in its own subdirectory; returns their summaries by label."""
     results = {}
-    for label, present in (("without", False), ("with", True)):
-        console.print(f"[bold]{scenario.name}[/] {label} the dominator client")
+    wait = options.pop("wait_quiet")
+    for label, what, variant in halves:
+        console.print(f"[bold]{scenario.name}[/] {what}")
         sub = out / label
         sub.mkdir(parents=True, exist_ok=True)
+        _quiet(console, wait)
         with target_factory(sub) as target:
-            results[label] = LoadRun(dataclasses.replace(scenario, dominator=present), target, sub, console,
-                                     progress, **options).execute()
+            results[label] = LoadRun(variant, target, sub, console, progress, **options).execute()
+    return results
+
+
+def _run_dominator(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console,
+                   progress: bool, **options: Any) -> dict[str, Any]:
+    results = _run_pair(scenario, target_factory, out, console, progress, (
+        ("without", "without the dominator client", dataclasses.replace(scenario, dominator=False)),
+        ("with", "with the dominator client", dataclasses.replace(scenario, dominator=True))), **options)
     without, with_ = results["without"]["latency_ms"], results["with"]["latency_ms"]
     summary = {
         "scenario": dataclasses.asdict(scenario), "target": results["with"]["target"],
@@ -300,4 +357,33 @@ def _run_dominator(scenario: Scenario, target_factory: TargetFactory, out: Path,
                             ratio=("with", "without"))
     console.print(f"light clients p99: {without['p99']} ms without, {with_['p99']} ms with the dominator; "
                   f"results in {out}")
+    return summary
+
+
+def _run_coldhot(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console,
+                 progress: bool, **options: Any) -> dict[str, Any]:
+    results = _run_pair(scenario, target_factory, out, console, progress, (
+        ("alone", "with the hot topics silent (cold topics alone)", dataclasses.replace(scenario, hot_silent=True)),
+        ("beside", "with the hot topics published (cold beside hot)", dataclasses.replace(scenario,
+                                                                                          hot_silent=False))),
+        **options)
+    alone = results["alone"]["topic_classes_ms"].get("cold", {})
+    beside = results["beside"]["topic_classes_ms"].get("cold", {})
+    hot = results["beside"]["topic_classes_ms"].get("hot", {})
+    summary = {
+        "scenario": dataclasses.asdict(scenario), "target": results["beside"]["target"],
+        "coldhot": {
+            "cold_p50_ms_alone": alone.get("p50", 0.0), "cold_p50_ms_beside": beside.get("p50", 0.0),
+            "cold_p99_ms_alone": alone.get("p99", 0.0), "cold_p99_ms_beside": beside.get("p99", 0.0),
+            "p99_ratio": round(beside["p99"] / alone["p99"], 3) if alone.get("p99") and beside else None,
+            "hot_latency_ms": hot,
+        },
+        "alone": results["alone"], "beside": results["beside"],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    report.print_comparison(console, {"alone": analysis.figures(results["alone"]),
+                                      "beside": analysis.figures(results["beside"])},
+                            f"{scenario.name}: cold topics alone / beside a hot topic", ratio=("beside", "alone"))
+    console.print(f"cold topics p99: {alone.get('p99')} ms alone, {beside.get('p99')} ms beside the hot topic "
+                  f"(ratio {summary['coldhot']['p99_ratio']}); results in {out}")
     return summary

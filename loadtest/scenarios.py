@@ -15,6 +15,10 @@ from dataclasses import dataclass
 TRANSPORTS = ("ws", "longpoll", "mixed")
 PUBLISH_VIA = ("ingest", "admin")
 
+#: padding that makes a message's data 100 bytes: ``{"ts":<19 digits>,"t":"t0000","n":<5 digits>,"pad":""}``
+#: is 57 bytes (a hot topic's name is one byte longer, a low message number a few digits shorter)
+PAYLOAD_100 = 43
+
 #: In ``max`` mode the topic mix keeps the proportions the fixed rates would have, with the base rate
 #: counted as this many messages per second.
 NOMINAL_MAX_RATE = 1000.0
@@ -60,6 +64,18 @@ class Scenario:
     drain: float = 5.0
     #: ring capacity of the gateway's topics (config ``topics.rules.capacity``)
     capacity: int = 64
+    #: messages one ring subscription may give per cycle (gateway config ``topics.rules.batch_depth``); 1 is
+    #: one message per topic per frame. nchan has no equivalent: it sends one message per frame.
+    batch_depth: int = 1
+    #: run twice, the hot topics silent ("alone") then published ("beside"), and compare the cold topics'
+    #: latency (needs ``hot_topics``)
+    coldhot: bool = False
+    #: the hot topics exist and are subscribed but get no messages (the "alone" half of a coldhot run)
+    hot_silent: bool = False
+    #: ``rate=max`` only: most messages per subscription in flight (published but not yet received, or
+    #: announced lost, by the clients that read), on average; 0 publishes open loop, as fast as the target
+    #: accepts the bytes (the gateway's ingest then takes far more than it can fan out)
+    window: int = 0
 
     def resolved_stall(self) -> tuple[float, float]:
         """(stall_at, stall_for) with the defaults applied; stall_for 0 means never resume."""
@@ -87,6 +103,14 @@ class Scenario:
             raise ValueError("rate must be > 0 (or max)")
         if self.duration <= 0 or self.messages < 1 or self.procs < 1:
             raise ValueError("duration, messages and procs must be positive")
+        if self.window < 0:
+            raise ValueError("window must be >= 0")
+        if self.batch_depth < 1:
+            raise ValueError("batch_depth must be >= 1")
+        if self.coldhot and not (self.hot_topics and 0 < self.hot_share < 1):
+            raise ValueError("coldhot needs hot_topics and 0 < hot_share < 1")
+        if self.coldhot and self.dominator_topics:
+            raise ValueError("coldhot and dominator runs cannot be combined")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +146,8 @@ def plan(s: Scenario) -> Plan:
     topics = [f"hot{i:03d}" for i in range(s.hot_topics)] + [f"t{i:04d}" for i in range(n_cold)]
     classes = ["hot"] * s.hot_topics + ["cold"] * n_cold
     if s.hot_topics:
-        rates = [base * s.hot_share / s.hot_topics] * s.hot_topics
+        # a silent hot topic is still primed and subscribed: only its messages are missing
+        rates = [0.0 if s.hot_silent else base * s.hot_share / s.hot_topics] * s.hot_topics
         rates += [base * (1 - s.hot_share) / n_cold] * n_cold
     else:
         rates = [base / n_cold] * n_cold
@@ -173,6 +198,16 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("dominator", "one client on 100 busy topics beside many light clients (run with and "
                  "without it)", clients=300, topics=30, subs=3, rate=300, dominator_topics=100,
                  dominator_rate=5000, duration=10),
+        # the benchmark targets (docs/benchmarks.md): 100-byte messages (PAYLOAD_100 bytes of padding)
+        Scenario("onetopic", "1000 clients on one topic, published as fast as the clients take it",
+                 clients=1000, topics=1, subs=1, rate=None, window=32, payload=PAYLOAD_100, duration=5, drain=3),
+        Scenario("spread", "1000 clients, each on 4 of 100 topics, published as fast as the clients take it",
+                 clients=1000, topics=100, subs=4, rate=None, window=32, payload=PAYLOAD_100, duration=5, drain=3),
+        Scenario("steady200", "1000 clients on one topic at a fixed 200 msgs/s (200k deliveries/s offered)",
+                 clients=1000, topics=1, subs=1, rate=200, payload=PAYLOAD_100, duration=5, drain=3),
+        Scenario("coldhot", "cold topics' latency alone (hot topic silent) and beside a hot topic (run twice)",
+                 clients=500, topics=11, subs=2, rate=50, hot_topics=1, hot_share=0.8, coldhot=True,
+                 payload=PAYLOAD_100, duration=8, drain=3),
     )
 }
 
@@ -198,6 +233,9 @@ _FLAGS: dict[str, tuple[str, object, str]] = {
     "--seed": ("seed", int, "random seed of the plan"),
     "--drain": ("drain", float, "max seconds to wait for in-flight deliveries at the end"),
     "--capacity": ("capacity", int, "ring capacity of the gateway's topics"),
+    "--window": ("window", int, "rate max: messages per subscription in flight (0: open loop)"),
+    "--batch-depth": ("batch_depth", int, "messages a ring subscription may give per cycle (gateway "
+                      "topic rule batch_depth; nchan has no equivalent)"),
 }
 
 

@@ -62,7 +62,31 @@ def test_client_counts_lines_and_accepts_already_landed():
     assert not client.done
     client.receive_data(synced(9, 1, 2))
     assert client.done
-    assert client.result == ingest.SyncResult(sync_id=9, records=3, accepted=1, refused=2)
+    assert client.result == ingest.SyncResult(sync_id=9, records=3, accepted=1, refused=2, duplicates=1, stale=1)
+
+
+def test_client_checks_each_sync_of_a_connection_separately():
+    client = IngestClient()
+    client.encode_records(records("t", range(3)))
+    client.sync(1)
+    client.receive_data(error(1, "duplicate_seq") + synced(1, 2, 1))
+    client.encode_records(records("t", range(3, 5)))
+    client.sync(2)
+    assert not client.done
+    with pytest.raises(IngestProtocolError, match="2 records were written"):
+        client.receive_data(synced(2, 3, 0))  # cumulative counts where per-sync ones are due
+
+
+def test_client_sums_the_syncs_of_a_connection():
+    client = IngestClient()
+    client.encode_records(records("t", range(3)))
+    client.sync(1)
+    client.receive_data(error(1, "duplicate_seq") + synced(1, 2, 1))
+    client.encode_records(records("t", range(3, 5)))
+    client.sync(2)
+    client.receive_data(error(5, "stale_seq") + synced(2, 1, 1))
+    assert client.done
+    assert client.result == ingest.SyncResult(sync_id=2, records=5, accepted=3, refused=2, duplicates=1, stale=1)
 
 
 def test_client_reassembles_answers_split_anywhere():
@@ -149,6 +173,7 @@ def test_publish_sends_chunks_then_sync(monkeypatch):
         result = publish(records("t", range(1200)), port=double.port, chunk_size=500, sync_id=42)
     assert sizes == [500, 500, 200]
     assert result == ingest.SyncResult(sync_id=42, records=1200, accepted=1200, refused=0)
+    assert list(map(len, ingest.chunks(range(7), 3))) == [3, 3, 1]
     assert double.seqs_by_topic() == {"t": list(range(1200))}
     assert [s["id"] for s in double.syncs] == [42]
 
