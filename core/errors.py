@@ -61,6 +61,12 @@ class StaleSeq(RequestError):
     code = "stale_seq"
 
 
+class SkippedSeq(RequestError):
+    """The seq's hole was given up (window or timeout) and announced as lost: the record came too late."""
+
+    code = "skipped_seq"
+
+
 class QueueFull(RequestError):
     """Back-pressure (seed 001): a private queue is full. The publisher waits for `take_space_freed`."""
 

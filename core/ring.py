@@ -19,7 +19,7 @@ from .client import Subscription
 from .config import TopicConfig
 from .counters import Counters
 from .entries import encode_loss
-from .errors import DuplicateSeq, StaleSeq
+from .errors import DuplicateSeq, SkippedSeq, StaleSeq
 from .topics import Topic
 
 
@@ -58,6 +58,8 @@ class RingTopic(Topic):
         if seq is None:
             seq = self.next_id
         elif seq < self.end:
+            if seq >= self.begin and self.slots[seq % self.capacity] is None:
+                raise SkippedSeq(f"seq {seq} of {self.name!r} arrived after its hole was given up (announced as lost)")
             raise StaleSeq(f"seq {seq} of {self.name!r} is below the available end {self.end}")
         elif seq in self.pending:
             raise DuplicateSeq(f"seq {seq} of {self.name!r} was already published")

@@ -9,6 +9,7 @@ from core import (
     Engine,
     EngineConfig,
     QueueFull,
+    SkippedSeq,
     StaleSeq,
     TopicConfig,
     TopicKind,
@@ -262,6 +263,10 @@ def test_a_hole_past_the_window_or_timeout_becomes_a_loss_notice():
         got += batch["a"]
     assert got[0] == {"type": "loss", "topic": "t", "from": 0, "to": 1, "reason": "skipped"}
     assert messages(got) == [1]
+    with pytest.raises(SkippedSeq):  # too late: told apart from a retry of a seq that landed
+        engine.publish("t", 0, seq=0)
+    with pytest.raises(StaleSeq):
+        engine.publish("t", 1, seq=1)
     assert engine.tick(0.5) == 0
     assert engine.tick(1.5) == 1  # holes 2 and 3 timed out
     got = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -71,6 +72,18 @@ def test_lockstep_needs_a_slot_per_partition(spark, tmp_path):
     with IngestProtocolDouble() as double:
         with pytest.raises(Exception, match="task slots"):
             run_feed(spark, rate_options(double.port, tmp_path / "ck", lockstep=True, num_partitions=3))
+
+
+def test_wall_clock_rate_source_stops_between_batches_after_max_seconds(spark):
+    with IngestProtocolDouble() as double:
+        opts = FeedOptions(source="rate", rows_per_second=200, topics=2, port=double.port, max_seconds=6,
+                           trigger_seconds=0.5, by_topic=True)  # fmt: skip
+        started = time.monotonic()
+        stats = run_feed(spark, opts)  # no failure: the batch in flight finished, the next one never began
+    assert time.monotonic() - started < 30
+    assert stats.batches >= 1 and stats.accepted == stats.records == len(double.landed)
+    for seqs in double.seqs_by_topic().values():
+        assert seqs == list(range(len(seqs)))  # by topic: in order, from 0
 
 
 def test_next_run_continues_from_the_checkpoint(spark, tmp_path):

@@ -1,0 +1,174 @@
+"""audit: a load tester's delivery log (Parquet) -> fairness report (Parquet tables + report.json).
+
+The heavy lifting is Spark's: percentiles per topic over every delivery, a group by message for the skew
+and the publish times, and a window over each (client, topic) pair ordered by delivery time for the largest
+gap. What comes back to the driver is small (one row per topic and per pair) and is turned into the report by
+:func:`pipeline.figures.build_report`, the same code the pure-Python reference uses.
+
+Output directory::
+
+    report.json            the report (see pipeline/figures.py for every definition)
+    latency_by_topic/      topic, count, p50, p90, p99, max (ns)
+    skew_by_topic/         topic, messages, p50, p99, max (ns)
+    pairs/                 one row per (client, topic): loss and starvation facts
+    clients/               one row per client: deliveries, span, rate
+
+``report.json`` is written with plain file I/O, so the output directory must be on the driver's file system;
+the tables go through Spark and may be anywhere Spark writes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orjson
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from pipeline import figures
+from pipeline.figures import PairFacts
+
+__all__ = ["audit"]
+
+_PAIRS_SCHEMA = (
+    "client string, topic string, deliveries long, distinct_seqs long, first_seq long, last_seq long, "
+    "first_deliver_ns long, last_deliver_ns long, max_deliver_gap_ns long, max_publish_gap_ns long, "
+    "expected long, missing long, loss_rate double, excess_ns long"
+)
+_CLIENTS_SCHEMA = (
+    "client string, deliveries long, first_deliver_ns long, last_deliver_ns long, span_ns long, rate_per_s double"
+)
+_LATENCY_SCHEMA = "topic string, count long, p50 double, p90 double, p99 double, max long"
+_SKEW_SCHEMA = "topic string, messages long, p50 double, p99 double, max long"
+
+
+def _percentiles(column: Column, ps: tuple[float, ...], exact: bool, accuracy: int) -> Column:
+    if exact:
+        return F.percentile(column, list(ps))
+    return F.percentile_approx(column, list(ps), accuracy)
+
+
+def _summaries(df: DataFrame, value: str, ps, count_key: str, exact: bool, accuracy: int, *, total: bool = False):
+    """Per-topic summaries ``{topic: {count_key, p.., max}}`` of column ``value``, and with ``total`` also the
+    summary over all topics (one pass: ``rollup``)."""
+    aggs = [
+        F.count(F.lit(1)).alias("n"),
+        F.max(value).alias("max"),
+        _percentiles(F.col(value), ps, exact, accuracy).alias("ps"),
+    ]
+    grouped = df.rollup("topic").agg(F.grouping("topic").alias("all"), *aggs) if total else df.groupBy("topic").agg(*aggs)
+    by_topic: dict = {}
+    overall = {count_key: 0, **{f"p{round(p * 100)}": None for p in ps}, "max": None}
+    for row in grouped.collect():
+        summary = {count_key: row["n"]}
+        for p, v in zip(ps, row["ps"] or [None] * len(ps)):
+            summary[f"p{round(p * 100)}"] = None if v is None else float(v)
+        summary["max"] = row["max"]
+        if total and row["all"]:
+            if row["n"]:
+                overall = summary
+        else:
+            by_topic[row["topic"]] = summary
+    return (by_topic, overall) if total else by_topic
+
+
+def _largest_gap(ordered_by: str, partition: list[str]) -> Column:
+    previous = F.lag(ordered_by).over(Window.partitionBy(*partition).orderBy(ordered_by))
+    return F.col(ordered_by) - previous
+
+
+def audit(
+    spark: SparkSession,
+    log_path: str,
+    out_dir: str,
+    *,
+    exact: bool = False,
+    accuracy: int = figures.DEFAULT_ACCURACY,
+) -> dict:
+    """Compute the report of the delivery log at ``log_path``, write it and the tables to ``out_dir``."""
+    log = spark.read.parquet(log_path).select(*figures.DELIVERY_LOG_COLUMNS)
+    deliveries = log.select("topic", "seq", "client", "deliver_ns", (F.col("deliver_ns") - F.col("publish_ns")).alias("latency_ns"), "publish_ns")
+
+    latency_by_topic = _summaries(deliveries, "latency_ns", figures.LATENCY_PERCENTILES, "count", exact, accuracy)
+
+    messages = (
+        log.groupBy("topic", "seq")
+        .agg(
+            F.min("publish_ns").alias("publish_ns"),
+            (F.max("deliver_ns") - F.min("deliver_ns")).alias("skew_ns"),
+            F.count(F.lit(1)).alias("deliveries"),
+        )
+        .cache()
+    )
+    try:
+        multi = messages.where(F.col("deliveries") >= 2)
+        skew_by_topic, skew = _summaries(
+            multi, "skew_ns", figures.SKEW_PERCENTILES, "messages", exact, accuracy, total=True
+        )
+        publish_gaps = (
+            messages.select("topic", _largest_gap("publish_ns", ["topic"]).alias("gap"))
+            .groupBy("topic")
+            .agg(F.coalesce(F.max("gap"), F.lit(0)).alias("max_publish_gap_ns"))
+        )
+        # Two windows over the same (client, topic) partitioning, so one shuffle: ordered by seq to count
+        # distinct seqs (cheaper than count_distinct's expand), ordered by delivery time for the gaps.
+        new_seq = F.col("seq") != F.lag("seq").over(Window.partitionBy("client", "topic").orderBy("seq"))
+        pair_rows = (
+            log.select("client", "topic", "seq", "deliver_ns", F.coalesce(new_seq.cast("long"), F.lit(1)).alias("new_seq"))
+            .select("*", _largest_gap("deliver_ns", ["client", "topic"]).alias("gap"))
+            .groupBy("client", "topic")
+            .agg(
+                F.count(F.lit(1)).alias("deliveries"),
+                F.sum("new_seq").alias("distinct_seqs"),
+                F.min("seq").alias("first_seq"),
+                F.max("seq").alias("last_seq"),
+                F.min("deliver_ns").alias("first_deliver_ns"),
+                F.max("deliver_ns").alias("last_deliver_ns"),
+                F.coalesce(F.max("gap"), F.lit(0)).alias("max_deliver_gap_ns"),
+            )
+            .join(publish_gaps, "topic")
+            .collect()
+        )
+    finally:
+        messages.unpersist()
+
+    pairs = [PairFacts(**{name: row[name] for name in PairFacts.__slots__}) for row in pair_rows]
+    rows = sum(summary["count"] for summary in latency_by_topic.values())
+    report = figures.build_report(
+        rows=rows,
+        latency_by_topic=latency_by_topic,
+        skew=skew,
+        skew_by_topic=skew_by_topic,
+        pairs=pairs,
+        exact=exact,
+        accuracy=accuracy,
+    )
+    _write_tables(spark, out_dir, latency_by_topic, skew_by_topic, pairs)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+    return report
+
+
+def _write_tables(spark: SparkSession, out_dir: str, latency_by_topic: dict, skew_by_topic: dict, pairs: list[PairFacts]) -> None:
+    def write(name: str, rows: list[tuple], schema: str) -> None:
+        spark.createDataFrame(rows, schema).coalesce(1).write.mode("overwrite").parquet(os.path.join(out_dir, name))
+
+    write(
+        "latency_by_topic",
+        [(t, s["count"], s["p50"], s["p90"], s["p99"], s["max"]) for t, s in sorted(latency_by_topic.items())],
+        _LATENCY_SCHEMA,
+    )
+    write(
+        "skew_by_topic",
+        [(t, s["messages"], s["p50"], s["p99"], s["max"]) for t, s in sorted(skew_by_topic.items())],
+        _SKEW_SCHEMA,
+    )
+    pair_columns = [c.split()[0] for c in _PAIRS_SCHEMA.split(", ")]
+    write("pairs", [tuple(p.table_row()[c] for c in pair_columns) for p in pairs], _PAIRS_SCHEMA)
+    client_columns = [c.split()[0] for c in _CLIENTS_SCHEMA.split(", ")]
+    write(
+        "clients",
+        [tuple(c.table_row()[k] for k in client_columns) for c in figures.clients_of(pairs)],
+        _CLIENTS_SCHEMA,
+    )
