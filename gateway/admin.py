@@ -116,6 +116,8 @@ async def publish(request: Request) -> Response:
     if not isinstance(items, list):
         raise RequestError("`messages` must be a list", code="bad_request")
     client = body.get("client")
+    if client is not None and not isinstance(client, str):
+        raise RequestError("`client` must be a string (a client id)", code="bad_request")
     seq = body.get("seq")
     if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or "messages" in body):
         raise RequestError("`seq` must be an integer, with `data` only", code="bad_request")

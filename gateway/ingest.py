@@ -42,6 +42,9 @@ class IngestProtocol(asyncio.Protocol):
         self.blocked: tuple[int, dict] | None = None
         self.reading_paused = False
         self.skipping = False  # inside an over-long line: drop bytes up to its newline
+        self.max_per_turn = config.max_records_per_turn
+        #: a scheduled continuation: this connection yielded the loop to the fan-out after a full turn
+        self.continuation: asyncio.Handle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -51,7 +54,7 @@ class IngestProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        if self.blocked is None:
+        if self.blocked is None and self.continuation is None:
             self._process()
         if len(self.buffer) > self.max_buffer and not self.reading_paused and self.transport:
             self.transport.pause_reading()
@@ -61,10 +64,22 @@ class IngestProtocol(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
+    def _continue(self) -> None:
+        self.continuation = None
+        if self.blocked is None and self.transport is not None:
+            self._process()
+
     def _process(self) -> None:
         buffer = self.buffer
         start = 0
+        budget = self.max_per_turn
         while self.blocked is None:
+            if budget == 0:
+                # A publisher at full speed must not starve the fan-out: after a turn, let a cycle run
+                # (the scheduler was woken by these publishes), then go on with what is buffered.
+                self.continuation = asyncio.get_running_loop().call_soon(self._continue)
+                break
+            budget -= 1
             end = buffer.find(b"\n", start)
             if end < 0:
                 if len(buffer) - start > self.max_line and not self.skipping:
@@ -88,7 +103,7 @@ class IngestProtocol(asyncio.Protocol):
                 self._apply(self.line_no, line)
         del buffer[:start]
         self.hub.wake()
-        if self.blocked is None and self.reading_paused and len(buffer) <= self.max_buffer and self.transport:
+        if self.reading_paused and self.blocked is None and len(buffer) <= self.max_buffer and self.transport:
             self.transport.resume_reading()
             self.reading_paused = False
 
@@ -125,6 +140,10 @@ class IngestProtocol(asyncio.Protocol):
         if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
             self.refused += 1
             self._error(line_no, "bad_record", "`seq` must be an integer >= 0")
+            return
+        if client is not None and not isinstance(client, str):
+            self.refused += 1
+            self._error(line_no, "bad_record", "`client` must be a string (a client id)")
             return
         try:
             self.hub.engine.publish(topic, record["data"], seq=seq, client_id=client, now=time.monotonic())
