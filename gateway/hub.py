@@ -20,6 +20,7 @@ from core.entries import encode_error
 
 from . import close_codes
 from .config import GatewayConfig
+from .gcpolicy import GcPolicy
 from .metrics import Metrics
 
 log = logging.getLogger("gateway")
@@ -56,6 +57,7 @@ class Hub:
         self.instance_id = instance_id or secrets.token_hex(4)
         self.engine = Engine(config.engine_config(), instance_id=self.instance_id)
         self.conns: dict[str, Connection] = {}
+        self.gc = GcPolicy(config.server.gc_full_interval_s)
         self.metrics = Metrics(self)
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -75,8 +77,10 @@ class Hub:
         self._task = asyncio.get_running_loop().create_task(self._scheduler(), name="fanout-scheduler")
         self._schedule_tick()
         self._schedule_watchdog()
+        self.gc.start()
 
     async def stop(self) -> None:
+        self.gc.stop()
         for timer in (self._tick, self._watchdog):
             if timer:
                 timer.cancel()

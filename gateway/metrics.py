@@ -34,14 +34,16 @@ class _Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
 
-    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+    def cumulative(self) -> list[tuple[str, int]]:
         buckets, running = [], 0
         for bound, count in zip(self.bounds, self.counts):
             running += count
             buckets.append((repr(float(bound)), running))
-        running += self.counts[-1]
-        buckets.append(("+Inf", running))
-        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
+        buckets.append(("+Inf", running + self.counts[-1]))
+        return buckets
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        return HistogramMetricFamily(name, doc, buckets=self.cumulative(), sum_value=self.total)
 
 
 class Metrics:
@@ -90,6 +92,12 @@ class Metrics:
         yield CounterMetricFamily("fanout_ingest_errors", "error lines sent on the TCP ingest", value=self.ingest_errors)
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
         yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
+        pauses = HistogramMetricFamily("fanout_gc_pause_seconds", "garbage-collector pauses", labels=["generation"])
+        for generation, histogram in self.hub.gc.pauses.items():
+            pauses.add_metric([str(generation)], histogram.cumulative(), sum_value=histogram.total)
+        yield pauses
+        yield CounterMetricFamily("fanout_gc_full_collections", "periodic full collections (gcpolicy)",
+                                  value=self.hub.gc.full_collections)
         raw = self.hub.raw
         if raw is not None:
             for name, value in raw.stats().items():
