@@ -206,7 +206,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("steady200", "1000 clients on one topic at a fixed 200 msgs/s (200k deliveries/s offered)",
                  clients=1000, topics=1, subs=1, rate=200, payload=PAYLOAD_100, duration=5, drain=3),
         Scenario("coldhot", "cold topics' latency alone (hot topic silent) and beside a hot topic (run twice)",
-                 clients=500, topics=11, subs=2, rate=50, hot_topics=1, hot_share=0.8, coldhot=True,
+                 clients=500, topics=11, subs=2, rate=100, hot_topics=1, hot_share=0.5, coldhot=True,
                  payload=PAYLOAD_100, duration=8, drain=3),
     )
 }
