@@ -37,6 +37,16 @@ def _drain(engine: Engine) -> int:
     return entries
 
 
+def _subscribe_all(engine: Engine, clients: int, topics: int) -> None:
+    """Connect `clients`, each subscribed to topics t0..t{topics-1}, and write their acks."""
+    for c in range(clients):
+        engine.connect(c)
+        for t in range(topics):
+            engine.subscribe(c, f"t{t}")
+    while _drain(engine):
+        pass
+
+
 def publish_cost(subscribers: int, publishes: int, caught_up: bool) -> float:
     """Microseconds per publish. caught_up: a cycle runs between publishes so every subscriber is idle."""
     engine = _engine()
@@ -83,12 +93,7 @@ def cycle_cost(active: int, idle: int, rounds: int) -> float:
 def emit_rate(clients: int, topics: int, rounds: int) -> tuple[float, float]:
     """(entries emitted per second of run_cycle time, entries per batch) for clients x topics, all hot."""
     engine = _engine()
-    for c in range(clients):
-        engine.connect(c)
-        for t in range(topics):
-            engine.subscribe(c, f"t{t}")
-    while _drain(engine):
-        pass
+    _subscribe_all(engine, clients, topics)
     _settle()
     entries = batches_n = 0
     elapsed = 0.0
@@ -113,18 +118,12 @@ def memory_per_subscription(clients: int, topics: int) -> float:
     for t in range(topics):
         engine.create_topic(f"t{t}")
     base, _ = tracemalloc.get_traced_memory()
-    for c in range(clients):
-        engine.connect(c)
-        for t in range(topics):
-            engine.subscribe(c, f"t{t}")
-    # Acks sit in direct queues until written: drain them so only subscription state remains.
-    while _drain(engine):
-        pass
+    _subscribe_all(engine, clients, topics)  # acks are written: only subscription state remains
     gc.collect()
     used, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    per_client = 0  # the Client object and its containers, amortised away by dividing by all subscriptions
-    return (used - base - per_client) / (clients * topics)
+    # Client objects and their containers are included, spread over all subscriptions.
+    return (used - base) / (clients * topics)
 
 
 def main(argv: list[str] | None = None) -> None:
