@@ -133,7 +133,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     ws = config.websocket
     uv_config = uvicorn.Config(
         build_app(hub, token),
-        ws=protocol_class(ws.write_high_water),
+        ws=protocol_class(ws.write_high_water, ws.socket_send_buffer),
         ws_per_message_deflate=False,  # a shared frame per batch: compression would cost an encode per client
         ws_max_size=ws.max_frame_bytes,
         ws_ping_interval=ws.ping_interval_s,

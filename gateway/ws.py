@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import struct
 import time
 from typing import Any
@@ -48,11 +49,17 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     """uvicorn's websockets-sansio protocol, exposing itself and its flow control to the endpoint."""
 
     write_high_water = 65536
+    #: SO_SNDBUF of client sockets; 0 keeps the kernel's (auto-tuned, several MiB on loopback)
+    socket_send_buffer = 0
     connection: "WSConnection | None" = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         transport.set_write_buffer_limits(high=self.write_high_water, low=self.write_high_water // 4)
+        if self.socket_send_buffer:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_send_buffer)
 
     async def run_asgi(self) -> None:
         self.scope.setdefault("extensions", {})[SCOPE_KEY] = self
@@ -74,8 +81,9 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             self.connection.on_lost()
 
 
-def protocol_class(write_high_water: int) -> type[FanoutWSProtocol]:
-    return type("ConfiguredFanoutWSProtocol", (FanoutWSProtocol,), {"write_high_water": write_high_water})
+def protocol_class(write_high_water: int, socket_send_buffer: int = 0) -> type[FanoutWSProtocol]:
+    attrs = {"write_high_water": write_high_water, "socket_send_buffer": socket_send_buffer}
+    return type("ConfiguredFanoutWSProtocol", (FanoutWSProtocol,), attrs)
 
 
 class WSConnection:

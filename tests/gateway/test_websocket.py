@@ -154,3 +154,17 @@ def test_client_ids_and_private_queues_through_ingest():
         assert pub.sync() == {"type": "synced", "id": 1, "accepted": 1, "refused": 1}
         got = collect(ws, msgs)
         assert msgs(got)[0]["data"] == "for alice"
+
+
+def test_socket_send_buffer_is_applied_to_client_sockets():
+    with run_gateway(websocket={"socket_send_buffer": 32768}) as gw, ws_connect(gw) as ws:
+        send(ws, op="ping", id=1)
+        assert recv_entries(ws)[0]["result"] == "pong"
+
+        def sndbuf():
+            import socket
+
+            (conn,) = gw.hub.conns.values()
+            return conn.proto.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+
+        assert 32768 <= gw.call(sndbuf) <= 2 * 32768  # Linux doubles the value it is given
