@@ -45,7 +45,7 @@ def test_small_run_against_nchan(tmp_path: Path) -> None:
                json.loads((tmp_path / "clients.json").read_text()) for t in c["topics"])
     assert summary["deliveries"]["total"] == owed > 0
     assert summary["batch_entries"]["max"] == 1  # one message per frame
-    assert summary["cpu"]["server"]["cpu_s"] > 0
+    assert summary["cpu"]["server"]["cpu_s"] >= 0  # 10 ms clock ticks: a short run may read 0
 
 
 @pytest.mark.skipif(not nchan.installed(), reason="nginx + nchan not installed (compare installs them)")

@@ -45,7 +45,8 @@ def _check(summary: dict, out: Path, scenario: Scenario) -> None:
     assert summary["skew_ms"]["n"] > 0
     assert 0 < summary["fairness"]["jain_rate"] <= 1
     assert summary["batch_entries"]["mean"] >= 1
-    assert summary["cpu"]["server"]["cpu_s"] > 0 and summary["cpu"]["loadgen"]["cpu_s"] > 0
+    # CPU comes in 10 ms clock ticks: a short run may honestly read 0; the arithmetic is tested on known input
+    assert summary["cpu"]["server"]["cpu_s"] >= 0 and summary["cpu"]["loadgen"]["cpu_s"] >= 0
     assert [f.name for f in pq.read_schema(out / "deliveries.parquet")] == [
         "topic", "seq", "client", "publish_ns", "deliver_ns", "batch_id"]
     for name in ("summary.json", "clients.json", "topics.json", "report.html", "latency_cdf.png"):
