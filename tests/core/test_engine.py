@@ -12,7 +12,6 @@ from core import (
     SkippedSeq,
     StaleSeq,
     TopicConfig,
-    TopicKind,
     UnknownTopic,
     encode_reply,
 )

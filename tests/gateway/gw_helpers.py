@@ -11,13 +11,16 @@ import orjson
 from websockets.sync.client import connect
 
 
-def ws_connect(gw, *, query: str = "", rcvbuf: int | None = None):
+def ws_connect(gw, *, query: str = "", rcvbuf: int | None = None, max_queue: int | None = None):
     sock = None
     if rcvbuf is not None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.connect(("127.0.0.1", gw.http_port))
-    return connect(gw.ws_url + query, sock=sock, open_timeout=5, max_size=None, compression=None)
+    # max_queue=None (unbounded): a test that stops reading must not stall the close handshake for 10 s;
+    # a client meant to stall passes a bound, so its reader stops and the kernel buffers fill
+    return connect(gw.ws_url + query, sock=sock, open_timeout=5, max_size=None, max_queue=max_queue,
+                   compression=None)
 
 
 def send(ws, **command) -> None:

@@ -67,7 +67,7 @@ def test_a_client_that_stops_reading_does_not_delay_others_and_is_disconnected()
         "topics": {"rules": [{"pattern": "*", "capacity": 4096, "batch_depth": 8}]},
     }
     payload = "x" * 20000
-    with run_gateway(**config) as gw, ws_connect(gw, rcvbuf=4096) as slow, ws_connect(gw) as fast:
+    with run_gateway(**config) as gw, ws_connect(gw, rcvbuf=4096, max_queue=16) as slow, ws_connect(gw) as fast:
         for ws in (slow, fast):
             send(ws, op="subscribe", topic="t")
             recv_entries(ws)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from loadtest.publisher import Publisher, PublisherSpec
 from loadtest.target import Target
 from loadtest.worker import COUNTERS
 
-FAKE = f"{sys.executable} {Path(__file__).with_name('fake_gateway.py')}"
 
 
 def _parse(*argv: str) -> scenarios.Scenario:
@@ -135,10 +133,10 @@ def test_machine_cpu_and_wait_quiet() -> None:
     assert not quiet and busy >= 0 and time.monotonic() - start < 2
 
 
-def test_coldhot_run_against_the_stand_in(tmp_path: Path) -> None:
+def test_coldhot_run_against_the_gateway(tmp_path: Path) -> None:
     scenario = scenarios.Scenario("ch", "test", clients=6, topics=4, subs=2, rate=200, hot_topics=1,
                                   hot_share=0.8, coldhot=True, duration=1.0, drain=3)
-    summary = runner.run(scenario, lambda workdir: GatewayProcess(workdir, FAKE), tmp_path,
+    summary = runner.run(scenario, lambda workdir: GatewayProcess(workdir), tmp_path,
                          Console(record=True, width=140), progress=False, connect_timeout=10)
     pair = summary["coldhot"]
     assert pair["cold_p99_ms_alone"] > 0 and pair["cold_p99_ms_beside"] > 0 and pair["p99_ratio"] > 0
@@ -152,10 +150,10 @@ def test_coldhot_run_against_the_stand_in(tmp_path: Path) -> None:
         assert set(summary[label]["cpu"]["loadgen"]["by_role_pct"]) >= {"clients", "publisher"}
 
 
-def test_closed_loop_run_against_the_stand_in(tmp_path: Path) -> None:
+def test_closed_loop_run_against_the_gateway(tmp_path: Path) -> None:
     scenario = scenarios.Scenario("cl", "test", clients=8, topics=2, subs=1, rate=None, window=8, duration=1.0,
                                   drain=3, procs=2)
-    summary = runner.run(scenario, lambda workdir: GatewayProcess(workdir, FAKE), tmp_path,
+    summary = runner.run(scenario, lambda workdir: GatewayProcess(workdir), tmp_path,
                          Console(record=True, width=140), progress=False, connect_timeout=10)
     assert summary["loss"]["silent"] == 0 and summary["loss"]["announced"] == 0
     assert summary["published"]["sent"] > 16

@@ -49,16 +49,13 @@ def test_small_run_against_nchan(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not nchan.installed(), reason="nginx + nchan not installed (compare installs them)")
-def test_compare_against_the_stand_in_gateway(tmp_path: Path) -> None:
-    import sys
-
+def test_compare_the_gateway_with_nchan(tmp_path: Path) -> None:
     from loadtest.compare import compare
     from loadtest.gatewayproc import GatewayProcess
 
-    fake = f"{sys.executable} {Path(__file__).with_name('fake_gateway.py')}"
     scenario = Scenario("small", "test", clients=6, topics=4, subs=2, rate=200, duration=0.8, drain=3)
     console = Console(record=True, width=140)
-    result = compare(scenario, lambda workdir: GatewayProcess(workdir, fake), tmp_path, 1, console, False,
+    result = compare(scenario, lambda workdir: GatewayProcess(workdir), tmp_path, 1, console, False,
                      connect_timeout=10)
     assert set(result["median"]) == {"gateway", "nchan"}
     assert result["median"]["nchan"]["silent loss"] == 0

@@ -1,5 +1,5 @@
-"""Whole load runs, end to end, against the stand-in gateway (tests/loadtest/fake_gateway.py) and, once it
-exists, the real one. Small: a few clients, a few hundred messages, seconds each."""
+"""Whole load runs, end to end, against the real gateway (`python -m gateway`). Small: a few clients, a few
+hundred messages, seconds each."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from loadtest import runner
 from loadtest.gatewayproc import GatewayProcess
 from loadtest.scenarios import Scenario
 
-FAKE = f"{sys.executable} {Path(__file__).with_name('fake_gateway.py')}"
 SMALL = Scenario("small", "test", clients=12, topics=6, subs=2, rate=300, duration=1.5, transport="mixed",
                  stall_frac=0.25, stall_at=0.3, stall_for=0.6, drain=5, procs=2)
 
@@ -53,8 +52,8 @@ def _check(summary: dict, out: Path, scenario: Scenario) -> None:
         assert (out / name).stat().st_size > 0, name
 
 
-def test_mixed_run_with_stalls_against_the_stand_in(tmp_path: Path) -> None:
-    summary = _run(SMALL, tmp_path, FAKE)
+def test_mixed_run_with_stalls_against_the_gateway(tmp_path: Path) -> None:
+    summary = _run(SMALL, tmp_path, None)
     _check(summary, tmp_path, SMALL)
     assert set(summary["latency_ms_by_transport"]) == {"ws", "longpoll"}
 
@@ -62,7 +61,7 @@ def test_mixed_run_with_stalls_against_the_stand_in(tmp_path: Path) -> None:
 def test_dominator_run_through_the_admin_api(tmp_path: Path) -> None:
     scenario = Scenario("dom", "test", clients=6, topics=4, subs=2, rate=200, duration=1.0, dominator_topics=5,
                         dominator_rate=300, publish_via="admin", drain=3)
-    summary = _run(scenario, tmp_path, FAKE)
+    summary = _run(scenario, tmp_path, None)
     dom = summary["dominator"]
     assert dom["light_p99_ms_without"] > 0 and dom["light_p99_ms_with"] > 0
     assert summary["with"]["latency_ms_dominator"]["n"] > 0
@@ -71,12 +70,6 @@ def test_dominator_run_through_the_admin_api(tmp_path: Path) -> None:
         assert summary[label]["loss"]["silent"] == 0
         assert (tmp_path / label / "deliveries.parquet").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["dominator"] == dom
-
-
-def test_small_run_against_the_gateway(tmp_path: Path) -> None:
-    pytest.importorskip("gateway.server")
-    summary = _run(SMALL, tmp_path, None)
-    _check(summary, tmp_path, SMALL)
 
 
 def test_a_gateway_that_dies_at_start_is_reported(tmp_path: Path) -> None:
