@@ -40,7 +40,7 @@ class Subscription:
 
 
 class Client:
-    __slots__ = ("id", "state", "direct", "active", "subs", "budget", "peeked_subs", "info", "in_active_set")
+    __slots__ = ("id", "state", "direct", "active", "subs", "budget", "peeked_subs", "info")
 
     def __init__(self, client_id: Hashable, budget: int, ready: bool, info: Any = None) -> None:
         self.id = client_id
@@ -54,7 +54,6 @@ class Client:
         self.peeked_subs: list[Subscription] = []
         #: opaque to the core: identity, transport, permissions live with the gateway
         self.info = info
-        self.in_active_set = False
 
     def has_work(self) -> bool:
         return bool(self.direct) or bool(self.active)

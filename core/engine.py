@@ -125,6 +125,15 @@ class Engine:
     def topics(self) -> list[Topic]:
         return list(self._topics.values())
 
+    @property
+    def topic_count(self) -> int:
+        return len(self._topics)
+
+    def topic_config(self, name: str) -> TopicConfig | None:
+        """The settings the topic has, or would get on first use; None if it neither exists nor matches a rule."""
+        topic = self._topics.get(name)
+        return topic.config if topic is not None else self.config.rule_for(name)
+
     def resolve(self, name: str) -> Topic:
         """The topic, created on first use when a config rule matches its name."""
         topic = self._topics.get(name)

@@ -15,8 +15,8 @@ from core import QueueFull, RequestError, TopicKind
 
 from . import close_codes
 from .config import ConfigError, topic_config
+from .http_errors import error_response
 from .hub import Hub
-from .longpoll import error_response
 from .openapi import OPENAPI
 
 _STATUS = {
@@ -190,7 +190,7 @@ async def stats(request: Request) -> Response:
         "entries_per_batch": counters["entries_emitted"] / (counters["clients_served"] or 1),
         "clients": dict(hub.metrics.clients_by_transport),
         "write_blocked": len(hub.blocked),
-        "topics": len(hub.engine.topics()),
+        "topics": hub.engine.topic_count,
         "disconnects": {f"{t}:{r}": n for (t, r), n in hub.metrics.disconnects.items()},
         "ingest": {"records": hub.metrics.ingest_records, "errors": hub.metrics.ingest_errors},
         "raw": hub.raw.stats() if hub.raw is not None else None,

@@ -9,6 +9,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from . import admin, longpoll
+from .http_errors import error_response
 from .hub import Hub
 from .ws import websocket_endpoint
 
@@ -23,11 +24,11 @@ async def metrics(request: Request) -> Response:
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
-    return JSONResponse({"error": {"code": "not_found", "message": f"no route {request.url.path}"}}, status_code=404)
+    return error_response(404, "not_found", f"no route {request.url.path}")
 
 
 async def method_not_allowed(request: Request, exc: Exception) -> Response:
-    return JSONResponse({"error": {"code": "method_not_allowed", "message": request.method}}, status_code=405)
+    return error_response(405, "method_not_allowed", request.method)
 
 
 def build_app(hub: Hub, admin_token: str) -> Starlette:

@@ -60,9 +60,7 @@ def _since(command: dict) -> tuple[str, int] | None:
 
 
 def _may_publish(hub: "Hub", topic: str) -> bool:
-    engine = hub.engine
-    existing = engine._topics.get(topic)
-    config = existing.config if existing is not None else engine.config.rule_for(topic)
+    config = hub.engine.topic_config(topic)
     return config is not None and config.client_publish and config.kind is not TopicKind.PRIVATE
 
 

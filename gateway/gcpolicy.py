@@ -15,7 +15,7 @@ import asyncio
 import gc
 import time
 
-from .metrics import _Histogram
+from .metrics import BucketHistogram
 
 GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 #: how often survivors are frozen: often enough that the automatic full collection never has much to walk
@@ -26,7 +26,7 @@ class GcPolicy:
     def __init__(self, full_interval_s: float) -> None:
         self.full_interval_s = full_interval_s
         #: collector pauses by generation (2 includes the periodic full collections)
-        self.pauses = {gen: _Histogram(GC_BUCKETS) for gen in (0, 1, 2)}
+        self.pauses = {gen: BucketHistogram(GC_BUCKETS) for gen in (0, 1, 2)}
         self.full_collections = 0
         self._started_at = 0.0
         self._timer: asyncio.TimerHandle | None = None

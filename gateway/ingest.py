@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import orjson
@@ -102,7 +101,6 @@ class IngestProtocol(asyncio.Protocol):
             elif line.strip():
                 self._apply(self.line_no, line)
         del buffer[:start]
-        self.hub.wake()
         if self.reading_paused and self.blocked is None and len(buffer) <= self.max_buffer and self.transport:
             self.transport.resume_reading()
             self.reading_paused = False
@@ -146,7 +144,7 @@ class IngestProtocol(asyncio.Protocol):
             self._error(line_no, "bad_record", "`client` must be a string (a client id)")
             return
         try:
-            self.hub.engine.publish(topic, record["data"], seq=seq, client_id=client, now=time.monotonic())
+            self.hub.publish(topic, record["data"], seq=seq, client_id=client)
         except QueueFull:
             self._block(line_no, record)
             return

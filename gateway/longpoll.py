@@ -19,13 +19,10 @@ from starlette.responses import JSONResponse, Response
 from core import Batch
 
 from .commands import handle_payload
+from .http_errors import error_response
 from .hub import ClientIdentity, Hub
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
-
-
-def error_response(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
 class LongPollSession:
@@ -36,7 +33,6 @@ class LongPollSession:
         #: (batch id, response body) handed out and not yet acknowledged
         self.outstanding: tuple[int, bytes] | None = None
         self.batches = 0
-        self.blocked_since = None  # long-poll clients are never write-blocked: they are simply not ready
         self.polls = 0
         self._expiry: asyncio.TimerHandle | None = None
         self.closed = False

@@ -7,7 +7,7 @@ import ipaddress
 import logging
 import secrets
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -73,7 +73,6 @@ class RunningGateway:
     server: uvicorn.Server | None = None
     task: asyncio.Task | None = None
     ingest: IngestServer | None = None
-    extras: dict = field(default_factory=dict)
 
     def ports(self) -> dict:
         return {

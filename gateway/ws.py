@@ -163,8 +163,7 @@ class WSConnection:
     def kick(self, code: int, reason: str) -> None:
         if self.closed:
             return
-        self.closed = True
-        self.hub.blocked.pop(self.identity.client_id, None)
+        self.closed = True  # the hub unregisters it, which also forgets it as blocked
         if self._writer is not None:
             self._writer.cancel()
         proto = self.proto
@@ -234,5 +233,4 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
         reason = "error"
     finally:
         conn.closed = True
-        hub.blocked.pop(client_id, None)
         hub.unregister(client_id, reason)

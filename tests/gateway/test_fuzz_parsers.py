@@ -48,7 +48,6 @@ class RecordingConnection:
         self.identity = ClientIdentity(client_id, "test")
         self.frames = []
         self.kicked = None
-        self.blocked_since = None
 
     def deliver(self, batch, frame):
         self.frames.append(frame)
