@@ -32,6 +32,9 @@ class TopicConfig:
     max_bytes: int = 1 << 20
     #: whether connected clients may publish to it (admin and ingest always may).
     client_publish: bool = False
+    #: whether clients without a token may subscribe (and publish, with client_publish): the gateway
+    #: decides who may do what; the core only carries the setting. Secure default: no.
+    anonymous: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TopicKind(self.kind))
@@ -51,6 +54,7 @@ class TopicConfig:
             "max_count": self.max_count,
             "max_bytes": self.max_bytes,
             "client_publish": self.client_publish,
+            "anonymous": self.anonymous,
         }
 
 
