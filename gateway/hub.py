@@ -22,6 +22,7 @@ from . import close_codes
 from .config import GatewayConfig
 from .gcpolicy import GcPolicy
 from .metrics import Metrics
+from .ratelog import BadInputLog
 
 log = logging.getLogger("gateway")
 
@@ -58,6 +59,7 @@ class Hub:
         self.engine = Engine(config.engine_config(), instance_id=self.instance_id)
         self.conns: dict[str, Connection] = {}
         self.gc = GcPolicy(config.server.gc_full_interval_s)
+        self.bad_input = BadInputLog(config.limits.bad_input_log_per_s)
         self.metrics = Metrics(self)
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None

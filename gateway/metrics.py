@@ -90,6 +90,11 @@ class Metrics:
         yield GaugeMetricFamily("fanout_topics", "topics", value=self.hub.engine.topic_count)
         yield CounterMetricFamily("fanout_ingest_records", "records accepted on the TCP ingest", value=self.ingest_records)
         yield CounterMetricFamily("fanout_ingest_errors", "error lines sent on the TCP ingest", value=self.ingest_errors)
+        bad = CounterMetricFamily("fanout_bad_input", "bad client input by source (logged at a bounded rate)",
+                                  labels=["source"])
+        for source, count in sorted(self.hub.bad_input.by_source.items()):
+            bad.add_metric([source], count)
+        yield bad
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
         yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
         pauses = HistogramMetricFamily("fanout_gc_pause_seconds", "garbage-collector pauses", labels=["generation"])
