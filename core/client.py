@@ -40,10 +40,12 @@ class Subscription:
 
 
 class Client:
-    __slots__ = ("id", "state", "direct", "active", "subs", "budget", "peeked_subs", "info")
+    __slots__ = ("id", "owner", "state", "direct", "active", "subs", "budget", "peeked_subs", "info")
 
-    def __init__(self, client_id: Hashable, budget: int, ready: bool, info: Any = None) -> None:
+    def __init__(self, client_id: Hashable, budget: int, ready: bool, info: Any = None, owner: Hashable = None) -> None:
         self.id = client_id
+        #: whose private queues this client reads (the authenticated user); by default the client itself
+        self.owner = client_id if owner is None else owner
         self.state = ClientState.READY if ready else ClientState.IDLE
         self.direct: deque[bytes] = deque()
         #: ordered, coalesced active-handle set (a dict keeps insertion order, a key appears once)

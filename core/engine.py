@@ -8,7 +8,8 @@ The I/O layer drives it with verbs and writes what `run_cycle` returns:
 * `run_cycle()` returns one `Batch` per eligible client; each such client is then WRITING and gets nothing
   more until the I/O layer calls `write_done` (commit + ready) or `commit` and later `mark_ready`;
 * `tick(now)` gives up out-of-order holes that timed out; `take_space_freed()` names the private queues
-  whose waiting publishers should retry.
+  whose waiting publishers should retry; `reclaim(now, ttl)` removes rule-created topics that stayed
+  unused (no subscriber, nothing retained) for `ttl`.
 
 Costs: a publish is O(1) plus O(1) per subscriber that was caught up (idle); `run_cycle` is
 O(active clients + active handles + entries emitted); subscribe, unsubscribe and disconnect are
@@ -85,6 +86,10 @@ class Engine:
         self._holey: dict[RingTopic, None] = {}
         self._space_freed: list[tuple[str, Hashable]] = []
         self._epochs = 0
+        #: rule-created topics that lost (or never had) a subscriber since the last `reclaim`
+        self._unused_new: dict[Topic, None] = {}
+        #: rule-created topics without a subscriber, oldest first, with when `reclaim` first saw them so
+        self._unused: dict[Topic, float] = {}
 
     # -- topics ----------------------------------------------------------------------------------------
 
@@ -112,9 +117,37 @@ class Engine:
             self._drop_sub(sub)
             client.direct.append(encode_closed(name, "deleted"))  # past the bound: one per subscription
             self._note_work(client)
-        del self._topics[name]
-        self._holey.pop(topic, None)  # type: ignore[call-overload]
+        self._forget(topic)
         return len(subs)
+
+    def _forget(self, topic: Topic) -> None:
+        del self._topics[topic.name]
+        self._holey.pop(topic, None)  # type: ignore[call-overload]
+        self._unused_new.pop(topic, None)
+        self._unused.pop(topic, None)
+
+    def reclaim(self, now: float, ttl: float) -> list[str]:
+        """Remove rule-created topics with no subscriber and no retained data for at least `ttl` seconds,
+        so names that clients try cannot fill `max_topics` for good. Returns the names removed.
+
+        Cost: O(topics that became unused since the last call + topics removed or kept): each unused
+        topic is stamped once, then looked at once when its time is up.
+        """
+        unused = self._unused
+        for topic in self._unused_new:
+            unused.pop(topic, None)
+            unused[topic] = now
+        self._unused_new.clear()
+        removed = []
+        while unused:
+            topic = next(iter(unused))
+            if unused[topic] + ttl > now:
+                break
+            del unused[topic]
+            if not topic.subs and not topic.retains_data():
+                self._forget(topic)
+                removed.append(topic.name)
+        return removed
 
     def topic(self, name: str) -> Topic:
         try:
@@ -129,6 +162,9 @@ class Engine:
     def topic_count(self) -> int:
         return len(self._topics)
 
+    def has_topic(self, name: str) -> bool:
+        return name in self._topics
+
     def topic_config(self, name: str) -> TopicConfig | None:
         """The settings the topic has, or would get on first use; None if it neither exists nor matches a rule."""
         topic = self._topics.get(name)
@@ -142,14 +178,21 @@ class Engine:
         config = self.config.rule_for(name)
         if config is None:
             raise UnknownTopic(f"no topic {name!r} and no rule creates it")
-        return self.create_topic(name, config)
+        topic = self.create_topic(name, config)
+        topic.auto = True
+        self._unused_new[topic] = None  # until someone subscribes
+        return topic
 
     # -- clients ---------------------------------------------------------------------------------------
 
-    def connect(self, client_id: Hashable, *, ready: bool = True, info: Any = None, budget: int | None = None) -> Client:
+    def connect(
+        self, client_id: Hashable, *, ready: bool = True, info: Any = None, budget: int | None = None,
+        owner: Hashable = None,
+    ) -> Client:
+        """`owner`: whose private queues the client reads (default: the client id itself)."""
         if client_id in self._clients:
             raise CoreUsageError(f"client {client_id!r} is already connected")
-        client = Client(client_id, budget or self.config.cycle_budget_bytes, ready, info)
+        client = Client(client_id, budget or self.config.cycle_budget_bytes, ready, info, owner)
         self._clients[client_id] = client
         return client
 
@@ -178,6 +221,13 @@ class Engine:
     def has_client(self, client_id: Hashable) -> bool:
         return client_id in self._clients
 
+    def set_owner(self, client_id: Hashable, owner: Hashable) -> None:
+        """Change whose private queues the client reads; only while it holds no private subscription."""
+        client = self.client(client_id)
+        if any(isinstance(sub.topic, PrivateTopic) for sub in client.subs.values()):
+            raise CoreUsageError(f"client {client_id!r} holds private queues: its owner cannot change")
+        client.owner = owner
+
     def subscribe(
         self, client_id: Hashable, name: str, *, since: tuple[str, int] | None = None, request_id: Any = None
     ) -> Subscribed:
@@ -189,8 +239,14 @@ class Engine:
         if len(client.direct) + 2 > self.config.direct_queue_max:
             raise DirectQueueFull("direct queue full")
         topic = self.resolve(name)
+        if isinstance(topic, PrivateTopic):
+            held = topic.queues.get(client.owner)
+            if held is not None:
+                self._take_over(held)
         sub = Subscription(client, topic)
         start, extra = topic.attach(sub, since)
+        self._unused_new.pop(topic, None)
+        self._unused.pop(topic, None)
         topic.subs[sub] = None
         client.subs[name] = sub
         client.direct.append(encode_subscribed(name, topic.kind, topic.epoch, start, request_id))
@@ -222,20 +278,20 @@ class Engine:
     # -- publishing ------------------------------------------------------------------------------------
 
     def publish(
-        self, name: str, data: Any, *, seq: int | None = None, client_id: Hashable = None, now: float = 0.0
+        self, name: str, data: Any, *, seq: int | None = None, owner: Hashable = None, now: float = 0.0
     ) -> Published:
-        """Publish one message. Private topics need `client_id`, the client whose queue it goes to.
+        """Publish one message. Private topics need `owner`, whose queue it goes to (a client's owner).
 
         Raises `RequestError` subclasses: `QueueFull` (back-pressure: wait for `take_space_freed`),
         `DuplicateSeq` / `StaleSeq` (out-of-order seqs), `UnknownTopic`, `MessageTooLarge`.
         """
         topic = self.resolve(name)
         if isinstance(topic, PrivateTopic):
-            if client_id is None:
+            if owner is None:
                 raise RequestError(f"private topic {name!r} needs a target client", code="bad_command")
-            sub = topic.queues.get(client_id)
+            sub = topic.queues.get(owner)
             if sub is None:
-                raise NotSubscribed(f"client {client_id!r} has no queue on {name!r}")
+                raise NotSubscribed(f"{owner!r} has no queue on {name!r}")
             seq = topic.publish_to(sub, data, seq)
             self._activate(sub)
             return Published(name, seq)
@@ -286,7 +342,7 @@ class Engine:
         client = self.client(client_id)
         for sub in client.peeked_subs:
             if sub.queue is not None and sub.topic.commit(sub):  # type: ignore[attr-defined]
-                self._space_freed.append((sub.topic.name, client.id))
+                self._space_freed.append((sub.topic.name, client.owner))
         client.peeked_subs.clear()
 
     def rollback(self, client_id: Hashable) -> None:
@@ -403,5 +459,22 @@ class Engine:
         if sub in client.peeked_subs:
             client.peeked_subs.remove(sub)
         if isinstance(topic, PrivateTopic) and sub.waiting:
-            self._space_freed.append((topic.name, client.id))
+            self._space_freed.append((topic.name, client.owner))
         topic.detach(sub)
+        if topic.auto and not topic.subs:
+            self._unused_new[topic] = None
+
+    def _take_over(self, old: Subscription) -> None:
+        """Hand a private queue to a new handle of the same owner: the old handle leaves its client (which
+        gets `closed` with reason `taken_over`) but the queue stays for `attach` to adopt."""
+        client = old.client
+        topic = old.topic
+        del client.subs[topic.name]
+        if old.active:
+            client.active.pop(old, None)
+            old.active = False
+        if old in client.peeked_subs:
+            client.peeked_subs.remove(old)
+        topic.subs.pop(old, None)
+        client.direct.append(encode_closed(topic.name, "taken_over"))  # past the bound, like delete_topic
+        self._note_work(client)

@@ -24,16 +24,31 @@ class PrivateTopic(Topic):
         self.queues: dict[Any, Subscription] = {}
 
     def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
-        sub.queue = deque()
-        sub.queued_bytes = 0
+        """A queue belongs to an owner (the user). A new handle of the same owner takes the queue over: the
+        engine has already detached the old handle from its client; entries it was handed and did not
+        commit are handed out again (at-least-once across a takeover; seqs tell duplicates)."""
+        owner = sub.client.owner
+        previous = self.queues.get(owner)
+        if previous is not None:
+            sub.queue, sub.queued_bytes, sub.cursor, sub.waiting = (
+                previous.queue, previous.queued_bytes, previous.cursor, previous.waiting)
+            previous.queue = None
+        else:
+            sub.queue = deque()
+            sub.queued_bytes = 0
         sub.peeked = 0
-        self.queues[sub.client.id] = sub
-        return 0, None
+        self.queues[owner] = sub
+        return sub.cursor - len(sub.queue), None
 
     def detach(self, sub: Subscription) -> None:
         super().detach(sub)
-        self.queues.pop(sub.client.id, None)
+        owner = sub.client.owner
+        if self.queues.get(owner) is sub:
+            del self.queues[owner]
         sub.queue = None
+
+    def retains_data(self) -> bool:
+        return bool(self.queues)
 
     def publish_to(self, sub: Subscription, data: Any, seq: int | None) -> int:
         queue = sub.queue
@@ -48,7 +63,7 @@ class PrivateTopic(Topic):
         if len(queue) >= config.max_count or (queue and sub.queued_bytes + len(entry) > config.max_bytes):
             sub.waiting = True
             self.counters.back_pressure_events += 1
-            raise QueueFull(f"private queue {self.name!r} of client {sub.client.id!r} is full")
+            raise QueueFull(f"private queue {self.name!r} of {sub.client.owner!r} is full")
         queue.append(entry)
         sub.queued_bytes += len(entry)
         seq = sub.cursor

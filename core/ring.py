@@ -147,6 +147,10 @@ class RingTopic(Topic):
     def has_data(self, sub: Subscription) -> bool:
         return sub.cursor < self.end
 
+    def retains_data(self) -> bool:
+        # Any seq handed out (published, pending or reserved) is history a recovery may ask for.
+        return self.next_id > 0 or self.end > 0 or bool(self.pending)
+
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
         added = 0
         taken = 0

@@ -42,6 +42,9 @@ class SnapshotTopic(Topic):
     def has_data(self, sub: Subscription) -> bool:
         return sub.cursor <= self.seq
 
+    def retains_data(self) -> bool:
+        return self.latest is not None
+
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
         if sub.cursor > self.seq or self.latest is None:
             return 0

@@ -8,7 +8,7 @@ from .client import Subscription
 from .config import TopicConfig
 from .counters import Counters
 from .entries import encode_message
-from .errors import MessageTooLarge
+from .errors import MessageTooLarge, RequestError
 
 
 class Topic:
@@ -31,9 +31,14 @@ class Topic:
         #: caught-up subscribers of a shared topic, woken by the next publish (ordered: deterministic)
         self.idle: dict[Subscription, None] = {}
         self.max_message_bytes = 1 << 20
+        #: created on first use by a rule (not by an operator): removed when unused (`Engine.reclaim`)
+        self.auto = False
 
     def encode(self, seq: int, data: Any) -> bytes:
-        entry = encode_message(self.name, seq, data)
+        try:
+            entry = encode_message(self.name, seq, data)
+        except TypeError as exc:  # orjson.JSONEncodeError: e.g. nested deeper than orjson writes (254)
+            raise RequestError(f"data cannot be encoded: {exc}", code="bad_data") from None
         if len(entry) > self.max_message_bytes:
             raise MessageTooLarge(f"message of {len(entry)} bytes exceeds {self.max_message_bytes}")
         return entry
@@ -46,6 +51,10 @@ class Topic:
         self.idle.pop(sub, None)
 
     def has_data(self, sub: Subscription) -> bool:
+        raise NotImplementedError
+
+    def retains_data(self) -> bool:
+        """Whether removing the topic would lose something (messages, a last value, queued entries)."""
         raise NotImplementedError
 
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:

@@ -127,7 +127,7 @@ async def publish(request: Request) -> Response:
     for data in items:
         try:
             if topic.config.kind is TopicKind.PRIVATE:
-                result = await hub.publish_wait(name, data, client_id=client, timeout=timeout, seq=seq)
+                result = await hub.publish_wait(name, data, owner=client, timeout=timeout, seq=seq)
             else:
                 result = hub.publish(name, data, seq=seq)
         except (QueueFull, asyncio.TimeoutError):

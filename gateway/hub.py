@@ -182,28 +182,29 @@ class Hub:
     def send_error(self, client_id: str, exc: RequestError, request_id: Any = None) -> None:
         self.send_direct(client_id, encode_error(exc.code, exc.message, request_id))
 
-    def publish(self, topic: str, data: Any, *, seq: int | None = None, client_id: Hashable = None):
-        """Publish now or raise (QueueFull is back-pressure: see `publish_wait`)."""
-        result = self.engine.publish(topic, data, seq=seq, client_id=client_id, now=time.monotonic())
+    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None):
+        """Publish now or raise (QueueFull is back-pressure: see `publish_wait`). `owner`: the user whose
+        private queue gets it (private topics)."""
+        result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
         self.wake()
         return result
 
-    async def publish_wait(self, topic: str, data: Any, *, client_id: Hashable, timeout: float, seq: int | None = None):
+    async def publish_wait(self, topic: str, data: Any, *, owner: Hashable, timeout: float, seq: int | None = None):
         """Publish to a private queue, waiting up to `timeout` seconds for space (seed 001 blocking push)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.publish(topic, data, seq=seq, client_id=client_id)
+                return self.publish(topic, data, seq=seq, owner=owner)
             except QueueFull:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise
-                await asyncio.wait_for(self.space_freed(topic, client_id), remaining)
+                await asyncio.wait_for(self.space_freed(topic, owner), remaining)
 
-    def space_freed(self, topic: str, client_id: Hashable) -> asyncio.Future:
-        """A future resolved when the private queue (topic, client) frees space or disappears."""
+    def space_freed(self, topic: str, owner: Hashable) -> asyncio.Future:
+        """A future resolved when the private queue (topic, owner) frees space or disappears."""
         future = asyncio.get_running_loop().create_future()
-        self._space_waiters.setdefault((topic, client_id), []).append(future)
+        self._space_waiters.setdefault((topic, owner), []).append(future)
         return future
 
     def _wake_space_waiters(self) -> None:

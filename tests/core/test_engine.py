@@ -113,9 +113,9 @@ def test_private_queue_back_pressure_peek_commit_and_rollback():
     engine.subscribe("a", "priv.q")
     cycle(engine)
     for i in range(3):
-        engine.publish("priv.q", i, client_id="a")
+        engine.publish("priv.q", i, owner="a")
     with pytest.raises(QueueFull):
-        engine.publish("priv.q", 3, client_id="a")
+        engine.publish("priv.q", 3, owner="a")
     assert engine.counters.back_pressure_events == 1
     batch = engine.run_cycle()[0]
     assert messages(decode(batch)) == [0, 1]  # batch depth 2
@@ -125,7 +125,7 @@ def test_private_queue_back_pressure_peek_commit_and_rollback():
     assert engine.take_space_freed() == []
     engine.commit("a")
     assert engine.take_space_freed() == [("priv.q", "a")]
-    engine.publish("priv.q", 3, client_id="a")
+    engine.publish("priv.q", 3, owner="a")
     engine.mark_ready("a")
     assert messages(cycle(engine)["a"]) == [2, 3]
 
@@ -134,9 +134,9 @@ def test_private_explicit_seq_makes_a_retry_idempotent():
     engine = make_engine()
     engine.connect("a")
     engine.subscribe("a", "priv.q")
-    engine.publish("priv.q", "x", client_id="a", seq=0)
+    engine.publish("priv.q", "x", owner="a", seq=0)
     with pytest.raises(StaleSeq):
-        engine.publish("priv.q", "x", client_id="a", seq=0)
+        engine.publish("priv.q", "x", owner="a", seq=0)
 
 
 def test_direct_entries_precede_topic_entries_and_the_budget_caps_the_batch():

@@ -91,7 +91,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         full = len(self.queue[c]) >= PRIV_MAX
         try:
-            seq = self.engine.publish(PRIV, "y", client_id=c).seq
+            seq = self.engine.publish(PRIV, "y", owner=c).seq
         except QueueFull:
             assert full, "back-pressure reported while the queue had room"
             return

@@ -1,0 +1,89 @@
+"""Private queues belong to an owner (a user), topics created by rules are reclaimed when unused, and data
+that cannot be encoded is refused with a request error."""
+
+from __future__ import annotations
+
+import pytest
+
+from core import RequestError, TopicConfig
+from core.errors import CoreUsageError
+
+from core_helpers import cycle, decode, make_engine, messages
+
+
+def test_a_second_connection_of_the_owner_takes_the_private_queue_over():
+    engine = make_engine(max_count=8, batch_depth=4)
+    engine.connect("tab1", owner="alice")
+    engine.subscribe("tab1", "priv.q")
+    cycle(engine)
+    for i in range(3):
+        engine.publish("priv.q", i, owner="alice")
+    handed = engine.run_cycle()  # tab1 is handed 0..2 but its write never completes
+    assert messages(decode(handed[0])) == [0, 1, 2]
+    engine.publish("priv.q", 3, owner="alice")
+    engine.connect("tab2", owner="alice")
+    engine.subscribe("tab2", "priv.q")
+    got = cycle(engine)
+    assert got["tab2"][0]["type"] == "subscribed" and got["tab2"][0]["seq"] == 0
+    assert messages(got["tab2"]) == [0, 1, 2, 3]  # uncommitted entries go again: nothing queued is lost
+    engine.write_done("tab1")  # the old write completing later commits nothing of the moved queue
+    got = cycle(engine)
+    assert {"type": "closed", "topic": "priv.q", "reason": "taken_over"} in got["tab1"]
+    assert "priv.q" not in engine.client("tab1").subs
+    engine.disconnect("tab1")  # does not drop the queue tab2 now holds
+    engine.publish("priv.q", 4, owner="alice")
+    assert messages(cycle(engine)["tab2"]) == [4]
+
+
+def test_owners_do_not_share_queues_and_the_owner_is_fixed_once_a_queue_is_held():
+    engine = make_engine()
+    engine.connect("a", owner="alice")
+    engine.connect("b", owner="bob")
+    engine.subscribe("a", "priv.q")
+    engine.subscribe("b", "priv.q")
+    engine.publish("priv.q", "for bob", owner="bob")
+    got = cycle(engine)
+    assert messages(got["b"]) == [0] and messages(got.get("a", [])) == []
+    with pytest.raises(CoreUsageError):
+        engine.set_owner("a", "bob")
+
+
+def test_unused_rule_topics_are_reclaimed_after_the_ttl_and_kept_while_used_or_holding_data():
+    engine = make_engine()
+    engine.connect("a")
+    for i in range(100):
+        engine.subscribe("a", f"junk.{i}")
+        engine.unsubscribe("a", f"junk.{i}")
+    engine.subscribe("a", "kept.subscribed")
+    engine.publish("kept.data", "x")
+    engine.create_topic("kept.operator", TopicConfig())
+    assert engine.reclaim(now=0.0, ttl=10.0) == []
+    assert engine.reclaim(now=5.0, ttl=10.0) == []
+    removed = engine.reclaim(now=10.0, ttl=10.0)
+    assert sorted(removed) == sorted(f"junk.{i}" for i in range(100))
+    assert sorted(t.name for t in engine.topics()) == ["kept.data", "kept.operator", "kept.subscribed"]
+    engine.unsubscribe("a", "kept.subscribed")
+    assert engine.reclaim(now=11.0, ttl=10.0) == []
+    assert engine.reclaim(now=21.0, ttl=10.0) == ["kept.subscribed"]
+
+
+def test_a_topic_subscribed_again_before_the_ttl_is_not_reclaimed():
+    engine = make_engine()
+    engine.connect("a")
+    engine.subscribe("a", "t")
+    engine.unsubscribe("a", "t")
+    engine.reclaim(now=0.0, ttl=10.0)
+    engine.subscribe("a", "t")
+    assert engine.reclaim(now=20.0, ttl=10.0) == []
+    assert engine.has_topic("t")
+
+
+def test_data_nested_deeper_than_the_encoder_writes_is_a_request_error():
+    engine = make_engine()
+    deep: list = []
+    for _ in range(600):
+        deep = [deep]
+    with pytest.raises(RequestError) as info:
+        engine.publish("t", deep)
+    assert info.value.code == "bad_data"
+    engine.publish("t", "fine")
