@@ -14,6 +14,7 @@ from starlette.routing import Route
 from core import QueueFull, RequestError, TopicKind
 
 from . import close_codes
+from .bodies import read_body
 from .config import ConfigError, topic_config
 from .http_errors import error_response
 from .hub import Hub
@@ -46,9 +47,7 @@ def _request_error(exc: RequestError) -> JSONResponse:
 
 
 async def _json_body(request: Request) -> Any:
-    body = await request.body()
-    if len(body) > _hub(request).config.admin.max_body_bytes:
-        raise RequestError("request body too large", code="too_large")
+    body = await read_body(request, _hub(request).config.admin.max_body_bytes)
     if not body:
         return {}
     try:
@@ -83,8 +82,10 @@ async def create_topic(request: Request) -> Response:
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
         raise RequestError("body must be an object with `name` and topic settings", code="bad_request")
     settings = {k: v for k, v in body.items() if k != "name"}
+    # Settings not given come from the rule the name matches (its permissions included), as on first use.
+    rule = _hub(request).engine.config.rule_for(body["name"])
     try:
-        config = topic_config(settings)
+        config = topic_config({**(rule.as_dict() if rule is not None else {}), **settings})
     except ConfigError as exc:
         raise RequestError(str(exc), code="bad_request") from None
     topic = _hub(request).engine.create_topic(body["name"], config)
@@ -145,6 +146,7 @@ async def list_clients(request: Request) -> Response:
         conn = hub.conns.get(client.id)
         clients.append({
             "id": client.id,
+            "user": conn.identity.user if conn is not None else None,
             "state": client.state.value,
             "subscriptions": sorted(client.subs),
             "direct_queued": len(client.direct),

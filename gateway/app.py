@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -11,6 +12,7 @@ from starlette.staticfiles import StaticFiles
 from . import admin, longpoll
 from .http_errors import error_response
 from .hub import Hub
+from .origin import OriginGuard, parse_allowed_origins
 from .ws import websocket_endpoint
 
 
@@ -45,7 +47,11 @@ def build_app(hub: Hub, admin_token: str) -> Starlette:
     static = hub.config.static_path()
     if static.is_dir():
         routes.append(Mount("/", StaticFiles(directory=static, html=True), name="static"))
-    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
+    app = Starlette(
+        routes=routes,
+        exception_handlers={404: not_found, 405: method_not_allowed},
+        middleware=[Middleware(OriginGuard, allowed=parse_allowed_origins(hub.config.server.allowed_origins))],
+    )
     app.state.hub = hub
     app.state.admin_token = admin_token
     return app

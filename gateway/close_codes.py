@@ -1,8 +1,11 @@
 """WebSocket close codes the gateway uses (docs/protocol.md). 4000-4999 are for applications (RFC 6455)."""
 
 KICKED = 4000  # an operator disconnected the client (admin API)
-BAD_CLIENT_ID = 4006  # ?id= invalid, in use, or not allowed
+BAD_TOKEN = 4001  # ?token= refused: invalid signature, audience, issuer, claims, or auth not configured
+BAD_CLIENT_ID = 4006  # ?id= is refused: identity comes from a token's `sub`, never from a chosen name
 SLOW_CONSUMER = 4008  # write-blocked longer than websocket.blocked_timeout_s
 DIRECT_OVERFLOW = 4009  # the direct queue (replies, acks) hit scheduler.direct_queue_max
+TOKEN_EXPIRED = 4011  # the token expired and no fresh one came within auth.expired_grace_s
+IDLE = 4012  # no subscription and no command for limits.idle_timeout_s
 GOING_AWAY = 1001  # server shutting down
 INTERNAL_ERROR = 1011

@@ -8,35 +8,24 @@ hands each batch to its connection without awaiting it, and sleeps when idle.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any, Hashable, Protocol
 
-from core import Batch, Engine, QueueFull, RequestError
+from core import Batch, CoreUsageError, Engine, QueueFull, RequestError
 from core.entries import encode_error
 
 from . import close_codes
+from .auth import Principal, TokenError, TokenVerifier
 from .config import GatewayConfig
 from .gcpolicy import GcPolicy
+from .identity import ClientIdentity
 from .metrics import Metrics
 from .ratelog import BadInputLog
 
 log = logging.getLogger("gateway")
-
-
-@dataclass
-class ClientIdentity:
-    """Where a connection's identity and permissions live (authentication will fill `user` and `scopes`)."""
-
-    client_id: str
-    transport: str
-    peer: str = ""
-    user: str | None = None
-    scopes: frozenset[str] | None = None  # None: no restriction beyond topic config
-    connected_at: float = field(default_factory=time.time)
 
 
 class Connection(Protocol):
@@ -64,12 +53,19 @@ class Hub:
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._tick: asyncio.TimerHandle | None = None
-        self._ids = itertools.count(1)
+        self.tokens = TokenVerifier(config.auth)
+        #: registered clients per (transport, peer IP), for per-address limits
+        self.clients_by_ip: Counter[tuple[str, str]] = Counter()
+        #: per client: the timer of its token's expiry (or of the grace after it), and of its idle check
+        self._token_timers: dict[str, asyncio.TimerHandle] = {}
+        self._idle_timers: dict[str, asyncio.TimerHandle] = {}
         #: publishers waiting for space in a private queue: (topic, client) -> futures
         self._space_waiters: dict[tuple[str, Hashable], list[asyncio.Future]] = {}
         #: connections whose last write has not drained (not ready), watched for the blocked timeout
         self.blocked: dict[str, Any] = {}
         self._watchdog: asyncio.TimerHandle | None = None
+        #: long-poll sessions by their secret id (gateway/longpoll.py)
+        self.lp_sessions: dict[str, Any] = {}
         self.raw = None  # the raw TCP broadcaster, when enabled
         self.ingest = None
 
@@ -83,7 +79,7 @@ class Hub:
 
     async def stop(self) -> None:
         self.gc.stop()
-        for timer in (self._tick, self._watchdog):
+        for timer in (self._tick, self._watchdog, *self._token_timers.values(), *self._idle_timers.values()):
             if timer:
                 timer.cancel()
         if self._task:
@@ -104,9 +100,14 @@ class Hub:
         self._tick = loop.call_later(period, self._on_tick)
 
     def _on_tick(self) -> None:
-        # Cost: O(topics that hold an out-of-order hole), nothing when there is none.
-        if self.engine.tick(time.monotonic()):
+        # Cost: O(topics that hold an out-of-order hole), nothing when there is none; reclaim costs
+        # O(topics that became unused + topics whose time is up).
+        now = time.monotonic()
+        if self.engine.tick(now):
             self.wake()
+        ttl = self.config.limits.topic_ttl_s
+        if ttl > 0:
+            self.engine.reclaim(now, ttl)
         self._schedule_tick()
 
     def _schedule_watchdog(self) -> None:
@@ -126,22 +127,95 @@ class Hub:
     # -- connections -----------------------------------------------------------------------------------
 
     def new_client_id(self, prefix: str) -> str:
-        return f"{prefix}-{self.instance_id}-{next(self._ids)}"
+        """64 random bits: ids are not secrets (nothing can be claimed by naming one), but never collide."""
+        return f"{prefix}-{secrets.token_hex(8)}"
 
     def register(self, conn: Connection, *, ready: bool) -> None:
-        cid = conn.identity.client_id
-        self.engine.connect(cid, ready=ready, info=conn.identity)
+        identity = conn.identity
+        cid = identity.client_id
+        self.engine.connect(cid, ready=ready, info=identity, owner=identity.owner)
         self.conns[cid] = conn
-        self.metrics.connected(conn.identity.transport)
+        self.clients_by_ip[(identity.transport, identity.ip)] += 1
+        self.metrics.connected(identity.transport)
+        if identity.principal is not None:
+            self._arm_token_expiry(cid, identity.principal)
+        if self.config.limits.idle_timeout_s > 0:
+            self._arm_idle(cid, self.config.limits.idle_timeout_s)
 
     def unregister(self, client_id: str, reason: str) -> None:
         conn = self.conns.pop(client_id, None)
         if conn is None:
             return
+        identity = conn.identity
+        key = (identity.transport, identity.ip)
+        self.clients_by_ip[key] -= 1
+        if not self.clients_by_ip[key]:
+            del self.clients_by_ip[key]
+        for timers in (self._token_timers, self._idle_timers):
+            timer = timers.pop(client_id, None)
+            if timer is not None:
+                timer.cancel()
         self.blocked.pop(client_id, None)
         self.engine.disconnect(client_id)
-        self.metrics.disconnected(conn.identity.transport, reason)
+        self.metrics.disconnected(identity.transport, reason)
         self._wake_space_waiters()
+
+    # -- identity ------------------------------------------------------------------------------------
+
+    def authenticate(self, client_id: str, token: object) -> Principal:
+        """Verify a token for a connected client: a first token makes an anonymous connection its user's,
+        a later one refreshes the same user's token (new expiry and patterns). Raises TokenError."""
+        principal = self.tokens.verify(token)
+        identity = self.conns[client_id].identity
+        if identity.principal is not None and identity.principal.user != principal.user:
+            raise TokenError("the token is for another user than the connection's")
+        if identity.principal is None:
+            try:
+                self.engine.set_owner(client_id, principal.user)
+            except CoreUsageError:
+                raise TokenError("this connection holds private queues of its own: reconnect with the token") from None
+        identity.principal = principal
+        self._arm_token_expiry(client_id, principal)
+        return principal
+
+    def _arm_token_expiry(self, client_id: str, principal: Principal) -> None:
+        old = self._token_timers.pop(client_id, None)
+        if old is not None:
+            old.cancel()
+        delay = max(0.0, principal.expires_at + self.config.auth.leeway_s - time.time())
+        loop = asyncio.get_running_loop()
+        self._token_timers[client_id] = loop.call_later(delay, self._token_expired, client_id, principal)
+
+    def _token_expired(self, client_id: str, principal: Principal) -> None:
+        grace = self.config.auth.expired_grace_s
+        self.send_error(client_id, RequestError(
+            f"the token has expired: send auth with a fresh token within {grace:g} s", code="token_expired"))
+        loop = asyncio.get_running_loop()
+        self._token_timers[client_id] = loop.call_later(grace, self._grace_over, client_id, principal)
+
+    def _grace_over(self, client_id: str, principal: Principal) -> None:
+        conn = self.conns.get(client_id)
+        if conn is not None and conn.identity.principal is principal:  # not refreshed meanwhile
+            self._token_timers.pop(client_id, None)
+            self.kick(client_id, close_codes.TOKEN_EXPIRED, "token expired", "token_expired")
+
+    def _arm_idle(self, client_id: str, delay: float) -> None:
+        self._idle_timers[client_id] = asyncio.get_running_loop().call_later(delay, self._check_idle, client_id)
+
+    def _check_idle(self, client_id: str) -> None:
+        # One timer per connection, re-armed lazily: commands only stamp `last_command`.
+        conn = self.conns.get(client_id)
+        if conn is None:
+            return
+        limit = self.config.limits.idle_timeout_s
+        quiet = time.monotonic() - conn.identity.last_command
+        if self.engine.client(client_id).subs:
+            self._arm_idle(client_id, limit)
+        elif quiet < limit:
+            self._arm_idle(client_id, limit - quiet)
+        else:
+            self._idle_timers.pop(client_id, None)
+            self.kick(client_id, close_codes.IDLE, "idle: no subscription and no command", "idle")
 
     def kick(self, client_id: str, code: int, reason: str, metric_reason: str) -> bool:
         conn = self.conns.get(client_id)

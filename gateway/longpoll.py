@@ -2,7 +2,9 @@
 
 `POST /lp` creates a session; `GET /lp/{session}?ack=N` waits up to the poll timeout for the next batch and
 returns `{"batch": id, "entries": [...]}` (entries as on WebSocket); `POST /lp/{session}` sends commands;
-`DELETE /lp/{session}` ends it. A waiting poll is what makes the client ready. A batch stays outstanding until
+`DELETE /lp/{session}` ends it. The session id is a 128-bit secret handed out once: whoever holds it reads
+the session, so it is never derived from anything guessable (the client id is a separate, public name).
+A waiting poll is what makes the client ready. A batch stays outstanding until
 a poll acknowledges its id: only then are its private-queue entries committed (seed 001 peek/commit), and a
 poll that does not acknowledge it gets the same batch again, so a lost response loses nothing.
 """
@@ -10,17 +12,21 @@ poll that does not acknowledge it gets the same batch again, so a lost response 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from core import Batch
+from core import Batch, RequestError
 
+from .auth import TokenError
+from .bodies import read_body
 from .commands import handle_payload
 from .http_errors import error_response
-from .hub import ClientIdentity, Hub
+from .hub import Hub
+from .identity import ClientIdentity
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
 
@@ -29,6 +35,9 @@ class LongPollSession:
     def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
         self.hub = hub
         self.identity = identity
+        #: the session id of the URLs: 128 random bits (secrets), the only credential a poll carries
+        self.secret = secrets.token_urlsafe(16)
+        hub.lp_sessions[self.secret] = self
         self.poll: asyncio.Future | None = None
         #: (batch id, response body) handed out and not yet acknowledged
         self.outstanding: tuple[int, bytes] | None = None
@@ -50,6 +59,7 @@ class LongPollSession:
 
     def _expire(self) -> None:
         self.closed = True
+        self.hub.lp_sessions.pop(self.secret, None)
         self.hub.unregister(self.identity.client_id, "expired")
 
     def deliver(self, batch: Batch, frame: bytes) -> bool:
@@ -63,6 +73,7 @@ class LongPollSession:
 
     def kick(self, code: int, reason: str) -> None:
         self.closed = True
+        self.hub.lp_sessions.pop(self.secret, None)
         self.cancel_expiry()
         if self.poll is not None and not self.poll.done():
             entry = {"type": "error", "code": "closed", "message": reason, "close_code": code}
@@ -99,19 +110,34 @@ class LongPollSession:
 
 def _session(request: Request) -> LongPollSession | None:
     hub: Hub = request.app.state.hub
-    conn = hub.conns.get(request.path_params["session"])
-    return conn if isinstance(conn, LongPollSession) else None
+    return hub.lp_sessions.get(request.path_params["session"])
 
 
 async def create_session(request: Request) -> Response:
+    """`Authorization: Bearer TOKEN` makes the session its user's (docs/security.md); none: anonymous."""
     hub: Hub = request.app.state.hub
-    sessions = hub.metrics.clients_by_transport["longpoll"]
-    if sessions >= hub.config.longpoll.max_sessions:
+    config = hub.config.longpoll
+    host, port = request.client if request.client else ("", 0)
+    if hub.metrics.clients_by_transport["longpoll"] >= config.max_sessions:
         return error_response(503, "too_many_sessions", "the long-poll session limit is reached", {"Retry-After": "5"})
-    peer = f"{request.client.host}:{request.client.port}" if request.client else ""
-    identity = ClientIdentity(hub.new_client_id("lp"), "longpoll", peer)
-    hub.register(LongPollSession(hub, identity), ready=False)
-    return JSONResponse({"session": identity.client_id}, status_code=201)
+    if config.max_sessions_per_ip and hub.clients_by_ip[("longpoll", host)] >= config.max_sessions_per_ip:
+        hub.bad_input("longpoll", "%s holds its maximum of %d sessions", host, config.max_sessions_per_ip)
+        return error_response(429, "too_many_sessions", f"at most {config.max_sessions_per_ip} sessions per address",
+                              {"Retry-After": "5"})
+    principal = None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme:
+        try:
+            if scheme.lower() != "bearer":
+                raise TokenError("the Authorization header must be `Bearer <token>`")
+            principal = hub.tokens.verify(token.strip())
+        except TokenError as exc:
+            hub.bad_input("longpoll", "token refused: %s", exc)
+            return error_response(401, exc.code, str(exc), {"WWW-Authenticate": "Bearer"})
+    identity = ClientIdentity(hub.new_client_id("lp"), "longpoll", f"{host}:{port}", host, principal)
+    session = LongPollSession(hub, identity)
+    hub.register(session, ready=False)
+    return JSONResponse({"session": session.secret, "client_id": identity.client_id}, status_code=201)
 
 
 async def poll(request: Request) -> Response:
@@ -137,9 +163,10 @@ async def post_commands(request: Request) -> Response:
     if session is None:
         return error_response(404, "unknown_session", "no such long-poll session (expired or closed)")
     hub: Hub = request.app.state.hub
-    body = await request.body()
-    if len(body) > hub.config.longpoll.max_body_bytes:
-        return error_response(413, "too_large", f"body exceeds {hub.config.longpoll.max_body_bytes} bytes")
+    try:
+        body = await read_body(request, hub.config.longpoll.max_body_bytes)
+    except RequestError as exc:
+        return error_response(413 if exc.code == "too_large" else 400, exc.code, exc.message)
     try:
         orjson.loads(body)
     except orjson.JSONDecodeError as exc:

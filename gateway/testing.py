@@ -18,11 +18,23 @@ from .config import load_config
 from .server import RunningGateway, start_gateway
 
 TEST_TOKEN = "test-token"
+#: HS256 secret of the test gateways' subscriber tokens (`make_token`)
+TEST_JWT_SECRET = "test-jwt-secret-of-at-least-32-bytes!"
 DEFAULTS = {
     "server": {"host": "127.0.0.1", "port": 0, "admin_token": TEST_TOKEN, "log_level": "warning"},
+    "auth": {"jwt_secret": TEST_JWT_SECRET},
     "ingest": {"port": 0},
     "rawtcp": {"enabled": False, "sender_port": 0, "receiver_port": 0},
 }
+
+
+def make_token(sub: str, *, ttl: float = 600.0, secret: str = TEST_JWT_SECRET, **claims: Any) -> str:
+    """An HS256 subscriber token for `sub`, expiring in `ttl` seconds, with extra claims."""
+    import time
+
+    import jwt
+
+    return jwt.encode({"sub": sub, "exp": int(time.time() + ttl), **claims}, secret, algorithm="HS256")
 
 
 @dataclass
@@ -61,6 +73,10 @@ class GatewayHandle:
     @property
     def hub(self):
         return self.running.hub
+
+    def client_of(self, user: str) -> str:
+        """The client id of the (one) connection authenticated as `user`."""
+        return self.call(lambda: next(c for c, conn in self.hub.conns.items() if conn.identity.user == user))
 
     def call(self, fn, *args: Any) -> Any:
         """Run fn(*args) on the gateway's loop (the hub is not thread-safe) and return its result."""

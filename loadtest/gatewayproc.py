@@ -1,8 +1,8 @@
 """Start the gateway as a subprocess with its own temporary config and ephemeral ports; stop it after.
 
 The contract with the gateway: ``python -m gateway serve --config FILE --ready-file PATH`` writes PATH as
-JSON ``{"http_port", "ingest_port", "raw_sender_port", "raw_receiver_port", "admin_token"}`` once it
-listens.
+JSON ``{"http_port", "ingest_port", "raw_sender_port", "raw_receiver_port"}`` once it listens. The admin
+token is the one written into FILE (the ready file carries a token only when the gateway generated it).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ capacity = {int(capacity)}
 batch_depth = {int(batch_depth)}
 reorder_window = 64
 client_publish = true
+anonymous = true
 
 [scheduler]
 cycle_budget_bytes = 65536
@@ -93,7 +94,7 @@ class GatewayProcess:
                     info = None
                 if info:
                     return Target("gateway", HOST, int(info["http_port"]), int(info["ingest_port"]),
-                                  info.get("admin_token", token), self.proc.pid)
+                                  token, self.proc.pid)
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"gateway not ready after {STARTUP_TIMEOUT} s (see {self.workdir}/gateway.log)")

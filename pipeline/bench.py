@@ -121,7 +121,7 @@ def bench_feed(args: argparse.Namespace) -> dict:
 
             overrides = {}
             if args.reorder_window:
-                rule = {"pattern": "*", "kind": "ring", "reorder_window": args.reorder_window}
+                rule = {"pattern": "*", "anonymous": True, "kind": "ring", "reorder_window": args.reorder_window}
                 overrides = {"topics": {"rules": [rule]}}
             port = stack.enter_context(run_gateway(**overrides)).ingest_port
         opts = FeedOptions(

@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from gateway.testing import run_gateway
+from gateway.testing import make_token, run_gateway
 from gw_helpers import auth, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,10 +37,12 @@ def test_topics_crud_and_publish_reach_websocket_clients():
 def test_private_publish_waits_for_space_then_503():
     with run_gateway(admin={"publish_timeout_s": 0.5},
                      topics={"rules": [{"pattern": "*", "kind": "private", "max_count": 2}]}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, ws_connect(gw, query="?id=bob") as ws:
+            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
+            ws_connect(gw, query=f"?token={make_token('bob')}") as ws:
         send(ws, op="subscribe", topic="inbox")
         recv_entries(ws)
-        gw.call(lambda: gw.hub.engine.mark_idle("bob"))  # bob is not reading: his queue fills
+        bob = gw.client_of("bob")
+        gw.call(lambda: gw.hub.engine.mark_idle(bob))  # bob is not reading: his queue fills
         r = http.post("/api/topics/inbox/publish", json={"messages": [1, 2], "client": "bob"})
         assert r.json()["seqs"] == [0, 1]
         r = http.post("/api/topics/inbox/publish", json={"data": 3, "client": "bob"})
@@ -50,16 +52,17 @@ def test_private_publish_waits_for_space_then_503():
 
 def test_list_and_kick_clients():
     with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            ws_connect(gw, query="?id=carol") as ws:
+            ws_connect(gw, query=f"?token={make_token('carol')}") as ws:
         send(ws, op="subscribe", topic="t")
         recv_entries(ws)
         clients = http.get("/api/clients").json()["clients"]
-        assert [c["id"] for c in clients] == ["carol"] and clients[0]["subscriptions"] == ["t"]
-        assert http.delete("/api/clients/carol").json() == {"kicked": "carol"}
+        carol = gw.client_of("carol")
+        assert [(c["id"], c["user"]) for c in clients] == [(carol, "carol")] and clients[0]["subscriptions"] == ["t"]
+        assert http.delete(f"/api/clients/{carol}").json() == {"kicked": carol}
         with pytest.raises(Exception) as info:
             ws.recv(timeout=5)
         assert "4000" in str(info.value)
-        assert http.delete("/api/clients/carol").status_code == 404
+        assert http.delete(f"/api/clients/{carol}").status_code == 404
 
 
 def test_stats_metrics_health_openapi_static():

@@ -1,13 +1,16 @@
 """Fuzz every parser of peer input: it accepts the input or answers with a protocol error, nothing else."""
 
+import asyncio
+
 import orjson
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gateway.commands import handle_payload
 from gateway.config import load_config
-from gateway.hub import ClientIdentity, Hub
+from gateway.hub import Hub
+from gateway.identity import ClientIdentity
 from gateway.ingest import IngestProtocol
-from gateway.testing import DEFAULTS
+from gateway.testing import DEFAULTS, make_token
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -17,7 +20,8 @@ json_values = st.recursive(
 commands = st.fixed_dictionaries(
     {},
     optional={
-        "op": st.sampled_from(["subscribe", "unsubscribe", "publish", "rpc", "ping", "bogus"]) | json_values,
+        "op": st.sampled_from(["subscribe", "unsubscribe", "publish", "rpc", "ping", "auth", "bogus"]) | json_values,
+        "token": st.sampled_from([make_token("fuzz"), make_token("other", ttl=-60), "x.y.z"]) | json_values,
         "topic": st.sampled_from(["chat.a", "t", "private.x", "state.s", ""]) | json_values,
         "since": st.fixed_dictionaries({"epoch": st.text(max_size=5) | json_values, "seq": st.integers(-3, 10) | json_values}) | json_values,
         "data": json_values,
@@ -67,6 +71,10 @@ def _hub():
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(payloads, min_size=1, max_size=6))
 def test_client_commands_are_run_or_answered_with_an_error(frames):
+    asyncio.run(_run_frames(frames))  # the hub arms timers (token expiry, idle): it needs a running loop
+
+
+async def _run_frames(frames):
     hub = _hub()
     conn = RecordingConnection("c")
     hub.register(conn, ready=True)

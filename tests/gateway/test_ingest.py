@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from gateway.testing import run_gateway
+from gateway.testing import make_token, run_gateway
 from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -16,7 +16,7 @@ def msgs(entries):
 
 
 def test_out_of_order_seqs_from_two_connections_are_delivered_in_order():
-    rules = {"rules": [{"pattern": "*", "capacity": 1024, "reorder_window": 256, "batch_depth": 32}]}
+    rules = {"rules": [{"pattern": "*", "anonymous": True, "capacity": 1024, "reorder_window": 256, "batch_depth": 32}]}
     with run_gateway(topics=rules) as gw, ws_connect(gw) as ws:
         send(ws, op="subscribe", topic="feed")
         recv_entries(ws)
@@ -55,15 +55,16 @@ def test_malformed_lines_get_error_lines_with_their_number_and_the_rest_goes_on(
 
 def test_a_full_private_queue_stops_reading_the_publisher_until_space_frees():
     rules = {"rules": [{"pattern": "*", "kind": "private", "max_count": 5}]}
-    with run_gateway(topics=rules) as gw, ws_connect(gw, query="?id=dave") as ws:
+    with run_gateway(topics=rules) as gw, ws_connect(gw, query=f"?token={make_token('dave')}") as ws:
         send(ws, op="subscribe", topic="q")
         recv_entries(ws)
-        gw.call(lambda: gw.hub.engine.mark_idle("dave"))  # dave stops taking data
+        dave = gw.client_of("dave")
+        gw.call(lambda: gw.hub.engine.mark_idle(dave))  # dave stops taking data
         pub = Ingest(gw)
         pub.send(*({"topic": "q", "client": "dave", "data": i} for i in range(20)))
         pub.send({"sync": "after"})
         assert not pub.has_line(0.5)  # blocked behind the full queue: the sync is not answered
-        gw.call(lambda: gw.hub.mark_ready("dave"))
+        gw.call(lambda: gw.hub.mark_ready(dave))
         got = []
         deadline = time.monotonic() + 10
         while len(got) < 20 and time.monotonic() < deadline:

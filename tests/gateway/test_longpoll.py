@@ -5,7 +5,7 @@ import time
 import httpx
 import pytest
 
-from gateway.testing import run_gateway
+from gateway.testing import make_token, run_gateway
 from gw_helpers import Ingest
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,33 +44,35 @@ def test_a_poll_waits_and_is_answered_by_a_publish():
 
 def test_an_unacknowledged_batch_is_sent_again_and_private_entries_commit_on_ack():
     with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
-        session = http.post("/lp").json()["session"]
+        created = http.post("/lp", headers={"Authorization": f"Bearer {make_token('lena')}"}).json()
+        session, client = created["session"], created["client_id"]
         http.post(f"/lp/{session}", json={"op": "subscribe", "topic": "private.box"})
         ack = http.get(f"/lp/{session}").json()["batch"]
         pub = Ingest(gw)
-        pub.send({"topic": "private.box", "client": session, "data": "p0"})
+        pub.send({"topic": "private.box", "client": "lena", "data": "p0"})
         pub.sync()
         lost = http.get(f"/lp/{session}", params={"ack": ack}).json()  # pretend this response was lost
         assert [e["data"] for e in lost["entries"]] == ["p0"]
         again = http.get(f"/lp/{session}", params={"ack": ack}).json()  # same old ack: the batch again
         assert again == lost
-        queued = gw.call(lambda: len(gw.hub.engine.client(session).subs["private.box"].queue))
+        queued = gw.call(lambda: len(gw.hub.engine.client(client).subs["private.box"].queue))
         assert queued == 1  # not committed while unacknowledged
-        pub.send({"topic": "private.box", "client": session, "data": "p1"})
+        pub.send({"topic": "private.box", "client": "lena", "data": "p1"})
         pub.sync()
         nxt = http.get(f"/lp/{session}", params={"ack": lost["batch"]}).json()
         assert [e["data"] for e in nxt["entries"]] == ["p1"]
-        queued = gw.call(lambda: len(gw.hub.engine.client(session).subs["private.box"].queue))
+        queued = gw.call(lambda: len(gw.hub.engine.client(client).subs["private.box"].queue))
         assert queued == 1  # p0 committed and gone; p1 outstanding
 
 
 def test_session_expiry_frees_everything():
     with run_gateway(longpoll={"session_ttl_s": 0.5}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
-        session = http.post("/lp").json()["session"]
+        created = http.post("/lp").json()
+        session = created["session"]
         http.post(f"/lp/{session}", json={"op": "subscribe", "topic": "t"})
         time.sleep(1.2)
         assert http.get(f"/lp/{session}").status_code == 404
-        assert gw.call(lambda: gw.hub.engine.has_client(session)) is False
+        assert gw.call(lambda: gw.hub.engine.has_client(created["client_id"])) is False
         assert gw.call(lambda: len(gw.hub.engine.topic("t").subs)) == 0
 
 

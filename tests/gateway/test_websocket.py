@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from gateway.testing import run_gateway
+from gateway.testing import make_token, run_gateway
 from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,7 +31,7 @@ def test_subscribe_publish_receive_in_batch_frames(direct_write):
 
 
 def test_many_messages_arrive_in_order_in_fewer_frames_with_batch_depth():
-    with run_gateway(topics={"rules": [{"pattern": "*", "capacity": 1024, "batch_depth": 16}]}) as gw, ws_connect(gw) as ws:
+    with run_gateway(topics={"rules": [{"pattern": "*", "anonymous": True, "capacity": 1024, "batch_depth": 16}]}) as gw, ws_connect(gw) as ws:
         send(ws, op="subscribe", topic="t")
         recv_entries(ws)
         pub = Ingest(gw)
@@ -47,7 +47,7 @@ def test_many_messages_arrive_in_order_in_fewer_frames_with_batch_depth():
 
 
 def test_hot_and_cold_topic_the_cold_one_goes_in_the_next_cycle():
-    with run_gateway(topics={"rules": [{"pattern": "*", "capacity": 4096}]}) as gw, ws_connect(gw) as ws:
+    with run_gateway(topics={"rules": [{"pattern": "*", "anonymous": True, "capacity": 4096}]}) as gw, ws_connect(gw) as ws:
         send(ws, op="subscribe", topic="hot")
         send(ws, op="subscribe", topic="cold")
         collect(ws, lambda g: len(g) >= 2)
@@ -64,7 +64,7 @@ def test_hot_and_cold_topic_the_cold_one_goes_in_the_next_cycle():
 def test_a_client_that_stops_reading_does_not_delay_others_and_is_disconnected():
     config = {
         "websocket": {"write_high_water": 16384, "blocked_timeout_s": 1.0},
-        "topics": {"rules": [{"pattern": "*", "capacity": 4096, "batch_depth": 8}]},
+        "topics": {"rules": [{"pattern": "*", "anonymous": True, "capacity": 4096, "batch_depth": 8}]},
     }
     payload = "x" * 20000
     with run_gateway(**config) as gw, ws_connect(gw, rcvbuf=4096, max_queue=16) as slow, ws_connect(gw) as fast:
@@ -97,7 +97,7 @@ def test_a_client_that_stops_reading_does_not_delay_others_and_is_disconnected()
 
 
 def test_recovery_with_since_and_a_loss_notice_when_the_point_is_gone():
-    with run_gateway(topics={"rules": [{"pattern": "*", "capacity": 8}]}) as gw:
+    with run_gateway(topics={"rules": [{"pattern": "*", "anonymous": True, "capacity": 8}]}) as gw:
         pub = Ingest(gw)
         pub.send(*({"topic": "t", "data": i} for i in range(5)))
         pub.sync()
@@ -141,13 +141,14 @@ def test_malformed_commands_get_errors_and_the_connection_goes_on():
         assert msgs(collect(other, msgs))[0]["data"] == "still fine"
 
 
-def test_client_ids_and_private_queues_through_ingest():
-    with run_gateway() as gw, ws_connect(gw, query="?id=alice") as ws:
+def test_private_queues_belong_to_the_token_user_and_are_reached_through_ingest():
+    with run_gateway() as gw, ws_connect(gw, query=f"?token={make_token('alice')}") as ws:
         send(ws, op="subscribe", topic="private.inbox")
         recv_entries(ws)
-        with pytest.raises(Exception):
-            with ws_connect(gw, query="?id=alice") as dup:
-                dup.recv(timeout=5)
+        with pytest.raises(Exception) as info:
+            with ws_connect(gw, query="?id=alice") as chosen:  # names are never claimed
+                chosen.recv(timeout=5)
+        assert "4006" in str(info.value)
         pub = Ingest(gw)
         pub.send({"topic": "private.inbox", "client": "alice", "data": "for alice"},
                  {"topic": "private.inbox", "client": "bob", "data": "nobody"})

@@ -1,0 +1,91 @@
+"""Who a connection is and what it may do: identity, topic permissions and per-client limits, in one place.
+
+Every transport builds a `ClientIdentity` and asks it before acting on a client's command, so the same
+request gets the same answer on WebSocket, long-poll and SSE.
+
+Permissions (docs/security.md):
+
+* a topic whose config says `anonymous = true` is open to every client: subscribe, and publish when the
+  topic also has `client_publish`;
+* any other topic needs a token: its `subscribe` / `publish` patterns must match the topic name;
+* a private topic is open to every authenticated client, because the queue it reads is its own user's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import dataclass, field
+
+from core import TopicConfig, TopicKind
+
+from .auth import Principal
+
+
+class TokenBucket:
+    """`rate` events per second on average, `burst` at once: refill on use, no timer."""
+
+    __slots__ = ("rate", "burst", "tokens", "stamp")
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = float(burst)
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+@dataclass
+class ClientIdentity:
+    """A connection's identity and its per-client counters (the core sees it as opaque `info`)."""
+
+    client_id: str
+    transport: str
+    peer: str = ""
+    #: the peer's IP address, for per-address limits
+    ip: str = ""
+    #: the verified token, None while anonymous
+    principal: Principal | None = None
+    connected_at: float = field(default_factory=time.time)
+    #: topics this connection caused to be created (bounded by limits.max_created_topics)
+    created_topics: int = 0
+    #: client publishes (limits.publish_rate / publish_burst); made on first publish
+    publish_bucket: TokenBucket | None = None
+    #: monotonic time of the last command, for the idle timeout
+    last_command: float = field(default_factory=time.monotonic)
+
+    @property
+    def user(self) -> str | None:
+        return self.principal.user if self.principal is not None else None
+
+    @property
+    def owner(self) -> str:
+        """Whose private queues this connection reads: its user, or itself when anonymous."""
+        return self.principal.user if self.principal is not None else self.client_id
+
+    def may_subscribe(self, name: str, config: TopicConfig) -> bool:
+        if config.anonymous:
+            return True
+        principal = self.principal
+        if principal is None:
+            return False
+        return config.kind is TopicKind.PRIVATE or _matches(name, principal.subscribe)
+
+    def may_publish(self, name: str, config: TopicConfig) -> bool:
+        if not config.client_publish or config.kind is TopicKind.PRIVATE:
+            return False
+        if config.anonymous:
+            return True
+        return self.principal is not None and _matches(name, self.principal.publish)
