@@ -63,9 +63,9 @@ class RingTopic(Topic):
             raise StaleSeq(f"seq {seq} of {self.name!r} is below the available end {self.end}")
         elif seq in self.pending:
             raise DuplicateSeq(f"seq {seq} of {self.name!r} was already published")
+        entry = self.encode(seq, data)  # before taking the seq: a refused message must leave no hole
         if seq >= self.next_id:
             self.next_id = seq + 1
-        entry = self.encode(seq, data)
         self.counters.messages_published += 1
         end_before = self.end
         window = self.config.reorder_window

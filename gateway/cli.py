@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -24,16 +25,28 @@ def _run(coro, use_uvloop: bool):
     return asyncio.run(coro)
 
 
+def write_ready_file(path: str, info: dict) -> None:
+    """Write `info` as JSON, readable by the owner only (it may hold the admin token), atomically."""
+    tmp = f"{path}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a stale one from a crash; O_EXCL then refuses any file or symlink planted since
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
 async def _serve(config, ready_file: str | None) -> None:
     running = await start_gateway(config)
+    generated = not config.server.admin_token
     if ready_file:
-        tmp = f"{ready_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(running.ports(), f)
-        os.replace(tmp, ready_file)
-    if not config.server.admin_token:
+        info = running.ports()
+        if generated:  # a configured token is the operator's already: no copy of it in one more file
+            info["admin_token"] = running.admin_token
+        write_ready_file(ready_file, info)
+    if generated:
         print(f"admin token (development, loopback only): {running.admin_token}", flush=True)
-    print(f"gateway listening on http://{config.server.host}:{running.http_port}", flush=True)
+    scheme = "https" if config.server.ssl_certfile else "http"
+    print(f"gateway listening on {scheme}://{config.server.host}:{running.http_port}", flush=True)
     try:
         await running.wait()
     finally:
@@ -47,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", help="TOML file of overrides over config/default.toml")
     serve.add_argument("--host", help="override server.host")
     serve.add_argument("--port", type=int, help="override server.port")
-    serve.add_argument("--ready-file", help="write the bound ports and admin token here as JSON once listening")
+    serve.add_argument("--ready-file", help="write the bound ports (and a generated admin token) here as JSON,"
+                       " mode 0600, once listening")
     args = parser.parse_args(argv)
     overrides: dict = {}
     if args.host:

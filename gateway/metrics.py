@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from core import Batch
 
     from .hub import Hub
+    from .netguard import ConnectionLimiter
 
 CYCLE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -55,6 +56,8 @@ class Metrics:
         self.disconnects: Counter[tuple[str, str]] = Counter()
         self.ingest_records = 0
         self.ingest_errors = 0
+        #: the HTTP port's connection accounting, set by the server once it listens
+        self.connections: "ConnectionLimiter | None" = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -95,6 +98,16 @@ class Metrics:
         for source, count in sorted(self.hub.bad_input.by_source.items()):
             bad.add_metric([source], count)
         yield bad
+        limiter = self.connections
+        if limiter is not None:
+            yield GaugeMetricFamily("fanout_http_connections", "open HTTP-port connections (WebSocket included)",
+                                    value=limiter.open)
+            refused = CounterMetricFamily("fanout_connections_refused",
+                                          "HTTP-port connections refused at a limit or cut at the header deadline",
+                                          labels=["reason"])
+            for reason, count in sorted(limiter.refused.items()):
+                refused.add_metric([reason], count)
+            yield refused
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
         yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
         pauses = HistogramMetricFamily("fanout_gc_pause_seconds", "garbage-collector pauses", labels=["generation"])

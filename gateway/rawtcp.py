@@ -20,11 +20,18 @@ Sender flow control (seed 003 §5.5): ``transport.pause_reading()`` at the pause
 ``resume_reading()`` at the resume watermark. Lagging receivers are checked after writes and on a
 timer (``check_interval``, 100 ms), because a stalled receiver must be kicked even when the sender is
 paused and nothing else happens.
+
+Shared secret: with a ``token``, the sender and every receiver first send the line ``TOKEN\\n`` within
+``handshake_timeout`` seconds. Until then a sender does not hold the sender slot and its bytes go to a
+small buffer of its own, not the ring; a receiver is not registered (no slot, no data). A wrong or missing
+line closes the connection. A sender that sends nothing for ``sender_idle_timeout`` seconds (not counting
+time paused by flow control) is disconnected, so an idle one cannot keep the only slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import time
@@ -33,6 +40,8 @@ from typing import Any
 
 from core.byte_ring import ByteRing, ByteRingConfig, FlowAction, TooManyReceivers
 
+from .ratelog import BadInputLog
+
 __all__ = ["RawBroadcastServer"]
 
 _log = logging.getLogger(__name__)
@@ -40,6 +49,21 @@ _log = logging.getLogger(__name__)
 #: Seconds between lag checks when nothing else happens. Seed 003 §5.3's kick_grace_ms is 500 ms;
 #: 100 ms keeps a kick within a fifth of the grace window for the cost of a loop over <= 16 receivers.
 DEFAULT_CHECK_INTERVAL_S = 0.1
+
+#: Most bytes of a token line, its newline included: a peer without the token cannot make us buffer more.
+TOKEN_LINE_MAX = 1024
+
+
+class _TokenLine:
+    """The ``TOKEN\\n`` line a connection sends first when a token is set, read into its own small buffer."""
+
+    def __init__(self, timer: asyncio.TimerHandle) -> None:
+        self.buf = bytearray(TOKEN_LINE_MAX)
+        self.size = 0
+        self.timer = timer
+
+    def room(self) -> memoryview:
+        return memoryview(self.buf)[self.size:]
 
 
 class _ReceiverProtocol(asyncio.Protocol):
@@ -52,13 +76,17 @@ class _ReceiverProtocol(asyncio.Protocol):
         self.peer: Any = None
         #: Set by pause_writing: the transport holds bytes the kernel refused; hand it nothing more.
         self.write_paused = False
+        self.handshake: _TokenLine | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server._receiver_made(self)
 
     def data_received(self, data: bytes) -> None:
-        self.server._receiver_bytes_discarded += len(data)
+        if self.handshake is not None:
+            self.server._receiver_handshake(self, data)
+        else:
+            self.server._receiver_bytes_discarded += len(data)
 
     def eof_received(self) -> bool:
         # A receiver's EOF ends it. Staying half-open would keep a departed receiver's slot (one of
@@ -74,6 +102,7 @@ class _ReceiverProtocol(asyncio.Protocol):
         self.server._schedule_pump()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.server._handshake_over(self)
         self.server._receiver_lost(self, exc)
 
 
@@ -85,6 +114,7 @@ class _SenderProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None
         self.accepted = False
+        self.handshake: _TokenLine | None = None
         self._scratch: memoryview | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -94,6 +124,8 @@ class _SenderProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.accepted:
             return self.server._sender_get_buffer()
+        if self.handshake is not None:
+            return self.handshake.room()  # never empty: a full buffer without a newline is refused
         # A refused sender is closed already; should a read still come, it is dropped.
         if self._scratch is None:
             self._scratch = memoryview(bytearray(4096))
@@ -102,11 +134,14 @@ class _SenderProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.accepted:
             self.server._sender_data(nbytes)
+        elif self.handshake is not None:
+            self.server._sender_handshake(self, nbytes)
 
     def eof_received(self) -> bool:
         return False  # close: the sender is gone, the receivers keep what is in the ring
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.server._handshake_over(self)
         self.server._sender_lost(self, exc)
 
 
@@ -117,6 +152,9 @@ class RawBroadcastServer:
     are then in ``sender_port`` and ``receiver_port``), ``await stop()`` closes everything.
     ``stats()`` and ``receivers()`` are snapshots for monitoring. ``clock`` returns monotonic
     nanoseconds (injectable for tests); everything runs on the loop that called ``start``.
+    ``token`` (empty: none), ``handshake_timeout`` and ``sender_idle_timeout`` (0: none) are in seconds,
+    see the module docstring; refused handshakes are reported to ``bad_input(source, message, *args)``
+    (a ``BadInputLog``: rate-limited, counted), by default a limiter of its own.
     """
 
     def __init__(
@@ -126,6 +164,10 @@ class RawBroadcastServer:
         *,
         clock: Callable[[], int] = time.monotonic_ns,
         check_interval: float = DEFAULT_CHECK_INTERVAL_S,
+        token: str = "",
+        handshake_timeout: float = 10.0,
+        sender_idle_timeout: float = 0.0,
+        bad_input: Callable[..., object] | None = None,
     ) -> None:
         if check_interval <= 0:
             raise ValueError(f"check_interval must be > 0, got {check_interval!r}")
@@ -133,8 +175,14 @@ class RawBroadcastServer:
         self._log = logger if logger is not None else _log
         self._clock = clock
         self._check_interval = check_interval
+        self._token = token.encode()
+        self._handshake_timeout = handshake_timeout
+        self._idle_timeout = sender_idle_timeout
+        self._bad_input = bad_input if bad_input is not None else BadInputLog(5.0)
         self._ring = ByteRing(self.config)
         self._receivers: dict[int, _ReceiverProtocol] = {}
+        #: connections still to send their token line (closed by stop, like the others)
+        self._handshaking: set[_SenderProtocol | _ReceiverProtocol] = set()
         self._ids = itertools.count(1)
         self._sender: _SenderProtocol | None = None
         # Sender bytes read while the ring had no free byte at all, kept in order until it has.
@@ -147,6 +195,9 @@ class RawBroadcastServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._timer: asyncio.TimerHandle | None = None
+        # One idle timer for the sender slot, re-armed lazily from the last data time: no per-read churn.
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._sender_last_data = 0  # clock() of the sender's last read (or of reading resuming)
         self._pump_handle: asyncio.Handle | None = None
         self._running = False
         self.sender_port: int | None = None
@@ -157,6 +208,8 @@ class RawBroadcastServer:
         self._senders_refused = 0
         self._receivers_refused = 0
         self._receiver_bytes_discarded = 0
+        self._handshakes_refused = 0
+        self._senders_idle = 0
 
     # ------------------------------------------------------------- lifecycle
     async def start(self, host: str, sender_port: int, receiver_port: int) -> None:
@@ -190,10 +243,10 @@ class RawBroadcastServer:
         if not self._running:
             return
         self._running = False
-        for handle in (self._timer, self._pump_handle):
+        for handle in (self._timer, self._pump_handle, self._idle_timer):
             if handle is not None:
                 handle.cancel()
-        self._timer = self._pump_handle = None
+        self._timer = self._pump_handle = self._idle_timer = None
         for srv in self._servers:
             srv.close()
         if self._sender is not None and self._sender.transport is not None:
@@ -201,6 +254,9 @@ class RawBroadcastServer:
         for rid, rc in list(self._receivers.items()):
             self._drop_receiver(rid)
             rc.transport.abort()  # type: ignore[union-attr]
+        for proto in list(self._handshaking):
+            self._handshake_over(proto)
+            proto.transport.abort()  # type: ignore[union-attr]
         for srv in self._servers:
             await srv.wait_closed()
         self._servers = []
@@ -222,6 +278,8 @@ class RawBroadcastServer:
             senders_refused=self._senders_refused,
             receivers_refused=self._receivers_refused,
             receiver_bytes_discarded=self._receiver_bytes_discarded,
+            handshakes_refused=self._handshakes_refused,
+            senders_idle=self._senders_idle,
             pending_sender_bytes=len(self._pending),
         )
         return out
@@ -247,9 +305,22 @@ class RawBroadcastServer:
 
     # --------------------------------------------------------------- sender
     def _sender_made(self, proto: _SenderProtocol) -> None:
+        assert proto.transport is not None
+        proto.peer = proto.transport.get_extra_info("peername")
+        if self._token and self._running:
+            self._handshake_start(proto, "sender")
+        else:
+            self._sender_accept(proto)
+
+    def _sender_handshake(self, proto: _SenderProtocol, nbytes: int) -> None:
+        rest = self._token_line(proto, nbytes, "sender")
+        if rest is not None:
+            self._sender_accept(proto, rest)
+
+    def _sender_accept(self, proto: _SenderProtocol, rest: bytes = b"") -> None:
+        """Give `proto` the sender slot (with `rest`, data read along with its token line) or refuse it."""
         transport = proto.transport
         assert transport is not None
-        proto.peer = transport.get_extra_info("peername")
         if not self._running or self._sender is not None:
             # Seed 003 §2.3: one sender at a time; another one is refused, not queued.
             self._senders_refused += 1
@@ -263,6 +334,16 @@ class RawBroadcastServer:
         self._sender = proto
         self._sender_connections += 1
         self._log.info("rawtcp: sender connected from %s", proto.peer)
+        now = self._clock()
+        self._sender_last_data = now
+        if self._idle_timeout > 0 and self._idle_timer is None:
+            assert self._loop is not None
+            self._idle_timer = self._loop.call_later(self._idle_timeout, self._sender_idle_check)
+        if rest:
+            # In the order read, before anything the ring lends for later reads (see _sender_get_buffer).
+            self._pending += rest
+            self._flush_pending()
+            self._sync_flow(now)
         self._sync_sender_reading()
         # uvloop starts reading after connection_made whatever it asked: apply the state again.
         assert self._loop is not None
@@ -287,8 +368,10 @@ class RawBroadcastServer:
             self._pending += bytes(self._spill[:nbytes])
         else:
             self._ring.commit(nbytes)
+        now = self._clock()
+        self._sender_last_data = now
         # Pause at once (seed 003 §5.5): the next read must find recv_chunk_bytes free.
-        self._sync_flow(self._clock())
+        self._sync_flow(now)
         self._schedule_pump()
 
     def _sender_lost(self, proto: _SenderProtocol, exc: Exception | None) -> None:
@@ -297,6 +380,23 @@ class RawBroadcastServer:
         self._sender = None
         # Seed 003 §2.3: no role change; receivers keep what is in the ring and a new sender may come.
         self._log.info("rawtcp: sender %s disconnected (%s)", proto.peer, exc or "closed")
+
+    def _sender_idle_check(self) -> None:
+        self._idle_timer = None
+        sender = self._sender
+        if sender is None or not self._running:
+            return  # the next sender arms the timer again
+        assert sender.transport is not None and self._loop is not None
+        now = self._clock()
+        if not sender.transport.is_reading():
+            self._sender_last_data = now  # paused by flow control: not the sender's silence
+        idle_s = (now - self._sender_last_data) / 1e9
+        if idle_s < self._idle_timeout:
+            self._idle_timer = self._loop.call_later(self._idle_timeout - idle_s, self._sender_idle_check)
+            return
+        self._senders_idle += 1
+        self._log.info("rawtcp: sender %s disconnected: nothing sent for %.1f s", sender.peer, idle_s)
+        sender.transport.close()  # connection_lost frees the slot
 
     def _sync_flow(self, now: int) -> None:
         action = self._ring.update_flow(now)
@@ -314,6 +414,7 @@ class RawBroadcastServer:
         want = self._running and not self._ring.sender_paused and not self._pending
         if want and not transport.is_reading():
             transport.resume_reading()
+            self._sender_last_data = self._clock()  # it could not send while paused: its idle time starts now
         elif not want and transport.is_reading():
             transport.pause_reading()
 
@@ -331,7 +432,24 @@ class RawBroadcastServer:
         rc.peer = transport.get_extra_info("peername")
         if not self._running:
             transport.close()
-            return
+        elif self._token:
+            self._handshake_start(rc, "receiver")
+        else:
+            self._receiver_accept(rc)
+
+    def _receiver_handshake(self, rc: _ReceiverProtocol, data: bytes) -> None:
+        assert rc.handshake is not None
+        room = rc.handshake.room()
+        n = min(len(data), len(room))
+        room[:n] = data[:n]
+        rest = self._token_line(rc, n, "receiver")
+        if rest is not None:
+            self._receiver_bytes_discarded += len(rest) + len(data) - n  # a receiver's data is discarded
+            self._receiver_accept(rc)
+
+    def _receiver_accept(self, rc: _ReceiverProtocol) -> None:
+        transport = rc.transport
+        assert transport is not None
         rid = next(self._ids)
         try:
             self._ring.add_receiver(rid, self._clock())
@@ -363,6 +481,48 @@ class RawBroadcastServer:
         self._log.info("rawtcp: receiver %d (%s) disconnected (%s)", rid, rc.peer, exc or "closed")
         if self._running:
             self._settle(self._clock())
+
+    # ------------------------------------------------------------- handshake
+    def _handshake_start(self, proto: _SenderProtocol | _ReceiverProtocol, role: str) -> None:
+        assert self._loop is not None
+        timer = self._loop.call_later(
+            self._handshake_timeout, self._handshake_refuse, proto, role,
+            f"no token line within {self._handshake_timeout:g} s",
+        )
+        proto.handshake = _TokenLine(timer)
+        self._handshaking.add(proto)
+
+    def _token_line(self, proto: _SenderProtocol | _ReceiverProtocol, nbytes: int, role: str) -> bytes | None:
+        """Take `nbytes` more read into `proto.handshake`. Once the token line is complete and right: the
+        bytes read after it. None while it is incomplete, or when it was wrong (the connection is closing)."""
+        line = proto.handshake
+        assert line is not None
+        start = line.size
+        line.size += nbytes
+        end = line.buf.find(b"\n", start, line.size)
+        if end < 0:
+            if line.size == TOKEN_LINE_MAX:
+                self._handshake_refuse(proto, role, f"no newline in the first {TOKEN_LINE_MAX} bytes")
+            return None
+        self._handshake_over(proto)
+        # A \r before the newline is tolerated (telnet, nc -C).
+        if not hmac.compare_digest(bytes(line.buf[:end]).removesuffix(b"\r"), self._token):
+            self._handshake_refuse(proto, role, "wrong token")
+            return None
+        return bytes(line.buf[end + 1 : line.size])
+
+    def _handshake_over(self, proto: _SenderProtocol | _ReceiverProtocol) -> None:
+        if proto.handshake is not None:
+            proto.handshake.timer.cancel()
+            proto.handshake = None
+            self._handshaking.discard(proto)
+
+    def _handshake_refuse(self, proto: _SenderProtocol | _ReceiverProtocol, role: str, reason: str) -> None:
+        self._handshake_over(proto)
+        self._handshakes_refused += 1
+        self._bad_input("rawtcp", "%s %s refused: %s", role, proto.peer, reason)
+        assert proto.transport is not None
+        proto.transport.close()
 
     # ------------------------------------------------------------------ pump
     def _schedule_pump(self) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
+import resource
 import secrets
 import socket
+import ssl
 from dataclasses import dataclass
 
 import uvicorn
@@ -15,6 +18,7 @@ from .app import build_app
 from .config import ConfigError, GatewayConfig
 from .hub import Hub
 from .ingest import IngestServer
+from .netguard import ConnectionLimiter, http_protocol_class
 from .ws import protocol_class
 
 log = logging.getLogger("gateway")
@@ -61,6 +65,44 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def tls_files(config: GatewayConfig) -> tuple[str, str] | None:
+    """(certfile, keyfile) when TLS is configured, checked now so that a mistake is a clear config error."""
+    cert, key = config.server.ssl_certfile, config.server.ssl_keyfile
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ConfigError("server.ssl_certfile and server.ssl_keyfile go together: set both for TLS, or neither")
+    for name, path in (("ssl_certfile", cert), ("ssl_keyfile", key)):
+        if not os.path.isfile(path):
+            raise ConfigError(f"server.{name}: no such file {path!r}")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"server.ssl_certfile {cert!r} with server.ssl_keyfile {key!r}: {exc}") from None
+    return cert, key
+
+
+#: descriptors besides HTTP connections: listening sockets, ingest and raw TCP peers, files, the loop's own
+FD_RESERVE = 64
+
+
+def raise_open_files_limit(max_connections: int) -> None:
+    """Every connection is a file descriptor: take the hard limit, and warn when the gateway would run out
+    of descriptors (accept failing for everyone) before its own connection limit refuses anyone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # e.g. an unlimited hard limit above the kernel's nr_open
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    log.info("open-files limit (RLIMIT_NOFILE): %s", "unlimited" if soft == resource.RLIM_INFINITY else soft)
+    if max_connections and soft != resource.RLIM_INFINITY and soft < max_connections + FD_RESERVE:
+        log.warning("open-files limit %d is below server.max_connections + %d (%d): descriptors run out first;"
+                    " raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower server.max_connections",
+                    soft, FD_RESERVE, max_connections + FD_RESERVE)
+
+
 @dataclass
 class RunningGateway:
     config: GatewayConfig
@@ -80,7 +122,6 @@ class RunningGateway:
             "ingest_port": self.ingest_port,
             "raw_sender_port": self.raw_sender_port,
             "raw_receiver_port": self.raw_receiver_port,
-            "admin_token": self.admin_token,
         }
 
     async def wait(self) -> None:
@@ -104,6 +145,15 @@ class RunningGateway:
 
 async def start_gateway(config: GatewayConfig) -> RunningGateway:
     token, _generated = resolve_admin_token(config)
+    tls = tls_files(config)
+    # As for the admin token, and before anything is started: beyond loopback, anyone could publish or send.
+    for section, what in (("ingest", "the ingest"), ("rawtcp", "the raw TCP broadcaster")):
+        cfg = getattr(config, section)
+        if cfg.enabled and not cfg.token and not _is_loopback(cfg.host):
+            raise ConfigError(
+                f"refusing to bind {what} on {cfg.host} without {section}.token: set it"
+                f" (or GATEWAY_{section.upper()}_TOKEN)"
+            )
     hub = Hub(config)
     await hub.start()
     server_cfg = config.server
@@ -123,16 +173,21 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
             kick_grace_ms=r.kick_grace_ms, pause_watermark_pct=r.pause_watermark_pct,
             resume_watermark_pct=r.resume_watermark_pct, recv_chunk_bytes=r.recv_chunk_bytes,
             max_receivers=r.max_receivers,
-        ))
+        ), token=r.token, handshake_timeout=config.server.header_timeout_s,
+            sender_idle_timeout=r.sender_idle_timeout_s, bad_input=hub.bad_input)
         await raw.start(r.host, r.sender_port, r.receiver_port)
         hub.raw = raw
         running.raw_sender_port, running.raw_receiver_port = raw.sender_port, raw.receiver_port
+    raise_open_files_limit(server_cfg.max_connections)
     sock = _listen(server_cfg.host, server_cfg.port)
     running.http_port = sock.getsockname()[1]
     ws = config.websocket
+    limiter = ConnectionLimiter(server_cfg.max_connections, server_cfg.max_connections_per_ip, hub.bad_input)
+    hub.metrics.connections = limiter
     uv_config = uvicorn.Config(
         build_app(hub, token),
-        ws=protocol_class(ws.write_high_water, ws.socket_send_buffer),
+        http=http_protocol_class(limiter, server_cfg.header_timeout_s),
+        ws=protocol_class(ws.write_high_water, ws.socket_send_buffer, limiter, hub.bad_input),
         ws_per_message_deflate=False,  # a shared frame per batch: compression would cost an encode per client
         ws_max_size=ws.max_frame_bytes,
         ws_ping_interval=ws.ping_interval_s,
@@ -141,6 +196,8 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         log_level=server_cfg.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        ssl_certfile=tls[0] if tls else None,
+        ssl_keyfile=tls[1] if tls else None,
     )
     running.server = GatewayServer(uv_config)
     running.server.hub = hub
@@ -151,5 +208,6 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
             raise RuntimeError("uvicorn stopped during start-up")
         await asyncio.sleep(0.01)
     host = server_cfg.host
-    log.info("gateway on http://%s:%d (WebSocket /ws, long-poll /lp, admin /api)", host, running.http_port)
+    log.info("gateway on %s://%s:%d (WebSocket /ws, long-poll /lp, admin /api)", "https" if tls else "http", host,
+             running.http_port)
     return running

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import socket
 import struct
 import time
@@ -21,16 +20,20 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.frames import CloseCode
 
 from core import Batch
 
 from . import close_codes
 from .commands import handle_payload
-from .hub import ClientIdentity, Hub
+from .auth import TokenError
+from .hub import Hub
+from .identity import ClientIdentity
+from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
+from .ratelog import BadInputLog
 
 log = logging.getLogger("gateway.ws")
 SCOPE_KEY = "fanout.ws"
-CLIENT_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 #: how long a kicked client's buffered data and close frame may take to drain before the cut
 KICK_GRACE_S = 2.0
@@ -52,6 +55,10 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     #: SO_SNDBUF of client sockets; 0 keeps the kernel's (auto-tuned, several MiB on loopback)
     socket_send_buffer = 0
     connection: "WSConnection | None" = None
+    #: the HTTP port's connection accounting: an upgraded connection holds its slot until it is lost here
+    limiter: ConnectionLimiter | None = None
+    #: where a peer's protocol errors are counted, and logged at a bounded rate (the hub's)
+    bad_input: BadInputLog = FALLBACK_BAD_INPUT
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -77,12 +84,42 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        if self.limiter is not None:
+            self.limiter.release(self.transport)
         if self.connection is not None:
             self.connection.on_lost()
 
+    def send_receive_event_to_app(self) -> None:
+        # uvicorn decodes a text message itself and logs every invalid one with a traceback (one ERROR per
+        # frame a peer chooses to send): check it first and fail the connection with 1007 (RFC 6455 §8.1)
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            try:
+                b"".join(self.frames).decode()
+            except UnicodeDecodeError as exc:
+                self.frames = []
+                self.conn.fail(CloseCode.INVALID_DATA, f"invalid UTF-8 in a text message at byte {exc.start}")
+                self.handle_parser_exception()
+                return
+        super().send_receive_event_to_app()
 
-def protocol_class(write_high_water: int, socket_send_buffer: int = 0) -> type[FanoutWSProtocol]:
-    attrs = {"write_high_water": write_high_water, "socket_send_buffer": socket_send_buffer}
+    def handle_parser_exception(self) -> None:
+        # a peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007): the close frame is
+        # queued, the endpoint gets a disconnect; count it and log at a bounded rate, without a traceback
+        close = self.conn.close_sent
+        if close is not None:
+            peer = "%s:%d" % self.client if self.client else "?"
+            self.bad_input("ws", "%s: %s, closing with %d", peer, close.reason or "protocol error", close.code)
+        super().handle_parser_exception()
+
+
+def protocol_class(
+    write_high_water: int,
+    socket_send_buffer: int = 0,
+    limiter: ConnectionLimiter | None = None,
+    bad_input: BadInputLog = FALLBACK_BAD_INPUT,
+) -> type[FanoutWSProtocol]:
+    attrs = {"write_high_water": write_high_water, "socket_send_buffer": socket_send_buffer, "limiter": limiter,
+             "bad_input": bad_input}
     return type("ConfiguredFanoutWSProtocol", (FanoutWSProtocol,), attrs)
 
 
@@ -205,16 +242,24 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     config = hub.config.websocket
     proto = websocket.scope.get("extensions", {}).get(SCOPE_KEY) if config.direct_write else None
     await websocket.accept()
-    requested = websocket.query_params.get("id")
-    if requested is not None:
-        if not config.allow_client_ids or not CLIENT_ID.match(requested) or requested in hub.conns:
-            await websocket.close(close_codes.BAD_CLIENT_ID, "client id refused (invalid, in use, or not allowed)")
+    if "id" in websocket.query_params:
+        # Names chosen by clients could be claimed by anyone; a private queue belongs to a token's `sub`.
+        await websocket.close(close_codes.BAD_CLIENT_ID, "?id= is not accepted: identity comes from ?token=")
+        return
+    principal = None
+    token = websocket.query_params.get("token")
+    if token is not None:
+        try:
+            principal = hub.tokens.verify(token)
+        except TokenError as exc:
+            code = close_codes.TOKEN_EXPIRED if exc.code == "token_expired" else close_codes.BAD_TOKEN
+            hub.bad_input("ws", "token refused: %s", exc)
+            await websocket.close(code, str(exc).encode()[:120].decode(errors="ignore"))  # reason <= 123 bytes
             return
-        client_id = requested
-    else:
-        client_id = hub.new_client_id("ws")
-    peer = f"{websocket.client.host}:{websocket.client.port}" if websocket.client else ""
-    conn = WSConnection(hub, ClientIdentity(client_id, "ws", peer), websocket, proto)
+    client_id = hub.new_client_id("ws")
+    host, port = websocket.client if websocket.client else ("", 0)
+    identity = ClientIdentity(client_id, "ws", f"{host}:{port}", host, principal)
+    conn = WSConnection(hub, identity, websocket, proto)
     hub.register(conn, ready=True)
     reason = "closed"
     try:

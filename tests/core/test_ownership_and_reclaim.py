@@ -87,3 +87,22 @@ def test_data_nested_deeper_than_the_encoder_writes_is_a_request_error():
         engine.publish("t", deep)
     assert info.value.code == "bad_data"
     engine.publish("t", "fine")
+
+
+def test_a_refused_message_takes_no_seq_so_subscribers_see_no_false_loss():
+    engine = make_engine()
+    engine.connect("a")
+    engine.subscribe("a", "t")
+    cycle(engine)
+    with pytest.raises(RequestError):
+        engine.publish("t", _deep(600))
+    assert engine.publish("t", "next").seq == 0
+    engine.tick(now=10.0)
+    assert [e["type"] for e in cycle(engine)["a"]] == ["msg"]
+
+
+def _deep(levels: int):
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
