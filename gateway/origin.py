@@ -26,12 +26,12 @@ CORS_MAX_AGE = b"600"
 
 def _normalize(origin: str) -> str | None:
     """`scheme://host[:port]` lower-cased, default port dropped; None when it is not such an origin."""
-    parts = urlsplit(origin.strip().lower())
-    if parts.scheme not in DEFAULT_PORTS or not parts.hostname or parts.path not in ("", "/"):
-        return None
     try:
+        parts = urlsplit(origin.strip().lower())
         port = parts.port
-    except ValueError:
+    except ValueError:  # e.g. "http://[::1" or a port out of range
+        return None
+    if parts.scheme not in DEFAULT_PORTS or not parts.hostname or parts.path not in ("", "/"):
         return None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6 literal
     netloc = host if port is None or str(port) == DEFAULT_PORTS[parts.scheme] else f"{host}:{port}"

@@ -35,6 +35,11 @@ def config_text(admin_token: str, capacity: int = 64, batch_depth: int = 1) -> s
 host = "{HOST}"
 port = 0
 admin_token = "{admin_token}"
+# every load client connects from this machine: a per-address limit would refuse all but the first ones
+max_connections_per_ip = 0
+
+[longpoll]
+max_sessions_per_ip = 0
 
 [ingest]
 port = 0

@@ -10,6 +10,7 @@ from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
 from gateway.ingest import IngestProtocol
+from gateway.origin import OriginGuard, parse_allowed_origins
 from gateway.testing import DEFAULTS, make_token
 
 json_values = st.recursive(
@@ -142,3 +143,11 @@ async def _run_lines(body_lines, chunk):
     assert all(1 <= e["line"] <= len(body_lines) and isinstance(e["code"], str) for e in errors)
     synced = answers[-1]
     assert synced["accepted"] + synced["refused"] <= len(body_lines)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(max_size=60) | st.sampled_from(["http://[::1", "https://a:99999", "null", "http://x:80"]),
+       st.text(max_size=30))
+def test_any_origin_header_is_allowed_or_refused_never_an_exception(origin, host):
+    guard = OriginGuard(None, parse_allowed_origins(["https://app.example.com"]))
+    assert guard.allows(origin, host) in (True, False)
