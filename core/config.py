@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
+#: Seqs are below 2**53 so that every client can hold them exactly (JavaScript numbers are doubles).
+MAX_SEQ = 1 << 53
+
+#: Upper bounds of the integer topic settings: each sizes memory or work per topic or per publish.
+_BOUNDS = {
+    "capacity": 1 << 20,  # ring slots: 8 MiB of references per topic at the bound
+    "batch_depth": 1 << 10,
+    "reorder_window": 1 << 20,
+    "max_count": 1 << 20,
+    "max_bytes": 1 << 30,
+}
+#: A hole waits at most an hour: a longer wait holds every later message back from all subscribers.
+MAX_HOLE_TIMEOUT = 3600.0
+
+
 class TopicKind(str, Enum):
     #: shared, queued, lossy: a ring of `capacity` messages, each subscriber keeps a cursor (seeds 000, 002)
     RING = "ring"
@@ -38,11 +53,16 @@ class TopicConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TopicKind(self.kind))
-        for name in ("capacity", "batch_depth", "reorder_window", "max_count", "max_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.hole_timeout <= 0:
-            raise ValueError("hole_timeout must be > 0")
+        for name, bound in _BOUNDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
+                raise ValueError(f"{name} must be an integer in [1, {bound}], not {value!r}")
+        timeout = self.hole_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_HOLE_TIMEOUT:
+            raise ValueError(f"hole_timeout must be a number of seconds in (0, {MAX_HOLE_TIMEOUT:g}], not {timeout!r}")
+        for name in ("client_publish", "anonymous"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
 
     def as_dict(self) -> dict:
         return {

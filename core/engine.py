@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable
 
 from .client import Client, ClientState, Subscription
-from .config import EngineConfig, TopicConfig, TopicKind
+from .config import MAX_SEQ, EngineConfig, TopicConfig, TopicKind
 from .counters import Counters
 from .entries import encode_closed, encode_subscribed, encode_unsubscribed, frame_batch
 from .errors import (
@@ -285,6 +285,8 @@ class Engine:
         Raises `RequestError` subclasses: `QueueFull` (back-pressure: wait for `take_space_freed`),
         `DuplicateSeq` / `StaleSeq` (out-of-order seqs), `UnknownTopic`, `MessageTooLarge`.
         """
+        if seq is not None and not 0 <= seq < MAX_SEQ:
+            raise RequestError(f"seq must be in [0, 2**53), not {seq}", code="bad_seq")
         topic = self.resolve(name)
         if isinstance(topic, PrivateTopic):
             if owner is None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from core import RequestError, TopicConfig
+from core.config import MAX_SEQ
 from core.entries import encode_reply
 
 from . import close_codes
@@ -58,9 +59,9 @@ def _since(command: dict) -> tuple[str, int] | None:
         or not isinstance(since.get("epoch"), str)
         or not isinstance(since.get("seq"), int)
         or isinstance(since.get("seq"), bool)
-        or since["seq"] < 0
+        or not 0 <= since["seq"] < MAX_SEQ
     ):
-        raise RequestError("`since` must be {\"epoch\": string, \"seq\": integer >= 0}", code="bad_command")
+        raise RequestError("`since` must be {\"epoch\": string, \"seq\": integer in [0, 2**53)}", code="bad_command")
     return since["epoch"], since["seq"]
 
 

@@ -218,9 +218,9 @@ class IngestProtocol(asyncio.Protocol):
             self.refused += 1
             self._error(line_no, "bad_record", "a record needs `topic` (string) and `data`")
             return
-        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
+        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
             self.refused += 1
-            self._error(line_no, "bad_record", "`seq` must be an integer >= 0")
+            self._error(line_no, "bad_record", "`seq` must be an integer")
             return
         if client is not None and not isinstance(client, str):
             self.refused += 1

@@ -59,6 +59,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     limiter: ConnectionLimiter | None = None
     #: where a peer's protocol errors are counted, and logged at a bounded rate (the hub's)
     bad_input: BadInputLog = FALLBACK_BAD_INPUT
+    #: our close frame is sent: what the peer still sends is read and dropped until it closes
+    lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -81,6 +83,25 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         super().resume_writing()
         if self.connection is not None:
             self.connection.on_resume()
+
+    def linger_close(self, grace: float) -> None:
+        """Close after our close frame without a reset: closing a socket with unread input makes the kernel
+        send RST, which can destroy the close frame (and its code) before the peer reads it. So: shut our
+        side once the buffer (close frame included) is written, drop what the peer still sends, close when
+        it closes, and cut it after `grace` seconds if it never does (or never reads)."""
+        self.lingering = True
+        transport = self.transport
+        if transport.is_closing():
+            return
+        if not transport.can_write_eof():  # TLS: its close_notify already ends the stream cleanly
+            transport.close()
+            return
+        transport.write_eof()
+        self.loop.call_later(grace, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:
+            super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -106,10 +127,14 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         # a peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007): the close frame is
         # queued, the endpoint gets a disconnect; count it and log at a bounded rate, without a traceback
         close = self.conn.close_sent
-        if close is not None:
-            peer = "%s:%d" % self.client if self.client else "?"
-            self.bad_input("ws", "%s: %s, closing with %d", peer, close.reason or "protocol error", close.code)
-        super().handle_parser_exception()
+        assert close is not None
+        peer = "%s:%d" % self.client if self.client else "?"
+        self.bad_input("ws", "%s: %s, closing with %d", peer, close.reason or "protocol error", close.code)
+        # uvicorn's own handler, but lingering instead of closing at once (see linger_close)
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": close.code, "reason": close.reason})
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.close_sent = True
+        self.linger_close(KICK_GRACE_S)
 
 
 def protocol_class(
@@ -155,7 +180,7 @@ class WSConnection:
             self._blocked()
             return False
         transport = self.proto.transport
-        if transport.is_closing():
+        if transport.is_closing() or self.proto.lingering:  # closed, or our side already shut
             return False
         transport.writelines((text_frame_header(len(frame)), frame))
         if self.paused:  # pause_writing ran inside write(): above the high-water mark
@@ -208,7 +233,7 @@ class WSConnection:
             asyncio.get_running_loop().create_task(self._close_via_asgi(code, reason))
             return
         transport = proto.transport
-        if transport.is_closing():
+        if transport.is_closing() or proto.lingering:
             return
         try:
             proto.conn.send_close(code, reason)
@@ -216,10 +241,9 @@ class WSConnection:
             proto.close_sent = True
         except Exception:  # already closing on the websockets side
             pass
-        transport.close()
         # The close frame waits behind whatever is buffered: a reader that wakes up gets it with the code
         # and reason; one that never reads again is cut after the grace (its buffer will not drain).
-        asyncio.get_running_loop().call_later(KICK_GRACE_S, transport.abort)
+        proto.linger_close(KICK_GRACE_S)
 
     async def _close_via_asgi(self, code: int, reason: str) -> None:
         try:

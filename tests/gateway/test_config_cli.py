@@ -39,7 +39,7 @@ def test_defaults_file_and_environment_overrides(tmp_path):
     ('[nosuch]\na = 1\n', {}, "unknown config key 'nosuch'"),
     ('', {"GATEWAY_WHAT_EVER": "1"}, "names no config key"),
     ('[[topics.rules]]\npattern = "*"\nkind = "bogus"\n', {}, "bad topic setting"),
-    ('[[topics.rules]]\npattern = "*"\ncapacity = 0\n', {}, "capacity must be >= 1"),
+    ('[[topics.rules]]\npattern = "*"\ncapacity = 0\n', {}, "capacity must be an integer in [1, 1048576], not 0"),
 ])
 def test_bad_config_is_refused_with_a_clear_message(tmp_path, text, environ, message):
     path = tmp_path / "bad.toml"

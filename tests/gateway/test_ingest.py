@@ -48,7 +48,7 @@ def test_malformed_lines_get_error_lines_with_their_number_and_the_rest_goes_on(
                      + b'{"topic":"t","data":"' + b"x" * 2000 + b'"}\n\n{"topic":"t","data":3}\n')
         errors = [pub.readline() for _ in range(5)]
         assert [(e["line"], e["code"]) for e in errors] == [
-            (2, "bad_json"), (3, "bad_record"), (4, "bad_record"), (5, "bad_record"), (6, "too_large")]
+            (2, "bad_json"), (3, "bad_record"), (4, "bad_record"), (5, "bad_seq"), (6, "too_large")]
         assert pub.sync() == {"type": "synced", "id": 1, "accepted": 2, "refused": 5}
         assert [e["data"] for e in msgs(collect(ws, lambda g: len(msgs(g)) >= 2))] == [1, 3]
 

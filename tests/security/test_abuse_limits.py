@@ -150,3 +150,23 @@ def test_a_connection_that_subscribes_to_nothing_is_closed_when_idle():
         time.sleep(0.6)
         send(busy, op="ping", id=1)
         assert recv_entries(busy)[0]["result"] == "pong"
+
+
+def test_out_of_range_seqs_and_topic_settings_are_refused_not_stored():
+    headers = {"Authorization": "Bearer test-token"}
+    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10, headers=headers) as http, \
+            ws_connect(gw) as ws:
+        pub = Ingest(gw)
+        for seq in (2**64 - 1, 2**53, -1):
+            pub.send({"topic": "t.big", "seq": seq, "data": 1})
+            assert pub.readline()["code"] == "bad_seq"
+            r = http.post("/api/topics/t.big/publish", json={"data": 1, "seq": seq})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_seq"
+        send(ws, op="subscribe", topic="t.big", id=1)  # the topic still works
+        assert recv_entries(ws)[0]["seq"] == 0
+        for settings in ({"capacity": 1.5}, {"capacity": 10**30}, {"capacity": 2**64}, {"capacity": True},
+                         {"hole_timeout": True}, {"client_publish": "false"}, {"anonymous": 1},
+                         {"reorder_window": 1.5}, {"batch_depth": 0}, {"max_bytes": 2**40}):
+            r = http.post("/api/topics", json={"name": "t.settings", **settings})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", settings
+        assert http.get("/api/topics/t.settings").status_code == 404
