@@ -170,3 +170,21 @@ def test_out_of_range_seqs_and_topic_settings_are_refused_not_stored():
             r = http.post("/api/topics", json={"name": "t.settings", **settings})
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", settings
         assert http.get("/api/topics/t.settings").status_code == 404
+
+
+def test_the_close_code_reaches_a_client_that_keeps_sending():
+    # Closing a socket whose peer's bytes are still unread makes the kernel reset the connection, which
+    # can destroy the close frame before the client reads it; the gateway lingers instead.
+    with run_gateway(scheduler={"direct_queue_max": 16}) as gw:
+        for _ in range(10):
+            with ws_connect(gw) as ws:
+                ws.send(json.dumps([{"op": "ping", "id": i} for i in range(50)]))  # 50 replies > 16
+                try:
+                    for i in range(300):
+                        ws.send(json.dumps({"op": "ping", "id": i}))
+                except ConnectionClosed:
+                    pass
+                with pytest.raises(ConnectionClosed) as info:
+                    while True:
+                        ws.recv(timeout=5)
+                assert info.value.rcvd is not None and info.value.rcvd.code == 4009
