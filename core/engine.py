@@ -26,10 +26,13 @@ from .config import MAX_SEQ, EngineConfig, TopicConfig, TopicKind
 from .counters import Counters
 from .entries import encode_closed, encode_subscribed, encode_unsubscribed, frame_batch
 from .errors import (
+    AlreadySubscribed,
+    BadSeq,
+    BadTopic,
     CoreUsageError,
     DirectQueueFull,
+    NoTarget,
     NotSubscribed,
-    RequestError,
     TooManySubscriptions,
     TooManyTopics,
     TopicExists,
@@ -97,7 +100,7 @@ class Engine:
         if name in self._topics:
             raise TopicExists(f"topic {name!r} exists")
         if not name or len(name) > self.config.max_topic_name:
-            raise RequestError(f"topic name must be 1..{self.config.max_topic_name} characters", code="bad_topic")
+            raise BadTopic(f"topic name must be 1..{self.config.max_topic_name} characters")
         if len(self._topics) >= self.config.max_topics:
             raise TooManyTopics(f"the gateway holds its maximum of {self.config.max_topics} topics")
         config = config or self.config.rule_for(name) or TopicConfig()
@@ -233,7 +236,7 @@ class Engine:
     ) -> Subscribed:
         client = self.client(client_id)
         if name in client.subs:
-            raise RequestError(f"already subscribed to {name!r}", code="already_subscribed")
+            raise AlreadySubscribed(f"already subscribed to {name!r}")
         if len(client.subs) >= self.config.max_subscriptions:
             raise TooManySubscriptions(f"at most {self.config.max_subscriptions} subscriptions per client")
         if len(client.direct) + 2 > self.config.direct_queue_max:
@@ -286,11 +289,11 @@ class Engine:
         `DuplicateSeq` / `StaleSeq` (out-of-order seqs), `UnknownTopic`, `MessageTooLarge`.
         """
         if seq is not None and not 0 <= seq < MAX_SEQ:
-            raise RequestError(f"seq must be in [0, 2**53), not {seq}", code="bad_seq")
+            raise BadSeq(f"seq must be in [0, 2**53), not {seq}")
         topic = self.resolve(name)
         if isinstance(topic, PrivateTopic):
             if owner is None:
-                raise RequestError(f"private topic {name!r} needs a target client", code="bad_command")
+                raise NoTarget(f"private topic {name!r} needs the user whose queue gets the message (`client`)")
             sub = topic.queues.get(owner)
             if sub is None:
                 raise NotSubscribed(f"{owner!r} has no queue on {name!r}")
@@ -308,7 +311,7 @@ class Engine:
         """Hand out `count` seqs of a ring topic as [begin, end) (seed 004 TryReserve)."""
         topic = self.resolve(name)
         if not isinstance(topic, RingTopic):
-            raise RequestError(f"reserve needs a ring topic, {name!r} is {topic.kind}", code="bad_command")
+            raise CoreUsageError(f"reserve needs a ring topic, {name!r} is {topic.kind}")
         return topic.reserve(count)
 
     def tick(self, now: float) -> int:

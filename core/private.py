@@ -12,7 +12,7 @@ from collections import deque
 from typing import Any
 
 from .client import Subscription
-from .errors import QueueFull, RequestError, StaleSeq
+from .errors import BadSeq, QueueFull, StaleSeq
 from .topics import Topic
 
 
@@ -57,7 +57,7 @@ class PrivateTopic(Topic):
             # A private queue is filled in order by one producer: a seq only makes a retry idempotent.
             if seq < sub.cursor:
                 raise StaleSeq(f"seq {seq} of private {self.name!r} was already queued")
-            raise RequestError(f"seq {seq} of private {self.name!r} is not the next one ({sub.cursor})", code="bad_seq")
+            raise BadSeq(f"seq {seq} of private {self.name!r} is not the next one ({sub.cursor})")
         entry = self.encode(sub.cursor, data)
         config = self.config
         if len(queue) >= config.max_count or (queue and sub.queued_bytes + len(entry) > config.max_bytes):

@@ -8,7 +8,7 @@ from .client import Subscription
 from .config import TopicConfig
 from .counters import Counters
 from .entries import encode_message
-from .errors import MessageTooLarge, RequestError
+from .errors import BadData, MessageTooLarge
 
 
 class Topic:
@@ -38,7 +38,7 @@ class Topic:
         try:
             entry = encode_message(self.name, seq, data)
         except TypeError as exc:  # orjson.JSONEncodeError: e.g. nested deeper than orjson writes (254)
-            raise RequestError(f"data cannot be encoded: {exc}", code="bad_data") from None
+            raise BadData(f"data cannot be encoded: {exc}") from None
         if len(entry) > self.max_message_bytes:
             raise MessageTooLarge(f"message of {len(entry)} bytes exceeds {self.max_message_bytes}")
         return entry

@@ -13,22 +13,16 @@ from starlette.routing import Route
 
 from core import QueueFull, RequestError, TopicKind
 
-from . import close_codes
+from . import close_codes, schema
 from .bodies import read_body
 from .config import ConfigError, topic_config
+from .errors import BadJson, BadRequest, Disabled, Unauthorized, UnknownClient
 from .http_errors import error_response
 from .hub import Hub
 from .openapi import OPENAPI
 
-_STATUS = {
-    "unknown_topic": 404,
-    "not_subscribed": 404,
-    "topic_exists": 409,
-    "duplicate_seq": 409,
-    "stale_seq": 409,
-    "too_large": 413,
-    "too_many_topics": 507,
-}
+UNAUTHORIZED = Unauthorized("a valid `Authorization: Bearer <token>` header is required")
+DISABLED = Disabled("the raw TCP broadcaster is disabled")
 
 
 def _hub(request: Request) -> Hub:
@@ -42,10 +36,6 @@ def _authorized(request: Request) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-def _request_error(exc: RequestError) -> JSONResponse:
-    return error_response(_STATUS.get(exc.code, 400), exc.code, exc.message)
-
-
 async def _json_body(request: Request) -> Any:
     body = await read_body(request, _hub(request).config.admin.max_body_bytes)
     if not body:
@@ -53,18 +43,17 @@ async def _json_body(request: Request) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise RequestError(f"not JSON: {exc}", code="bad_json") from None
+        raise BadJson(f"not JSON: {exc}") from None
 
 
 def guarded(handler):
     async def endpoint(request: Request) -> Response:
         if not _authorized(request):
-            return error_response(401, "unauthorized", "a valid `Authorization: Bearer <token>` header is required",
-                                  {"WWW-Authenticate": "Bearer"})
+            return error_response(UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})
         try:
             return await handler(request)
         except RequestError as exc:
-            return _request_error(exc)
+            return error_response(exc)
 
     endpoint.__name__ = handler.__name__
     endpoint.__doc__ = handler.__doc__
@@ -78,17 +67,15 @@ async def list_topics(request: Request) -> Response:
 
 @guarded
 async def create_topic(request: Request) -> Response:
-    body = await _json_body(request)
-    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-        raise RequestError("body must be an object with `name` and topic settings", code="bad_request")
-    settings = {k: v for k, v in body.items() if k != "name"}
+    hub = _hub(request)
+    body: schema.CreateTopic = schema.body(await _json_body(request), schema.CreateTopic)
     # Settings not given come from the rule the name matches (its permissions included), as on first use.
-    rule = _hub(request).engine.config.rule_for(body["name"])
+    rule = hub.engine.config.rule_for(body.name)
     try:
-        config = topic_config({**(rule.as_dict() if rule is not None else {}), **settings})
+        config = topic_config({**(rule.as_dict() if rule is not None else {}), **body.settings()})
     except ConfigError as exc:
-        raise RequestError(str(exc), code="bad_request") from None
-    topic = _hub(request).engine.create_topic(body["name"], config)
+        raise BadRequest(str(exc)) from None
+    topic = hub.engine.create_topic(body.name, config)
     return JSONResponse(topic.info(), status_code=201)
 
 
@@ -99,10 +86,8 @@ async def get_topic(request: Request) -> Response:
 
 @guarded
 async def delete_topic(request: Request) -> Response:
-    hub = _hub(request)
-    count = hub.engine.delete_topic(request.path_params["name"])
-    hub.wake()
-    return JSONResponse({"deleted": request.path_params["name"], "subscribers_notified": count})
+    name = request.path_params["name"]
+    return JSONResponse({"deleted": name, "subscribers_notified": _hub(request).delete_topic(name)})
 
 
 @guarded
@@ -110,30 +95,20 @@ async def publish(request: Request) -> Response:
     """Body: {"data": D} or {"messages": [D, ...]}, optional "client" (private topics) and "seq"."""
     hub = _hub(request)
     name = request.path_params["name"]
-    body = await _json_body(request)
-    if not isinstance(body, dict) or ("data" in body) == ("messages" in body):
-        raise RequestError("body must have exactly one of `data` or `messages`", code="bad_request")
-    items = [body["data"]] if "data" in body else body["messages"]
-    if not isinstance(items, list):
-        raise RequestError("`messages` must be a list", code="bad_request")
-    client = body.get("client")
-    if client is not None and not isinstance(client, str):
-        raise RequestError("`client` must be a string (a client id)", code="bad_request")
-    seq = body.get("seq")
-    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or "messages" in body):
-        raise RequestError("`seq` must be an integer, with `data` only", code="bad_request")
+    body: schema.PublishBody = schema.body(await _json_body(request), schema.PublishBody)
+    items = body.items()
     topic = hub.engine.resolve(name)
     timeout = hub.config.admin.publish_timeout_s
     seqs = []
     for data in items:
         try:
             if topic.config.kind is TopicKind.PRIVATE:
-                result = await hub.publish_wait(name, data, owner=client, timeout=timeout, seq=seq)
+                result = await hub.publish_wait(name, data, owner=body.client, timeout=timeout, seq=body.seq)
             else:
-                result = hub.publish(name, data, seq=seq)
+                result = hub.publish(name, data, seq=body.seq)
         except (QueueFull, asyncio.TimeoutError):
-            return error_response(503, "queue_full", f"private queue still full after {timeout} s; "
-                                  f"{len(seqs)} of {len(items)} published", {"Retry-After": "1"})
+            return error_response(QueueFull(f"private queue still full after {timeout} s; "
+                                            f"{len(seqs)} of {len(items)} published"), {"Retry-After": "1"})
         seqs.append(result.seq)
     return JSONResponse({"topic": name, "seqs": seqs})
 
@@ -160,7 +135,7 @@ async def list_clients(request: Request) -> Response:
 async def kick_client(request: Request) -> Response:
     client_id = request.path_params["client_id"]
     if not _hub(request).kick(client_id, close_codes.KICKED, "kicked by admin", "kicked"):
-        return error_response(404, "unknown_client", f"no client {client_id!r}")
+        return error_response(UnknownClient(f"no client {client_id[:128]!r}"))
     return JSONResponse({"kicked": client_id})
 
 
@@ -168,7 +143,7 @@ async def kick_client(request: Request) -> Response:
 async def raw_receivers(request: Request) -> Response:
     raw = _hub(request).raw
     if raw is None:
-        return error_response(404, "disabled", "the raw TCP broadcaster is disabled")
+        return error_response(DISABLED)
     return JSONResponse({"receivers": raw.receivers()})
 
 
@@ -176,7 +151,7 @@ async def raw_receivers(request: Request) -> Response:
 async def raw_stats(request: Request) -> Response:
     raw = _hub(request).raw
     if raw is None:
-        return error_response(404, "disabled", "the raw TCP broadcaster is disabled")
+        return error_response(DISABLED)
     return JSONResponse(raw.stats())
 
 

@@ -10,6 +10,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from . import admin, longpoll
+from .errors import MethodNotAllowed, NotFound
 from .http_errors import error_response
 from .hub import Hub
 from .origin import OriginGuard, parse_allowed_origins
@@ -26,11 +27,11 @@ async def metrics(request: Request) -> Response:
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
-    return error_response(404, "not_found", f"no route {request.url.path}")
+    return error_response(NotFound(f"no route {request.url.path}"))
 
 
 async def method_not_allowed(request: Request, exc: Exception) -> Response:
-    return error_response(405, "method_not_allowed", request.method)
+    return error_response(MethodNotAllowed(request.method))
 
 
 def build_app(hub: Hub, admin_token: str) -> Starlette:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import jwt
 
 from .config import ConfigError
+from .errors import BadToken, TokenExpired
 
 HMAC_ALGORITHMS = ("HS256",)
 PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256")
@@ -25,14 +26,6 @@ MAX_TOKEN_BYTES = 8192
 MAX_USER_CHARS = 128
 #: Patterns per claim: each command checks them in turn.
 MAX_PATTERNS = 256
-
-
-class TokenError(Exception):
-    """A token was refused. `code` is the protocol error code: `bad_token` or `token_expired`."""
-
-    def __init__(self, message: str, code: str = "bad_token") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +58,13 @@ class TokenVerifier:
         return bool(self.secret or self.public_key)
 
     def verify(self, token: object) -> Principal:
-        """The token's principal, or TokenError saying why it is refused."""
+        """The token's principal; BadToken or TokenExpired saying why it is refused."""
         if not self.enabled:
-            raise TokenError("authentication is not configured on this gateway (auth.jwt_secret)")
+            raise BadToken("authentication is not configured on this gateway (auth.jwt_secret)")
         if not isinstance(token, str) or not token:
-            raise TokenError("the token must be a non-empty string")
+            raise BadToken("the token must be a non-empty string")
         if len(token) > MAX_TOKEN_BYTES:
-            raise TokenError(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
+            raise BadToken(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
         try:
             algorithm = jwt.get_unverified_header(token).get("alg")
             if algorithm in HMAC_ALGORITHMS and self.secret:
@@ -79,28 +72,28 @@ class TokenVerifier:
             elif algorithm in PUBLIC_KEY_ALGORITHMS and self.public_key:
                 key, algorithms = self.public_key, list(PUBLIC_KEY_ALGORITHMS)
             else:
-                raise TokenError(f"token algorithm {algorithm!r} is not accepted here")
+                raise BadToken(f"token algorithm {algorithm!r} is not accepted here")
             claims = jwt.decode(
                 token, key, algorithms=algorithms, audience=self.audience, issuer=self.issuer,
                 leeway=self.leeway, options={"require": ["sub", "exp"]},
             )
         except jwt.ExpiredSignatureError:
-            raise TokenError("the token has expired", code="token_expired") from None
+            raise TokenExpired("the token has expired") from None
         except jwt.InvalidTokenError as exc:
-            raise TokenError(f"invalid token: {exc}") from None
+            raise BadToken(f"invalid token: {exc}") from None
         return _principal(claims)
 
 
 def _patterns(claims: dict, name: str) -> tuple[str, ...]:
     value = claims.get(name, [])
     if not isinstance(value, list) or not all(isinstance(p, str) for p in value) or len(value) > MAX_PATTERNS:
-        raise TokenError(f"claim {name!r} must be a list of at most {MAX_PATTERNS} topic patterns (strings)")
+        raise BadToken(f"claim {name!r} must be a list of at most {MAX_PATTERNS} topic patterns (strings)")
     return tuple(value)
 
 
 def _principal(claims: dict) -> Principal:
     user = claims["sub"]
     if not isinstance(user, str) or not 0 < len(user) <= MAX_USER_CHARS:
-        raise TokenError(f"claim 'sub' must be a string of 1..{MAX_USER_CHARS} characters")
+        raise BadToken(f"claim 'sub' must be a string of 1..{MAX_USER_CHARS} characters")
     exp = claims["exp"]
     return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"))

@@ -5,20 +5,22 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from core import RequestError
+from core.errors import MessageTooLarge
+
+from .errors import BadRequest
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes. Raises RequestError `too_large` (413) or `bad_request`."""
+    """The body, at most `limit` bytes. Raises MessageTooLarge (`too_large`, 413) or BadRequest."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
-            raise RequestError("Content-Length must be a decimal number", code="bad_request")
+            raise BadRequest("Content-Length must be a decimal number")
         if int(declared) > limit:
-            raise RequestError(f"body of {declared} bytes exceeds {limit} bytes", code="too_large")
+            raise MessageTooLarge(f"body of {declared} bytes exceeds {limit} bytes")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise RequestError(f"body exceeds {limit} bytes", code="too_large")
+            raise MessageTooLarge(f"body exceeds {limit} bytes")
     return bytes(body)

@@ -18,8 +18,9 @@ from core import Batch, CoreUsageError, Engine, QueueFull, RequestError
 from core.entries import encode_error
 
 from . import close_codes
-from .auth import Principal, TokenError, TokenVerifier
+from .auth import Principal, TokenVerifier
 from .config import GatewayConfig
+from .errors import BadToken, TokenExpired
 from .gcpolicy import GcPolicy
 from .identity import ClientIdentity
 from .metrics import Metrics
@@ -164,16 +165,16 @@ class Hub:
 
     def authenticate(self, client_id: str, token: object) -> Principal:
         """Verify a token for a connected client: a first token makes an anonymous connection its user's,
-        a later one refreshes the same user's token (new expiry and patterns). Raises TokenError."""
+        a later one refreshes the same user's token (new expiry and patterns). Raises BadToken, TokenExpired."""
         principal = self.tokens.verify(token)
         identity = self.conns[client_id].identity
         if identity.principal is not None and identity.principal.user != principal.user:
-            raise TokenError("the token is for another user than the connection's")
+            raise BadToken("the token is for another user than the connection's")
         if identity.principal is None:
             try:
                 self.engine.set_owner(client_id, principal.user)
             except CoreUsageError:
-                raise TokenError("this connection holds private queues of its own: reconnect with the token") from None
+                raise BadToken("this connection holds private queues of its own: reconnect with the token") from None
         identity.principal = principal
         self._arm_token_expiry(client_id, principal)
         return principal
@@ -188,8 +189,7 @@ class Hub:
 
     def _token_expired(self, client_id: str, principal: Principal) -> None:
         grace = self.config.auth.expired_grace_s
-        self.send_error(client_id, RequestError(
-            f"the token has expired: send auth with a fresh token within {grace:g} s", code="token_expired"))
+        self.send_error(client_id, TokenExpired(f"the token has expired: send auth with a fresh token within {grace:g} s"))
         loop = asyncio.get_running_loop()
         self._token_timers[client_id] = loop.call_later(grace, self._grace_over, client_id, principal)
 
@@ -244,6 +244,20 @@ class Hub:
     def mark_ready(self, client_id: str) -> None:
         self.engine.mark_ready(client_id)
         self.wake()
+
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None) -> None:
+        self.engine.subscribe(client_id, topic, since=since, request_id=request_id)
+        self.wake()
+
+    def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
+        self.engine.unsubscribe(client_id, topic, request_id=request_id)
+        self.wake()
+
+    def delete_topic(self, name: str) -> int:
+        """Remove a topic; its subscribers get `closed`. Returns how many there were."""
+        count = self.engine.delete_topic(name)
+        self.wake()
+        return count
 
     def send_direct(self, client_id: str, entry: bytes) -> None:
         try:

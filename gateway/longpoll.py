@@ -21,14 +21,17 @@ from starlette.responses import JSONResponse, Response
 
 from core import Batch, RequestError
 
-from .auth import TokenError
 from .bodies import read_body
 from .commands import handle_payload
+from .errors import BadAck, BadJson, BadToken, Closed, TokenExpired, TooManySessions, TooManySessionsFromAddress, UnknownSession
 from .http_errors import error_response
 from .hub import Hub
 from .identity import ClientIdentity
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
+UNKNOWN_SESSION = UnknownSession("no such long-poll session (expired or closed)")
+#: seconds a client refused for lack of sessions should wait
+RETRY_LATER = {"Retry-After": "5"}
 
 
 class LongPollSession:
@@ -76,7 +79,7 @@ class LongPollSession:
         self.hub.lp_sessions.pop(self.secret, None)
         self.cancel_expiry()
         if self.poll is not None and not self.poll.done():
-            entry = {"type": "error", "code": "closed", "message": reason, "close_code": code}
+            entry = {"type": "error", "code": Closed.code, "message": reason, "close_code": code}
             self.poll.set_result(orjson.dumps({"batch": None, "entries": [entry]}))
 
     def describe(self) -> dict[str, Any]:
@@ -119,21 +122,21 @@ async def create_session(request: Request) -> Response:
     config = hub.config.longpoll
     host, port = request.client if request.client else ("", 0)
     if hub.metrics.clients_by_transport["longpoll"] >= config.max_sessions:
-        return error_response(503, "too_many_sessions", "the long-poll session limit is reached", {"Retry-After": "5"})
+        return error_response(TooManySessions("the long-poll session limit is reached"), RETRY_LATER)
     if config.max_sessions_per_ip and hub.clients_by_ip[("longpoll", host)] >= config.max_sessions_per_ip:
         hub.bad_input("longpoll", "%s holds its maximum of %d sessions", host, config.max_sessions_per_ip)
-        return error_response(429, "too_many_sessions", f"at most {config.max_sessions_per_ip} sessions per address",
-                              {"Retry-After": "5"})
+        return error_response(TooManySessionsFromAddress(
+            f"at most {config.max_sessions_per_ip} sessions per address"), RETRY_LATER)
     principal = None
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme:
         try:
             if scheme.lower() != "bearer":
-                raise TokenError("the Authorization header must be `Bearer <token>`")
+                raise BadToken("the Authorization header must be `Bearer <token>`")
             principal = hub.tokens.verify(token.strip())
-        except TokenError as exc:
+        except (BadToken, TokenExpired) as exc:
             hub.bad_input("longpoll", "token refused: %s", exc)
-            return error_response(401, exc.code, str(exc), {"WWW-Authenticate": "Bearer"})
+            return error_response(exc, {"WWW-Authenticate": "Bearer"})
     identity = ClientIdentity(hub.new_client_id("lp"), "longpoll", f"{host}:{port}", host, principal)
     session = LongPollSession(hub, identity)
     hub.register(session, ready=False)
@@ -143,12 +146,12 @@ async def create_session(request: Request) -> Response:
 async def poll(request: Request) -> Response:
     session = _session(request)
     if session is None:
-        return error_response(404, "unknown_session", "no such long-poll session (expired or closed)")
+        return error_response(UNKNOWN_SESSION)
     ack_text = request.query_params.get("ack")
     try:
         ack = int(ack_text) if ack_text not in (None, "", "null") else None
     except ValueError:
-        return error_response(400, "bad_ack", "`ack` must be an integer batch id")
+        return error_response(BadAck("`ack` must be an integer batch id"))
     session.cancel_expiry()
     try:
         body = await session.wait(ack)
@@ -161,16 +164,16 @@ async def poll(request: Request) -> Response:
 async def post_commands(request: Request) -> Response:
     session = _session(request)
     if session is None:
-        return error_response(404, "unknown_session", "no such long-poll session (expired or closed)")
+        return error_response(UNKNOWN_SESSION)
     hub: Hub = request.app.state.hub
     try:
         body = await read_body(request, hub.config.longpoll.max_body_bytes)
     except RequestError as exc:
-        return error_response(413 if exc.code == "too_large" else 400, exc.code, exc.message)
+        return error_response(exc)
     try:
         orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        return error_response(400, "bad_json", f"not JSON: {exc}")
+        return error_response(BadJson(f"not JSON: {exc}"))
     count = handle_payload(hub, session.identity.client_id, body)
     return JSONResponse({"accepted": count}, status_code=202)
 
@@ -178,7 +181,7 @@ async def post_commands(request: Request) -> Response:
 async def delete_session(request: Request) -> Response:
     session = _session(request)
     if session is None:
-        return error_response(404, "unknown_session", "no such long-poll session")
+        return error_response(UNKNOWN_SESSION)
     session.kick(1000, "session deleted")
     request.app.state.hub.unregister(session.identity.client_id, "closed")
     return Response(status_code=204)

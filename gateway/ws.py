@@ -26,7 +26,7 @@ from core import Batch
 
 from . import close_codes
 from .commands import handle_payload
-from .auth import TokenError
+from .errors import BadToken, TokenExpired
 from .hub import Hub
 from .identity import ClientIdentity
 from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
@@ -275,10 +275,9 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     if token is not None:
         try:
             principal = hub.tokens.verify(token)
-        except TokenError as exc:
-            code = close_codes.TOKEN_EXPIRED if exc.code == "token_expired" else close_codes.BAD_TOKEN
+        except (BadToken, TokenExpired) as exc:
             hub.bad_input("ws", "token refused: %s", exc)
-            await websocket.close(code, str(exc).encode()[:120].decode(errors="ignore"))  # reason <= 123 bytes
+            await websocket.close(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
             return
     client_id = hub.new_client_id("ws")
     host, port = websocket.client if websocket.client else ("", 0)

@@ -25,8 +25,10 @@ class TakeoverMachine(RuleBasedStateMachine):
         self.holder: str | None = None
         self.published = 0
         self.committed: list[int] = []
-        #: per tab: the seqs of the batch it was handed and has not finished writing
-        self.writing: dict[str, list[int]] = {}
+        #: per tab: the seqs of the batch it was handed and has not finished writing, and the holding it
+        #: was handed under (a write that completes after its handle lost the queue commits nothing)
+        self.writing: dict[str, tuple[list[int], int]] = {}
+        self.holding = 0
 
     @rule(tab=st.sampled_from(TABS))
     def connect(self, tab):
@@ -39,6 +41,7 @@ class TakeoverMachine(RuleBasedStateMachine):
         if tab in self.connected and tab != self.holder:
             self.engine.subscribe(tab, TOPIC)
             self.holder = tab
+            self.holding += 1
 
     @rule(tab=st.sampled_from(TABS))
     def leave(self, tab):
@@ -63,16 +66,17 @@ class TakeoverMachine(RuleBasedStateMachine):
             seqs = [e["seq"] for e in map(orjson.loads, batch.entries) if e["type"] == "msg"]
             if seqs:
                 assert batch.client_id == self.holder  # only the holder reads the queue
-            self.writing[batch.client_id] = seqs
+            self.writing[batch.client_id] = (seqs, self.holding)
 
     @rule(tab=st.sampled_from(TABS), written=st.booleans())
     def finish_write(self, tab, written):
-        seqs = self.writing.pop(tab, None)
-        if seqs is None:
+        handed = self.writing.pop(tab, None)
+        if handed is None:
             return
+        seqs, holding = handed
         if written:
             self.engine.write_done(tab)
-            if tab == self.holder:
+            if tab == self.holder and holding == self.holding:
                 self.committed += seqs
         else:
             self.engine.rollback(tab)

@@ -1,0 +1,143 @@
+"""The gateway's protocol errors: one class per error code (docs/protocol.md), with its HTTP status and, when
+the error ends a connection, its WebSocket close code. The core's own codes are in core/errors.py; both
+kinds are `RequestError`s, and `http_errors.error_response` is the one place that turns one into an HTTP
+answer (an `error` entry or an ingest error line carries the same code).
+"""
+
+from __future__ import annotations
+
+from core.errors import RequestError
+
+from . import close_codes
+
+
+class BadJson(RequestError):
+    code = "bad_json"
+
+
+class BadCommand(RequestError):
+    """JSON, but not a valid command (WebSocket frame, long-poll body)."""
+
+    code = "bad_command"
+
+
+class BadRecord(RequestError):
+    """JSON, but not a valid ingest record."""
+
+    code = "bad_record"
+
+
+class BadRequest(RequestError):
+    """JSON, but not a valid admin API body, or a malformed HTTP request."""
+
+    code = "bad_request"
+
+
+class Forbidden(RequestError):
+    """The client may not subscribe / publish there (topic `anonymous`, `client_publish`, token patterns)."""
+
+    code = "forbidden"
+    http_status = 403
+
+
+class RateLimited(RequestError):
+    code = "rate_limited"
+    http_status = 429
+
+
+class TooManyCreatedTopics(RequestError):
+    """This connection has caused `limits.max_created_topics` creations (the code is the table's own)."""
+
+    code = "too_many_topics"
+    http_status = 429
+
+
+class BadToken(RequestError):
+    code = "bad_token"
+    http_status = 401
+    close_code = close_codes.BAD_TOKEN
+
+
+class TokenExpired(RequestError):
+    code = "token_expired"
+    http_status = 401
+    close_code = close_codes.TOKEN_EXPIRED
+
+
+class UnknownMethod(RequestError):
+    code = "unknown_method"
+
+
+class UnknownSession(RequestError):
+    code = "unknown_session"
+    http_status = 404
+
+
+class BadAck(RequestError):
+    code = "bad_ack"
+
+
+class TooManySessions(RequestError):
+    """The gateway holds `longpoll.max_sessions` long-poll sessions."""
+
+    code = "too_many_sessions"
+    http_status = 503
+
+
+class TooManySessionsFromAddress(TooManySessions):
+    """One address holds `longpoll.max_sessions_per_ip` sessions."""
+
+    http_status = 429
+
+
+class ForbiddenOrigin(RequestError):
+    code = "forbidden_origin"
+    http_status = 403
+
+
+class TooManyConnections(RequestError):
+    code = "too_many_connections"
+    http_status = 503
+
+
+class Unauthorized(RequestError):
+    """Admin API without the right bearer token; ingest without the right auth line."""
+
+    code = "unauthorized"
+    http_status = 401
+
+
+class UnknownClient(RequestError):
+    code = "unknown_client"
+    http_status = 404
+
+
+class Disabled(RequestError):
+    """The raw TCP broadcaster is disabled."""
+
+    code = "disabled"
+    http_status = 404
+
+
+class NotFound(RequestError):
+    code = "not_found"
+    http_status = 404
+
+
+class MethodNotAllowed(RequestError):
+    code = "method_not_allowed"
+    http_status = 405
+
+
+class InternalError(RequestError):
+    """The gateway failed on this input: a bug, logged; the input is not applied."""
+
+    code = "internal_error"
+    http_status = 500
+    close_code = close_codes.INTERNAL_ERROR
+
+
+class Closed(RequestError):
+    """Long-poll: the session was closed; the entry carries the `close_code` it stands for."""
+
+    code = "closed"

@@ -1,0 +1,191 @@
+"""One schema per wire message, declared once (msgspec Structs) and used by every transport.
+
+A peer's JSON is parsed once (orjson) and then converted to its Struct with `msgspec.convert(...,
+strict=True)`: no bool for an int, no float for an int, no string for a number, no unknown field. A value
+that does not fit raises the message kind's error (`BadCommand`, `BadRecord`, `BadRequest`) with msgspec's
+description of what and where (e.g. "Expected `int`, got `str` - at `$.since.seq`"), so the same bad
+field gets the same answer on WebSocket, long-poll, ingest and the admin API. Ranges that carry meaning
+(seqs, topic settings) are checked where that meaning lives, the engine, with their own error codes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from core import TopicKind
+from core.errors import RequestError
+
+from .errors import BadCommand, BadRecord, BadRequest
+
+#: Longest topic name (the engine refuses longer ones with `bad_topic` too: this keeps both in step).
+MAX_TOPIC_CHARS = 256
+#: Request ids are echoed in replies.
+MAX_REQUEST_ID_CHARS = 128
+#: Ingest `sync` ids are echoed in `synced`.
+MAX_SYNC_ID_CHARS = 128
+
+TopicName = Annotated[str, Meta(min_length=1, max_length=MAX_TOPIC_CHARS)]
+RequestId = Union[int, Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)], None]
+
+
+class _Wire(Struct, forbid_unknown_fields=True, frozen=True):
+    """Base of every message a peer sends: unknown fields are refused (a typo never passes silently)."""
+
+
+# -- commands (WebSocket frames, long-poll bodies) ------------------------------------------------------
+
+class Since(_Wire):
+    epoch: str
+    seq: int
+
+
+class Subscribe(_Wire, tag_field="op", tag="subscribe"):
+    topic: TopicName
+    since: Since | None = None
+    id: RequestId = None
+
+
+class Unsubscribe(_Wire, tag_field="op", tag="unsubscribe"):
+    topic: TopicName
+    id: RequestId = None
+
+
+class Publish(_Wire, tag_field="op", tag="publish"):
+    topic: TopicName
+    data: Any
+    id: RequestId = None
+
+
+class Auth(_Wire, tag_field="op", tag="auth"):
+    token: str
+    id: RequestId = None
+
+
+class Rpc(_Wire, tag_field="op", tag="rpc"):
+    method: str
+    params: Any = None
+    id: RequestId = None
+
+
+class Ping(_Wire, tag_field="op", tag="ping"):
+    id: RequestId = None
+
+
+Command = Union[Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping]
+COMMANDS: tuple[type[Struct], ...] = (Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping)
+#: A frame is one command or an array of at most this many.
+MAX_COMMANDS_PER_FRAME = 100
+
+
+# -- TCP ingest records ---------------------------------------------------------------------------------
+
+class PublishRecord(_Wire):
+    topic: TopicName
+    data: Any
+    seq: int | None = None
+    #: the user whose private queue gets the message (private topics)
+    client: str | None = None
+
+
+class SyncRecord(_Wire):
+    sync: Union[int, Annotated[str, Meta(max_length=MAX_SYNC_ID_CHARS)], None]
+
+
+class AuthRecord(_Wire):
+    auth: str
+
+
+Record = Union[PublishRecord, SyncRecord, AuthRecord]
+
+
+# -- admin API bodies -----------------------------------------------------------------------------------
+
+class CreateTopic(_Wire):
+    """`POST /api/topics`. Settings not given come from the rule the name matches, else the defaults."""
+
+    name: TopicName
+    kind: TopicKind | UnsetType = UNSET
+    capacity: int | UnsetType = UNSET
+    batch_depth: int | UnsetType = UNSET
+    reorder_window: int | UnsetType = UNSET
+    hole_timeout: float | UnsetType = UNSET
+    max_count: int | UnsetType = UNSET
+    max_bytes: int | UnsetType = UNSET
+    client_publish: bool | UnsetType = UNSET
+    anonymous: bool | UnsetType = UNSET
+
+    def settings(self) -> dict[str, Any]:
+        """The topic settings given, by name."""
+        return {f: v for f in self.__struct_fields__ if f != "name" and (v := getattr(self, f)) is not UNSET}
+
+
+class PublishBody(_Wire):
+    """`POST /api/topics/{name}/publish`: exactly one of `data` (one message) or `messages` (several)."""
+
+    data: Any | UnsetType = UNSET
+    messages: list[Any] | UnsetType = UNSET
+    #: the user whose private queue gets the messages (private topics)
+    client: str | None = None
+    #: explicit seq, with `data` only (out-of-order producers)
+    seq: int | None = None
+
+    def items(self) -> list[Any]:
+        if (self.data is UNSET) == (self.messages is UNSET):
+            raise BadRequest("the body must have exactly one of `data` or `messages`")
+        if self.messages is not UNSET and self.seq is not None:
+            raise BadRequest("`seq` goes with `data` only")
+        return [self.data] if self.messages is UNSET else list(self.messages)
+
+
+class ErrorDetail(_Wire):
+    code: str
+    message: str
+
+
+class ErrorBody(_Wire):
+    """Every HTTP error answer: `{"error": {"code", "message"}}`."""
+
+    error: ErrorDetail
+
+
+# -- conversion -----------------------------------------------------------------------------------------
+
+def _convert(value: Any, kind: Any, error: type[RequestError]) -> Any:
+    try:
+        return msgspec.convert(value, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise error(str(exc)) from None
+
+
+def command(value: Any) -> Command:
+    """A parsed JSON value as a command. Raises BadCommand."""
+    if not isinstance(value, dict):
+        raise BadCommand("a command is a JSON object")
+    return _convert(value, Command, BadCommand)
+
+
+def record(value: Any) -> Record:
+    """A parsed JSON value as an ingest record; which one is told by its key (`sync`, `auth`, or neither)."""
+    if not isinstance(value, dict):
+        raise BadRecord("a record is a JSON object")
+    kind = SyncRecord if "sync" in value else AuthRecord if "auth" in value else PublishRecord
+    return _convert(value, kind, BadRecord)
+
+
+def body(value: Any, kind: type[Struct]) -> Any:
+    """A parsed JSON value as an admin API body. Raises BadRequest."""
+    return _convert(value, kind, BadRequest)
+
+
+def request_id_of(value: Any) -> Any:
+    """The `id` of a command that failed to convert, when it is itself valid (so the error can name it)."""
+    if isinstance(value, dict):
+        request_id = value.get("id")
+        try:
+            return msgspec.convert(request_id, RequestId, strict=True)
+        except msgspec.ValidationError:
+            return None
+    return None
