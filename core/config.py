@@ -11,7 +11,7 @@ from enum import Enum
 MAX_SEQ = 1 << 53
 
 #: Upper bounds of the integer topic settings: each sizes memory or work per topic or per publish.
-_BOUNDS = {
+TOPIC_INT_BOUNDS = {
     "capacity": 1 << 20,  # ring slots: 8 MiB of references per topic at the bound
     "batch_depth": 1 << 10,
     "reorder_window": 1 << 20,
@@ -53,7 +53,7 @@ class TopicConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TopicKind(self.kind))
-        for name, bound in _BOUNDS.items():
+        for name, bound in TOPIC_INT_BOUNDS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
                 raise ValueError(f"{name} must be an integer in [1, {bound}], not {value!r}")

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 from typing import Any
 
+import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -75,7 +76,7 @@ async def create_topic(request: Request) -> Response:
         config = topic_config({**(rule.as_dict() if rule is not None else {}), **body.settings()})
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
-    topic = hub.engine.create_topic(body.name, config)
+    topic = hub.create_topic(body.name, config)
     return JSONResponse(topic.info(), status_code=201)
 
 
@@ -97,7 +98,7 @@ async def publish(request: Request) -> Response:
     name = request.path_params["name"]
     body: schema.PublishBody = schema.body(await _json_body(request), schema.PublishBody)
     items = body.items()
-    topic = hub.engine.resolve(name)
+    topic = hub.resolve(name)
     timeout = hub.config.admin.publish_timeout_s
     seqs = []
     for data in items:
@@ -110,7 +111,7 @@ async def publish(request: Request) -> Response:
             return error_response(QueueFull(f"private queue still full after {timeout} s; "
                                             f"{len(seqs)} of {len(items)} published"), {"Retry-After": "1"})
         seqs.append(result.seq)
-    return JSONResponse({"topic": name, "seqs": seqs})
+    return Response(msgspec.json.encode(schema.PublishReply(name, seqs)), media_type="application/json")
 
 
 @guarded

@@ -3,6 +3,10 @@
 Transports are adapters: each connection object implements `Connection` and the hub never knows more of
 it. The scheduler task runs `run_cycle` whenever there is work (an event set by publish, subscribe, ready),
 hands each batch to its connection without awaiting it, and sleeps when idle.
+
+The hub is the transports' only door to the engine for anything that changes it: each hub method makes
+the engine call and the wake-up or bookkeeping it needs, so no transport can forget a wake (a silent
+stall). Transports may read the engine (`hub.engine.topics()`, `topic_config`, counters) directly.
 """
 
 from __future__ import annotations
@@ -231,6 +235,19 @@ class Hub:
         if self.engine.has_work:
             self._work.set()
 
+    def write_blocked(self, client_id: str, conn: Any) -> None:
+        """A write did not drain at once: the client is not ready, and the watchdog watches it."""
+        self.blocked[client_id] = conn
+
+    def write_drained(self, client_id: str) -> None:
+        """The blocked write drained: the client is ready again."""
+        self.blocked.pop(client_id, None)
+        self.write_done(client_id)
+
+    def write_unwatched(self, client_id: str) -> None:
+        """The connection is gone: stop watching its write (the hub unregisters it separately)."""
+        self.blocked.pop(client_id, None)
+
     def write_done(self, client_id: str) -> None:
         if client_id in self.conns:
             self.engine.write_done(client_id)
@@ -244,6 +261,16 @@ class Hub:
     def mark_ready(self, client_id: str) -> None:
         self.engine.mark_ready(client_id)
         self.wake()
+
+    def mark_idle(self, client_id: str) -> None:
+        self.engine.mark_idle(client_id)
+
+    def create_topic(self, name: str, config: Any) -> Any:
+        return self.engine.create_topic(name, config)
+
+    def resolve(self, name: str) -> Any:
+        """The topic, created on first use by a rule."""
+        return self.engine.resolve(name)
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None) -> None:
         self.engine.subscribe(client_id, topic, since=since, request_id=request_id)

@@ -107,7 +107,7 @@ class LongPollSession:
             if self.poll is future:
                 self.poll = None
                 if cid in hub.conns:
-                    hub.engine.mark_idle(cid)
+                    hub.mark_idle(cid)
             return EMPTY_BODY
 
 

@@ -1,16 +1,30 @@
-"""OpenAPI 3.1 description of the admin API, served at /api/openapi.json."""
+"""OpenAPI 3.1 description of the admin API, served at /api/openapi.json, generated from the schemas that
+validate the bodies (gateway/schema.py), so it cannot drift from what the API accepts."""
 
-_ERROR = {"$ref": "#/components/schemas/Error"}
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .schema import CreateTopic, ErrorBody, PublishBody, PublishReply
+
+_REF = "#/components/schemas/{name}"
+_BODIES, _SCHEMAS = msgspec.json.schema_components([CreateTopic, PublishBody, PublishReply, ErrorBody], ref_template=_REF)
+_CREATE, _PUBLISH, _PUBLISHED, _ERROR = _BODIES
+_OBJECT = {"type": "object"}
 
 
-def _op(summary: str, ok: str, *, body: dict | None = None, errors: tuple[int, ...] = (401,), params: tuple = ()) -> dict:
-    op: dict = {
+def _op(summary: str, ok: str, *, body: dict | None = None, reply: dict = _OBJECT, errors: tuple[int, ...] = (401,),
+        params: tuple[str, ...] = ()) -> dict[str, Any]:
+    op: dict[str, Any] = {
         "summary": summary,
         "security": [{"bearer": []}],
-        "responses": {ok: {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}},
+        "responses": {ok: {"description": "OK", "content": {"application/json": {"schema": reply}}}},
     }
     for status in errors:
-        op["responses"][str(status)] = {"description": "error", "content": {"application/json": {"schema": _ERROR}}}
+        op["responses"][str(status)] = {"description": "error (codes: docs/protocol.md)",
+                                        "content": {"application/json": {"schema": _ERROR}}}
     if body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
     if params:
@@ -18,51 +32,14 @@ def _op(summary: str, ok: str, *, body: dict | None = None, errors: tuple[int, .
     return op
 
 
-TOPIC_SETTINGS = {
-    "type": "object",
-    "required": ["name"],
-    "properties": {
-        "name": {"type": "string"},
-        "kind": {"enum": ["ring", "snapshot", "private"]},
-        "capacity": {"type": "integer", "minimum": 1},
-        "batch_depth": {"type": "integer", "minimum": 1},
-        "reorder_window": {"type": "integer", "minimum": 1},
-        "hole_timeout": {"type": "number", "exclusiveMinimum": 0},
-        "max_count": {"type": "integer", "minimum": 1},
-        "max_bytes": {"type": "integer", "minimum": 1},
-        "client_publish": {"type": "boolean"},
-    },
-    "additionalProperties": False,
-}
-
-PUBLISH = {
-    "type": "object",
-    "properties": {
-        "data": {},
-        "messages": {"type": "array"},
-        "client": {"type": "string", "description": "target client of a private topic"},
-        "seq": {"type": "integer", "minimum": 0, "description": "explicit seq (out-of-order producers)"},
-    },
-}
-
-OPENAPI = {
+OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {"title": "fanout-gateway admin API", "version": "0.1.0"},
-    "components": {
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        "schemas": {
-            "Error": {
-                "type": "object",
-                "required": ["error"],
-                "properties": {"error": {"type": "object", "required": ["code", "message"],
-                                         "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}},
-            }
-        },
-    },
+    "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}, "schemas": _SCHEMAS},
     "paths": {
         "/api/topics": {
             "get": _op("List topics", "200"),
-            "post": _op("Create a topic", "201", body=TOPIC_SETTINGS, errors=(400, 401, 409, 507)),
+            "post": _op("Create a topic", "201", body=_CREATE, errors=(400, 401, 409, 413, 507)),
         },
         "/api/topics/{name}": {
             "get": _op("Describe a topic", "200", errors=(401, 404), params=("name",)),
@@ -70,14 +47,14 @@ OPENAPI = {
         },
         "/api/topics/{name}/publish": {
             "post": _op("Publish one or many messages (private topics wait for space, then 503)", "200",
-                        body=PUBLISH, errors=(400, 401, 404, 409, 413, 503), params=("name",)),
+                        body=_PUBLISH, reply=_PUBLISHED, errors=(400, 401, 404, 409, 413, 503), params=("name",)),
         },
         "/api/clients": {"get": _op("List connected clients", "200")},
         "/api/clients/{client_id}": {
             "delete": _op("Disconnect a client (close code 4000)", "200", errors=(401, 404), params=("client_id",)),
         },
         "/api/raw/receivers": {"get": _op("Raw TCP receivers", "200", errors=(401, 404))},
-        "/api/raw/stats": {"get": _op("Raw TCP broadcaster metrics (seed 003 §9)", "200", errors=(401, 404))},
+        "/api/raw/stats": {"get": _op("Raw TCP broadcaster metrics", "200", errors=(401, 404))},
         "/api/stats": {"get": _op("Core counters and gateway state", "200")},
     },
 }

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from core import TopicKind
+from core.config import MAX_HOLE_TIMEOUT, TOPIC_INT_BOUNDS
 from core.errors import RequestError
 
 from .errors import BadCommand, BadRecord, BadRequest
@@ -103,17 +104,26 @@ Record = Union[PublishRecord, SyncRecord, AuthRecord]
 
 # -- admin API bodies -----------------------------------------------------------------------------------
 
+# Topic settings, with the bounds TopicConfig enforces (core/config.py), so the OpenAPI shows them.
+Capacity = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["capacity"])]
+BatchDepth = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["batch_depth"])]
+ReorderWindow = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["reorder_window"])]
+MaxCount = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["max_count"])]
+MaxBytes = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["max_bytes"])]
+HoleTimeout = Annotated[float, Meta(gt=0, le=MAX_HOLE_TIMEOUT)]
+
+
 class CreateTopic(_Wire):
     """`POST /api/topics`. Settings not given come from the rule the name matches, else the defaults."""
 
     name: TopicName
     kind: TopicKind | UnsetType = UNSET
-    capacity: int | UnsetType = UNSET
-    batch_depth: int | UnsetType = UNSET
-    reorder_window: int | UnsetType = UNSET
-    hole_timeout: float | UnsetType = UNSET
-    max_count: int | UnsetType = UNSET
-    max_bytes: int | UnsetType = UNSET
+    capacity: Capacity | UnsetType = UNSET
+    batch_depth: BatchDepth | UnsetType = UNSET
+    reorder_window: ReorderWindow | UnsetType = UNSET
+    hole_timeout: HoleTimeout | UnsetType = UNSET
+    max_count: MaxCount | UnsetType = UNSET
+    max_bytes: MaxBytes | UnsetType = UNSET
     client_publish: bool | UnsetType = UNSET
     anonymous: bool | UnsetType = UNSET
 
@@ -138,6 +148,13 @@ class PublishBody(_Wire):
         if self.messages is not UNSET and self.seq is not None:
             raise BadRequest("`seq` goes with `data` only")
         return [self.data] if self.messages is UNSET else list(self.messages)
+
+
+class PublishReply(_Wire):
+    """Answer of an admin publish: the seqs given, in order."""
+
+    topic: str
+    seqs: list[int]
 
 
 class ErrorDetail(_Wire):

@@ -20,7 +20,6 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
-from websockets.frames import CloseCode
 
 from core import Batch
 
@@ -118,7 +117,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
                 b"".join(self.frames).decode()
             except UnicodeDecodeError as exc:
                 self.frames = []
-                self.conn.fail(CloseCode.INVALID_DATA, f"invalid UTF-8 in a text message at byte {exc.start}")
+                self.conn.fail(close_codes.INVALID_DATA, f"invalid UTF-8 in a text message at byte {exc.start}")
                 self.handle_parser_exception()
                 return
         super().send_receive_event_to_app()
@@ -190,13 +189,12 @@ class WSConnection:
 
     def _blocked(self) -> None:
         self.blocked_since = time.monotonic()
-        self.hub.blocked[self.identity.client_id] = self
+        self.hub.write_blocked(self.identity.client_id, self)
 
     def _unblocked(self) -> None:
         if self.blocked_since is not None:
             self.blocked_since = None
-            self.hub.blocked.pop(self.identity.client_id, None)
-            self.hub.write_done(self.identity.client_id)
+            self.hub.write_drained(self.identity.client_id)
 
     def on_pause(self) -> None:
         self.paused = True
@@ -207,7 +205,7 @@ class WSConnection:
 
     def on_lost(self) -> None:
         self.closed = True
-        self.hub.blocked.pop(self.identity.client_id, None)
+        self.hub.write_unwatched(self.identity.client_id)
 
     async def _write_via_asgi(self) -> None:
         assert self._outbox is not None
