@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import jwt
 
-from .config import ConfigError
+from .config import AuthConfig, ConfigError
 from .errors import BadToken, TokenExpired
 
 HMAC_ALGORITHMS = ("HS256",)
@@ -40,7 +39,7 @@ class Principal:
 
 
 class TokenVerifier:
-    def __init__(self, auth: SimpleNamespace) -> None:
+    def __init__(self, auth: AuthConfig) -> None:
         self.secret = auth.jwt_secret
         self.public_key = None
         if auth.jwt_public_key_file:

@@ -2,17 +2,23 @@
 
 The default file is the single source of defaults and of the set of keys: an override naming a key that the
 default does not have is refused, and a value must have the default's type (an int is accepted for a float).
+The merged result is then converted strictly into one frozen struct per section (`ServerConfig`, ...), which
+declare the types only (no defaults): `config.server.port` is an `int`, and a test keeps the structs' fields
+and the default file's keys the same, section by section.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Mapping
+from typing import Any
+
+import msgspec
 
 from core import EngineConfig, TopicConfig, TopicRule
 
@@ -20,37 +26,176 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "config" / "default.toml"
 ENV_PREFIX = "GATEWAY_"
 
+log = logging.getLogger(__name__)
+
 
 class ConfigError(ValueError):
     pass
 
 
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A config section: its fields are exactly the keys of the section in config/default.toml."""
+
+
+class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    host: str
+    port: int
+    admin_token: str
+    uvloop: bool
+    log_level: str
+    static_dir: str
+    allowed_origins: list[str]
+    ssl_certfile: str
+    ssl_keyfile: str
+    max_connections: int
+    max_connections_per_ip: int
+    header_timeout_s: float
+    gc_full_interval_s: float
+
+
+class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    cycle_budget_bytes: int
+    direct_queue_max: int
+    max_message_bytes: int
+    max_topics: int
+    max_subscriptions: int
+    hole_tick_ms: int
+
+
+class WebSocketConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    write_high_water: int
+    socket_send_buffer: int
+    blocked_timeout_s: float
+    max_frame_bytes: int
+    ping_interval_s: float
+    ping_timeout_s: float
+    direct_write: bool
+
+
+class LongPollConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    poll_timeout_s: float
+    session_ttl_s: float
+    max_sessions: int
+    max_body_bytes: int
+    max_sessions_per_ip: int
+
+
+class IngestConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
+    host: str
+    port: int
+    max_line_bytes: int
+    max_buffer_bytes: int
+    max_records_per_turn: int
+    token: str
+
+
+class RawTcpConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
+    host: str
+    sender_port: int
+    receiver_port: int
+    max_receivers: int
+    capacity_bytes: int
+    soft_lag_bytes: int
+    hard_lag_bytes: int
+    kick_grace_ms: int
+    pause_watermark_pct: int
+    resume_watermark_pct: int
+    recv_chunk_bytes: int
+    token: str
+    sender_idle_timeout_s: float
+
+
+class AuthConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    jwt_secret: str
+    jwt_public_key_file: str
+    jwt_audience: str
+    jwt_issuer: str
+    leeway_s: float
+    expired_grace_s: float
+
+
+class LimitsConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    publish_rate: float
+    publish_burst: int
+    max_created_topics: int
+    topic_ttl_s: float
+    idle_timeout_s: float
+    bad_input_log_per_s: float
+
+
+class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    publish_timeout_s: float
+    max_body_bytes: int
+
+
+#: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
+#: whose tables are checked by `topic_config`.
+SECTIONS: dict[str, type[_Section]] = {
+    "server": ServerConfig,
+    "scheduler": SchedulerConfig,
+    "websocket": WebSocketConfig,
+    "longpoll": LongPollConfig,
+    "ingest": IngestConfig,
+    "rawtcp": RawTcpConfig,
+    "auth": AuthConfig,
+    "limits": LimitsConfig,
+    "admin": AdminConfig,
+}
+TOPICS = "topics"
+
+
+def _section(raw: Mapping[str, Any], name: str, cls: type[_Section]) -> Any:
+    try:
+        return msgspec.convert(raw[name], cls, strict=True)
+    except KeyError:
+        raise ConfigError(f"config section [{name}] is missing") from None
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"[{name}]: {str(exc).replace('`$', f'`{name}')}") from None
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
-    raw: dict[str, Any]
+    """The merged configuration: `raw` (the merged TOML as dicts) and one typed attribute per section."""
 
-    def __getattr__(self, section: str) -> SimpleNamespace:
-        try:
-            return SimpleNamespace(**self.raw[section]) if section != "topics" else self.raw[section]
-        except KeyError:
-            raise AttributeError(section) from None
+    raw: dict[str, Any]
+    server: ServerConfig = field(init=False, repr=False)
+    scheduler: SchedulerConfig = field(init=False, repr=False)
+    websocket: WebSocketConfig = field(init=False, repr=False)
+    longpoll: LongPollConfig = field(init=False, repr=False)
+    ingest: IngestConfig = field(init=False, repr=False)
+    rawtcp: RawTcpConfig = field(init=False, repr=False)
+    auth: AuthConfig = field(init=False, repr=False)
+    limits: LimitsConfig = field(init=False, repr=False)
+    admin: AdminConfig = field(init=False, repr=False)
+    #: the topic rules as in the TOML: {"rules": [{"pattern": ..., ...}, ...]}
+    topics: dict[str, list[dict[str, Any]]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.raw) - set(SECTIONS) - {TOPICS}
+        if unknown:
+            raise ConfigError(f"unknown config section(s): {', '.join(sorted(unknown))}")
+        for name, cls in SECTIONS.items():
+            object.__setattr__(self, name, _section(self.raw, name, cls))
+        object.__setattr__(self, TOPICS, self.raw.get(TOPICS, {"rules": []}))
 
     def engine_config(self) -> EngineConfig:
-        s = self.raw["scheduler"]
+        s = self.scheduler
         return EngineConfig(
-            cycle_budget_bytes=s["cycle_budget_bytes"],
-            direct_queue_max=s["direct_queue_max"],
-            max_message_bytes=s["max_message_bytes"],
-            max_topics=s["max_topics"],
-            max_subscriptions=s["max_subscriptions"],
+            cycle_budget_bytes=s.cycle_budget_bytes,
+            direct_queue_max=s.direct_queue_max,
+            max_message_bytes=s.max_message_bytes,
+            max_topics=s.max_topics,
+            max_subscriptions=s.max_subscriptions,
             rules=tuple(self.topic_rules()),
         )
 
     def topic_rules(self) -> list[TopicRule]:
-        return [TopicRule(r["pattern"], topic_config(r)) for r in self.raw["topics"]["rules"]]
+        return [TopicRule(r["pattern"], topic_config(r)) for r in self.topics["rules"]]
 
     def static_path(self) -> Path:
-        path = Path(self.raw["server"]["static_dir"])
+        path = Path(self.server.static_dir)
         return path if path.is_absolute() else ROOT / path
 
 
@@ -81,27 +226,83 @@ def _merge(base: dict, override: Mapping, where: str) -> None:
                 raise ConfigError(f"{path!r} must be a table")
             _merge(base[key], value, path)
         else:
-            default = base[key]
-            if isinstance(default, bool) != isinstance(value, bool) or not (
-                isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int))
-            ):
-                raise ConfigError(f"{path!r} must be {type(default).__name__}, got {value!r}")
-            base[key] = float(value) if isinstance(default, float) else value
+            base[key] = _value(path, base[key], value)
 
 
-def _env_overrides(environ: Mapping[str, str], sections: dict) -> dict:
+def _value(path: str, default: Any, value: Any) -> Any:
+    """`value` for a key whose default is `default`: the same type (an int is accepted for a float)."""
+    if isinstance(default, bool) != isinstance(value, bool) or not (
+        isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int))
+    ):
+        raise ConfigError(f"{path!r} must be {type(default).__name__}, got {value!r}")
+    return float(value) if isinstance(default, float) else value
+
+
+def _check_field(section: str, key: str, value: Any) -> None:
+    cls = SECTIONS.get(section)
+    types = {f.name: f.type for f in msgspec.structs.fields(cls)} if cls is not None else {}
+    if key in types:
+        try:
+            msgspec.convert(value, types[key], strict=True)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{section}.{key}: {str(exc).replace('`$', f'`{section}.{key}')}") from None
+
+
+def _env_section(rest: str, sections: Mapping[str, Any]) -> str | None:
+    """The section a variable name (without GATEWAY_, lower case) is in: the longest `<section>_` prefix."""
+    for section in sorted(sections, key=len, reverse=True):
+        if rest.startswith(section + "_"):
+            return section
+    return None
+
+
+def _env_overrides(environ: Mapping[str, str], sections: Mapping[str, Any]) -> dict:
+    """The overrides of GATEWAY_<SECTION>_<KEY> variables.
+
+    A variable in a known section must name one of its keys (else ConfigError); other GATEWAY_* variables
+    (GATEWAY_INTERFACE of CGI, tools' own) are not the gateway's: they are ignored, with one warning.
+    A string key takes the variable's text as is; any other key's text is parsed as a TOML value
+    (9000, 2.5, true, ["https://a.example"]).
+    """
     out: dict[str, dict] = {}
+    ignored: list[str] = []
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
-        if section not in sections or not key or section == "topics":
-            raise ConfigError(f"environment variable {name} names no config key")
+        rest = name[len(ENV_PREFIX):].lower()
+        section = _env_section(rest, sections)
+        if section is None:
+            ignored.append(name)
+            continue
+        key = rest[len(section) + 1:]
+        if section == TOPICS:
+            raise ConfigError(
+                f"environment variable {name}: topics.rules is a list of tables and cannot be set from the"
+                " environment; put the rules in a --config file"
+            )
+        keys = sections[section]
+        if key not in keys:
+            raise ConfigError(
+                f"environment variable {name} names no key of [{section}]; its keys are: {', '.join(keys)}"
+                f" (GATEWAY_{section.upper()}_<KEY>)"
+            )
+        if isinstance(keys[key], str):
+            value: Any = text
+        else:
+            try:
+                value = tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                value = text  # not a TOML value: refused below with the expected type
         try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text  # a bare string
-        out.setdefault(section, {})[key] = value
+            out.setdefault(section, {})[key] = _value(f"{section}.{key}", keys[key], value)
+            _check_field(section, key, value)  # the items of a list too
+        except ConfigError as exc:
+            raise ConfigError(f"environment variable {name}={text!r}: {exc}") from None
+    if ignored:
+        log.warning(
+            "ignoring environment variable(s) %s: not GATEWAY_<SECTION>_<KEY> of a config section (%s)",
+            ", ".join(sorted(ignored)), ", ".join(sections),
+        )
     return out
 
 

@@ -29,7 +29,9 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_SYNC_ID_CHARS = 128
 
 TopicName = Annotated[str, Meta(min_length=1, max_length=MAX_TOPIC_CHARS)]
-RequestId = Union[int, Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)], None]
+#: JavaScript's safe integers: an id is echoed to clients that must hold it exactly
+SafeInt = Annotated[int, Meta(ge=-(2**53 - 1), le=2**53 - 1)]
+RequestId = Union[SafeInt, Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)], None]
 
 
 class _Wire(Struct, forbid_unknown_fields=True, frozen=True):
@@ -38,40 +40,40 @@ class _Wire(Struct, forbid_unknown_fields=True, frozen=True):
 
 # -- commands (WebSocket frames, long-poll bodies) ------------------------------------------------------
 
-class Since(_Wire):
+class Since(_Wire, frozen=True):
     epoch: str
     seq: int
 
 
-class Subscribe(_Wire, tag_field="op", tag="subscribe"):
+class Subscribe(_Wire, frozen=True, tag_field="op", tag="subscribe"):
     topic: TopicName
     since: Since | None = None
     id: RequestId = None
 
 
-class Unsubscribe(_Wire, tag_field="op", tag="unsubscribe"):
+class Unsubscribe(_Wire, frozen=True, tag_field="op", tag="unsubscribe"):
     topic: TopicName
     id: RequestId = None
 
 
-class Publish(_Wire, tag_field="op", tag="publish"):
+class Publish(_Wire, frozen=True, tag_field="op", tag="publish"):
     topic: TopicName
     data: Any
     id: RequestId = None
 
 
-class Auth(_Wire, tag_field="op", tag="auth"):
+class Auth(_Wire, frozen=True, tag_field="op", tag="auth"):
     token: str
     id: RequestId = None
 
 
-class Rpc(_Wire, tag_field="op", tag="rpc"):
+class Rpc(_Wire, frozen=True, tag_field="op", tag="rpc"):
     method: str
     params: Any = None
     id: RequestId = None
 
 
-class Ping(_Wire, tag_field="op", tag="ping"):
+class Ping(_Wire, frozen=True, tag_field="op", tag="ping"):
     id: RequestId = None
 
 
@@ -83,7 +85,7 @@ MAX_COMMANDS_PER_FRAME = 100
 
 # -- TCP ingest records ---------------------------------------------------------------------------------
 
-class PublishRecord(_Wire):
+class PublishRecord(_Wire, frozen=True):
     topic: TopicName
     data: Any
     seq: int | None = None
@@ -91,11 +93,11 @@ class PublishRecord(_Wire):
     client: str | None = None
 
 
-class SyncRecord(_Wire):
-    sync: Union[int, Annotated[str, Meta(max_length=MAX_SYNC_ID_CHARS)], None]
+class SyncRecord(_Wire, frozen=True):
+    sync: Union[SafeInt, Annotated[str, Meta(max_length=MAX_SYNC_ID_CHARS)], None]
 
 
-class AuthRecord(_Wire):
+class AuthRecord(_Wire, frozen=True):
     auth: str
 
 
@@ -113,7 +115,7 @@ MaxBytes = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["max_bytes"])]
 HoleTimeout = Annotated[float, Meta(gt=0, le=MAX_HOLE_TIMEOUT)]
 
 
-class CreateTopic(_Wire):
+class CreateTopic(_Wire, frozen=True):
     """`POST /api/topics`. Settings not given come from the rule the name matches, else the defaults."""
 
     name: TopicName
@@ -132,7 +134,7 @@ class CreateTopic(_Wire):
         return {f: v for f in self.__struct_fields__ if f != "name" and (v := getattr(self, f)) is not UNSET}
 
 
-class PublishBody(_Wire):
+class PublishBody(_Wire, frozen=True):
     """`POST /api/topics/{name}/publish`: exactly one of `data` (one message) or `messages` (several)."""
 
     data: Any | UnsetType = UNSET
@@ -150,19 +152,19 @@ class PublishBody(_Wire):
         return [self.data] if self.messages is UNSET else list(self.messages)
 
 
-class PublishReply(_Wire):
+class PublishReply(_Wire, frozen=True):
     """Answer of an admin publish: the seqs given, in order."""
 
     topic: str
     seqs: list[int]
 
 
-class ErrorDetail(_Wire):
+class ErrorDetail(_Wire, frozen=True):
     code: str
     message: str
 
 
-class ErrorBody(_Wire):
+class ErrorBody(_Wire, frozen=True):
     """Every HTTP error answer: `{"error": {"code", "message"}}`."""
 
     error: ErrorDetail

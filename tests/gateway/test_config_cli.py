@@ -37,7 +37,9 @@ def test_defaults_file_and_environment_overrides(tmp_path):
     ('[server]\nprot = 1\n', {}, "unknown config key 'server.prot'"),
     ('[server]\nport = "x"\n', {}, "'server.port' must be int"),
     ('[nosuch]\na = 1\n', {}, "unknown config key 'nosuch'"),
-    ('', {"GATEWAY_WHAT_EVER": "1"}, "names no config key"),
+    ('', {"GATEWAY_SERVER_PROT": "1"}, "environment variable GATEWAY_SERVER_PROT names no key of [server]"),
+    ('', {"GATEWAY_TOPICS_RULES": "[]"}, "cannot be set from the environment"),
+    ('', {"GATEWAY_SERVER_PORT": "true"}, "GATEWAY_SERVER_PORT='true': 'server.port' must be int, got True"),
     ('[[topics.rules]]\npattern = "*"\nkind = "bogus"\n', {}, "bad topic setting"),
     ('[[topics.rules]]\npattern = "*"\ncapacity = 0\n', {}, "capacity must be an integer in [1, 1048576], not 0"),
 ])
@@ -99,3 +101,11 @@ def test_gateway_serve_reports_config_errors(tmp_path):
     result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(bad)], cwd=ROOT,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "config error" in result.stderr
+
+
+def test_gateway_serve_refuses_an_unknown_key_of_a_known_section_and_ignores_other_gateway_variables(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    result = subprocess.run([sys.executable, "-m", "gateway", "serve"], check=False, cwd=ROOT, capture_output=True,
+                            text=True, timeout=30, env={**env, "GATEWAY_SERVER_PROT": "1", "GATEWAY_INTERFACE": "CGI/1.1"})
+    assert result.returncode == 2 and "config error" in result.stderr
+    assert "GATEWAY_SERVER_PROT names no key of [server]" in result.stderr and "port" in result.stderr
