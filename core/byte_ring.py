@@ -1,12 +1,12 @@
-"""Sans-I/O byte ring for the single-sender, many-receiver raw TCP broadcaster (seed 003).
+"""Sans-I/O byte ring for the single-sender, many-receiver raw TCP broadcaster (docs/design/byte-ring.md).
 
 One sender's TCP stream is copied once into a fixed ring; every receiver reads the same bytes out of it
 at its own position. This module owns every position, every lag decision and the sender's flow control;
 it does no I/O and never reads a clock: time comes in as ``now_ns`` (any monotonic nanosecond count, the
 adapter passes ``time.monotonic_ns()``).
 
-Positions are monotonic byte counts (seed 003 §5.2); the byte at position ``p`` lives at
-``p % capacity``::
+Positions are monotonic byte counts (docs/design/byte-ring.md §3); the byte at position ``p`` lives
+at ``p % capacity``::
 
     write_pos            bytes the sender stored so far (never moves in drain mode, see below)
     send_pos(r)          bytes handed to receiver r's socket or transport
@@ -39,9 +39,9 @@ Receiver side, for each receiver whose socket can take more::
 ``advance``, ``remove_receiver``, ``check_lagging``): the sender is then never read while the ring has
 less than ``recv_chunk_bytes`` free, so ``reserve`` always has room when the sender is not paused.
 
-Drain mode (seed 003 §5.6): with no receiver, ``commit``/``write`` do not store anything; the bytes are
-counted in ``bytes_dropped_no_receiver`` and ``write_pos`` does not move (a receiver only ever gets
-bytes written after it joined, so dropped bytes need no position). ``reserve`` then lends the ring's
+Drain mode (docs/design/byte-ring.md §6): with no receiver, ``commit``/``write`` do not store anything; the
+bytes are counted in ``bytes_dropped_no_receiver`` and ``write_pos`` does not move (a receiver only ever
+gets bytes written after it joined, so dropped bytes need no position). ``reserve`` then lends the ring's
 memory itself as a scratch buffer: all of it is free.
 """
 
@@ -75,7 +75,7 @@ class UnknownReceiver(KeyError):
 
 
 class ReceiverState(enum.Enum):
-    """Lag class of one receiver, seed 003 §5.4."""
+    """Lag class of one receiver, docs/design/byte-ring.md §4."""
 
     #: lag <= soft_lag_bytes.
     HEALTHY = "healthy"
@@ -90,7 +90,7 @@ class ReceiverState(enum.Enum):
 class FlowAction(str, enum.Enum):
     """A transition of the sender's flow control returned by ``ByteRing.update_flow``."""
 
-    #: Stop reading the sender (seed 003 §5.5: no more recv is armed).
+    #: Stop reading the sender (docs/design/byte-ring.md §5: no more recv is armed).
     PAUSE = "pause"
     #: Read the sender again.
     RESUME = "resume"
@@ -98,23 +98,24 @@ class FlowAction(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ByteRingConfig:
-    """Limits of one ring. Defaults are seed 003 §5.3 and §5.7; every one can be overridden."""
+    """Limits of one ring. Defaults are docs/design/byte-ring.md §7; every one can be overridden."""
 
-    #: Seed 003 §5.7: 40 Gbit/s is about 5 GB/s; absorbing ~50 ms of jitter needs ~256 MB.
+    #: docs/design/byte-ring.md §7: 40 Gbit/s is about 5 GB/s; absorbing ~50 ms of jitter needs ~256 MB.
     capacity_bytes: int = 256 * _MIB
-    #: Seed 003 §5.3: beyond this lag a receiver is marked slow.
+    #: docs/design/byte-ring.md §4: beyond this lag a receiver is marked slow.
     soft_lag_bytes: int = 32 * _MIB
-    #: Seed 003 §5.3: beyond this lag a receiver becomes a disconnection candidate.
+    #: docs/design/byte-ring.md §4: beyond this lag a receiver becomes a disconnection candidate.
     hard_lag_bytes: int = 96 * _MIB
-    #: Seed 003 §5.3: the no-progress window allowed once past hard_lag_bytes.
+    #: docs/design/byte-ring.md §4: the no-progress window allowed once past hard_lag_bytes.
     kick_grace_ms: int = 500
-    #: Seed 003 §5.3/§5.5: high watermark (percent of capacity) that pauses the sender's recv.
+    #: docs/design/byte-ring.md §5: high watermark (percent of capacity) that pauses the sender's recv.
     pause_watermark_pct: int = 80
-    #: Seed 003 §5.3/§5.5: low watermark that resumes it; the gap is the hysteresis.
+    #: docs/design/byte-ring.md §5: low watermark that resumes it; the gap is the hysteresis.
     resume_watermark_pct: int = 55
-    #: Seed 003 §5.3: bytes per recv (the provided-buffer size there); ``reserve`` lends at most this.
+    #: docs/design/byte-ring.md §3: bytes per sender recv (a provided buffer); ``reserve`` lends at most
+    #: this.
     recv_chunk_bytes: int = 64 * _KIB
-    #: Seed 003 §1.1: at most 16 receivers at a time.
+    #: docs/design/byte-ring.md §1: at most 16 receivers at a time.
     max_receivers: int = 16
 
     def __post_init__(self) -> None:
@@ -139,7 +140,8 @@ class ByteRingConfig:
             raise ValueError(
                 f"hard_lag_bytes ({self.hard_lag_bytes}) must be >= soft_lag_bytes ({self.soft_lag_bytes})"
             )
-        # Resuming needs 2 * recv_chunk_bytes free (seed 003 §5.5): an emptied ring must allow it.
+        # Resuming needs 2 * recv_chunk_bytes free (docs/design/byte-ring.md §5): an emptied ring must
+        # allow it.
         if self.capacity_bytes < 2 * self.recv_chunk_bytes:
             raise ValueError(
                 f"capacity_bytes ({self.capacity_bytes}) must be >= 2 * recv_chunk_bytes ({self.recv_chunk_bytes})"
@@ -147,7 +149,8 @@ class ByteRingConfig:
         # The slowest receiver bounds what is stored: the sender is paused once used_bytes reaches the
         # pause watermark (or free < recv_chunk_bytes). If a stalled receiver could never get past
         # hard_lag_bytes before that, it would never be kicked and would hold every other receiver
-        # at a paused sender forever (seed 003 §5.1: shed slow receivers so they don't drag the rest).
+        # at a paused sender forever (docs/design/byte-ring.md §4.4: shed slow receivers so they don't drag
+        # the rest).
         if self.hard_lag_bytes >= self.lag_bound_bytes:
             raise ValueError(
                 f"hard_lag_bytes ({self.hard_lag_bytes}) must be below the fill at which the sender is "
@@ -157,12 +160,12 @@ class ByteRingConfig:
 
     @property
     def pause_threshold_bytes(self) -> int:
-        """``capacity * pause_watermark_pct / 100`` in integer arithmetic, as seed 003 §5.5 (size_t)."""
+        """``capacity * pause_watermark_pct / 100`` in integer arithmetic (docs/design/byte-ring.md §5)."""
         return self.capacity_bytes * self.pause_watermark_pct // 100
 
     @property
     def resume_threshold_bytes(self) -> int:
-        """``capacity * resume_watermark_pct / 100`` in integer arithmetic, as seed 003 §5.5."""
+        """``capacity * resume_watermark_pct / 100`` in integer arithmetic (docs/design/byte-ring.md §5)."""
         return self.capacity_bytes * self.resume_watermark_pct // 100
 
     @property
@@ -185,7 +188,7 @@ class ReceiverInfo:
 
 @dataclass(frozen=True, slots=True)
 class RingMetrics:
-    """Seed 003 §9.1 metrics (the io_uring-only sqe/cqe counters have no meaning here).
+    """Metrics of docs/design/byte-ring.md §8 (the io_uring-only sqe/cqe counters have no meaning here).
 
     Counters: ``bytes_received`` every byte taken from the sender, stored or dropped;
     ``bytes_sent`` bytes released by receivers (out of our hands: in the kernel), summed;
@@ -236,10 +239,10 @@ class ByteRing:
         self._write_pos = 0
         self._receivers: dict[Hashable, _Receiver] = {}
         self._reserved = 0
-        # Flow control, seed 003 §5.5.
+        # Flow control, docs/design/byte-ring.md §5.
         self._paused = False
         self._paused_since_ns = 0
-        # Metrics, seed 003 §9.
+        # Metrics, docs/design/byte-ring.md §8.
         self._bytes_received = 0
         self._bytes_sent = 0
         self._bytes_dropped = 0
@@ -263,12 +266,12 @@ class ByteRing:
 
     @property
     def drain_mode(self) -> bool:
-        """True while there is no receiver: sender bytes are dropped (seed 003 §5.6)."""
+        """True while there is no receiver: sender bytes are dropped (docs/design/byte-ring.md §6)."""
         return not self._receivers
 
     @property
     def used_bytes(self) -> int:
-        """``write_pos - min(read_pos)``: bytes some receiver still needs (seed 003 §5.2)."""
+        """``write_pos - min(read_pos)``: bytes some receiver still needs (docs/design/byte-ring.md §3)."""
         if not self._receivers:
             return 0
         return self._write_pos - min(r.read_pos for r in self._receivers.values())
@@ -301,7 +304,7 @@ class ByteRing:
     # ------------------------------------------------------------ receivers
     def add_receiver(self, rid: Hashable, now_ns: int) -> int:
         """Register receiver ``rid``; it gets every byte written from now on, none before
-        (seed 003 §1.1). Returns its start position (the current ``write_pos``).
+        (docs/design/byte-ring.md §1). Returns its start position (the current ``write_pos``).
 
         Raises ``TooManyReceivers`` at ``max_receivers`` (the caller closes that connection) and
         ``ValueError`` for an id already present.
@@ -349,7 +352,7 @@ class ByteRing:
         and that the transport still references the last ``in_flight`` of every byte handed so far
         (``transport.get_write_buffer_size()``; 0 for a copying ``socket.send``). Call it with
         ``nbytes=0`` to report a transport that drained. Bytes no longer in flight are released; a
-        release is progress for the lag policy (seed 003 §5.4).
+        release is progress for the lag policy (docs/design/byte-ring.md §4).
 
         Raises ``ValueError`` when ``nbytes`` exceeds what was readable or the released position
         would move backwards (the caller's accounting is wrong).
@@ -382,8 +385,8 @@ class ByteRing:
             return ReceiverState.HEALTHY
         if lag <= cfg.hard_lag_bytes:
             return ReceiverState.SLOW
-        # Seed 003 §5.3: kick_grace_ms is the no-progress window allowed *after* passing the hard
-        # threshold, so the window starts at the later of the last progress and the moment the
+        # docs/design/byte-ring.md §4.2: kick_grace_ms is the no-progress window allowed *after* passing the
+        # hard threshold, so the window starts at the later of the last progress and the moment the
         # receiver was seen past it: a receiver that was idle because it had caught up is not kicked
         # the instant a burst pushes it over.
         start = r.last_progress_ns
@@ -394,9 +397,9 @@ class ByteRing:
         return ReceiverState.LAGGING
 
     def receiver_state(self, rid: Hashable, now_ns: int) -> ReceiverState:
-        """Classify ``rid`` per seed 003 §5.4 without changing anything. A receiver over the hard
-        threshold that ``check_lagging`` has not seen there yet is ``LAGGING`` (its window starts at
-        that check)."""
+        """Classify ``rid`` per docs/design/byte-ring.md §4 without changing anything. A receiver over the
+        hard threshold that ``check_lagging`` has not seen there yet is ``LAGGING`` (its window starts
+        at that check)."""
         r = self._get(rid)
         since = r.over_hard_since_ns if r.over_hard_since_ns is not None else now_ns
         return self._classify(r, now_ns, since)
@@ -412,7 +415,8 @@ class ByteRing:
         )
 
     def check_lagging(self, now_ns: int) -> list[Hashable]:
-        """Apply seed 003 §5.4 to every receiver: remove those to disconnect and return their ids.
+        """Apply docs/design/byte-ring.md §4 to every receiver: remove those to disconnect and return their
+        ids.
 
         The returned receivers are already removed (counted in ``disconnections_lag``): the caller
         must drop their connections at once, discarding what their transports still buffer
@@ -495,12 +499,12 @@ class ByteRing:
         return n
 
     def update_flow(self, now_ns: int) -> FlowAction | None:
-        """Apply seed 003 §5.5 with hysteresis and return the transition, if any::
+        """Apply docs/design/byte-ring.md §5 with hysteresis and return the transition, if any::
 
             pause  when used >= capacity * pause_pct / 100  or free <  recv_chunk_bytes
             resume when used <= capacity * resume_pct / 100 and free >= 2 * recv_chunk_bytes
 
-        (integer division, as the seed's size_t arithmetic). Counts pauses and paused time.
+        (integer division, docs/design/byte-ring.md §5.1). Counts pauses and paused time.
         """
         cfg = self._cfg
         used = self.used_bytes
@@ -520,7 +524,7 @@ class ByteRing:
 
     # -------------------------------------------------------------- metrics
     def metrics(self, now_ns: int | None = None) -> RingMetrics:
-        """Seed 003 §9 metrics. With ``now_ns``, a pause in progress counts in
+        """Metrics of docs/design/byte-ring.md §8. With ``now_ns``, a pause in progress counts in
         ``sender_recv_pause_ns``."""
         pause_ns = self._pause_ns
         if self._paused and now_ns is not None:
@@ -534,7 +538,7 @@ class ByteRing:
             active_receivers=len(self._receivers),
             total_connections=self._total_connections,
             disconnections_lag=self._disconnections_lag,
-            # used_bytes = write_pos - min(read_pos) is the largest lag (seed 003 §5.2).
+            # used_bytes = write_pos - min(read_pos) is the largest lag (docs/design/byte-ring.md §3).
             ring_buffer_used=max_lag,
             max_receiver_lag=max_lag,
             sender_recv_pause_count=self._pause_count,

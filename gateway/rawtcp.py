@@ -1,4 +1,4 @@
-"""Raw TCP broadcaster (seed 003): one sender's byte stream, unchanged, to up to 16 receivers.
+"""Raw TCP broadcaster (docs/design/byte-ring.md): one sender's byte stream, unchanged, to up to 16 receivers.
 
 The asyncio adapter around ``core.byte_ring.ByteRing`` (which owns every position, the lag policy and
 the sender's flow control). Works on the default event loop and on uvloop.
@@ -6,17 +6,18 @@ the sender's flow control). Works on the default event loop and on uvloop.
 Data path, with no per-receiver copy made here:
 
 * the sender is an ``asyncio.BufferedProtocol``: ``get_buffer`` lends the ring's own free memory
-  (``ByteRing.reserve``), so the kernel's recv writes straight into the ring, like seed 003's provided
-  buffers; in drain mode that memory is scratch and the bytes are counted as dropped;
+  (``ByteRing.reserve``), so the kernel's recv writes straight into the ring, like the provided
+  buffers of docs/design/byte-ring.md §3; in drain mode that memory is scratch and the bytes are counted as
+  dropped;
 * each receiver is handed ``memoryview`` slices of the ring (``ByteRing.readable``) with
   ``transport.write``. The default loop copies what the kernel did not take into the transport's
   buffer; uvloop keeps a reference to our memoryview instead, so bytes a transport still buffers are
   reported to the ring as ``in_flight`` and stay pinned (never overwritten) until it has drained them;
 * a receiver's write buffer limit is 0: ``pause_writing`` as soon as the kernel refuses a byte,
   ``resume_writing`` when the transport holds nothing more. A write-blocked receiver is handed
-  nothing; its lag grows in the ring, where the lag policy (seed 003 §5.4) sees it.
+  nothing; its lag grows in the ring, where the lag policy (docs/design/byte-ring.md §4) sees it.
 
-Sender flow control (seed 003 §5.5): ``transport.pause_reading()`` at the pause watermark,
+Sender flow control (docs/design/byte-ring.md §5): ``transport.pause_reading()`` at the pause watermark,
 ``resume_reading()`` at the resume watermark. Lagging receivers are checked after writes and on a
 timer (``check_interval``, 100 ms), because a stalled receiver must be kicked even when the sender is
 paused and nothing else happens.
@@ -46,8 +47,9 @@ __all__ = ["RawBroadcastServer"]
 
 _log = logging.getLogger(__name__)
 
-#: Seconds between lag checks when nothing else happens. Seed 003 §5.3's kick_grace_ms is 500 ms;
-#: 100 ms keeps a kick within a fifth of the grace window for the cost of a loop over <= 16 receivers.
+#: Seconds between lag checks when nothing else happens. The default kick_grace_ms is 500 ms
+#: (docs/design/byte-ring.md §7); 100 ms keeps a kick within a fifth of the grace window for the cost of a
+#: loop over <= 16 receivers.
 DEFAULT_CHECK_INTERVAL_S = 0.1
 
 #: Most bytes of a token line, its newline included: a peer without the token cannot make us buffer more.
@@ -146,7 +148,7 @@ class _SenderProtocol(asyncio.BufferedProtocol):
 
 
 class RawBroadcastServer:
-    """Seed 003 broadcaster: a sender port (one sender at a time) and a receiver port.
+    """The broadcaster of docs/design/byte-ring.md: a sender port (one sender at a time) and a receiver port.
 
     ``await start(host, sender_port, receiver_port)`` binds both (0 picks a free port; the real ones
     are then in ``sender_port`` and ``receiver_port``), ``await stop()`` closes everything.
@@ -186,8 +188,8 @@ class RawBroadcastServer:
         self._ids = itertools.count(1)
         self._sender: _SenderProtocol | None = None
         # Sender bytes read while the ring had no free byte at all, kept in order until it has.
-        # Seed 003 §5.5 pauses reading at free < recv_chunk_bytes, so this only happens when a sender
-        # connects to a full ring: uvloop starts reading after connection_made whatever it asked.
+        # docs/design/byte-ring.md §5 pauses reading at free < recv_chunk_bytes, so this only happens when a
+        # sender connects to a full ring: uvloop starts reading after connection_made whatever it asked.
         # Reading is paused again right after that read, so one read's worth waits here.
         self._spill = memoryview(bytearray(self.config.recv_chunk_bytes))
         self._spilled = False
@@ -203,7 +205,7 @@ class RawBroadcastServer:
         self.sender_port: int | None = None
         self.receiver_port: int | None = None
         self.host: str | None = None
-        # Adapter counters, beside the ring's seed 003 §9 metrics.
+        # Adapter counters, beside the ring's metrics (docs/design/byte-ring.md §8).
         self._sender_connections = 0
         self._senders_refused = 0
         self._receivers_refused = 0
@@ -265,7 +267,7 @@ class RawBroadcastServer:
 
     # ----------------------------------------------------------- monitoring
     def stats(self) -> dict[str, Any]:
-        """The ring's seed 003 §9 metrics plus the adapter's view of the connections."""
+        """The ring's metrics (docs/design/byte-ring.md §8) plus the adapter's view of the connections."""
         out: dict[str, Any] = self._ring.metrics(self._clock()).as_dict()
         sender = self._sender
         out.update(
@@ -322,7 +324,7 @@ class RawBroadcastServer:
         transport = proto.transport
         assert transport is not None
         if not self._running or self._sender is not None:
-            # Seed 003 §2.3: one sender at a time; another one is refused, not queued.
+            # docs/design/byte-ring.md §2: one sender at a time; another one is refused, not queued.
             self._senders_refused += 1
             self._log.warning(
                 "rawtcp: refused sender %s: %s", proto.peer,
@@ -370,7 +372,7 @@ class RawBroadcastServer:
             self._ring.commit(nbytes)
         now = self._clock()
         self._sender_last_data = now
-        # Pause at once (seed 003 §5.5): the next read must find recv_chunk_bytes free.
+        # Pause at once (docs/design/byte-ring.md §5.3): the next read must find recv_chunk_bytes free.
         self._sync_flow(now)
         self._schedule_pump()
 
@@ -378,7 +380,8 @@ class RawBroadcastServer:
         if self._sender is not proto:
             return
         self._sender = None
-        # Seed 003 §2.3: no role change; receivers keep what is in the ring and a new sender may come.
+        # docs/design/byte-ring.md §2: no role change; receivers keep what is in the ring and a new sender
+        # may come.
         self._log.info("rawtcp: sender %s disconnected (%s)", proto.peer, exc or "closed")
 
     def _sender_idle_check(self) -> None:

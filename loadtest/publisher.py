@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Awaitable, Callable
 
-import orjson
+import msgspec
 
+from gateway.ingest_client import AsyncIngestConnection, BadAnswer, ErrorAnswer, Synced
 from loadtest.aio import run_loop
 from loadtest.httpclient import HttpConnection, open_connection
 from loadtest.procstat import raise_nofile_limit
@@ -113,85 +114,6 @@ class Messages:
         return n
 
 
-class IngestConnection(asyncio.Protocol):
-    """The TCP ingest: newline-delimited JSON out, error and ``synced`` lines in. Writes respect flow
-    control: :meth:`drain` waits while the transport is above its high-water mark."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.lines = 0
-        #: topic index of each line sent (-1 for sync lines), to charge refusals to their topic
-        self.line_topic = array("i")
-        self.refused = Counter[int]()
-        self.errors = Counter[str]()
-        self.error_samples: list[str] = []
-        self.synced: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.buffer = b""
-        self.can_write = asyncio.Event()
-        self.can_write.set()
-        self.lost: Exception | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  (uvloop transports are not asyncio.Transport subclasses)
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-
-    def pause_writing(self) -> None:
-        self.can_write.clear()
-
-    def resume_writing(self) -> None:
-        self.can_write.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = exc or ConnectionError("ingest connection closed")
-        self.can_write.set()
-        for future in self.synced.values():
-            if not future.done():
-                future.set_exception(self.lost)
-
-    def data_received(self, data: bytes) -> None:
-        lines = (self.buffer + data).split(b"\n")
-        self.buffer = lines.pop()
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                reply = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                self.errors["bad_reply"] += 1
-                continue
-            if reply.get("type") == "synced":
-                future = self.synced.pop(reply.get("id"), None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
-            elif reply.get("type") == "error":
-                self.errors[str(reply.get("code"))] += 1
-                if len(self.error_samples) < 10:
-                    self.error_samples.append(line.decode(errors="replace")[:300])
-                number = reply.get("line")
-                if isinstance(number, int) and 1 <= number <= len(self.line_topic):
-                    topic = self.line_topic[number - 1]
-                    if topic >= 0:
-                        self.refused[topic] += 1
-
-    def write_lines(self, topics: list[int], lines: list[bytes]) -> None:
-        if self.lost is not None or self.transport is None:
-            raise ConnectionError(f"ingest connection lost: {self.lost}")
-        self.line_topic.extend(topics)
-        self.lines += len(lines)
-        self.transport.write(b"".join(lines))
-
-    async def drain(self) -> None:
-        await self.can_write.wait()
-        if self.lost is not None:
-            raise ConnectionError(f"ingest connection lost: {self.lost}")
-
-    async def sync(self, sync_id: int, timeout: float = SYNC_TIMEOUT) -> dict[str, Any]:
-        future = asyncio.get_running_loop().create_future()
-        self.synced[sync_id] = future
-        self.write_lines([-1], [b'{"sync":%d}\n' % sync_id])
-        return await asyncio.wait_for(future, timeout)
-
-
 class Publisher:
     def __init__(self, spec: PublisherSpec, counter: Any = None, deliveries: Any = None) -> None:
         self.spec = spec
@@ -209,7 +131,11 @@ class Publisher:
         self.accepted = Counter[int]()
         self.errors = Counter[str]()
         self.error_samples: list[str] = []
-        self.ingest: IngestConnection | None = None
+        self.ingest: AsyncIngestConnection | None = None
+        #: ingest: the topic index of each line written (-1 for sync lines), to charge refusals to their topic
+        self.line_topic = array("i")
+        #: ingest: refusals per topic index
+        self.refused = Counter[int]()
         self.pool: list[HttpConnection] = []
         kind = "nchan" if spec.target.kind == "nchan" else spec.via
         self.send: Callable[[list[int]], Awaitable[None]] = {
@@ -222,7 +148,8 @@ class Publisher:
             if target.ingest_port is None:
                 raise ValueError("publishing through the ingest needs its port (--ingest HOST:PORT)")
             loop = asyncio.get_running_loop()
-            _t, self.ingest = await loop.create_connection(IngestConnection, target.host, target.ingest_port)
+            _t, self.ingest = await loop.create_connection(
+                lambda: AsyncIngestConnection(self._ingest_error, WRITE_HIGH_WATER), target.host, target.ingest_port)
         else:
             self.pool = [await open_connection(target.host, target.http_port) for _ in range(HTTP_CONNECTIONS)]
 
@@ -230,10 +157,10 @@ class Publisher:
         """Publish one ``n = -1`` message per topic so that every topic exists before anyone subscribes."""
         topics = list(range(len(self.spec.topics)))
         if self.ingest is not None:
-            self.ingest.write_lines(topics, [self._line(t, -1) for t in topics])
-            await self.ingest.sync(0)
-            self.ingest.refused.clear()
-            self.ingest.errors.clear()
+            self._write_lines(topics, [self._line(t, -1) for t in topics])
+            await self._sync(0)
+            self.refused.clear()
+            self.errors.clear()
             return
         for chunk_start in range(0, len(topics), HTTP_CONNECTIONS):
             chunk = topics[chunk_start:chunk_start + HTTP_CONNECTIONS]
@@ -241,12 +168,34 @@ class Publisher:
         self.accepted.clear()
 
     def _line(self, topic: int, n: int) -> bytes:
+        # Formatted, not encoded with gateway.ingest_client.record_line: the data is JSON text already, and
+        # encoding it again would cost the publisher more than the gateway's parse of it.
         return b'{"topic":"%s","data":%s}\n' % (self.messages.names[topic], self.messages.data(topic, n))
+
+    def _write_lines(self, topics: list[int], lines: list[bytes]) -> None:
+        assert self.ingest is not None
+        self.ingest.write(b"".join(lines))
+        self.line_topic.extend(topics)
+
+    async def _sync(self, sync_id: int) -> Synced:
+        assert self.ingest is not None
+        self.line_topic.append(-1)
+        return await self.ingest.sync(sync_id, SYNC_TIMEOUT)
+
+    def _ingest_error(self, answer: ErrorAnswer | BadAnswer) -> None:
+        if isinstance(answer, BadAnswer):
+            self.errors["bad_reply"] += 1
+            self._sample(f"bad reply ({answer.reason}): {answer.text[:200]!r}")
+            return
+        self.errors[answer.code] += 1
+        self._sample(msgspec.json.encode(answer).decode()[:300])
+        if 1 <= answer.line <= len(self.line_topic) and (topic := self.line_topic[answer.line - 1]) >= 0:
+            self.refused[topic] += 1
 
     async def _send_ingest(self, topics: list[int]) -> None:
         assert self.ingest is not None
         number = self.messages.number
-        self.ingest.write_lines(topics, [self._line(t, number(t)) for t in topics])
+        self._write_lines(topics, [self._line(t, number(t)) for t in topics])
         await self.ingest.drain()
 
     async def _post(self, conn: HttpConnection, topic: int, numbers: list[int]) -> None:
@@ -345,15 +294,13 @@ class Publisher:
         last_ns = time.time_ns()
         if self.ingest is not None:
             try:
-                reply = await self.ingest.sync(1)
-                if reply.get("refused"):
-                    self.errors["refused_total"] += int(reply["refused"])
+                reply = await self._sync(1)
+                if reply.refused:
+                    self.errors["refused_total"] += reply.refused
             except (asyncio.TimeoutError, ConnectionError) as exc:
                 self.errors["sync_failed"] += 1
                 self._sample(f"final sync: {type(exc).__name__}: {exc}")
-            self.errors.update(self.ingest.errors)
-            self.error_samples += self.ingest.error_samples
-            accepted = {t: n - self.ingest.refused.get(t, 0) for t, n in self.sent.items()}
+            accepted = {t: n - self.refused.get(t, 0) for t, n in self.sent.items()}
         else:
             accepted = dict(self.accepted)
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -370,8 +317,8 @@ class Publisher:
         return sum(d[i] for i in self._delivery_slots)
 
     def close(self) -> None:
-        if self.ingest is not None and self.ingest.transport is not None:
-            self.ingest.transport.close()
+        if self.ingest is not None:
+            self.ingest.close()
         for conn in self.pool:
             conn.close()
 

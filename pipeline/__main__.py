@@ -100,7 +100,8 @@ def failure_summary(exc: BaseException) -> str:
     """The line that says what went wrong, out of a streaming query's many-layered exception: the last
     exception line raised by our own code (the gateway's refusal, a timeout, bad data), else the first line."""
     text = str(exc)
-    ours = re.findall(r"^(?:pipeline\.[\w.]+|ValueError|OSError|ConnectionRefusedError|\w*Error): .+$", text, re.M)
+    ours = re.findall(r"^(?:(?:pipeline|gateway)\.[\w.]+|ValueError|OSError|ConnectionRefusedError|\w*Error): .+$",
+                      text, re.M)
     return ours[-1] if ours else text.splitlines()[0] if text else type(exc).__name__
 
 

@@ -1,15 +1,16 @@
-"""Client side of the gateway's TCP ingest (docs/protocol.md, "TCP ingest"), for one connection.
+"""The pipeline's side of the gateway's TCP ingest (docs/protocol.md, "TCP ingest"), for one connection:
+exactly-once accounting over the gateway's ingest client (gateway/ingest_client.py).
 
 Two layers, as in h11 / websockets:
 
-* :class:`IngestClient` is sans-I/O: it turns records into line-delimited JSON bytes, parses the gateway's
-  answer lines fed to :meth:`IngestClient.receive_data`, and decides whether the connection ended well. It
-  never touches a socket or a clock.
-* :class:`IngestConnection` is the blocking socket adapter: ``send`` a chunk, ``sync`` and wait, with the
-  answers read concurrently with the writes (the gateway may answer every record of a retried batch with an
-  error line, so a writer that does not read could deadlock against a gateway blocked on writing to us), all
-  bounded by timeouts. :func:`publish` is what a Spark task calls once per partition: one connection,
-  records written in chunks, one ``{"sync": id}`` at the end.
+* :class:`IngestClient` is sans-I/O: it turns records into line-delimited JSON bytes, checks the gateway's
+  answers (bytes fed to :meth:`IngestClient.receive_data`, decoded by the shared ``AnswerReader``), and
+  decides whether the connection ended well. It never touches a socket or a clock.
+* :class:`IngestConnection` is the blocking adapter over the shared ``IngestSocket``: ``send`` a chunk,
+  ``sync`` and wait, with the answers read concurrently with the writes (the gateway may answer every record
+  of a retried batch with an error line, so a writer that does not read could deadlock against a gateway
+  blocked on writing to us), all bounded by timeouts. :func:`publish` is what a Spark task calls once per
+  partition: one connection, records written in chunks, one ``{"sync": id}`` at the end.
 
 Neither imports Spark: the module runs inside Python workers and in plain tests.
 
@@ -26,14 +27,27 @@ Error split (whose fault):
 from __future__ import annotations
 
 import enum
-import selectors
-import socket
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 
 import orjson
+
+from gateway.ingest_client import (
+    DEFAULT_PORT,
+    DEFAULT_TIMEOUT,
+    Answer,
+    AnswerReader,
+    BadAnswer,
+    Closed,
+    ErrorAnswer,
+    IngestError,
+    IngestProtocolError,
+    IngestSocket,
+    Synced,
+    record_line,
+    sync_line,
+)
 
 __all__ = [
     "ALREADY_LANDED",
@@ -52,29 +66,17 @@ __all__ = [
     "publish",
 ]
 
-#: The gateway's default ingest port (docs/protocol.md).
-DEFAULT_PORT = 7002
-
 #: Lines per write. 500 lines of ~100 bytes is ~50 KB: large enough that the per-write cost (a syscall, a
 #: wake-up of the gateway's reader) is amortised, small enough to stay well under a default socket buffer
 #: (~200 KB on Linux) so a chunk usually leaves in one send. It is also the unit of interleaving between
 #: concurrent partitions, hence of the reorder window needed in spread mode (docs/pipeline.md).
 DEFAULT_CHUNK_SIZE = 500
 
-#: Seconds without any progress (nothing written, nothing read) before the connection is given up, and
-#: seconds to wait for ``synced`` once the sync line is written. 30 s is far above a healthy gateway's
-#: answer time (milliseconds) and short enough that a stuck task fails within one Spark task's patience.
-DEFAULT_TIMEOUT = 30.0
-
 #: Error codes meaning "this record is already there" (a retried batch with explicit seqs): not a failure.
 ALREADY_LANDED = frozenset({"duplicate_seq", "stale_seq"})
 
 #: A record: (topic, seq or None, data as JSON text or None). ``None`` seq lets the gateway assign one.
 Record = tuple[str, int | None, str | None]
-
-
-class IngestError(Exception):
-    """Base class of the failures of one ingest connection."""
 
 
 class IngestRefused(IngestError):
@@ -85,10 +87,6 @@ class IngestRefused(IngestError):
         self.code = code
         self.line = line
         self.message = message
-
-
-class IngestProtocolError(IngestError):
-    """The gateway broke the protocol, closed the connection early or did not answer in time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +132,7 @@ def encode_record(topic: str, seq: int | None, data: str | None) -> bytes:
         value = None if data is None else orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"record topic={topic!r} seq={seq!r}: data is not JSON text: {exc}") from None
-    record = {"topic": topic, "data": value} if seq is None else {"topic": topic, "seq": seq, "data": value}
-    return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+    return record_line(topic, value, seq=seq)
 
 
 class IngestClient:
@@ -160,7 +157,7 @@ class IngestClient:
         #: Counts as of the last ``synced``; ``None`` before the first.
         self.result: SyncResult | None = None
         self._sync_id: int | None = None
-        self._buffer = b""
+        self._reader = AnswerReader()
 
     @property
     def already_landed(self) -> int:
@@ -191,21 +188,15 @@ class IngestClient:
         self.state = State.SYNC_SENT
         self._sync_id = sync_id
         self.lines += 1
-        return orjson.dumps({"sync": sync_id}, option=orjson.OPT_APPEND_NEWLINE)
+        return sync_line(sync_id)
 
     def receive_data(self, data: bytes) -> None:
         """Feed bytes read from the connection; ``b""`` means the gateway closed it."""
         if self.state is State.FAILED:
             raise RuntimeError("connection already failed")
         try:
-            if not data:
-                self._closed()
-                return
-            self._buffer += data
-            *complete, self._buffer = self._buffer.split(b"\n")
-            for line in complete:
-                if line.strip():
-                    self._answer(line)
+            for answer in self._reader.feed(data):
+                self._answer(answer)
         except IngestError:
             self.state = State.FAILED
             raise
@@ -218,36 +209,30 @@ class IngestClient:
             f"({self.records} records written, {self.already_landed} answered as already landed)"
         )
 
-    def _answer(self, line: bytes) -> None:
-        try:
-            answer = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            raise IngestProtocolError(f"gateway answered a line that is not JSON: {line[:200]!r}") from None
-        if not isinstance(answer, dict):
-            raise IngestProtocolError(f"gateway answered a line that is not an object: {line[:200]!r}")
-        kind = answer.get("type")
-        if kind == "error":
+    def _answer(self, answer: Answer) -> None:
+        if isinstance(answer, ErrorAnswer):
             self._error(answer)
-        elif kind == "synced":
+        elif isinstance(answer, Synced):
             self._synced(answer)
-        # Any other type is not part of the ingest protocol today; ignoring it keeps an older pipeline
-        # working against a newer gateway that adds informational lines.
+        elif isinstance(answer, Closed):
+            self._closed()
+        elif isinstance(answer, BadAnswer):
+            raise IngestProtocolError(f"gateway answered a line that is not an answer ({answer.reason}): "
+                                      f"{answer.text[:200]!r}")
+        # Authed: we send no auth line, and the answer changes nothing.
 
-    def _error(self, answer: dict) -> None:
-        code = answer.get("code")
-        if code == "duplicate_seq":
+    def _error(self, answer: ErrorAnswer) -> None:
+        if answer.code == "duplicate_seq":
             self.duplicates += 1
-        elif code == "stale_seq":
+        elif answer.code == "stale_seq":
             self.stale += 1
         else:
-            raise IngestRefused(str(code), answer.get("line"), str(answer.get("message", "")))
+            raise IngestRefused(answer.code, answer.line, answer.message)
 
-    def _synced(self, answer: dict) -> None:
-        if self.state is not State.SYNC_SENT or answer.get("id") != self._sync_id:
+    def _synced(self, answer: Synced) -> None:
+        if self.state is not State.SYNC_SENT or answer.id != self._sync_id:
             raise IngestProtocolError(f"unexpected synced answer {answer!r} (our sync id {self._sync_id!r})")
-        accepted, refused = answer.get("accepted"), answer.get("refused")
-        if not isinstance(accepted, int) or not isinstance(refused, int):
-            raise IngestProtocolError(f"synced answer without integer counts: {answer!r}")
+        accepted, refused = answer.accepted, answer.refused
         before = self.result or SyncResult(0, 0, 0, 0)
         records = self.records - before.records
         landed = self.already_landed - before.refused
@@ -275,23 +260,17 @@ def chunks(records: Iterable[Record], size: int) -> Iterator[list[Record]]:
 
 
 class IngestConnection:
-    """A blocking ingest connection (the socket adapter of :class:`IngestClient`).
+    """A blocking ingest connection (the shared ``IngestSocket`` feeding :class:`IngestClient`).
 
-    ``send`` writes one chunk of records as one write (a "sendall" that keeps reading answers meanwhile);
-    ``sync`` writes a sync line and waits for its answer, returning the counts so far. Use as a context
-    manager; raises as :func:`publish` does.
+    ``send`` writes one chunk of records as one write (a "sendall" that keeps reading answers meanwhile, so
+    an early error line fails the write); ``sync`` writes a sync line and waits for its answer, returning the
+    counts so far. Use as a context manager; raises as :func:`publish` does.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
         self.client = IngestClient()
-        self._sock = socket.create_connection((host, port), timeout=timeout)
-        # A sync line right after a chunk is a small write behind unacknowledged data: with Nagle's algorithm
-        # it waits for the peer's delayed ACK (~40 ms on Linux), once per sync. Chunks are large anyway.
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.setblocking(False)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._socket = IngestSocket(host, port, self.client.receive_data, timeout)
 
     def __enter__(self) -> IngestConnection:
         return self
@@ -300,58 +279,20 @@ class IngestConnection:
         self.close()
 
     def close(self) -> None:
-        self._selector.close()
-        self._sock.close()
+        self._socket.close()
 
     def send(self, records: Iterable[Record]) -> None:
-        self._write(self.client.encode_records(records))
+        self._socket.write(self.client.encode_records(records))
 
     def sync(self, sync_id: int) -> SyncResult:
-        self._write(self.client.sync(sync_id))
-        deadline = time.monotonic() + self.timeout
-        while self.client.awaiting_sync:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._selector.select(remaining):
-                raise IngestProtocolError(
-                    f"no synced answer within {self.timeout} s ({self.client.records} records written, "
-                    f"{self.client.already_landed} answered as already landed)"
-                )
-            self._read()
+        self._socket.write(self.client.sync(sync_id))
+        if not self._socket.read_until(lambda: not self.client.awaiting_sync, self.timeout):
+            raise IngestProtocolError(
+                f"no synced answer within {self.timeout} s ({self.client.records} records written, "
+                f"{self.client.already_landed} answered as already landed)"
+            )
         assert self.client.result is not None
         return self.client.result
-
-    def _read(self) -> None:
-        try:
-            data = self._sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            raise IngestProtocolError(f"connection to the gateway failed while reading: {exc}") from exc
-        self.client.receive_data(data)
-
-    def _write(self, data: bytes) -> None:
-        """Write all of ``data``, reading answers meanwhile (an early error line fails the write)."""
-        view = memoryview(data)
-        self._selector.modify(self._sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
-        try:
-            while view:
-                events = self._selector.select(self.timeout)
-                if not events:
-                    raise IngestProtocolError(f"gateway neither read nor answered for {self.timeout} s while we wrote")
-                for _key, mask in events:
-                    if mask & selectors.EVENT_READ:
-                        self._read()
-                    if mask & selectors.EVENT_WRITE:
-                        try:
-                            sent = self._sock.send(view)
-                        except (BlockingIOError, InterruptedError):
-                            continue
-                        except OSError as exc:
-                            raise IngestProtocolError(f"connection to the gateway failed while writing: {exc}") from exc
-                        view = view[sent:]
-        finally:
-            self._selector.modify(self._sock, selectors.EVENT_READ)
-
 
 def publish(
     records: Iterable[Record],

@@ -49,13 +49,21 @@ def _base_config(master: str | None) -> dict[str, str]:
     return config
 
 
+#: what executors import from the gateway package: its ingest client only (no server dependency)
+_GATEWAY_MODULES = ("__init__.py", "ingest_client.py")
+
+
 def _ship_package(spark: SparkSession) -> None:
-    """Zip ``pipeline/`` and add it to the executors' Python path (cluster masters only)."""
+    """Zip ``pipeline/`` and the gateway's ingest client, and add them to the executors' Python path
+    (cluster masters only)."""
     archive = Path(tempfile.mkdtemp(prefix="pipeline-pyfiles-")) / "pipeline.zip"
     with zipfile.ZipFile(archive, "w") as zf:
         for path in _PACKAGE_DIR.rglob("*"):
             if path.is_file() and "__pycache__" not in path.parts:
                 zf.write(path, Path("pipeline") / path.relative_to(_PACKAGE_DIR))
+        gateway_dir = _PACKAGE_DIR.parent / "gateway"
+        for name in _GATEWAY_MODULES:
+            zf.write(gateway_dir / name, Path("gateway") / name)
     spark.sparkContext.addPyFile(str(archive))
 
 

@@ -1,4 +1,4 @@
-"""Synchronous tests of core.byte_ring (seed 003 §5.2-5.6, §9): no event loop, no sockets."""
+"""Synchronous tests of core.byte_ring (docs/design/byte-ring.md §3-§6, §8): no event loop, no sockets."""
 
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def test_kick_after_grace_without_progress():
     t0 = 1000 * MS
     assert ring.check_lagging(t0) == []  # over hard seen now: the grace window starts here
     assert ring.receiver_state("slow", t0 + 50 * MS) is ReceiverState.LAGGING
-    assert ring.check_lagging(t0 + 50 * MS) == []  # exactly the grace: not yet (seed: "> grace")
+    assert ring.check_lagging(t0 + 50 * MS) == []  # exactly the grace: not yet (docs/design/byte-ring.md §4.2)
     assert ring.receiver_state("slow", t0 + 50 * MS + 1) is ReceiverState.KICK
     assert ring.check_lagging(t0 + 50 * MS + 1) == ["slow"]
     assert "slow" not in ring

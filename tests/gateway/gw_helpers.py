@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-import select
 import socket
 import time
 
+import msgspec
 import orjson
 from websockets.sync.client import connect
+
+from gateway.ingest_client import BadAnswer, Closed, IngestConnection
 
 
 def ws_connect(gw, *, query: str = "", rcvbuf: int | None = None, max_queue: int | None = None):
@@ -50,35 +52,29 @@ def auth(gw) -> dict:
 
 
 class Ingest:
-    """A TCP ingest publisher."""
+    """A TCP ingest publisher (gateway.ingest_client) whose answers are dicts, as the tests compare them."""
 
     def __init__(self, gw):
-        self.sock = socket.create_connection(("127.0.0.1", gw.ingest_port), timeout=5)
-        self.file = self.sock.makefile("rb")
+        self.connection = IngestConnection("127.0.0.1", gw.ingest_port, timeout=5)
 
     def send(self, *records) -> None:
-        self.sock.sendall(b"".join(orjson.dumps(r) + b"\n" for r in records))
+        self.connection.send(*records)
 
     def send_raw(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        self.connection.write(data)
 
     def has_line(self, timeout: float) -> bool:
         """Whether an answer arrives within `timeout` seconds (without consuming it)."""
-        ready, _, _ = select.select([self.sock], [], [], timeout)
-        return bool(ready)
+        return self.connection.poll(timeout)
 
     def readline(self) -> dict:
-        line = self.file.readline()
-        assert line, "ingest connection closed"
-        return orjson.loads(line)
+        answer = self.connection.next_answer()
+        assert not isinstance(answer, (Closed, BadAnswer)), f"no answer: {answer!r}"
+        return msgspec.to_builtins(answer)
 
     def sync(self, sync_id=1) -> dict:
-        self.send({"sync": sync_id})
-        while True:
-            answer = self.readline()
-            if answer.get("type") == "synced":
-                return answer
+        """The `synced` answer; error answers before it are skipped (kept in `connection.errors`)."""
+        return msgspec.to_builtins(self.connection.sync(sync_id))
 
     def close(self):
-        self.file.close()
-        self.sock.close()
+        self.connection.close()

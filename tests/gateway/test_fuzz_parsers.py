@@ -10,6 +10,7 @@ from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
 from gateway.ingest import IngestProtocol
+from gateway.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
 from gateway.origin import OriginGuard, parse_allowed_origins
 from gateway.testing import DEFAULTS, make_token
 
@@ -118,14 +119,41 @@ class RecordingTransport:
 records = st.fixed_dictionaries(
     {},
     optional={"topic": st.sampled_from(["t", "private.x", "state.s", ""]) | json_values, "data": json_values,
-              "seq": st.integers(-2, 200) | json_values, "client": json_values, "sync": json_values},
+              "seq": st.integers(-2, 200) | json_values, "client": json_values, "sync": json_values,
+              "auth": st.sampled_from(["s3cret", "x"]) | json_values},
 )
 lines = st.binary(max_size=80).map(lambda b: b.replace(b"\n", b"")) | records.map(orjson.dumps)
+#: what a peer's bytes can make of a line, besides records of the schema
+INGEST_ERROR_CODES = {"bad_json", "bad_record", "too_large"}
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(lines.map(lambda line: line + b"\n") | st.binary(max_size=100), max_size=12), st.booleans(),
+       st.integers(1, 120))
+def test_ingest_parser_makes_items_or_error_items_of_any_bytes(chunks, with_token, max_line):
+    """Sans-I/O: the parser alone, no loop. Any bytes in any pieces: items of the documented kinds, numbered
+    in order, error codes of the protocol, and nothing after a failed handshake."""
+    parser = IngestParser(max_line, "s3cret" if with_token else "")
+    items = []
+    for chunk in chunks:
+        parser.feed(chunk)
+        while (item := parser.next_item()) is not None:
+            items.append(item)
+        assert parser.buffered <= max(max_line, AUTH_LINE_MAX)  # refused bytes are not kept
+    for item in items:
+        assert isinstance(item, (Authed, AuthFailed, LineError, Publish, Sync))
+        if isinstance(item, LineError):
+            assert item.code in INGEST_ERROR_CODES and isinstance(item.message, str)
+        if isinstance(item, Publish):
+            assert isinstance(item.record.topic, str) and item.record.topic
+    assert [i.line for i in items] == sorted({i.line for i in items}) and all(i.line >= 1 for i in items)
+    assert not any(isinstance(i, AuthFailed) for i in items[:-1])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(lines, max_size=12), st.integers(1, 64))
 def test_ingest_lines_are_applied_or_answered_with_an_error_line(body_lines, chunk):
+    """The protocol over the parser and a real hub: every line is applied or answered, the sync counts add up."""
     asyncio.run(_run_lines(body_lines, chunk))  # the protocol arms its auth deadline: it needs a running loop
 
 

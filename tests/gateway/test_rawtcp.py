@@ -1,4 +1,5 @@
-"""gateway.rawtcp against a real server on 127.0.0.1 with ephemeral ports and real sockets (seed 003)."""
+"""gateway.rawtcp against a real server on 127.0.0.1 with ephemeral ports and real sockets
+(docs/design/byte-ring.md)."""
 
 from __future__ import annotations
 
@@ -221,7 +222,7 @@ def test_sender_paused_at_watermark_and_resumed_when_slow_receiver_goes(loop_kin
             stats = server.stats()
             assert stats["sender_recv_pause_count"] == 1
             assert not stats["sender_reading"]
-            # seed 003 §5.5: paused at used >= 80 % of capacity or free < recv_chunk_bytes
+            # docs/design/byte-ring.md §5: paused at used >= 80 % of capacity or free < recv_chunk_bytes
             assert (
                 stats["ring_buffer_used"] >= cfg.pause_threshold_bytes
                 or cfg.capacity_bytes - stats["ring_buffer_used"] < cfg.recv_chunk_bytes
@@ -309,7 +310,7 @@ def test_second_sender_is_refused_and_the_first_goes_on():
             assert await asyncio.wait_for(receiver.reader.readexactly(14), 3) == b"from the first"
             second.close()
 
-            first.close()  # a new sender may come once the first is gone (seed 003 §2.3)
+            first.close()  # a new sender may come once the first is gone (docs/design/byte-ring.md §2)
             await wait_until(lambda: not server.stats()["sender_connected"], what="first gone")
             _, third = await asyncio.open_connection(HOST, server.sender_port)
             third.write(b"third")
