@@ -29,11 +29,13 @@ class Subscription:
         self.topic = topic
         #: next seq to deliver (ring, snapshot); for private queues the seq of the next message queued
         self.cursor = 0
-        #: in the client's active-handle set; otherwise, for shared topics, in the topic's idle set
+        #: in the client's active-handle set; otherwise, for shared topics (`Topic.shared`), in the topic's idle set
         self.active = False
-        # private queues only (seed 001): entries, their size, how many were handed out uncommitted
+        # private queues only (seed 001): entries, their size
         self.queue: deque[bytes] | None = None
         self.queued_bytes = 0
+        #: entries handed out by `read_into` and kept until `commit` (private: docs/design/private-queues.md §4);
+        #: 0 on other kinds
         self.peeked = 0
         #: a publisher was refused for lack of space and wants to hear when space frees
         self.waiting = False
@@ -52,7 +54,7 @@ class Client:
         self.active: dict[Subscription, None] = {}
         self.subs: dict[str, Subscription] = {}
         self.budget = budget
-        #: private handles with entries handed out in the batch being written (commit or rollback them)
+        #: handles with peeked entries in the batch being written (private): commit or roll them back
         self.peeked_subs: list[Subscription] = []
         #: opaque to the core: identity, transport, permissions live with the gateway
         self.info = info

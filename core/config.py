@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 #: Seqs are below 2**53 so that every client can hold them exactly (JavaScript numbers are doubles).
@@ -64,7 +65,7 @@ class TopicConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind.value,
             "capacity": self.capacity,

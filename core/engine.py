@@ -14,12 +14,17 @@ The I/O layer drives it with verbs and writes what `run_cycle` returns:
 Costs: a publish is O(1) plus O(1) per subscriber that was caught up (idle); `run_cycle` is
 O(active clients + active handles + entries emitted); subscribe, unsubscribe and disconnect are
 O(that client's subscriptions). Nothing walks all clients or all topics.
+
+The engine does not ask which kind a topic is: each kind answers the calls of `topics.Topic` (publish,
+claim / attach / detach, read_into / has_data, commit / rollback, expire_hole, reserve) and declares what
+the hot paths read as attributes (`shared`, `pending`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 from .client import Client, ClientState, Subscription
 from .config import MAX_SEQ, EngineConfig, TopicConfig, TopicKind
@@ -31,7 +36,6 @@ from .errors import (
     BadTopic,
     CoreUsageError,
     DirectQueueFull,
-    NoTarget,
     NotSubscribed,
     TooManySubscriptions,
     TooManyTopics,
@@ -85,8 +89,8 @@ class Engine:
         self._clients: dict[Hashable, Client] = {}
         #: ordered, coalesced active-client set: READY clients with work (seed 002)
         self._active: dict[Client, None] = {}
-        #: ring topics with out-of-order arrivals waiting on a hole (for `tick`)
-        self._holey: dict[RingTopic, None] = {}
+        #: topics with out-of-order arrivals waiting on a hole (`Topic.pending`), for `tick`
+        self._holey: dict[Topic, None] = {}
         self._space_freed: list[tuple[str, Hashable]] = []
         self._epochs = 0
         #: rule-created topics that lost (or never had) a subscriber since the last `reclaim`
@@ -125,7 +129,7 @@ class Engine:
 
     def _forget(self, topic: Topic) -> None:
         del self._topics[topic.name]
-        self._holey.pop(topic, None)  # type: ignore[call-overload]
+        self._holey.pop(topic, None)
         self._unused_new.pop(topic, None)
         self._unused.pop(topic, None)
 
@@ -141,7 +145,7 @@ class Engine:
             unused.pop(topic, None)
             unused[topic] = now
         self._unused_new.clear()
-        removed = []
+        removed: list[str] = []
         while unused:
             topic = next(iter(unused))
             if unused[topic] + ttl > now:
@@ -225,9 +229,10 @@ class Engine:
         return client_id in self._clients
 
     def set_owner(self, client_id: Hashable, owner: Hashable) -> None:
-        """Change whose private queues the client reads; only while it holds no private subscription."""
+        """Change whose private queues the client reads; only while it holds no handle keyed by its owner
+        (`Topic.keyed_by_owner`: a private queue)."""
         client = self.client(client_id)
-        if any(isinstance(sub.topic, PrivateTopic) for sub in client.subs.values()):
+        if any(sub.topic.keyed_by_owner for sub in client.subs.values()):
             raise CoreUsageError(f"client {client_id!r} holds private queues: its owner cannot change")
         client.owner = owner
 
@@ -242,11 +247,10 @@ class Engine:
         if len(client.direct) + 2 > self.config.direct_queue_max:
             raise DirectQueueFull("direct queue full")
         topic = self.resolve(name)
-        if isinstance(topic, PrivateTopic):
-            held = topic.queues.get(client.owner)
-            if held is not None:
-                self._take_over(held)
         sub = Subscription(client, topic)
+        held = topic.claim(sub)  # private: another connection of the same owner holds the queue
+        if held is not None:
+            self._take_over(held)
         start, extra = topic.attach(sub, since)
         self._unused_new.pop(topic, None)
         self._unused.pop(topic, None)
@@ -283,36 +287,36 @@ class Engine:
     def publish(
         self, name: str, data: Any, *, seq: int | None = None, owner: Hashable = None, now: float = 0.0
     ) -> Published:
-        """Publish one message. Private topics need `owner`, whose queue it goes to (a client's owner).
+        """Publish one message. Private topics need `owner`, whose queue it goes to (a client's owner);
+        shared topics (ring, snapshot) ignore it: their message goes to every subscriber.
 
         Raises `RequestError` subclasses: `QueueFull` (back-pressure: wait for `take_space_freed`),
-        `DuplicateSeq` / `StaleSeq` (out-of-order seqs), `UnknownTopic`, `MessageTooLarge`.
+        `DuplicateSeq` / `StaleSeq` / `SkippedSeq` / `BadSeq` (seqs), `NoTarget` / `NotSubscribed` (private:
+        no owner, or the owner holds no queue), `UnknownTopic`, `MessageTooLarge`, `BadData`.
+        Cost: O(1) plus O(1) per handle it wakes (a shared topic's caught-up subscribers).
         """
         if seq is not None and not 0 <= seq < MAX_SEQ:
             raise BadSeq(f"seq must be in [0, 2**53), not {seq}")
         topic = self.resolve(name)
-        if isinstance(topic, PrivateTopic):
-            if owner is None:
-                raise NoTarget(f"private topic {name!r} needs the user whose queue gets the message (`client`)")
-            sub = topic.queues.get(owner)
-            if sub is None:
-                raise NotSubscribed(f"{owner!r} has no queue on {name!r}")
-            seq = topic.publish_to(sub, data, seq)
-            self._activate(sub)
-            return Published(name, seq)
-        seq, advanced = topic.publish(data, seq, now)  # type: ignore[attr-defined]
-        if advanced:
-            self._wake(topic)
-        if isinstance(topic, RingTopic) and topic.pending:
-            self._holey[topic] = None  # type: ignore[index]
+        seq, woken = topic.publish(data, seq, owner, now)
+        if woken:  # _wake, inlined: this loop is the publish cost per woken handle
+            active_clients = self._active
+            ready = ClientState.READY
+            for sub in woken:
+                sub.active = True
+                client = sub.client
+                client.active[sub] = None
+                if client.state is ready and client not in active_clients:
+                    active_clients[client] = None
+        if topic.pending:  # an attribute, not a call, like `shared` in `_park`
+            self._holey[topic] = None
         return Published(name, seq)
 
     def reserve(self, name: str, count: int) -> tuple[int, int]:
-        """Hand out `count` seqs of a ring topic as [begin, end) (seed 004 TryReserve)."""
-        topic = self.resolve(name)
-        if not isinstance(topic, RingTopic):
-            raise CoreUsageError(f"reserve needs a ring topic, {name!r} is {topic.kind}")
-        return topic.reserve(count)
+        """Hand out `count` seqs of a ring topic as [begin, end) (seed 004 TryReserve).
+
+        Raises `CoreUsageError` for another kind, `ValueError` when `count` < 1."""
+        return self.resolve(name).reserve(count)
 
     def tick(self, now: float) -> int:
         """Give up timed-out holes of out-of-order topics. Cost: O(topics with a hole)."""
@@ -320,9 +324,9 @@ class Engine:
         for topic in list(self._holey):
             if topic.expire_hole(now):
                 moved += 1
-                self._wake(topic)
+                self._wake(topic.take_idle())
             if not topic.pending:
-                del self._holey[topic]  # type: ignore[arg-type]
+                del self._holey[topic]
         return moved
 
     def take_space_freed(self) -> list[tuple[str, Hashable]]:
@@ -343,10 +347,12 @@ class Engine:
         self._active.pop(client, None)
 
     def commit(self, client_id: Hashable) -> None:
-        """The last batch was written: private entries in it leave their queues (seed 001 Shift)."""
+        """The last batch was written: private entries in it leave their queues (seed 001 Shift).
+
+        Cost: O(handles with peeked entries + entries dropped)."""
         client = self.client(client_id)
         for sub in client.peeked_subs:
-            if sub.queue is not None and sub.topic.commit(sub):  # type: ignore[attr-defined]
+            if sub.topic.commit(sub):
                 self._space_freed.append((sub.topic.name, client.owner))
         client.peeked_subs.clear()
 
@@ -354,8 +360,7 @@ class Engine:
         """The last batch was not delivered: its private entries are handed out again."""
         client = self.client(client_id)
         for sub in client.peeked_subs:
-            if sub.queue is not None:
-                sub.topic.rollback(sub)  # type: ignore[attr-defined]
+            if sub.topic.rollback(sub):
                 self._activate(sub)
         client.peeked_subs.clear()
 
@@ -370,7 +375,7 @@ class Engine:
     def run_cycle(self) -> list[Batch]:
         """Visit each eligible active client once; return its batch (seed 002 default batching)."""
         clients, self._active = self._active, {}
-        batches = []
+        batches: list[Batch] = []
         counters = self.counters
         counters.cycles += 1
         for client in clients:
@@ -408,12 +413,14 @@ class Engine:
             topic = sub.topic
             had_peeked = sub.peeked
             size += topic.read_into(sub, out, budget - size)
-            if sub.queue is not None and not had_peeked and sub.peeked:
+            if sub.peeked and not had_peeked:  # entries kept until commit (private): first ones of this batch
                 peeked.append(sub)
             if topic.has_data(sub):
                 again.append(sub)
-            else:
-                self._park(sub)
+            else:  # _park, inlined: this runs for every handle that runs dry
+                sub.active = False
+                if topic.shared:
+                    topic.idle[sub] = None
         # Handles not reached, then handles still holding data, go before any that become active later.
         active = dict.fromkeys(unreached)
         active.update(dict.fromkeys(again))
@@ -431,19 +438,19 @@ class Engine:
             self._active[client] = None
 
     def _park(self, sub: Subscription) -> None:
+        """The handle has nothing to read: a shared topic's next publish wakes it from `idle`; a private
+        handle waits nowhere (the publish that fills its queue wakes it)."""
         sub.active = False
-        if sub.queue is None:
-            sub.topic.idle[sub] = None
+        topic = sub.topic
+        if topic.shared:  # an attribute, not a call: `_fill` inlines this for every handle that runs dry
+            topic.idle[sub] = None
 
-    def _wake(self, topic: Topic) -> None:
-        """Activate the topic's caught-up subscribers: O(1) each, and nobody else is looked at."""
-        idle = topic.idle
-        if not idle:
-            return
-        topic.idle = {}
+    def _wake(self, woken: Iterable[Subscription]) -> None:
+        """Activate parked handles a topic handed over (`Topic.publish`, inlined there; `Topic.take_idle`):
+        O(1) each, and nobody else is looked at. They are out of `idle` already and none is active."""
         active_clients = self._active
         ready = ClientState.READY
-        for sub in idle:  # _activate, inlined: this loop is the publish cost per idle subscriber
+        for sub in woken:  # _activate, inlined: this loop is the publish cost per idle subscriber
             sub.active = True
             client = sub.client
             client.active[sub] = None
@@ -463,15 +470,15 @@ class Engine:
         topic.subs.pop(sub, None)
         if sub in client.peeked_subs:
             client.peeked_subs.remove(sub)
-        if isinstance(topic, PrivateTopic) and sub.waiting:
+        if topic.detach(sub):  # a refused publisher waited on this queue: it retries and gets an error
             self._space_freed.append((topic.name, client.owner))
-        topic.detach(sub)
         if topic.auto and not topic.subs:
             self._unused_new[topic] = None
 
     def _take_over(self, old: Subscription) -> None:
-        """Hand a private queue to a new handle of the same owner: the old handle leaves its client (which
-        gets `closed` with reason `taken_over`) but the queue stays for `attach` to adopt."""
+        """Hand what `old` holds (a private queue) to a new handle, `Topic.claim` having named it: the old
+        handle leaves its client (which gets `closed` with reason `taken_over`) and the topic's sets, but the
+        topic does not `detach` it, so its state stays for `attach` to adopt."""
         client = old.client
         topic = old.topic
         del client.subs[topic.name]
@@ -481,5 +488,6 @@ class Engine:
         if old in client.peeked_subs:
             client.peeked_subs.remove(old)
         topic.subs.pop(old, None)
+        topic.idle.pop(old, None)
         client.direct.append(encode_closed(topic.name, "taken_over"))  # past the bound, like delete_topic
         self._note_work(client)

@@ -2,26 +2,37 @@
 
 A queue is bounded in count and bytes. A publish into a full queue raises `QueueFull` (back-pressure): the
 publisher waits, and the engine reports the queue in `take_space_freed` the moment a commit frees space.
-Reading is split in two as in seed 001: `read_into` hands entries out (Next) without removing them; the
-engine's `commit` removes them once written (Shift), `rollback` hands them out again.
+Reading is split in two as in seed 001: `read_into` hands entries out (Next) without removing them, counted
+in `sub.peeked`; the engine's `commit` removes them once written (Shift), `rollback` hands them out again.
+A queue belongs to an owner (the user); a new handle of the same owner takes it over (`claim`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from collections.abc import Collection, Hashable
+from typing import Any, ClassVar
 
 from .client import Subscription
-from .errors import BadSeq, QueueFull, StaleSeq
+from .config import TopicConfig
+from .counters import Counters
+from .errors import BadSeq, NoTarget, NotSubscribed, QueueFull, StaleSeq
 from .topics import Topic
 
 
 class PrivateTopic(Topic):
-    kind = "private"
+    kind: ClassVar[str] = "private"
+    keyed_by_owner: ClassVar[bool] = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.queues: dict[Any, Subscription] = {}
+    def __init__(self, name: str, epoch: str, config: TopicConfig, counters: Counters) -> None:
+        super().__init__(name, epoch, config, counters)
+        self.shared = False  # each handle has its own queue: the publish that fills it wakes it alone
+        #: the handle holding each owner's queue
+        self.queues: dict[Hashable, Subscription] = {}
+
+    def claim(self, sub: Subscription) -> Subscription | None:
+        """The handle holding the queue of `sub`'s owner, if any: `attach` moves the queue to `sub`."""
+        return self.queues.get(sub.client.owner)
 
     def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
         """A queue belongs to an owner (the user). A new handle of the same owner takes the queue over: the
@@ -30,29 +41,41 @@ class PrivateTopic(Topic):
         owner = sub.client.owner
         previous = self.queues.get(owner)
         if previous is not None:
-            sub.queue, sub.queued_bytes, sub.cursor, sub.waiting = (
-                previous.queue, previous.queued_bytes, previous.cursor, previous.waiting)
+            queue = previous.queue
+            assert queue is not None  # a handle in `queues` holds the queue (attach / detach)
+            sub.queued_bytes, sub.cursor, sub.waiting = previous.queued_bytes, previous.cursor, previous.waiting
             previous.queue = None
         else:
-            sub.queue = deque()
+            queue = deque()
             sub.queued_bytes = 0
+        sub.queue = queue
         sub.peeked = 0
         self.queues[owner] = sub
-        return sub.cursor - len(sub.queue), None
+        return sub.cursor - len(queue), None
 
-    def detach(self, sub: Subscription) -> None:
+    def detach(self, sub: Subscription) -> bool:
         super().detach(sub)
         owner = sub.client.owner
         if self.queues.get(owner) is sub:
             del self.queues[owner]
         sub.queue = None
+        return sub.waiting
 
     def retains_data(self) -> bool:
         return bool(self.queues)
 
-    def publish_to(self, sub: Subscription, data: Any, seq: int | None) -> int:
+    def publish(
+        self, data: Any, seq: int | None, owner: Hashable, now: float
+    ) -> tuple[int, Collection[Subscription]]:
+        """Queue one message for `owner`'s handle. Returns (seq, the handle if it was parked, else ()): an
+        active handle reads the entry when it is next served."""
+        if owner is None:
+            raise NoTarget(f"private topic {self.name!r} needs the user whose queue gets the message (`client`)")
+        sub = self.queues.get(owner)
+        if sub is None:
+            raise NotSubscribed(f"{owner!r} has no queue on {self.name!r}")
         queue = sub.queue
-        assert queue is not None
+        assert queue is not None  # a handle in `queues` holds the queue (attach / detach)
         if seq is not None and seq != sub.cursor:
             # A private queue is filled in order by one producer: a seq only makes a retry idempotent.
             if seq < sub.cursor:
@@ -69,7 +92,9 @@ class PrivateTopic(Topic):
         seq = sub.cursor
         sub.cursor += 1
         self.counters.messages_published += 1
-        return seq
+        if sub.active:
+            return seq, ()
+        return seq, (sub,)
 
     def has_data(self, sub: Subscription) -> bool:
         return sub.queue is not None and sub.peeked < len(sub.queue)
@@ -103,8 +128,12 @@ class PrivateTopic(Topic):
             return True
         return False
 
-    def rollback(self, sub: Subscription) -> None:
+    def rollback(self, sub: Subscription) -> bool:
+        """Hand the peeked entries out again (the engine activates the handle)."""
+        if sub.queue is None:
+            return False
         sub.peeked = 0
+        return True
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "queued": sum(len(s.queue or ()) for s in self.queues.values())}

@@ -13,7 +13,8 @@ A given-up seq is kept in the ring as `None`, so each subscriber learns the exac
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Collection, Hashable
+from typing import Any, ClassVar
 
 from .client import Subscription
 from .config import TopicConfig
@@ -28,7 +29,7 @@ def _trailing_ones(bits: int) -> int:
 
 
 class RingTopic(Topic):
-    kind = "ring"
+    kind: ClassVar[str] = "ring"
 
     def __init__(self, name: str, epoch: str, config: TopicConfig, counters: Counters) -> None:
         super().__init__(name, epoch, config, counters)
@@ -38,7 +39,7 @@ class RingTopic(Topic):
         self.end = 0
         #: next id `reserve` hands out (seed 004's last_id): never below end
         self.next_id = 0
-        self.pending: dict[int, bytes] = {}
+        # `pending` (declared on Topic, which the engine reads): arrivals past `end`, by seq
         self.available = 0
         #: when the hole at `end` was first seen (pending non-empty), for the timeout
         self.hole_since: float | None = None
@@ -53,8 +54,12 @@ class RingTopic(Topic):
         self.next_id += count
         return first, self.next_id
 
-    def publish(self, data: Any, seq: int | None, now: float) -> tuple[int, bool]:
-        """Store one message. Returns (seq, whether `end` moved, i.e. subscribers have something new)."""
+    def publish(
+        self, data: Any, seq: int | None, owner: Hashable, now: float
+    ) -> tuple[int, Collection[Subscription]]:
+        """Store one message. Returns (seq, the caught-up subscribers if `end` moved, else ()).
+
+        `owner` is ignored: every subscriber reads the ring."""
         if seq is None:
             seq = self.next_id
         elif seq < self.end:
@@ -79,7 +84,10 @@ class RingTopic(Topic):
             self.available |= 1 << (seq - self.end)
             if self.hole_since is None:
                 self.hole_since = now
-        return seq, self.end != end_before
+        if self.end == end_before or not self.idle:
+            return seq, ()
+        woken, self.idle = self.idle, {}  # `take_idle`, inlined: the publish hot path
+        return seq, woken
 
     def expire_hole(self, now: float) -> bool:
         """Give up the hole at `end` if it waited `hole_timeout`. Returns whether `end` moved."""

@@ -7,7 +7,8 @@ the world); a subscriber that fell behind gets only the latest.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Collection, Hashable
+from typing import Any, ClassVar
 
 from .client import Subscription
 from .errors import StaleSeq
@@ -15,12 +16,15 @@ from .topics import Topic
 
 
 class SnapshotTopic(Topic):
-    kind = "snapshot"
+    kind: ClassVar[str] = "snapshot"
     latest: bytes | None = None
     #: seq of `latest`; the next publish gets seq + 1
     seq = -1
 
-    def publish(self, data: Any, seq: int | None, now: float) -> tuple[int, bool]:
+    def publish(
+        self, data: Any, seq: int | None, owner: Hashable, now: float
+    ) -> tuple[int, Collection[Subscription]]:
+        """Replace the latest value. Returns (seq, the caught-up subscribers). `owner` is ignored."""
         if seq is not None and seq <= self.seq:
             # Last value wins by seq: an older update arriving late must not replace a newer one.
             raise StaleSeq(f"seq {seq} of {self.name!r} is not after the latest {self.seq}")
@@ -28,7 +32,10 @@ class SnapshotTopic(Topic):
         self.latest = self.encode(new_seq, data)
         self.seq = new_seq
         self.counters.messages_published += 1
-        return self.seq, True
+        if not self.idle:
+            return new_seq, ()
+        woken, self.idle = self.idle, {}  # `take_idle`, inlined: the publish hot path
+        return new_seq, woken
 
     def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
         sub.cursor = self.seq + 1

@@ -1,31 +1,62 @@
-"""What every topic kind offers the engine. Kinds: ring.py, snapshot.py, private.py."""
+"""What every topic kind offers the engine. Kinds: ring.py, snapshot.py, private.py.
+
+The engine never asks which kind a topic is (as h11's events share one protocol): each kind answers the
+same calls, all declared on `Topic`. Where a call has nothing to do for some kinds (`claim`, `commit`,
+`rollback`, `expire_hole`, `reserve`), `Topic` holds that answer and only the kinds that need more override
+it. What the engine reads on its hot paths is an attribute, not a call: `shared`, `pending`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Collection, Hashable
+from typing import Any, ClassVar
 
 from .client import Subscription
 from .config import TopicConfig
 from .counters import Counters
 from .entries import encode_message
-from .errors import BadData, MessageTooLarge
+from .errors import BadData, CoreUsageError, MessageTooLarge
 
 
 class Topic:
     """Base of the topic kinds.
 
-    The engine calls `subscribe`, `unsubscribe`, `publish`, and, from `run_cycle`, `read_into`. A shared topic
-    keeps the subscribers that are caught up in `idle`: a publish wakes exactly those (O(1) each) and never
-    walks subscribers that are already active.
+    Calling contract (the engine is the only caller, but for `info`):
+
+    * `claim(sub)` before `attach(sub, since)` when a client subscribes: a handle it returns loses what the
+      new one takes over, and the engine detaches it from its client first; `detach(sub)` when a handle goes
+      (unsubscribe, disconnect, topic deleted).
+    * `publish(data, seq, owner, now)` -> (seq, woken): the engine activates the handles woken. Then, while
+      `pending` is not empty, the engine's `tick` calls `expire_hole(now)`, and `take_idle()` when it
+      returns true. `reserve(count)` from `Engine.reserve`.
+    * From `run_cycle`: `read_into` per active handle, then `has_data`; a handle with nothing left is parked
+      (`active` false), and put in `idle` when the topic is `shared`.
+    * A kind whose `read_into` hands entries out without removing them counts them in `sub.peeked`: the
+      engine lists such a handle in the client's `peeked_subs` and, once the batch is written or not, calls
+      `commit(sub)` or `rollback(sub)`. Other kinds never set `peeked`, so they are never asked.
+    * `retains_data()` from `Engine.reclaim`; `info()` from the gateway's admin API.
+
+    A shared topic keeps the subscribers that are caught up in `idle`: a publish wakes exactly those (O(1)
+    each) and never walks subscribers that are already active.
     """
 
-    kind = ""
+    kind: ClassVar[str] = ""
+    #: handles hold state keyed by their client's owner (private queues): that owner cannot change
+    keyed_by_owner: ClassVar[bool] = False
 
     def __init__(self, name: str, epoch: str, config: TopicConfig, counters: Counters) -> None:
         self.name = name
         self.epoch = epoch
         self.config = config
         self.counters = counters
+        #: one stream read by every subscriber (ring, snapshot): a parked handle waits in `idle` and the next
+        #: publish that moves the stream wakes them all. False (private, set by the kind): a parked handle
+        #: waits nowhere, the publish that fills its queue wakes it alone. An instance attribute, not a class
+        #: one: the engine reads it for every handle that runs dry, and that lookup is the fastest.
+        self.shared = True
+        #: out-of-order arrivals waiting on a hole, by seq (ring.py): while it is not empty the engine's `tick`
+        #: calls `expire_hole`. Kinds that do not reorder leave it empty.
+        self.pending: dict[int, bytes] = {}
         #: every handle on this topic, for lifecycle only (never walked on a hot path)
         self.subs: dict[Subscription, None] = {}
         #: caught-up subscribers of a shared topic, woken by the next publish (ordered: deterministic)
@@ -43,25 +74,84 @@ class Topic:
             raise MessageTooLarge(f"message of {len(entry)} bytes exceeds {self.max_message_bytes}")
         return entry
 
+    # -- subscribers -------------------------------------------------------------------------------------
+
+    def claim(self, sub: Subscription) -> Subscription | None:
+        """The handle holding what the new handle `sub` is about to take over, or None (shared kinds).
+
+        The engine detaches the returned handle from its client (which gets `closed` / `taken_over`) but
+        not from the topic, then calls `attach(sub, ...)`, which adopts its state. Called before `attach`.
+        """
+        return None
+
     def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
         """Set the new handle's cursor. Returns (start seq, entry to put in the direct queue or None)."""
         raise NotImplementedError
 
-    def detach(self, sub: Subscription) -> None:
+    def detach(self, sub: Subscription) -> bool:
+        """Forget the handle (unsubscribe, disconnect, topic deleted). Returns whether a publisher refused for
+        lack of space waits on it: the engine then reports it in `take_space_freed` (it gets an error)."""
         self.idle.pop(sub, None)
+        return False
 
-    def has_data(self, sub: Subscription) -> bool:
+    # -- producers ---------------------------------------------------------------------------------------
+
+    def publish(
+        self, data: Any, seq: int | None, owner: Hashable, now: float
+    ) -> tuple[int, Collection[Subscription]]:
+        """Store one message (`seq` None: the next one). Returns (its seq, the handles it woke): parked handles
+        that now have something to read, none of them active; the engine moves them into their clients'
+        active sets. A shared kind hands over its whole `idle` set (as `take_idle`) when the message is
+        readable; a private topic at most the one handle whose queue it filled.
+
+        `owner` names the user whose queue gets the message on a private topic; shared kinds ignore it
+        (a message on a shared topic goes to every subscriber, whoever the publisher names).
+        Raises `RequestError` subclasses (bad or stale seq, too large, queue full, ...).
+        """
         raise NotImplementedError
 
-    def retains_data(self) -> bool:
-        """Whether removing the topic would lose something (messages, a last value, queued entries)."""
+    def take_idle(self) -> Collection[Subscription]:
+        """Empty `idle` and return what it held (the engine wakes them), or () when it is empty."""
+        idle = self.idle
+        if not idle:
+            return ()
+        self.idle = {}
+        return idle
+
+    def reserve(self, count: int) -> tuple[int, int]:
+        """Hand out `count` seqs as [begin, end) for producers that publish them later (ring topics)."""
+        raise CoreUsageError(f"reserve needs a ring topic, {self.name!r} is {self.kind}")
+
+    def expire_hole(self, now: float) -> bool:
+        """Give up a hole that waited too long. Returns whether data became readable (the engine then wakes
+        the handles of `take_idle`)."""
+        return False
+
+    # -- readers -----------------------------------------------------------------------------------------
+
+    def has_data(self, sub: Subscription) -> bool:
         raise NotImplementedError
 
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
         """Append up to batch-depth entries for `sub` to `out` while fewer than `room` bytes were added.
 
-        Returns the bytes added. The engine asks `has_data` afterwards to keep or park the handle.
+        Returns the bytes added. The engine asks `has_data` afterwards to keep or park the handle. Entries
+        handed out that stay until a commit are counted in `sub.peeked` (private); other kinds leave it 0.
         """
+        raise NotImplementedError
+
+    def commit(self, sub: Subscription) -> bool:
+        """The batch holding `sub`'s peeked entries was written: drop them. Returns whether a publisher refused
+        for lack of space should hear that there is space now. Shared kinds: nothing to do."""
+        return False
+
+    def rollback(self, sub: Subscription) -> bool:
+        """The batch holding `sub`'s peeked entries was not written: hand them out again. Returns whether the
+        handle has entries to read again (the engine activates it). Shared kinds: nothing to do."""
+        return False
+
+    def retains_data(self) -> bool:
+        """Whether removing the topic would lose something (messages, a last value, queued entries)."""
         raise NotImplementedError
 
     def info(self) -> dict[str, Any]:
