@@ -1,27 +1,35 @@
-"""Ring topics: shared, queued, lossy (seeds 000 and 002), with out-of-order publishing (seed 004).
+"""Ring topics: shared, queued, lossy (docs/design/shared-rings.md), with out-of-order publishing
+(docs/design/reorder-window.md).
 
 Messages are stored once in a ring of `capacity` slots; a subscriber holds only a cursor. Sequence numbers
 increase from 0 within the topic's epoch. The available range is the half-open [begin, end): `end` is the
 first seq not yet available, `begin` the oldest still retained (end - begin <= capacity).
 
-Out-of-order producers (seed 004) publish explicit seqs in any order within `reorder_window` of `end`.
-Arrivals past `end` wait in `pending`; `available` is the seed's bitmap (bit i: seq end + i has arrived), so
-the contiguous prefix is found with one bit trick. A hole is given up, and announced to subscribers as a
-loss notice, when a seq >= hole + window arrives or when it is older than `hole_timeout` (engine `tick`).
-A given-up seq is kept in the ring as `None`, so each subscriber learns the exact range it will never see.
+Out-of-order producers publish explicit seqs in any order within `reorder_window` of `end`. Arrivals past
+`end` wait in `pending`; `available` is the bitmap (bit i: seq end + i has arrived), so the contiguous
+prefix is found with one bit trick. A hole is given up, and announced to subscribers as a loss notice,
+when a seq >= hole + window arrives or when it has been open for `hole_timeout` (engine `tick`): a hole is
+open from the first arrival past it. A given-up seq is kept in the ring as `None`, and the given-up ranges
+are remembered (the last `MAX_LOST_RANGES`), so each subscriber learns the exact range it will never see
+and why, and a late retry of a given-up seq is told `skipped_seq` (lost), never `stale_seq` (landed).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Collection, Hashable
 from typing import Any, ClassVar
 
 from .client import Subscription
-from .config import TopicConfig
+from .config import MAX_SEQ, TopicConfig
 from .counters import Counters
 from .entries import encode_loss
-from .errors import DuplicateSeq, SkippedSeq, StaleSeq
+from .errors import BadSeq, DuplicateSeq, SkippedSeq, StaleSeq
 from .topics import Topic
+
+#: Given-up ranges remembered per topic (two ints each): older ones are forgotten, and a retry of a seq in
+#: them is then answered `stale_seq`. 4096 covers hours of a lossy producer at a hole a second.
+MAX_LOST_RANGES = 4096
 
 
 def _trailing_ones(bits: int) -> int:
@@ -41,8 +49,13 @@ class RingTopic(Topic):
         self.next_id = 0
         # `pending` (declared on Topic, which the engine reads): arrivals past `end`, by seq
         self.available = 0
+        #: when each pending seq arrived: the hole at `end` is open since the earliest of them
+        self.arrived: dict[int, float] = {}
         #: when the hole at `end` was first seen (pending non-empty), for the timeout
         self.hole_since: float | None = None
+        #: given-up ranges [lost_begins[i], lost_ends[i]), ascending and disjoint
+        self.lost_begins: list[int] = []
+        self.lost_ends: list[int] = []
 
     # -- producers ---------------------------------------------------------------------------------------
 
@@ -50,6 +63,8 @@ class RingTopic(Topic):
         """Hand out `count` ids as [begin, end) for producers that publish them later, in any order."""
         if count < 1:
             raise ValueError("count must be >= 1")
+        if self.next_id + count > MAX_SEQ:
+            raise BadSeq(f"reserving {count} seqs of {self.name!r} would pass 2**53")
         first = self.next_id
         self.next_id += count
         return first, self.next_id
@@ -63,7 +78,7 @@ class RingTopic(Topic):
         if seq is None:
             seq = self.next_id
         elif seq < self.end:
-            if seq >= self.begin and self.slots[seq % self.capacity] is None:
+            if self._given_up(seq):
                 raise SkippedSeq(f"seq {seq} of {self.name!r} arrived after its hole was given up (announced as lost)")
             raise StaleSeq(f"seq {seq} of {self.name!r} is below the available end {self.end}")
         elif seq in self.pending:
@@ -81,6 +96,7 @@ class RingTopic(Topic):
             self._take_contiguous(now)
         else:
             self.pending[seq] = entry
+            self.arrived[seq] = now
             self.available |= 1 << (seq - self.end)
             if self.hole_since is None:
                 self.hole_since = now
@@ -90,11 +106,13 @@ class RingTopic(Topic):
         return seq, woken
 
     def expire_hole(self, now: float) -> bool:
-        """Give up the hole at `end` if it waited `hole_timeout`. Returns whether `end` moved."""
-        if not self.pending or self.hole_since is None or now - self.hole_since < self.config.hole_timeout:
-            return False
-        self._give_up_before(min(self.pending), now)
-        return True
+        """Give up every hole open for `hole_timeout` or longer. Returns whether `end` moved."""
+        moved = False
+        timeout = self.config.hole_timeout
+        while self.pending and self.hole_since is not None and now - self.hole_since >= timeout:
+            self._give_up_before(min(self.pending), now)
+            moved = True
+        return moved
 
     def _append(self, entry: bytes | None) -> None:
         self.slots[self.end % self.capacity] = entry
@@ -106,22 +124,30 @@ class RingTopic(Topic):
     def _take_contiguous(self, now: float) -> None:
         run = _trailing_ones(self.available)
         for _ in range(run):
+            del self.arrived[self.end]
             self._append(self.pending.pop(self.end))
         if not self.pending:
             self.hole_since = None
         elif run:
-            # A new hole is at `end` now: its timeout starts now, not when the previous one opened.
-            self.hole_since = now
+            # A new hole is at `end` now: it has been open since the first arrival past it, so k holes
+            # noticed together are all given up after one timeout, not k of them.
+            self.hole_since = min(self.arrived.values())
 
     def _give_up_before(self, target: int, now: float) -> None:
         """Move `end` to `target`, storing what arrived and marking the holes as lost."""
         jump_to = target - self.capacity
         if jump_to > self.end:
-            # Only the last `capacity` seqs can stay in the ring: jump over the rest without a loop.
-            dropped = [s for s in self.pending if s < jump_to]
-            for s in dropped:
+            # Only the last `capacity` seqs can stay in the ring: jump over the rest without a loop. What
+            # arrived there is dropped with it (subscribers are told `lagged`), the holes are `skipped`.
+            arrived = sorted(s for s in self.pending if s < jump_to)
+            start = self.end
+            for s in arrived:
                 del self.pending[s]
-            self.counters.holes_skipped += jump_to - self.end - len(dropped)
+                del self.arrived[s]
+                self._note_lost(start, s)
+                start = s + 1
+            self._note_lost(start, jump_to)
+            self.counters.holes_skipped += jump_to - self.end - len(arrived)
             self.available >>= jump_to - self.end
             self.end = jump_to
             self.begin = max(self.begin, self.end - self.capacity)
@@ -129,8 +155,27 @@ class RingTopic(Topic):
             entry = self.pending.pop(self.end, None)
             if entry is None:
                 self.counters.holes_skipped += 1
+                self._note_lost(self.end, self.end + 1)
+            else:
+                del self.arrived[self.end]
             self._append(entry)
         self._take_contiguous(now)
+
+    def _note_lost(self, begin: int, end: int) -> None:
+        """Remember [begin, end) as given up (merged with the previous range when they touch)."""
+        if begin >= end:
+            return
+        if self.lost_ends and self.lost_ends[-1] == begin:
+            self.lost_ends[-1] = end
+            return
+        self.lost_begins.append(begin)
+        self.lost_ends.append(end)
+        if len(self.lost_begins) > MAX_LOST_RANGES:
+            del self.lost_begins[0], self.lost_ends[0]
+
+    def _given_up(self, seq: int) -> bool:
+        i = bisect.bisect_right(self.lost_begins, seq) - 1
+        return i >= 0 and seq < self.lost_ends[i]
 
     # -- subscribers -------------------------------------------------------------------------------------
 
@@ -168,7 +213,7 @@ class RingTopic(Topic):
         while taken < depth and sub.cursor < self.end and added < room:
             cursor = sub.cursor
             if cursor < self.begin:
-                added += self._emit_loss(out, cursor, self.begin, "lagged")
+                added += self._emit_behind(out, cursor, self.begin)
                 sub.cursor = self.begin
                 continue
             entry = slots[cursor % capacity]
@@ -184,6 +229,29 @@ class RingTopic(Topic):
             sub.cursor = cursor + 1
             taken += 1
         self.counters.messages_delivered += taken
+        return added
+
+    def _emit_behind(self, out: list[bytes], cursor: int, begin: int) -> int:
+        """Loss notices for [cursor, begin), seqs that left the ring before the subscriber read them: the
+        given-up parts are `skipped` (never published), the rest `lagged` (published, overwritten)."""
+        added = 0
+        begins, ends = self.lost_begins, self.lost_ends
+        i = max(0, bisect.bisect_right(begins, cursor) - 1)
+        while cursor < begin:
+            if i < len(begins) and begins[i] < begin:
+                lost_begin, lost_end = begins[i], ends[i]
+                i += 1
+                if lost_end <= cursor:
+                    continue
+                if lost_begin > cursor:
+                    added += self._emit_loss(out, cursor, lost_begin, "lagged")
+                    cursor = lost_begin
+                stop = min(lost_end, begin)
+                added += self._emit_loss(out, cursor, stop, "skipped")
+                cursor = stop
+            else:
+                added += self._emit_loss(out, cursor, begin, "lagged")
+                cursor = begin
         return added
 
     def _emit_loss(self, out: list[bytes], begin: int, end: int, reason: str) -> int:
