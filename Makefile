@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup java browser bench clean
+.PHONY: run test lint setup java browser bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +25,13 @@ browser:
 run: $(STAMP)
 	$(BIN)/gateway serve
 
-test: $(STAMP) java browser
+# Lint and types first (pyproject.toml: ruff; mypy strict on the sans-I/O core, typed definitions in gateway/).
+lint: $(STAMP)
+	$(BIN)/ruff check core gateway loadtest pipeline tests
+	$(BIN)/mypy --strict core
+	$(BIN)/mypy gateway
+
+test: lint java browser
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

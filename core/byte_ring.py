@@ -313,7 +313,7 @@ class ByteRing:
             raise ValueError(f"receiver {rid!r} is already registered")
         if len(self._receivers) >= self._cfg.max_receivers:
             raise TooManyReceivers(
-                f"at most {self._cfg.max_receivers} receivers (seed 003 §1.1); refused {rid!r}"
+                f"at most {self._cfg.max_receivers} receivers (docs/design/byte-ring.md §1); refused {rid!r}"
             )
         self._receivers[rid] = _Receiver(self._write_pos, now_ns)
         self._total_connections += 1

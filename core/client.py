@@ -20,7 +20,7 @@ class ClientState(Enum):
 
 
 class Subscription:
-    """One client's handle on one topic. Ring and snapshot handles hold a cursor only (seed 000)."""
+    """One client's handle on one topic. Ring and snapshot handles hold a cursor only (docs/design/shared-rings.md §2)."""
 
     __slots__ = ("client", "topic", "cursor", "active", "queue", "queued_bytes", "peeked", "waiting")
 
@@ -31,7 +31,7 @@ class Subscription:
         self.cursor = 0
         #: in the client's active-handle set; otherwise, for shared topics (`Topic.shared`), in the topic's idle set
         self.active = False
-        # private queues only (seed 001): entries, their size
+        # private queues only (docs/design/private-queues.md §2): entries, their size
         self.queue: deque[bytes] | None = None
         self.queued_bytes = 0
         #: entries handed out by `read_into` and kept until `commit` (private: docs/design/private-queues.md §4);

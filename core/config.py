@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-
 #: Seqs are below 2**53 so that every client can hold them exactly (JavaScript numbers are doubles).
 MAX_SEQ = 1 << 53
 
@@ -24,26 +23,27 @@ MAX_HOLE_TIMEOUT = 3600.0
 
 
 class TopicKind(str, Enum):
-    #: shared, queued, lossy: a ring of `capacity` messages, each subscriber keeps a cursor (seeds 000, 002)
+    #: shared, queued, lossy: a ring of `capacity` messages, each subscriber keeps a cursor (docs/design/shared-rings.md)
     RING = "ring"
-    #: shared, last value only: a new subscriber gets the latest at once (seed 002)
+    #: shared, last value only: a new subscriber gets the latest at once (docs/design/batching.md §7)
     SNAPSHOT = "snapshot"
-    #: one client's queue, not lossy, back-pressure when full, peek/commit (seeds 001, 002)
+    #: one client's queue, not lossy, back-pressure when full, peek/commit (docs/design/private-queues.md)
     PRIVATE = "private"
 
 
 @dataclass(frozen=True, slots=True)
 class TopicConfig:
     kind: TopicKind = TopicKind.RING
-    #: ring size in messages. 64 is Rubris' default ring (seed 002): a lagging client loses the oldest.
+    #: ring size in messages. 64 is the batching design's default ring (docs/design/shared-rings.md §8): a
+    #: lagging client loses the oldest.
     capacity: int = 64
-    #: messages one handle may give per cycle (seed 002 opt-in batch depth); 1 keeps clients in step.
+    #: messages one handle may give per cycle (docs/design/batching.md §8, opt-in); 1 keeps clients in step.
     batch_depth: int = 1
-    #: out-of-order publishing window in seqs (seed 004 uses 16 bits; 64 covers interleaved producers).
+    #: out-of-order publishing window in seqs (docs/design/reorder-window.md §2; 64 covers interleaved producers).
     reorder_window: int = 64
     #: a hole older than this (seconds) is given up and announced as a loss notice.
     hole_timeout: float = 1.0
-    #: private queue bounds: count and bytes (seed 001: the writer waits while full).
+    #: private queue bounds: count and bytes (docs/design/private-queues.md §3: the writer waits while full).
     max_count: int = 256
     max_bytes: int = 1 << 20
     #: whether connected clients may publish to it (admin and ingest always may).
@@ -92,7 +92,7 @@ class TopicRule:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    #: bytes one client may be given per cycle; at least one entry always goes (seed 002 buffer size).
+    #: bytes one client may be given per cycle; at least one entry always goes (docs/design/batching.md §9).
     cycle_budget_bytes: int = 64 * 1024
     #: direct queue bound per client: replies pile up only when a client does not read; it is then cut.
     direct_queue_max: int = 1024

@@ -1,4 +1,4 @@
-"""Plain counters the gateway exports (Prometheus, /api/stats). Names follow seed 003 §9 where they apply."""
+"""Plain counters the gateway exports (Prometheus, /api/stats). Names follow docs/design/byte-ring.md §8 where they apply."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The broadcaster engine and its fair scheduler (seed 002), sans-I/O.
+"""The broadcaster engine and its fair scheduler (docs/design/batching.md), sans-I/O.
 
 The I/O layer drives it with verbs and writes what `run_cycle` returns:
 
@@ -87,7 +87,7 @@ class Engine:
         self.counters = Counters()
         self._topics: dict[str, Topic] = {}
         self._clients: dict[Hashable, Client] = {}
-        #: ordered, coalesced active-client set: READY clients with work (seed 002)
+        #: ordered, coalesced active-client set: READY clients with work (docs/design/batching.md §3)
         self._active: dict[Client, None] = {}
         #: topics with out-of-order arrivals waiting on a hole (`Topic.pending`), for `tick`
         self._holey: dict[Topic, None] = {}
@@ -313,7 +313,7 @@ class Engine:
         return Published(name, seq)
 
     def reserve(self, name: str, count: int) -> tuple[int, int]:
-        """Hand out `count` seqs of a ring topic as [begin, end) (seed 004 TryReserve).
+        """Hand out `count` seqs of a ring topic as [begin, end) (docs/design/reorder-window.md §4).
 
         Raises `CoreUsageError` for another kind, `ValueError` when `count` < 1."""
         return self.resolve(name).reserve(count)
@@ -347,7 +347,7 @@ class Engine:
         self._active.pop(client, None)
 
     def commit(self, client_id: Hashable) -> None:
-        """The last batch was written: private entries in it leave their queues (seed 001 Shift).
+        """The last batch was written: private entries in it leave their queues (docs/design/private-queues.md §4).
 
         Cost: O(handles with peeked entries + entries dropped)."""
         client = self.client(client_id)
@@ -373,7 +373,7 @@ class Engine:
         return bool(self._active)
 
     def run_cycle(self) -> list[Batch]:
-        """Visit each eligible active client once; return its batch (seed 002 default batching)."""
+        """Visit each eligible active client once; return its batch (docs/design/batching.md §5)."""
         clients, self._active = self._active, {}
         batches: list[Batch] = []
         counters = self.counters

@@ -1,7 +1,7 @@
 """Encoding of server-to-client entries (docs/protocol.md), done once per entry.
 
 A message entry is encoded when it is published and the same `bytes` object is handed to every subscriber
-(seed 000): fan-out never re-serialises. Batches are spliced from entries with `frame_batch`.
+(docs/design/shared-rings.md §4): fan-out never re-serialises. Batches are spliced from entries with `frame_batch`.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class BadSeq(RequestError):
 
 
 class DuplicateSeq(RequestError):
-    """The seq is already waiting in the reorder window (seed 004: a slot is made available once)."""
+    """The seq is already waiting in the reorder window (docs/design/reorder-window.md §3: a slot is made available once)."""
 
     code = "duplicate_seq"
     http_status = 409
@@ -108,7 +108,7 @@ class SkippedSeq(RequestError):
 
 
 class QueueFull(RequestError):
-    """Back-pressure (seed 001): a private queue is full. The publisher waits for `take_space_freed`."""
+    """Back-pressure (docs/design/private-queues.md §3): a private queue is full. The publisher waits for `take_space_freed`."""
 
     code = "queue_full"
     http_status = 503

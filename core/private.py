@@ -1,8 +1,8 @@
-"""Private topics: one queue per subscribed client, not lossy (seeds 001 and 002).
+"""Private topics: one queue per subscribed client, not lossy (docs/design/private-queues.md).
 
 A queue is bounded in count and bytes. A publish into a full queue raises `QueueFull` (back-pressure): the
 publisher waits, and the engine reports the queue in `take_space_freed` the moment a commit frees space.
-Reading is split in two as in seed 001: `read_into` hands entries out (Next) without removing them, counted
+Reading is split in two (docs/design/private-queues.md §4): `read_into` hands entries out (Next) without removing them, counted
 in `sub.peeked`; the engine's `commit` removes them once written (Shift), `rollback` hands them out again.
 A queue belongs to an owner (the user); a new handle of the same owner takes it over (`claim`).
 """

@@ -45,7 +45,7 @@ class RingTopic(Topic):
         self.slots: list[bytes | None] = [None] * config.capacity
         self.begin = 0
         self.end = 0
-        #: next id `reserve` hands out (seed 004's last_id): never below end
+        #: next id `reserve` hands out (docs/design/reorder-window.md §4): never below end
         self.next_id = 0
         # `pending` (declared on Topic, which the engine reads): arrivals past `end`, by seq
         self.available = 0

@@ -1,4 +1,4 @@
-"""Snapshot topics: shared, last value only (seed 002).
+"""Snapshot topics: shared, last value only (docs/design/batching.md §7).
 
 Only the latest message is kept, with its seq, so a client can tell how many updates were conflated (a seq
 jump is conflation, not loss). A new subscriber gets the latest at once through its direct queue (state of

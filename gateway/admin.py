@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -47,7 +48,10 @@ async def _json_body(request: Request) -> Any:
         raise BadJson(f"not JSON: {exc}") from None
 
 
-def guarded(handler):
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def guarded(handler: Endpoint) -> Endpoint:
     async def endpoint(request: Request) -> Response:
         if not _authorized(request):
             return error_response(UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})
@@ -100,7 +104,7 @@ async def publish(request: Request) -> Response:
     items = body.items()
     topic = hub.resolve(name)
     timeout = hub.config.admin.publish_timeout_s
-    seqs = []
+    seqs: list[int] = []
     for data in items:
         try:
             if topic.config.kind is TopicKind.PRIVATE:
@@ -192,3 +196,21 @@ routes = [
     Route("/raw/stats", raw_stats, methods=["GET"]),
     Route("/stats", stats, methods=["GET"]),
 ]
+
+
+# -- read-only: which rule would create a topic (the Spark feed reads it before a topic exists) ------------
+
+from core import UnknownTopic  # noqa: E402
+
+
+@guarded
+async def get_rule(request: Request) -> Response:
+    """The `[[topics.rules]]` entry a topic name is created by on first use: its pattern and settings."""
+    name = request.path_params["name"]
+    for rule in _hub(request).engine.config.rules:
+        if rule.matches(name):
+            return JSONResponse({"name": name, "pattern": rule.pattern, **rule.config.as_dict()})
+    raise UnknownTopic(f"no topic rule matches {name[:256]!r}: create the topic with POST /api/topics")
+
+
+routes.append(Route("/rules/{name:path}", get_rule, methods=["GET"]))

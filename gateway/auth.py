@@ -66,6 +66,7 @@ class TokenVerifier:
             raise BadToken(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
         try:
             algorithm = jwt.get_unverified_header(token).get("alg")
+            key: str | bytes
             if algorithm in HMAC_ALGORITHMS and self.secret:
                 key, algorithms = self.secret, list(HMAC_ALGORITHMS)
             elif algorithm in PUBLIC_KEY_ALGORITHMS and self.public_key:

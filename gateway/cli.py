@@ -9,12 +9,14 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
-from .config import ConfigError, load_config
+from .config import ConfigError, GatewayConfig, load_config
 from .server import start_gateway
 
 
-def _run(coro, use_uvloop: bool):
+def _run(coro: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
     if use_uvloop:
         try:
             import uvloop
@@ -35,7 +37,7 @@ def write_ready_file(path: str, info: dict) -> None:
     os.replace(tmp, path)
 
 
-async def _serve(config, ready_file: str | None) -> None:
+async def _serve(config: GatewayConfig, ready_file: str | None) -> None:
     running = await start_gateway(config)
     generated = not config.server.admin_token
     if ready_file:

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from typing import Any, Hashable, Protocol
 
-from core import Batch, CoreUsageError, Engine, QueueFull, RequestError
+from core import Batch, CoreUsageError, Engine, Published, QueueFull, RequestError
 from core.entries import encode_error
 
 from . import close_codes
@@ -29,6 +29,7 @@ from .gcpolicy import GcPolicy
 from .identity import ClientIdentity
 from .metrics import Metrics
 from .ratelog import BadInputLog
+from .rawtcp import RawBroadcastServer
 
 log = logging.getLogger("gateway")
 
@@ -51,7 +52,7 @@ class Hub:
         self.config = config
         self.instance_id = instance_id or secrets.token_hex(4)
         self.engine = Engine(config.engine_config(), instance_id=self.instance_id)
-        self.conns: dict[str, Connection] = {}
+        self.conns: dict[Hashable, Connection] = {}
         self.gc = GcPolicy(config.server.gc_full_interval_s)
         self.bad_input = BadInputLog(config.limits.bad_input_log_per_s)
         self.metrics = Metrics(self)
@@ -62,16 +63,16 @@ class Hub:
         #: registered clients per (transport, peer IP), for per-address limits
         self.clients_by_ip: Counter[tuple[str, str]] = Counter()
         #: per client: the timer of its token's expiry (or of the grace after it), and of its idle check
-        self._token_timers: dict[str, asyncio.TimerHandle] = {}
-        self._idle_timers: dict[str, asyncio.TimerHandle] = {}
+        self._token_timers: dict[Hashable, asyncio.TimerHandle] = {}
+        self._idle_timers: dict[Hashable, asyncio.TimerHandle] = {}
         #: publishers waiting for space in a private queue: (topic, client) -> futures
         self._space_waiters: dict[tuple[str, Hashable], list[asyncio.Future]] = {}
         #: connections whose last write has not drained (not ready), watched for the blocked timeout
-        self.blocked: dict[str, Any] = {}
+        self.blocked: dict[Hashable, Any] = {}
         self._watchdog: asyncio.TimerHandle | None = None
         #: long-poll sessions by their secret id (gateway/longpoll.py)
         self.lp_sessions: dict[str, Any] = {}
-        self.raw = None  # the raw TCP broadcaster, when enabled
+        self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled
         self.ingest = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ class Hub:
         if self.config.limits.idle_timeout_s > 0:
             self._arm_idle(cid, self.config.limits.idle_timeout_s)
 
-    def unregister(self, client_id: str, reason: str) -> None:
+    def unregister(self, client_id: Hashable, reason: str) -> None:
         conn = self.conns.pop(client_id, None)
         if conn is None:
             return
@@ -221,7 +222,7 @@ class Hub:
             self._idle_timers.pop(client_id, None)
             self.kick(client_id, close_codes.IDLE, "idle: no subscription and no command", "idle")
 
-    def kick(self, client_id: str, code: int, reason: str, metric_reason: str) -> bool:
+    def kick(self, client_id: Hashable, code: int, reason: str, metric_reason: str) -> bool:
         conn = self.conns.get(client_id)
         if conn is None:
             return False
@@ -297,15 +298,17 @@ class Hub:
     def send_error(self, client_id: str, exc: RequestError, request_id: Any = None) -> None:
         self.send_direct(client_id, encode_error(exc.code, exc.message, request_id))
 
-    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None):
+    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
         """Publish now or raise (QueueFull is back-pressure: see `publish_wait`). `owner`: the user whose
         private queue gets it (private topics)."""
         result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
         self.wake()
         return result
 
-    async def publish_wait(self, topic: str, data: Any, *, owner: Hashable, timeout: float, seq: int | None = None):
-        """Publish to a private queue, waiting up to `timeout` seconds for space (seed 001 blocking push)."""
+    async def publish_wait(
+        self, topic: str, data: Any, *, owner: Hashable, timeout: float, seq: int | None = None
+    ) -> Published:
+        """Publish to a private queue, waiting up to `timeout` seconds for space (docs/design/private-queues.md §3)."""
         deadline = time.monotonic() + timeout
         while True:
             try:

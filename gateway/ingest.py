@@ -51,7 +51,7 @@ class IngestProtocol(asyncio.Protocol):
         self.peer: object = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # a stream protocol is given a Transport
         self.peer = transport.get_extra_info("peername")
         if not self.parser.authed:
             self.auth_timer = asyncio.get_running_loop().call_later(self.auth_timeout, self._auth_expired)

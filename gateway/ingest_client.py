@@ -361,7 +361,7 @@ class AsyncIngestConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.write_high_water is not None:
-            transport.set_write_buffer_limits(high=self.write_high_water)  # type: ignore[attr-defined]
+            transport.set_write_buffer_limits(high=self.write_high_water)  # type: ignore[attr-defined]  # a stream's
         # uvloop's transports are not asyncio.Transport subclasses
         self.transport = transport  # type: ignore[assignment]
 

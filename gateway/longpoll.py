@@ -5,7 +5,7 @@ returns `{"batch": id, "entries": [...]}` (entries as on WebSocket); `POST /lp/{
 `DELETE /lp/{session}` ends it. The session id is a 128-bit secret handed out once: whoever holds it reads
 the session, so it is never derived from anything guessable (the client id is a separate, public name).
 A waiting poll is what makes the client ready. A batch stays outstanding until
-a poll acknowledges its id: only then are its private-queue entries committed (seed 001 peek/commit), and a
+a poll acknowledges its id: only then are its private-queue entries committed (docs/design/private-queues.md §5), and a
 poll that does not acknowledge it gets the same batch again, so a lost response loses nothing.
 """
 
@@ -23,7 +23,16 @@ from core import Batch, RequestError
 
 from .bodies import read_body
 from .commands import handle_payload
-from .errors import BadAck, BadJson, BadToken, Closed, TokenExpired, TooManySessions, TooManySessionsFromAddress, UnknownSession
+from .errors import (
+    BadAck,
+    BadJson,
+    BadToken,
+    Closed,
+    TokenExpired,
+    TooManySessions,
+    TooManySessionsFromAddress,
+    UnknownSession,
+)
 from .http_errors import error_response
 from .hub import Hub
 from .identity import ClientIdentity

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 if TYPE_CHECKING:
     from core import Batch
@@ -77,7 +78,7 @@ class Metrics:
     def write_blocked(self) -> int:
         return len(self.hub.blocked)
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         counters = self.hub.engine.counters.as_dict()
         for name, value in counters.items():
             yield CounterMetricFamily(f"fanout_{name}", f"core counter {name}", value=value)
@@ -120,7 +121,8 @@ class Metrics:
         if raw is not None:
             for name, value in raw.stats().items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    yield GaugeMetricFamily(f"fanout_raw_{name}", f"raw TCP broadcaster {name} (seed 003 §9)", value=value)
+                    yield GaugeMetricFamily(f"fanout_raw_{name}", f"raw TCP broadcaster {name} (docs/design/byte-ring.md §8)",
+                                            value=value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -107,7 +107,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     #: the header deadline; on a refused connection, the end of its linger
     _timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         if not self.limiter.admit(transport):
             self._refused = True
             # not super(): a refused connection is never parsed, served, or known to uvicorn's shutdown

@@ -56,5 +56,9 @@ OPENAPI: dict[str, Any] = {
         "/api/raw/receivers": {"get": _op("Raw TCP receivers", "200", errors=(401, 404))},
         "/api/raw/stats": {"get": _op("Raw TCP broadcaster metrics", "200", errors=(401, 404))},
         "/api/stats": {"get": _op("Core counters and gateway state", "200")},
+        "/api/rules/{name}": {
+            "get": _op("The topic rule a name matches (pattern and settings), as used on first use", "200",
+                       errors=(401, 404), params=("name",)),
+        },
     },
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .config import ConfigError
 
@@ -65,7 +66,7 @@ def parse_allowed_origins(allowed_origins: object) -> frozenset[str]:
 class OriginGuard:
     """ASGI middleware in front of the app: refuses foreign origins on guarded routes, adds CORS headers."""
 
-    def __init__(self, app, allowed: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
         self.app = app
         self.any = "*" in allowed
         self.allowed = allowed
@@ -76,7 +77,7 @@ class OriginGuard:
             return self.any
         return self.any or normal in self.allowed or _same_host(normal, host)
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(GUARDED_PREFIXES):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
@@ -98,14 +99,14 @@ class OriginGuard:
             await send({"type": "http.response.body", "body": b""})
             return
 
-        async def send_with_cors(message) -> None:
+        async def send_with_cors(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *cors]}
             await send(message)
 
         await self.app(scope, receive, send_with_cors)
 
-    async def _refuse(self, scope, receive, send, origin: str) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, origin: str) -> None:
         if scope["type"] == "websocket":
             await receive()  # websocket.connect
             await send({"type": "websocket.close", "code": 1008})  # before accept: uvicorn answers 403

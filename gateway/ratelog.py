@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 log = logging.getLogger("gateway.input")
 
 
 class BadInputLog:
-    def __init__(self, per_second: float, *, clock=time.monotonic) -> None:
+    def __init__(self, per_second: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.per_second = per_second
         self.clock = clock
         self.tokens = per_second

@@ -81,7 +81,7 @@ class _ReceiverProtocol(asyncio.Protocol):
         self.handshake: _TokenLine | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # a stream protocol is given a Transport
         self.server._receiver_made(self)
 
     def data_received(self, data: bytes) -> None:
@@ -120,7 +120,7 @@ class _SenderProtocol(asyncio.BufferedProtocol):
         self._scratch: memoryview | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # a stream protocol is given a Transport
         self.server._sender_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -255,10 +255,12 @@ class RawBroadcastServer:
             self._sender.transport.abort()
         for rid, rc in list(self._receivers.items()):
             self._drop_receiver(rid)
-            rc.transport.abort()  # type: ignore[union-attr]
+            if rc.transport is not None:
+                rc.transport.abort()
         for proto in list(self._handshaking):
             self._handshake_over(proto)
-            proto.transport.abort()  # type: ignore[union-attr]
+            if proto.transport is not None:
+                proto.transport.abort()
         for srv in self._servers:
             await srv.wait_closed()
         self._servers = []
@@ -459,7 +461,7 @@ class RawBroadcastServer:
         except TooManyReceivers:
             self._receivers_refused += 1
             self._log.warning(
-                "rawtcp: refused receiver %s: %d receivers already (seed 003 limit)",
+                "rawtcp: refused receiver %s: %d receivers already (docs/design/byte-ring.md §1)",
                 rc.peer, self.config.max_receivers,
             )
             transport.close()
@@ -559,16 +561,16 @@ class RawBroadcastServer:
 
     def _settle(self, now: int) -> None:
         for rid in self._ring.check_lagging(now):
-            rc = self._receivers.pop(rid, None)
-            if rc is None:
+            rc = self._receivers.pop(rid, None)  # type: ignore[call-overload]  # the ring's ids are ours: ints
+            if rc is None or rc.transport is None:
                 continue
             self._log.warning(
                 "rawtcp: receiver %d (%s) disconnected: lag over %d bytes with no progress for %d ms "
-                "(seed 003 §5.4)",
+                "(docs/design/byte-ring.md §4)",
                 rid, rc.peer, self.config.hard_lag_bytes, self.config.kick_grace_ms,
             )
             # abort, not close: the ring no longer protects the bytes its transport still references.
-            rc.transport.abort()  # type: ignore[union-attr]
+            rc.transport.abort()
         self._flush_pending()
         self._sync_flow(now)
 

@@ -177,6 +177,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
             sender_idle_timeout=r.sender_idle_timeout_s, bad_input=hub.bad_input)
         await raw.start(r.host, r.sender_port, r.receiver_port)
         hub.raw = raw
+        assert raw.sender_port is not None and raw.receiver_port is not None  # set by start()
         running.raw_sender_port, running.raw_receiver_port = raw.sender_port, raw.receiver_port
     raise_open_files_limit(server_cfg.max_connections)
     sock = _listen(server_cfg.host, server_cfg.port)

@@ -11,10 +11,12 @@ import concurrent.futures
 import contextlib
 import copy
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from .config import load_config
+from .hub import Hub
 from .server import RunningGateway, start_gateway
 
 TEST_TOKEN = "test-token"
@@ -71,16 +73,16 @@ class GatewayHandle:
         return self.running.admin_token
 
     @property
-    def hub(self):
+    def hub(self) -> Hub:
         return self.running.hub
 
     def client_of(self, user: str) -> str:
         """The client id of the (one) connection authenticated as `user`."""
         return self.call(lambda: next(c for c, conn in self.hub.conns.items() if conn.identity.user == user))
 
-    def call(self, fn, *args: Any) -> Any:
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the gateway's loop (the hub is not thread-safe) and return its result."""
-        async def run():
+        async def run() -> Any:
             return fn(*args)
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)

@@ -16,7 +16,7 @@ import logging
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, cast
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -61,7 +61,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     #: our close frame is sent: what the peer still sends is read and dropped until it closes
     lingering = False
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         super().connection_made(transport)
         transport.set_write_buffer_limits(high=self.write_high_water, low=self.write_high_water // 4)
         if self.socket_send_buffer:
@@ -70,7 +70,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_send_buffer)
 
     async def run_asgi(self) -> None:
-        self.scope.setdefault("extensions", {})[SCOPE_KEY] = self
+        extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
+        extensions[SCOPE_KEY] = self  # the endpoint finds its protocol here (see the module docstring)
         await super().run_asgi()
 
     def pause_writing(self) -> None:
@@ -178,8 +179,10 @@ class WSConnection:
             self._outbox.put_nowait(frame)
             self._blocked()
             return False
-        transport = self.proto.transport
-        if transport.is_closing() or self.proto.lingering:  # closed, or our side already shut
+        proto = self.proto
+        assert proto is not None  # no outbox: the direct write path
+        transport = proto.transport
+        if transport.is_closing() or proto.lingering:  # closed, or our side already shut
             return False
         transport.writelines((text_frame_header(len(frame)), frame))
         if self.paused:  # pause_writing ran inside write(): above the high-water mark

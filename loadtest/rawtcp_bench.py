@@ -1,11 +1,11 @@
-"""Throughput of the raw TCP broadcaster (seed 003) on loopback, next to iperf3.
+"""Throughput of the raw TCP broadcaster (docs/design/byte-ring.md) on loopback, next to iperf3.
 
     python -m loadtest.rawtcp_bench [--duration 5] [--receivers 16] [--install] [--no-iperf]
 
 The gateway (``gateway.rawtcp.RawBroadcastServer``, uvloop when available) runs in a child process
 so it has a core of its own; this process is the load: one sender pushing as fast as the gateway
 reads and ``--receivers`` receivers counting what they get. After a warm-up, the bytes received over
-``--duration`` seconds give the aggregate receiver Gbit/s (seed 003 §1.2 counts receiver egress as
+``--duration`` seconds give the aggregate receiver Gbit/s (docs/design/byte-ring.md §1 counts receiver egress as
 16 x the sender's rate). Then, when ``iperf3`` is on PATH (``--install`` runs ``apt-get install -y
 iperf3`` when it is not), ``iperf3 -c 127.0.0.1 -P <receivers> -t <duration> -J`` against ``iperf3 -s``
 on a free loopback port gives the machine's loopback TCP aggregate, and the ratio is printed.
@@ -260,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.rawtcp_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="measured seconds (default 5)")
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds before measuring")
-    parser.add_argument("--receivers", type=int, default=16, help="receivers (default 16, seed 003)")
-    parser.add_argument("--capacity-mib", type=int, default=256, help="ring capacity (seed 003 §5.7: 256)")
-    parser.add_argument("--recv-chunk-kib", type=int, default=64, help="sender recv size (seed 003 §5.3: 64)")
+    parser.add_argument("--receivers", type=int, default=16, help="receivers (default 16, docs/design/byte-ring.md §7)")
+    parser.add_argument("--capacity-mib", type=int, default=256, help="ring capacity (docs/design/byte-ring.md §7: 256)")
+    parser.add_argument("--recv-chunk-kib", type=int, default=64, help="sender recv size (docs/design/byte-ring.md §7: 64)")
     parser.add_argument("--install", action="store_true", help="apt-get install iperf3 when missing")
     parser.add_argument("--no-iperf", action="store_true", help="skip the iperf3 comparison")
     args = parser.parse_args(argv)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "recv_chunk_bytes": args.recv_chunk_kib * 1024,
         "max_receivers": max(16, args.receivers),
     }
-    if capacity != 256 * MIB:  # keep seed 003's lag limits in proportion to the ring
+    if capacity != 256 * MIB:  # keep the default lag limits (docs/design/byte-ring.md §7) in proportion to the ring
         config.update(soft_lag_bytes=capacity // 8, hard_lag_bytes=capacity * 3 // 8)
 
     print(f"rawtcp broadcaster: 1 sender -> {args.receivers} receivers, {args.duration:g} s "

@@ -21,6 +21,7 @@ from websockets.utils import accept_key
 
 from loadtest.aio import run_loop
 
+
 def _frame(payload: bytes) -> bytes:
     n = len(payload)
     if n < 126:

@@ -2,6 +2,7 @@
 
 import orjson
 import pytest
+from core_helpers import cycle, decode, make_engine, messages
 
 from core import (
     DirectQueueFull,
@@ -15,7 +16,6 @@ from core import (
     UnknownTopic,
     encode_reply,
 )
-from core_helpers import cycle, decode, make_engine, messages
 
 
 def test_a_message_is_encoded_once_and_shared_by_every_subscriber():
@@ -145,7 +145,7 @@ def test_direct_entries_precede_topic_entries_and_the_budget_caps_the_batch():
     engine.connect("a")
     engine.subscribe("a", "t")
     cycle(engine)
-    for i in range(50):
+    for _ in range(50):
         engine.publish("t", "x" * 20)
     engine.send_direct("a", encode_reply(1, "r"))
     batch = engine.run_cycle()[0]

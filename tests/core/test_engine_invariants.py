@@ -3,7 +3,8 @@
 import itertools
 
 import orjson
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from core import Engine, EngineConfig, QueueFull, TopicConfig, TopicKind, TopicRule
@@ -177,7 +178,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def committed_private_messages_are_exactly_the_published_prefix(self):
-        for c, done in self.committed.items():
+        for done in self.committed.values():
             assert done == list(range(len(done)))
 
     @invariant()

@@ -4,11 +4,10 @@ that cannot be encoded is refused with a request error."""
 from __future__ import annotations
 
 import pytest
+from core_helpers import cycle, decode, make_engine, messages
 
 from core import RequestError, TopicConfig
 from core.errors import CoreUsageError
-
-from core_helpers import cycle, decode, make_engine, messages
 
 
 def test_a_second_connection_of_the_owner_takes_the_private_queue_over():

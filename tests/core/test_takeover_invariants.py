@@ -7,7 +7,8 @@ old holder was handed but did not commit, and never drops or reorders a message.
 """
 
 import orjson
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from core import Engine, EngineConfig, QueueFull, TopicConfig, TopicKind, TopicRule

@@ -8,12 +8,11 @@ import ast
 from pathlib import Path
 
 import pytest
+from core_helpers import cycle, make_engine, messages
 
 from core import Engine, QueueFull, RequestError, TopicKind
 from core.errors import CoreUsageError
 from core.topics import Topic
-
-from core_helpers import cycle, make_engine, messages
 
 #: a topic name per kind, as make_engine's rules create them
 NAMES = {TopicKind.RING: "t", TopicKind.SNAPSHOT: "snap.t", TopicKind.PRIVATE: "priv.t"}

@@ -2,9 +2,9 @@
 
 import httpx
 import pytest
+from gw_helpers import auth, collect, recv_entries, send, ws_connect
 
 from gateway.testing import make_token, run_gateway
-from gw_helpers import auth, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -56,7 +56,8 @@ def test_binding_beyond_loopback_needs_a_token():
         resolve_admin_token(load_config(overrides={"server": {"host": "0.0.0.0"}}, environ={}))
     token, generated = resolve_admin_token(load_config(environ={}))
     assert generated and len(token) >= 20
-    assert resolve_admin_token(load_config(overrides={"server": {"host": "0.0.0.0", "admin_token": "s"}}, environ={})) == ("s", False)
+    config = load_config(overrides={"server": {"host": "0.0.0.0", "admin_token": "s"}}, environ={})
+    assert resolve_admin_token(config) == ("s", False)
 
 
 def _port_free(port: int) -> bool:

@@ -3,7 +3,8 @@
 import asyncio
 
 import orjson
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.commands import handle_payload
 from gateway.config import load_config
@@ -25,7 +26,8 @@ commands = st.fixed_dictionaries(
         "op": st.sampled_from(["subscribe", "unsubscribe", "publish", "rpc", "ping", "auth", "bogus"]) | json_values,
         "token": st.sampled_from([make_token("fuzz"), make_token("other", ttl=-60), "x.y.z"]) | json_values,
         "topic": st.sampled_from(["chat.a", "t", "private.x", "state.s", ""]) | json_values,
-        "since": st.fixed_dictionaries({"epoch": st.text(max_size=5) | json_values, "seq": st.integers(-3, 10) | json_values}) | json_values,
+        "since": st.fixed_dictionaries({"epoch": st.text(max_size=5) | json_values,
+                                        "seq": st.integers(-3, 10) | json_values}) | json_values,
         "data": json_values,
         "id": json_values,
         "method": st.sampled_from(["echo", "time", "topics", "whoami", "nope"]) | json_values,

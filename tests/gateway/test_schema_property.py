@@ -9,7 +9,9 @@ import json
 import httpx
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_protocol_contract import section, table_rows, ticked
 
 from gateway import schema
 from gateway.commands import handle_payload
@@ -17,13 +19,13 @@ from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
 from gateway.testing import DEFAULTS, make_token, run_gateway
-from test_protocol_contract import section, table_rows, ticked
 
 DOCUMENTED = {code for row in table_rows(section("Error codes")) for code in ticked(row[0])}
 ENTRY_TYPES = {ticked(row[0])[0] for row in table_rows(section("Entries"))}
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )

@@ -5,9 +5,9 @@ import time
 
 import httpx
 import pytest
+from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 from gateway.testing import make_token, run_gateway
-from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +31,8 @@ def test_subscribe_publish_receive_in_batch_frames(direct_write):
 
 
 def test_many_messages_arrive_in_order_in_fewer_frames_with_batch_depth():
-    with run_gateway(topics={"rules": [{"pattern": "*", "anonymous": True, "capacity": 1024, "batch_depth": 16}]}) as gw, ws_connect(gw) as ws:
+    rules = {"rules": [{"pattern": "*", "anonymous": True, "capacity": 1024, "batch_depth": 16}]}
+    with run_gateway(topics=rules) as gw, ws_connect(gw) as ws:
         send(ws, op="subscribe", topic="t")
         recv_entries(ws)
         pub = Ingest(gw)
@@ -80,7 +81,7 @@ def test_a_client_that_stops_reading_does_not_delay_others_and_is_disconnected()
 
         reader = threading.Thread(target=read_fast)
         reader.start()
-        for chunk in range(6):
+        for _ in range(6):
             pub.send(*({"topic": "t", "data": {"i": i, "pad": payload}} for i in range(100)))
             pub.sync()
         reader.join(20)

@@ -19,7 +19,6 @@ from loadtest.target import Target
 from loadtest.worker import COUNTERS
 
 
-
 def _parse(*argv: str) -> scenarios.Scenario:
     parser = argparse.ArgumentParser()
     scenarios.add_arguments(parser)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import loadtest_known as known
 import numpy as np
 import pytest
 
-import loadtest_known as known
 from loadtest import analysis, metrics
 from loadtest.metrics import DeliveryLog, Notices
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import loadtest_known as known
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Console
 
-import loadtest_known as known
 from loadtest import analysis, deliverylog, metrics, report
 from loadtest.scenarios import Scenario
 

@@ -9,10 +9,10 @@ import time
 
 import httpx
 import pytest
+from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
-from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,7 +112,7 @@ def test_json_nested_deeper_than_the_encoder_writes_gets_errors_everywhere_and_n
         r = http.post(f"/lp/{session}", content=json.dumps({"op": "publish", "topic": "chat.x", "data": nested}))
         assert r.status_code == 202
         assert http.get(f"/lp/{session}").json()["entries"][0]["code"] == "bad_data"
-        r = http.post(f"/api/topics/chat.x/publish", json={"data": nested}, headers={"Authorization": f"Bearer {gw.admin_token}"})
+        r = http.post("/api/topics/chat.x/publish", json={"data": nested}, headers={"Authorization": f"Bearer {gw.admin_token}"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_data"
         pub = Ingest(gw)
         pub.send_raw(json.dumps({"topic": "chat.x", "data": nested}).encode() + b"\n")

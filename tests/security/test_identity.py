@@ -13,10 +13,10 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import TEST_JWT_SECRET, make_token, run_gateway
-from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,7 +138,8 @@ def test_an_anonymous_connection_authenticates_with_a_first_auth_command():
         pub = Ingest(gw)
         pub.send({"topic": "private.inbox", "client": "ann", "data": "hello ann"})
         assert pub.sync()["accepted"] == 1
-        assert [e["data"] for e in collect(ws, lambda g: any(e["type"] == "msg" for e in g)) if e["type"] == "msg"] == ["hello ann"]
+        got = collect(ws, lambda g: any(e["type"] == "msg" for e in g))
+        assert [e["data"] for e in got if e["type"] == "msg"] == ["hello ann"]
 
 
 def test_long_poll_takes_a_bearer_token_and_refuses_bad_ones():
