@@ -10,7 +10,7 @@ field gets the same answer on WebSocket, long-poll, ingest and the admin API. Ra
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -168,6 +168,64 @@ class ErrorBody(_Wire, frozen=True):
     """Every HTTP error answer: `{"error": {"code", "message"}}`."""
 
     error: ErrorDetail
+
+
+# -- entries (server -> client) -------------------------------------------------------------------------
+# The core encodes entries itself, once each (core/entries.py, orjson: the hot path); these declare their
+# shape, and the tests decode everything the gateway emits with them, strictly.
+
+class _Entry(Struct, forbid_unknown_fields=True, frozen=True, tag_field="type"):
+    """Base of the entries: the `type` field tells which."""
+
+
+class MsgEntry(_Entry, frozen=True, tag="msg"):
+    topic: str
+    seq: int
+    data: Any
+
+
+class LossEntry(_Entry, frozen=True, tag="loss"):
+    topic: str
+    #: the half-open range of seqs the client will never see; `to` is null for an `epoch` loss
+    from_: int = msgspec.field(name="from")
+    to: int | None
+    reason: Literal["lagged", "skipped", "gone", "epoch"]
+
+
+class SubscribedEntry(_Entry, frozen=True, tag="subscribed"):
+    topic: str
+    kind: TopicKind
+    epoch: str
+    seq: int
+    id: RequestId
+
+
+class UnsubscribedEntry(_Entry, frozen=True, tag="unsubscribed"):
+    topic: str
+    id: RequestId
+
+
+class ReplyEntry(_Entry, frozen=True, tag="reply"):
+    id: RequestId
+    result: Any
+
+
+class ErrorEntry(_Entry, frozen=True, tag="error"):
+    code: str
+    message: str
+    id: RequestId = None
+    #: long-poll `closed` only: the WebSocket close code it stands for
+    close_code: int | UnsetType = UNSET
+
+
+class ClosedEntry(_Entry, frozen=True, tag="closed"):
+    topic: str
+    reason: Literal["deleted", "taken_over"]
+
+
+Entry = Union[MsgEntry, LossEntry, SubscribedEntry, UnsubscribedEntry, ReplyEntry, ErrorEntry, ClosedEntry]
+ENTRIES: tuple[type[Struct], ...] = (MsgEntry, LossEntry, SubscribedEntry, UnsubscribedEntry, ReplyEntry, ErrorEntry,
+                                     ClosedEntry)
 
 
 # -- conversion -----------------------------------------------------------------------------------------

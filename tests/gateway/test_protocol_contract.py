@@ -62,9 +62,12 @@ def test_close_codes_table_matches_the_close_codes_module():
     assert documented == in_code
 
 
-def test_entry_types_table_matches_the_encoders():
-    documented = {ticked(row[0])[0] for row in table_rows(section("Entries"))}
-    assert documented == set(re.findall(r'"type": "(\w+)"', ENTRIES_SOURCE))
+def test_entry_types_table_matches_the_encoders_and_the_entry_schemas():
+    rows = table_rows(section("Entries"))
+    documented = {ticked(row[0])[0]: {re.match(r"\w+", f).group() for f in ticked(row[1])} for row in rows}
+    assert set(documented) == set(re.findall(r'"type": "(\w+)"', ENTRIES_SOURCE))
+    in_schema = {cls.__struct_config__.tag: set(cls.__struct_encode_fields__) for cls in schema.ENTRIES}
+    assert documented == in_schema
 
 
 def test_ingest_section_names_every_record_field():

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import msgspec
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -67,9 +68,11 @@ async def answers(command: dict) -> list[dict]:
     hub = Hub(load_config(overrides=DEFAULTS, environ={}), instance_id="prop")
     hub.register(Recording("c"), ready=True)
     handle_payload(hub, "c", json.dumps(command))  # stdlib: it writes integers of any size, as a peer may
-    entries = [orjson.loads(e) for batch in hub.engine.run_cycle() for e in batch.entries]
+    raw = [e for batch in hub.engine.run_cycle() for e in batch.entries]
+    for entry in raw:
+        msgspec.json.decode(entry, type=schema.Entry, strict=True)  # every entry has its declared shape
     await hub.stop()
-    return entries
+    return [orjson.loads(e) for e in raw]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
