@@ -65,6 +65,7 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True):
 class WebSocketConfig(_Section, frozen=True, forbid_unknown_fields=True):
     write_high_water: int
     socket_send_buffer: int
+    notsent_lowat_bytes: int
     blocked_timeout_s: float
     max_frame_bytes: int
     ping_interval_s: float

@@ -188,7 +188,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     uv_config = uvicorn.Config(
         build_app(hub, token),
         http=http_protocol_class(limiter, server_cfg.header_timeout_s),
-        ws=protocol_class(ws.write_high_water, ws.socket_send_buffer, limiter, hub.bad_input),
+        ws=protocol_class(ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes, limiter, hub.bad_input),
         ws_per_message_deflate=False,  # a shared frame per batch: compression would cost an encode per client
         ws_max_size=ws.max_frame_bytes,
         ws_ping_interval=ws.ping_interval_s,

@@ -53,6 +53,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     write_high_water = 65536
     #: SO_SNDBUF of client sockets; 0 keeps the kernel's (auto-tuned, several MiB on loopback)
     socket_send_buffer = 0
+    #: TCP_NOTSENT_LOWAT of client sockets: unsent bytes the kernel takes per connection; 0 keeps the kernel's
+    notsent_lowat = 0
     connection: "WSConnection | None" = None
     #: the HTTP port's connection accounting: an upgraded connection holds its slot until it is lost here
     limiter: ConnectionLimiter | None = None
@@ -64,10 +66,12 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         super().connection_made(transport)
         transport.set_write_buffer_limits(high=self.write_high_water, low=self.write_high_water // 4)
-        if self.socket_send_buffer:
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            if self.socket_send_buffer:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_send_buffer)
+            if self.notsent_lowat and hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux, macOS
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, self.notsent_lowat)
 
     async def run_asgi(self) -> None:
         extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
@@ -140,10 +144,12 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
 def protocol_class(
     write_high_water: int,
     socket_send_buffer: int = 0,
+    notsent_lowat: int = 0,
     limiter: ConnectionLimiter | None = None,
     bad_input: BadInputLog = FALLBACK_BAD_INPUT,
 ) -> type[FanoutWSProtocol]:
-    attrs = {"write_high_water": write_high_water, "socket_send_buffer": socket_send_buffer, "limiter": limiter,
+    attrs = {"write_high_water": write_high_water, "socket_send_buffer": socket_send_buffer,
+             "notsent_lowat": notsent_lowat, "limiter": limiter,
              "bad_input": bad_input}
     return type("ConfiguredFanoutWSProtocol", (FanoutWSProtocol,), attrs)
 
