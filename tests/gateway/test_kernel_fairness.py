@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-from gateway.testing import run_gateway
 from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
+
+from gateway.testing import run_gateway
 
 PAYLOAD = "x" * 1000  # ~1 KiB entries
 
