@@ -31,12 +31,14 @@ DEFAULTS = {
 
 
 def make_token(sub: str, *, ttl: float = 600.0, secret: str = TEST_JWT_SECRET, **claims: Any) -> str:
-    """An HS256 subscriber token for `sub`, expiring in `ttl` seconds, with extra claims."""
+    """An HS256 subscriber token for `sub`, expiring in `ttl` seconds (at least: `exp` is whole seconds,
+    rounded up), with extra claims."""
+    import math
     import time
 
     import jwt
 
-    return jwt.encode({"sub": sub, "exp": int(time.time() + ttl), **claims}, secret, algorithm="HS256")
+    return jwt.encode({"sub": sub, "exp": math.ceil(time.time() + ttl), **claims}, secret, algorithm="HS256")
 
 
 @dataclass

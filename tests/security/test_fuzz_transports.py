@@ -957,7 +957,8 @@ async def ws_expiry_worker(gw: Gateway, out: Outcomes, connections: int) -> None
     """Connections whose token expires while they are open: a `token_expired` error entry, then close 4011
     after auth.expired_grace_s (they send nothing meanwhile, so the close frame cannot be lost)."""
     for _ in range(connections):
-        ws = await open_ws(gw, out, "?token=" + make_token("fuzz-expiring", ttl=1))
+        # 2 s: time for the handshake and the first ping on a loaded machine before the token expires
+        ws = await open_ws(gw, out, "?token=" + make_token("fuzz-expiring", ttl=2))
         if ws is None:
             continue
         session = WSSession(ws, out)
