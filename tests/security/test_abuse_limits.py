@@ -126,13 +126,15 @@ def test_client_publishing_is_rate_limited_per_client_and_subscribers_lose_nothi
     with run_gateway(**limits) as gw, ws_connect(gw) as flooder, ws_connect(gw) as reader:
         send(reader, op="subscribe", topic="chat.room")
         recv_entries(reader)
+        started = time.monotonic()
         for i in range(500):
             send(flooder, op="publish", topic="chat.room", data=i, id=i)
         answers = collect(flooder, lambda g: len(g) >= 500, timeout=10)
+        refilled = 20.0 * (time.monotonic() - started)  # what the bucket regained while the frames were read
         accepted = [a for a in answers if a["type"] == "reply"]
         limited = [a for a in answers if a["type"] == "error"]
         assert {a["code"] for a in limited} == {"rate_limited"}
-        assert 30 <= len(accepted) < 60  # the burst, plus what refilled while the frames were read
+        assert 30 <= len(accepted) <= 30 + refilled + 1 < 500  # the burst, plus the refill
         got = collect(reader, lambda g: len(g) >= len(accepted))
         assert all(e["type"] == "msg" for e in got)  # every accepted message, no loss notice
         with ws_connect(gw) as polite:  # the limit is per client
