@@ -131,6 +131,18 @@ class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_body_bytes: int
 
 
+class DeliveryLogConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
+    directory: str
+    sample_rate: float
+    rotate_s: float
+    rotate_bytes: int
+    max_files: int
+    flush_interval_s: float
+    max_queue: int
+    max_publish_stamps: int
+
+
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
 #: whose tables are checked by `topic_config`.
 SECTIONS: dict[str, type[_Section]] = {
@@ -143,6 +155,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "auth": AuthConfig,
     "limits": LimitsConfig,
     "admin": AdminConfig,
+    "deliverylog": DeliveryLogConfig,
 }
 TOPICS = "topics"
 
@@ -170,6 +183,7 @@ class GatewayConfig:
     auth: AuthConfig = field(init=False, repr=False)
     limits: LimitsConfig = field(init=False, repr=False)
     admin: AdminConfig = field(init=False, repr=False)
+    deliverylog: DeliveryLogConfig = field(init=False, repr=False)
     #: the topic rules as in the TOML: {"rules": [{"pattern": ..., ...}, ...]}
     topics: dict[str, list[dict[str, Any]]] = field(init=False, repr=False)
 

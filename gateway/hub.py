@@ -24,6 +24,7 @@ from core.entries import encode_error
 from . import close_codes
 from .auth import Principal, TokenVerifier
 from .config import GatewayConfig
+from .deliverylog import DeliveryLog
 from .errors import BadToken, TokenExpired
 from .gcpolicy import GcPolicy
 from .identity import ClientIdentity
@@ -74,6 +75,10 @@ class Hub:
         self.lp_sessions: dict[str, Any] = {}
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled
         self.ingest = None
+        #: the sampled delivery log ([deliverylog], gateway/deliverylog.py), when enabled
+        self.delivery_log: DeliveryLog | None = None
+        if config.deliverylog.enabled:
+            self.delivery_log = DeliveryLog(config.deliverylog, self)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -302,6 +307,8 @@ class Hub:
         """Publish now or raise (QueueFull is back-pressure: see `publish_wait`). `owner`: the user whose
         private queue gets it (private topics)."""
         result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
+        if self.delivery_log is not None:
+            self.delivery_log.published(topic, result.seq)
         self.wake()
         return result
 
@@ -366,6 +373,8 @@ class Hub:
                 log.exception("delivery to %s failed", batch.client_id)
                 self.kick(batch.client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
                 continue
+            if self.delivery_log is not None:
+                self.delivery_log.delivered(batch, conn)
             if finished:
                 done.append(batch.client_id)
         for client_id in done:

@@ -2,8 +2,9 @@
 
 The heavy lifting is Spark's: percentiles per topic over every delivery, a group by message for the skew
 and the publish times, and a window over each (client, topic) pair ordered by delivery time for the largest
-gap. What comes back to the driver is small (one row per topic and per pair) and is turned into the report by
-:func:`pipeline.figures.build_report`, the same code the pure-Python reference uses.
+gap. The pair and client tables stay in Spark and are written from there; what comes back to the driver is
+one row per topic, the totals and the worst pairs, turned into the report by
+:func:`pipeline.figures.report_from_parts`, the same code the pure-Python reference ends in.
 
 Output directory::
 
@@ -23,10 +24,12 @@ import os
 from pathlib import Path
 
 import orjson
+from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipeline import figures
+from pipeline.errors import BadLog
 from pipeline.figures import PairFacts
 
 __all__ = ["audit"]
@@ -39,6 +42,8 @@ _PAIRS_SCHEMA = (
 _CLIENTS_SCHEMA = (
     "client string, deliveries long, first_deliver_ns long, last_deliver_ns long, span_ns long, rate_per_s double"
 )
+_PAIR_COLUMNS = [c.split()[0] for c in _PAIRS_SCHEMA.split(", ")]
+_CLIENT_COLUMNS = [c.split()[0] for c in _CLIENTS_SCHEMA.split(", ")]
 _LATENCY_SCHEMA = "topic string, count long, p50 double, p90 double, p99 double, max long"
 _SKEW_SCHEMA = "topic string, messages long, p50 double, p99 double, max long"
 
@@ -73,6 +78,30 @@ def _summaries(df: DataFrame, value: str, ps, count_key: str, exact: bool, accur
     return (by_topic, overall) if total else by_topic
 
 
+_SPARK_TYPES = {"string": ("string",), "int64": ("bigint", "int", "smallint", "tinyint")}
+
+
+def read_log(spark: SparkSession, log_path: str) -> DataFrame:
+    """The delivery log's columns, or :class:`BadLog` naming the path, the missing column or the wrong type."""
+    from pyspark.errors import AnalysisException
+
+    try:
+        log = spark.read.parquet(log_path)
+    except AnalysisException as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "PATH_NOT_FOUND" in first or "does not exist" in first:
+            raise BadLog(f"no delivery log at {log_path}") from None
+        raise BadLog(f"cannot read the delivery log {log_path} as Parquet: {first[:300]}") from None
+    types = dict(log.dtypes)
+    for column, kind in figures.DELIVERY_LOG_COLUMNS.items():
+        if column not in types:
+            raise BadLog(f"delivery log {log_path} has no column {column!r} ({kind}); its columns: "
+                         f"{', '.join(f'{c} {t}' for c, t in log.dtypes)}")
+        if types[column] not in _SPARK_TYPES[kind]:
+            raise BadLog(f"delivery log {log_path}: column {column!r} is {types[column]}, not {kind}")
+    return log.select(*(F.col(c).cast("string" if k == "string" else "long") for c, k in figures.DELIVERY_LOG_COLUMNS.items()))
+
+
 def _largest_gap(ordered_by: str, partition: list[str]) -> Column:
     previous = F.lag(ordered_by).over(Window.partitionBy(*partition).orderBy(ordered_by))
     return F.col(ordered_by) - previous
@@ -87,8 +116,9 @@ def audit(
     accuracy: int = figures.DEFAULT_ACCURACY,
 ) -> dict:
     """Compute the report of the delivery log at ``log_path``, write it and the tables to ``out_dir``."""
-    log = spark.read.parquet(log_path).select(*figures.DELIVERY_LOG_COLUMNS)
-    deliveries = log.select("topic", "seq", "client", "deliver_ns", (F.col("deliver_ns") - F.col("publish_ns")).alias("latency_ns"), "publish_ns")
+    log = read_log(spark, log_path)
+    latency = (F.col("deliver_ns") - F.col("publish_ns")).alias("latency_ns")
+    deliveries = log.select("topic", "seq", "client", "deliver_ns", latency, "publish_ns")
 
     latency_by_topic = _summaries(deliveries, "latency_ns", figures.LATENCY_PERCENTILES, "count", exact, accuracy)
 
@@ -114,7 +144,7 @@ def audit(
         # Two windows over the same (client, topic) partitioning, so one shuffle: ordered by seq to count
         # distinct seqs (cheaper than count_distinct's expand), ordered by delivery time for the gaps.
         new_seq = F.col("seq") != F.lag("seq").over(Window.partitionBy("client", "topic").orderBy("seq"))
-        pair_rows = (
+        pairs = (
             log.select("client", "topic", "seq", "deliver_ns", F.coalesce(new_seq.cast("long"), F.lit(1)).alias("new_seq"))
             .select("*", _largest_gap("deliver_ns", ["client", "topic"]).alias("gap"))
             .groupBy("client", "topic")
@@ -128,29 +158,70 @@ def audit(
                 F.coalesce(F.max("gap"), F.lit(0)).alias("max_deliver_gap_ns"),
             )
             .join(publish_gaps, "topic")
-            .collect()
         )
+        expected = F.col("last_seq") - F.col("first_seq") + 1
+        pairs = (
+            pairs.withColumn("expected", expected)
+            .withColumn("missing", expected - F.col("distinct_seqs"))
+            .withColumn("loss_rate", (expected - F.col("distinct_seqs")) / expected)
+            .withColumn("excess_ns", F.col("max_deliver_gap_ns") - F.col("max_publish_gap_ns"))
+            .select(*_PAIR_COLUMNS)
+            .persist(StorageLevel.MEMORY_AND_DISK)
+        )
+        try:
+            parts = _pair_parts(pairs, out_dir)
+        finally:
+            pairs.unpersist()
     finally:
         messages.unpersist()
 
-    pairs = [PairFacts(**{name: row[name] for name in PairFacts.__slots__}) for row in pair_rows]
     rows = sum(summary["count"] for summary in latency_by_topic.values())
-    report = figures.build_report(
-        rows=rows,
-        latency_by_topic=latency_by_topic,
-        skew=skew,
-        skew_by_topic=skew_by_topic,
-        pairs=pairs,
-        exact=exact,
-        accuracy=accuracy,
-    )
-    _write_tables(spark, out_dir, latency_by_topic, skew_by_topic, pairs)
+    report = figures.report_from_parts(
+        rows=rows, latency_by_topic=latency_by_topic, skew=skew, skew_by_topic=skew_by_topic, exact=exact,
+        accuracy=accuracy, **parts,
+    )  # fmt: skip
+    _write_topic_tables(spark, out_dir, latency_by_topic, skew_by_topic)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
     return report
 
 
-def _write_tables(spark: SparkSession, out_dir: str, latency_by_topic: dict, skew_by_topic: dict, pairs: list[PairFacts]) -> None:
+def _facts(row) -> PairFacts:
+    return PairFacts(**{name: row[name] for name in PairFacts.__slots__})
+
+
+def _pair_parts(pairs: DataFrame, out_dir: str) -> dict:
+    """Write the pair and client tables from Spark; collect the totals and the worst pairs only."""
+    pairs.write.mode("overwrite").parquet(os.path.join(out_dir, "pairs"))
+    span = F.col("last_deliver_ns") - F.col("first_deliver_ns")
+    clients = (
+        pairs.groupBy("client")
+        .agg(F.sum("deliveries").alias("deliveries"), F.min("first_deliver_ns").alias("first_deliver_ns"),
+             F.max("last_deliver_ns").alias("last_deliver_ns"))
+        .withColumn("span_ns", span)
+        .withColumn("rate_per_s", F.when((F.col("deliveries") >= 2) & (span > 0),
+                                         F.col("deliveries") / (span / F.lit(1e9))))
+        .select(*_CLIENT_COLUMNS)
+    )  # fmt: skip
+    clients.write.mode("overwrite").parquet(os.path.join(out_dir, "clients"))
+    written = pairs.sparkSession.read.parquet(os.path.join(out_dir, "clients"))
+    rate = F.col("rate_per_s")
+    c = written.agg(F.count(F.lit(1)).alias("clients"), F.count(rate).alias("n"), F.sum(rate).alias("s1"),
+                    F.sum(rate * rate).alias("s2"), F.min(rate).alias("min"), F.max(rate).alias("max")).collect()[0]
+    p = pairs.agg(F.count(F.lit(1)).alias("pairs"), F.sum("expected").alias("expected"), F.sum("missing").alias("missing"),
+                  F.sum(F.when(F.col("missing") > 0, 1).otherwise(0)).alias("with_loss")).collect()[0]  # fmt: skip
+    worst_excess = pairs.orderBy(F.desc("excess_ns"), "client", "topic").limit(figures.WORST).collect()
+    worst_loss = (pairs.where(F.col("missing") > 0).orderBy(F.desc("loss_rate"), "client", "topic")
+                  .limit(figures.WORST).collect())  # fmt: skip
+    return {
+        "pairs": p["pairs"], "expected": p["expected"] or 0, "missing": p["missing"] or 0,
+        "pairs_with_loss": p["with_loss"] or 0, "worst_excess": [_facts(r) for r in worst_excess],
+        "worst_loss": [_facts(r) for r in worst_loss], "clients": c["clients"],
+        "rates": {"n": c["n"], "jain": figures.jain_of_sums(c["n"], c["s1"], c["s2"]), "min": c["min"], "max": c["max"]},
+    }  # fmt: skip
+
+
+def _write_topic_tables(spark: SparkSession, out_dir: str, latency_by_topic: dict, skew_by_topic: dict) -> None:
     def write(name: str, rows: list[tuple], schema: str) -> None:
         spark.createDataFrame(rows, schema).coalesce(1).write.mode("overwrite").parquet(os.path.join(out_dir, name))
 
@@ -163,12 +234,4 @@ def _write_tables(spark: SparkSession, out_dir: str, latency_by_topic: dict, ske
         "skew_by_topic",
         [(t, s["messages"], s["p50"], s["p99"], s["max"]) for t, s in sorted(skew_by_topic.items())],
         _SKEW_SCHEMA,
-    )
-    pair_columns = [c.split()[0] for c in _PAIRS_SCHEMA.split(", ")]
-    write("pairs", [tuple(p.table_row()[c] for c in pair_columns) for p in pairs], _PAIRS_SCHEMA)
-    client_columns = [c.split()[0] for c in _CLIENTS_SCHEMA.split(", ")]
-    write(
-        "clients",
-        [tuple(c.table_row()[k] for k in client_columns) for c in figures.clients_of(pairs)],
-        _CLIENTS_SCHEMA,
     )

@@ -3,7 +3,9 @@
 * ``audit`` (the default): generate an N-row delivery log (default 10 million rows; numpy + pyarrow, in
   chunks) and time the audit job on it. Prints generation and audit wall times.
 * ``feed``: publish rate-micro-batch rows into a TCP ingest endpoint (``--host`` / ``--port``, a running
-  gateway) and print records/s. ``--in-process-gateway`` starts one with ``gateway.testing.run_gateway``.
+  gateway whose admin API, ``--admin-url`` with ``$GATEWAY_SERVER_ADMIN_TOKEN``, the feed reads) and print
+  records/s. ``--in-process-gateway`` starts one with ``gateway.testing.run_gateway`` on the shipped config
+  (``--reorder-window`` replaces its rules by one ring rule of that window and capacity 65,536).
 
 Both print one JSON line of results at the end (for scripts), after a human-readable line.
 """
@@ -80,9 +82,18 @@ def _conf(pairs: list[str]) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in pairs)
 
 
+def _session(args: argparse.Namespace, name: str):
+    """(the session, whether this call started it): a caller's running session is used and left running."""
+    from pyspark.sql import SparkSession
+
+    from pipeline.spark import get_session
+
+    existing = SparkSession.getActiveSession()
+    return existing or get_session(args.master, name, _conf(args.conf)), existing is None
+
+
 def bench_audit(args: argparse.Namespace) -> dict:
     from pipeline.audit import audit
-    from pipeline.spark import get_session
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="pipeline-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -90,16 +101,18 @@ def bench_audit(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     rows = generate_log(log, args.rows, clients=args.clients, topics=args.topics)
     generated = time.perf_counter() - started
-    spark = get_session(args.master, "pipeline-bench-audit", _conf(args.conf))
+    spark, started_here = _session(args, "pipeline-bench-audit")
     try:
         started = time.perf_counter()
         report = audit(spark, str(log), str(work / "report"), exact=args.exact)
         audited = time.perf_counter() - started
         master = spark.sparkContext.master
     finally:
-        spark.stop()
+        if started_here:
+            spark.stop()
     print(
-        f"audit: {rows:,} rows ({log.stat().st_size / 1e6:.0f} MB Parquet, {args.clients} clients, {args.topics} topics) "
+        f"audit: {rows:,} rows ({log.stat().st_size / 1e6:.0f} MB Parquet, {args.clients} clients x {args.topics} "
+        f"topics = {args.clients * args.topics:,} pairs) "
         f"generated in {generated:.1f} s, audited in {audited:.1f} s "
         f"({rows / audited:,.0f} rows/s, {report['percentiles']['method']} percentiles) on {master}"
     )
@@ -111,41 +124,64 @@ def bench_feed(args: argparse.Namespace) -> dict:
     import contextlib
 
     from pipeline.feed import FeedOptions, run_feed
-    from pipeline.spark import get_session
 
-    spark = get_session(args.master, "pipeline-bench-feed", _conf(args.conf))
+    spark, started_here = _session(args, "pipeline-bench-feed")
     with contextlib.ExitStack() as stack:
-        port = args.port
+        port, admin_url, admin_token = args.port, (None if args.no_admin else args.admin_url), None
         if args.in_process_gateway:
             from gateway.testing import run_gateway
 
             overrides = {}
             if args.reorder_window:
-                rule = {"pattern": "*", "anonymous": True, "kind": "ring", "reorder_window": args.reorder_window}
+                rule = {"pattern": "*", "anonymous": True, "kind": "ring", "reorder_window": args.reorder_window,
+                        "capacity": 65_536}  # fmt: skip
                 overrides = {"topics": {"rules": [rule]}}
-            port = stack.enter_context(run_gateway(**overrides)).ingest_port
+            gw = stack.enter_context(run_gateway(**overrides))
+            port, admin_url, admin_token = gw.ingest_port, gw.http_url, gw.admin_token
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pipeline-bench-feed-")))
         opts = FeedOptions(
-            source="rate", rows_per_batch=args.rows_per_batch, topics=args.topics, num_partitions=args.num_partitions,
+            source=args.source, rows_per_batch=args.rows_per_batch if args.source == "rate" else None,
+            topics=args.topics, num_partitions=args.num_partitions, path=str(work / "in"), max_files_per_trigger=1,
             by_topic=args.by_topic, lockstep=args.lockstep, chunk_size=args.chunk_size, host=args.host, port=port,
-            available_now=True, checkpoint=stack.enter_context(tempfile.TemporaryDirectory(prefix="pipeline-bench-feed-")),
+            admin_url=admin_url, admin_token=admin_token, available_now=True, checkpoint=str(work / "ck"),
         )  # fmt: skip
         batches = []
-        for _ in range(args.batches):
-            stats = run_feed(spark, opts)
-            batches.append((stats.records, stats.seconds_in_batches, stats.stale))
-    spark.stop()
+        try:
+            for batch in range(args.batches):
+                if args.source == "files":  # one JSON-lines file per micro-batch, moved in whole
+                    _write_records(work, batch, args.rows_per_batch, args.topics)
+                stats = run_feed(spark, opts)
+                batches.append((stats.records, stats.seconds_in_batches, stats.lost))
+        finally:
+            if started_here:
+                spark.stop()
     # The first batch pays for Python worker start-up: report the steady state from the others when there are.
     steady = batches[1:] or batches
     records = sum(b[0] for b in steady)
     seconds = sum(b[1] for b in steady)
-    stale = sum(b[2] for b in batches)
+    lost = sum(b[2] for b in batches)
     mode = "by-topic" if args.by_topic else "spread+lockstep" if args.lockstep else "spread"
+    mode = f"{args.source}, {mode}"
     print(
         f"feed: {mode}, {args.num_partitions} partitions, chunk {args.chunk_size}: {records / seconds:,.0f} records/s "
-        f"over {len(steady)} batches of {args.rows_per_batch:,} rows ({stale} refused as stale_seq in all)"
+        f"over {len(steady)} batches of {args.rows_per_batch:,} rows ({lost} lost in all)"
     )
-    return {"bench": "feed", "mode": mode, "records_per_s": round(records / seconds), "stale": stale,
+    return {"bench": "feed", "mode": mode, "records_per_s": round(records / seconds), "lost": lost,
             "partitions": args.num_partitions, "chunk_size": args.chunk_size}  # fmt: skip
+
+
+def _write_records(work: Path, batch: int, rows: int, topics: int) -> None:
+    """File ``batch`` of the files benchmark: ``rows`` records, topics feed.files-<t>, seqs continuing."""
+    import orjson
+
+    (work / "in").mkdir(parents=True, exist_ok=True)
+    staging = work / f"part-{batch}.json"
+    start = batch * rows
+    with staging.open("wb") as f:
+        for value in range(start, start + rows):
+            f.write(orjson.dumps({"topic": f"feed.files-{value % topics}", "seq": value // topics,
+                                  "data": orjson.dumps({"v": value}).decode()}, option=orjson.OPT_APPEND_NEWLINE))
+    staging.rename(work / "in" / staging.name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,8 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dir", help="where to write the log and the report (default: a temporary directory)")
     feed.add_argument("--host", default="127.0.0.1")
     feed.add_argument("--port", type=int, default=ingest.DEFAULT_PORT)
+    feed.add_argument("--admin-url", default="http://127.0.0.1:8080", help="the gateway's admin API (topic settings)")
+    feed.add_argument("--no-admin", action="store_true", help="do not read topic settings")
     feed.add_argument("--in-process-gateway", action="store_true", help="start gateway.testing.run_gateway")
     feed.add_argument("--reorder-window", type=int, help="with --in-process-gateway: reorder_window of every topic")
+    feed.add_argument("--source", choices=("rate", "files"), default="rate",
+                      help="rate-micro-batch, or one JSON-lines file per micro-batch (written before each run)")
     feed.add_argument("--rows-per-batch", type=int, default=100_000)
     feed.add_argument("--batches", type=int, default=4)
     feed.add_argument("--topics", type=int, default=4)

@@ -43,6 +43,8 @@ __all__ = [
     "WORST",
     "PairFacts",
     "build_report",
+    "jain_of_sums",
+    "report_from_parts",
     "clients_of",
     "jain",
     "largest_gap",
@@ -208,21 +210,56 @@ def build_report(
     """
     pairs = sorted(pairs, key=_pair_key)
     clients = clients_of(pairs)
-    expected = sum(p.expected for p in pairs)
-    missing = sum(p.missing for p in pairs)
     rates = [c.rate_per_s for c in clients if c.rate_per_s is not None]
     by_excess = sorted(pairs, key=lambda p: (-p.excess_ns, p.client, p.topic))
     by_loss = sorted((p for p in pairs if p.missing), key=lambda p: (-p.missing / p.expected, p.client, p.topic))
+    return report_from_parts(
+        rows=rows, latency_by_topic=latency_by_topic, skew=skew, skew_by_topic=skew_by_topic, pairs=len(pairs),
+        expected=sum(p.expected for p in pairs), missing=sum(p.missing for p in pairs), pairs_with_loss=len(by_loss),
+        worst_excess=by_excess[:WORST], worst_loss=by_loss[:WORST], clients=len(clients),
+        rates={"n": len(rates), "jain": jain(rates), "min": min(rates, default=None), "max": max(rates, default=None)},
+        exact=exact, accuracy=accuracy,
+    )  # fmt: skip
+
+
+def jain_of_sums(n: int, total: float | None, squares: float | None) -> float | None:
+    """Jain's index from the count, sum and sum of squares of the values (what a distributed job gathers)."""
+    if not n or not total or not squares:
+        return None
+    return total * total / (n * squares)
+
+
+def report_from_parts(
+    *,
+    rows: int,
+    latency_by_topic: dict[str, dict],
+    skew: dict,
+    skew_by_topic: dict[str, dict],
+    pairs: int,
+    expected: int,
+    missing: int,
+    pairs_with_loss: int,
+    worst_excess: Sequence[PairFacts],
+    worst_loss: Sequence[PairFacts],
+    clients: int,
+    rates: dict,
+    exact: bool,
+    accuracy: int = DEFAULT_ACCURACY,
+) -> dict:
+    """The report from totals and the worst pairs (:func:`build_report` computes them from every pair; the
+    Spark job computes them in Spark and collects only these). ``worst_excess`` sorted by excess descending,
+    ``worst_loss`` (pairs with loss) by loss rate descending, ties by client then topic; ``rates``:
+    ``{"n", "jain", "min", "max"}`` of the clients' delivery rates."""
     return {
         "rows": rows,
         "topics": len(latency_by_topic),
-        "clients": len(clients),
+        "clients": clients,
         "percentiles": percentile_method(exact, accuracy),
         "latency_ns": {topic: latency_by_topic[topic] for topic in sorted(latency_by_topic)},
         "skew_ns": {**skew, "by_topic": {topic: skew_by_topic[topic] for topic in sorted(skew_by_topic)}},
         "starvation": {
-            "pairs": len(pairs),
-            "max_excess_ns": by_excess[0].excess_ns if by_excess else None,
+            "pairs": pairs,
+            "max_excess_ns": worst_excess[0].excess_ns if worst_excess else None,
             "worst": [
                 {
                     "client": p.client,
@@ -231,24 +268,24 @@ def build_report(
                     "max_publish_gap_ns": p.max_publish_gap_ns,
                     "excess_ns": p.excess_ns,
                 }
-                for p in by_excess[:WORST]
+                for p in worst_excess[:WORST]
             ],
         },
         "loss": {
             "expected": expected,
             "missing": missing,
             "rate": missing / expected if expected else None,
-            "pairs_with_loss": len(by_loss),
+            "pairs_with_loss": pairs_with_loss,
             "worst": [
                 {"client": p.client, "topic": p.topic, "expected": p.expected, "missing": p.missing,
                  "rate": p.missing / p.expected}
-                for p in by_loss[:WORST]
+                for p in worst_loss[:WORST]
             ],
         },
         "fairness": {
-            "jain": jain(rates),
-            "clients_with_rate": len(rates),
-            "min_rate_per_s": min(rates, default=None),
-            "max_rate_per_s": max(rates, default=None),
+            "jain": rates["jain"],
+            "clients_with_rate": rates["n"],
+            "min_rate_per_s": rates["min"],
+            "max_rate_per_s": rates["max"],
         },
     }

@@ -4,13 +4,22 @@ Offline and quiet on a small machine: no UI, no progress bars, ERROR-level loggi
 log4j2 file of our own is handed to the driver JVM before it starts), two shuffle partitions (the data of
 one micro-batch or one test is small; a large audit raises it with ``--conf``), and no
 ``spark.jars.packages`` (nothing is downloaded). The same code runs on a cluster with ``master="spark://..."``
-or ``"yarn"``: then the loopback settings are left out and the ``pipeline`` package is shipped to the
-executors.
+or ``"yarn"``: then the loopback settings are left out, and what the executors cannot import already (asked
+with one tiny job: the ``pipeline`` package, the gateway's ingest client) is zipped and shipped to them; a
+package shipped with ``spark-submit --py-files`` or installed on the executors is not shipped again.
+
+``PYSPARK_PYTHON`` / ``PYSPARK_DRIVER_PYTHON`` set by the user are kept (executors on other machines need
+their own interpreter's path); unset, they default to the running interpreter.
 """
 
 from __future__ import annotations
 
+import atexit
+import hashlib
+import importlib.util
+import logging
 import os
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -23,6 +32,8 @@ __all__ = ["DEFAULT_MASTER", "LOG4J2_PROPERTIES", "get_session"]
 DEFAULT_MASTER = "local[*]"
 LOG4J2_PROPERTIES = Path(__file__).with_name("log4j2.properties")
 _PACKAGE_DIR = Path(__file__).parent
+
+log = logging.getLogger(__name__)
 
 
 def _is_local(master: str | None) -> bool:
@@ -53,18 +64,65 @@ def _base_config(master: str | None) -> dict[str, str]:
 _GATEWAY_MODULES = ("__init__.py", "ingest_client.py")
 
 
-def _ship_package(spark: SparkSession) -> None:
-    """Zip ``pipeline/`` and the gateway's ingest client, and add them to the executors' Python path
-    (cluster masters only)."""
-    archive = Path(tempfile.mkdtemp(prefix="pipeline-pyfiles-")) / "pipeline.zip"
+def _executors_can_import(spark: SparkSession, modules: tuple[str, ...]) -> dict[str, bool]:
+    """Whether an executor's Python finds each module (one task: what --py-files or the cluster's own
+    installation already provide)."""
+
+    def probe(_):
+        import importlib.util as util
+
+        found = {}
+        for name in modules:
+            try:
+                found[name] = util.find_spec(name) is not None
+            except (ImportError, ValueError):
+                found[name] = False
+        yield found
+
+    try:
+        return spark.sparkContext.parallelize([0], 1).mapPartitions(probe).collect()[0]
+    except Exception as exc:  # noqa: BLE001 - no executor answer: ship everything, as before
+        log.warning("could not ask the executors what they can import (%s): shipping the pipeline", exc)
+        return {name: False for name in modules}
+
+
+def _zip(files: list[tuple[Path, str]], name: str) -> str:
+    """A zip of ``files`` (path, name in the archive) in a temporary directory removed at exit; its file name
+    carries a digest of the content, so it never collides with a user's ``pipeline.zip``."""
+    digest = hashlib.sha256()
+    for path, arcname in files:
+        digest.update(arcname.encode() + b"\0" + path.read_bytes())
+    directory = tempfile.mkdtemp(prefix="pipeline-pyfiles-")
+    atexit.register(shutil.rmtree, directory, True)
+    archive = Path(directory) / f"{name}-{digest.hexdigest()[:12]}.zip"
     with zipfile.ZipFile(archive, "w") as zf:
-        for path in _PACKAGE_DIR.rglob("*"):
-            if path.is_file() and "__pycache__" not in path.parts:
-                zf.write(path, Path("pipeline") / path.relative_to(_PACKAGE_DIR))
-        gateway_dir = _PACKAGE_DIR.parent / "gateway"
-        for name in _GATEWAY_MODULES:
-            zf.write(gateway_dir / name, Path("gateway") / name)
-    spark.sparkContext.addPyFile(str(archive))
+        for path, arcname in files:
+            zf.write(path, arcname)
+    return str(archive)
+
+
+def _ship_package(spark: SparkSession) -> list[str]:
+    """Ship to the executors what they cannot import already: ``pipeline/`` (when it is a directory here)
+    and the gateway's ingest client (all they need of the gateway). Returns the archives added."""
+    found = _executors_can_import(spark, ("pipeline.feed", "gateway.ingest_client"))
+    shipped = []
+    if not found["pipeline.feed"]:
+        if not _PACKAGE_DIR.is_dir():
+            raise RuntimeError(f"the executors cannot import `pipeline` and {_PACKAGE_DIR} is not a directory to "
+                               f"ship: pass the package with spark-submit --py-files")
+        files = [(p, str(Path("pipeline") / p.relative_to(_PACKAGE_DIR))) for p in sorted(_PACKAGE_DIR.rglob("*"))
+                 if p.is_file() and "__pycache__" not in p.parts]
+        shipped.append(_zip(files, "fanout-pipeline"))
+    if not found["gateway.ingest_client"]:
+        spec = importlib.util.find_spec("gateway.ingest_client")
+        if spec is None or spec.origin is None or not Path(spec.origin).is_file():
+            raise RuntimeError("the executors cannot import gateway.ingest_client and it is no file here to ship")
+        gateway_dir = Path(spec.origin).parent
+        shipped.append(_zip([(gateway_dir / name, f"gateway/{name}") for name in _GATEWAY_MODULES],
+                            "fanout-gateway-client"))
+    for archive in shipped:
+        spark.sparkContext.addPyFile(archive)
+    return shipped
 
 
 def get_session(
@@ -78,10 +136,11 @@ def get_session(
     ``local[*]``. ``config`` entries override the defaults, e.g. ``{"spark.driver.memory": "4g"}`` (honoured
     only when this call starts the JVM).
     """
-    # Python workers must run this interpreter (the venv's), and a local driver must not go looking for a
-    # routable interface: both are read when the JVM starts, so they go into the environment first.
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    # Python workers run this interpreter (the venv's) unless the user says otherwise (a cluster's executors
+    # may need another path), and a local driver must not go looking for a routable interface: both are read
+    # when the JVM starts, so they go into the environment first.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if _is_local(master):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder.appName(app_name)

@@ -10,7 +10,8 @@ real gateway:
   sync); errors answered ``{"type":"error","line":N,"code":C,"message":M}`` with N the 1-based line number on
   the connection (sync lines count);
 * faults on demand: ``refuse(topic, seq) -> code | None`` refuses records with another code, ``answer_syncs``
-  False never answers a sync, ``close_after_lines`` closes the connection after that many lines.
+  False never answers a sync, ``close_after_lines`` closes the connection after that many lines,
+  ``close_first_after_lines`` only the first connection (a gateway restart, as its producer sees it).
 
 Every accepted record is kept in arrival order with the connection it came on, for assertions.
 """
@@ -38,6 +39,7 @@ class IngestProtocolDouble:
     refuse: Callable[[str, int | None], str | None] | None = None
     answer_syncs: bool = True
     close_after_lines: int | None = None
+    close_first_after_lines: int | None = None
 
     landed: list[Landed] = field(default_factory=list)
     refused: list[tuple[str, int | None, str]] = field(default_factory=list)
@@ -117,6 +119,8 @@ class IngestProtocolDouble:
                 refused += 1
                 sock.sendall(json.dumps(answer).encode() + b"\n")
             if self.close_after_lines is not None and line_no >= self.close_after_lines:
+                return
+            if connection == 1 and self.close_first_after_lines is not None and line_no >= self.close_first_after_lines:
                 return
 
     def _line(self, connection: int, line_no: int, raw: bytes) -> dict | None:

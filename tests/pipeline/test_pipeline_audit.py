@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from pipeline import figures, reference
 
 COLUMNS = list(figures.DELIVERY_LOG_COLUMNS)
-ARROW_SCHEMA = pa.schema([(name, pa.string() if t == "string" else pa.int64()) for name, t in figures.DELIVERY_LOG_COLUMNS.items()])
+ARROW_SCHEMA = pa.schema([(name, pa.string() if t == "string" else pa.int64())
+                          for name, t in figures.DELIVERY_LOG_COLUMNS.items()])
 
 
 def hand_log() -> list[dict]:

@@ -80,7 +80,7 @@ class Subscriber:
 
 
 def topics() -> list[str]:
-    return [f"rate-{t}" for t in range(TOPICS)]
+    return [f"feed.rate-{t}" for t in range(TOPICS)]
 
 
 def subscribe(stack: contextlib.ExitStack, ws_url: str) -> Subscriber:
@@ -95,7 +95,8 @@ def test_feed_reaches_websocket_clients_in_order(spark, tmp_path, by_topic, lock
         clients = [subscribe(stack, gw.ws_url) for _ in range(2)]
         opts = FeedOptions(source="rate", rows_per_batch=ROWS_PER_BATCH, topics=TOPICS, num_partitions=2,
                            by_topic=by_topic, lockstep=lockstep, available_now=True, port=gw.ingest_port,
-                           checkpoint=str(tmp_path / "ck"), timeout=20)  # fmt: skip
+                           checkpoint=str(tmp_path / "ck"), timeout=20, admin_url=gw.http_url,
+                           admin_token=gw.admin_token)  # fmt: skip
         for _ in range(BATCHES):
             stats = run_feed(spark, opts)
             assert stats.already_landed == 0

@@ -11,22 +11,26 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pipeline_ingest_double import IngestProtocolDouble
 
 from pipeline.feed import FeedOptions, run_feed
-from pipeline_ingest_double import IngestProtocolDouble
+from pipeline.retry import RetryPolicy
+
+#: The test double has no admin API; a failed connection is retried once, quickly.
+NO_ADMIN = dict(admin_url=None, retry=RetryPolicy(1, 0.1, 0.1))
 
 pytestmark = pytest.mark.spark
 
 
 def rate_options(port: int, checkpoint: Path, **overrides) -> FeedOptions:
     base = dict(source="rate", rows_per_batch=600, topics=3, num_partitions=2, available_now=True,
-                port=port, checkpoint=str(checkpoint), chunk_size=50, timeout=20)  # fmt: skip
+                port=port, checkpoint=str(checkpoint), chunk_size=50, timeout=20, **NO_ADMIN)  # fmt: skip
     return FeedOptions(**{**base, **overrides})
 
 
 def assert_every_topic_complete(double: IngestProtocolDouble, topics: int, seqs_per_topic: int) -> None:
     got = double.seqs_by_topic()
-    assert sorted(got) == [f"rate-{t}" for t in range(topics)]
+    assert sorted(got) == [f"feed.rate-{t}" for t in range(topics)]
     for topic, seqs in got.items():
         assert sorted(seqs) == list(range(seqs_per_topic)), topic
 
@@ -39,7 +43,7 @@ def test_rate_micro_batch_reaches_the_ingest(spark, tmp_path, by_topic):
     assert_every_topic_complete(double, topics=3, seqs_per_topic=200)
     # the rate mapping: topic value % 3, seq value // 3, data {"v": value, "ts": event time in ns}
     for rec in double.landed:
-        assert rec.topic == f"rate-{rec.data['v'] % 3}" and rec.seq == rec.data["v"] // 3
+        assert rec.topic == f"feed.rate-{rec.data['v'] % 3}" and rec.seq == rec.data["v"] // 3
         assert isinstance(rec.data["ts"], int)
     conns_of_topic: dict[str, set[int]] = {}
     for rec in double.landed:
@@ -77,7 +81,7 @@ def test_lockstep_needs_a_slot_per_partition(spark, tmp_path):
 def test_wall_clock_rate_source_stops_between_batches_after_max_seconds(spark):
     with IngestProtocolDouble() as double:
         opts = FeedOptions(source="rate", rows_per_second=200, topics=2, port=double.port, max_seconds=6,
-                           trigger_seconds=0.5, by_topic=True)  # fmt: skip
+                           trigger_seconds=0.5, by_topic=True, **NO_ADMIN)  # fmt: skip
         started = time.monotonic()
         stats = run_feed(spark, opts)  # no failure: the batch in flight finished, the next one never began
     assert time.monotonic() - started < 30
@@ -109,7 +113,7 @@ def test_a_replayed_batch_is_idempotent(spark, tmp_path):
 
 
 def test_gateway_refusal_fails_the_query_with_its_message(spark, tmp_path):
-    refuse = lambda topic, seq: "unknown_topic" if topic == "rate-1" else None  # noqa: E731
+    refuse = lambda topic, seq: "unknown_topic" if topic == "feed.rate-1" else None  # noqa: E731
     with IngestProtocolDouble(refuse=refuse) as double:
         with pytest.raises(Exception, match="unknown_topic"):
             run_feed(spark, rate_options(double.port, tmp_path / "ck", rows_per_batch=30))
@@ -158,7 +162,7 @@ def test_files_source(spark, tmp_path, fmt):
     source = tmp_path / "in"
     write_records(source, fmt, "part-0", FILE_RECORDS)
     opts = FeedOptions(source="files", path=str(source), format=fmt, available_now=True,
-                       checkpoint=str(tmp_path / "ck"), timeout=20)  # fmt: skip
+                       checkpoint=str(tmp_path / "ck"), timeout=20, **NO_ADMIN)  # fmt: skip
     with IngestProtocolDouble() as double:
         opts = FeedOptions(**{**opts.__dict__, "port": double.port})
         run_feed(spark, opts)

@@ -9,10 +9,10 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pipeline_ingest_double import IngestProtocolDouble
 
 from pipeline import ingest
 from pipeline.ingest import IngestClient, IngestProtocolError, IngestRefused, encode_record, publish
-from pipeline_ingest_double import IngestProtocolDouble
 
 
 def records(topic: str, seqs, payload=lambda s: f'{{"n": {s}}}'):
@@ -234,3 +234,65 @@ def test_publish_fails_on_connection_refused():
         port = double.port
     with pytest.raises(OSError):
         publish(records("t", range(1)), port=port, timeout=2)
+
+
+# -- Publisher: reconnects, seq answers ---------------------------------------------------------------------
+
+
+def test_publisher_reconnects_and_writes_again_only_what_it_does_not_know():
+    """The first connection drops after 50 lines: nothing was answered (accepted records get no answer), so
+    all 100 are written again; the 50 that landed come back duplicate_seq: landed on the broken connection."""
+    from pipeline.retry import RetryPolicy
+
+    with IngestProtocolDouble(close_first_after_lines=50) as double:
+        with ingest.Publisher("127.0.0.1", double.port, timeout=5, retry=RetryPolicy(2, 0.05, 0.05), chunk_size=10) as pub:
+            pub.publish(records("t", range(100)))
+            pub.publish(records("t", range(100, 130)))
+        outcome = pub.finish()
+    assert (outcome.records, outcome.accepted, outcome.landed_on_resend, outcome.reconnects) == (130, 80, 50, 1)
+    assert outcome.refusals == {} and double.seqs_by_topic() == {"t": list(range(130))}
+
+
+def test_publisher_keeps_what_was_answered_before_the_connection_broke():
+    from pipeline.retry import RetryPolicy
+
+    refuse = lambda topic, seq: "skipped_seq" if seq in (3, 4) else None  # noqa: E731
+    with IngestProtocolDouble(refuse=refuse, close_first_after_lines=7) as double:
+        with ingest.Publisher("127.0.0.1", double.port, timeout=5, retry=RetryPolicy(2, 0.05, 0.05)) as pub:
+            pub.publish(records("t", range(10)))
+        outcome = pub.finish()
+    # lines 1-5 are known (line 5's skipped answer came: 1-3 accepted, 4-5 skipped); 6-10 are written again:
+    # seqs 5 and 6 had landed before the close (duplicate_seq now), 7-9 are accepted now
+    assert outcome.refusals == {("t", "skipped_seq"): [(3, 1, 2)]}
+    assert (outcome.records, outcome.accepted, outcome.landed_on_resend, outcome.reconnects) == (10, 6, 2, 1)
+    assert sorted(double.seqs_by_topic()["t"]) == [0, 1, 2, 5, 6, 7, 8, 9]
+
+
+def test_publisher_gives_up_after_its_retries_naming_host_and_port():
+    from pipeline.errors import GatewayUnreachable
+    from pipeline.retry import RetryPolicy
+
+    with IngestProtocolDouble() as double:
+        port = double.port
+    started = time.monotonic()
+    with pytest.raises(GatewayUnreachable, match=rf"ingest at 127.0.0.1:{port} \(2 retries over \d+ s\).*refused"):
+        with ingest.Publisher("127.0.0.1", port, timeout=2, retry=RetryPolicy(2, 0.1, 0.2)) as pub:
+            pub.publish(records("t", range(3)))
+    assert 0.3 <= time.monotonic() - started < 5
+
+
+def test_a_refusal_names_the_record():
+    from pipeline.retry import RetryPolicy
+
+    refuse = lambda topic, seq: "forbidden" if seq == 2 else None  # noqa: E731
+    with IngestProtocolDouble(refuse=refuse) as double:
+        with pytest.raises(IngestRefused, match=r"line 3 \(topic 't', seq 2\): forbidden"):
+            with ingest.Publisher("127.0.0.1", double.port, retry=RetryPolicy(0, 0, 0)) as pub:
+                pub.publish(records("t", range(5)))
+
+
+@given(st.sets(st.integers(0, 400), max_size=80))
+def test_compress_expand_round_trip(seqs):
+    runs = ingest.compress(seqs)
+    assert list(ingest.expand(runs)) == sorted(seqs)
+    assert ingest.compress(range(1, 1000, 2)) == [(1, 2, 500)]
