@@ -20,7 +20,8 @@ from core.errors import DirectQueueFull, RequestError, UnknownTopic
 
 from . import close_codes, schema
 from .errors import BadCommand, BadJson, Forbidden, RateLimited, TooManyCreatedTopics, UnknownMethod
-from .identity import ClientIdentity, TokenBucket
+from .identity import ClientIdentity
+from .ratelog import TokenBucket
 
 if TYPE_CHECKING:
     from .hub import Hub

@@ -20,27 +20,7 @@ from dataclasses import dataclass, field
 from core import TopicConfig, TopicKind
 
 from .auth import Principal
-
-
-class TokenBucket:
-    """`rate` events per second on average, `burst` at once: refill on use, no timer."""
-
-    __slots__ = ("rate", "burst", "tokens", "stamp")
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = float(burst)
-        self.stamp = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
+from .ratelog import TokenBucket
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
