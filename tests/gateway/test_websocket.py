@@ -57,9 +57,10 @@ def test_hot_and_cold_topic_the_cold_one_goes_in_the_next_cycle():
         pub.send({"topic": "cold", "data": "x"})
         pub.sync()
         got = collect(ws, lambda g: msgs(g, "cold"))
-        # one message per topic per cycle: the cold one is not queued behind 2,000 hot ones (a few hot ones
-        # go out in the cycles that run while the ingest yields between its turns of 512 records)
-        assert len(msgs(got, "hot")) <= 20
+        # one message per topic per cycle: the cold one is not queued behind 2,000 hot ones (some hot ones
+        # go out in the cycles that run while the ingest yields between its turns of 512 records: how many
+        # depends on the machine's load, 8-50 seen; queued behind the backlog it would be 2,000)
+        assert len(msgs(got, "hot")) <= 200
 
 
 def test_a_client_that_stops_reading_does_not_delay_others_and_is_disconnected():
