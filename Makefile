@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup java browser bench clean
+.PHONY: run test lint setup java browser redis bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ java:
 browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
+# Cluster tests (docs/cluster.md) start a real redis-server on a free port.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server)
+
 run: $(STAMP)
 	$(BIN)/gateway serve
 
@@ -31,7 +35,7 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict core
 	$(BIN)/mypy gateway
 
-test: lint java browser
+test: lint java browser redis
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
