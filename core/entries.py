@@ -11,35 +11,42 @@ from typing import Any, Iterable
 import orjson
 
 
+def _dumps(value: Any) -> bytes:
+    """orjson's output, right-sized. orjson (3.12+) returns a bytes object inside a buffer of at least
+    4 KiB that it never shrinks: a stored 100-byte entry would hold 4 KiB (ring of 1,024 messages: 4 MiB
+    instead of 100 KiB). One copy per encode (~0.1 us) keeps memory what the entries weigh."""
+    return bytes(memoryview(orjson.dumps(value)))
+
+
 def encode_message(topic: str, seq: int, data: Any) -> bytes:
-    return orjson.dumps({"type": "msg", "topic": topic, "seq": seq, "data": data})
+    return _dumps({"type": "msg", "topic": topic, "seq": seq, "data": data})
 
 
 def encode_loss(topic: str, begin: int, end: int | None, reason: str) -> bytes:
     """A loss notice: seqs in the half-open range [begin, end) will never be delivered."""
-    return orjson.dumps({"type": "loss", "topic": topic, "from": begin, "to": end, "reason": reason})
+    return _dumps({"type": "loss", "topic": topic, "from": begin, "to": end, "reason": reason})
 
 
 def encode_subscribed(topic: str, kind: str, epoch: str, seq: int, request_id: Any = None) -> bytes:
-    return orjson.dumps(
+    return _dumps(
         {"type": "subscribed", "topic": topic, "kind": kind, "epoch": epoch, "seq": seq, "id": request_id}
     )
 
 
 def encode_unsubscribed(topic: str, request_id: Any = None) -> bytes:
-    return orjson.dumps({"type": "unsubscribed", "topic": topic, "id": request_id})
+    return _dumps({"type": "unsubscribed", "topic": topic, "id": request_id})
 
 
 def encode_reply(request_id: Any, result: Any) -> bytes:
-    return orjson.dumps({"type": "reply", "id": request_id, "result": result})
+    return _dumps({"type": "reply", "id": request_id, "result": result})
 
 
 def encode_error(code: str, message: str, request_id: Any = None) -> bytes:
-    return orjson.dumps({"type": "error", "code": code, "message": message, "id": request_id})
+    return _dumps({"type": "error", "code": code, "message": message, "id": request_id})
 
 
 def encode_closed(topic: str, reason: str) -> bytes:
-    return orjson.dumps({"type": "closed", "topic": topic, "reason": reason})
+    return _dumps({"type": "closed", "topic": topic, "reason": reason})
 
 
 def frame_batch(entries: Iterable[bytes]) -> bytes:

@@ -5,6 +5,7 @@
     python -m loadtest list                      the named scenarios
     python -m loadtest wsbench                   WebSocket client cost: ours vs websockets' asyncio client
     python -m loadtest core | rawtcp [...]       the core and raw-TCP benchmarks (their own flags)
+    python -m loadtest idle-memory [--clients N] gateway memory per idle WebSocket client, and after they leave
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 #: subcommands owned by other modules, imported only when asked for
-DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "wsbench": "loadtest.wsbench"}
+DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "wsbench": "loadtest.wsbench",
+             "idle-memory": "loadtest.idle_memory"}
 #: exit status when a run saw silent loss: the one figure that is a broken promise, not a slow one
 EXIT_SILENT_LOSS = 3
 

@@ -1,0 +1,127 @@
+"""``python -m loadtest idle-memory``: what an idle WebSocket client costs the gateway, and whether the
+memory comes back when the clients leave.
+
+One gateway subprocess on the shipped defaults (only the connection limits raised, since every client
+comes from this machine). Its resident set is read from /proc before, with N connected clients each
+subscribed to one of 100 quiet topics, and after they all closed, until it settles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from loadtest.gatewayproc import GatewayProcess
+from loadtest.procstat import raise_nofile_limit, read_stat
+from loadtest.wsclient import WsClient, connect
+
+#: connections opened at once: enough to be quick, few enough not to overflow the listen backlog
+CONNECT_WAVE = 200
+TOPICS = 100
+
+
+class Subscriber:
+    """Counts its `subscribed` acknowledgement; nothing else arrives on a quiet topic."""
+
+    def __init__(self, acked: asyncio.Event, counter: list[int], total: int) -> None:
+        self.acked, self.counter, self.total = acked, counter, total
+
+    def ws_open(self) -> None:
+        pass
+
+    def ws_messages(self, messages: list[bytes], now_ns: int) -> None:
+        for message in messages:
+            if b'"subscribed"' in message:
+                self.counter[0] += 1
+                if self.counter[0] == self.total:
+                    self.acked.set()
+
+    def ws_closed(self, reason: str) -> None:
+        pass
+
+
+def rss(pid: int) -> int:
+    stat = read_stat(pid)
+    if stat is None:
+        raise RuntimeError("the gateway exited")
+    return stat[2]
+
+
+def websocket_clients(port: int, token: str) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/stats", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        stats = json.load(answer)
+    return int(stats["clients"].get("websocket", 0))
+
+
+async def settle(pid: int, seconds: float, period: float = 0.5) -> int:
+    """The resident set once it stopped falling (or after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    last = rss(pid)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(period)
+        now = rss(pid)
+        if now >= last and time.monotonic() > deadline - seconds + 2:
+            return now
+        last = now
+    return last
+
+
+async def measure(clients: int, settle_s: float) -> dict[str, float]:
+    workdir = Path(tempfile.mkdtemp(prefix="idle-memory-"))
+    os.environ["GATEWAY_SERVER_MAX_CONNECTIONS"] = str(clients + 1000)
+    with GatewayProcess(workdir) as target:
+        assert target.pid is not None
+        await asyncio.sleep(1.0)
+        before = await settle(target.pid, 5.0)
+        acked = asyncio.Event()
+        counter = [0]
+        conns: list[WsClient] = []
+        started = time.monotonic()
+        for wave in range(0, clients, CONNECT_WAVE):
+            batch = [connect(target.host, target.http_port, "/ws", Subscriber(acked, counter, clients))
+                     for _ in range(wave, min(clients, wave + CONNECT_WAVE))]
+            conns.extend(await asyncio.gather(*batch))
+        for i, conn in enumerate(conns):
+            conn.send_text(b'{"op":"subscribe","topic":"idle.%d"}' % (i % TOPICS))
+        await asyncio.wait_for(acked.wait(), 120)
+        connect_s = time.monotonic() - started
+        with_clients = await settle(target.pid, 5.0)
+        for conn in conns:
+            conn.close()
+        conns.clear()
+        deadline = time.monotonic() + 60
+        while websocket_clients(target.http_port, target.admin_token) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        gone_at = time.monotonic()
+        after = await settle(target.pid, settle_s)
+        return {
+            "clients": clients,
+            "connect_s": connect_s,
+            "rss_before_mb": before / 2**20,
+            "rss_with_clients_mb": with_clients / 2**20,
+            "rss_after_mb": after / 2**20,
+            "bytes_per_client": (with_clients - before) / clients,
+            "after_over_before": after / before,
+            "settled_in_s": time.monotonic() - gone_at,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest idle-memory", description=__doc__)
+    parser.add_argument("--clients", type=int, default=10_000)
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds to wait for the RSS to settle after")
+    args = parser.parse_args(argv)
+    raise_nofile_limit()
+    result = asyncio.run(measure(args.clients, args.settle))
+    print(f"{result['clients']} idle WebSocket clients (connected in {result['connect_s']:.1f} s)")
+    print(f"  RSS before {result['rss_before_mb']:.1f} MiB, with clients {result['rss_with_clients_mb']:.1f} MiB,"
+          f" after they left {result['rss_after_mb']:.1f} MiB (settled {result['settled_in_s']:.1f} s after the last left)")
+    print(f"  {result['bytes_per_client'] / 1024:.1f} KiB per idle client; after/before = {result['after_over_before']:.2f}")
+    return 0
