@@ -7,12 +7,20 @@ frozen out of the collector's reach (`gc.freeze`, O(1): it splices lists), young
 and cheap, and a full collection of everything (unfreeze, collect, freeze) runs every
 `server.gc_full_interval_s`, so cyclic garbage left by closed connections is still reclaimed and memory
 stays bounded by what one interval leaves behind.
+
+Memory given back: after a full collection the C allocator is asked to return its free pages to the
+system (`malloc_trim`, glibc), and when many connections have closed since the last full collection (at
+least `DEPARTURES_MIN`, and half of those open then), the full collection runs at the next freeze tick
+instead of waiting for the interval, so a crowd that leaves gives its memory back within seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
+import logging
 import time
 
 from .metrics import BucketHistogram
@@ -20,6 +28,25 @@ from .metrics import BucketHistogram
 GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 #: how often survivors are frozen: often enough that the automatic full collection never has much to walk
 FREEZE_PERIOD_S = 1.0
+#: departures that make a full collection worth running early: below this, the interval's one is soon enough
+DEPARTURES_MIN = 1000
+
+log = logging.getLogger("gateway")
+
+
+def _malloc_trim() -> object:
+    """glibc's malloc_trim, or None elsewhere (musl, macOS): returning free pages is then the allocator's."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+    return trim
+
+
+MALLOC_TRIM = _malloc_trim()
 
 
 class GcPolicy:
@@ -31,6 +58,20 @@ class GcPolicy:
         self._started_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._next_full = 0.0
+        #: connections open at the last full collection, and closed since
+        self.open = 0
+        self._open_at_full = 0
+        self._departures = 0
+
+    def arrived(self) -> None:
+        self.open += 1
+
+    def departed(self) -> None:
+        self.open -= 1
+        self._departures += 1
+
+    def _mass_departure(self) -> bool:
+        return self._departures >= max(DEPARTURES_MIN, self._open_at_full // 2)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -48,11 +89,11 @@ class GcPolicy:
     def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         if not self._next_full:
-            self._next_full = loop.time() + self.full_interval_s
+            self._next_full = time.monotonic() + self.full_interval_s
         self._timer = loop.call_later(min(FREEZE_PERIOD_S, self.full_interval_s), self._on_timer)
 
     def _on_timer(self) -> None:
-        if asyncio.get_running_loop().time() >= self._next_full:
+        if time.monotonic() >= self._next_full or self._mass_departure():
             self.full_collection()
         else:
             gc.freeze()
@@ -62,8 +103,12 @@ class GcPolicy:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
+        if MALLOC_TRIM is not None:
+            MALLOC_TRIM(0)  # type: ignore[operator]
         self.full_collections += 1
-        self._next_full = 0.0
+        self._next_full = time.monotonic() + self.full_interval_s
+        self._open_at_full = self.open
+        self._departures = 0
 
     def stop(self) -> None:
         if self._timer is not None:

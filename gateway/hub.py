@@ -148,6 +148,7 @@ class Hub:
         self.conns[cid] = conn
         self.clients_by_ip[(identity.transport, identity.ip)] += 1
         self.metrics.connected(identity.transport)
+        self.gc.arrived()
         if identity.principal is not None:
             self._arm_token_expiry(cid, identity.principal)
         if self.config.limits.idle_timeout_s > 0:
@@ -169,6 +170,7 @@ class Hub:
         self.blocked.pop(client_id, None)
         self.engine.disconnect(client_id)
         self.metrics.disconnected(identity.transport, reason)
+        self.gc.departed()
         self._wake_space_waiters()
 
     # -- identity ------------------------------------------------------------------------------------
@@ -351,6 +353,7 @@ class Hub:
                 batches = engine.run_cycle()
                 self._deliver(batches)
                 metrics.cycle(time.perf_counter() - started, batches)
+                del batches  # not held while the loop sleeps: the last cycle's entries can be a lot
                 # Let reads and writes run between cycles; publishes meanwhile coalesce into the next one.
                 await asyncio.sleep(0)
 

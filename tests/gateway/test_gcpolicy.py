@@ -45,3 +45,27 @@ def test_interval_zero_keeps_the_default_collector():
             policy.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval():
+    from gateway import gcpolicy
+
+    async def scenario():
+        policy = GcPolicy(full_interval_s=3600)
+        policy.start()
+        try:
+            for _ in range(gcpolicy.DEPARTURES_MIN * 2):
+                policy.arrived()
+            policy.full_collection()  # the crowd is open at this full collection
+            assert policy.full_collections == 1
+            for _ in range(gcpolicy.DEPARTURES_MIN - 1):
+                policy.departed()
+            await asyncio.sleep(gcpolicy.FREEZE_PERIOD_S * 1.5)
+            assert policy.full_collections == 1  # fewer than half left: the interval's collection will do
+            policy.departed()
+            await asyncio.sleep(gcpolicy.FREEZE_PERIOD_S * 1.5)
+            assert policy.full_collections == 2 and policy.open == gcpolicy.DEPARTURES_MIN
+        finally:
+            policy.stop()
+
+    asyncio.run(scenario())
