@@ -10,8 +10,9 @@ stays bounded by what one interval leaves behind.
 
 Memory given back: after a full collection the C allocator is asked to return its free pages to the
 system (`malloc_trim`, glibc), and when many connections have closed since the last full collection (at
-least `DEPARTURES_MIN`, and half of those open then), the full collection runs at the next freeze tick
-instead of waiting for the interval, so a crowd that leaves gives its memory back within seconds.
+least `DEPARTURES_MIN`, and half of those open then), the full collection runs at the first freeze tick
+with no new departure (the crowd has left) instead of waiting for the interval, so a crowd that leaves
+gives its memory back within seconds.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class GcPolicy:
         self.open = 0
         self._open_at_full = 0
         self._departures = 0
+        self._departures_at_tick = 0
 
     def arrived(self) -> None:
         self.open += 1
@@ -70,8 +72,11 @@ class GcPolicy:
         self.open -= 1
         self._departures += 1
 
-    def _mass_departure(self) -> bool:
-        return self._departures >= max(DEPARTURES_MIN, self._open_at_full // 2)
+    def _crowd_left(self) -> bool:
+        """Many left since the last full collection, and nobody since the last tick: the wave is over."""
+        settled = self._departures == self._departures_at_tick
+        self._departures_at_tick = self._departures
+        return settled and self._departures >= max(DEPARTURES_MIN, self._open_at_full // 2)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -93,7 +98,7 @@ class GcPolicy:
         self._timer = loop.call_later(min(FREEZE_PERIOD_S, self.full_interval_s), self._on_timer)
 
     def _on_timer(self) -> None:
-        if time.monotonic() >= self._next_full or self._mass_departure():
+        if self._crowd_left() or time.monotonic() >= self._next_full:
             self.full_collection()
         else:
             gc.freeze()
@@ -108,7 +113,7 @@ class GcPolicy:
         self.full_collections += 1
         self._next_full = time.monotonic() + self.full_interval_s
         self._open_at_full = self.open
-        self._departures = 0
+        self._departures = self._departures_at_tick = 0
 
     def stop(self) -> None:
         if self._timer is not None:

@@ -63,7 +63,7 @@ def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval():
             await asyncio.sleep(gcpolicy.FREEZE_PERIOD_S * 1.5)
             assert policy.full_collections == 1  # fewer than half left: the interval's collection will do
             policy.departed()
-            await asyncio.sleep(gcpolicy.FREEZE_PERIOD_S * 1.5)
+            await asyncio.sleep(gcpolicy.FREEZE_PERIOD_S * 2.5)  # one tick sees the last departure, the next runs it
             assert policy.full_collections == 2 and policy.open == gcpolicy.DEPARTURES_MIN
         finally:
             policy.stop()
