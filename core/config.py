@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Final, Literal
 
 #: Seqs are below 2**53 so that every client can hold them exactly (JavaScript numbers are doubles).
 MAX_SEQ = 1 << 53
@@ -20,6 +20,22 @@ TOPIC_INT_BOUNDS = {
 }
 #: A hole waits at most an hour: a longer wait holds every later message back from all subscribers.
 MAX_HOLE_TIMEOUT = 3600.0
+
+#: `batch_depth = "auto"` (ring topics, docs/design/batching.md §8): a handle's slice per cycle is sized by
+#: its backlog. `TopicConfig` stores this very object, so the read path tests it with `is`.
+AUTO_DEPTH: Final = "auto"
+#: The most entries an auto slice gives per cycle. 64 is the default ring: a subscriber a whole default ring
+#: behind catches up in one cycle. 64 entries of a ~150-byte message are ~10 KB, a sixth of the default
+#: 64 KiB cycle budget, so one auto topic leaves room for the client's others; and at that depth the cost
+#: of a frame (one `send()`, ~10 us) is already spread over enough messages that a deeper slice would save
+#: little CPU per delivery while making the client's cycle turn, and the skew between clients, longer.
+AUTO_MAX_SLICE = 64
+#: The backlog at which an auto slice reaches `AUTO_MAX_SLICE`: the ring's capacity, counted as at most
+#: this many messages. Below it a slice is proportional (backlog x AUTO_MAX_SLICE / span, rounded up), so a
+#: subscriber reaches the bound before the ring wraps under it; the cap keeps a large ring from tolerating
+#: a long backlog: a subscriber takes at least a quarter of it per cycle, so a steady rate settles at
+#: about four cycles' worth of messages behind.
+AUTO_MAX_SPAN = 4 * AUTO_MAX_SLICE
 
 
 class TopicKind(str, Enum):
@@ -38,7 +54,8 @@ class TopicConfig:
     #: lagging client loses the oldest.
     capacity: int = 64
     #: messages one handle may give per cycle (docs/design/batching.md §8, opt-in); 1 keeps clients in step.
-    batch_depth: int = 1
+    #: "auto" (ring topics): one while caught up, a slice sized by the backlog while behind.
+    batch_depth: int | Literal["auto"] = 1
     #: out-of-order publishing window in seqs (docs/design/reorder-window.md §2; 64 covers interleaved producers).
     reorder_window: int = 64
     #: a hole older than this (seconds) is given up and announced as a loss notice.
@@ -54,10 +71,17 @@ class TopicConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TopicKind(self.kind))
+        if self.batch_depth == AUTO_DEPTH:
+            if self.kind is not TopicKind.RING:
+                raise ValueError(f'batch_depth "auto" is for ring topics, not {self.kind.value}: give a number')
+            object.__setattr__(self, "batch_depth", AUTO_DEPTH)  # the constant itself: tested with `is`
         for name, bound in TOPIC_INT_BOUNDS.items():
             value = getattr(self, name)
+            if name == "batch_depth" and value is AUTO_DEPTH:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
-                raise ValueError(f"{name} must be an integer in [1, {bound}], not {value!r}")
+                also = ' or "auto"' if name == "batch_depth" else ""
+                raise ValueError(f"{name} must be an integer in [1, {bound}]{also}, not {value!r}")
         timeout = self.hole_timeout
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_HOLE_TIMEOUT:
             raise ValueError(f"hole_timeout must be a number of seconds in (0, {MAX_HOLE_TIMEOUT:g}], not {timeout!r}")

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .client import Client, ClientState, Subscription
-from .config import MAX_SEQ, EngineConfig, TopicConfig, TopicKind
+from .config import AUTO_DEPTH, MAX_SEQ, EngineConfig, TopicConfig, TopicKind
 from .counters import Counters
-from .entries import encode_closed, encode_subscribed, encode_unsubscribed, frame_batch
+from .entries import encode_closed, encode_loss, encode_subscribed, encode_unsubscribed, frame_batch
 from .errors import (
     AlreadySubscribed,
     BadSeq,
@@ -100,7 +100,11 @@ class Engine:
 
     # -- topics ----------------------------------------------------------------------------------------
 
-    def create_topic(self, name: str, config: TopicConfig | None = None) -> Topic:
+    def create_topic(
+        self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None, start: int = 0
+    ) -> Topic:
+        """A new topic. `epoch` and `start` (a broker's stream, docs/cluster.md §3): the topic's epoch and
+        first seq; by default a new epoch of this engine, from seq 0."""
         if name in self._topics:
             raise TopicExists(f"topic {name!r} exists")
         if not name or len(name) > self.config.max_topic_name:
@@ -111,8 +115,35 @@ class Engine:
         self._epochs += 1
         topic = _TOPIC_CLASSES[config.kind](name, f"{self.instance_id}-{self._epochs}", config, self.counters)
         topic.max_message_bytes = self.config.max_message_bytes
+        if epoch is not None or start:
+            topic.restart(epoch or topic.epoch, start)
         self._topics[name] = topic
         return topic
+
+    def restart_topic(self, name: str, epoch: str, start: int) -> None:
+        """Begin a new epoch at seq `start` (a broker's stream changed epoch, docs/cluster.md §4). Each
+        subscriber gets `loss [cursor, null)` `epoch`, then `subscribed` (id null) with the new epoch and
+        seq, and reads on from there. Cost: O(subscribers of the topic); a rare event."""
+        topic = self.topic(name)
+        topic.restart(epoch, start)
+        for sub in topic.subs:
+            client = sub.client
+            cursor = sub.cursor
+            begin, _ = topic.attach(sub, None)
+            self.counters.loss_notices += 1
+            # past the bound, like `delete_topic`: two per subscription, once per epoch change
+            client.direct.append(encode_loss(name, cursor, None, "epoch"))
+            client.direct.append(encode_subscribed(name, topic.kind, epoch, begin))
+            self._note_work(client)
+
+    def skip(self, name: str, upto: int, now: float = 0.0) -> bool:
+        """Seqs of topic `name` below `upto` that did not arrive never will (a broker's stream dropped them):
+        subscribers get the exact range as a loss notice. Returns whether the available end moved."""
+        topic = self.topic(name)
+        if not topic.skip_to(upto, now):
+            return False
+        self._wake(topic.take_idle())
+        return True
 
     def delete_topic(self, name: str) -> int:
         """Remove a topic; each subscriber gets a `closed` entry. Returns how many were subscribed."""
@@ -406,13 +437,18 @@ class Engine:
         unreached: list[Subscription] = []
         again: list[Subscription] = []
         peeked = client.peeked_subs
+        left = len(handles)
         for sub in handles:
+            left -= 1  # handles after this one
             if size >= budget:
                 unreached.append(sub)
                 continue
             topic = sub.topic
             had_peeked = sub.peeked
-            size += topic.read_into(sub, out, budget - size)
+            room = budget - size
+            if topic.config.batch_depth is AUTO_DEPTH:  # its share: the handles after it are still reached
+                room = -(-room // (left + 1))
+            size += topic.read_into(sub, out, room)
             if sub.peeked and not had_peeked:  # entries kept until commit (private): first ones of this batch
                 peeked.append(sub)
             if topic.has_data(sub):

@@ -105,7 +105,7 @@ class PrivateTopic(Topic):
             return 0
         added = 0
         taken = 0
-        depth = self.config.batch_depth
+        depth: int = self.config.batch_depth  # type: ignore[assignment]  # TopicConfig refuses "auto" here
         while taken < depth and sub.peeked < len(queue) and added < room:
             entry = queue[sub.peeked]
             out.append(entry)

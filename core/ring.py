@@ -21,7 +21,7 @@ from collections.abc import Collection, Hashable
 from typing import Any, ClassVar
 
 from .client import Subscription
-from .config import MAX_SEQ, TopicConfig
+from .config import AUTO_MAX_SLICE, AUTO_MAX_SPAN, MAX_SEQ, TopicConfig
 from .counters import Counters
 from .entries import encode_loss
 from .errors import BadSeq, DuplicateSeq, SkippedSeq, StaleSeq
@@ -104,6 +104,28 @@ class RingTopic(Topic):
             return seq, ()
         woken, self.idle = self.idle, {}  # `take_idle`, inlined: the publish hot path
         return seq, woken
+
+    def restart(self, epoch: str, start: int) -> None:
+        """Empty ring in epoch `epoch`, available range [start, start): a broker's stream position."""
+        if not 0 <= start < MAX_SEQ:
+            raise BadSeq(f"start seq must be in [0, 2**53), not {start}")
+        self.epoch = epoch
+        self.slots = [None] * self.capacity
+        self.begin = self.end = self.next_id = start
+        self.pending.clear()
+        self.arrived.clear()
+        self.available = 0
+        self.hole_since = None
+        self.lost_begins.clear()
+        self.lost_ends.clear()
+
+    def skip_to(self, upto: int, now: float) -> bool:
+        """[end, upto) will never arrive: subscribers read it as `loss` `skipped`, the exact range."""
+        if upto <= self.end:
+            return False
+        self.next_id = max(self.next_id, upto)
+        self._give_up_before(upto, now)
+        return True
 
     def expire_hole(self, now: float) -> bool:
         """Give up every hole open for `hole_timeout` or longer. Returns whether `end` moved."""
@@ -205,9 +227,11 @@ class RingTopic(Topic):
         return self.next_id > 0 or self.end > 0 or bool(self.pending)
 
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
+        depth = self.config.batch_depth
+        if isinstance(depth, str):  # AUTO_DEPTH, the only string TopicConfig keeps
+            return self._read_auto(sub, out, room)
         added = 0
         taken = 0
-        depth = self.config.batch_depth
         slots = self.slots
         capacity = self.capacity
         while taken < depth and sub.cursor < self.end and added < room:
@@ -228,6 +252,48 @@ class RingTopic(Topic):
             added += len(entry)
             sub.cursor = cursor + 1
             taken += 1
+        self.counters.messages_delivered += taken
+        return added
+
+    def _read_auto(self, sub: Subscription, out: list[bytes], room: int) -> int:
+        """`batch_depth = "auto"` (docs/design/batching.md §8): a slice sized by the backlog.
+
+        A subscriber one message behind (caught up) gets one, as at depth 1; one `lag` behind gets
+        ceil(lag x AUTO_MAX_SLICE / span) (span: the capacity, at most AUTO_MAX_SPAN), at most AUTO_MAX_SLICE,
+        so it reaches the bound before the ring wraps under it. `room` is the handle's share of what is left
+        of the client's budget (the engine's `_fill`): as at any depth an entry goes while fewer than `room`
+        bytes were added (so the first always goes), but a message after the first only if it fits in
+        `room`: the handles after this one in the cycle are still reached. Loss notices do not count in the
+        slice. Cost: O(entries emitted).
+        """
+        cursor = sub.cursor
+        end = self.end
+        span = min(self.capacity, AUTO_MAX_SPAN)
+        depth = min(AUTO_MAX_SLICE, -(-(end - cursor) * AUTO_MAX_SLICE // span))
+        added = 0
+        taken = 0
+        slots = self.slots
+        capacity = self.capacity
+        while taken < depth and cursor < end and added < room:
+            if cursor < self.begin:
+                added += self._emit_behind(out, cursor, self.begin)
+                cursor = self.begin
+                continue
+            entry = slots[cursor % capacity]
+            if entry is None:
+                stop = cursor + 1
+                while stop < end and slots[stop % capacity] is None:
+                    stop += 1
+                added += self._emit_loss(out, cursor, stop, "skipped")
+                cursor = stop
+                continue
+            if taken and added + len(entry) > room:
+                break
+            out.append(entry)
+            added += len(entry)
+            cursor += 1
+            taken += 1
+        sub.cursor = cursor
         self.counters.messages_delivered += taken
         return added
 

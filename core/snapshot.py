@@ -37,6 +37,15 @@ class SnapshotTopic(Topic):
         woken, self.idle = self.idle, {}  # `take_idle`, inlined: the publish hot path
         return new_seq, woken
 
+    def restart(self, epoch: str, start: int) -> None:
+        """No value, epoch `epoch`; the next publish may take any seq from `start` on."""
+        self.epoch = epoch
+        self.latest = None
+        self.seq = start - 1
+
+    def skip_to(self, upto: int, now: float) -> bool:
+        return False  # last value only: a seq jump is conflation, never a loss
+
     def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
         sub.cursor = self.seq + 1
         if self.latest is None:

@@ -122,6 +122,17 @@ class Topic:
         """Hand out `count` seqs as [begin, end) for producers that publish them later (ring topics)."""
         raise CoreUsageError(f"reserve needs a ring topic, {self.name!r} is {self.kind}")
 
+    def restart(self, epoch: str, start: int) -> None:
+        """Empty the topic and begin a new epoch whose first seq is `start` (a broker's stream: the seqs are
+        Redis's, docs/cluster.md §3). The engine moves the subscribers (`Engine.restart_topic`). Kinds that
+        key state by owner cannot restart."""
+        raise CoreUsageError(f"a {self.kind} topic cannot restart at a given seq")
+
+    def skip_to(self, upto: int, now: float) -> bool:
+        """Announce every seq below `upto` not yet available as lost (a broker's stream dropped them before
+        this node read them). Returns whether data became readable (the engine wakes `take_idle`)."""
+        raise CoreUsageError(f"a {self.kind} topic has no seqs to skip")
+
     def expire_hole(self, now: float) -> bool:
         """Give up a hole that waited too long. Returns whether data became readable (the engine then wakes
         the handles of `take_idle`)."""

@@ -1,4 +1,4 @@
-"""The Starlette application: WebSocket, long-poll, admin API, metrics, health, static files."""
+"""The Starlette application: WebSocket, long-poll, SSE, admin API, metrics, health, static files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
 
-from . import admin, longpoll
+from . import admin, longpoll, sse
 from .errors import MethodNotAllowed, NotFound
 from .http_errors import error_response
 from .hub import Hub
@@ -34,13 +35,26 @@ async def method_not_allowed(request: Request, exc: Exception) -> Response:
     return error_response(MethodNotAllowed(request.method))
 
 
+async def longpoll_disabled(request: Request) -> Response:
+    return error_response(NotFound("the long-poll transport is disabled (longpoll.enabled)"))
+
+
+async def websocket_disabled(websocket: WebSocket) -> None:
+    await websocket.close()  # before accept: the handshake is answered with HTTP 403
+
+
 def build_app(hub: Hub, admin_token: str) -> Starlette:
+    lp_on = hub.config.longpoll.enabled
     routes = [
-        WebSocketRoute("/ws", websocket_endpoint),
-        Route("/lp", longpoll.create_session, methods=["POST"]),
-        Route("/lp/{session}", longpoll.poll, methods=["GET"]),
-        Route("/lp/{session}", longpoll.post_commands, methods=["POST"]),
-        Route("/lp/{session}", longpoll.delete_session, methods=["DELETE"]),
+        WebSocketRoute("/ws", websocket_endpoint if hub.config.websocket.enabled else websocket_disabled),
+        Route("/lp", longpoll.create_session if lp_on else longpoll_disabled, methods=["POST"]),
+        Route("/lp/{session}", longpoll.poll if lp_on else longpoll_disabled, methods=["GET"]),
+        Route("/lp/{session}", longpoll.post_commands if lp_on else longpoll_disabled, methods=["POST"]),
+        Route("/lp/{session}", longpoll.delete_session if lp_on else longpoll_disabled, methods=["DELETE"]),
+        # sse checks sse.enabled itself: the endpoints answer 404 when it is off
+        Route("/sse", sse.stream, methods=["GET"]),
+        Route("/sse/{session}", sse.post_commands, methods=["POST"]),
+        Route("/sse/{session}", sse.delete_session, methods=["DELETE"]),
         Mount("/api", routes=admin.routes),
         Route("/metrics", metrics),
         Route("/healthz", healthz),
@@ -54,5 +68,6 @@ def build_app(hub: Hub, admin_token: str) -> Starlette:
         middleware=[Middleware(OriginGuard, allowed=parse_allowed_origins(hub.config.server.allowed_origins))],
     )
     app.state.hub = hub
+    app.state.sse_sessions = {}  # SSE streams by their secret (gateway/sse.py)
     app.state.admin_token = admin_token
     return app

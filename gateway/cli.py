@@ -12,6 +12,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from .broker import BrokerUnreachable
 from .config import ConfigError, GatewayConfig, load_config
 from .server import start_gateway
 
@@ -37,8 +38,8 @@ def write_ready_file(path: str, info: dict) -> None:
     os.replace(tmp, path)
 
 
-async def _serve(config: GatewayConfig, ready_file: str | None) -> None:
-    running = await start_gateway(config)
+async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0) -> None:
+    running = await start_gateway(config, worker)
     generated = not config.server.admin_token
     if ready_file:
         info = running.ports()
@@ -76,9 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway: config error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.server.workers > 1:  # docs/cluster.md §5
+        from .broker.workers import run_workers
+
+        return run_workers(config, args.ready_file, _serve_worker, write_ready_file)
+    return _serve_worker(config, args.ready_file, 0)
+
+
+def _serve_worker(config: GatewayConfig, ready_file: str | None, worker: int) -> int:
     try:
-        _run(_serve(config, args.ready_file), config.server.uvloop)
-    except ConfigError as exc:
+        _run(_serve(config, ready_file, worker), config.server.uvloop)
+    except (ConfigError, BrokerUnreachable) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -81,9 +81,8 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
     if not bucket.take():
         raise RateLimited(f"publish rate above {hub.config.limits.publish_rate:g}/s")
     creating = _creating(hub, identity, name)
-    result = hub.publish(name, command.data)
+    hub.publish_reply(identity.client_id, name, command.data, command.id)  # the reply, now or from the broker
     identity.created_topics += creating
-    hub.send_direct(identity.client_id, encode_reply(command.id, {"seq": result.seq}))
 
 
 def _rpc(hub: "Hub", identity: ClientIdentity, method: str, params: Any) -> Any:

@@ -51,6 +51,7 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_connections_per_ip: int
     header_timeout_s: float
     gc_full_interval_s: float
+    workers: int
 
 
 class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -63,6 +64,7 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True):
 
 
 class WebSocketConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
     write_high_water: int
     socket_send_buffer: int
     notsent_lowat_bytes: int
@@ -74,11 +76,19 @@ class WebSocketConfig(_Section, frozen=True, forbid_unknown_fields=True):
 
 
 class LongPollConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
     poll_timeout_s: float
     session_ttl_s: float
     max_sessions: int
     max_body_bytes: int
     max_sessions_per_ip: int
+
+
+class SseConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
+    heartbeat_s: float
+    max_sessions_per_ip: int
+    max_body_bytes: int
 
 
 class IngestConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -129,6 +139,8 @@ class LimitsConfig(_Section, frozen=True, forbid_unknown_fields=True):
 class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True):
     publish_timeout_s: float
     max_body_bytes: int
+    stats_interval_s: float
+    stats_max_viewers: int
 
 
 class DeliveryLogConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -143,6 +155,13 @@ class DeliveryLogConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_publish_stamps: int
 
 
+class BrokerConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    url: str
+    prefix: str
+    history_ttl_s: float
+    connect_timeout_s: float
+
+
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
 #: whose tables are checked by `topic_config`.
 SECTIONS: dict[str, type[_Section]] = {
@@ -150,12 +169,14 @@ SECTIONS: dict[str, type[_Section]] = {
     "scheduler": SchedulerConfig,
     "websocket": WebSocketConfig,
     "longpoll": LongPollConfig,
+    "sse": SseConfig,
     "ingest": IngestConfig,
     "rawtcp": RawTcpConfig,
     "auth": AuthConfig,
     "limits": LimitsConfig,
     "admin": AdminConfig,
     "deliverylog": DeliveryLogConfig,
+    "broker": BrokerConfig,
 }
 TOPICS = "topics"
 
@@ -178,12 +199,14 @@ class GatewayConfig:
     scheduler: SchedulerConfig = field(init=False, repr=False)
     websocket: WebSocketConfig = field(init=False, repr=False)
     longpoll: LongPollConfig = field(init=False, repr=False)
+    sse: SseConfig = field(init=False, repr=False)
     ingest: IngestConfig = field(init=False, repr=False)
     rawtcp: RawTcpConfig = field(init=False, repr=False)
     auth: AuthConfig = field(init=False, repr=False)
     limits: LimitsConfig = field(init=False, repr=False)
     admin: AdminConfig = field(init=False, repr=False)
     deliverylog: DeliveryLogConfig = field(init=False, repr=False)
+    broker: BrokerConfig = field(init=False, repr=False)
     #: the topic rules as in the TOML: {"rules": [{"pattern": ..., ...}, ...]}
     topics: dict[str, list[dict[str, Any]]] = field(init=False, repr=False)
 
@@ -207,7 +230,13 @@ class GatewayConfig:
         )
 
     def topic_rules(self) -> list[TopicRule]:
-        return [TopicRule(r["pattern"], topic_config(r)) for r in self.topics["rules"]]
+        rules = []
+        for i, r in enumerate(self.topics["rules"]):
+            try:
+                rules.append(TopicRule(r["pattern"], topic_config(r)))
+            except ConfigError as exc:  # say which rule: a config has several
+                raise ConfigError(f"topics.rules[{i}] (pattern {r['pattern']!r}): {exc}") from None
+        return rules
 
     def static_path(self) -> Path:
         path = Path(self.server.static_dir)
@@ -337,4 +366,11 @@ def load_config(
         _merge(raw, copy.deepcopy(dict(overrides)), "")
     config = GatewayConfig(raw)
     config.engine_config()  # validates the topic rules
+    if config.server.workers < 1:
+        raise ConfigError(f"server.workers must be >= 1, not {config.server.workers}")
+    if config.server.workers > 1 and not config.broker.url:
+        raise ConfigError(
+            f"server.workers = {config.server.workers} needs a broker: each worker would be a topic space of its"
+            " own; set broker.url (docs/cluster.md) or keep workers = 1"
+        )
     return config

@@ -112,6 +112,13 @@ class UnknownClient(RequestError):
     http_status = 404
 
 
+class TooManyViewers(RequestError):
+    """Admin API: `admin.stats_max_viewers` stats streams are open."""
+
+    code = "too_many_viewers"
+    http_status = 429
+
+
 class Disabled(RequestError):
     """The raw TCP broadcaster is disabled."""
 
@@ -141,3 +148,10 @@ class Closed(RequestError):
     """Long-poll: the session was closed; the entry carries the `close_code` it stands for."""
 
     code = "closed"
+
+
+class BrokerUnavailable(RequestError):
+    """With a broker (docs/cluster.md §4): Redis cannot be reached, so the publish cannot be given a seq."""
+
+    code = "broker_unavailable"
+    http_status = 503

@@ -18,14 +18,15 @@ import time
 from collections import Counter
 from typing import Any, Hashable, Protocol
 
-from core import Batch, CoreUsageError, Engine, Published, QueueFull, RequestError
-from core.entries import encode_error
+from core import Batch, CoreUsageError, Engine, Published, QueueFull, RequestError, TopicKind
+from core.entries import encode_error, encode_reply
 
 from . import close_codes
 from .auth import Principal, TokenVerifier
+from .broker import Broker, make_broker
 from .config import GatewayConfig
 from .deliverylog import DeliveryLog
-from .errors import BadToken, TokenExpired
+from .errors import BadToken, InternalError, TokenExpired
 from .gcpolicy import GcPolicy
 from .identity import ClientIdentity
 from .metrics import Metrics
@@ -79,10 +80,13 @@ class Hub:
         self.delivery_log: DeliveryLog | None = None
         if config.deliverylog.enabled:
             self.delivery_log = DeliveryLog(config.deliverylog, self)
+        #: where topics live: this engine (default) or Redis shared with other nodes (docs/cluster.md)
+        self.broker: Broker = make_broker(self)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.broker.start()
         self._task = asyncio.get_running_loop().create_task(self._scheduler(), name="fanout-scheduler")
         self._schedule_tick()
         self._schedule_watchdog()
@@ -100,6 +104,7 @@ class Hub:
             except asyncio.CancelledError:
                 pass
         self.close_all_clients()
+        await self.broker.stop()
 
     def close_all_clients(self) -> None:
         for client_id in list(self.conns):
@@ -168,7 +173,10 @@ class Hub:
             if timer is not None:
                 timer.cancel()
         self.blocked.pop(client_id, None)
+        names = list(self.engine.client(client_id).subs) if self.broker.distributed else ()
         self.engine.disconnect(client_id)
+        for name in names:
+            self.broker.release(name)
         self.metrics.disconnected(identity.transport, reason)
         self.gc.departed()
         self._wake_space_waiters()
@@ -281,12 +289,80 @@ class Hub:
         return self.engine.resolve(name)
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None) -> None:
+        """Subscribe now, or, with a broker, once the topic is attached (its answer, `subscribed` or an
+        error entry, then comes from the attach)."""
+        if self.via_broker(topic):
+            if not self.broker.attached(topic):
+                self.broker.attach(topic).add_done_callback(
+                    lambda ready: self._subscribe_attached(ready, client_id, topic, since, request_id))
+                return
+            self.broker.hold(topic)
         self.engine.subscribe(client_id, topic, since=since, request_id=request_id)
+        self.wake()
+
+    def _subscribe_attached(
+        self, ready: asyncio.Future, client_id: str, topic: str, since: tuple[str, int] | None, request_id: Any
+    ) -> None:
+        if client_id not in self.conns:
+            self.broker.release(topic)
+            return
+        try:
+            exc = ready.exception()
+            if isinstance(exc, RequestError):
+                raise exc
+            if exc is not None:
+                raise InternalError(f"subscribing to {topic!r} failed: {exc}")
+            self.broker.hold(topic)
+            self.engine.subscribe(client_id, topic, since=since, request_id=request_id)
+        except RequestError as err:
+            self.send_error(client_id, err, request_id)
         self.wake()
 
     def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
         self.engine.unsubscribe(client_id, topic, request_id=request_id)
+        self.broker.release(topic)
         self.wake()
+
+    def via_broker(self, topic: str) -> bool:
+        """Whether `topic`'s publishes and subscribes go through a distributed broker: shared kinds with
+        one configured (private queues stay in the node, docs/cluster.md §8)."""
+        if not self.broker.distributed:
+            return False
+        config = self.engine.topic_config(topic)
+        return config is None or config.kind is not TopicKind.PRIVATE
+
+    async def create_topic_async(self, name: str, config: Any) -> Any:
+        """Create a topic (cluster-wide with a broker); returns its INFO."""
+        if self.broker.distributed and config.kind is not TopicKind.PRIVATE:
+            await self.broker.create(name, config)
+            info = self.engine.topic(name).info() if self.engine.has_topic(name) else await self.broker.topic_info(name)
+            return info
+        return self.engine.create_topic(name, config).info()
+
+    async def delete_topic_async(self, name: str) -> int:
+        """Remove a topic (cluster-wide with a broker). Returns how many local subscribers were told."""
+        if self.via_broker(name):
+            subs = len(self.engine.topic(name).subs) if self.engine.has_topic(name) else 0
+            await self.broker.delete(name)
+            self.wake()
+            return subs
+        return self.delete_topic(name)
+
+    async def topics_info(self) -> list[dict[str, Any]]:
+        """INFO of every topic: the cluster's (from the broker), else this engine's."""
+        listed = await self.broker.topics()
+        if listed is None:
+            return [t.info() for t in self.engine.topics()]
+        names = {info["name"] for info in listed}
+        return listed + [t.info() for t in self.engine.topics() if t.name not in names]
+
+    async def topic_info(self, name: str) -> dict[str, Any]:
+        if self.engine.has_topic(name):
+            return self.engine.topic(name).info()
+        info = await self.broker.topic_info(name)
+        if info is None:
+            return self.engine.topic(name).info()  # raises UnknownTopic
+        return info
 
     def delete_topic(self, name: str) -> int:
         """Remove a topic; its subscribers get `closed`. Returns how many there were."""
@@ -307,12 +383,59 @@ class Hub:
 
     def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
         """Publish now or raise (QueueFull is back-pressure: see `publish_wait`). `owner`: the user whose
-        private queue gets it (private topics)."""
+        private queue gets it (private topics). With a broker, shared topics go through `publish_later`."""
+        if self.broker.distributed and self.via_broker(topic):
+            raise CoreUsageError(f"{topic!r} is published through the broker: use publish_later")
         result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
         if self.delivery_log is not None:
             self.delivery_log.published(topic, result.seq)
         self.wake()
         return result
+
+    def publish_later(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> asyncio.Future:
+        """Publish through the broker when the topic goes through one (a future of the `Published`), else now
+        (a done future). Raises at once what can be told at once (`BrokerUnavailable`, `BadData`, ...)."""
+        if not self.via_broker(topic):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(self.publish(topic, data, seq=seq, owner=owner))
+            return future
+        seq_future = self.broker.publish(topic, data, seq)
+        result = asyncio.get_running_loop().create_future()
+
+        def landed(done: asyncio.Future) -> None:
+            exc = done.exception()
+            if exc is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(Published(topic, done.result()))
+
+        seq_future.add_done_callback(landed)
+        return result
+
+    async def publish_async(self, topic: str, data: Any, *, seq: int | None = None) -> Published:
+        """Publish to a shared topic, through the broker when there is one."""
+        published: Published = await self.publish_later(topic, data, seq=seq)
+        return published
+
+    def publish_reply(self, client_id: str, topic: str, data: Any, request_id: Any) -> None:
+        """A client's publish: its `reply` with the seq comes now, or when the broker has given it."""
+        future = self.publish_later(topic, data)
+
+        def answer(done: asyncio.Future) -> None:
+            if client_id not in self.conns:
+                return
+            exc = done.exception()
+            if isinstance(exc, RequestError):
+                self.send_error(client_id, exc, request_id)
+            elif exc is not None:
+                self.send_error(client_id, InternalError(f"publish failed: {exc}"), request_id)
+            else:
+                self.send_direct(client_id, encode_reply(request_id, {"seq": done.result().seq}))
+
+        if future.done():
+            answer(future)
+        else:
+            future.add_done_callback(answer)
 
     async def publish_wait(
         self, topic: str, data: Any, *, owner: Hashable, timeout: float, seq: int | None = None

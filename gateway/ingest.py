@@ -49,6 +49,9 @@ class IngestProtocol(asyncio.Protocol):
         self.auth_timeout = hub.config.server.header_timeout_s
         self.auth_timer: asyncio.TimerHandle | None = None
         self.peer: object = None
+        #: with a broker (docs/cluster.md): publishes sent and not yet answered, and a `sync` waiting on them
+        self.landing = 0
+        self.sync_waiting: Sync | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream protocol is given a Transport
@@ -83,6 +86,9 @@ class IngestProtocol(asyncio.Protocol):
     def _process(self) -> None:
         budget = self.max_per_turn
         while self.blocked is None:
+            if self.sync_waiting is not None or self.landing >= self.max_per_turn:
+                self._pause()  # the broker's answers resume it (`_landed`)
+                break
             if budget == 0:
                 # A publisher at full speed must not starve the fan-out: after a turn, let a cycle run
                 # (the scheduler was woken by these publishes), then go on with what is buffered.
@@ -105,6 +111,9 @@ class IngestProtocol(asyncio.Protocol):
         if isinstance(item, Publish):
             self._publish(item)
         elif isinstance(item, Sync):
+            if self.landing:
+                self.sync_waiting = item  # answered when every record before it has landed
+                return
             self._write(
                 orjson.dumps({"type": "synced", "id": item.id, "accepted": self.accepted, "refused": self.refused})
                 + b"\n"
@@ -142,8 +151,41 @@ class IngestProtocol(asyncio.Protocol):
                            type(exc).__name__, exc)
         self._error(line_no, InternalError.code, "internal error while handling this record")
 
+    def _pause(self) -> None:
+        if self.transport is not None and not self.reading_paused:
+            self.transport.pause_reading()
+            self.reading_paused = True
+
+    def _landed(self, line_no: int, future: asyncio.Future) -> None:
+        """A publish sent to the broker was answered: count it, then go on if it held the connection."""
+        self.landing -= 1
+        exc = future.exception()
+        if isinstance(exc, RequestError):
+            self.refused += 1
+            self._error(line_no, exc.code, exc.message)
+        elif exc is not None:
+            self._internal_error(line_no, exc)  # type: ignore[arg-type]  # a BaseException from the future
+        else:
+            self.accepted += 1
+            self.hub.metrics.ingest_records += 1
+        if self.landing == 0 and self.sync_waiting is not None:
+            sync, self.sync_waiting = self.sync_waiting, None
+            self._apply(sync)
+        if self.transport is not None and self.blocked is None and self.continuation is None:
+            self._process()
+
     def _publish(self, item: Publish) -> None:
         record = item.record
+        if self.hub.broker.distributed and self.hub.via_broker(record.topic):
+            try:
+                future = self.hub.publish_later(record.topic, record.data, seq=record.seq, owner=record.client)
+            except RequestError as exc:
+                self.refused += 1
+                self._error(item.line, exc.code, exc.message)
+                return
+            self.landing += 1
+            future.add_done_callback(lambda done: self._landed(item.line, done))
+            return
         try:
             self.hub.publish(record.topic, record.data, seq=record.seq, owner=record.client)
         except QueueFull:
@@ -182,9 +224,10 @@ class IngestServer:
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> None:
+        """`reuse_port`: several worker processes serve the port (server.workers, docs/cluster.md §5)."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: IngestProtocol(self.hub), host, port)
+        self.server = await loop.create_server(lambda: IngestProtocol(self.hub), host, port, reuse_port=reuse_port or None)
         self.port = self.server.sockets[0].getsockname()[1]
         log.info("TCP ingest on %s:%d", host, self.port)
 

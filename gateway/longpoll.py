@@ -54,6 +54,8 @@ class LongPollSession:
         #: (batch id, response body) handed out and not yet acknowledged
         self.outstanding: tuple[int, bytes] | None = None
         self.batches = 0
+        #: entries (messages, notices, replies) handed to this session: the stats stream's delivery rate
+        self.entries_sent = 0
         self.polls = 0
         self._expiry: asyncio.TimerHandle | None = None
         self.closed = False
@@ -76,6 +78,7 @@ class LongPollSession:
 
     def deliver(self, batch: Batch, frame: bytes) -> bool:
         self.batches += 1
+        self.entries_sent += len(batch.entries)
         body = b'{"batch":%d,"entries":%s}' % (self.batches, frame)
         self.outstanding = (self.batches, body)
         if self.poll is not None and not self.poll.done():
@@ -92,7 +95,8 @@ class LongPollSession:
             self.poll.set_result(orjson.dumps({"batch": None, "entries": [entry]}))
 
     def describe(self) -> dict[str, Any]:
-        return {"transport": "longpoll", "peer": self.identity.peer, "batches": self.batches, "polling": self.poll is not None}
+        return {"transport": "longpoll", "peer": self.identity.peer, "batches": self.batches, "entries_sent": self.entries_sent,
+                "polling": self.poll is not None}
 
     async def wait(self, ack: int | None) -> bytes:
         hub = self.hub
@@ -175,15 +179,21 @@ async def post_commands(request: Request) -> Response:
     if session is None:
         return error_response(UNKNOWN_SESSION)
     hub: Hub = request.app.state.hub
+    return await accept_commands(request, hub, session.identity.client_id, hub.config.longpoll.max_body_bytes)
+
+
+async def accept_commands(request: Request, hub: Hub, client_id: str, max_body_bytes: int) -> Response:
+    """A POSTed command or array of commands, run for `client_id` (long-poll, SSE): `202 {"accepted": n}`,
+    the answers on the client's stream; a body that is too large or not JSON is a 4xx JSON error."""
     try:
-        body = await read_body(request, hub.config.longpoll.max_body_bytes)
+        body = await read_body(request, max_body_bytes)
     except RequestError as exc:
         return error_response(exc)
     try:
         orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         return error_response(BadJson(f"not JSON: {exc}"))
-    count = handle_payload(hub, session.identity.client_id, body)
+    count = handle_payload(hub, client_id, body)
     return JSONResponse({"accepted": count}, status_code=202)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -43,6 +43,11 @@ class BucketHistogram:
             buckets.append((repr(float(bound)), running))
         buckets.append(("+Inf", running + self.counts[-1]))
         return buckets
+
+    def snapshot(self) -> dict[str, Any]:
+        """Read-only copy for the admin stats stream: upper bounds, per-bucket (not cumulative) counts, the
+        last one above every bound, and the sum."""
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total}
 
     def family(self, name: str, doc: str) -> HistogramMetricFamily:
         return HistogramMetricFamily(name, doc, buckets=self.cumulative(), sum_value=self.total)

@@ -5,17 +5,25 @@ never finishing its request headers (slowloris). uvicorn runs `GuardedHttpToolsP
 httptools protocol: every accepted connection is admitted by the `ConnectionLimiter` before anything is
 parsed, or answered with a fixed 503 and closed. An upgraded WebSocket connection keeps its slot: its loss
 is reported to the WebSocket protocol only, which releases it (gateway/ws.py).
+
+The protocol also exposes itself in each request's ASGI scope (`scope["extensions"][SCOPE_KEY]`), so that a
+streaming response (SSE, gateway/sse.py) can write straight to the transport, as the WebSocket does; such a
+response sets itself as `stream` and is told of the transport's flow control and of the connection's loss.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Any, Protocol, cast
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .ratelog import BadInputLog
+
+#: where the protocol puts itself in each request's ASGI scope, under "extensions"
+SCOPE_KEY = "fanout.http"
 
 #: reasons a connection is refused or cut, as exported in fanout_connections_refused_total{reason}
 REASONS = ("total", "per_ip", "header_timeout")
@@ -92,6 +100,19 @@ class ConnectionLimiter:
         self.bad_input("http", "connection from %s refused or cut: %s", ip or "?", reason)
 
 
+class StreamListener(Protocol):
+    """A response written straight to the transport (gateway/sse.py)."""
+
+    def on_pause(self) -> None:
+        """The transport's buffer went above its high-water mark."""
+
+    def on_resume(self) -> None:
+        """It drained below the low-water mark."""
+
+    def on_lost(self) -> None:
+        """The connection is gone."""
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol behind the connection limiter and the request-header deadline.
 
@@ -106,6 +127,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _refused = False
     #: the header deadline; on a refused connection, the end of its linger
     _timer: asyncio.TimerHandle | None = None
+    #: the response being written straight to the transport, if any (set and cleared by it)
+    stream: StreamListener | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         if not self.limiter.admit(transport):
@@ -133,7 +156,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_timer()
+        cast(dict[str, Any], self.scope).setdefault("extensions", {})[SCOPE_KEY] = self
         super().on_headers_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.stream is not None:
+            self.stream.on_pause()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.stream is not None:
+            self.stream.on_resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
@@ -141,6 +175,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.limiter.release(self.transport)
         super().connection_lost(exc)
+        if self.stream is not None:
+            self.stream.on_lost()
 
     def _arm_header_deadline(self) -> None:
         if self.header_timeout_s > 0:

@@ -32,6 +32,13 @@ def _op(summary: str, ok: str, *, body: dict | None = None, reply: dict = _OBJEC
     return op
 
 
+def _stream_op() -> dict[str, Any]:
+    op = _op("Server-sent events: a JSON snapshot of topics, clients (the busiest 50), rates and histograms "
+             "every admin.stats_interval_s; 429 beyond admin.stats_max_viewers viewers", "200", errors=(401, 429))
+    op["responses"]["200"]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+    return op
+
+
 OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {"title": "fanout-gateway admin API", "version": "0.1.0"},
@@ -56,6 +63,7 @@ OPENAPI: dict[str, Any] = {
         "/api/raw/receivers": {"get": _op("Raw TCP receivers", "200", errors=(401, 404))},
         "/api/raw/stats": {"get": _op("Raw TCP broadcaster metrics", "200", errors=(401, 404))},
         "/api/stats": {"get": _op("Core counters and gateway state", "200")},
+        "/api/stats/stream": {"get": _stream_op()},
         "/api/rules/{name}": {
             "get": _op("The topic rule a name matches (pattern and settings), as used on first use", "200",
                        errors=(401, 404), params=("name",)),

@@ -1,9 +1,9 @@
-"""Origin checks for the browser-facing routes (/ws, /lp): cross-site WebSocket hijacking and CORS.
+"""Origin checks for the browser-facing routes (/ws, /lp, /sse): cross-site WebSocket hijacking and CORS.
 
 A browser always sends `Origin` on a WebSocket handshake and on cross-origin requests. A request whose
 Origin is neither the gateway's own (its host:port equals the request's Host) nor in
-`server.allowed_origins` is refused: a WebSocket handshake with HTTP 403, a long-poll request with a 403
-JSON error. Requests without Origin (services, curl) are not browsers acting for a third-party site and
+`server.allowed_origins` is refused: a WebSocket handshake with HTTP 403, a long-poll or SSE request with a
+403 JSON error. Requests without Origin (services, curl) are not browsers acting for a third-party site and
 pass. Allowed cross-origin requests get CORS headers, and preflight requests (OPTIONS) are answered here.
 """
 
@@ -17,10 +17,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .config import ConfigError
 
 #: Routes a browser page reaches with the user's cookies and network position.
-GUARDED_PREFIXES = ("/ws", "/lp")
+GUARDED_PREFIXES = ("/ws", "/lp", "/sse")
 DEFAULT_PORTS = {"http": "80", "https": "443"}
 CORS_METHODS = b"GET, POST, DELETE, OPTIONS"
-CORS_HEADERS = b"Authorization, Content-Type"
+CORS_HEADERS = b"Authorization, Content-Type, Last-Event-ID"
 #: Seconds a browser may cache a preflight answer.
 CORS_MAX_AGE = b"600"
 

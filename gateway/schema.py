@@ -108,7 +108,8 @@ Record = Union[PublishRecord, SyncRecord, AuthRecord]
 
 # Topic settings, with the bounds TopicConfig enforces (core/config.py), so the OpenAPI shows them.
 Capacity = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["capacity"])]
-BatchDepth = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["batch_depth"])]
+#: an integer, or "auto" (ring topics: a slice sized by the subscriber's backlog, docs/design/batching.md §8)
+BatchDepth = Union[Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["batch_depth"])], Literal["auto"]]
 ReorderWindow = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["reorder_window"])]
 MaxCount = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["max_count"])]
 MaxBytes = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["max_bytes"])]

@@ -55,10 +55,12 @@ class GatewayServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # server.workers > 1: each worker listens on the port, the kernel spreads connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.setblocking(False)
@@ -143,8 +145,11 @@ class RunningGateway:
             await self.hub.raw.stop()
 
 
-async def start_gateway(config: GatewayConfig) -> RunningGateway:
+async def start_gateway(config: GatewayConfig, worker: int = 0) -> RunningGateway:
+    """`worker`: this process's index among `server.workers` (docs/cluster.md §5): only worker 0 runs the
+    raw TCP broadcaster; with several, the HTTP and ingest ports are shared (SO_REUSEPORT)."""
     token, _generated = resolve_admin_token(config)
+    shared = config.server.workers > 1
     tls = tls_files(config)
     # As for the admin token, and before anything is started: beyond loopback, anyone could publish or send.
     for section, what in (("ingest", "the ingest"), ("rawtcp", "the raw TCP broadcaster")):
@@ -160,9 +165,9 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     running = RunningGateway(config, hub, token, http_port=0)
     if config.ingest.enabled:
         running.ingest = IngestServer(hub)
-        await running.ingest.start(config.ingest.host, config.ingest.port)
+        await running.ingest.start(config.ingest.host, config.ingest.port, reuse_port=shared)
         running.ingest_port = running.ingest.port
-    if config.rawtcp.enabled:
+    if config.rawtcp.enabled and worker == 0:
         from core.byte_ring import ByteRingConfig
 
         from .rawtcp import RawBroadcastServer
@@ -180,7 +185,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         assert raw.sender_port is not None and raw.receiver_port is not None  # set by start()
         running.raw_sender_port, running.raw_receiver_port = raw.sender_port, raw.receiver_port
     raise_open_files_limit(server_cfg.max_connections)
-    sock = _listen(server_cfg.host, server_cfg.port)
+    sock = _listen(server_cfg.host, server_cfg.port, reuse_port=shared)
     running.http_port = sock.getsockname()[1]
     ws = config.websocket
     limiter = ConnectionLimiter(server_cfg.max_connections, server_cfg.max_connections_per_ip, hub.bad_input)

@@ -165,6 +165,8 @@ class WSConnection:
         self.blocked_since: float | None = None
         self.frames_sent = 0
         self.bytes_sent = 0
+        #: entries (messages, notices, replies) handed to this connection: the stats stream's delivery rate
+        self.entries_sent = 0
         self.closed = False
         self._outbox: asyncio.Queue[bytes] | None = None
         self._writer: asyncio.Task | None = None
@@ -181,6 +183,7 @@ class WSConnection:
             return False
         self.frames_sent += 1
         self.bytes_sent += len(frame)
+        self.entries_sent += len(batch.entries)
         if self._outbox is not None:
             self._outbox.put_nowait(frame)
             self._blocked()
@@ -264,6 +267,7 @@ class WSConnection:
             "peer": self.identity.peer,
             "frames_sent": self.frames_sent,
             "bytes_sent": self.bytes_sent,
+            "entries_sent": self.entries_sent,
             "write_blocked": self.blocked_since is not None,
         }
 

@@ -2,15 +2,18 @@
 
     python -m loadtest SCENARIO [flags]          one run (starts its own gateway unless --url)
     python -m loadtest compare SCENARIO [flags]  gateway vs nginx + nchan, alternating
+    python -m loadtest depths SCENARIO [flags]   the gateway at several batch depths (--depths 1,8,auto)
     python -m loadtest list                      the named scenarios
     python -m loadtest wsbench                   WebSocket client cost: ours vs websockets' asyncio client
     python -m loadtest core | rawtcp [...]       the core and raw-TCP benchmarks (their own flags)
+    python -m loadtest cluster [--clients N]     in-process vs Redis vs 2 workers; cross-node latency; kill -9 recovery
     python -m loadtest idle-memory [--clients N] gateway memory per idle WebSocket client, and after they leave
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import time
@@ -20,7 +23,7 @@ from urllib.parse import urlsplit
 
 #: subcommands owned by other modules, imported only when asked for
 DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "wsbench": "loadtest.wsbench",
-             "idle-memory": "loadtest.idle_memory"}
+             "idle-memory": "loadtest.idle_memory", "cluster": "loadtest.cluster_bench"}
 #: exit status when a run saw silent loss: the one figure that is a broken promise, not a slow one
 EXIT_SILENT_LOSS = 3
 
@@ -45,7 +48,7 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int = 1):  # -> runner.TargetFactory
+def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int | str = 1):  # -> runner.TargetFactory
     from loadtest.gatewayproc import GatewayProcess
     from loadtest.target import Target
 
@@ -94,9 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest import runner, scenarios
 
     comparing = command == "compare"
-    parser = _run_parser("python -m loadtest compare" if comparing else "python -m loadtest")
+    depths = command == "depths"
+    parser = _run_parser(f"python -m loadtest {command}" if comparing or depths else "python -m loadtest")
     if comparing:
         parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of gateway and nchan")
+        argv = argv[1:]
+    if depths:
+        parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the depths")
+        parser.add_argument("--depths", default="1,8,auto",
+                            type=lambda text: [scenarios.parse_depth(d) for d in text.split(",")],
+                            help="comma-separated batch depths, each a positive integer or 'auto' (default 1,8,auto)")
         argv = argv[1:]
     args = parser.parse_args(argv)
     try:
@@ -112,6 +122,20 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(scenario, factory, _out(args, f"compare-{scenario.name}"), args.rounds, console,
                          not args.no_progress, **options)
         silent = max(r["silent loss"] for r in result["runs"]["gateway"])
+    elif depths:
+        from loadtest.compare import compare_depths
+
+        if args.url:
+            parser.error("depths starts its own gateway per depth: --url cannot be used")
+        for depth in args.depths:
+            try:
+                dataclasses.replace(scenario, batch_depth=depth).validate()
+            except ValueError as exc:
+                parser.error(f"--depths: {exc}")
+        result = compare_depths(scenario, args.depths, lambda depth: _gateway_factory(args, scenario.capacity, depth),
+                                _out(args, f"depths-{scenario.name}"), args.rounds, console, not args.no_progress,
+                                **options)
+        silent = max(r["silent loss"] for figures in result["runs"].values() for r in figures)
     else:
         summary = runner.run(scenario, factory, _out(args, scenario.name), console, not args.no_progress,
                              **options)

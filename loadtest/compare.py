@@ -2,6 +2,9 @@
 
 Runs alternate (gateway, nchan, gateway, nchan, ...) so that drift of the machine hits both alike; each
 figure is the median over the rounds, printed for both with the ratio gateway / nchan.
+
+``python -m loadtest depths SCENARIO --depths 1,8,auto``: the same scenario against the gateway at several
+ring batch depths (``batch_depth``), alternating in the same way (1, 8, auto, 1, 8, auto, ...).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,5 +47,37 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
     result = {"scenario": scenario.name, "rounds": rounds, "batch_depth": scenario.batch_depth,
               "settings": dataclasses.asdict(scenario), "median": medians, "runs": runs}
     (out / "compare.json").write_text(json.dumps(result, indent=2))
+    console.print(f"results in {out}")
+    return result
+
+
+def compare_depths(scenario: Scenario, depths: list[int | str], gateway: Callable[[int | str], runner.TargetFactory],
+                   out: Path, rounds: int = 1, console: Console | None = None, progress: bool = True,
+                   **options: Any) -> dict[str, Any]:
+    """Run ``scenario`` against the gateway once per batch depth per round, alternating; ``gateway(depth)``
+    makes the target factory. Prints the medians side by side, each depth's ratio to the first one, and
+    writes ``depths.json`` (every round's figures)."""
+    console = console or Console()
+    labels = {depth: f"depth {depth}" for depth in depths}
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in labels.values()}
+    for r in range(rounds):
+        for depth, label in labels.items():
+            console.rule(f"round {r + 1}/{rounds}: {label}")
+            run = dataclasses.replace(scenario, batch_depth=depth)
+            summary = runner.run(run, gateway(depth), out / f"depth-{depth}-{r + 1}", console, progress, **options)
+            runs[label].append(analysis.figures(summary))
+    medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
+               for label, figures in runs.items()}
+    first = next(iter(medians))
+    columns = dict(medians)
+    for label in list(medians)[1:]:
+        columns[f"{label}/{first}"] = {name: (value / medians[first][name] if medians[first][name] else 0.0)
+                                       for name, value in medians[label].items()}
+    report.print_comparison(console, columns, f"{scenario.name}: gateway batch depths "
+                                              f"(median of {rounds} round{'s' * (rounds > 1)})")
+    result = {"scenario": scenario.name, "rounds": rounds, "depths": depths,
+              "settings": dataclasses.asdict(scenario), "median": medians, "runs": runs}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "depths.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
     return result

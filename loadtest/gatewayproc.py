@@ -27,9 +27,11 @@ STARTUP_TIMEOUT = 30.0
 STOP_TIMEOUT = 2.0
 
 
-def config_text(admin_token: str, capacity: int = 64, batch_depth: int = 1) -> str:
+def config_text(admin_token: str, capacity: int = 64, batch_depth: int | str = 1) -> str:
     """The gateway config of a load run: loopback, ephemeral ports, every topic a ring of ``capacity``
-    messages from which a subscription gives up to ``batch_depth`` messages per cycle."""
+    messages from which a subscription gives up to ``batch_depth`` messages per cycle (``"auto"``: a slice
+    sized by its backlog)."""
+    depth = '"auto"' if batch_depth == "auto" else int(batch_depth)
     return f"""\
 [server]
 host = "{HOST}"
@@ -51,7 +53,7 @@ enabled = false
 pattern = "*"
 kind = "ring"
 capacity = {int(capacity)}
-batch_depth = {int(batch_depth)}
+batch_depth = {depth}
 reorder_window = 64
 client_publish = true
 anonymous = true
@@ -66,7 +68,7 @@ class GatewayProcess:
     ``workdir/gateway.log``."""
 
     def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64,
-                 batch_depth: int = 1) -> None:
+                 batch_depth: int | str = 1) -> None:
         self.workdir = Path(workdir)
         self.command = shlex.split(command) if command else [sys.executable, "-m", "gateway"]
         self.capacity = capacity

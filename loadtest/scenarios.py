@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 TRANSPORTS = ("ws", "longpoll", "mixed")
 PUBLISH_VIA = ("ingest", "admin")
+#: ``--batch-depth auto``: the gateway's ``batch_depth = "auto"`` (docs/design/batching.md §8)
+AUTO = "auto"
 
 #: padding that makes a message's data 100 bytes: ``{"ts":<19 digits>,"t":"t0000","n":<5 digits>,"pad":""}``
 #: is 57 bytes (a hot topic's name is one byte longer, a low message number a few digits shorter)
@@ -65,8 +67,9 @@ class Scenario:
     #: ring capacity of the gateway's topics (config ``topics.rules.capacity``)
     capacity: int = 64
     #: messages one ring subscription may give per cycle (gateway config ``topics.rules.batch_depth``); 1 is
-    #: one message per topic per frame. nchan has no equivalent: it sends one message per frame.
-    batch_depth: int = 1
+    #: one message per topic per frame, ``"auto"`` a slice sized by the subscriber's backlog. nchan has no
+    #: equivalent: it sends one message per frame.
+    batch_depth: int | str = 1
     #: run twice, the hot topics silent ("alone") then published ("beside"), and compare the cold topics'
     #: latency (needs ``hot_topics``)
     coldhot: bool = False
@@ -105,8 +108,8 @@ class Scenario:
             raise ValueError("duration, messages and procs must be positive")
         if self.window < 0:
             raise ValueError("window must be >= 0")
-        if self.batch_depth < 1:
-            raise ValueError("batch_depth must be >= 1")
+        if self.batch_depth != AUTO and not (isinstance(self.batch_depth, int) and self.batch_depth >= 1):
+            raise ValueError(f'batch_depth must be an integer >= 1 or "{AUTO}"')
         if self.coldhot and not (self.hot_topics and 0 < self.hot_share < 1):
             raise ValueError("coldhot needs hot_topics and 0 < hot_share < 1")
         if self.coldhot and self.dominator_topics:
@@ -234,8 +237,8 @@ _FLAGS: dict[str, tuple[str, object, str]] = {
     "--drain": ("drain", float, "max seconds to wait for in-flight deliveries at the end"),
     "--capacity": ("capacity", int, "ring capacity of the gateway's topics"),
     "--window": ("window", int, "rate max: messages per subscription in flight (0: open loop)"),
-    "--batch-depth": ("batch_depth", int, "messages a ring subscription may give per cycle (gateway "
-                      "topic rule batch_depth; nchan has no equivalent)"),
+    "--batch-depth": ("batch_depth", "depth", "messages a ring subscription may give per cycle, or 'auto' "
+                      "(gateway topic rule batch_depth; nchan has no equivalent)"),
 }
 
 
@@ -248,11 +251,24 @@ def parse_rate(text: str) -> float | None:
     return value
 
 
+def parse_depth(text: str) -> int | str:
+    """A ``--batch-depth`` value: an integer (``Scenario.validate`` wants it >= 1) or ``auto``."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch depth must be a positive integer or '{AUTO}', not {text!r}") from None
+
+
+_PARSERS = {"rate": parse_rate, "depth": parse_depth}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the scenario positional and the override flags (all default to the scenario's values)."""
     parser.add_argument("scenario", choices=sorted(SCENARIOS), help="named scenario")
     for flag, (_field, kind, help_text) in _FLAGS.items():
-        parser.add_argument(flag, type=parse_rate if kind == "rate" else kind, default=argparse.SUPPRESS,
+        parser.add_argument(flag, type=_PARSERS.get(kind, kind), default=argparse.SUPPRESS,
                             help=help_text)
 
 

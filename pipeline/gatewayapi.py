@@ -41,7 +41,8 @@ class TopicState:
     exists: bool
     kind: str
     capacity: int
-    batch_depth: int
+    #: an integer, or "auto" (ring topics)
+    batch_depth: int | str
     reorder_window: int
     hole_timeout: float
     #: the topic's epoch; None when it does not exist yet
@@ -56,7 +57,7 @@ class TopicState:
     def from_info(cls, info: dict[str, Any], exists: bool) -> TopicState:
         return cls(
             name=info["name"], exists=exists, kind=info.get("kind", "ring"), capacity=int(info.get("capacity", 0)),
-            batch_depth=int(info.get("batch_depth", 1)), reorder_window=int(info.get("reorder_window", 0)),
+            batch_depth=info.get("batch_depth", 1), reorder_window=int(info.get("reorder_window", 0)),
             hole_timeout=float(info.get("hole_timeout", 0.0)), epoch=info.get("epoch") if exists else None,
             end=(int(info.get("end", 0)) if exists else 0) if info.get("kind", "ring") == "ring" else None,
             pattern=info.get("pattern"),

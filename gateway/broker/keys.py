@@ -1,0 +1,44 @@
+"""Where a topic lives in Redis (docs/cluster.md §2): the names of its keys and channel, in one place.
+
+`{T}` braces put a topic's keys in one hash slot, so a topic's script touches one shard of a Redis Cluster.
+"""
+
+from __future__ import annotations
+
+
+class Keys:
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        #: sorted set: topic name -> time of its last publish (the admin API's cluster-wide listing)
+        self.topics = f"{prefix}:topics"
+        #: pattern of the per-node stats keys (`node`)
+        self.nodes = f"{prefix}:node:*"
+
+    def meta(self, topic: str) -> str:
+        """Hash: `e` epoch, `n` next seq, `k` kind, `cap` capacity, `c` settings (JSON), `v` last value (snapshot)."""
+        return f"{self.prefix}:{{{topic}}}:m"
+
+    def stream(self, topic: str) -> str:
+        """Stream of a ring topic: id `SEQ-1`, field `d` the data (JSON), capped at `cap` entries."""
+        return f"{self.prefix}:{{{topic}}}:s"
+
+    def channel(self, topic: str) -> str:
+        """Pub/sub channel: `EPOCH SEQ DATA` per publish, `! deleted` when an operator deletes the topic."""
+        return f"{self.prefix}:{{{topic}}}:c"
+
+    def topic_of(self, channel: str) -> str:
+        """The topic a channel name belongs to (`channel`'s inverse)."""
+        return channel[len(self.prefix) + 2:-3]
+
+    def node(self, node_id: str) -> str:
+        """String with a TTL: a node's counters (JSON), refreshed every second."""
+        return f"{self.prefix}:node:{node_id}"
+
+
+def stream_id(seq: int) -> str:
+    """A seq as a stream id: `0-0` is not a valid id, so seq N is `N-1`."""
+    return f"{seq}-1"
+
+
+def seq_of(stream_id: bytes) -> int:
+    return int(stream_id.split(b"-", 1)[0])

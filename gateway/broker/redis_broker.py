@@ -1,0 +1,723 @@
+"""A node of the cluster: this process's Redis I/O (docs/cluster.md §3-4).
+
+Redis orders publishes (scripts.PUBLISH: seq, stream, channel in one step); this node feeds its engine what
+comes on the channels of the topics it serves, with Redis's seqs, through the core's ordinary verbs plus
+`create_topic(epoch=, start=)`, `skip` and `restart_topic`. Each served topic is a `Line`:
+
+* SYNCING: the topic's stream is being read (attach, a gap, Redis back); channel messages wait in the line's
+  buffer (at most `BUFFER_MAX`; beyond, they are dropped and read again from the stream).
+* LIVE: channel messages go into the engine as they come. A message past the local end (a lost channel
+  message) or of another epoch makes the line SYNCING again.
+
+Three tasks: the channel reader (one connection in subscribe mode; its failure is the sign that Redis is
+gone, and it reconnects), the publisher (every queued publish in one pipeline, so one node's publishes keep
+their order), and the stats refresher (`P:node:ID`, for the cluster-wide `/api/stats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from core import RequestError, TopicConfig, TopicKind
+from core.config import MAX_SEQ
+from core.errors import BadData, BadSeq, MessageTooLarge, StaleSeq, TopicExists, UnknownTopic
+
+from ..config import ConfigError, topic_config
+from ..errors import BrokerUnavailable
+from . import scripts
+from .base import BrokerUnreachable
+from .keys import Keys, seq_of, stream_id
+
+if TYPE_CHECKING:
+    from ..hub import Hub
+
+log = logging.getLogger("gateway.broker")
+
+#: A topic whose last local subscriber left stays attached this long, so a client that reconnects at once
+#: finds its ring warm (no stream read, no channel subscribe).
+DETACH_GRACE_S = 5.0
+#: Pause between attempts to reach Redis (at start and after losing it).
+RETRY_S = 0.5
+#: Channel messages held per topic while it resyncs: the stream holds them anyway, so beyond this the
+#: buffer is dropped and the stream read again, instead of growing with a hot topic's rate.
+BUFFER_MAX = 10_000
+#: The node's counters in Redis are refreshed this often and expire after STATS_TTL_S (a dead node leaves
+#: the cluster listing within seconds).
+STATS_PERIOD_S = 1.0
+STATS_TTL_S = 5
+#: `GET /api/topics` lists at most this many topics, the most recently published first.
+ADMIN_LIST_MAX = 1000
+#: A Redis command that takes longer than this counts as Redis lost (commands are O(1) or O(capacity)).
+COMMAND_TIMEOUT_S = 5.0
+#: Bytes of a `msg` entry besides its topic and data (`{"type":"msg","topic":,"seq":,"data":}` and a seq).
+ENTRY_OVERHEAD = 64
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class LineState(Enum):
+    #: the stream is being read; channel messages wait in `buffer`
+    SYNCING = "syncing"
+    #: channel messages go into the engine as they come
+    LIVE = "live"
+
+
+@dataclass(eq=False, slots=True)
+class Line:
+    """One topic this node serves: its feed from Redis into the engine."""
+
+    name: str
+    ready: asyncio.Future[None]
+    state: LineState = LineState.SYNCING
+    #: Redis's epoch of the local topic; None until the first sync created it
+    epoch: str | None = None
+    #: the next seq the engine expects (the local ring's end)
+    next: int = 0
+    kind: str = "ring"
+    buffer: list[tuple[str, int, bytes]] = field(default_factory=list)
+    overflow: bool = False
+    task: asyncio.Task[None] | None = None
+    release_timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    topic: str
+    data: bytes
+    seq: int | None
+    config: TopicConfig
+    future: asyncio.Future[int]
+
+
+class RedisBroker:
+    distributed = True
+
+    def __init__(self, hub: "Hub") -> None:
+        self.hub = hub
+        config = hub.config.broker
+        self.url = config.url
+        self.keys = Keys(config.prefix)
+        self.ttl = max(1, math.ceil(config.history_ttl_s))
+        self.connect_timeout = config.connect_timeout_s
+        self.node_id = f"{hub.instance_id}-{os.getpid()}"
+        self.redis = aioredis.Redis.from_url(
+            config.url, socket_timeout=COMMAND_TIMEOUT_S, socket_connect_timeout=COMMAND_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),  # a failure is reported at once: publishes are refused, not delayed
+        )
+        self.lines: dict[str, Line] = {}
+        #: whether Redis answers: publishes are refused with `broker_unavailable` while not
+        self.available = False
+        self.last_error = "not connected yet"
+        self._pubsub: Connection | None = None
+        self._subscribing: dict[str, asyncio.Future[None]] = {}
+        self._queue: list[_Pending] = []
+        self._queued: asyncio.Event | None = None
+        self._shas: dict[str, str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self._connect()
+                break
+            except (RedisError, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    raise BrokerUnreachable(
+                        f"broker {_redacted(self.url)}: unreachable after {self.connect_timeout:g} s"
+                        f" ({attempt} attempts): {exc}"
+                    ) from None
+                log.warning("broker %s unreachable (attempt %d): %s; retrying in %.1f s",
+                            _redacted(self.url), attempt, exc, RETRY_S)
+                await asyncio.sleep(RETRY_S)
+        self.available = True
+        log.info("broker %s: node %s", _redacted(self.url), self.node_id)
+        self._queued = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_loop(), name="broker-reader"),
+                       loop.create_task(self._publish_loop(), name="broker-publisher"),
+                       loop.create_task(self._stats_loop(), name="broker-stats")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for line in self.lines.values():
+            if line.task is not None:
+                line.task.cancel()
+            if line.release_timer is not None:
+                line.release_timer.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for pending in self._queue:
+            if not pending.future.done():
+                pending.future.set_exception(BrokerUnavailable("the gateway is stopping"))
+        if self.available:
+            try:
+                await self.redis.delete(self.keys.node(self.node_id))
+            except (RedisError, OSError):
+                pass
+        if self._pubsub is not None:
+            await self._pubsub.disconnect()
+        await self.redis.aclose()
+
+    async def _connect(self) -> None:
+        """Ping, load the scripts, open the channel connection (replacing a broken one)."""
+        await self.redis.ping()
+        for name in ("PUBLISH", "TOUCH", "DELETE"):
+            self._shas[name] = await self.redis.script_load(getattr(scripts, name))
+        if self._pubsub is not None:
+            await self._pubsub.disconnect()
+        kwargs = dict(self.redis.connection_pool.connection_kwargs)
+        kwargs["socket_timeout"] = None  # a channel connection waits for messages as long as it takes
+        pubsub = Connection(**kwargs)
+        await pubsub.connect()
+        self._pubsub = pubsub
+
+    def _lost(self, exc: BaseException) -> None:
+        """Redis stopped answering: refuse publishes until the reader reconnects."""
+        self.last_error = str(exc) or type(exc).__name__
+        if not self.available:
+            return
+        self.available = False
+        log.warning("broker %s lost: %s; publishes get broker_unavailable until it is back",
+                    _redacted(self.url), self.last_error)
+        for future in self._subscribing.values():
+            if not future.done():
+                future.set_exception(BrokerUnavailable(f"broker unreachable: {self.last_error}"))
+        self._subscribing.clear()
+        for line in self.lines.values():
+            line.state = LineState.SYNCING
+        if self._pubsub is not None:
+            # The reader may still be waiting on a connection that looks open: close it, so it reconnects.
+            asyncio.get_running_loop().create_task(self._pubsub.disconnect())
+
+    async def _read_loop(self) -> None:
+        while True:
+            pubsub = self._pubsub
+            try:
+                assert pubsub is not None  # set by _connect before the loop starts
+                while True:
+                    self._on_channel(await pubsub.read_response(timeout=math.inf, push_request=True))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure of the channel connection: Redis is gone
+                self._lost(exc)
+            await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        while True:
+            await asyncio.sleep(RETRY_S)
+            try:
+                await self._connect()
+                await self._resubscribe([self.keys.channel(name) for name in self.lines])
+                self.available = True
+            except (RedisError, OSError, asyncio.TimeoutError, RequestError) as exc:
+                self.available = False
+                self.last_error = str(exc) or type(exc).__name__
+                log.debug("broker still unreachable: %s", self.last_error)
+                continue
+            log.warning("broker %s back: resynchronising %d topics", _redacted(self.url), len(self.lines))
+            for line in self.lines.values():
+                line.state = LineState.SYNCING
+                self._start_sync(line)
+            return
+
+    async def _resubscribe(self, channels: list[str]) -> None:
+        """SUBSCRIBE the attached topics' channels on a new connection, from the reader itself (nobody else
+        reads the confirmations yet): messages that come first wait in their lines' buffers."""
+        pubsub = self._pubsub
+        assert pubsub is not None
+        if not channels:
+            return
+        await pubsub.send_command("SUBSCRIBE", *channels)
+        waiting = set(channels)
+
+        async def confirmations() -> None:
+            while waiting:
+                reply = await pubsub.read_response(timeout=math.inf, push_request=True)
+                if reply[0] == b"subscribe":
+                    waiting.discard(reply[1].decode())
+                else:
+                    self._on_channel(reply)
+
+        await asyncio.wait_for(confirmations(), COMMAND_TIMEOUT_S)
+
+    async def _subscribe(self, channels: list[str]) -> None:
+        """SUBSCRIBE and wait until Redis confirms: from then on no message of these channels is missed."""
+        loop = asyncio.get_running_loop()
+        waiting = []
+        for channel in channels:
+            future = self._subscribing[channel] = loop.create_future()
+            waiting.append(future)
+        assert self._pubsub is not None
+        await self._pubsub.send_command("SUBSCRIBE", *channels)
+        await asyncio.wait_for(asyncio.gather(*waiting), COMMAND_TIMEOUT_S)
+
+    def _unsubscribe(self, channel: str) -> None:
+        if self.available and self._pubsub is not None:
+            asyncio.get_running_loop().create_task(self._send_quietly("UNSUBSCRIBE", channel))
+
+    async def _send_quietly(self, *args: str) -> None:
+        try:
+            assert self._pubsub is not None
+            await self._pubsub.send_command(*args)
+        except (RedisError, OSError) as exc:
+            log.debug("broker: %s failed: %s", args[0], exc)
+
+    # -- the channels ------------------------------------------------------------------------------------
+
+    def _on_channel(self, reply: Any) -> None:
+        kind = reply[0]
+        if kind == b"message":
+            line = self.lines.get(self.keys.topic_of(reply[1].decode()))
+            if line is None:
+                return  # detached meanwhile
+            payload: bytes = reply[2]
+            if payload.startswith(b"!"):
+                self._deleted(line)
+                return
+            epoch, seq, data = payload.split(b" ", 2)
+            self._receive(line, epoch.decode(), int(seq), data)
+        elif kind == b"subscribe":
+            future = self._subscribing.pop(reply[1].decode(), None)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+    def _receive(self, line: Line, epoch: str, seq: int, data: bytes) -> None:
+        if line.state is LineState.LIVE and self._apply(line, epoch, seq, data):
+            return
+        if len(line.buffer) < BUFFER_MAX:
+            line.buffer.append((epoch, seq, data))
+        else:
+            line.overflow = True
+        if line.state is LineState.LIVE:
+            line.state = LineState.SYNCING
+            self._start_sync(line)
+
+    def _apply(self, line: Line, epoch: str, seq: int, data: bytes) -> bool:
+        """Put one channel message into the engine. False: it needs a resync first (a gap, another epoch)."""
+        if epoch != line.epoch:
+            return False
+        if seq < line.next:
+            return True  # the stream read already gave it
+        if seq > line.next and line.kind != TopicKind.SNAPSHOT.value:  # a snapshot's jump is conflation
+            return False
+        self._feed(line, seq, data)
+        line.next = seq + 1
+        self.hub.wake()
+        return True
+
+    def _feed(self, line: Line, seq: int, data: bytes) -> None:
+        engine = self.hub.engine
+        try:
+            engine.publish(line.name, orjson.loads(data), seq=seq, now=time.monotonic())
+        except (RequestError, orjson.JSONDecodeError) as exc:
+            # e.g. larger than this node's scheduler.max_message_bytes: its subscribers are told it is lost.
+            log.warning("broker: seq %d of %r cannot be stored here: %s", seq, line.name, exc)
+            engine.skip(line.name, seq + 1, time.monotonic())
+            return
+        if self.hub.delivery_log is not None:
+            self.hub.delivery_log.published(line.name, seq)
+
+    def _deleted(self, line: Line) -> None:
+        self._drop(line)
+        if self.hub.engine.has_topic(line.name):
+            self.hub.engine.delete_topic(line.name)
+            self.hub.wake()
+
+    def _drop(self, line: Line) -> None:
+        self.lines.pop(line.name, None)
+        if line.task is not None and line.task is not asyncio.current_task():
+            line.task.cancel()
+        if line.release_timer is not None:
+            line.release_timer.cancel()
+        if not line.ready.done():
+            line.ready.set_exception(UnknownTopic(f"topic {line.name!r} was deleted"))
+            line.ready.exception()  # retrieved: nobody may be waiting
+        self._unsubscribe(self.keys.channel(line.name))
+
+    # -- reading the stream ------------------------------------------------------------------------------
+
+    def _start_sync(self, line: Line) -> None:
+        if line.task is None or line.task.done():
+            line.task = asyncio.get_running_loop().create_task(self._sync(line), name=f"broker-sync {line.name}")
+
+    def _settings(self, name: str) -> TopicConfig:
+        config = self.hub.engine.topic_config(name)
+        if config is None:
+            raise UnknownTopic(f"no topic {name!r} and no rule creates it")
+        return config
+
+    async def _touch(self, name: str, config: TopicConfig, first: str, exclusive: bool = False) -> list[Any]:
+        keys = self.keys
+        return await self.redis.evalsha(
+            self._shas["TOUCH"], 3, keys.meta(name), keys.stream(name), keys.topics,
+            secrets.token_hex(8), config.kind.value, config.capacity, orjson.dumps(config.as_dict()),
+            self.ttl, "1" if exclusive else "0", first, time.time(), name,
+        )
+
+    async def _sync(self, line: Line) -> None:
+        """Bring the local topic level with Redis: create it, fill a gap, or restart it in a new epoch; then
+        apply what waited in the buffer. Loops until the line is LIVE with nothing missing."""
+        name = line.name
+        engine = self.hub.engine
+        restart = False
+        try:
+            while self.available:
+                fresh = line.epoch is None or not engine.has_topic(name)
+                first = "-" if fresh or restart else stream_id(line.next)
+                _, epoch_b, top, settings, value, entries = await self._touch(name, self._settings(name), first)
+                epoch = epoch_b.decode()
+                config = self._config_from(settings) or self._settings(name)
+                line.kind = config.kind.value
+                if not fresh and epoch != line.epoch and not restart:
+                    restart = True  # another epoch: its stream from the start
+                    continue
+                line.overflow = False
+                if config.kind is TopicKind.SNAPSHOT:
+                    self._sync_snapshot(line, fresh, restart, epoch, config, top, value)
+                else:
+                    self._sync_ring(line, fresh, restart, epoch, config, top, entries)
+                restart = False
+                line.epoch = epoch
+                self.hub.wake()
+                if not line.ready.done():
+                    line.ready.set_result(None)
+                buffer, line.buffer = line.buffer, []
+                line.state = LineState.LIVE
+                for i, (m_epoch, seq, data) in enumerate(buffer):
+                    if not self._apply(line, m_epoch, seq, data):
+                        line.buffer = buffer[i:] + line.buffer
+                        line.state = LineState.SYNCING
+                        break
+                if line.state is LineState.LIVE and not line.overflow:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._lost(exc)
+            self._fail(line, BrokerUnavailable(f"broker unreachable: {self.last_error}"))
+        except RequestError as exc:  # no rule for the name, too many topics
+            self._fail(line, exc)
+        except Exception as exc:  # a bug: the line is dropped, its subscribers keep what they have
+            log.exception("broker: resync of %r failed", name)
+            self._fail(line, BrokerUnavailable(f"internal error while reading {name!r}: {exc}"))
+        if not self.available:
+            self._fail(line, BrokerUnavailable(f"broker unreachable: {self.last_error}"))
+
+    def _fail(self, line: Line, exc: RequestError) -> None:
+        """The sync could not finish: a line that never became a topic is dropped (its subscribes fail);
+        one that is a topic stays SYNCING until Redis is back (the reconnect resyncs it)."""
+        if line.ready.done():
+            return
+        line.ready.set_exception(exc)
+        line.ready.exception()  # retrieved here: the waiting subscribes read it from their callbacks
+        if self.lines.get(line.name) is line:
+            self._drop(line)
+
+    def _config_from(self, settings: bytes | None) -> TopicConfig | None:
+        if not settings:
+            return None
+        try:
+            return topic_config(orjson.loads(settings))
+        except (ConfigError, orjson.JSONDecodeError):
+            return None  # written by another version: this node's own rule applies
+
+    def _sync_ring(
+        self, line: Line, fresh: bool, restart: bool, epoch: str, config: TopicConfig, top: int, entries: list[Any]
+    ) -> None:
+        engine = self.hub.engine
+        name = line.name
+        start = seq_of(entries[0][0]) if entries else top
+        if fresh:
+            engine.create_topic(name, config, epoch=epoch, start=start)
+            line.next = start
+        elif restart:
+            engine.restart_topic(name, epoch, start)
+            line.next = start
+        elif start > line.next:
+            # Published while this node did not listen, and trimmed from the stream since: exactly lost.
+            engine.skip(name, start, time.monotonic())
+            line.next = start
+        for entry_id, fields in entries:
+            seq = seq_of(entry_id)
+            if seq >= line.next:
+                self._feed(line, seq, _field(fields, b"d"))
+                line.next = seq + 1
+
+    def _sync_snapshot(
+        self, line: Line, fresh: bool, restart: bool, epoch: str, config: TopicConfig, top: int, value: bytes | None
+    ) -> None:
+        engine = self.hub.engine
+        if fresh:
+            engine.create_topic(line.name, config, epoch=epoch, start=0)
+            line.next = 0
+        elif restart:
+            engine.restart_topic(line.name, epoch, 0)
+            line.next = 0
+        if value is not None and top - 1 >= line.next:
+            self._feed(line, top - 1, value)
+        line.next = max(line.next, top)
+
+    # -- the seam ----------------------------------------------------------------------------------------
+
+    def attached(self, topic: str) -> bool:
+        line = self.lines.get(topic)
+        return line is not None and line.epoch is not None and self.hub.engine.has_topic(topic)
+
+    def attach(self, topic: str) -> asyncio.Future[None]:
+        line = self.lines.get(topic)
+        if line is not None:
+            return line.ready
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        if not self.available:
+            ready.set_exception(BrokerUnavailable(f"broker unreachable: {self.last_error}"))
+            return ready
+        line = self.lines[topic] = Line(topic, ready)
+        line.task = loop.create_task(self._attach(line), name=f"broker-attach {topic}")
+        return ready
+
+    async def _attach(self, line: Line) -> None:
+        try:
+            await self._subscribe([self.keys.channel(line.name)])
+        except (RedisError, OSError, asyncio.TimeoutError, RequestError) as exc:
+            if isinstance(exc, (RedisError, OSError)):
+                self._lost(exc)
+            self._fail(line, exc if isinstance(exc, RequestError)
+                       else BrokerUnavailable(f"broker unreachable: {self.last_error}"))
+            return
+        await self._sync(line)
+
+    def hold(self, topic: str) -> None:
+        line = self.lines.get(topic)
+        if line is not None and line.release_timer is not None:
+            line.release_timer.cancel()
+            line.release_timer = None
+
+    def release(self, topic: str) -> None:
+        line = self.lines.get(topic)
+        if line is None or line.release_timer is not None:
+            return
+        engine = self.hub.engine
+        if engine.has_topic(topic) and engine.topic(topic).subs:
+            return
+        line.release_timer = asyncio.get_running_loop().call_later(DETACH_GRACE_S, self._detach, line)
+
+    def _detach(self, line: Line) -> None:
+        line.release_timer = None
+        engine = self.hub.engine
+        if self.lines.get(line.name) is not line or not line.ready.done():
+            return
+        if engine.has_topic(line.name):
+            if engine.topic(line.name).subs:
+                return
+            engine.delete_topic(line.name)
+        self._drop(line)
+
+    def publish(self, topic: str, data: Any, seq: int | None) -> asyncio.Future[int]:
+        if not self.available:
+            raise BrokerUnavailable(f"broker unreachable: {self.last_error}; retry later")
+        if seq is not None and not 0 <= seq < MAX_SEQ:
+            raise BadSeq(f"seq must be in [0, 2**53), not {seq}")
+        config = self._settings(topic)
+        try:
+            raw = orjson.dumps(data)
+        except TypeError as exc:
+            raise BadData(f"data cannot be encoded: {exc}") from None
+        limit = self.hub.engine.config.max_message_bytes
+        if len(raw) + len(topic.encode()) + ENTRY_OVERHEAD > limit:
+            raise MessageTooLarge(f"message of about {len(raw) + ENTRY_OVERHEAD} bytes exceeds {limit}")
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(topic, raw, seq, config, future))
+        assert self._queued is not None  # set by start
+        self._queued.set()
+        return future
+
+    async def _publish_loop(self) -> None:
+        assert self._queued is not None
+        while True:
+            await self._queued.wait()
+            self._queued.clear()
+            while self._queue:
+                batch, self._queue = self._queue, []
+                await self._send(batch)
+
+    async def _send(self, batch: list[_Pending]) -> None:
+        """One pipeline on one connection: the order of the batch is the order of the seqs it gets."""
+        keys = self.keys
+        now = time.time()
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for p in batch:
+                name = p.topic
+                pipe.evalsha(
+                    self._shas["PUBLISH"], 3, keys.meta(name), keys.stream(name), keys.topics,
+                    secrets.token_hex(8), p.data, p.config.kind.value, p.config.capacity,
+                    orjson.dumps(p.config.as_dict()), self.ttl, keys.channel(name),
+                    "" if p.seq is None else p.seq, now, name,
+                )
+            results = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._lost(exc)
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(BrokerUnavailable(
+                        f"broker lost during the publish (it may or may not have landed): {self.last_error}"))
+            return
+        for p, result in zip(batch, results):
+            if p.future.done():
+                continue
+            if isinstance(result, NoScriptError):  # Redis restarted empty between a reconnect and now
+                self._lost(result)
+                p.future.set_exception(BrokerUnavailable("broker restarted: retry"))
+            elif isinstance(result, Exception):
+                p.future.set_exception(BrokerUnavailable(f"broker refused the publish: {result}"))
+            else:
+                status, _epoch, seq = result
+                if status == 0:
+                    p.future.set_result(int(seq))
+                elif status == -1:
+                    p.future.set_exception(StaleSeq(f"seq {p.seq} of {p.topic!r} was already published (next: {seq})"))
+                else:
+                    p.future.set_exception(BadSeq(f"seq {p.seq} of {p.topic!r} is not the next one ({seq}): with a"
+                                                  " broker, an explicit seq only makes a retry idempotent"))
+
+    async def create(self, topic: str, config: TopicConfig) -> None:
+        if not self.available:
+            raise BrokerUnavailable(f"broker unreachable: {self.last_error}")
+        try:
+            created = (await self._touch(topic, config, "+", exclusive=True))[0]
+        except (RedisError, OSError) as exc:
+            self._lost(exc)
+            raise BrokerUnavailable(f"broker unreachable: {self.last_error}") from None
+        if created == -1:
+            raise TopicExists(f"topic {topic!r} exists")
+        await self.attach(topic)
+        self.release(topic)
+
+    async def delete(self, topic: str) -> None:
+        if not self.available:
+            raise BrokerUnavailable(f"broker unreachable: {self.last_error}")
+        keys = self.keys
+        try:
+            existed = await self.redis.evalsha(self._shas["DELETE"], 3, keys.meta(topic), keys.stream(topic),
+                                               keys.topics, keys.channel(topic), topic)
+        except (RedisError, OSError) as exc:
+            self._lost(exc)
+            raise BrokerUnavailable(f"broker unreachable: {self.last_error}") from None
+        line = self.lines.get(topic)
+        if line is not None:
+            self._deleted(line)  # at once here; other nodes on the channel's `! deleted`
+        elif not existed and not self.hub.engine.has_topic(topic):
+            raise UnknownTopic(f"no topic {topic!r}")
+
+    # -- cluster-wide listings (admin API) ---------------------------------------------------------------
+
+    def _info(self, name: str, meta: list[Any]) -> dict[str, Any] | None:
+        epoch, top, settings = meta
+        if epoch is None:
+            return None
+        config = self._config_from(settings) or self.hub.engine.topic_config(name) or TopicConfig()
+        local = self.hub.engine.topic(name) if self.hub.engine.has_topic(name) else None
+        info: dict[str, Any] = {"name": name, "epoch": epoch.decode(),
+                                "subscribers": len(local.subs) if local is not None else 0, **config.as_dict()}
+        top = int(top or 0)
+        if config.kind is TopicKind.SNAPSHOT:
+            info["seq"] = top - 1
+        elif config.kind is TopicKind.RING:
+            info["begin"], info["end"] = max(0, top - config.capacity), top
+            info["pending"] = 0
+        return info
+
+    async def topics(self) -> list[dict[str, Any]] | None:
+        try:
+            listed: list[Any] = await self.redis.zrevrange(self.keys.topics, 0, ADMIN_LIST_MAX - 1)
+            names = [n.decode() for n in listed]
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.hmget(self.keys.meta(name), "e", "n", "c")
+            metas = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
+        out = []
+        for name, meta in zip(names, metas):
+            info = self._info(name, meta)
+            if info is not None:  # expired meanwhile
+                out.append(info)
+        return out
+
+    async def topic_info(self, topic: str) -> dict[str, Any] | None:
+        try:
+            meta = await self.redis.hmget(self.keys.meta(topic), "e", "n", "c")
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
+        return self._info(topic, meta)
+
+    def _node_stats(self) -> dict[str, Any]:
+        hub = self.hub
+        return {"node": self.node_id, "pid": os.getpid(), "core": hub.engine.counters.as_dict(),
+                "clients": len(hub.conns), "topics": hub.engine.topic_count, "attached": len(self.lines)}
+
+    async def _stats_loop(self) -> None:
+        while True:
+            if self.available:
+                try:
+                    await self.redis.set(self.keys.node(self.node_id), orjson.dumps(self._node_stats()),
+                                         ex=STATS_TTL_S)
+                except (RedisError, OSError) as exc:
+                    log.debug("broker: stats not written: %s", exc)
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    async def cluster_stats(self) -> dict[str, Any] | None:
+        try:
+            names = [key async for key in self.redis.scan_iter(match=self.keys.nodes, count=100)]
+            values = await self.redis.mget(names) if names else []
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
+        nodes = [orjson.loads(v) for v in values if v is not None]
+        totals: dict[str, int] = {}
+        for node in nodes:
+            for key, value in node["core"].items():
+                totals[key] = totals.get(key, 0) + value
+        return {"nodes": nodes, "clients": sum(n["clients"] for n in nodes), "core": totals}
+
+
+def _field(fields: list[bytes], name: bytes) -> bytes:
+    """A stream entry's field (redis-py gives a flat list or a dict, depending on the parser)."""
+    if isinstance(fields, dict):
+        return fields[name]
+    for i in range(0, len(fields), 2):
+        if fields[i] == name:
+            return fields[i + 1]
+    raise KeyError(name)

@@ -1,0 +1,151 @@
+"""`server.workers = N`: N gateway processes on one port, one topic space through the broker
+(docs/cluster.md §5).
+
+The supervisor (this module, in the process `gateway serve` started) fixes the ports first (a port 0 is
+resolved once, by binding it with SO_REUSEPORT and holding it until every worker listens) and the admin
+token (generated once, so every worker accepts the same), then forks the workers. Each worker is a whole
+gateway (`start_gateway(config, worker=i)`) that binds the same HTTP and ingest ports with SO_REUSEPORT;
+worker 0 alone runs the raw TCP broadcaster. The supervisor writes the ready file once all of them listen,
+forwards SIGTERM and SIGINT, and when one worker ends it stops the others and exits non-zero, so whatever
+supervises the gateway restarts it whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..config import GatewayConfig
+
+#: Seconds for every worker to listen (a cold start imports the app; Redis may take its connect timeout).
+READY_TIMEOUT_S = 60.0
+
+
+def _reserve(host: str) -> socket.socket:
+    """A bound (not listening) SO_REUSEPORT socket on a free port: the port every worker then binds."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, 0))
+    return sock
+
+
+def run_workers(
+    config: GatewayConfig, ready_file: str | None, serve: Callable[[GatewayConfig, str, int], int],
+    write_ready_file: Callable[[str, dict], None],
+) -> int:
+    """Fork `config.server.workers` processes running `serve(config, worker_ready_file, index)`; return
+    the exit status once they are gone."""
+    raw = copy.deepcopy(config.raw)
+    holders = []
+    if raw["server"]["port"] == 0:
+        holders.append(_reserve(config.server.host))
+        raw["server"]["port"] = holders[-1].getsockname()[1]
+    if config.ingest.enabled and raw["ingest"]["port"] == 0:
+        holders.append(_reserve(config.ingest.host))
+        raw["ingest"]["port"] = holders[-1].getsockname()[1]
+    generated = not raw["server"]["admin_token"]
+    if generated:
+        raw["server"]["admin_token"] = secrets.token_urlsafe(18)
+    shared = GatewayConfig(raw)
+    workdir = Path(tempfile.mkdtemp(prefix="gateway-workers-"))
+    pids: list[int] = []
+    for index in range(config.server.workers):
+        pid = os.fork()
+        if pid == 0:  # the worker
+            for sock in holders:
+                sock.close()
+            code = 1
+            try:
+                code = serve(shared, str(workdir / f"worker-{index}.json"), index)
+            finally:
+                os._exit(code)
+        pids.append(pid)
+
+    def forward(signum: int, _frame: object) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    ready = _wait_ready(workdir, pids)
+    for sock in holders:
+        sock.close()
+    if ready is not None:
+        info = {**ready, "workers": pids}
+        if generated:
+            info["admin_token"] = shared.server.admin_token
+            print(f"admin token (development, loopback only): {shared.server.admin_token}", flush=True)
+        if ready_file:
+            write_ready_file(ready_file, info)
+        print(f"gateway: {len(pids)} workers on http://{config.server.host}:{ready['http_port']}", flush=True)
+    code = _supervise(pids)
+    for path in workdir.iterdir():
+        path.unlink()
+    workdir.rmdir()
+    return code
+
+
+def _wait_ready(workdir: Path, pids: list[int]) -> dict | None:
+    """Worker 0's ports once every worker listens; None if one ended first or the time ran out."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    paths = [workdir / f"worker-{i}.json" for i in range(len(pids))]
+    while time.monotonic() < deadline:
+        if all(p.exists() for p in paths):
+            info: dict = json.loads(paths[0].read_text())
+            info.pop("admin_token", None)
+            return info
+        for pid in pids:
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                print(f"gateway: worker {pid} ended during start-up", file=sys.stderr, flush=True)
+                pids.remove(pid)
+                _stop(pids)
+                return None
+        time.sleep(0.05)
+    print("gateway: the workers did not all start in time", file=sys.stderr, flush=True)
+    _stop(pids)
+    return None
+
+
+def _stop(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _supervise(pids: list[int]) -> int:
+    """Wait for the workers; the first one to end takes the others down. Returns the exit status."""
+    code = 0 if pids else 1
+    stopping = False
+    while pids:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid not in pids:
+            continue
+        pids.remove(pid)
+        worker_code = os.waitstatus_to_exitcode(status)
+        if not stopping:
+            stopping = True
+            if worker_code != 0:
+                print(f"gateway: worker {pid} ended with status {worker_code}: stopping the others",
+                      file=sys.stderr, flush=True)
+                code = 1
+            _stop(pids)
+    return code

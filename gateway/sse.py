@@ -1,0 +1,428 @@
+"""SSE transport (Server-Sent Events): the WebSocket's batches on a `text/event-stream`, commands by POST.
+
+`GET /sse?topics=a,b` opens a stream, which is the session: its first event names a 128-bit secret for
+`POST /sse/{secret}` (commands, as on long-poll) and `DELETE /sse/{secret}`; the session ends with the
+stream's connection. The contract, event by event, is docs/protocol.md `## SSE`.
+
+The write path is the WebSocket's (gateway/ws.py): the response head goes through ASGI `send` (so the
+Origin middleware adds its CORS headers), then the scheduler writes each batch as one HTTP chunk straight
+to the transport, never awaiting. uvicorn runs our httptools protocol (gateway/netguard.py), which exposes
+itself in the ASGI scope and tells the stream of `pause_writing` / `resume_writing` / `connection_lost`:
+a client whose write did not drain below the high-water mark is not ready, and one blocked longer than
+`websocket.blocked_timeout_s` is cut by the hub's watchdog with 4008. The batch bytes are the shared frame;
+the only per-client bytes are the chunk header and the `id:` line (the connection's positions, read from
+its subscription cursors after the cycle: O(its subscriptions), and only written when they changed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import socket
+import time
+from typing import Any, cast
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from core import Batch
+from core.client import Client, Subscription
+from core.config import MAX_SEQ
+from core.errors import RequestError, TooManySubscriptions
+
+from . import close_codes, schema
+from .commands import run_command
+from .errors import BadRequest, BadToken, NotFound, TokenExpired, TooManySessionsFromAddress, UnknownSession
+from .http_errors import error_response
+from .hub import Hub
+from .identity import ClientIdentity
+from .longpoll import accept_commands
+from .netguard import SCOPE_KEY, GuardedHttpToolsProtocol
+
+log = logging.getLogger("gateway.sse")
+
+#: how long a closed stream's buffered data and close event may take to drain before the cut (as ws.py)
+KICK_GRACE_S = 2.0
+#: seconds a client refused for lack of sessions should wait
+RETRY_LATER = {"Retry-After": "5"}
+#: close code of a stream ended by `DELETE /sse/{secret}` (a normal closure, RFC 6455 §7.4.1)
+DELETED = 1000
+STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
+                  (b"x-accel-buffering", b"no")]
+PING = b": ping\n\n"
+LAST_CHUNK = b"0\r\n\r\n"
+#: an item of a recovery point: seq in decimal, at most 16 digits (2^53 has 16)
+_SEQ = re.compile(r"[0-9]{1,16}")
+#: characters that cannot stand in a position: the item separator, and what would end the `id:` line or
+#: make a browser ignore it (NUL)
+_UNSAFE_IN_ID = re.compile("[,\n\r\0]")
+UNKNOWN_SESSION = UnknownSession("no such SSE session (its stream ended)")
+
+
+def chunk(data: bytes) -> bytes:
+    """One HTTP/1.1 chunk (RFC 9112 §7.1)."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def close_event(code: int, reason: str) -> bytes:
+    return b"event: close\ndata: " + orjson.dumps({"code": code, "reason": reason[:120]}) + b"\n\n"
+
+
+# -- positions: the `id:` line and the recovery point ------------------------------------------------------
+
+def parse_positions(text: str, max_items: int) -> dict[str, tuple[str, int]]:
+    """A recovery point (`Last-Event-ID` or `since`): comma-joined `EPOCH:TOPIC:SEQ` items -> {topic: (epoch,
+    seq)}, in order. The empty string is no position. Raises BadRequest saying what is wrong, nothing else."""
+    if not text:
+        return {}
+    if text.count(",") >= max_items:
+        raise BadRequest(f"the recovery point has more than {max_items} positions (scheduler.max_subscriptions)")
+    positions: dict[str, tuple[str, int]] = {}
+    for number, item in enumerate(text.split(","), 1):
+        epoch, colon, rest = item.partition(":")
+        topic, colon2, seq_text = rest.rpartition(":")
+        if not colon or not colon2:
+            raise BadRequest(f"position {number} of the recovery point is not EPOCH:TOPIC:SEQ")
+        if not epoch:
+            raise BadRequest(f"position {number} of the recovery point has an empty epoch")
+        if not topic or len(topic) > schema.MAX_TOPIC_CHARS:
+            raise BadRequest(f"position {number} of the recovery point needs a topic of 1..{schema.MAX_TOPIC_CHARS}"
+                             " characters")
+        if not _SEQ.fullmatch(seq_text) or int(seq_text) >= MAX_SEQ:
+            raise BadRequest(f"position {number} of the recovery point needs a seq of decimal digits in [0, 2**53)")
+        if topic in positions:
+            raise BadRequest(f"position {number} of the recovery point names a topic already given")
+        positions[topic] = (epoch, int(seq_text))
+    return positions
+
+
+def recoverable(topic: str) -> bool:
+    """Whether a topic's name can stand in a position (`id:` line)."""
+    return _UNSAFE_IN_ID.search(topic) is None
+
+
+class Positions:
+    """The `id:` value of one client: one `EPOCH:TOPIC:NEXT` per ring or snapshot subscription, NEXT being the
+    seq the client needs next (the cursor, read after the cycle that filled the batch). Private topics are
+    left out (their queue waits for the user, docs/design/private-queues.md).
+
+    O(the client's subscriptions) per call, one string concatenation each: the `EPOCH:TOPIC:` prefix is
+    made once per subscription and epoch (a topic restarted by a broker changes epoch in place) and kept
+    (checking and formatting every name on every batch cost 6x more: ~0.6 µs per subscription). Prefixes
+    of dropped subscriptions are forgotten once they are as many as the live ones, so the cache stays
+    within twice the subscriptions (amortized O(1))."""
+
+    __slots__ = ("client", "_prefixes")
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        #: subscription -> (the epoch, its "EPOCH:TOPIC:" prefix, "" when it has no position: private, unsafe name)
+        self._prefixes: dict[Subscription, tuple[str, str]] = {}
+
+    def __call__(self) -> bytes:
+        subs = self.client.subs
+        prefixes = self._prefixes
+        parts = []
+        for sub in subs.values():
+            topic = sub.topic
+            cached = prefixes.get(sub)
+            if cached is None or cached[0] is not topic.epoch:
+                safe = topic.shared and recoverable(topic.name)
+                cached = prefixes[sub] = (topic.epoch, f"{topic.epoch}:{topic.name}:" if safe else "")
+            if cached[1]:
+                parts.append(cached[1] + str(sub.cursor))
+        if len(prefixes) > 2 * len(subs) + 16:
+            self._prefixes = {sub: prefixes[sub] for sub in subs.values()}
+        return ",".join(parts).encode()
+
+
+# -- the connection ------------------------------------------------------------------------------------------
+
+class SseConnection:
+    """One stream: a `Connection` of the hub (gateway/hub.py) and the `StreamListener` of its HTTP protocol."""
+
+    def __init__(self, hub: Hub, identity: ClientIdentity, proto: GuardedHttpToolsProtocol,
+                 sessions: dict[str, SseConnection]) -> None:
+        self.hub = hub
+        self.identity = identity
+        self.proto = proto
+        self.transport = proto.transport
+        #: the session id of the URLs: 128 random bits (secrets), the only credential of POST and DELETE
+        self.secret = secrets.token_urlsafe(16)
+        self.sessions = sessions
+        #: the positions of the engine's client (read, never changed), after each cycle
+        self.positions_of: Positions | None = None
+        #: the positions last written in an `id:` line (a browser starts with the empty one)
+        self.positions = b""
+        self.paused = False
+        #: set while a batch waits for the transport to drain (the client is not ready)
+        self.blocked_since: float | None = None
+        self.events_sent = 0
+        self.bytes_sent = 0
+        #: entries (messages, notices, replies) handed to this connection: the stats stream's delivery rate
+        self.entries_sent = 0
+        self.closed = False
+        self.last_write = time.monotonic()
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._cut: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """The head is written: tune the socket as the WebSocket's, write the session event, start beating."""
+        ws = self.hub.config.websocket
+        transport = self.transport
+        transport.set_write_buffer_limits(high=ws.write_high_water, low=ws.write_high_water // 4)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            if ws.socket_send_buffer:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ws.socket_send_buffer)
+            if ws.notsent_lowat_bytes and hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux, macOS
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, ws.notsent_lowat_bytes)
+        session = orjson.dumps({"session": self.secret, "client_id": self.identity.client_id})
+        self._write(b"event: session\ndata: " + session + b"\n\n")
+        self.sessions[self.secret] = self
+        if self.hub.config.sse.heartbeat_s > 0:
+            self._arm_heartbeat(self.hub.config.sse.heartbeat_s)
+
+    def _write(self, event: bytes) -> None:
+        self.transport.write(chunk(event))
+        self.last_write = time.monotonic()
+
+    # -- fan-out writes ----------------------------------------------------------------------------------
+
+    def deliver(self, batch: Batch, frame: bytes) -> bool:
+        transport = self.transport
+        if self.closed or transport.is_closing():
+            return False
+        self.events_sent += 1
+        self.entries_sent += len(batch.entries)
+        head = b"data: "
+        if self.positions_of is not None:
+            positions = self.positions_of()
+            if positions != self.positions:
+                self.positions = positions
+                head = b"id: " + positions + b"\ndata: "
+        size = len(head) + len(frame) + 2
+        self.bytes_sent += size
+        # one chunk, the shared frame not copied: chunk size, head, frame, event end + chunk end
+        transport.writelines((b"%x\r\n" % size, head, frame, b"\n\n\r\n"))
+        self.last_write = time.monotonic()
+        if self.paused:  # pause_writing ran inside the write: above the high-water mark
+            self.blocked_since = time.monotonic()
+            self.hub.write_blocked(self.identity.client_id, self)
+            return False
+        return True
+
+    # -- the HTTP protocol's StreamListener --------------------------------------------------------------
+
+    def on_pause(self) -> None:
+        self.paused = True
+
+    def on_resume(self) -> None:
+        self.paused = False
+        if self.blocked_since is not None:
+            self.blocked_since = None
+            self.hub.write_drained(self.identity.client_id)
+
+    def on_lost(self) -> None:
+        """The connection is gone: nothing more is written; the endpoint unregisters the client."""
+        self.closed = True
+        self._stop()
+        if self._cut is not None:
+            self._cut.cancel()
+            self._cut = None
+        self.hub.write_unwatched(self.identity.client_id)
+
+    # -- control -------------------------------------------------------------------------------------------
+
+    def kick(self, code: int, reason: str) -> None:
+        """Write the close event behind what is buffered, end the response, and close: a reader that wakes up
+        gets the code; one that never reads is cut after the grace (its buffer will not drain)."""
+        if self.closed:
+            return
+        self.closed = True  # the hub unregisters it, which also forgets it as blocked
+        self._stop()
+        transport = self.transport
+        if transport.is_closing():
+            return
+        transport.write(chunk(close_event(code, reason)) + LAST_CHUNK)
+        # not close(): with the peer's input unread the kernel could answer RST and destroy the close event
+        if transport.can_write_eof():
+            transport.write_eof()
+        else:  # TLS: its close_notify ends the stream cleanly
+            transport.close()
+        self._cut = self.proto.loop.call_later(KICK_GRACE_S, transport.abort)
+
+    def _stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        if self.sessions.get(self.secret) is self:
+            del self.sessions[self.secret]
+
+    def _arm_heartbeat(self, delay: float) -> None:
+        self._heartbeat = self.proto.loop.call_later(delay, self._beat)
+
+    def _beat(self) -> None:
+        # One timer per stream, re-armed lazily: writes only stamp `last_write`.
+        period = self.hub.config.sse.heartbeat_s
+        quiet = time.monotonic() - self.last_write
+        if quiet < period:
+            self._arm_heartbeat(period - quiet)
+            return
+        if not self.paused and not self.transport.is_closing():  # a blocked stream is not quiet: data waits
+            self._write(PING)
+        self._arm_heartbeat(period)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "transport": "sse",
+            "peer": self.identity.peer,
+            "events_sent": self.events_sent,
+            "bytes_sent": self.bytes_sent,
+            "entries_sent": self.entries_sent,
+            "write_blocked": self.blocked_since is not None,
+        }
+
+
+# -- endpoints ---------------------------------------------------------------------------------------------
+
+def _sessions(request: Request) -> dict[str, SseConnection]:
+    return cast(dict[str, SseConnection], request.app.state.sse_sessions)
+
+
+def _disabled() -> Response:
+    return error_response(NotFound("the SSE transport is disabled (sse.enabled)"))
+
+
+def close_only(code: int, reason: str) -> Response:
+    """A refusal an `EventSource` can read: a 200 stream whose only event is `close`."""
+    return Response(close_event(code, reason), headers={k.decode(): v.decode() for k, v in STREAM_HEADERS})
+
+
+class _Stream(Response):
+    """The event stream of one connection; lives until the connection is lost."""
+
+    def __init__(self, hub: Hub, proto: GuardedHttpToolsProtocol, identity: ClientIdentity,
+                 sessions: dict[str, SseConnection], topics: list[str], positions: dict[str, tuple[str, int]],
+                 refusals: list[RequestError]) -> None:
+        super().__init__()
+        self.hub = hub
+        self.proto = proto
+        self.identity = identity
+        self.sessions = sessions
+        self.topics = topics
+        self.recovery = positions
+        self.refusals = refusals
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hub = self.hub
+        cid = self.identity.client_id
+        await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+        conn = SseConnection(hub, self.identity, self.proto, self.sessions)
+        reason = "closed"
+        try:
+            if not self.proto.transport.is_closing():  # else gone before the head: nothing to register
+                self.proto.stream = conn
+                conn.start()
+                hub.register(conn, ready=True)
+                conn.positions_of = Positions(hub.engine.client(cid))
+                self._subscribe()
+            # The request has no body: what comes next is the disconnect (the connection was lost), also
+            # after a kick (the close event written, the connection closed within KICK_GRACE_S).
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:
+            log.exception("SSE stream %s failed", cid)
+            reason = "error"
+        finally:
+            conn.on_lost()
+            if self.proto.stream is conn:
+                self.proto.stream = None
+            hub.unregister(cid, reason)
+
+    def _subscribe(self) -> None:
+        """The request's subscriptions, as commands: same checks and answers as a `subscribe`."""
+        hub = self.hub
+        cid = self.identity.client_id
+        for refusal in self.refusals:
+            hub.send_error(cid, refusal)
+        names = self.topics + [name for name in self.recovery if name not in self.topics]
+        for name in names:
+            if cid not in hub.conns:
+                return  # cut by an earlier subscribe (direct queue)
+            command: dict[str, Any] = {"op": "subscribe", "topic": name}
+            if name in self.recovery:
+                epoch, seq = self.recovery[name]
+                command["since"] = {"epoch": epoch, "seq": seq}
+            run_command(hub, cid, command)
+
+
+async def stream(request: Request) -> Response:
+    """`GET /sse?topics=a,b[&token=JWT][&since=POSITIONS]` (docs/protocol.md `## SSE`)."""
+    hub: Hub = request.app.state.hub
+    config = hub.config.sse
+    if not config.enabled:
+        return _disabled()
+    host, port = request.client if request.client else ("", 0)
+    if config.max_sessions_per_ip and hub.clients_by_ip[("sse", host)] >= config.max_sessions_per_ip:
+        hub.bad_input("sse", "%s holds its maximum of %d streams", host, config.max_sessions_per_ip)
+        return error_response(TooManySessionsFromAddress(
+            f"at most {config.max_sessions_per_ip} SSE streams per address"), RETRY_LATER)
+    query = request.query_params
+    if "id" in query:
+        # Names chosen by clients could be claimed by anyone; a private queue belongs to a token's `sub`.
+        return close_only(close_codes.BAD_CLIENT_ID, "?id= is not accepted: identity comes from ?token=")
+    principal = None
+    token = query.get("token")
+    if token is not None:
+        try:
+            principal = hub.tokens.verify(token)
+        except (BadToken, TokenExpired) as exc:
+            hub.bad_input("sse", "token refused: %s", exc)
+            return close_only(exc.close_code, exc.message)
+    proto = request.scope.get("extensions", {}).get(SCOPE_KEY)
+    if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
+        raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.netguard.GuardedHttpToolsProtocol)")
+    refusals: list[RequestError] = []
+    max_subs = hub.config.scheduler.max_subscriptions
+    topics = [name for name in ",".join(query.getlist("topics")).split(",") if name]
+    if len(topics) > max_subs:
+        refusals.append(TooManySubscriptions(f"{len(topics) - max_subs} topics beyond scheduler.max_subscriptions"
+                                             f" ({max_subs}) were not subscribed"))
+        topics = topics[:max_subs]
+    recovery_text = request.headers.get("last-event-id")
+    if recovery_text is None:
+        recovery_text = query.get("since", "")
+    try:
+        positions = parse_positions(recovery_text, max_subs)
+    except BadRequest as exc:
+        hub.bad_input("sse", "%s: %s", host, exc.message)
+        refusals.insert(0, exc)
+        positions = {}
+    identity = ClientIdentity(hub.new_client_id("sse"), "sse", f"{host}:{port}", host, principal)
+    return _Stream(hub, proto, identity, _sessions(request), topics, positions, refusals)
+
+
+async def post_commands(request: Request) -> Response:
+    hub: Hub = request.app.state.hub
+    if not hub.config.sse.enabled:
+        return _disabled()
+    conn = _sessions(request).get(request.path_params["session"])
+    if conn is None:
+        return error_response(UNKNOWN_SESSION)
+    return await accept_commands(request, hub, conn.identity.client_id, hub.config.sse.max_body_bytes)
+
+
+async def delete_session(request: Request) -> Response:
+    hub: Hub = request.app.state.hub
+    if not hub.config.sse.enabled:
+        return _disabled()
+    conn = _sessions(request).get(request.path_params["session"])
+    if conn is None:
+        return error_response(UNKNOWN_SESSION)
+    hub.kick(conn.identity.client_id, DELETED, "session deleted", "closed")
+    return Response(status_code=204)

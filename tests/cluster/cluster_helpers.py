@@ -1,0 +1,230 @@
+"""Real processes for the cluster tests: redis-server and `python -m gateway serve` (so kill -9 is real)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from websockets.sync.client import connect
+
+ROOT = Path(__file__).resolve().parents[2]
+REDIS_SERVER = "/usr/bin/redis-server"
+TOKEN = "cluster-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """redis-server on a free loopback port, no persistence unless asked; restartable on the same port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        binary = REDIS_SERVER if os.path.exists(REDIS_SERVER) else shutil.which("redis-server")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir)],
+            stdout=open(self.workdir / "redis.log", "ab"), stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if self.command("PING") == "+PONG":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def command(self, *args: str) -> str:
+        """One command, its first reply line (enough for PING, CLIENT KILL, FLUSHALL)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
+            sock.sendall(("*%d\r\n" % len(args) + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)).encode())
+            return sock.recv(65536).split(b"\r\n")[0].decode()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
+
+class Node:
+    """One gateway process on the Redis."""
+
+    def __init__(self, workdir: Path, redis_url: str, sections: dict[str, dict[str, Any]]) -> None:
+        self.workdir = workdir
+        self.redis_url = redis_url
+        self.sections = sections
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.info: dict[str, Any] = {}
+
+    def config_text(self) -> str:
+        sections: dict[str, dict[str, Any]] = {
+            "server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN, "log_level": "warning",
+                       "max_connections_per_ip": 0},
+            "ingest": {"port": 0},
+            "rawtcp": {"enabled": False},
+            "broker": {"url": self.redis_url, "connect_timeout_s": 5.0},
+        }
+        for name, values in self.sections.items():
+            sections.setdefault(name, {}).update(values)
+        lines = []
+        for name, values in sections.items():
+            lines.append(f"[{name}]")
+            lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+        lines += ['[[topics.rules]]', 'pattern = "*"', 'kind = "ring"', 'capacity = 16', 'anonymous = true',
+                  'client_publish = true']
+        return "\n".join(lines) + "\n"
+
+    def start(self, wait: bool = True) -> "Node":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "gateway.toml"
+        config.write_text(self.config_text())
+        ready = self.workdir / "ready.json"
+        ready.unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
+            cwd=ROOT, env=env, stdout=open(self.workdir / "gateway.log", "ab"), stderr=subprocess.STDOUT,
+        )
+        if wait:
+            deadline = time.monotonic() + 30
+            while not ready.exists():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"gateway ended with {self.proc.returncode}: {self.log()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway did not start: {self.log()[-2000:]}")
+                time.sleep(0.05)
+            self.info = json.loads(ready.read_text())
+        return self
+
+    def log(self) -> str:
+        path = self.workdir / "gateway.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.info['http_port']}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.info['http_port']}/ws"
+
+    @property
+    def ingest_port(self) -> int:
+        return int(self.info["ingest_port"])
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(5)
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(5)
+
+    # -- clients ---------------------------------------------------------------------------------------
+
+    def publish(self, topic: str, data: Any, **extra: Any) -> httpx.Response:
+        return httpx.post(f"{self.http_url}/api/topics/{topic}/publish", json={"data": data, **extra},
+                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+
+    def api(self, path: str) -> Any:
+        reply = httpx.get(f"{self.http_url}/api{path}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        reply.raise_for_status()
+        return reply.json()
+
+    def ws(self):
+        return connect(self.ws_url, open_timeout=5, max_size=None, compression=None)
+
+
+class NodeFactory:
+    def __init__(self, tmp_path: Path, redis: RedisServer) -> None:
+        self.tmp_path = tmp_path
+        self.redis = redis
+        self.nodes: list[Node] = []
+
+    def start(self, name: str, wait: bool = True, **sections: dict[str, Any]) -> Node:
+        node = Node(self.tmp_path / name, self.redis.url, sections)
+        self.nodes.append(node)
+        return node.start(wait)
+
+    def stop_all(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def send(ws, **command: Any) -> None:
+    ws.send(json.dumps(command))
+
+
+def collect(ws, until, timeout: float = 10.0) -> list[dict]:
+    """Entries until `until(entries)` holds; fails after `timeout` seconds."""
+    got: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while not until(got):
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"timed out; got {got[-6:]}"
+        got += orjson.loads(ws.recv(timeout=remaining))
+    return got
+
+
+def subscribe(ws, topic: str, since: tuple[str, int] | None = None) -> dict:
+    """Subscribe and return the `subscribed` entry (entries after it stay unread: use `collect`)."""
+    command: dict[str, Any] = {"op": "subscribe", "topic": topic, "id": topic}
+    if since is not None:
+        command["since"] = {"epoch": since[0], "seq": since[1]}
+    send(ws, **command)
+    pending: list[dict] = []
+
+    def done(got: list[dict]) -> bool:
+        return any(e["type"] in ("subscribed", "error") and e.get("id") == topic for e in got)
+
+    got = collect(ws, done)
+    entry = next(e for e in got if e.get("id") == topic)
+    assert entry["type"] == "subscribed", entry
+    pending += got[got.index(entry) + 1:]
+    ws.pending = pending  # type: ignore[attr-defined]  # entries that came in the same frame
+    return entry
+
+
+def messages(ws, topic: str, until, timeout: float = 10.0) -> list[dict]:
+    """`msg` and `loss` entries of `topic` (those left by `subscribe` first) until `until(entries)`."""
+    got = [e for e in getattr(ws, "pending", []) if e.get("topic") == topic and e["type"] in ("msg", "loss")]
+    ws.pending = []  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout
+    while not until(got):
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"timed out; got {got[-6:]}"
+        got += [e for e in orjson.loads(ws.recv(timeout=remaining))
+                if e.get("topic") == topic and e["type"] in ("msg", "loss", "subscribed")]
+    return got
