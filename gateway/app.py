@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mimetypes
+
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -11,11 +13,15 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from . import admin, longpoll, sse
+from .broker.forward import SessionRouter, WorkerLinks
 from .errors import MethodNotAllowed, NotFound
 from .http_errors import error_response
 from .hub import Hub
 from .origin import OriginGuard, parse_allowed_origins
 from .ws import websocket_endpoint
+
+# The client library's type declarations (static/fanout.d.ts): the system table may call .ts a Qt file.
+mimetypes.add_type("application/typescript", ".ts")
 
 
 async def healthz(request: Request) -> Response:
@@ -43,7 +49,9 @@ async def websocket_disabled(websocket: WebSocket) -> None:
     await websocket.close()  # before accept: the handshake is answered with HTTP 403
 
 
-def build_app(hub: Hub, admin_token: str) -> Starlette:
+def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> Starlette:
+    """`links`: with `server.workers` > 1, session requests owned by another worker go to it
+    (gateway/broker/forward.py), inside the Origin guard, which this worker answers itself."""
     lp_on = hub.config.longpoll.enabled
     routes = [
         WebSocketRoute("/ws", websocket_endpoint if hub.config.websocket.enabled else websocket_disabled),
@@ -65,9 +73,11 @@ def build_app(hub: Hub, admin_token: str) -> Starlette:
     app = Starlette(
         routes=routes,
         exception_handlers={404: not_found, 405: method_not_allowed},
-        middleware=[Middleware(OriginGuard, allowed=parse_allowed_origins(hub.config.server.allowed_origins))],
+        middleware=[Middleware(OriginGuard, allowed=parse_allowed_origins(hub.config.server.allowed_origins))]
+        + ([Middleware(SessionRouter, links=links, config=hub.config)] if links is not None else []),
     )
     app.state.hub = hub
     app.state.sse_sessions = {}  # SSE streams by their secret (gateway/sse.py)
     app.state.admin_token = admin_token
+    app.state.session_prefix = links.secret_prefix if links is not None else ""  # names the owning worker
     return app

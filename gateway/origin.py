@@ -63,11 +63,10 @@ def parse_allowed_origins(allowed_origins: object) -> frozenset[str]:
     return frozenset(allowed)
 
 
-class OriginGuard:
-    """ASGI middleware in front of the app: refuses foreign origins on guarded routes, adds CORS headers."""
+class OriginPolicy:
+    """Which origins may use the guarded routes: the gateway's own, and `server.allowed_origins`."""
 
-    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
-        self.app = app
+    def __init__(self, allowed: frozenset[str]) -> None:
         self.any = "*" in allowed
         self.allowed = allowed
 
@@ -76,6 +75,14 @@ class OriginGuard:
         if normal is None:  # "null" (sandboxed frames, file://) or garbage
             return self.any
         return self.any or normal in self.allowed or _same_host(normal, host)
+
+
+class OriginGuard(OriginPolicy):
+    """ASGI middleware in front of the app: refuses foreign origins on guarded routes, adds CORS headers."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        super().__init__(allowed)
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(GUARDED_PREFIXES):

@@ -1,12 +1,14 @@
-"""WebSocket transport: a Starlette endpoint for the handshake and commands, a direct write path for fan-out.
+"""WebSocket transport: our own subclass of uvicorn's sans-I/O websockets protocol serves `/ws` itself.
 
-Starlette owns routing and the handshake. For fan-out writes, going through ASGI `send` from a task per
-client costs ~3x more per frame than writing to the transport (issue 3's measurements), so uvicorn runs our
-subclass of its sans-I/O websockets protocol, which exposes itself to the endpoint through the ASGI scope.
-The scheduler then writes each batch as one pre-built text frame straight to the transport, never awaiting:
-a client whose transport buffer is above the high-water mark is not ready until asyncio calls
+Past the HTTP layer (connection limits, header deadline: gateway/netguard.py) the protocol answers the
+handshake of `/ws` itself (Origin, `?id=`, `?token=`), registers the connection with the hub, and hands each
+command frame to `gateway/commands.py` as it is parsed: no ASGI task, receive queue or scope per
+connection, which is most of what an idle connection would otherwise hold (docs/benchmarks.md, idle
+clients). The scheduler writes each batch as one pre-built text frame straight to the transport, never
+awaiting: a client whose transport buffer is above the high-water mark is not ready until asyncio calls
 `resume_writing` (below a quarter of it). Per-message compression is off: it would force an encode per client.
-Under another ASGI server the endpoint falls back to an ASGI writer task.
+With `websocket.direct_write = false`, or under another ASGI server, `/ws` is the Starlette endpoint below
+and writes go through ASGI `send` from a writer task.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import socket
 import struct
 import time
 from typing import Any, cast
+from urllib.parse import parse_qs
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.http11 import Request, Response
 
 from core import Batch
 
@@ -29,6 +33,7 @@ from .errors import BadToken, TokenExpired
 from .hub import Hub
 from .identity import ClientIdentity
 from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
+from .origin import OriginPolicy
 from .ratelog import BadInputLog
 
 log = logging.getLogger("gateway.ws")
@@ -36,6 +41,18 @@ SCOPE_KEY = "fanout.ws"
 
 #: how long a kicked client's buffered data and close frame may take to drain before the cut
 KICK_GRACE_S = 2.0
+#: the route the protocol serves itself
+WS_PATH = "/ws"
+
+
+class _Discard:
+    """Where uvicorn's own handlers put ASGI events once no ASGI app reads them (a served connection)."""
+
+    def put_nowait(self, event: object) -> None:
+        pass
+
+
+DISCARD = _Discard()
 
 
 def text_frame_header(length: int) -> bytes:
@@ -62,6 +79,11 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     bad_input: BadInputLog = FALLBACK_BAD_INPUT
     #: our close frame is sent: what the peer still sends is read and dropped until it closes
     lingering = False
+    #: the hub, when the protocol serves `/ws` itself (set by `protocol_class`); None: every path goes to ASGI
+    hub: Hub | None = None
+    origins: OriginPolicy | None = None
+    #: this connection is served here, not by an ASGI task
+    served = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         super().connection_made(transport)
@@ -113,6 +135,61 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             self.limiter.release(self.transport)
         if self.connection is not None:
             self.connection.on_lost()
+            self._unregister("closed")
+
+    # -- serving /ws without ASGI ------------------------------------------------------------------------
+
+    def handle_connect(self, event: Request) -> None:
+        hub = self.hub
+        path, _, query = event.path.partition("?")
+        if hub is None or path != WS_PATH or not hub.config.websocket.enabled or not hub.config.websocket.direct_write:
+            super().handle_connect(event)
+            return
+        self.served = True
+        self.queue = DISCARD  # type: ignore[assignment]  # uvicorn's handlers still put events; nobody reads them
+        self.handshake_initiated = True
+        origin = event.headers.get("Origin")
+        if origin is not None and self.origins is not None and not self.origins.allows(origin, event.headers.get("Host")):
+            self.bad_input("ws", "origin %r refused (server.allowed_origins)", origin[:100])
+            self._answer_and_close(self.conn.reject(403, "origin not allowed (server.allowed_origins)\n"))
+            return
+        response = self.conn.accept(event)
+        if response.status_code != 101:  # not a valid upgrade: websockets says why
+            self._answer_and_close(response)
+            return
+        self.conn.send_response(response)
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.handshake_complete = True
+        self.start_keepalive()
+        _open_served(hub, self, query)
+
+    def _answer_and_close(self, response: Response) -> None:
+        self.handshake_complete = self.close_sent = True
+        self.conn.send_response(response)
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.transport.close()
+
+    def close_with(self, code: int, reason: str) -> None:
+        """Send a close frame and linger (see `linger_close`); the connection is not registered, or no more."""
+        if self.transport.is_closing() or self.lingering:
+            return
+        try:
+            self.conn.send_close(code, reason)
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.close_sent = True
+        except Exception:  # already closing on the websockets side
+            pass
+        self.linger_close(KICK_GRACE_S)
+
+    def _unregister(self, reason: str) -> None:
+        conn = self.connection
+        if self.served and conn is not None and self.hub is not None:
+            conn.closed = True
+            self.hub.unregister(conn.identity.client_id, reason)
+
+    def handle_close(self, event: Any) -> None:
+        super().handle_close(event)
+        self._unregister("closed")
 
     def send_receive_event_to_app(self) -> None:
         # uvicorn decodes a text message itself and logs every invalid one with a traceback (one ERROR per
@@ -125,7 +202,20 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
                 self.conn.fail(close_codes.INVALID_DATA, f"invalid UTF-8 in a text message at byte {exc.start}")
                 self.handle_parser_exception()
                 return
-        super().send_receive_event_to_app()
+        if not self.served:
+            super().send_receive_event_to_app()
+            return
+        data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+        self.frames = []
+        conn = self.connection
+        if self.close_sent or conn is None or conn.closed or self.hub is None:
+            return
+        client_id = conn.identity.client_id
+        try:
+            handle_payload(self.hub, client_id, data)
+        except Exception:  # our bug, not the peer's: this client is closed, nobody else is disturbed
+            log.exception("websocket %s failed", client_id)
+            self.hub.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
 
     def handle_parser_exception(self) -> None:
         # a peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007): the close frame is
@@ -139,6 +229,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.transport.write(b"".join(self.conn.data_to_send()))
         self.close_sent = True
         self.linger_close(KICK_GRACE_S)
+        self._unregister("closed")
 
 
 def protocol_class(
@@ -147,15 +238,19 @@ def protocol_class(
     notsent_lowat: int = 0,
     limiter: ConnectionLimiter | None = None,
     bad_input: BadInputLog = FALLBACK_BAD_INPUT,
+    hub: Hub | None = None,
+    origins: OriginPolicy | None = None,
 ) -> type[FanoutWSProtocol]:
+    """The protocol class uvicorn instantiates per upgraded connection; with a `hub` it serves `/ws` itself."""
     attrs = {"write_high_water": write_high_water, "socket_send_buffer": socket_send_buffer,
              "notsent_lowat": notsent_lowat, "limiter": limiter,
-             "bad_input": bad_input}
+             "bad_input": bad_input, "hub": hub, "origins": origins}
     return type("ConfiguredFanoutWSProtocol", (FanoutWSProtocol,), attrs)
 
 
 class WSConnection:
-    def __init__(self, hub: Hub, identity: ClientIdentity, websocket: WebSocket, proto: FanoutWSProtocol | None) -> None:
+    def __init__(self, hub: Hub, identity: ClientIdentity, websocket: WebSocket | None,
+                 proto: FanoutWSProtocol | None) -> None:
         self.hub = hub
         self.identity = identity
         self.websocket = websocket
@@ -224,6 +319,7 @@ class WSConnection:
         while True:
             frame = await self._outbox.get()
             try:
+                assert self.websocket is not None
                 await self.websocket.send_text(frame.decode())
             except Exception:
                 self.closed = True
@@ -242,20 +338,12 @@ class WSConnection:
         if proto is None:
             asyncio.get_running_loop().create_task(self._close_via_asgi(code, reason))
             return
-        transport = proto.transport
-        if transport.is_closing() or proto.lingering:
-            return
-        try:
-            proto.conn.send_close(code, reason)
-            transport.write(b"".join(proto.conn.data_to_send()))
-            proto.close_sent = True
-        except Exception:  # already closing on the websockets side
-            pass
         # The close frame waits behind whatever is buffered: a reader that wakes up gets it with the code
         # and reason; one that never reads again is cut after the grace (its buffer will not drain).
-        proto.linger_close(KICK_GRACE_S)
+        proto.close_with(code, reason)
 
     async def _close_via_asgi(self, code: int, reason: str) -> None:
+        assert self.websocket is not None
         try:
             await self.websocket.close(code, reason)
         except Exception:
@@ -313,3 +401,25 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     finally:
         conn.closed = True
         hub.unregister(client_id, reason)
+
+
+def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
+    """After the handshake of a connection the protocol serves: check `?id=` and `?token=`, register it."""
+    params = parse_qs(query, keep_blank_values=True)
+    if "id" in params:
+        # Names chosen by clients could be claimed by anyone; a private queue belongs to a token's `sub`.
+        proto.close_with(close_codes.BAD_CLIENT_ID, "?id= is not accepted: identity comes from ?token=")
+        return
+    principal = None
+    tokens = params.get("token")
+    if tokens is not None:
+        try:
+            principal = hub.tokens.verify(tokens[-1])
+        except (BadToken, TokenExpired) as exc:
+            hub.bad_input("ws", "token refused: %s", exc)
+            proto.close_with(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
+            return
+    client_id = hub.new_client_id("ws")
+    host, port = proto.client if proto.client else ("", 0)
+    identity = ClientIdentity(client_id, "ws", f"{host}:{port}", host, principal)
+    hub.register(WSConnection(hub, identity, None, proto), ready=True)

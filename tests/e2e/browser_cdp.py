@@ -2,12 +2,15 @@
 
 `with Chromium(tmp_path) as browser:` starts one browser; `browser.open(url)` navigates its page and waits
 for `window.harnessReady` (or any expression); `browser.evaluate(js)` runs JavaScript (awaiting a promise)
-and returns its JSON value; `browser.wait_for(js, timeout)` polls until the expression is truthy. No Node,
-no npm: the `websockets` dependency speaks CDP.
+and returns its JSON value; `browser.wait_for(js, timeout)` polls until the expression is truthy (wrap it in
+`guarded(js)` to count a throw as "not yet"), `browser.until(probe, timeout)` until a Python callable is;
+`browser.screenshot(path)` saves a PNG of the whole page; `browser.errors` lists the page's uncaught
+exceptions. No Node, no npm: the `websockets` dependency speaks CDP.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import json
@@ -15,6 +18,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +38,41 @@ class BrowserError(AssertionError):
     pass
 
 
+def guarded(expression: str) -> str:
+    """`expression` with a throw counting as false (while a page loads, its elements may not exist yet)."""
+    return f"(() => {{ try {{ return {expression}; }} catch {{ return false; }} }})()"
+
+
 class Chromium:
-    def __init__(self, profile_dir: Path, *, start_timeout: float = 30.0) -> None:
+    def __init__(self, profile_dir: Path, *, start_timeout: float = 30.0,
+                 window: tuple[int, int] | None = None) -> None:
+        """`window=(width, height)`: that window and viewport size in CSS pixels (default: Chromium's)."""
         assert CHROMIUM is not None, "chromium is not installed"
         self.profile_dir = profile_dir
         self.start_timeout = start_timeout
+        self.window = window
         self.proc: subprocess.Popen | None = None
         self.ws: ClientConnection | None = None
         self._ids = itertools.count(1)
         self.console: list[str] = []
+        #: the page's uncaught exceptions (also in `console`, prefixed "exception: ")
+        self.errors: list[str] = []
         self._stack = contextlib.ExitStack()
         self._loaded = False
 
     def __enter__(self) -> Chromium:
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> Chromium:
         port_file = self.profile_dir / "DevToolsActivePort"
         port_file.unlink(missing_ok=True)
+        size = [f"--window-size={self.window[0]},{self.window[1]}"] if self.window else []
         self.proc = subprocess.Popen(
-            [CHROMIUM, *FLAGS, f"--user-data-dir={self.profile_dir}", "--remote-debugging-port=0",
+            [CHROMIUM, *FLAGS, *size, f"--user-data-dir={self.profile_dir}", "--remote-debugging-port=0",
              "--remote-debugging-address=127.0.0.1", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
@@ -65,7 +87,6 @@ class Chromium:
             except (FileNotFoundError, IndexError, ValueError):
                 time.sleep(0.1)
         if port is None:
-            self.close()
             raise BrowserError("chromium did not open its DevTools port")
         page = None
         while time.monotonic() < deadline and page is None:
@@ -75,11 +96,13 @@ class Chromium:
             if page is None:
                 time.sleep(0.1)
         if page is None:
-            self.close()
             raise BrowserError("chromium has no page target")
         self.ws = self._stack.enter_context(ws_connect(page["webSocketDebuggerUrl"], max_size=64 * 2**20, open_timeout=10))
         self.call("Runtime.enable")
         self.call("Page.enable")
+        if self.window:
+            self.call("Emulation.setDeviceMetricsOverride", width=self.window[0], height=self.window[1],
+                      deviceScaleFactor=1, mobile=False)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -126,7 +149,9 @@ class Chromium:
             self.console.append(" ".join(str(a.get("value", a.get("description", ""))) for a in args))
         elif method == "Runtime.exceptionThrown":
             details = message["params"]["exceptionDetails"]
-            self.console.append("exception: " + str(details.get("exception", {}).get("description", details.get("text"))))
+            error = str(details.get("exception", {}).get("description", details.get("text")))
+            self.errors.append(error)
+            self.console.append("exception: " + error)
 
     def evaluate(self, expression: str, timeout: float = 30.0) -> Any:
         """The JSON value of `expression` (a promise is awaited)."""
@@ -138,18 +163,33 @@ class Chromium:
             raise BrowserError(f"{expression[:200]!r} threw: {text}")
         return result["result"].get("value")
 
-    def wait_for(self, expression: str, timeout: float = 30.0, *, what: str = "", dump: str = "") -> Any:
-        """Poll until `expression` is truthy; returns its value. On timeout, fails with `dump` evaluated."""
+    def until(self, probe: Callable[[], Any], timeout: float = 30.0, *, what: str, dump: str = "") -> Any:
+        """Poll until `probe()` is truthy; returns its value. On timeout, fails with `dump` evaluated."""
         deadline = time.monotonic() + timeout
         while True:
-            value = self.evaluate(expression)
+            value = probe()
             if value:
                 return value
+            if self.proc is not None and self.proc.poll() is not None:
+                raise BrowserError(f"chromium exited while waiting for {what}; console: {self.console[-20:]}")
             if time.monotonic() > deadline:
                 state = self.evaluate(dump) if dump else None
-                raise BrowserError(f"timed out after {timeout} s waiting for {what or expression}; state: {state}; "
+                raise BrowserError(f"timed out after {timeout} s waiting for {what}; state: {state}; "
                                    f"console: {self.console[-20:]}")
             time.sleep(0.1)
+
+    def wait_for(self, expression: str, timeout: float = 30.0, *, what: str = "", dump: str = "") -> Any:
+        """Poll until `expression` is truthy; returns its value. On timeout, fails with `dump` evaluated."""
+        return self.until(lambda: self.evaluate(expression), timeout, what=what or expression, dump=dump)
+
+    def screenshot(self, path: Path) -> None:
+        """A PNG of the whole page (beyond the viewport, down to the end of its content) at `path`."""
+        metrics = self.call("Page.getLayoutMetrics")
+        width = self.window[0] if self.window else metrics["cssLayoutViewport"]["clientWidth"]
+        shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
+                         clip={"x": 0, "y": 0, "width": width, "height": metrics["cssContentSize"]["height"],
+                               "scale": 1})
+        path.write_bytes(base64.b64decode(shot["data"]))
 
     def open(self, url: str, ready: str = "window.harnessReady === true", timeout: float = 30.0) -> None:
         """Navigate, wait for the new document's load event, then until `ready` is truthy (exceptions: not yet)."""
@@ -162,5 +202,4 @@ class Chromium:
             if remaining <= 0:
                 raise BrowserError(f"{url} did not load in {timeout} s")
             self._event(json.loads(self.ws.recv(timeout=remaining)))
-        self.wait_for(f"(() => {{ try {{ return {ready}; }} catch {{ return false; }} }})()", timeout,
-                      what=f"{url} to be ready")
+        self.wait_for(guarded(ready), timeout, what=f"{url} to be ready")

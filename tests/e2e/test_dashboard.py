@@ -4,116 +4,28 @@ artifact, and copied to docs/img/dashboard.png when SAVE_SCREENSHOTS=1."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import itertools
 import json
 import os
 import re
 import shutil
-import subprocess
 import threading
-import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
+from browser_cdp import CHROMIUM, Chromium, guarded
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.testing import run_gateway
 
-CHROMIUM = shutil.which("chromium")
-# As in test_static_page.py, plus: a page's timers must run on time although nothing looks at it.
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-background-timer-throttling", "--disable-renderer-backgrounding", "--window-size=1400,1000"]
+WINDOW = (1400, 1000)
 DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img" / "dashboard.png"
 TOPICS = ("prices.eurusd", "chat.lobby", "state.scores")
 #: per subscriber, its topics: different sets, so the chart shows different rates
 SUBSCRIBERS = (TOPICS, TOPICS[:2], TOPICS[:1], TOPICS[1:])
-
-
-class Browser:
-    """One headless Chromium page over CDP (the `websockets` dependency speaks it; no Node)."""
-
-    def __init__(self, profile: Path) -> None:
-        assert CHROMIUM is not None
-        self.proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
-                                      "--remote-debugging-address=127.0.0.1", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.ids = itertools.count(1)
-        self.errors: list[str] = []
-        self.stack = contextlib.ExitStack()
-        try:
-            port_file = profile / "DevToolsActivePort"
-            page = self.until(lambda: self._page(port_file), 30, "chromium's DevTools page")
-            self.ws: ClientConnection = self.stack.enter_context(
-                connect(page["webSocketDebuggerUrl"], max_size=64 * 2**20, open_timeout=10))
-            self.call("Runtime.enable")
-            self.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000, deviceScaleFactor=1, mobile=False)
-        except BaseException:
-            self.close()
-            raise
-
-    @staticmethod
-    def _page(port_file: Path) -> dict | None:
-        try:
-            port = int(port_file.read_text().split()[0])
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as r:
-                return next((t for t in json.load(r) if t.get("type") == "page"), None)
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def until(self, probe, timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = probe()
-            if value:
-                return value
-            assert self.proc.poll() is None, "chromium exited"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}; page errors: {self.errors}"
-            time.sleep(0.1)
-
-    def call(self, method: str, **params: Any) -> dict:
-        call_id = next(self.ids)
-        self.ws.send(json.dumps({"id": call_id, "method": method, "params": params}))
-        while True:
-            message = json.loads(self.ws.recv(timeout=30))
-            if message.get("id") == call_id:
-                assert "error" not in message, f"{method}: {message['error']}"
-                return message.get("result", {})
-            if message.get("method") == "Runtime.exceptionThrown":
-                self.errors.append(str(message["params"]["exceptionDetails"]))
-
-    def evaluate(self, expression: str) -> Any:
-        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
-        assert "exceptionDetails" not in result, result["exceptionDetails"]
-        return result["result"].get("value")
-
-    def wait_for(self, expression: str, what: str, timeout: float = 30.0) -> Any:
-        """Poll until `expression` is truthy (throwing counts as not yet: the page may still be loading)."""
-        guarded = f"(() => {{ try {{ return {expression}; }} catch (e) {{ return false; }} }})()"
-        return self.until(lambda: self.evaluate(guarded), timeout, what)
-
-    def screenshot(self, path: Path) -> None:
-        size = self.call("Page.getLayoutMetrics")["cssContentSize"]
-        shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                         clip={"x": 0, "y": 0, "width": 1400, "height": size["height"], "scale": 1})
-        path.write_bytes(base64.b64decode(shot["data"]))
-
-    def close(self) -> None:
-        self.stack.close()
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 class Traffic:
@@ -189,50 +101,50 @@ LIVE = """(() => {
 def test_the_dashboard_shows_live_topics_clients_rates_and_the_chart(tmp_path):
     with run_gateway(admin={"stats_interval_s": 0.5}) as gw:
         traffic = Traffic(gw)
-        browser = Browser(tmp_path / "profile")
         try:
-            browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
-            browser.wait_for(LIVE, "three topics, four clients with rates and a chart", timeout=60)
-            assert browser.evaluate("location.hash") == ""  # the token left the address bar
-            assert browser.evaluate(COLOURED_PIXELS) > 50
-            saving = os.environ.get("SAVE_SCREENSHOTS") == "1"
-            if saving:  # for the docs: let the chart fill a good part of its window (30 samples)
-                browser.wait_for("+document.getElementById('rate-chart').dataset.points >= 150", "30 samples", 60)
-            shot = tmp_path / "dashboard.png"
-            browser.screenshot(shot)
-            assert shot.read_bytes().startswith(b"\x89PNG")
-            if saving:
-                DOCS_IMG.parent.mkdir(exist_ok=True)
-                shutil.copyfile(shot, DOCS_IMG)
-            ids = [c["id"] for c in httpx.get(f"{gw.http_url}/api/clients",
-                                              headers={"Authorization": f"Bearer {gw.admin_token}"}).json()["clients"]]
-            assert len(ids) == 4
+            with Chromium(tmp_path / "profile", window=WINDOW) as browser:
+                browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
+                browser.wait_for(guarded(LIVE), 60, what="three topics, four clients with rates and a chart")
+                assert browser.evaluate("location.hash") == ""  # the token left the address bar
+                assert browser.evaluate(COLOURED_PIXELS) > 50
+                saving = os.environ.get("SAVE_SCREENSHOTS") == "1"
+                if saving:  # for the docs: let the chart fill a good part of its window (30 samples)
+                    browser.wait_for(guarded("+document.getElementById('rate-chart').dataset.points >= 150"), 60,
+                                     what="30 samples")
+                shot = tmp_path / "dashboard.png"
+                browser.screenshot(shot)
+                assert shot.read_bytes().startswith(b"\x89PNG")
+                if saving:
+                    DOCS_IMG.parent.mkdir(exist_ok=True)
+                    shutil.copyfile(shot, DOCS_IMG)
+                ids = [c["id"] for c in httpx.get(f"{gw.http_url}/api/clients",
+                                                  headers={"Authorization": f"Bearer {gw.admin_token}"}).json()["clients"]]
+                assert len(ids) == 4
 
-            def dom_is_live() -> bool:
-                dom = browser.evaluate("document.documentElement.outerHTML")
-                topics = re.search(r'<table id="topics">.*?</table>', dom, re.S)
-                clients = re.search(r'<table id="clients">.*?</table>', dom, re.S)
-                return bool(topics and clients and all(f"<td>{name}</td>" in topics.group(0) for name in TOPICS)
-                            and all(f"<td>{client_id}</td>" in clients.group(0) for client_id in ids)
-                            and re.search(r'<td class="num rate">(?!0<)[0-9.]+</td>', clients.group(0)))
+                def dom_is_live() -> bool:
+                    dom = browser.evaluate("document.documentElement.outerHTML")
+                    topics = re.search(r'<table id="topics">.*?</table>', dom, re.S)
+                    clients = re.search(r'<table id="clients">.*?</table>', dom, re.S)
+                    return bool(topics and clients and all(f"<td>{name}</td>" in topics.group(0) for name in TOPICS)
+                                and all(f"<td>{client_id}</td>" in clients.group(0) for client_id in ids)
+                                and re.search(r'<td class="num rate">(?!0<)[0-9.]+</td>', clients.group(0)))
 
-            # the DOM as a dump shows it (a sample may fall between two publishes: poll, bounded)
-            browser.until(dom_is_live, 30, "the tables with every topic, every client and a rate above 0")
+                # the DOM as a dump shows it (a sample may fall between two publishes: poll, bounded)
+                browser.until(dom_is_live, 30, what="the tables with every topic, every client and a rate above 0")
 
-            # publish through the form, then kick the client of one topic with its button
-            browser.evaluate("""(() => {
-              document.getElementById('pub-topic').value = 'state.scores';
-              document.getElementById('pub-data').value = '{"home": 99}';
-              document.getElementById('publish').requestSubmit(); })()""")
-            browser.wait_for("document.getElementById('pub-result').textContent.startsWith('published to state.scores')",
-                             "the publish answer")
-            victim = ids[0]
-            browser.evaluate("window.confirm = () => true; document.querySelector("
-                             f"'#clients tr[data-client=\"{victim}\"] button').click()")
-            browser.wait_for(f"!document.querySelector('#clients tr[data-client=\"{victim}\"]')",
-                             "the kicked client to leave the table")
-            assert browser.errors == []
+                # publish through the form, then kick the client of one topic with its button
+                browser.evaluate("""(() => {
+                  document.getElementById('pub-topic').value = 'state.scores';
+                  document.getElementById('pub-data').value = '{"home": 99}';
+                  document.getElementById('publish').requestSubmit(); })()""")
+                browser.wait_for(guarded("document.getElementById('pub-result').textContent"
+                                         ".startsWith('published to state.scores')"), what="the publish answer")
+                victim = ids[0]
+                browser.evaluate("window.confirm = () => true; document.querySelector("
+                                 f"'#clients tr[data-client=\"{victim}\"] button').click()")
+                browser.wait_for(guarded(f"!document.querySelector('#clients tr[data-client=\"{victim}\"]')"),
+                                 what="the kicked client to leave the table")
+                assert browser.errors == []
         finally:
-            browser.close()
             traffic.close()
     assert 4000 in traffic.close_codes.values()  # the kicked one, closed with the admin's code
