@@ -53,6 +53,12 @@ class PrivateTopic(Topic):
         self.queues[owner] = sub
         return sub.cursor - len(queue), None
 
+    def holder(self, owner: Hashable) -> Subscription | None:
+        return self.queues.get(owner)
+
+    def head(self, sub: Subscription) -> int | None:
+        return None if sub.queue is None else sub.cursor - len(sub.queue)
+
     def detach(self, sub: Subscription) -> bool:
         super().detach(sub)
         owner = sub.client.owner

@@ -84,6 +84,14 @@ class Topic:
         """
         return None
 
+    def holder(self, owner: Hashable) -> Subscription | None:
+        """The handle holding `owner`'s queue (private), or None (shared kinds)."""
+        return None
+
+    def head(self, sub: Subscription) -> int | None:
+        """The seq of the first entry `sub` still holds (private: what a commit has not removed), or None."""
+        return None
+
     def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
         """Set the new handle's cursor. Returns (start seq, entry to put in the direct queue or None)."""
         raise NotImplementedError

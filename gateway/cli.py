@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from .broker import BrokerUnreachable
+from .broker.forward import WorkerLinks
 from .config import ConfigError, GatewayConfig, load_config
 from .server import start_gateway
 
@@ -38,8 +39,9 @@ def write_ready_file(path: str, info: dict) -> None:
     os.replace(tmp, path)
 
 
-async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0) -> None:
-    running = await start_gateway(config, worker)
+async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0,
+                 links: WorkerLinks | None = None) -> None:
+    running = await start_gateway(config, worker, links)
     generated = not config.server.admin_token
     if ready_file:
         info = running.ports()
@@ -84,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     return _serve_worker(config, args.ready_file, 0)
 
 
-def _serve_worker(config: GatewayConfig, ready_file: str | None, worker: int) -> int:
+def _serve_worker(config: GatewayConfig, ready_file: str | None, worker: int,
+                  links: WorkerLinks | None = None) -> int:
     try:
-        _run(_serve(config, ready_file, worker), config.server.uvloop)
+        _run(_serve(config, ready_file, worker, links), config.server.uvloop)
     except (ConfigError, BrokerUnreachable) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2

@@ -82,6 +82,8 @@ class Hub:
             self.delivery_log = DeliveryLog(config.deliverylog, self)
         #: where topics live: this engine (default) or Redis shared with other nodes (docs/cluster.md)
         self.broker: Broker = make_broker(self)
+        #: with a broker, private queues live in Redis and commits are acknowledged there (docs/cluster.md §8)
+        self.engine.report_commits = self.broker.distributed
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -174,9 +176,13 @@ class Hub:
                 timer.cancel()
         self.blocked.pop(client_id, None)
         names = list(self.engine.client(client_id).subs) if self.broker.distributed else ()
+        owner = self.engine.client(client_id).owner
         self.engine.disconnect(client_id)
         for name in names:
-            self.broker.release(name)
+            if self.queued_in_broker(name):
+                self.broker.queues.released(name, owner)  # type: ignore[attr-defined]  # RedisBroker
+            else:
+                self.broker.release(name)
         self.metrics.disconnected(identity.transport, reason)
         self.gc.departed()
         self._wake_space_waiters()
@@ -291,6 +297,9 @@ class Hub:
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None) -> None:
         """Subscribe now, or, with a broker, once the topic is attached (its answer, `subscribed` or an
         error entry, then comes from the attach)."""
+        if self.queued_in_broker(topic):
+            self.broker.queues.subscribe(client_id, topic, request_id)  # type: ignore[attr-defined]  # RedisBroker
+            return
         if self.via_broker(topic):
             if not self.broker.attached(topic):
                 self.broker.attach(topic).add_done_callback(
@@ -319,13 +328,24 @@ class Hub:
         self.wake()
 
     def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
+        owner = self.engine.client(client_id).owner
         self.engine.unsubscribe(client_id, topic, request_id=request_id)
-        self.broker.release(topic)
+        if self.queued_in_broker(topic):
+            self.broker.queues.unsubscribed(topic, owner)  # type: ignore[attr-defined]  # RedisBroker
+        else:
+            self.broker.release(topic)
         self.wake()
+
+    def queued_in_broker(self, topic: str) -> bool:
+        """Whether `topic` is private and its queues live in the broker (Redis, docs/cluster.md §8)."""
+        if not self.broker.distributed:
+            return False
+        config = self.engine.topic_config(topic)
+        return config is not None and config.kind is TopicKind.PRIVATE
 
     def via_broker(self, topic: str) -> bool:
         """Whether `topic`'s publishes and subscribes go through a distributed broker: shared kinds with
-        one configured (private queues stay in the node, docs/cluster.md §8)."""
+        one configured (private queues go through `queued_in_broker` instead, docs/cluster.md §8)."""
         if not self.broker.distributed:
             return False
         config = self.engine.topic_config(topic)
@@ -384,7 +404,7 @@ class Hub:
     def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
         """Publish now or raise (QueueFull is back-pressure: see `publish_wait`). `owner`: the user whose
         private queue gets it (private topics). With a broker, shared topics go through `publish_later`."""
-        if self.broker.distributed and self.via_broker(topic):
+        if self.broker.distributed and (self.via_broker(topic) or self.queued_in_broker(topic)):
             raise CoreUsageError(f"{topic!r} is published through the broker: use publish_later")
         result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
         if self.delivery_log is not None:
@@ -395,11 +415,16 @@ class Hub:
     def publish_later(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> asyncio.Future:
         """Publish through the broker when the topic goes through one (a future of the `Published`), else now
         (a done future). Raises at once what can be told at once (`BrokerUnavailable`, `BadData`, ...)."""
+        if self.queued_in_broker(topic):  # a full queue holds the publish back until it has room
+            pushed = self.broker.queues.push(topic, owner, data, seq, None)  # type: ignore[attr-defined]
+            return self._published(topic, pushed)
         if not self.via_broker(topic):
             future = asyncio.get_running_loop().create_future()
             future.set_result(self.publish(topic, data, seq=seq, owner=owner))
             return future
-        seq_future = self.broker.publish(topic, data, seq)
+        return self._published(topic, self.broker.publish(topic, data, seq))
+
+    def _published(self, topic: str, seq_future: asyncio.Future) -> asyncio.Future:
         result = asyncio.get_running_loop().create_future()
 
         def landed(done: asyncio.Future) -> None:
@@ -442,6 +467,10 @@ class Hub:
     ) -> Published:
         """Publish to a private queue, waiting up to `timeout` seconds for space (docs/design/private-queues.md §3)."""
         deadline = time.monotonic() + timeout
+        if self.queued_in_broker(topic):
+            pushed = self.broker.queues.push(topic, owner, data, seq, deadline)  # type: ignore[attr-defined]
+            published: Published = await self._published(topic, pushed)
+            return published
         while True:
             try:
                 return self.publish(topic, data, seq=seq, owner=owner)
@@ -458,6 +487,10 @@ class Hub:
         return future
 
     def _wake_space_waiters(self) -> None:
+        if self.engine.report_commits:
+            committed = self.engine.take_committed()
+            if committed:
+                self.broker.queues.committed(committed)  # type: ignore[attr-defined]  # RedisBroker
         for key in self.engine.take_space_freed():
             for future in self._space_waiters.pop(key, ()):
                 if not future.done():
@@ -481,15 +514,17 @@ class Hub:
                 await asyncio.sleep(0)
 
     def _deliver(self, batches: list[Batch]) -> None:
-        frames: dict[tuple[int, ...], bytes] = {}
+        frames: dict[int | tuple[int, ...], bytes] = {}
         conns = self.conns
         done = []
         for batch in batches:
             conn = conns.get(batch.client_id)
             if conn is None:
                 continue
-            # Clients of one topic usually get identical batches: frame them once (ids are of live objects).
-            key = tuple(map(id, batch.entries))
+            # Clients of one topic usually get identical batches: frame them once (ids are of live objects;
+            # an int key for one entry, the common case, never equals a tuple key).
+            entries = batch.entries
+            key = id(entries[0]) if len(entries) == 1 else tuple(map(id, entries))
             frame = frames.get(key)
             if frame is None:
                 frame = frames[key] = batch.frame()
@@ -503,7 +538,6 @@ class Hub:
                 self.delivery_log.delivered(batch, conn)
             if finished:
                 done.append(batch.client_id)
-        for client_id in done:
-            self.engine.write_done(client_id)
         if done:
+            self.engine.writes_done(done)
             self._wake_space_waiters()

@@ -176,7 +176,7 @@ class IngestProtocol(asyncio.Protocol):
 
     def _publish(self, item: Publish) -> None:
         record = item.record
-        if self.hub.broker.distributed and self.hub.via_broker(record.topic):
+        if self.hub.broker.distributed and (self.hub.via_broker(record.topic) or self.hub.queued_in_broker(record.topic)):
             try:
                 future = self.hub.publish_later(record.topic, record.data, seq=record.seq, owner=record.client)
             except RequestError as exc:

@@ -44,11 +44,12 @@ RETRY_LATER = {"Retry-After": "5"}
 
 
 class LongPollSession:
-    def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
+    def __init__(self, hub: Hub, identity: ClientIdentity, secret_prefix: str = "") -> None:
         self.hub = hub
         self.identity = identity
-        #: the session id of the URLs: 128 random bits (secrets), the only credential a poll carries
-        self.secret = secrets.token_urlsafe(16)
+        #: the session id of the URLs: 128 random bits (secrets), the only credential a poll carries; with
+        #: several workers after a public `w{index}.` naming the one that holds it (docs/cluster.md §5)
+        self.secret = secret_prefix + secrets.token_urlsafe(16)
         hub.lp_sessions[self.secret] = self
         self.poll: asyncio.Future | None = None
         #: (batch id, response body) handed out and not yet acknowledged
@@ -151,7 +152,7 @@ async def create_session(request: Request) -> Response:
             hub.bad_input("longpoll", "token refused: %s", exc)
             return error_response(exc, {"WWW-Authenticate": "Bearer"})
     identity = ClientIdentity(hub.new_client_id("lp"), "longpoll", f"{host}:{port}", host, principal)
-    session = LongPollSession(hub, identity)
+    session = LongPollSession(hub, identity, request.app.state.session_prefix)
     hub.register(session, ready=False)
     return JSONResponse({"session": session.secret, "client_id": identity.client_id}, status_code=201)
 

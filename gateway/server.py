@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import uvicorn
 
 from .app import build_app
+from .broker.forward import WorkerLinks
 from .config import ConfigError, GatewayConfig
 from .hub import Hub
 from .ingest import IngestServer
 from .netguard import ConnectionLimiter, http_protocol_class
+from .origin import OriginPolicy, parse_allowed_origins
 from .ws import protocol_class
 
 log = logging.getLogger("gateway")
@@ -49,6 +51,21 @@ class GatewayServer(uvicorn.Server):
     """uvicorn's server, closing the gateway's clients first on shutdown so it never waits on them."""
 
     hub: Hub
+    #: with `server.workers` > 1: this worker's internal socket and the HTTP protocol serving it (plain HTTP
+    #: even under TLS: loopback between workers; no per-address limit: every peer is a worker), docs/cluster.md §5
+    internal: tuple[socket.socket, type[asyncio.Protocol]] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.internal is not None and self.started:
+            sock, protocol = self.internal
+            config, state = self.config, self.server_state
+
+            def create_protocol() -> asyncio.Protocol:
+                return protocol(config=config, server_state=state, app_state=self.lifespan.state)  # type: ignore[call-arg]  # uvicorn's protocol signature
+
+            server = await asyncio.get_running_loop().create_server(create_protocol, sock=sock, backlog=1024)
+            self.servers.append(server)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.hub.close_all_clients()
@@ -145,9 +162,10 @@ class RunningGateway:
             await self.hub.raw.stop()
 
 
-async def start_gateway(config: GatewayConfig, worker: int = 0) -> RunningGateway:
+async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLinks | None = None) -> RunningGateway:
     """`worker`: this process's index among `server.workers` (docs/cluster.md §5): only worker 0 runs the
-    raw TCP broadcaster; with several, the HTTP and ingest ports are shared (SO_REUSEPORT)."""
+    raw TCP broadcaster; with several, the HTTP and ingest ports are shared (SO_REUSEPORT), and `links`
+    (from the supervisor) let session requests that reach the wrong worker go to their owner."""
     token, _generated = resolve_admin_token(config)
     shared = config.server.workers > 1
     tls = tls_files(config)
@@ -191,9 +209,10 @@ async def start_gateway(config: GatewayConfig, worker: int = 0) -> RunningGatewa
     limiter = ConnectionLimiter(server_cfg.max_connections, server_cfg.max_connections_per_ip, hub.bad_input)
     hub.metrics.connections = limiter
     uv_config = uvicorn.Config(
-        build_app(hub, token),
+        build_app(hub, token, links),
         http=http_protocol_class(limiter, server_cfg.header_timeout_s),
-        ws=protocol_class(ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes, limiter, hub.bad_input),
+        ws=protocol_class(ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes, limiter, hub.bad_input,
+                          hub, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins))),
         ws_per_message_deflate=False,  # a shared frame per batch: compression would cost an encode per client
         ws_max_size=ws.max_frame_bytes,
         ws_ping_interval=ws.ping_interval_s,
@@ -207,6 +226,9 @@ async def start_gateway(config: GatewayConfig, worker: int = 0) -> RunningGatewa
     )
     running.server = GatewayServer(uv_config)
     running.server.hub = hub
+    if links is not None:
+        links.sock.setblocking(False)
+        running.server.internal = (links.sock, http_protocol_class(ConnectionLimiter(), server_cfg.header_timeout_s))
     running.task = asyncio.get_running_loop().create_task(running.server.serve(sockets=[sock]))
     while not running.server.started:
         if running.task.done():

@@ -146,13 +146,14 @@ class SseConnection:
     """One stream: a `Connection` of the hub (gateway/hub.py) and the `StreamListener` of its HTTP protocol."""
 
     def __init__(self, hub: Hub, identity: ClientIdentity, proto: GuardedHttpToolsProtocol,
-                 sessions: dict[str, SseConnection]) -> None:
+                 sessions: dict[str, SseConnection], secret_prefix: str = "") -> None:
         self.hub = hub
         self.identity = identity
         self.proto = proto
         self.transport = proto.transport
-        #: the session id of the URLs: 128 random bits (secrets), the only credential of POST and DELETE
-        self.secret = secrets.token_urlsafe(16)
+        #: the session id of the URLs: 128 random bits (secrets), the only credential of POST and DELETE; with
+        #: several workers after a public `w{index}.` naming the one that holds it (docs/cluster.md §5)
+        self.secret = secret_prefix + secrets.token_urlsafe(16)
         self.sessions = sessions
         #: the positions of the engine's client (read, never changed), after each cycle
         self.positions_of: Positions | None = None
@@ -308,7 +309,7 @@ class _Stream(Response):
 
     def __init__(self, hub: Hub, proto: GuardedHttpToolsProtocol, identity: ClientIdentity,
                  sessions: dict[str, SseConnection], topics: list[str], positions: dict[str, tuple[str, int]],
-                 refusals: list[RequestError]) -> None:
+                 refusals: list[RequestError], secret_prefix: str = "") -> None:
         super().__init__()
         self.hub = hub
         self.proto = proto
@@ -317,12 +318,13 @@ class _Stream(Response):
         self.topics = topics
         self.recovery = positions
         self.refusals = refusals
+        self.secret_prefix = secret_prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hub = self.hub
         cid = self.identity.client_id
         await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
-        conn = SseConnection(hub, self.identity, self.proto, self.sessions)
+        conn = SseConnection(hub, self.identity, self.proto, self.sessions, self.secret_prefix)
         reason = "closed"
         try:
             if not self.proto.transport.is_closing():  # else gone before the head: nothing to register
@@ -404,7 +406,8 @@ async def stream(request: Request) -> Response:
         refusals.insert(0, exc)
         positions = {}
     identity = ClientIdentity(hub.new_client_id("sse"), "sse", f"{host}:{port}", host, principal)
-    return _Stream(hub, proto, identity, _sessions(request), topics, positions, refusals)
+    return _Stream(hub, proto, identity, _sessions(request), topics, positions, refusals,
+                   request.app.state.session_prefix)
 
 
 async def post_commands(request: Request) -> Response:

@@ -64,6 +64,27 @@ def text_frame_header(length: int) -> bytes:
     return struct.pack("!BBQ", 0x81, 127, length)
 
 
+class _FramedCache:
+    """The WebSocket frame of the last payload: the clients of one cycle mostly get the same payload object
+    in a row, so header and payload are joined once for all of them and each write is one buffer."""
+
+    __slots__ = ("payload", "frame")
+
+    def __init__(self) -> None:
+        self.payload = b""
+        self.frame = text_frame_header(0)
+
+    def __call__(self, payload: bytes) -> bytes:
+        if payload is not self.payload:
+            self.frame = text_frame_header(len(payload)) + payload
+            self.payload = payload
+        return self.frame
+
+
+#: holds one payload and its frame (the last one written) until the next payload replaces them
+framed = _FramedCache()
+
+
 class FanoutWSProtocol(WebSocketsSansIOProtocol):
     """uvicorn's websockets-sansio protocol, exposing itself and its flow control to the endpoint."""
 
@@ -288,7 +309,7 @@ class WSConnection:
         transport = proto.transport
         if transport.is_closing() or proto.lingering:  # closed, or our side already shut
             return False
-        transport.writelines((text_frame_header(len(frame)), frame))
+        transport.write(framed(frame))
         if self.paused:  # pause_writing ran inside write(): above the high-water mark
             self._blocked()
             return False

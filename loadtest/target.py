@@ -1,4 +1,5 @@
-"""Where a run sends its load: the gateway (ours or one already running) or nginx + nchan."""
+"""Where a run sends its load: the gateway (ours or one already running), nginx + nchan, or the bare
+reference server (loadtest/bare_server.py: the gateway's protocol subset, no scheduler)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from urllib.parse import quote
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    #: "gateway" or "nchan"
+    #: "gateway", "nchan" or "bare" (speaks the gateway's WebSocket and ingest protocol, not its admin API)
     kind: str
     host: str
     http_port: int

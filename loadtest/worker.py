@@ -134,7 +134,7 @@ class WsSubscriber(Subscriber):
         self._mark_closed(reason)
 
     def subscribe(self) -> None:
-        if self.worker.spec.target.kind == "gateway" and self.ws is not None:
+        if self.worker.spec.target.kind != "nchan" and self.ws is not None:  # gateway, bare
             commands = [{"op": "subscribe", "topic": self.worker.spec.topics[t]} for t in self.plan.topics]
             self.ws.send_text(orjson.dumps(commands))
 

@@ -30,6 +30,13 @@ class Keys:
         """The topic a channel name belongs to (`channel`'s inverse)."""
         return channel[len(self.prefix) + 2:-3]
 
+    def queue(self, topic: str, owner: str) -> tuple[str, str, str]:
+        """A private queue (docs/cluster.md §8): its hash (`e` epoch, `n` next seq, `b` bytes, `h` holder),
+        its list (the queued data, oldest first) and its channel (`n NEXT` after an append, `t NODE` when
+        a node takes it over). The owner comes last, so no owner's names collide with another's."""
+        return (f"{self.prefix}:{{{topic}}}:qm:{owner}", f"{self.prefix}:{{{topic}}}:ql:{owner}",
+                f"{self.prefix}:{{{topic}}}:qc:{owner}")
+
     def node(self, node_id: str) -> str:
         """String with a TTL: a node's counters (JSON), refreshed every second."""
         return f"{self.prefix}:node:{node_id}"

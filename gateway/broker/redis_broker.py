@@ -43,6 +43,7 @@ from ..errors import BrokerUnavailable
 from . import scripts
 from .base import BrokerUnreachable
 from .keys import Keys, seq_of, stream_id
+from .private_queues import PrivateQueues
 
 if TYPE_CHECKING:
     from ..hub import Hub
@@ -137,6 +138,9 @@ class RedisBroker:
         self._queued: asyncio.Event | None = None
         self._shas: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        #: private queues held in Redis (private_queues.py, docs/cluster.md §8)
+        self.queues = PrivateQueues(self)
+        self._queues_refreshed = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -166,6 +170,7 @@ class RedisBroker:
                        loop.create_task(self._stats_loop(), name="broker-stats")]
 
     async def stop(self) -> None:
+        self.queues.stop()
         for task in self._tasks:
             task.cancel()
         for line in self.lines.values():
@@ -193,7 +198,8 @@ class RedisBroker:
     async def _connect(self) -> None:
         """Ping, load the scripts, open the channel connection (replacing a broken one)."""
         await self.redis.ping()
-        for name in ("PUBLISH", "TOUCH", "DELETE"):
+        for name in ("PUBLISH", "TOUCH", "DELETE", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
+                     "QUEUE_DELETE"):
             self._shas[name] = await self.redis.script_load(getattr(scripts, name))
         if self._pubsub is not None:
             await self._pubsub.disconnect()
@@ -239,7 +245,7 @@ class RedisBroker:
             await asyncio.sleep(RETRY_S)
             try:
                 await self._connect()
-                await self._resubscribe([self.keys.channel(name) for name in self.lines])
+                await self._resubscribe([self.keys.channel(name) for name in self.lines] + self.queues.channels())
                 self.available = True
             except (RedisError, OSError, asyncio.TimeoutError, RequestError) as exc:
                 self.available = False
@@ -250,6 +256,7 @@ class RedisBroker:
             for line in self.lines.values():
                 line.state = LineState.SYNCING
                 self._start_sync(line)
+            self.queues.resync()
             return
 
     async def _resubscribe(self, channels: list[str]) -> None:
@@ -299,6 +306,8 @@ class RedisBroker:
     def _on_channel(self, reply: Any) -> None:
         kind = reply[0]
         if kind == b"message":
+            if self.queues.on_message(reply[1].decode(), reply[2]):
+                return
             line = self.lines.get(self.keys.topic_of(reply[1].decode()))
             if line is None:
                 return  # detached meanwhile
@@ -697,6 +706,13 @@ class RedisBroker:
                                          ex=STATS_TTL_S)
                 except (RedisError, OSError) as exc:
                     log.debug("broker: stats not written: %s", exc)
+                refreshed = time.monotonic()
+                if refreshed - self._queues_refreshed > min(self.ttl / 2, 600):
+                    self._queues_refreshed = refreshed
+                    try:
+                        await self.queues.refresh()
+                    except (RedisError, OSError) as exc:
+                        log.debug("broker: queues not refreshed: %s", exc)
             await asyncio.sleep(STATS_PERIOD_S)
 
     async def cluster_stats(self) -> dict[str, Any] | None:

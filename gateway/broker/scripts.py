@@ -70,3 +70,103 @@ redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('PUBLISH', ARGV[1], '! deleted')
 return existed > 0 and 1 or 0
 """
+
+# -- private queues (docs/cluster.md §8): KEYS 1 the queue's hash (`e` epoch, `n` next seq, `b` bytes queued,
+# `h` the node holding it), 2 its list (one element per queued message: its data, JSON; the head's seq is
+# n - LLEN). Both get EXPIRE ttl at every use.
+
+#: ARGV: 1 epoch if new, 2 ttl, 3 channel, 4 node id. Creates the queue when missing, records this node as
+#: its holder and tells the previous holder (`t NODE` on the channel: it closes its handle, `taken_over`).
+#: Returns {epoch, first seq queued, entries}.
+QUEUE_ATTACH = r"""
+local e = redis.call('HGET', KEYS[1], 'e')
+if not e then
+  e = ARGV[1]
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[1], 'e', e, 'n', 0, 'b', 0)
+end
+redis.call('HSET', KEYS[1], 'h', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+local n = tonumber(redis.call('HGET', KEYS[1], 'n'))
+local len = redis.call('LLEN', KEYS[2])
+redis.call('PUBLISH', ARGV[3], 't ' .. ARGV[4])
+return {e, n - len, redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+
+#: ARGV: 1 max_count, 2 max_bytes, 3 ttl, 4 channel, then (explicit seq or "", data) pairs. Appends the
+#: messages in order while there is room, each at the next seq, and stops at the first it cannot take.
+#: Returns {status, appended, first seq given, next seq}: status 0 all appended; -1 the next one's explicit
+#: seq is below the next seq (it landed); -2 above it; -3 the queue is full; -4 there is no queue.
+#: Announces `n NEXT` on the channel when it appended (the holder pulls).
+QUEUE_PUSH = r"""
+local e = redis.call('HGET', KEYS[1], 'e')
+if not e then return {-4, 0, 0, 0} end
+local n = tonumber(redis.call('HGET', KEYS[1], 'n'))
+local b = tonumber(redis.call('HGET', KEYS[1], 'b'))
+local len = redis.call('LLEN', KEYS[2])
+local maxc = tonumber(ARGV[1])
+local maxb = tonumber(ARGV[2])
+local first = n
+local status = 0
+local done = 0
+for i = 5, #ARGV, 2 do
+  local want = ARGV[i]
+  local data = ARGV[i + 1]
+  if want ~= '' and tonumber(want) < n then status = -1 break end
+  if want ~= '' and tonumber(want) > n then status = -2 break end
+  if len >= maxc or (len > 0 and b + #data > maxb) then status = -3 break end
+  redis.call('RPUSH', KEYS[2], data)
+  len = len + 1
+  b = b + #data
+  n = n + 1
+  done = done + 1
+end
+if done > 0 then
+  redis.call('HSET', KEYS[1], 'n', n, 'b', b)
+  redis.call('PUBLISH', ARGV[4], 'n ' .. string.format('%d', n))
+end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return {status, done, first, n}
+"""
+
+#: ARGV: 1 first seq wanted, 2 at most this many. Returns {epoch, seq of the first entry returned, entries}
+#: ({} when there is no queue).
+QUEUE_READ = r"""
+local e = redis.call('HGET', KEYS[1], 'e')
+if not e then return {} end
+local n = tonumber(redis.call('HGET', KEYS[1], 'n'))
+local len = redis.call('LLEN', KEYS[2])
+local first = n - len
+local from = tonumber(ARGV[1])
+if from < first then from = first end
+local idx = from - first
+return {e, from, redis.call('LRANGE', KEYS[2], idx, idx + tonumber(ARGV[2]) - 1)}
+"""
+
+#: ARGV: 1 every seq below this was committed, 2 ttl, 3 epoch of the queue acknowledged. Removes those
+#: entries and their bytes (idempotent). Returns how many left.
+QUEUE_ACK = r"""
+local meta = redis.call('HMGET', KEYS[1], 'e', 'n')
+if meta[1] ~= ARGV[3] then return 0 end
+local n = tonumber(meta[2])
+local len = redis.call('LLEN', KEYS[2])
+local k = tonumber(ARGV[1]) - (n - len)
+if k <= 0 then return 0 end
+if k > len then k = len end
+local freed = 0
+for _, v in ipairs(redis.call('LRANGE', KEYS[2], 0, k - 1)) do freed = freed + #v end
+redis.call('LTRIM', KEYS[2], k, -1)
+redis.call('HINCRBY', KEYS[1], 'b', -freed)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return k
+"""
+
+#: ARGV: 1 node id. Removes the queue if this node holds it (an explicit unsubscribe). Returns 1 if removed.
+QUEUE_DELETE = r"""
+if redis.call('HGET', KEYS[1], 'h') ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+return 1
+"""

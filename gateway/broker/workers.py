@@ -5,9 +5,10 @@ The supervisor (this module, in the process `gateway serve` started) fixes the p
 resolved once, by binding it with SO_REUSEPORT and holding it until every worker listens) and the admin
 token (generated once, so every worker accepts the same), then forks the workers. Each worker is a whole
 gateway (`start_gateway(config, worker=i)`) that binds the same HTTP and ingest ports with SO_REUSEPORT;
-worker 0 alone runs the raw TCP broadcaster. The supervisor writes the ready file once all of them listen,
-forwards SIGTERM and SIGINT, and when one worker ends it stops the others and exits non-zero, so whatever
-supervises the gateway restarts it whole.
+worker 0 alone runs the raw TCP broadcaster. Each worker also gets its internal loopback socket and the
+others' ports, for the session requests that reach the wrong worker (forward.py). The supervisor writes
+the ready file once all of them listen, forwards SIGTERM and SIGINT, and when one worker ends it stops the
+others and exits non-zero, so whatever supervises the gateway restarts it whole.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import GatewayConfig
+from .forward import WorkerLinks, bind_internal, new_key
 
 #: Seconds for every worker to listen (a cold start imports the app; Redis may take its connect timeout).
 READY_TIMEOUT_S = 60.0
@@ -41,11 +43,11 @@ def _reserve(host: str) -> socket.socket:
 
 
 def run_workers(
-    config: GatewayConfig, ready_file: str | None, serve: Callable[[GatewayConfig, str, int], int],
-    write_ready_file: Callable[[str, dict], None],
+    config: GatewayConfig, ready_file: str | None,
+    serve: Callable[[GatewayConfig, str, int, WorkerLinks], int], write_ready_file: Callable[[str, dict], None],
 ) -> int:
-    """Fork `config.server.workers` processes running `serve(config, worker_ready_file, index)`; return
-    the exit status once they are gone."""
+    """Fork `config.server.workers` processes running `serve(config, worker_ready_file, index, links)`;
+    return the exit status once they are gone."""
     raw = copy.deepcopy(config.raw)
     holders = []
     if raw["server"]["port"] == 0:
@@ -59,18 +61,26 @@ def run_workers(
         raw["server"]["admin_token"] = secrets.token_urlsafe(18)
     shared = GatewayConfig(raw)
     workdir = Path(tempfile.mkdtemp(prefix="gateway-workers-"))
+    # One internal socket per worker, listening before any worker starts (a forward queues in its backlog
+    # until the owner serves): session requests that reach the wrong worker go there (forward.py).
+    internal = [bind_internal() for _ in range(config.server.workers)]
+    ports = tuple(sock.getsockname()[1] for sock in internal)
+    key = new_key()
     pids: list[int] = []
     for index in range(config.server.workers):
         pid = os.fork()
         if pid == 0:  # the worker
-            for sock in holders:
+            for sock in holders + [s for i, s in enumerate(internal) if i != index]:
                 sock.close()
             code = 1
             try:
-                code = serve(shared, str(workdir / f"worker-{index}.json"), index)
+                code = serve(shared, str(workdir / f"worker-{index}.json"), index,
+                             WorkerLinks(index, ports, internal[index], key))
             finally:
                 os._exit(code)
         pids.append(pid)
+    for sock in internal:  # the workers hold them: a dead worker's port then refuses instead of queueing
+        sock.close()
 
     def forward(signum: int, _frame: object) -> None:
         for pid in pids:

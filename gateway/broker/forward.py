@@ -1,0 +1,299 @@
+"""Session requests that land on another worker (docs/cluster.md §5).
+
+With `server.workers = N` the kernel spreads each new TCP connection over the workers, but a long-poll
+session or an SSE stream lives in one worker's memory. So the session secret names its owner: worker `i`
+hands out `w{i}.` + 128 random bits (the prefix is public and adds nothing to guess; the random part is the
+secret, as with one worker). A request for `/lp/{secret}` or `/sse/{secret}` that reaches another worker is
+forwarded over loopback to the owner's *internal socket*: the supervisor binds one such socket per worker on
+127.0.0.1 (an ephemeral port) before forking, each worker serves the app on its own one as well, and every
+worker knows all the ports (`WorkerLinks`).
+
+`SessionRouter` is an ASGI middleware (inside the Origin guard, so the worker that received the request
+answers CORS and preflights itself). On the public socket it forwards what another worker owns; on the
+internal socket it never forwards (no loops) and, when the hop carries the cluster's key, takes the client's
+address from `X-Forwarded-For` so that logs and per-address checks see the real client. With one worker
+there are no links, no prefix, no internal socket, and no router.
+
+The forwarder is a small HTTP/1.1 client: one loopback connection per forwarded request (`Connection:
+close`, so the end of the response is the end of the connection), the request body read here with the
+route's bound and sent with its length, the response streamed back as it comes (a long poll waits up to
+`longpoll.poll_timeout_s` on the owner), and the upstream connection closed as soon as the client goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import socket
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from core.errors import RequestError
+
+from ..bodies import read_body
+from ..config import GatewayConfig
+from ..errors import InternalError, TooManyConnections
+from ..http_errors import error_response
+
+log = logging.getLogger("gateway.forward")
+
+#: `/lp/{secret}` and `/sse/{secret}` whose secret starts with `w{index}.` (token_urlsafe has no dot); at most
+#: 4 digits: far more workers than a machine has cores
+_ROUTED = re.compile(r"/(lp|sse)/w([0-9]{1,4})\.[^/]*")
+#: header of a hop between workers: the cluster's key (random, made by the supervisor, never sent to clients)
+KEY_HEADER = b"x-fanout-forward"
+#: headers that belong to one connection (RFC 9110 §7.6.1) or are remade for the hop
+#: (`expect`: this worker read the body already; the owner must not answer `100 Continue`)
+_HOP_REQUEST = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"trailer",
+                          b"proxy-connection", b"content-length", b"expect", b"x-forwarded-for", KEY_HEADER})
+#: the methods of the session routes; others (HEAD, OPTIONS) are answered here, by the Origin guard or 404/405
+FORWARDED_METHODS = frozenset({"GET", "POST", "DELETE"})
+#: response headers not passed back: hop-by-hop ones, those uvicorn writes itself here (date, server), and the
+#: owner's CORS headers (this worker's Origin guard adds its own)
+_HOP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"date", b"server",
+                           b"vary", b"access-control-allow-origin", b"access-control-expose-headers"})
+
+#: seconds to open the loopback connection: immediate unless the owner's accept backlog is full, or it is gone
+CONNECT_TIMEOUT_S = 2.0
+#: seconds the owner may take to answer beyond what the request itself waits (a long poll's timeout); also the
+#: longest wait between two pieces of a response body
+RESPONSE_TIMEOUT_S = 10.0
+#: bytes of the owner's status line and headers at most (ours are a few hundred)
+MAX_HEAD_BYTES = 64 * 1024
+#: bytes read from the owner at once
+READ_CHUNK = 64 * 1024
+#: concurrent forwards of a worker when `server.max_connections` is 0 (no limit). Otherwise the bound is
+#: `server.max_connections`: each forward sits on one admitted client connection (HTTP/1.1: one request at a
+#: time), so the bound only matters when that limit is off; each forward holds two descriptors (ours, the
+#: owner's accepted one).
+MAX_FORWARDS_UNLIMITED = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLinks:
+    """What a worker knows of the others: made by the supervisor (gateway/broker/workers.py)."""
+
+    #: this worker's index, 0..N-1
+    index: int
+    #: the internal port of every worker, by index (127.0.0.1)
+    ports: tuple[int, ...]
+    #: this worker's internal listening socket (the supervisor bound it and listens already)
+    sock: socket.socket
+    #: the key a hop carries, so that only another worker's `X-Forwarded-For` is believed
+    key: str
+
+    @property
+    def secret_prefix(self) -> str:
+        return f"w{self.index}."
+
+
+def bind_internal() -> socket.socket:
+    """A listening loopback socket on an ephemeral port: one worker's internal socket."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def new_key() -> str:
+    return secrets.token_urlsafe(16)
+
+
+def owner_of(path: str) -> int | None:
+    """The worker index a session path names, None when it names none (then the local tables answer)."""
+    match = _ROUTED.fullmatch(path)
+    return int(match.group(2)) if match else None
+
+
+class _Refused(Exception):
+    """The owner could not be reached, or answered out of bounds: the client gets `internal_error`."""
+
+
+class SessionRouter:
+    """ASGI middleware: forward a session request to the worker that owns it (module docstring)."""
+
+    def __init__(self, app: ASGIApp, links: WorkerLinks, config: GatewayConfig) -> None:
+        self.app = app
+        self.links = links
+        self.internal = links.sock.getsockname()[:2]
+        self.key = links.key.encode()
+        self.poll_timeout_s = config.longpoll.poll_timeout_s
+        self.max_body = {"lp": config.longpoll.max_body_bytes, "sse": config.sse.max_body_bytes}
+        self.max_forwards = config.server.max_connections or MAX_FORWARDS_UNLIMITED
+        #: forwards under way (the bound above)
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        server = scope.get("server")
+        if server is not None and tuple(server[:2]) == self.internal:
+            return await self.app(self._trusted(scope), receive, send)
+        owner = owner_of(scope["path"])
+        if owner is None or owner == self.links.index or owner >= len(self.links.ports) \
+                or scope["method"] not in FORWARDED_METHODS:
+            return await self.app(scope, receive, send)  # an index no worker has: the tables say 404
+        if self.active >= self.max_forwards:
+            response = error_response(TooManyConnections(
+                f"this worker forwards {self.active} session requests already; retry later"), {"Retry-After": "1"})
+            return await response(scope, receive, send)
+        self.active += 1
+        try:
+            await self._forward(owner, scope, receive, send)
+        finally:
+            self.active -= 1
+
+    def _trusted(self, scope: Scope) -> Scope:
+        """A request on the internal socket: from another worker when it carries the key (then its client
+        is `X-Forwarded-For`'s), else from some local process, served as it is."""
+        headers = dict(scope["headers"])
+        if not secrets.compare_digest(headers.get(KEY_HEADER, b""), self.key):
+            return scope
+        client = headers.get(b"x-forwarded-for", b"").decode("latin-1").strip()
+        return {**scope, "client": (client, 0)} if client else scope
+
+    async def _forward(self, owner: int, scope: Scope, receive: Receive, send: Send) -> None:
+        transport = scope["path"].split("/", 2)[1]
+        try:
+            body = await read_body(Request(scope, receive), self.max_body[transport])
+        except RequestError as exc:
+            return await error_response(exc)(scope, receive, send)
+        head = self._request_head(scope, len(body))
+        wait = RESPONSE_TIMEOUT_S + (self.poll_timeout_s if transport == "lp" and scope["method"] == "GET" else 0)
+        exchange = asyncio.ensure_future(self._exchange(owner, head + body, wait, send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((exchange, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not exchange.done():  # the client left: close the upstream, as if the client had left the owner
+                exchange.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+        if exchange.cancelled():
+            return
+        failure = exchange.exception()
+        if failure is None:
+            return
+        if not isinstance(failure, _Refused):
+            raise failure
+        reason, begun = failure.args
+        log.warning("forward to worker %d failed: %s", owner, reason)
+        if not begun:
+            await error_response(InternalError(f"the worker holding this session did not answer ({reason})"))(
+                scope, receive, send)
+
+    def _request_head(self, scope: Scope, length: int) -> bytes:
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope["query_string"]:
+            target += b"?" + scope["query_string"]
+        lines = [b"%s %s HTTP/1.1" % (scope["method"].encode(), target)]
+        lines += [name + b": " + value for name, value in scope["headers"] if name not in _HOP_REQUEST]
+        client = scope.get("client")
+        if client:
+            lines.append(b"x-forwarded-for: " + str(client[0]).encode("latin-1"))
+        lines += [KEY_HEADER + b": " + self.key, b"content-length: %d" % length, b"connection: close"]
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    async def _exchange(self, owner: int, request: bytes, wait: float, send: Send) -> None:
+        """Send the request to the owner and stream its response to `send`. Raises _Refused(reason, begun)."""
+        begun = False
+        writer: asyncio.StreamWriter | None = None
+        try:
+            reader, upstream = await asyncio.wait_for(
+                asyncio.open_connection("127.0.0.1", self.links.ports[owner], limit=MAX_HEAD_BYTES),
+                CONNECT_TIMEOUT_S)
+            writer = upstream
+            upstream.write(request)
+            status = 100
+            while 100 <= status < 200:  # interim answers (none expected: no `Expect` is sent) are skipped
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait)
+                status, headers, chunked, length = _parse_head(head)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            begun = True
+            if chunked:
+                await _relay_chunked(reader, send)
+            else:
+                await _relay_body(reader, send, length)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError) as exc:
+            if begun:  # the head is sent: all that can be done is to end the response short
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            raise _Refused(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, begun) from None
+        finally:
+            if writer is not None:
+                writer.close()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client's connection is gone (the request body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _parse_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], bool, int | None]:
+    """(status, headers to pass on, chunked, content length) of a response head. Raises ValueError."""
+    lines = head[:-4].split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    if not version.startswith(b"HTTP/1."):
+        raise ValueError(f"not an HTTP/1 response: {lines[0][:60]!r}")
+    if not re.fullmatch(rb"[1-9][0-9]{2}", rest[:3]) or rest[3:4] not in (b"", b" "):
+        raise ValueError(f"no status code in {lines[0][:60]!r}")
+    status = int(rest[:3])
+    headers: list[tuple[bytes, bytes]] = []
+    chunked = False
+    length: int | None = None
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon:
+            raise ValueError("a header line without a colon")
+        name, value = name.strip().lower(), value.strip()
+        if name == b"transfer-encoding":
+            chunked = value.lower().endswith(b"chunked")
+        elif name == b"content-length":
+            if not value.isdigit():
+                raise ValueError(f"Content-Length {value[:20]!r}")
+            length = int(value)
+        if name not in _HOP_RESPONSE:
+            headers.append((name, value))
+    if chunked:
+        headers = [(n, v) for n, v in headers if n != b"content-length"]
+    return status, headers, chunked, length
+
+
+async def _relay_body(reader: asyncio.StreamReader, send: Send, length: int | None) -> None:
+    """`length` bytes (None: until the owner closes), as they come."""
+    left = length
+    while left is None or left > 0:
+        data = await asyncio.wait_for(reader.read(READ_CHUNK if left is None else min(left, READ_CHUNK)),
+                                      RESPONSE_TIMEOUT_S)
+        if not data:
+            if left is not None:
+                raise asyncio.IncompleteReadError(b"", left)
+            break
+        if left is not None:
+            left -= len(data)
+        await send({"type": "http.response.body", "body": data, "more_body": left is None or left > 0})
+    if left is None or length == 0:  # else the last piece said more_body False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _relay_chunked(reader: asyncio.StreamReader, send: Send) -> None:
+    """A chunked body (RFC 9112 §7.1), chunk by chunk as it comes (an SSE-like stream would)."""
+    while True:
+        size_line = await asyncio.wait_for(reader.readuntil(b"\r\n"), RESPONSE_TIMEOUT_S)
+        size = int(size_line.split(b";", 1)[0].strip(), 16)
+        if size == 0:  # the last chunk: trailer lines (ignored) up to an empty line
+            while await asyncio.wait_for(reader.readuntil(b"\r\n"), RESPONSE_TIMEOUT_S) != b"\r\n":
+                pass
+            break
+        data = await asyncio.wait_for(reader.readexactly(size + 2), RESPONSE_TIMEOUT_S)
+        await send({"type": "http.response.body", "body": data[:-2], "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

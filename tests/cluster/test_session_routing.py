@@ -1,0 +1,167 @@
+"""Long-poll and SSE sessions with `server.workers = 2` (docs/cluster.md §5): every request of a session goes
+over a fresh TCP connection, so the kernel spreads them over both workers, and the one that does not hold
+the session forwards it to the one that does (gateway/broker/forward.py). 30+ connections per test: the
+chance that all land on the owner is below 2**-29."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.broker.forward import _parse_head, owner_of
+
+#: a long poll returns this soon when nothing comes (the forwarder waits for it plus its own margin)
+POLL_S = 2.0
+
+
+@pytest.fixture
+def node(nodes):
+    return nodes.start("w", server={"workers": 2}, longpoll={"poll_timeout_s": POLL_S})
+
+
+def fresh(method: str, url: str, **kwargs) -> httpx.Response:
+    """One request on a new connection (httpx's module functions open a client each time)."""
+    return httpx.request(method, url, timeout=POLL_S + 10, **kwargs)
+
+
+def test_owner_of_reads_the_worker_index_of_session_paths_only():
+    assert owner_of("/lp/w1.abc_-") == 1 and owner_of("/sse/w0.x") == 0 and owner_of("/lp/w12.") == 12
+    for path in ("/lp/abc", "/lp", "/lp/w1.abc/x", "/ws/w1.abc", "/lp/wx.abc", "/lp/w12345.abc", "/api/w1.x"):
+        assert owner_of(path) is None, path
+
+
+def test_a_long_poll_session_works_over_fresh_connections_to_both_workers(node):
+    secrets = [fresh("POST", f"{node.http_url}/lp").json()["session"] for _ in range(12)]
+    # sessions are made by both workers (2**-11 chance otherwise), each named by its owner
+    assert {s.split(".", 1)[0] for s in secrets} == {"w0", "w1"}
+    for secret in secrets[1:]:
+        assert fresh("DELETE", f"{node.http_url}/lp/{secret}").status_code == 204
+    url = f"{node.http_url}/lp/{secrets[0]}"
+    assert fresh("POST", url, json={"op": "subscribe", "topic": "lp", "id": "s"}).json() == {"accepted": 1}
+    got: list[dict] = []
+    ack = None
+
+    def poll() -> None:
+        nonlocal ack
+        reply = fresh("GET", url, params={} if ack is None else {"ack": ack})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        if body["batch"] is not None:
+            ack = body["batch"]
+        got.extend(body["entries"])
+
+    poll()
+    assert any(e["type"] == "subscribed" and e.get("id") == "s" for e in got), got
+    for i in range(15):  # each publish, command and poll on a new connection
+        assert node.publish("lp", {"i": i}).status_code == 200
+        assert fresh("POST", url, json=[{"op": "ping", "id": f"p{i}"}]).status_code == 202
+        deadline = time.monotonic() + 10
+        while not any(e.get("id") == f"p{i}" for e in got) or sum(e["type"] == "msg" for e in got) <= i:
+            assert time.monotonic() < deadline, got[-5:]
+            poll()
+    msgs = [e for e in got if e["type"] == "msg"]
+    assert [e["data"]["i"] for e in msgs] == list(range(15))  # every one, once, in order
+    assert [e["seq"] for e in msgs] == list(range(15))
+    assert [e["id"] for e in got if e["type"] == "pong" or e.get("id", "").startswith("p")] == \
+        [f"p{i}" for i in range(15)]
+    assert fresh("DELETE", url).status_code == 204
+    for _ in range(4):  # gone, whichever worker is asked
+        reply = fresh("GET", url)
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "unknown_session"
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(event, data) of an SSE stream's lines; comments (pings) skipped."""
+    event, data = "message", ""
+    for line in lines:
+        if line == "":
+            if data:
+                yield event, data
+            event, data = "message", ""
+        elif line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+
+
+def test_sse_commands_over_fresh_connections_reach_the_stream_on_its_worker(node):
+    with httpx.Client(timeout=httpx.Timeout(10.0)) as client, \
+            client.stream("GET", f"{node.http_url}/sse") as stream:
+        assert stream.status_code == 200
+        events = sse_events(stream.iter_lines())
+        kind, data = next(events)
+        assert kind == "session"
+        secret = json.loads(data)["session"]
+        assert owner_of(f"/sse/{secret}") in (0, 1)
+        url = f"{node.http_url}/sse/{secret}"
+        entries: list[dict] = []
+
+        def read_until(done) -> None:
+            while not done():
+                kind, data = next(events)
+                assert kind == "message", (kind, data)
+                entries.extend(json.loads(data))
+
+        assert fresh("POST", url, json={"op": "subscribe", "topic": "sse", "id": "s"}).status_code == 202
+        read_until(lambda: any(e.get("id") == "s" for e in entries))
+        for i in range(15):  # client publishes and pings, each on a new connection
+            reply = fresh("POST", url, json={"op": "publish", "topic": "sse", "data": i, "id": f"m{i}"})
+            assert reply.json() == {"accepted": 1}, reply.text
+            assert fresh("POST", url, json={"op": "ping", "id": f"p{i}"}).status_code == 202
+        read_until(lambda: sum(e["type"] == "msg" for e in entries) >= 15
+                   and all(any(e.get("id") == f"{k}{i}" for e in entries) for i in range(15) for k in "mp"))
+        msgs = [e for e in entries if e["type"] == "msg"]
+        assert [e["data"] for e in msgs] == list(range(15)) and [e["seq"] for e in msgs] == list(range(15))
+        assert sorted(e["result"]["seq"] for e in entries if e.get("id", "").startswith("m")) == list(range(15))
+        assert fresh("DELETE", url).status_code == 204
+        kind, data = next(events)
+        assert kind == "close" and json.loads(data)["code"] == 1000
+    for _ in range(4):
+        reply = fresh("POST", url, json={"op": "ping"})
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "unknown_session"
+
+
+def test_unknown_secrets_and_missing_workers_get_404_and_bodies_keep_their_bound(node):
+    for _ in range(6):  # some land on each worker: forwarded or not, the answer is the same
+        for path in ("/lp/nonsense", "/lp/w0.nonsense", "/lp/w1.nonsense", "/lp/w2.nonsense", "/lp/w9999.x",
+                     "/sse/w1.nonsense", "/sse/w7.nonsense"):
+            method = "GET" if path.startswith("/lp") else "POST"
+            reply = fresh(method, node.http_url + path, json={"op": "ping"} if method == "POST" else None)
+            assert reply.status_code == 404, (path, reply.text)
+            assert reply.json()["error"]["code"] == "unknown_session", (path, reply.text)
+    secret = fresh("POST", f"{node.http_url}/lp").json()["session"]
+    big = b'"' + b"x" * 70000 + b'"'  # above longpoll.max_body_bytes (65536)
+    for _ in range(6):
+        reply = fresh("POST", f"{node.http_url}/lp/{secret}", content=big,
+                      headers={"content-type": "application/json"})
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == "too_large", reply.text
+
+
+def test_a_forwarded_poll_whose_client_leaves_does_not_hold_the_session(node):
+    """Polls that the client abandons (read timeout) on either worker; the session still answers after."""
+    secret = fresh("POST", f"{node.http_url}/lp").json()["session"]
+    url = f"{node.http_url}/lp/{secret}"
+    for _ in range(6):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.get(url, timeout=httpx.Timeout(10.0, read=0.3))
+    assert fresh("POST", url, json={"op": "subscribe", "topic": "left", "id": "s"}).status_code == 202
+    reply = fresh("GET", url)
+    assert reply.status_code == 200 and any(e.get("id") == "s" for e in reply.json()["entries"])
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_a_response_head_either_parses_or_raises_value_error(data):
+    head = b"HTTP/1.1 " + data + b"\r\n\r\n"
+    try:
+        status, headers, _chunked, length = _parse_head(head)
+    except ValueError:
+        return
+    assert 100 <= status <= 999 and (length is None or length >= 0)
+    assert all(name not in (b"connection", b"transfer-encoding", b"date") for name, _ in headers)
