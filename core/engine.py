@@ -288,11 +288,13 @@ class Engine:
         held = topic.claim(sub)  # private: another connection of the same owner holds the queue
         if held is not None:
             self._take_over(held)
-        epoch = topic.epoch
         if queue_start is not None and topic.keyed_by_owner:
-            epoch = queue_start[0]
             sub.cursor = queue_start[1]  # a new queue starts here; a queue taken over keeps its own cursor
         start, extra = topic.attach(sub, since)
+        epoch = topic.epoch_of(sub) if queue_start is None else queue_start[0]
+        if topic.keyed_by_owner and since is not None and since[0] != epoch:
+            # The queue the recovery point names is gone with what it held: say so (docs/protocol.md `epoch`).
+            extra = encode_loss(name, since[1], None, "epoch")
         self._unused_new.pop(topic, None)
         self._unused.pop(topic, None)
         topic.subs[sub] = None

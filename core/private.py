@@ -29,6 +29,10 @@ class PrivateTopic(Topic):
         self.shared = False  # each handle has its own queue: the publish that fills it wakes it alone
         #: the handle holding each owner's queue
         self.queues: dict[Hashable, Subscription] = {}
+        #: each queue's own epoch: a queue dropped with its entries (its holder left) and made again starts
+        #: at seq 0 in a new epoch, so a `since` of the old one gets an `epoch` loss notice, never silence
+        self.queue_epochs: dict[Hashable, str] = {}
+        self._queues_made = 0
 
     def claim(self, sub: Subscription) -> Subscription | None:
         """The handle holding the queue of `sub`'s owner, if any: `attach` moves the queue to `sub`."""
@@ -48,6 +52,8 @@ class PrivateTopic(Topic):
         else:
             queue = deque()
             sub.queued_bytes = 0
+            self._queues_made += 1
+            self.queue_epochs[owner] = f"{self.epoch}.{self._queues_made}"
         sub.queue = queue
         sub.peeked = 0
         self.queues[owner] = sub
@@ -59,11 +65,15 @@ class PrivateTopic(Topic):
     def head(self, sub: Subscription) -> int | None:
         return None if sub.queue is None else sub.cursor - len(sub.queue)
 
+    def epoch_of(self, sub: Subscription) -> str:
+        return self.queue_epochs.get(sub.client.owner, self.epoch)
+
     def detach(self, sub: Subscription) -> bool:
         super().detach(sub)
         owner = sub.client.owner
         if self.queues.get(owner) is sub:
             del self.queues[owner]
+            self.queue_epochs.pop(owner, None)
         sub.queue = None
         return sub.waiting
 

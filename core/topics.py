@@ -96,6 +96,10 @@ class Topic:
         """Set the new handle's cursor. Returns (start seq, entry to put in the direct queue or None)."""
         raise NotImplementedError
 
+    def epoch_of(self, sub: Subscription) -> str:
+        """The epoch `sub`'s seqs count in: the topic's, or (private) its queue's own."""
+        return self.epoch
+
     def detach(self, sub: Subscription) -> bool:
         """Forget the handle (unsubscribe, disconnect, topic deleted). Returns whether a publisher refused for
         lack of space waits on it: the engine then reports it in `take_space_freed` (it gets an error)."""

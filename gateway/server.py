@@ -218,6 +218,9 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
         ws_ping_interval=ws.ping_interval_s,
         ws_ping_timeout=ws.ping_timeout_s,
         lifespan="off",
+        # X-Forwarded-For is not believed (uvicorn would from loopback peers): every per-address limit
+        # counts the peer's own address, on every transport alike (docs/security.md, In production)
+        proxy_headers=False,
         log_level=server_cfg.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,

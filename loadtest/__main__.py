@@ -3,6 +3,8 @@
     python -m loadtest SCENARIO [flags]          one run (starts its own gateway unless --url)
     python -m loadtest compare SCENARIO [flags]  gateway vs nginx + nchan, alternating
     python -m loadtest depths SCENARIO [flags]   the gateway at several batch depths (--depths 1,8,auto)
+    python -m loadtest baseline SCENARIO [flags] the gateway vs the bare reference server (--bare-batches 1,8)
+    python -m loadtest SCENARIO --target bare    one run against the bare reference server (--bare-batch N)
     python -m loadtest list                      the named scenarios
     python -m loadtest wsbench                   WebSocket client cost: ours vs websockets' asyncio client
     python -m loadtest core | rawtcp [...]       the core and raw-TCP benchmarks (their own flags)
@@ -70,6 +72,31 @@ def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int |
     return lambda workdir: nullcontext(target)
 
 
+def _batches(text: str) -> list[int]:
+    """``--bare-batches``: comma-separated integers >= 1."""
+    try:
+        values = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bare batches must be comma-separated integers, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("bare batches must be >= 1")
+    return values
+
+
+def _bare_problem(args: argparse.Namespace, scenario) -> str:  # scenario: scenarios.Scenario
+    """Why the bare server cannot run this scenario ("" when it can): it speaks WebSocket and the TCP
+    ingest only, and runs as our own subprocess."""
+    if getattr(args, "bare_batch", 1) < 1:
+        return "--bare-batch must be >= 1"
+    if scenario.transport != "ws":
+        return "the bare server speaks WebSocket only: --transport ws"
+    if scenario.publish_via != "ingest":
+        return "the bare server takes publishes on its TCP ingest only: --publish-via ingest"
+    if args.url:
+        return "the bare server is started by the load tool: --url cannot be used"
+    return ""
+
+
 def _out(args: argparse.Namespace, label: str) -> Path:
     return args.out or Path("results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -98,7 +125,18 @@ def main(argv: list[str] | None = None) -> int:
 
     comparing = command == "compare"
     depths = command == "depths"
-    parser = _run_parser(f"python -m loadtest {command}" if comparing or depths else "python -m loadtest")
+    baseline = command == "baseline"
+    parser = _run_parser(f"python -m loadtest {command}" if comparing or depths or baseline else "python -m loadtest")
+    if baseline:
+        parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the gateway and the bare server")
+        parser.add_argument("--bare-batches", default=[1], type=_batches,
+                            help="comma-separated --batch values of the bare server, one target each (default 1)")
+        argv = argv[1:]
+    elif not (comparing or depths):
+        parser.add_argument("--target", choices=("gateway", "bare"), default="gateway",
+                            help="gateway (default) or the bare reference server (loadtest/bare_server.py)")
+        parser.add_argument("--bare-batch", type=int, default=1, help="--target bare: most messages of a topic "
+                            "per frame (default 1)")
     if comparing:
         parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of gateway and nchan")
         argv = argv[1:]
@@ -114,7 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     console = Console()
+    bare = baseline or getattr(args, "target", "gateway") == "bare"
+    if bare:
+        problem = _bare_problem(args, scenario)
+        if problem:
+            parser.error(problem)
     factory = _gateway_factory(args, scenario.capacity, scenario.batch_depth)
+    if bare and not baseline:
+        from loadtest.bare_server import BareServer
+
+        batch = args.bare_batch
+        factory = lambda workdir: BareServer(workdir, batch)  # noqa: E731
     options = {"connect_timeout": args.connect_timeout, "wait_quiet": args.wait_quiet}
     if comparing:
         from loadtest.compare import compare
@@ -122,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(scenario, factory, _out(args, f"compare-{scenario.name}"), args.rounds, console,
                          not args.no_progress, **options)
         silent = max(r["silent loss"] for r in result["runs"]["gateway"])
+    elif baseline:
+        from loadtest.compare import compare_baseline
+
+        result = compare_baseline(scenario, factory, args.bare_batches, _out(args, f"baseline-{scenario.name}"),
+                                  args.rounds, console, not args.no_progress, **options)
+        silent = max(r["silent loss"] for figures in result["runs"].values() for r in figures)
     elif depths:
         from loadtest.compare import compare_depths
 

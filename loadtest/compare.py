@@ -5,6 +5,10 @@ figure is the median over the rounds, printed for both with the ratio gateway / 
 
 ``python -m loadtest depths SCENARIO --depths 1,8,auto``: the same scenario against the gateway at several
 ring batch depths (``batch_depth``), alternating in the same way (1, 8, auto, 1, 8, auto, ...).
+
+``python -m loadtest baseline SCENARIO --bare-batches 1,8``: the gateway against the bare reference server
+(loadtest/bare_server.py) at each batch, alternating; the ratios gateway / bare say how far the gateway is
+from what plain Python on uvloop does with no scheduler.
 """
 
 from __future__ import annotations
@@ -79,5 +83,43 @@ def compare_depths(scenario: Scenario, depths: list[int | str], gateway: Callabl
               "settings": dataclasses.asdict(scenario), "median": medians, "runs": runs}
     out.mkdir(parents=True, exist_ok=True)
     (out / "depths.json").write_text(json.dumps(result, indent=2))
+    console.print(f"results in {out}")
+    return result
+
+
+def compare_baseline(scenario: Scenario, gateway: runner.TargetFactory, batches: list[int], out: Path,
+                     rounds: int = 1, console: Console | None = None, progress: bool = True,
+                     **options: Any) -> dict[str, Any]:
+    """Run ``scenario`` against the gateway and the bare reference server (loadtest/bare_server.py) at each
+    of ``batches`` messages per frame, alternating (gateway, bare 1, bare 8, gateway, ...). Prints the
+    medians side by side with the ratio gateway / bare for each batch, and writes ``baseline.json``."""
+    from loadtest.bare_server import BareServer
+
+    console = console or Console()
+    factories: dict[str, runner.TargetFactory] = {"gateway": gateway}
+    for batch in batches:
+        factories[f"bare {batch}"] = lambda workdir, batch=batch: BareServer(workdir, batch)
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in factories}
+    for r in range(rounds):
+        for label, factory in factories.items():
+            console.rule(f"round {r + 1}/{rounds}: {label}")
+            summary = runner.run(scenario, factory, out / f"{label.replace(' ', '-')}-{r + 1}", console, progress,
+                                 **options)
+            runs[label].append(analysis.figures(summary))
+    medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
+               for label, figures in runs.items()}
+    columns = dict(medians)
+    for label in list(medians)[1:]:
+        columns[f"gateway/{label}"] = {name: (value / medians[label][name] if medians[label].get(name) else 0.0)
+                                       for name, value in medians["gateway"].items()}
+    depth = f", gateway batch depth {scenario.batch_depth}" if scenario.batch_depth != 1 else ""
+    report.print_comparison(console, columns, f"{scenario.name}: gateway vs the bare server at {batches} "
+                                              f"messages per frame (median of {rounds} round"
+                                              f"{'s' * (rounds > 1)}{depth})")
+    result = {"scenario": scenario.name, "rounds": rounds, "bare_batches": batches,
+              "batch_depth": scenario.batch_depth, "settings": dataclasses.asdict(scenario),
+              "median": medians, "runs": runs}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "baseline.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
     return result

@@ -452,11 +452,10 @@ export class Subscription extends Emitter {
       this.epoch = entry.epoch;
       this.nextSeq = entry.seq;
     } else if (entry.kind === "private") {
-      // A private queue lives with its connection: a new queue numbers from 0 (a takeover keeps the numbering
-      // and hands the uncommitted entries again, which the seq check below drops). 0 is also a takeover whose
-      // first entries were never committed: then those few may come twice (never lost). See docs/client.md.
-      if (entry.seq === 0) this.nextSeq = 0;
-      else if (entry.seq > this.nextSeq) this._loss(this.nextSeq, entry.seq, "gone");
+      // The same epoch is the same queue, taken over: the uncommitted entries come again (the seq check below
+      // drops them); a start past ours means another connection of the user committed entries we never saw.
+      // A new queue has a new epoch (the branch above). See docs/client.md.
+      if (entry.seq > this.nextSeq) this._loss(this.nextSeq, entry.seq, "gone");
     }
     // Same epoch, ring or snapshot: the gateway replays from our seq, or sends a `loss` entry first.
     this._emit("subscribed", {

@@ -105,3 +105,24 @@ def _deep(levels: int):
     for _ in range(levels):
         value = [value]
     return value
+
+
+def test_a_private_queue_made_again_is_a_new_epoch_and_an_old_recovery_point_gets_a_loss_notice():
+    engine = make_engine(max_count=8)
+    engine.connect("tab1", owner="alice")
+    engine.subscribe("tab1", "priv.q")
+    first = cycle(engine)["tab1"][0]
+    engine.publish("priv.q", "kept", owner="alice")
+    cycle(engine)
+    engine.publish("priv.q", "queued when tab1 left", owner="alice")
+    engine.disconnect("tab1")  # the queue goes with what it held
+    engine.connect("tab2", owner="alice")
+    engine.subscribe("tab2", "priv.q", since=(first["epoch"], 1))
+    got = cycle(engine)["tab2"]
+    assert got[0]["type"] == "subscribed" and got[0]["seq"] == 0 and got[0]["epoch"] != first["epoch"]
+    assert got[1] == {"type": "loss", "topic": "priv.q", "from": 1, "to": None, "reason": "epoch"}
+    # a takeover keeps the queue and its epoch: a recovery point in it is no loss
+    engine.connect("tab3", owner="alice")
+    engine.subscribe("tab3", "priv.q", since=(got[0]["epoch"], 0))
+    taken = cycle(engine)["tab3"]
+    assert taken[0]["epoch"] == got[0]["epoch"] and [e["type"] for e in taken] == ["subscribed"]

@@ -303,7 +303,10 @@ def test_recovery_is_exact_on_synthetic_entries(site: Path, browser: Chromium) -
             priv._onSubscribed({topic: "p", kind: "private", epoch: "e1", seq: 1});  // takeover: 1, 2 again
             priv._onMsg({seq: 1}); priv._onMsg({seq: 2}); priv._onMsg({seq: 3});
             priv.state = "subscribing";
-            priv._onSubscribed({topic: "p", kind: "private", epoch: "e1", seq: 0});  // a new queue
+            priv._onSubscribed({topic: "p", kind: "private", epoch: "e1", seq: 0});  // takeover: all of it again
+            priv._onMsg({seq: 0}); priv._onMsg({seq: 4});
+            priv.state = "subscribing";
+            priv._onSubscribed({topic: "p", kind: "private", epoch: "e2", seq: 0});  // a new queue, new epoch
             priv._onMsg({seq: 0});
             return seen;
         })()""")
@@ -313,7 +316,7 @@ def test_recovery_is_exact_on_synthetic_entries(site: Path, browser: Chromium) -
         ["msg", "e1", 13],
         ["loss", 14, None, "epoch"], ["msg", "e2", 0],
         ["snap", 7], ["snap", 20],
-        ["priv", 0], ["priv", 1], ["priv", 2], ["priv", 3], ["priv", 0],
+        ["priv", 0], ["priv", 1], ["priv", 2], ["priv", 3], ["priv", 4], ["priv", 0],
     ]
 
 
