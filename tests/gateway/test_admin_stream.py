@@ -103,11 +103,11 @@ def test_snapshots_come_at_the_interval_with_rates_of_real_traffic():
 
 
 def test_the_snapshot_lists_the_busiest_and_sums_the_rest():
-    from gateway import admin
+    from gateway import stats_feed
 
     with run_gateway(admin={"stats_interval_s": INTERVAL}) as gw, \
             httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
-        top = admin.STREAM_TOP
+        top = stats_feed.STREAM_TOP
         http.post("/api/topics/t.busy/publish", json={"messages": [1, 2, 3]})
         for i in range(top + 5):
             http.post("/api/topics", json={"name": f"t.idle-{i:03d}"})

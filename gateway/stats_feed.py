@@ -1,0 +1,275 @@
+"""The live stats stream (`GET /api/stats/stream`, read by the dashboard at /admin/): one sampler shared by
+every viewer, running only while one is connected, and the server-sent-events answer of each viewer."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import time
+from operator import itemgetter
+from typing import Any, Hashable
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from core.client import Client
+from core.topics import Topic
+
+from .errors import TooManyViewers
+from .http_errors import error_response
+from .hub import Hub
+
+log = logging.getLogger("gateway.admin")
+
+#: clients and topics listed in one snapshot, the busiest first; the rest are summed into `others` and the
+#: totals. A dashboard shows a few dozen rows and a handful of chart lines: listing 10,000 clients every
+#: second would cost encoding here and layout in the browser for rows nobody reads.
+STREAM_TOP = 50
+#: floor of `admin.stats_interval_s`: a sample walks every topic and client, so it must stay rare
+MIN_STATS_INTERVAL_S = 0.1
+#: topics or clients a sample reads between two yields to the loop: at ~0.5 µs each, ~1 ms, so a sample of
+#: 100,000 topics (scheduler.max_topics) never holds up the fan-out for its whole ~50-100 ms
+SAMPLE_CHUNK = 2048
+
+
+def _lag(client: Client) -> int:
+    """Messages waiting for a client in the gateway. Only handles in its active set hold any (caught-up ones
+    are parked), so this costs O(its active handles), the pending work."""
+    lag = 0
+    for sub in client.active:
+        end = getattr(sub.topic, "end", None)
+        if isinstance(end, int):
+            lag += max(0, end - sub.cursor)  # ring: seqs behind, lost ones included
+        elif sub.queue is not None:
+            lag += len(sub.queue)  # private: queued
+        else:
+            lag += 1  # snapshot: the latest value
+    return lag
+
+
+def _per_s(delta: float, dt: float | None) -> float | None:
+    return round(delta / dt, 3) if dt else None
+
+
+class StatsFeed:
+    """One sampler for every viewer of the stats stream.
+
+    While at least one viewer is connected, a task takes a snapshot every `admin.stats_interval_s`: one pass
+    over the topics and one over the connections, O(topics + clients) per interval whatever the number of
+    viewers, read in chunks of `SAMPLE_CHUNK` between which the loop runs (fan-out is never held up for a
+    whole sample), plus, for the listed clients only, O(their active handles) for their lag. Rates are deltas
+    between two samples computed here (topic positions, entries each connection was handed, core counters,
+    histogram buckets), so the feed keeps the previous sample's numbers; when the last viewer leaves it
+    stops the task and forgets them: an unwatched gateway pays nothing.
+    """
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.interval = max(MIN_STATS_INTERVAL_S, hub.config.admin.stats_interval_s)
+        self.max_viewers = hub.config.admin.stats_max_viewers
+        self.viewers = 0
+        #: the latest snapshot as one SSE event, and a future resolved when the next one replaces it
+        self.latest: bytes | None = None
+        self.next: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._forget()
+
+    def _forget(self) -> None:
+        self._prev_at: float | None = None
+        self._prev_topics: dict[Topic, int] = {}
+        self._prev_clients: dict[Any, int] = {}
+        self._prev_counters: dict[str, int] = {}
+        self._prev_hist: dict[str, list[int]] = {}
+
+    def join(self) -> bool:
+        """Count a viewer in (False at `admin.stats_max_viewers`); the first one starts the sampler."""
+        if self.viewers >= self.max_viewers:
+            return False
+        self.viewers += 1
+        if self.task is None:
+            loop = asyncio.get_running_loop()
+            self.next = loop.create_future()
+            self.task = loop.create_task(self._run(), name="admin-stats-feed")
+        return True
+
+    def leave(self) -> None:
+        """Count a viewer out; the last one stops the sampler."""
+        self.viewers -= 1
+        if self.viewers == 0 and self.task is not None:
+            self.task.cancel()
+            self.task = None
+            self.latest = self.next = None
+            self._forget()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            try:
+                snapshot = await self.sample(time.monotonic())
+                self.latest = b"data: " + orjson.dumps(snapshot) + b"\n\n"
+            except Exception:  # a bug here must not freeze the viewers: log it, try again next interval
+                log.exception("stats sample failed")
+            done, self.next = self.next, loop.create_future()
+            if done is not None and not done.done():
+                done.set_result(None)
+            due = max(due + self.interval, loop.time())  # no burst of catch-up samples after a stall
+            await asyncio.sleep(due - loop.time())
+
+    async def sample(self, now: float) -> dict[str, Any]:
+        hub = self.hub
+        engine = hub.engine
+        dt = now - self._prev_at if self._prev_at is not None else None
+        self._prev_at = now
+
+        # topics: O(topics), a few attribute reads each (the rate is a float for the listed ones only);
+        # info() (O(1), private topics O(their queues)) for the listed ones. Keyed by the topic object: a
+        # topic deleted and created again is another object, whose position starts over.
+        prev_topics, positions = self._prev_topics, {}
+        moved: list[tuple[int, Topic]] = []
+        for count, topic in enumerate(engine.topics(), 1):
+            if not count % SAMPLE_CHUNK:
+                await asyncio.sleep(0)
+            position = getattr(topic, "end", None)  # a ring's available end, else a snapshot's seq
+            if position is None:
+                position = getattr(topic, "seq", None)
+            if position is None:  # private: a queue per user, no shared position
+                moved.append((0, topic))
+                continue
+            positions[topic] = position
+            before = prev_topics.get(topic)
+            moved.append((position - before if before is not None else 0, topic))
+        self._prev_topics = positions
+        topics = [{**topic.info(), "rate": _per_s(delta, dt) if topic in prev_topics and topic in positions else None}
+                  for delta, topic in heapq.nlargest(STREAM_TOP, moved, key=itemgetter(0))]
+
+        # clients: O(clients), the same way; describe() and the lag only for the listed ones
+        prev_clients, sent_now = self._prev_clients, {}
+        deliveries: list[tuple[int, Hashable, Any]] = []
+        for count, (client_id, conn) in enumerate(list(hub.conns.items()), 1):
+            if not count % SAMPLE_CHUNK:
+                await asyncio.sleep(0)
+            sent = getattr(conn, "entries_sent", None)  # every transport that counts its deliveries
+            if sent is None:
+                deliveries.append((0, client_id, conn))
+                continue
+            sent_now[conn] = sent
+            before = prev_clients.get(conn)
+            deliveries.append((sent - before if before is not None else 0, client_id, conn))
+        self._prev_clients = sent_now
+        listed = heapq.nlargest(STREAM_TOP, deliveries, key=itemgetter(0))
+        clients = []
+        for delta, client_id, conn in listed:
+            client = engine.client(client_id) if engine.has_client(client_id) else None
+            clients.append({
+                "id": client_id,
+                "user": conn.identity.user,
+                "state": client.state.value if client is not None else None,
+                "subscription_count": len(client.subs) if client is not None else 0,
+                "active_handles": len(client.active) if client is not None else 0,
+                "direct_queued": len(client.direct) if client is not None else 0,
+                "lag": _lag(client) if client is not None else 0,
+                "rate": _per_s(delta, dt) if conn in prev_clients and conn in sent_now else None,
+                **conn.describe(),
+            })
+        receiving = [delta / dt for delta, _, _ in deliveries if delta > 0] if dt else []
+        total_rate = sum(receiving)
+        listed_rate = sum(delta for delta, _, _ in listed) / dt if dt else 0.0
+
+        counters = engine.counters.as_dict()
+        prev_counters, self._prev_counters = self._prev_counters, counters
+
+        def counter_rate(name: str) -> float | None:
+            return _per_s(counters[name] - prev_counters[name], dt) if prev_counters else None
+
+        histograms = {}
+        for name, histogram in (("cycle_seconds", hub.metrics.cycle_seconds),
+                                ("entries_per_batch", hub.metrics.entries_per_batch)):
+            snap = histogram.snapshot()
+            before_counts = self._prev_hist.get(name)
+            snap["recent"] = ([c - b for c, b in zip(snap["counts"], before_counts)]
+                              if before_counts is not None else None)
+            self._prev_hist[name] = snap["counts"]
+            histograms[name] = snap
+
+        raw = hub.raw
+        return {
+            "time": time.time(),
+            "interval_s": self.interval,
+            "dt": round(dt, 4) if dt is not None else None,
+            "instance": hub.instance_id,
+            "viewers": self.viewers,
+            "totals": {
+                "topics": engine.topic_count,
+                "clients": len(hub.conns),
+                "clients_by_transport": dict(hub.metrics.clients_by_transport),
+                "write_blocked": len(hub.blocked),
+                "published_per_s": counter_rate("messages_published"),
+                "delivered_per_s": counter_rate("messages_delivered"),
+                "entries_per_s": counter_rate("entries_emitted"),
+                "lost_per_s": counter_rate("messages_lost"),
+                "cycles_per_s": counter_rate("cycles"),
+                "client_delivery_per_s": round(total_rate, 3) if dt else None,
+            },
+            # Jain's index over the clients that received anything: 1.0 when they all got the same rate
+            # (clients of different topics may differ for good reason: compare clients of one topic)
+            "fairness": {
+                "receiving": len(receiving),
+                "min": round(min(receiving), 3) if receiving else None,
+                "max": round(max(receiving), 3) if receiving else None,
+                "jain": (round(total_rate ** 2 / (len(receiving) * sum(r * r for r in receiving)), 4)
+                         if receiving else None),
+            },
+            "topics": topics,
+            "clients": clients,
+            "others": {"topics": len(moved) - len(topics), "clients": len(deliveries) - len(clients),
+                       "rate": round(total_rate - listed_rate, 3) if dt else None},
+            "histograms": histograms,
+            "raw": {"stats": raw.stats(), "receivers": raw.receivers()} if raw is not None else None,
+        }
+
+
+class SnapshotStream(Response):
+    """The SSE answer of the stats stream: the latest snapshot, then each new one, until the viewer goes.
+
+    A task waits for the viewer's `http.disconnect`, so a viewer that leaves is counted out at once, not at
+    the next write; it is cancelled with the stream (nothing is left behind)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, feed: StatsFeed) -> None:
+        self.feed = feed
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        feed = self.feed
+        if not feed.join():
+            refused = TooManyViewers(f"{feed.max_viewers} stats streams are open (admin.stats_max_viewers)")
+            await error_response(refused, {"Retry-After": "5"})(scope, receive, send)
+            return
+        gone = asyncio.get_running_loop().create_task(_disconnected(receive), name="admin-stats-viewer")
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            sent = None
+            while not gone.done():
+                latest = feed.latest
+                if latest is not None and latest is not sent:
+                    sent = latest
+                    await send({"type": "http.response.body", "body": latest, "more_body": True})
+                assert feed.next is not None  # set while a viewer is counted in
+                await asyncio.wait((feed.next, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            feed.leave()
+
+
+async def _disconnected(receive: Receive) -> None:
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # the server's receive failed: the viewer is gone all the same
+        pass
