@@ -459,13 +459,18 @@ class Engine:
         batches: list[Batch] = []
         counters = self.counters
         counters.cycles += 1
+        fill = self._fill
+        writing = ClientState.WRITING
+        entries = emitted = 0
         for client in clients:
-            out, size = self._fill(client)
+            out, size = fill(client)
             if out:
-                client.state = ClientState.WRITING
+                client.state = writing
                 batches.append(Batch(client.id, out, size))
-                counters.entries_emitted += len(out)
-                counters.bytes_emitted += size
+                entries += len(out)
+                emitted += size
+        counters.entries_emitted += entries
+        counters.bytes_emitted += emitted
         counters.clients_served += len(batches)
         return batches
 
@@ -476,11 +481,12 @@ class Engine:
         size = 0
         budget = client.budget
         direct = client.direct
-        while direct and size < budget:
-            entry = direct.popleft()
-            out.append(entry)
-            size += len(entry)
-        self.counters.direct_entries += len(out)
+        if direct:
+            while direct and size < budget:
+                entry = direct.popleft()
+                out.append(entry)
+                size += len(entry)
+            self.counters.direct_entries += len(out)
         if size >= budget or not client.active:
             return out, size
         handles, client.active = client.active, {}
@@ -508,9 +514,11 @@ class Engine:
                 if topic.shared:
                     topic.idle[sub] = None
         # Handles not reached, then handles still holding data, go before any that become active later.
-        active = dict.fromkeys(unreached)
-        active.update(dict.fromkeys(again))
-        client.active = active
+        if unreached or again:  # usually neither at depth 1: every handle ran dry and was parked
+            active = dict.fromkeys(unreached)
+            active.update(dict.fromkeys(again))
+            active.update(client.active)  # none today: a read wakes nobody; kept so the order rule holds
+            client.active = active
         return out, size
 
     def _activate(self, sub: Subscription) -> None:
