@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Hashable, Protocol
 
 from core import Batch, CoreUsageError, Engine, Published, QueueFull, RequestError, TopicKind
@@ -76,6 +77,9 @@ class Hub:
         self.lp_sessions: dict[str, Any] = {}
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled
         self.ingest = None
+        #: called when the server shuts down, after the clients were closed: streams that are not clients
+        #: (the admin stats stream) end too, so shutdown never waits for them
+        self.closing_hooks: list[Callable[[], None]] = []
         #: the sampled delivery log ([deliverylog], gateway/deliverylog.py), when enabled
         self.delivery_log: DeliveryLog | None = None
         if config.deliverylog.enabled:
@@ -111,6 +115,8 @@ class Hub:
     def close_all_clients(self) -> None:
         for client_id in list(self.conns):
             self.kick(client_id, close_codes.GOING_AWAY, "server shutting down", "shutdown")
+        for hook in self.closing_hooks:
+            hook()
 
     def _schedule_tick(self) -> None:
         period = self.config.scheduler.hole_tick_ms / 1000

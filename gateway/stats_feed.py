@@ -74,7 +74,15 @@ class StatsFeed:
         self.latest: bytes | None = None
         self.next: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
+        #: the server is shutting down: every stream ends
+        self.closed = False
+        hub.closing_hooks.append(self.close)
         self._forget()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.next is not None and not self.next.done():
+            self.next.set_result(None)
 
     def _forget(self) -> None:
         self._prev_at: float | None = None
@@ -255,13 +263,15 @@ class SnapshotStream(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             sent = None
-            while not gone.done():
+            while not gone.done() and not feed.closed:
                 latest = feed.latest
                 if latest is not None and latest is not sent:
                     sent = latest
                     await send({"type": "http.response.body", "body": latest, "more_body": True})
                 assert feed.next is not None  # set while a viewer is counted in
                 await asyncio.wait((feed.next, gone), return_when=asyncio.FIRST_COMPLETED)
+            if feed.closed and not gone.done():  # shutting down: end the response, the viewer reconnects
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             gone.cancel()
             feed.leave()

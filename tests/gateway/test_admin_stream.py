@@ -170,3 +170,25 @@ def test_the_stream_ends_when_the_viewer_disconnects():
             # the next sample would have been due
             wait_for(lambda: feed_state(gw) == {"viewers": 0, "sampler": False, "tasks": []},
                      "the stream's tasks to end", timeout=4.0)
+
+
+def test_a_shutdown_ends_the_stream_instead_of_waiting_for_it():
+    import threading
+
+    ended = threading.Event()
+    with run_gateway(admin={"stats_interval_s": INTERVAL}) as gw:
+        http = httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10)
+
+        def watch() -> None:
+            with http.stream("GET", "/api/stats/stream") as r:
+                for _ in snapshots(r):
+                    pass
+            ended.set()  # the response was completed by the server, not cut by the client
+
+        viewer = threading.Thread(target=watch, daemon=True)
+        viewer.start()
+        wait_for(lambda: feed_state(gw)["viewers"] == 1, "the viewer")
+        stopping = time.monotonic()
+    # uvicorn would otherwise wait its graceful timeout (5 s) for the open stream, then cut it
+    assert ended.wait(10) and time.monotonic() - stopping < 4.5
+    http.close()
