@@ -410,22 +410,29 @@ async def stream(request: Request) -> Response:
                    request.app.state.session_prefix)
 
 
-async def post_commands(request: Request) -> Response:
+def _session(request: Request) -> tuple[Hub, SseConnection] | Response:
+    """The hub and the session the path names, or the error response (SSE disabled, no such session)."""
     hub: Hub = request.app.state.hub
     if not hub.config.sse.enabled:
         return _disabled()
     conn = _sessions(request).get(request.path_params["session"])
     if conn is None:
         return error_response(UNKNOWN_SESSION)
+    return hub, conn
+
+
+async def post_commands(request: Request) -> Response:
+    found = _session(request)
+    if isinstance(found, Response):
+        return found
+    hub, conn = found
     return await accept_commands(request, hub, conn.identity.client_id, hub.config.sse.max_body_bytes)
 
 
 async def delete_session(request: Request) -> Response:
-    hub: Hub = request.app.state.hub
-    if not hub.config.sse.enabled:
-        return _disabled()
-    conn = _sessions(request).get(request.path_params["session"])
-    if conn is None:
-        return error_response(UNKNOWN_SESSION)
+    found = _session(request)
+    if isinstance(found, Response):
+        return found
+    hub, conn = found
     hub.kick(conn.identity.client_id, DELETED, "session deleted", "closed")
     return Response(status_code=204)

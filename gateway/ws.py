@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import struct
 import time
 from typing import Any, cast
 from urllib.parse import parse_qs
@@ -35,6 +34,7 @@ from .identity import ClientIdentity
 from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
 from .origin import OriginPolicy
 from .ratelog import BadInputLog
+from .wsframes import text_frame_header
 
 log = logging.getLogger("gateway.ws")
 SCOPE_KEY = "fanout.ws"
@@ -53,15 +53,6 @@ class _Discard:
 
 
 DISCARD = _Discard()
-
-
-def text_frame_header(length: int) -> bytes:
-    """Header of an unmasked server-to-client text frame (RFC 6455 §5.2)."""
-    if length < 126:
-        return bytes((0x81, length))
-    if length < 65536:
-        return struct.pack("!BBH", 0x81, 126, length)
-    return struct.pack("!BBQ", 0x81, 127, length)
 
 
 class _FramedCache:

@@ -34,7 +34,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -46,21 +45,15 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
 
+from gateway.wsframes import text_frame_header
+from loadtest.serverproc import ServerProcess
+
 HOST = "127.0.0.1"
 WS_PATH = "/ws"
 #: largest client frame accepted (commands are small)
 MAX_CLIENT_MESSAGE = 1 << 20
 STARTUP_TIMEOUT = 15.0
 STOP_TIMEOUT = 2.0
-
-
-def text_frame_header(length: int) -> bytes:
-    """Header of an unmasked server-to-client text frame (RFC 6455 §5.2); as gateway/ws.py's."""
-    if length < 126:
-        return bytes((0x81, length))
-    if length < 65536:
-        return struct.pack("!BBH", 0x81, 126, length)
-    return struct.pack("!BBQ", 0x81, 127, length)
 
 
 def text_frame(payload: bytes) -> bytes:
@@ -79,9 +72,11 @@ class Topic:
         self.subscribers: dict[WsConnection, None] = {}
 
 
-class BareServer:
+class BareServer(ServerProcess):
     """The server's state (topics) and the fan-out; also what starts and stops the subprocess for the load
     tool: ``with BareServer(workdir, batch) as target:`` (output in ``workdir/bare.log``)."""
+
+    stop_timeout = STOP_TIMEOUT  # then SIGKILL (ServerProcess.stop_signals)
 
     def __init__(self, workdir: Path | None = None, batch: int = 1) -> None:
         if batch < 1:
@@ -143,25 +138,6 @@ class BareServer:
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"bare server not ready after {STARTUP_TIMEOUT} s (see {self.workdir}/bare.log)")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            os.killpg(proc.pid, sig)
-            try:
-                proc.wait(STOP_TIMEOUT)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-        proc.wait()
-
-    def __enter__(self) -> Any:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class WsConnection(asyncio.Protocol):

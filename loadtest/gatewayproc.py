@@ -8,7 +8,6 @@ token is the one written into FILE (the ready file carries a token only when the
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shlex
 import signal
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 from loadtest.procstat import raise_nofile_limit
+from loadtest.serverproc import ServerProcess
 from loadtest.target import Target
 
 HOST = "127.0.0.1"
@@ -63,9 +63,12 @@ cycle_budget_bytes = 65536
 """
 
 
-class GatewayProcess:
+class GatewayProcess(ServerProcess):
     """``with GatewayProcess(workdir) as target:`` runs the gateway for the block. Output goes to
     ``workdir/gateway.log``."""
+
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+    stop_timeout = STOP_TIMEOUT
 
     def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64,
                  batch_depth: int | str = 1) -> None:
@@ -105,22 +108,3 @@ class GatewayProcess:
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"gateway not ready after {STARTUP_TIMEOUT} s (see {self.workdir}/gateway.log)")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
-            os.killpg(proc.pid, sig)
-            try:
-                proc.wait(STOP_TIMEOUT)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-        proc.wait()
-
-    def __enter__(self) -> Target:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

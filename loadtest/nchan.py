@@ -19,6 +19,7 @@ from string import Template
 from rich.console import Console
 
 from loadtest.procstat import raise_nofile_limit
+from loadtest.serverproc import ServerProcess
 from loadtest.target import Target
 
 PACKAGES = ("nginx", "libnginx-mod-nchan")
@@ -76,8 +77,11 @@ def config_text(prefix: Path, port: int, capacity: int = 64) -> str:
         nofile=nofile, connections=max(1024, nofile - 100))
 
 
-class NchanServer:
+class NchanServer(ServerProcess):
     """``with NchanServer(workdir) as target:`` runs nginx + nchan for the block (logs in workdir/nginx)."""
+
+    stop_signals = (signal.SIGTERM, signal.SIGKILL)  # SIGTERM: nginx's fast shutdown
+    stop_timeout = STOP_TIMEOUT
 
     def __init__(self, workdir: Path, capacity: int = 64) -> None:
         self.prefix = Path(workdir).resolve() / "nginx"
@@ -110,20 +114,3 @@ class NchanServer:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nginx not listening after {STARTUP_TIMEOUT} s")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)  # nginx: fast shutdown
-        try:
-            proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-    def __enter__(self) -> Target:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -225,14 +225,56 @@ class CommandPoster {
   }
 }
 
-class SseTransport {
-  constructor(base, token, cb) {
+/**
+ * What SSE and long-poll share: a session at `${base}/${path}/${secret}` that takes commands by POST and is
+ * deleted by `close`. A subclass opens its stream or poll and says how to stop it (`_stop`).
+ */
+class SessionTransport {
+  constructor(base, cb, path) {
     this.base = base;
     this.cb = cb;
+    this.path = path;
     this.opened = false;
     this.dead = false;
     this.secret = null;
     this.poster = null;
+  }
+
+  /** The session is open: commands go to its URL from now on (returned). */
+  _session(secret) {
+    this.secret = secret;
+    const sessionUrl = `${this.base}/${this.path}/${encodeURIComponent(secret)}`;
+    this.poster = new CommandPoster(sessionUrl, (code, reason) => this._end(code, reason));
+    return sessionUrl;
+  }
+
+  _end(code, reason) {
+    if (this.dead) return;
+    this.dead = true;
+    this._stop();
+    if (this.poster) this.poster.dead = true;
+    this.cb.close({ code, reason, opened: this.opened });
+  }
+
+  send(commands) {
+    if (!this.dead && this.poster) this.poster.send(commands);
+  }
+
+  close() {
+    if (this.dead && !this.secret) return;
+    this.dead = true;
+    this._stop();
+    if (this.poster) this.poster.dead = true;
+    if (this.secret) {
+      fetch(`${this.base}/${this.path}/${encodeURIComponent(this.secret)}`, { method: "DELETE", keepalive: true }).catch(() => {});
+      this.secret = null;
+    }
+  }
+}
+
+class SseTransport extends SessionTransport {
+  constructor(base, token, cb) {
+    super(base, cb, "sse");
     // Subscriptions go as commands (POST), not in ?topics=: the same path as the other transports, with
     // request ids (errors are matched to their subscription) and for any topic name.
     const url = new URL(base + "/sse");
@@ -242,8 +284,7 @@ class SseTransport {
     es.addEventListener("session", (event) => {
       if (this.dead) return;
       const info = JSON.parse(event.data);
-      this.secret = info.session;
-      this.poster = new CommandPoster(`${base}/sse/${encodeURIComponent(info.session)}`, (code, reason) => this._end(code, reason));
+      this._session(info.session);
       this.opened = true;
       cb.open({ clientId: info.client_id });
     });
@@ -272,38 +313,14 @@ class SseTransport {
     es.onerror = () => this._end(1006, "event stream failed");
   }
 
-  _end(code, reason) {
-    if (this.dead) return;
-    this.dead = true;
+  _stop() {
     this.es.close();
-    if (this.poster) this.poster.dead = true;
-    this.cb.close({ code, reason, opened: this.opened });
-  }
-
-  send(commands) {
-    if (!this.dead && this.poster) this.poster.send(commands);
-  }
-
-  close() {
-    if (this.dead && !this.secret) return;
-    this.dead = true;
-    this.es.close();
-    if (this.poster) this.poster.dead = true;
-    if (this.secret) {
-      fetch(`${this.base}/sse/${encodeURIComponent(this.secret)}`, { method: "DELETE", keepalive: true }).catch(() => {});
-      this.secret = null;
-    }
   }
 }
 
-class LpTransport {
+class LpTransport extends SessionTransport {
   constructor(base, token, cb) {
-    this.base = base;
-    this.cb = cb;
-    this.opened = false;
-    this.dead = false;
-    this.secret = null;
-    this.poster = null;
+    super(base, cb, "lp");
     this.abort = new AbortController();
     this._start(token);
   }
@@ -335,9 +352,7 @@ class LpTransport {
     if (response.status !== 201 || typeof body?.session !== "string") {
       return this._end(1006, `POST /lp answered ${response.status}`);
     }
-    this.secret = body.session;
-    const sessionUrl = `${this.base}/lp/${encodeURIComponent(body.session)}`;
-    this.poster = new CommandPoster(sessionUrl, (code, reason) => this._end(code, reason));
+    const sessionUrl = this._session(body.session);
     this.opened = true;
     this.cb.open({ clientId: body.client_id });
     this._poll(sessionUrl);
@@ -370,26 +385,8 @@ class LpTransport {
     }
   }
 
-  _end(code, reason) {
-    if (this.dead) return;
-    this.dead = true;
+  _stop() {
     this.abort.abort();
-    if (this.poster) this.poster.dead = true;
-    this.cb.close({ code, reason, opened: this.opened });
-  }
-
-  send(commands) {
-    if (!this.dead && this.poster) this.poster.send(commands);
-  }
-
-  close() {
-    this.dead = true;
-    this.abort.abort();
-    if (this.poster) this.poster.dead = true;
-    if (this.secret) {
-      fetch(`${this.base}/lp/${encodeURIComponent(this.secret)}`, { method: "DELETE", keepalive: true }).catch(() => {});
-      this.secret = null;
-    }
   }
 }
 

@@ -34,11 +34,11 @@ import orjson
 from redis.exceptions import RedisError
 
 from core import QueueFull, RequestError
-from core.config import MAX_SEQ
-from core.errors import BadData, BadSeq, MessageTooLarge, NoTarget, NotSubscribed, StaleSeq
+from core.errors import BadSeq, NoTarget, NotSubscribed, StaleSeq
 from core.private import PrivateTopic
 
 from ..errors import BrokerUnavailable, InternalError
+from .validate import check_ready, encode_message
 
 if TYPE_CHECKING:
     from .redis_broker import RedisBroker
@@ -51,8 +51,6 @@ PUSH_BATCH = 64
 #: a commit on this node frees space in that queue).
 BACKOFF_S = 0.01
 BACKOFF_MAX_S = 0.2
-#: Bytes of a `msg` entry besides its topic and data (as redis_broker.ENTRY_OVERHEAD).
-ENTRY_OVERHEAD = 64
 
 Key = tuple[str, Hashable]
 
@@ -342,17 +340,8 @@ class PrivateQueues:
         broker = self.broker
         if owner is None:
             raise NoTarget(f"private topic {topic!r} needs the user whose queue gets the message (`client`)")
-        if not broker.available:
-            raise BrokerUnavailable(f"broker unreachable: {broker.last_error}; retry later")
-        if seq is not None and not 0 <= seq < MAX_SEQ:
-            raise BadSeq(f"seq must be in [0, 2**53), not {seq}")
-        try:
-            raw = orjson.dumps(data)
-        except TypeError as exc:
-            raise BadData(f"data cannot be encoded: {exc}") from None
-        limit = self.hub.engine.config.max_message_bytes
-        if len(raw) + len(topic.encode()) + ENTRY_OVERHEAD > limit:
-            raise MessageTooLarge(f"message of about {len(raw) + ENTRY_OVERHEAD} bytes exceeds {limit}")
+        check_ready(broker.available, broker.last_error, seq)
+        raw = encode_message(topic, data, self.hub.engine.config.max_message_bytes)
         self.hub.resolve(topic)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         key = (topic, owner)

@@ -35,8 +35,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from core import RequestError, TopicConfig, TopicKind
-from core.config import MAX_SEQ
-from core.errors import BadData, BadSeq, MessageTooLarge, StaleSeq, TopicExists, UnknownTopic
+from core.errors import BadSeq, StaleSeq, TopicExists, UnknownTopic
 
 from ..config import ConfigError, topic_config
 from ..errors import BrokerUnavailable
@@ -44,6 +43,7 @@ from . import scripts
 from .base import BrokerUnreachable
 from .keys import Keys, seq_of, stream_id
 from .private_queues import PrivateQueues
+from .validate import check_ready, encode_message
 
 if TYPE_CHECKING:
     from ..hub import Hub
@@ -66,8 +66,6 @@ STATS_TTL_S = 5
 ADMIN_LIST_MAX = 1000
 #: A Redis command that takes longer than this counts as Redis lost (commands are O(1) or O(capacity)).
 COMMAND_TIMEOUT_S = 5.0
-#: Bytes of a `msg` entry besides its topic and data (`{"type":"msg","topic":,"seq":,"data":}` and a seq).
-ENTRY_OVERHEAD = 64
 
 
 def _redacted(url: str) -> str:
@@ -555,18 +553,9 @@ class RedisBroker:
         self._drop(line)
 
     def publish(self, topic: str, data: Any, seq: int | None) -> asyncio.Future[int]:
-        if not self.available:
-            raise BrokerUnavailable(f"broker unreachable: {self.last_error}; retry later")
-        if seq is not None and not 0 <= seq < MAX_SEQ:
-            raise BadSeq(f"seq must be in [0, 2**53), not {seq}")
+        check_ready(self.available, self.last_error, seq)
         config = self._settings(topic)
-        try:
-            raw = orjson.dumps(data)
-        except TypeError as exc:
-            raise BadData(f"data cannot be encoded: {exc}") from None
-        limit = self.hub.engine.config.max_message_bytes
-        if len(raw) + len(topic.encode()) + ENTRY_OVERHEAD > limit:
-            raise MessageTooLarge(f"message of about {len(raw) + ENTRY_OVERHEAD} bytes exceeds {limit}")
+        raw = encode_message(topic, data, self.hub.engine.config.max_message_bytes)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(topic, raw, seq, config, future))
         assert self._queued is not None  # set by start

@@ -20,6 +20,16 @@ def seqs(entries: list[dict]) -> list[int]:
     return [e["seq"] for e in entries if e["type"] == "msg"]
 
 
+def subscribed_with_three(ws, topic: str, via) -> dict:
+    """Subscribe `ws` to `topic`, publish 0, 1, 2 to it through the node `via` and see them arrive with seqs
+    0, 1, 2; the `subscribed` entry."""
+    subscribed = subscribe(ws, topic)
+    for i in range(3):
+        via.publish(topic, i)
+    assert seqs(messages(ws, topic, lambda g: len(g) >= 3)) == [0, 1, 2]
+    return subscribed
+
+
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -53,10 +63,7 @@ def test_a_subscriber_on_one_node_gets_what_another_publishes_same_seqs_same_epo
 def test_kill_9_the_client_recovers_on_another_node_from_the_stream_or_gets_the_exact_loss(nodes):
     a, b = nodes.start("a"), nodes.start("b")
     with a.ws() as ws:
-        epoch = subscribe(ws, "k")["epoch"]
-        for i in range(3):
-            b.publish("k", i)
-        assert seqs(messages(ws, "k", lambda g: len(g) >= 3)) == [0, 1, 2]
+        epoch = subscribed_with_three(ws, "k", via=b)["epoch"]
         a.kill9()
     for i in range(3, 8):
         b.publish("k", i)
@@ -92,10 +99,7 @@ def test_a_restarted_gateway_keeps_the_epoch_and_recovery_works_across_it(nodes)
 def test_redis_lost_publishes_are_refused_and_subscribers_learn_the_new_epoch_when_it_returns(nodes, redis_server):
     a = nodes.start("a")
     with a.ws() as ws:
-        old = subscribe(ws, "z")["epoch"]
-        for i in range(3):
-            a.publish("z", i)
-        assert seqs(messages(ws, "z", lambda g: len(g) >= 3)) == [0, 1, 2]
+        old = subscribed_with_three(ws, "z", via=a)["epoch"]
         redis_server.stop()
         refused = wait_for(lambda: (r := a.publish("z", "lost?")).status_code == 503 and r, what="a 503")
         assert refused.json()["error"]["code"] == "broker_unavailable"
@@ -114,10 +118,7 @@ def test_redis_lost_publishes_are_refused_and_subscribers_learn_the_new_epoch_wh
 def test_messages_missed_on_a_dropped_channel_are_filled_from_the_stream_or_announced_exactly(nodes, redis_server):
     a, b = nodes.start("a"), nodes.start("b")
     with a.ws() as ws:
-        subscribe(ws, "g")
-        for i in range(3):
-            b.publish("g", i)
-        assert seqs(messages(ws, "g", lambda g: len(g) >= 3)) == [0, 1, 2]
+        subscribed_with_three(ws, "g", via=b)
         # A is frozen, its channel connection is cut, and 40 messages go by (the stream keeps 16).
         os.kill(a.proc.pid, signal.SIGSTOP)
         try:

@@ -47,6 +47,17 @@ def collect(ws, until, timeout: float = 5.0) -> list[dict]:
     return got
 
 
+def wait_for(predicate, what: str = "condition", timeout: float = 10.0):
+    """The first true value of `predicate()`, tried every 50 ms; fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def auth(gw) -> dict:
     return {"Authorization": f"Bearer {gw.admin_token}"}
 

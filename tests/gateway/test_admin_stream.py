@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gw_helpers import auth, collect, send, ws_connect
+from gw_helpers import auth, collect, send, wait_for, ws_connect
 
 from gateway.testing import run_gateway
 
@@ -38,16 +38,6 @@ def feed_state(gw) -> dict:
         return {"viewers": feed.viewers if feed else 0, "sampler": feed is not None and feed.task is not None,
                 "tasks": stream_tasks}
     return gw.call(read)
-
-
-def wait_for(predicate, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_the_stream_needs_the_admin_token_in_the_header():

@@ -4,13 +4,12 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-from gw_helpers import Ingest, auth, ws_connect
+from gw_helpers import Ingest, auth, wait_for, ws_connect
 from hypothesis import given
 from hypothesis import strategies as st
 from sse_client import SseClient, msgs
@@ -31,16 +30,6 @@ RING = {"rules": [{"pattern": "private.*", "kind": "private"},
 
 def positions(event_id: str) -> dict[str, tuple[str, int]]:
     return parse_positions(event_id, 1000)
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def seqs(entries, topic):
