@@ -51,6 +51,8 @@ PUSH_BATCH = 64
 #: a commit on this node frees space in that queue).
 BACKOFF_S = 0.01
 BACKOFF_MAX_S = 0.2
+#: Acks that failed while Redis looked available are sent again after this (else when Redis is back).
+ACK_RETRY_S = 0.5
 
 Key = tuple[str, Hashable]
 
@@ -67,6 +69,8 @@ class Held:
     waiting: list[tuple[str, Any]] = field(default_factory=list)
     pulling: bool = False
     again: bool = False
+    #: the highest next seq Redis announced (`n NEXT`, reads): past the local end, messages not pulled yet
+    top: int = 0
 
 
 @dataclass(slots=True)
@@ -175,6 +179,7 @@ class PrivateQueues:
             self._forget(held)
             hub.wake()
             return
+        held.top = int(head) + len(entries)
         self._feed(held, int(head), entries)
         self.pull(held)
 
@@ -228,6 +233,8 @@ class PrivateQueues:
                     self.hub._wake_space_waiters()
                     self.hub.wake()
             return True
+        if payload.startswith(b"n "):
+            held.top = max(held.top, int(payload[2:]))
         if held.epoch is not None:
             self.pull(held)
         return True
@@ -265,13 +272,39 @@ class PrivateQueues:
                     log.debug("broker: reading the queue %s failed: %s", held.keys[0], exc)
                     return  # the reconnect resyncs
                 if reply and reply[0].decode() == held.epoch:
+                    held.top = max(held.top, int(reply[3]))
                     self._feed(held, int(reply[1]), reply[2])
+                elif not reply:  # Redis lost the queue (restarted empty)
+                    if not await self._restore(held, sub.cursor):
+                        return
+                    held.again = True
                 elif reply:
                     log.warning("broker: the queue %s has a new epoch; its holder's view is stale", held.keys[0])
                 if not held.again:
                     return
         finally:
             held.pulling = False
+
+    async def _restore(self, held: Held, end: int) -> bool:
+        """Redis came back without the held queue: make it again in its epoch at the local end, so the
+        subscriber reads on (what was pulled is in the local view). When Redis had announced messages past
+        the local end, they are gone: the handle is closed (`closed`, reason `lost`) and the client subscribes
+        again to a new queue. False when the queue is forgotten or Redis failed (the reconnect pulls again)."""
+        if held.top > end:
+            log.warning("broker: the queue %s lost seqs [%d, %d) with Redis; its handle is closed",
+                        held.keys[0], end, held.top)
+            self._forget(held)
+            if self.hub.engine.evict(held.topic, held.owner, "lost"):
+                self.hub._wake_space_waiters()
+                self.hub.wake()
+            return False
+        try:
+            await self._eval("QUEUE_RESTORE", held.keys[:2], held.epoch, end, self.broker.ttl, self.broker.node_id)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            log.debug("broker: making the queue %s again failed: %s", held.keys[0], exc)
+            return False
+        log.warning("broker: the queue %s was lost with Redis; made again at seq %d", held.keys[0], end)
+        return True
 
     def _feed(self, held: Held, head: int, entries: list[bytes]) -> None:
         engine = self.hub.engine
@@ -320,6 +353,8 @@ class PrivateQueues:
                     if key not in self._acks or self._acks[key][2] < ack[2]:
                         self._acks[key] = ack
                 log.debug("broker: acks failed: %s", exc)
+                if self.broker.available:  # e.g. a pooled connection from before Redis restarted: try again
+                    asyncio.get_running_loop().call_later(ACK_RETRY_S, self._schedule_acks)
                 return
 
     async def refresh(self) -> None:

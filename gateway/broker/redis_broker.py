@@ -197,7 +197,7 @@ class RedisBroker:
         """Ping, load the scripts, open the channel connection (replacing a broken one)."""
         await self.redis.ping()
         for name in ("PUBLISH", "TOUCH", "DELETE", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
-                     "QUEUE_DELETE"):
+                     "QUEUE_DELETE", "QUEUE_RESTORE"):
             self._shas[name] = await self.redis.script_load(getattr(scripts, name))
         if self._pubsub is not None:
             await self._pubsub.disconnect()

@@ -131,8 +131,8 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 return {status, done, first, n}
 """
 
-#: ARGV: 1 first seq wanted, 2 at most this many. Returns {epoch, seq of the first entry returned, entries}
-#: ({} when there is no queue).
+#: ARGV: 1 first seq wanted, 2 at most this many. Returns {epoch, seq of the first entry returned, entries,
+#: next seq} ({} when there is no queue).
 QUEUE_READ = r"""
 local e = redis.call('HGET', KEYS[1], 'e')
 if not e then return {} end
@@ -142,7 +142,18 @@ local first = n - len
 local from = tonumber(ARGV[1])
 if from < first then from = first end
 local idx = from - first
-return {e, from, redis.call('LRANGE', KEYS[2], idx, idx + tonumber(ARGV[2]) - 1)}
+return {e, from, redis.call('LRANGE', KEYS[2], idx, idx + tonumber(ARGV[2]) - 1), n}
+"""
+
+#: ARGV: 1 epoch, 2 next seq, 3 ttl, 4 node id. Makes a held queue again, empty, in its epoch at its holder's
+#: local end, when Redis lost it (restarted empty); the holder keeps what it pulled. Returns 1 when made, 0
+#: when the queue exists (made meanwhile).
+QUEUE_RESTORE = r"""
+if redis.call('HGET', KEYS[1], 'e') then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[1], 'e', ARGV[1], 'n', ARGV[2], 'b', 0, 'h', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
 """
 
 #: ARGV: 1 every seq below this was committed, 2 ttl, 3 epoch of the queue acknowledged. Removes those
