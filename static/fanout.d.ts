@@ -71,7 +71,7 @@ export interface SubscribedInfo {
   transport: TransportName;
 }
 
-export type SubscriptionCloseReason = "unsubscribed" | "deleted" | "taken_over" | "error" | "client_closed";
+export type SubscriptionCloseReason = "unsubscribed" | "deleted" | "taken_over" | "lost" | "error" | "client_closed";
 
 export interface CloseDetail {
   code?: number;

@@ -403,7 +403,7 @@ function available(name) {
 /**
  * One topic's stream. Events: `message` (Message), `loss` (Loss), `subscribed` (SubscribedInfo), `error`
  * (FanoutError: the subscribe was refused; `closed` follows), `closed` ({reason}: `unsubscribed`, `deleted`,
- * `taken_over`, `error`, `client_closed`).
+ * `taken_over`, `lost`, `error`, `client_closed`).
  */
 export class Subscription extends Emitter {
   constructor(client, topic, since) {
