@@ -23,6 +23,7 @@ from urllib.parse import parse_qs
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Request, Response
+from websockets.protocol import Protocol
 
 from core import Batch
 
@@ -169,8 +170,15 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         if response.status_code != 101:  # not a valid upgrade: websockets says why
             self._answer_and_close(response)
             return
-        self.conn.send_response(response)
-        self.transport.write(b"".join(self.conn.data_to_send()))
+        conn = self.conn
+        conn.send_response(response)
+        self.transport.write(b"".join(conn.data_to_send()))
+        if not conn.reader.buffer:
+            # websockets' request parser goes on parsing frames with the handshake request still a local of
+            # its generator (~2 KiB for the connection's life): with nothing read past the request, the frame
+            # parser starts afresh and the request is freed
+            conn.parser = Protocol.parse(conn)
+            next(conn.parser)
         self.handshake_complete = True
         self.start_keepalive()
         _open_served(hub, self, query)

@@ -11,7 +11,8 @@ comes on the channels of the topics it serves, with Redis's seqs, through the co
 
 Three tasks: the channel reader (one connection in subscribe mode; its failure is the sign that Redis is
 gone, and it reconnects), the publisher (every queued publish in one pipeline, so one node's publishes keep
-their order), and the stats refresher (`P:node:ID`, for the cluster-wide `/api/stats`).
+their order), and the stats refresher (`P:node:ID`, for the cluster-wide `/api/stats`; it lives in
+cluster_info.py with the cluster-wide listings).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..config import ConfigError, topic_config
 from ..errors import BrokerUnavailable
 from . import scripts
 from .base import BrokerUnreachable
+from .cluster_info import ClusterInfo
 from .keys import Keys, seq_of, stream_id
 from .private_queues import PrivateQueues
 from .validate import check_ready, encode_message
@@ -58,12 +60,6 @@ RETRY_S = 0.5
 #: Channel messages held per topic while it resyncs: the stream holds them anyway, so beyond this the
 #: buffer is dropped and the stream read again, instead of growing with a hot topic's rate.
 BUFFER_MAX = 10_000
-#: The node's counters in Redis are refreshed this often and expire after STATS_TTL_S (a dead node leaves
-#: the cluster listing within seconds).
-STATS_PERIOD_S = 1.0
-STATS_TTL_S = 5
-#: `GET /api/topics` lists at most this many topics, the most recently published first.
-ADMIN_LIST_MAX = 1000
 #: A Redis command that takes longer than this counts as Redis lost (commands are O(1) or O(capacity)).
 COMMAND_TIMEOUT_S = 5.0
 
@@ -138,7 +134,8 @@ class RedisBroker:
         self._tasks: list[asyncio.Task[None]] = []
         #: private queues held in Redis (private_queues.py, docs/cluster.md §8)
         self.queues = PrivateQueues(self)
-        self._queues_refreshed = time.monotonic()
+        #: the cluster-wide listings and this node's stats refresher (cluster_info.py)
+        self.cluster = ClusterInfo(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -165,7 +162,7 @@ class RedisBroker:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_loop(), name="broker-reader"),
                        loop.create_task(self._publish_loop(), name="broker-publisher"),
-                       loop.create_task(self._stats_loop(), name="broker-stats")]
+                       loop.create_task(self.cluster._stats_loop(), name="broker-stats")]
 
     async def stop(self) -> None:
         self.queues.stop()
@@ -640,82 +637,16 @@ class RedisBroker:
         elif not existed and not self.hub.engine.has_topic(topic):
             raise UnknownTopic(f"no topic {topic!r}")
 
-    # -- cluster-wide listings (admin API) ---------------------------------------------------------------
-
-    def _info(self, name: str, meta: list[Any]) -> dict[str, Any] | None:
-        epoch, top, settings = meta
-        if epoch is None:
-            return None
-        config = self._config_from(settings) or self.hub.engine.topic_config(name) or TopicConfig()
-        local = self.hub.engine.topic(name) if self.hub.engine.has_topic(name) else None
-        info: dict[str, Any] = {"name": name, "epoch": epoch.decode(),
-                                "subscribers": len(local.subs) if local is not None else 0, **config.as_dict()}
-        top = int(top or 0)
-        if config.kind is TopicKind.SNAPSHOT:
-            info["seq"] = top - 1
-        elif config.kind is TopicKind.RING:
-            info["begin"], info["end"] = max(0, top - config.capacity), top
-            info["pending"] = 0
-        return info
+    # -- cluster-wide listings (admin API): cluster_info.py ---------------------------------------------
 
     async def topics(self) -> list[dict[str, Any]] | None:
-        try:
-            listed: list[Any] = await self.redis.zrevrange(self.keys.topics, 0, ADMIN_LIST_MAX - 1)
-            names = [n.decode() for n in listed]
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.hmget(self.keys.meta(name), "e", "n", "c")
-            metas = await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
-        out = []
-        for name, meta in zip(names, metas):
-            info = self._info(name, meta)
-            if info is not None:  # expired meanwhile
-                out.append(info)
-        return out
+        return await self.cluster.topics()
 
     async def topic_info(self, topic: str) -> dict[str, Any] | None:
-        try:
-            meta = await self.redis.hmget(self.keys.meta(topic), "e", "n", "c")
-        except (RedisError, OSError) as exc:
-            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
-        return self._info(topic, meta)
-
-    def _node_stats(self) -> dict[str, Any]:
-        hub = self.hub
-        return {"node": self.node_id, "pid": os.getpid(), "core": hub.engine.counters.as_dict(),
-                "clients": len(hub.conns), "topics": hub.engine.topic_count, "attached": len(self.lines)}
-
-    async def _stats_loop(self) -> None:
-        while True:
-            if self.available:
-                try:
-                    await self.redis.set(self.keys.node(self.node_id), orjson.dumps(self._node_stats()),
-                                         ex=STATS_TTL_S)
-                except (RedisError, OSError) as exc:
-                    log.debug("broker: stats not written: %s", exc)
-                refreshed = time.monotonic()
-                if refreshed - self._queues_refreshed > min(self.ttl / 2, 600):
-                    self._queues_refreshed = refreshed
-                    try:
-                        await self.queues.refresh()
-                    except (RedisError, OSError) as exc:
-                        log.debug("broker: queues not refreshed: %s", exc)
-            await asyncio.sleep(STATS_PERIOD_S)
+        return await self.cluster.topic_info(topic)
 
     async def cluster_stats(self) -> dict[str, Any] | None:
-        try:
-            names = [key async for key in self.redis.scan_iter(match=self.keys.nodes, count=100)]
-            values = await self.redis.mget(names) if names else []
-        except (RedisError, OSError) as exc:
-            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
-        nodes = [orjson.loads(v) for v in values if v is not None]
-        totals: dict[str, int] = {}
-        for node in nodes:
-            for key, value in node["core"].items():
-                totals[key] = totals.get(key, 0) + value
-        return {"nodes": nodes, "clients": sum(n["clients"] for n in nodes), "core": totals}
+        return await self.cluster.cluster_stats()
 
 
 def _field(fields: list[bytes], name: bytes) -> bytes:

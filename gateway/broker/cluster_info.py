@@ -1,0 +1,120 @@
+"""The cluster-wide listings of a Redis node (docs/cluster.md §5, "The admin API answers for the cluster"):
+every topic in Redis for `GET /api/topics` and `GET /api/topics/NAME`, and every node's counters for
+`GET /api/stats`, which this node writes to `P:node:ID` every second (the stats refresher, which also keeps
+this node's private queues alive in Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from redis.exceptions import RedisError
+
+from core import TopicConfig, TopicKind
+
+from ..errors import BrokerUnavailable
+
+if TYPE_CHECKING:
+    from .redis_broker import RedisBroker
+
+log = logging.getLogger("gateway.broker")
+
+#: The node's counters in Redis are refreshed this often and expire after STATS_TTL_S (a dead node leaves
+#: the cluster listing within seconds).
+STATS_PERIOD_S = 1.0
+STATS_TTL_S = 5
+#: `GET /api/topics` lists at most this many topics, the most recently published first.
+ADMIN_LIST_MAX = 1000
+
+
+class ClusterInfo:
+    """What the admin API shows of the whole cluster, read from (and, for this node's counters, written to)
+    Redis by a `RedisBroker`."""
+
+    def __init__(self, broker: "RedisBroker") -> None:
+        self.broker = broker
+        self._queues_refreshed = time.monotonic()
+
+    def _info(self, name: str, meta: list[Any]) -> dict[str, Any] | None:
+        epoch, top, settings = meta
+        if epoch is None:
+            return None
+        engine = self.broker.hub.engine
+        config = self.broker._config_from(settings) or engine.topic_config(name) or TopicConfig()
+        local = engine.topic(name) if engine.has_topic(name) else None
+        info: dict[str, Any] = {"name": name, "epoch": epoch.decode(),
+                                "subscribers": len(local.subs) if local is not None else 0, **config.as_dict()}
+        top = int(top or 0)
+        if config.kind is TopicKind.SNAPSHOT:
+            info["seq"] = top - 1
+        elif config.kind is TopicKind.RING:
+            info["begin"], info["end"] = max(0, top - config.capacity), top
+            info["pending"] = 0
+        return info
+
+    async def topics(self) -> list[dict[str, Any]] | None:
+        broker = self.broker
+        try:
+            listed: list[Any] = await broker.redis.zrevrange(broker.keys.topics, 0, ADMIN_LIST_MAX - 1)
+            names = [n.decode() for n in listed]
+            pipe = broker.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.hmget(broker.keys.meta(name), "e", "n", "c")
+            metas = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
+        out = []
+        for name, meta in zip(names, metas):
+            info = self._info(name, meta)
+            if info is not None:  # expired meanwhile
+                out.append(info)
+        return out
+
+    async def topic_info(self, topic: str) -> dict[str, Any] | None:
+        try:
+            meta = await self.broker.redis.hmget(self.broker.keys.meta(topic), "e", "n", "c")
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
+        return self._info(topic, meta)
+
+    def _node_stats(self) -> dict[str, Any]:
+        broker = self.broker
+        hub = broker.hub
+        return {"node": broker.node_id, "pid": os.getpid(), "core": hub.engine.counters.as_dict(),
+                "clients": len(hub.conns), "topics": hub.engine.topic_count, "attached": len(broker.lines)}
+
+    async def _stats_loop(self) -> None:
+        broker = self.broker
+        while True:
+            if broker.available:
+                try:
+                    await broker.redis.set(broker.keys.node(broker.node_id), orjson.dumps(self._node_stats()),
+                                           ex=STATS_TTL_S)
+                except (RedisError, OSError) as exc:
+                    log.debug("broker: stats not written: %s", exc)
+                refreshed = time.monotonic()
+                if refreshed - self._queues_refreshed > min(broker.ttl / 2, 600):
+                    self._queues_refreshed = refreshed
+                    try:
+                        await broker.queues.refresh()
+                    except (RedisError, OSError) as exc:
+                        log.debug("broker: queues not refreshed: %s", exc)
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    async def cluster_stats(self) -> dict[str, Any] | None:
+        broker = self.broker
+        try:
+            names = [key async for key in broker.redis.scan_iter(match=broker.keys.nodes, count=100)]
+            values = await broker.redis.mget(names) if names else []
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
+        nodes = [orjson.loads(v) for v in values if v is not None]
+        totals: dict[str, int] = {}
+        for node in nodes:
+            for key, value in node["core"].items():
+                totals[key] = totals.get(key, 0) + value
+        return {"nodes": nodes, "clients": sum(n["clients"] for n in nodes), "core": totals}

@@ -1,0 +1,23 @@
+"""The /ws handshake the protocol answers itself keeps nothing of the request once the connection is open."""
+
+import contextlib
+import gc
+import types
+
+from gw_helpers import collect, send, ws_connect
+
+from gateway.testing import run_gateway
+
+
+def test_an_open_connection_holds_no_handshake_request():
+    with run_gateway() as gw, contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(ws_connect(gw)) for _ in range(5)]
+        for ws in clients:
+            send(ws, op="ping", id=1)
+            assert any(e.get("result") == "pong" for e in collect(ws, lambda got: got))
+        # websockets' request parser keeps the request (~2 KiB with its headers) as a local for as long as
+        # it runs; the clients of this process hold their own requests, so count the server's parsers
+        held = gw.call(lambda: sum(isinstance(o, types.GeneratorType) and o.gi_code.co_qualname == "ServerProtocol.parse"
+                                   for o in gc.get_objects()))
+        assert held == 0
+        assert len(gw.hub.conns) == 5
