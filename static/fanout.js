@@ -140,6 +140,19 @@ class Emitter {
 // with a code): a transport that did not is a failed attempt and the next transport is tried. After close()
 // (ours) no callback comes. send(commands) takes at most MAX_COMMANDS commands.
 
+/** Hand one batch (its JSON text) to the transport's owner; text that is not JSON ends the transport (1007). */
+function passBatch(transport, text, what) {
+  if (transport.dead) return;
+  let entries;
+  try {
+    entries = JSON.parse(text);
+  } catch {
+    transport._end(1007, `${what} that is not JSON`);
+    return;
+  }
+  transport.cb.batch(entries);
+}
+
 class WsTransport {
   constructor(base, token, cb) {
     const url = new URL(base + "/ws");
@@ -154,16 +167,7 @@ class WsTransport {
       this.opened = true;
       cb.open({});
     };
-    ws.onmessage = (event) => {
-      if (this.dead) return;
-      let entries;
-      try {
-        entries = JSON.parse(event.data);
-      } catch {
-        return this._end(1007, "a frame that is not JSON");
-      }
-      cb.batch(entries);
-    };
+    ws.onmessage = (event) => passBatch(this, event.data, "a frame");
     ws.onclose = (event) => this._end(event.code, event.reason);
   }
 
@@ -288,16 +292,7 @@ class SseTransport extends SessionTransport {
       this.opened = true;
       cb.open({ clientId: info.client_id });
     });
-    es.onmessage = (event) => {
-      if (this.dead) return;
-      let entries;
-      try {
-        entries = JSON.parse(event.data);
-      } catch {
-        return this._end(1007, "an event that is not JSON");
-      }
-      cb.batch(entries);
-    };
+    es.onmessage = (event) => passBatch(this, event.data, "an event");
     es.addEventListener("close", (event) => {
       // The gateway ended the stream (or refused it: 4001 / 4006 / 4011 at connect). EventSource would
       // reconnect by itself: closed here, the client decides.

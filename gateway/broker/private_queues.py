@@ -311,12 +311,13 @@ class PrivateQueues:
         now = time.monotonic()
         for i, data in enumerate(entries):
             try:
-                engine.publish(held.topic, orjson.loads(data), seq=head + i, owner=held.owner, now=now)
+                # encoded by the publishing node (orjson): embedded as is, not decoded and encoded again
+                engine.publish(held.topic, orjson.Fragment(data), seq=head + i, owner=held.owner, now=now)
             except StaleSeq:
                 continue  # this node has it already
             except QueueFull:
                 break  # the local view is full (it counts encoded bytes): the next commit pulls again
-            except (RequestError, orjson.JSONDecodeError) as exc:
+            except RequestError as exc:
                 log.warning("broker: seq %d of the queue %s cannot be stored here: %s", head + i, held.keys[0], exc)
                 break
         self.hub.wake()

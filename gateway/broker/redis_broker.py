@@ -344,8 +344,9 @@ class RedisBroker:
     def _feed(self, line: Line, seq: int, data: bytes) -> None:
         engine = self.hub.engine
         try:
-            engine.publish(line.name, orjson.loads(data), seq=seq, now=time.monotonic())
-        except (RequestError, orjson.JSONDecodeError) as exc:
+            # the publishing node encoded `data` (orjson) for the stream: embed it, never decode and re-encode
+            engine.publish(line.name, orjson.Fragment(data), seq=seq, now=time.monotonic())
+        except RequestError as exc:
             # e.g. larger than this node's scheduler.max_message_bytes: its subscribers are told it is lost.
             log.warning("broker: seq %d of %r cannot be stored here: %s", seq, line.name, exc)
             engine.skip(line.name, seq + 1, time.monotonic())

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
+
+# the gateway tests' helpers (tests/gateway/gw_helpers.py: wait_for), as the security suite does
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
 from cluster_helpers import REDIS_SERVER, NodeFactory, RedisServer
 
 if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):

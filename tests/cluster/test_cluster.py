@@ -8,10 +8,10 @@ import json
 import os
 import signal
 import socket
-import time
 
 import pytest
 from cluster_helpers import collect, free_port, messages, send, subscribe
+from gw_helpers import wait_for
 
 from gateway.config import ConfigError, load_config
 
@@ -28,16 +28,6 @@ def subscribed_with_three(ws, topic: str, via) -> dict:
         via.publish(topic, i)
     assert seqs(messages(ws, topic, lambda g: len(g) >= 3)) == [0, 1, 2]
     return subscribed
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_subscriber_on_one_node_gets_what_another_publishes_same_seqs_same_epoch(nodes):

@@ -12,19 +12,10 @@ import time
 import httpx
 import orjson
 from cluster_helpers import messages, subscribe
+from gw_helpers import wait_for
 from test_private_cluster import TOPIC, msgs, start, ws_as
 
 from gateway.testing import make_token
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def refused_while_down(node, user: str) -> None:
