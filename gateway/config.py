@@ -61,6 +61,8 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_topics: int
     max_subscriptions: int
     hole_tick_ms: int
+    write_coalesce_cycles: int
+    write_coalesce_ms: float
 
 
 class WebSocketConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -368,6 +370,10 @@ def load_config(
     config.engine_config()  # validates the topic rules
     if config.server.workers < 1:
         raise ConfigError(f"server.workers must be >= 1, not {config.server.workers}")
+    if config.scheduler.write_coalesce_cycles < 1:
+        raise ConfigError(f"scheduler.write_coalesce_cycles must be >= 1, not {config.scheduler.write_coalesce_cycles}")
+    if config.scheduler.write_coalesce_ms < 0:
+        raise ConfigError(f"scheduler.write_coalesce_ms must be >= 0, not {config.scheduler.write_coalesce_ms}")
     if config.server.workers > 1 and not config.broker.url:
         raise ConfigError(
             f"server.workers = {config.server.workers} needs a broker: each worker would be a topic space of its"

@@ -114,6 +114,10 @@ class Metrics:
             for reason, count in sorted(limiter.refused.items()):
                 refused.add_metric([reason], count)
             yield refused
+        yield CounterMetricFamily("fanout_rounds", "scheduler rounds (cycles written together, gateway/staging.py)",
+                                  value=self.hub.rounds)
+        yield CounterMetricFamily("fanout_staged_writes", "write calls of staged batches (WebSocket, SSE)",
+                                  value=self.hub.staged_writes)
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
         yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
         pauses = HistogramMetricFamily("fanout_gc_pause_seconds", "garbage-collector pauses", labels=["generation"])

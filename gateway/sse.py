@@ -42,6 +42,7 @@ from .hub import Hub
 from .identity import ClientIdentity
 from .longpoll import accept_commands
 from .netguard import SCOPE_KEY, GuardedHttpToolsProtocol
+from .staging import StagedWriter
 
 log = logging.getLogger("gateway.sse")
 
@@ -142,7 +143,7 @@ class Positions:
 
 # -- the connection ------------------------------------------------------------------------------------------
 
-class SseConnection:
+class SseConnection(StagedWriter):
     """One stream: a `Connection` of the hub (gateway/hub.py) and the `StreamListener` of its HTTP protocol."""
 
     def __init__(self, hub: Hub, identity: ClientIdentity, proto: GuardedHttpToolsProtocol,
@@ -167,6 +168,8 @@ class SseConnection:
         #: entries (messages, notices, replies) handed to this connection: the stats stream's delivery rate
         self.entries_sent = 0
         self.closed = False
+        self._staged: list[bytes] = []  # StagedWriter: this round's events, not written yet
+        self._staged_bytes = 0
         self.last_write = time.monotonic()
         self._heartbeat: asyncio.TimerHandle | None = None
         self._cut: asyncio.TimerHandle | None = None
@@ -208,14 +211,19 @@ class SseConnection:
                 head = b"id: " + positions + b"\ndata: "
         size = len(head) + len(frame) + 2
         self.bytes_sent += size
-        # one chunk, the shared frame not copied: chunk size, head, frame, event end + chunk end
-        transport.writelines((b"%x\r\n" % size, head, frame, b"\n\n\r\n"))
+        # one chunk, the shared frame not copied: chunk size, head, frame, then event end + chunk end
+        return self.stage_parts((b"%x\r\n" % size, head, frame, b"\n\n\r\n"), size)
+
+    def _stream(self) -> asyncio.Transport | None:
+        transport = self.transport
+        return None if self.closed or transport.is_closing() else transport
+
+    def _written(self) -> None:
         self.last_write = time.monotonic()
-        if self.paused:  # pause_writing ran inside the write: above the high-water mark
-            self.blocked_since = time.monotonic()
-            self.hub.write_blocked(self.identity.client_id, self)
-            return False
-        return True
+
+    def _blocked(self) -> None:
+        self.blocked_since = time.monotonic()
+        self.hub.write_blocked(self.identity.client_id, self)
 
     # -- the HTTP protocol's StreamListener --------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from .identity import ClientIdentity
 from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
 from .origin import OriginPolicy
 from .ratelog import BadInputLog
+from .staging import StagedWriter
 from .wsframes import text_frame_header
 
 log = logging.getLogger("gateway.ws")
@@ -268,7 +269,7 @@ def protocol_class(
     return type("ConfiguredFanoutWSProtocol", (FanoutWSProtocol,), attrs)
 
 
-class WSConnection:
+class WSConnection(StagedWriter):
     def __init__(self, hub: Hub, identity: ClientIdentity, websocket: WebSocket | None,
                  proto: FanoutWSProtocol | None) -> None:
         self.hub = hub
@@ -283,6 +284,8 @@ class WSConnection:
         #: entries (messages, notices, replies) handed to this connection: the stats stream's delivery rate
         self.entries_sent = 0
         self.closed = False
+        self._staged: list[bytes] = []  # StagedWriter: this round's frames, not written yet
+        self._staged_bytes = 0
         self._outbox: asyncio.Queue[bytes] | None = None
         self._writer: asyncio.Task | None = None
         if proto is not None:
@@ -305,14 +308,16 @@ class WSConnection:
             return False
         proto = self.proto
         assert proto is not None  # no outbox: the direct write path
-        transport = proto.transport
-        if transport.is_closing() or proto.lingering:  # closed, or our side already shut
+        if proto.transport.is_closing() or proto.lingering:  # closed, or our side already shut
             return False
-        transport.write(framed(frame))
-        if self.paused:  # pause_writing ran inside write(): above the high-water mark
-            self._blocked()
-            return False
-        return True
+        return self.stage(framed(frame))
+
+    def _stream(self) -> asyncio.Transport | None:
+        proto = self.proto
+        assert proto is not None  # only the direct write path stages
+        if proto.transport.is_closing() or proto.lingering:
+            return None
+        return proto.transport
 
     def _blocked(self) -> None:
         self.blocked_since = time.monotonic()

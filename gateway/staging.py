@@ -1,0 +1,82 @@
+"""Writes staged for a scheduler round: one write call per connection per round, not one per cycle.
+
+While a backlog lasts, the hub runs several cycles in a row (a round: `scheduler.write_coalesce_cycles`, at
+most `scheduler.write_coalesce_ms`) and each connection's frames of those cycles go out together at the
+round's end, by `transport.writelines` (one `writev` on uvloop). The frames are the cycles' frames, in
+order, one batch each: the scheduler's rules and the wire do not change, only the number of system calls
+(docs/architecture.md, "Rounds"). With no backlog a round is one cycle, written at once.
+
+A connection's batches are reported done when staged, so it takes part in the round's next cycle. When the
+round's write leaves its transport above the high-water mark the hub makes it not ready until the transport
+drains, as a direct write would. Staged bytes are bounded by the high-water mark: past it, the connection is
+written at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .hub import Hub
+
+
+class StagedWriter:
+    """The staging half of a streaming connection (WebSocket, SSE); the class names its transport."""
+
+    hub: Hub
+    paused: bool
+    _staged: list[bytes]
+    _staged_bytes: int
+
+    def _stream(self) -> asyncio.Transport | None:
+        """The transport to write, or None when nothing may be written any more (closed, closing)."""
+        raise NotImplementedError
+
+    def _blocked(self) -> None:
+        raise NotImplementedError
+
+    def _written(self) -> None:
+        """Called after each write of staged data."""
+
+    def stage(self, data: bytes) -> bool:
+        """Hold `data` for the round's write. Returns False when it had to be written at once and left the
+        transport above its high-water mark (the client is blocked)."""
+        staged = self._staged
+        if not staged:
+            self.hub.staged[self] = None
+            self._staged_bytes = 0
+        staged.append(data)
+        self._staged_bytes += len(data)
+        return self._staged_bytes < self.hub.stage_limit or self.flush()
+
+    def stage_parts(self, parts: tuple[bytes, ...], size: int) -> bool:
+        """`stage` for one unit written in `parts` (`size` bytes in all), none of them copied."""
+        staged = self._staged
+        if not staged:
+            self.hub.staged[self] = None
+            self._staged_bytes = 0
+        staged += parts
+        self._staged_bytes += size
+        return self._staged_bytes < self.hub.stage_limit or self.flush()
+
+    def flush(self) -> bool:
+        """Write what is staged, in one call. Returns False when the write left the transport above its
+        high-water mark: the client is blocked until `resume_writing`."""
+        staged = self._staged
+        if not staged:  # nothing since the last write (one written at the stage limit reported itself)
+            return True
+        self._staged = []
+        transport = self._stream()
+        if transport is None:
+            return False
+        if len(staged) == 1:
+            transport.write(staged[0])
+        else:
+            transport.writelines(staged)
+        self.hub.staged_writes += 1
+        self._written()
+        if self.paused:  # pause_writing ran inside the write: above the high-water mark
+            self._blocked()
+            return False
+        return True
