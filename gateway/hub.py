@@ -522,18 +522,22 @@ class Hub:
             self._work.clear()
             while engine.has_work:
                 round_started = time.perf_counter()
-                for _ in range(self.coalesce_cycles):
+                for cycle in range(1, self.coalesce_cycles + 1):
                     started = time.perf_counter()
                     batches = engine.run_cycle()
                     self._deliver(batches)
                     now = time.perf_counter()
                     metrics.cycle(now - started, batches)
                     del batches  # not held while the loop sleeps: the last cycle's entries can be a lot
-                    if not engine.has_work or now - round_started >= self.coalesce_s:
+                    if cycle == self.coalesce_cycles or not engine.has_work or now - round_started >= self.coalesce_s:
                         break
+                    # Reads run between cycles, as between rounds (what they publish goes in the next cycle);
+                    # the staged frames wait for the round's write.
+                    await asyncio.sleep(0)
                 self.rounds += 1
                 self._flush_staged()
-                # Let reads and writes run between rounds; publishes meanwhile coalesce into the next one.
+                # What the round committed is written now: a broker may drop it, and held publishers retry.
+                self._wake_space_waiters()
                 await asyncio.sleep(0)
 
     def _flush_staged(self) -> None:
@@ -581,4 +585,3 @@ class Hub:
                 done.append(batch.client_id)
         if done:
             self.engine.writes_done(done)
-            self._wake_space_waiters()

@@ -252,6 +252,7 @@ class SseConnection(StagedWriter):
         gets the code; one that never reads is cut after the grace (its buffer will not drain)."""
         if self.closed:
             return
+        self.flush()  # the round's staged events go before the close event
         self.closed = True  # the hub unregisters it, which also forgets it as blocked
         self._stop()
         transport = self.transport

@@ -1,10 +1,12 @@
 """Writes staged for a scheduler round: one write call per connection per round, not one per cycle.
 
-While a backlog lasts, the hub runs several cycles in a row (a round: `scheduler.write_coalesce_cycles`, at
-most `scheduler.write_coalesce_ms`) and each connection's frames of those cycles go out together at the
-round's end, by `transport.writelines` (one `writev` on uvloop). The frames are the cycles' frames, in
-order, one batch each: the scheduler's rules and the wire do not change, only the number of system calls
-(docs/architecture.md, "Rounds"). With no backlog a round is one cycle, written at once.
+While a backlog lasts, the hub runs several cycles as one round (`scheduler.write_coalesce_cycles`, at most
+`scheduler.write_coalesce_ms`; reads still run between them) and each connection's frames of those cycles go
+out together at the round's end, by `transport.writelines` (one `writev` on uvloop). The frames are the
+cycles' frames, in order, one batch each: the scheduler's rules and the wire do not change, only the number
+of system calls (docs/architecture.md, "Rounds"). With no backlog a round is one cycle, written at once.
+Frames written outside the scheduler (pongs, pings, SSE heartbeats) are whole frames, so they may go between
+two rounds' frames; a close goes after the staged frames (`kick` writes them first).
 
 A connection's batches are reported done when staged, so it takes part in the round's next cycle. When the
 round's write leaves its transport above the high-water mark the hub makes it not ready until the transport

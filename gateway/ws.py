@@ -356,6 +356,8 @@ class WSConnection(StagedWriter):
     def kick(self, code: int, reason: str) -> None:
         if self.closed:
             return
+        if self.proto is not None:
+            self.flush()  # the round's staged frames go before the close frame
         self.closed = True  # the hub unregisters it, which also forgets it as blocked
         if self._writer is not None:
             self._writer.cancel()
