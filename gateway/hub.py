@@ -531,8 +531,10 @@ class Hub:
                     del batches  # not held while the loop sleeps: the last cycle's entries can be a lot
                     if cycle == self.coalesce_cycles or not engine.has_work or now - round_started >= self.coalesce_s:
                         break
-                    # Reads run between cycles, as between rounds (what they publish goes in the next cycle);
-                    # the staged frames wait for the round's write.
+                    # Clients caught up are written now; those with a backlog keep their frames for the
+                    # round's write. Reads run between cycles, as between rounds (what they publish goes in
+                    # the next cycle).
+                    self._flush_staged(backlogged_wait=True)
                     await asyncio.sleep(0)
                 self.rounds += 1
                 self._flush_staged()
@@ -540,21 +542,25 @@ class Hub:
                 self._wake_space_waiters()
                 await asyncio.sleep(0)
 
-    def _flush_staged(self) -> None:
-        """Write each connection's frames of the round. One that is left above its high-water mark is not
-        ready (its batches were reported done when staged) until its transport drains."""
+    def _flush_staged(self, backlogged_wait: bool = False) -> None:
+        """Write each connection's staged frames; with `backlogged_wait`, only those of clients with nothing
+        more to come next cycle (caught up: a round never delays them), the others staying for the round's
+        end. One left above its high-water mark is not ready (its batches were reported done when staged)
+        until its transport drains."""
         staged, self.staged = self.staged, {}
         engine = self.engine
         for conn in staged:
+            client_id = conn.identity.client_id
+            if backlogged_wait and engine.is_active(client_id):
+                self.staged[conn] = None
+                continue
             try:
                 if conn.flush():
                     continue
             except Exception:  # a transport that broke mid-write: drop it, never the others
-                client_id = conn.identity.client_id
                 log.exception("delivery to %s failed", client_id)
                 self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
                 continue
-            client_id = conn.identity.client_id
             if client_id in self.conns and conn.blocked_since is not None:
                 engine.mark_idle(client_id)
 

@@ -2,7 +2,8 @@
 
 While a backlog lasts, the hub runs several cycles as one round (`scheduler.write_coalesce_cycles`, at most
 `scheduler.write_coalesce_ms`; reads still run between them) and each connection's frames of those cycles go
-out together at the round's end, by `transport.writelines` (one `writev` on uvloop). The frames are the
+out together at the round's end, by `transport.writelines` (one `writev` on uvloop); a client caught up
+(nothing for it next cycle) is written after each cycle, so nobody waits for another's backlog. The frames are the
 cycles' frames, in order, one batch each: the scheduler's rules and the wire do not change, only the number
 of system calls (docs/architecture.md, "Rounds"). With no backlog a round is one cycle, written at once.
 Frames written outside the scheduler (pongs, pings, SSE heartbeats) are whole frames, so they may go between
