@@ -565,17 +565,18 @@ class Hub:
                 engine.mark_idle(client_id)
 
     def _deliver(self, batches: list[Batch]) -> None:
-        frames: dict[int | tuple[int, ...], bytes] = {}
+        frames: dict[bytes | tuple[bytes, ...], bytes] = {}
         conns = self.conns
         done = []
         for batch in batches:
             conn = conns.get(batch.client_id)
             if conn is None:
                 continue
-            # Clients of one topic usually get identical batches: frame them once (ids are of live objects;
-            # an int key for one entry, the common case, never equals a tuple key).
+            # Clients of one topic usually get identical batches: frame them once. The entries are the key
+            # (a bytes object caches its hash, and a lookup compares identity first; one entry, the common
+            # case, is its own key, never equal to a tuple key).
             entries = batch.entries
-            key = id(entries[0]) if len(entries) == 1 else tuple(map(id, entries))
+            key = entries[0] if len(entries) == 1 else tuple(entries)
             frame = frames.get(key)
             if frame is None:
                 frame = frames[key] = batch.frame()
