@@ -11,7 +11,9 @@ import re
 import httpx
 import pytest
 from gw_helpers import collect, recv_entries, send, wait_for, ws_connect
+from websockets.exceptions import ConnectionClosed
 
+from gateway import close_codes
 from gateway.testing import run_gateway
 
 pytestmark = pytest.mark.timeout(60)
@@ -122,3 +124,22 @@ def test_a_caught_up_client_is_written_after_its_cycle_not_held_for_anothers_bac
             backlogged.recv(timeout=0.05)
         got = collect(backlogged, lambda g: len(g) >= 20_000, timeout=30)
         assert [e["seq"] for e in got] == list(range(20_000))
+
+
+def test_a_kick_mid_round_writes_the_rounds_frames_before_its_close():
+    rules = {"rules": [{"pattern": "*", "anonymous": True, "capacity": 32768}]}
+    settings = {"write_coalesce_cycles": 100_000, "write_coalesce_ms": 60_000}  # the backlog is one round
+    with (run_gateway(topics=rules, scheduler=settings, websocket={"write_high_water": 1 << 22}) as gw,
+          ws_connect(gw) as ws):
+        send(ws, op="subscribe", topic="hot")
+        assert recv_entries(ws)[0]["type"] == "subscribed"
+        (client_id,) = gw.call(lambda: list(gw.hub.conns))
+        publish_backlog(gw, "hot", 20_000)
+        # the next loop turn is a yield between two cycles of the round: some frames are staged, none written
+        assert gw.call(lambda: gw.hub.kick(client_id, close_codes.KICKED, "kicked", "kicked"))
+        seqs = []
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                seqs += [e["seq"] for e in recv_entries(ws)]
+        assert closed.value.rcvd.code == close_codes.KICKED
+        assert seqs and seqs == list(range(len(seqs)))  # what the round had staged, in order, then the close
