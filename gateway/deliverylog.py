@@ -9,7 +9,8 @@ each batch, and writes one JSON line per delivered message:
 
     {"client": ID, "transport": "ws", "topic": T, "seq": N, "publish_ns": P, "deliver_ns": D, "batch_id": B}
 
-`deliver_ns` is the wall-clock time the batch was handed to the client's transport; `publish_ns` the time
+`deliver_ns` is the wall-clock time the batch was handed to the client's transport (a batch staged for a
+scheduler round, gateway/staging.py, is stamped by `written` when the round writes it); `publish_ns` the time
 the engine accepted the message (`Hub.publish` stamps (topic, seq) when the log is enabled;
 null when the stamp is gone, `max_publish_stamps` later); `batch_id` numbers the logged batches.
 
@@ -62,6 +63,8 @@ class DeliveryLog:
         self._hub = hub
         self._queue: collections.deque = collections.deque()
         self._sampled: dict[Hashable, str] = {}
+        #: sampled batches staged in a round, by connection, until `written` (at most a round's worth)
+        self._unwritten: dict[Any, list[tuple[Hashable, str, list[bytes]]]] = {}
         self._stamps: dict[tuple[str, int], int] = {}
         self._batch_id = 0
         self._file: BinaryIO | None = None
@@ -74,16 +77,31 @@ class DeliveryLog:
         self._thread.start()
 
     # -- event loop side: cheap -------------------------------------------------------------------------
-    def delivered(self, batch: Any, conn: Any) -> None:
+    def delivered(self, batch: Any, conn: Any, staged: bool = False) -> None:
+        """`staged`: the batch waits in `conn` for the round's write, which stamps it (`written`)."""
         transport = self._sampled.get(batch.client_id)
         if transport is None:
             transport = self._sample(batch.client_id, conn)
         if transport is _NOT_SAMPLED:
             return
+        if staged:
+            self._unwritten.setdefault(conn, []).append((batch.client_id, transport, batch.entries))
+            return
+        self._enqueue(time.time_ns(), batch.client_id, transport, batch.entries)
+
+    def written(self, conn: Any) -> None:
+        """`conn`'s staged batches were handed to its transport (or dropped with it): stamp them now."""
+        batches = self._unwritten.pop(conn, None)
+        if batches:
+            now = time.time_ns()
+            for client_id, transport, entries in batches:
+                self._enqueue(now, client_id, transport, entries)
+
+    def _enqueue(self, deliver_ns: int, client_id: Hashable, transport: str, entries: list[bytes]) -> None:
         if len(self._queue) >= self.max_queue:
             self.dropped_batches += 1
             return
-        self._queue.append((time.time_ns(), batch.client_id, transport, batch.entries))
+        self._queue.append((deliver_ns, client_id, transport, entries))
 
     def _sample(self, client_id: Hashable, conn: Any) -> str:
         if len(self._sampled) >= _CACHE_LIMIT:

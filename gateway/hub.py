@@ -587,7 +587,7 @@ class Hub:
                 self.kick(batch.client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
                 continue
             if self.delivery_log is not None:
-                self.delivery_log.delivered(batch, conn)
+                self.delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
             if finished:
                 done.append(batch.client_id)
         if done:

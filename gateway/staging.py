@@ -42,6 +42,11 @@ class StagedWriter:
     def _written(self) -> None:
         """Called after each write of staged data."""
 
+    @property
+    def holds_staged(self) -> bool:
+        """Frames wait for the round's write (the last `deliver` was staged, not written)."""
+        return bool(self._staged)
+
     def stage(self, data: bytes) -> bool:
         """Hold `data` for the round's write. Returns False when it had to be written at once and left the
         transport above its high-water mark (the client is blocked)."""
@@ -70,6 +75,8 @@ class StagedWriter:
         if not staged:  # nothing since the last write (one written at the stage limit reported itself)
             return True
         self._staged = []
+        if self.hub.delivery_log is not None:
+            self.hub.delivery_log.written(self)
         transport = self._stream()
         if transport is None:
             return False

@@ -6,6 +6,7 @@ it drains, and nobody else waits for it.
 """
 
 import contextlib
+import json
 import re
 
 import httpx
@@ -143,3 +144,18 @@ def test_a_kick_mid_round_writes_the_rounds_frames_before_its_close():
                 seqs += [e["seq"] for e in recv_entries(ws)]
         assert closed.value.rcvd.code == close_codes.KICKED
         assert seqs and seqs == list(range(len(seqs)))  # what the round had staged, in order, then the close
+
+
+def test_the_delivery_log_stamps_a_staged_batch_when_the_round_writes_it(tmp_path):
+    settings = {"write_coalesce_cycles": 100_000, "write_coalesce_ms": 60_000}  # the backlog is one round
+    log_settings = {"enabled": True, "directory": str(tmp_path), "sample_rate": 1.0, "flush_interval_s": 0.1}
+    with (run_gateway(topics=RULES, scheduler=settings, deliverylog=log_settings,
+                      websocket={"write_high_water": 1 << 22}) as gw, ws_connect(gw) as ws):
+        send(ws, op="subscribe", topic="feed")
+        assert recv_entries(ws)[0]["type"] == "subscribed"
+        publish_backlog(gw, "feed", 1000)
+        assert len(collect(ws, lambda g: len(g) >= 1000)) == 1000
+    rows = [json.loads(line) for path in tmp_path.glob("deliveries-*.jsonl") for line in path.read_text().splitlines()]
+    assert sorted(row["seq"] for row in rows) == list(range(1000))  # 1,000 batches of one message each
+    assert len({row["deliver_ns"] for row in rows}) == 1  # one round, one write, one stamp
+    assert all(row["deliver_ns"] >= row["publish_ns"] for row in rows)
