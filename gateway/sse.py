@@ -20,7 +20,6 @@ import asyncio
 import logging
 import re
 import secrets
-import socket
 import time
 from typing import Any, cast
 
@@ -42,7 +41,7 @@ from .hub import Hub
 from .identity import ClientIdentity
 from .longpoll import accept_commands
 from .netguard import SCOPE_KEY, GuardedHttpToolsProtocol
-from .staging import StagedWriter
+from .staging import StagedWriter, tune_stream
 
 log = logging.getLogger("gateway.sse")
 
@@ -148,8 +147,7 @@ class SseConnection(StagedWriter):
 
     def __init__(self, hub: Hub, identity: ClientIdentity, proto: GuardedHttpToolsProtocol,
                  sessions: dict[str, SseConnection], secret_prefix: str = "") -> None:
-        self.hub = hub
-        self.identity = identity
+        super().__init__(hub, identity)
         self.proto = proto
         self.transport = proto.transport
         #: the session id of the URLs: 128 random bits (secrets), the only credential of POST and DELETE; with
@@ -160,16 +158,11 @@ class SseConnection(StagedWriter):
         self.positions_of: Positions | None = None
         #: the positions last written in an `id:` line (a browser starts with the empty one)
         self.positions = b""
-        self.paused = False
-        #: set while a batch waits for the transport to drain (the client is not ready)
-        self.blocked_since: float | None = None
         self.events_sent = 0
         self.bytes_sent = 0
         #: entries (messages, notices, replies) handed to this connection: the stats stream's delivery rate
         self.entries_sent = 0
         self.closed = False
-        self._staged: list[bytes] = []  # StagedWriter: this round's events, not written yet
-        self._staged_bytes = 0
         self.last_write = time.monotonic()
         self._heartbeat: asyncio.TimerHandle | None = None
         self._cut: asyncio.TimerHandle | None = None
@@ -177,14 +170,7 @@ class SseConnection(StagedWriter):
     def start(self) -> None:
         """The head is written: tune the socket as the WebSocket's, write the session event, start beating."""
         ws = self.hub.config.websocket
-        transport = self.transport
-        transport.set_write_buffer_limits(high=ws.write_high_water, low=ws.write_high_water // 4)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            if ws.socket_send_buffer:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ws.socket_send_buffer)
-            if ws.notsent_lowat_bytes and hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux, macOS
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, ws.notsent_lowat_bytes)
+        tune_stream(self.transport, ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes)
         session = orjson.dumps({"session": self.secret, "client_id": self.identity.client_id})
         self._write(b"event: session\ndata: " + session + b"\n\n")
         self.sessions[self.secret] = self
@@ -220,10 +206,6 @@ class SseConnection(StagedWriter):
 
     def _written(self) -> None:
         self.last_write = time.monotonic()
-
-    def _blocked(self) -> None:
-        self.blocked_since = time.monotonic()
-        self.hub.write_blocked(self.identity.client_id, self)
 
     # -- the HTTP protocol's StreamListener --------------------------------------------------------------
 

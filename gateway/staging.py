@@ -18,26 +18,50 @@ written at once.
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .hub import Hub
+    from .identity import ClientIdentity
+
+
+def tune_stream(transport: asyncio.Transport, high_water: int, send_buffer: int, notsent_lowat: int) -> None:
+    """The write settings of a client stream (`[websocket]`, which SSE follows): the transport's high-water
+    mark (resume at a quarter of it), SO_SNDBUF (0: the kernel's) and TCP_NOTSENT_LOWAT (0: the kernel's)."""
+    transport.set_write_buffer_limits(high=high_water, low=high_water // 4)
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    if send_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    if notsent_lowat and hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux, macOS
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, notsent_lowat)
 
 
 class StagedWriter:
-    """The staging half of a streaming connection (WebSocket, SSE); the class names its transport."""
+    """The write side of a streaming connection (WebSocket, SSE): staging and flow control; the class names
+    its transport."""
 
-    hub: Hub
-    paused: bool
-    _staged: list[bytes]
-    _staged_bytes: int
+    def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
+        self.hub = hub
+        self.identity = identity
+        #: the transport is above its high-water mark (`pause_writing` until `resume_writing`)
+        self.paused = False
+        #: set while a batch waits for the transport to drain (the client is not ready)
+        self.blocked_since: float | None = None
+        self._staged: list[bytes] = []  # this round's frames, not written yet
+        self._staged_bytes = 0
 
     def _stream(self) -> asyncio.Transport | None:
         """The transport to write, or None when nothing may be written any more (closed, closing)."""
         raise NotImplementedError
 
     def _blocked(self) -> None:
-        raise NotImplementedError
+        """A write left the transport above its high-water mark: not ready, and watched, until it drains."""
+        self.blocked_since = time.monotonic()
+        self.hub.write_blocked(self.identity.client_id, self)
 
     def _written(self) -> None:
         """Called after each write of staged data."""

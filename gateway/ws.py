@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import time
 from typing import Any, cast
 from urllib.parse import parse_qs
 
@@ -35,7 +33,7 @@ from .identity import ClientIdentity
 from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
 from .origin import OriginPolicy
 from .ratelog import BadInputLog
-from .staging import StagedWriter
+from .staging import StagedWriter, tune_stream
 from .wsframes import text_frame_header
 
 log = logging.getLogger("gateway.ws")
@@ -101,13 +99,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         super().connection_made(transport)
-        transport.set_write_buffer_limits(high=self.write_high_water, low=self.write_high_water // 4)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            if self.socket_send_buffer:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_send_buffer)
-            if self.notsent_lowat and hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux, macOS
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, self.notsent_lowat)
+        tune_stream(transport, self.write_high_water, self.socket_send_buffer, self.notsent_lowat)
 
     async def run_asgi(self) -> None:
         extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
@@ -272,20 +264,14 @@ def protocol_class(
 class WSConnection(StagedWriter):
     def __init__(self, hub: Hub, identity: ClientIdentity, websocket: WebSocket | None,
                  proto: FanoutWSProtocol | None) -> None:
-        self.hub = hub
-        self.identity = identity
+        super().__init__(hub, identity)
         self.websocket = websocket
         self.proto = proto
-        self.paused = False
-        #: set while a batch waits for the transport to drain (the client is not ready)
-        self.blocked_since: float | None = None
         self.frames_sent = 0
         self.bytes_sent = 0
         #: entries (messages, notices, replies) handed to this connection: the stats stream's delivery rate
         self.entries_sent = 0
         self.closed = False
-        self._staged: list[bytes] = []  # StagedWriter: this round's frames, not written yet
-        self._staged_bytes = 0
         self._outbox: asyncio.Queue[bytes] | None = None
         self._writer: asyncio.Task | None = None
         if proto is not None:
@@ -318,10 +304,6 @@ class WSConnection(StagedWriter):
         if proto.transport.is_closing() or proto.lingering:
             return None
         return proto.transport
-
-    def _blocked(self) -> None:
-        self.blocked_since = time.monotonic()
-        self.hub.write_blocked(self.identity.client_id, self)
 
     def _unblocked(self) -> None:
         if self.blocked_since is not None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 import orjson
+from gw_helpers import collect as gw_collect
+from gw_helpers import send
 from websockets.sync.client import connect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,19 +185,9 @@ class NodeFactory:
             node.stop()
 
 
-def send(ws, **command: Any) -> None:
-    ws.send(json.dumps(command))
-
-
 def collect(ws, until, timeout: float = 10.0) -> list[dict]:
-    """Entries until `until(entries)` holds; fails after `timeout` seconds."""
-    got: list[dict] = []
-    deadline = time.monotonic() + timeout
-    while not until(got):
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"timed out; got {got[-6:]}"
-        got += orjson.loads(ws.recv(timeout=remaining))
-    return got
+    """gw_helpers.collect, with the cluster tests' longer default wait (messages cross Redis)."""
+    return gw_collect(ws, until, timeout)
 
 
 def subscribe(ws, topic: str, since: tuple[str, int] | None = None) -> dict:

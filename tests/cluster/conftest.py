@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-# the gateway tests' helpers (tests/gateway/gw_helpers.py: wait_for), as the security suite does
+# the gateway tests' helpers (tests/gateway/gw_helpers.py: wait_for, send, collect), as the security suite does
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
 from cluster_helpers import REDIS_SERVER, NodeFactory, RedisServer
 
