@@ -7,6 +7,7 @@ The I/O layer drives it with verbs and writes what `run_cycle` returns:
   `mark_idle` when it cannot (a long-poll returned empty);
 * `run_cycle()` returns one `Batch` per eligible client; each such client is then WRITING and gets nothing
   more until the I/O layer calls `write_done` (commit + ready) or `commit` and later `mark_ready`;
+* `release(now)` ends the lingers that are due (topics with `linger`: `lingering`, `next_release`);
 * `tick(now)` gives up out-of-order holes that timed out; `take_space_freed()` names the private queues
   whose waiting publishers should retry; `reclaim(now, ttl)` removes rule-created topics that stayed
   unused (no subscriber, nothing retained) for `ttl`.
@@ -22,7 +23,7 @@ the hot paths read as attributes (`shared`, `pending`).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,8 @@ class Engine:
         self._active: dict[Client, None] = {}
         #: topics with out-of-order arrivals waiting on a hole (`Topic.pending`), for `tick`
         self._holey: dict[Topic, None] = {}
+        #: topics holding caught-up subscribers back (`TopicConfig.linger`), with when to wake them
+        self._lingering: dict[Topic, float] = {}
         self._space_freed: list[tuple[str, Hashable]] = []
         #: whether `commit` reports what left each private queue (`take_committed`): a broker acks it
         self.report_commits = False
@@ -164,6 +167,7 @@ class Engine:
     def _forget(self, topic: Topic) -> None:
         del self._topics[topic.name]
         self._holey.pop(topic, None)
+        self._lingering.pop(topic, None)
         self._unused_new.pop(topic, None)
         self._unused.pop(topic, None)
 
@@ -342,7 +346,9 @@ class Engine:
             raise BadSeq(f"seq must be in [0, 2**53), not {seq}")
         topic = self.resolve(name)
         seq, woken = topic.publish(data, seq, owner, now)
-        if woken:  # _wake, inlined: this loop is the publish cost per woken handle
+        if woken and topic.linger:
+            self._hold(topic, woken, now)
+        elif woken:  # _wake, inlined: this loop is the publish cost per woken handle
             active_clients = self._active
             ready = ClientState.READY
             for sub in woken:
@@ -354,6 +360,33 @@ class Engine:
         if topic.pending:  # an attribute, not a call, like `shared` in `_park`
             self._holey[topic] = None
         return Published(name, seq)
+
+    def _hold(self, topic: Topic, woken: Collection[Subscription], now: float) -> None:
+        """A topic with a linger keeps the subscribers its publish would wake until `release` (its first
+        held publish plus `linger`), so what it publishes meanwhile reaches them together. O(1)."""
+        if topic.hold(woken):  # held long enough to risk the ring: wake them now
+            self._lingering.pop(topic, None)
+            self._wake(topic.take_idle())
+        elif topic not in self._lingering:
+            self._lingering[topic] = now + topic.linger
+
+    @property
+    def lingering(self) -> bool:
+        """Whether a topic holds subscribers back (`release` wakes them, from `next_release` on)."""
+        return bool(self._lingering)
+
+    def next_release(self) -> float | None:
+        """When the earliest linger ends (the clock of `publish`'s `now`). O(topics lingering)."""
+        return min(self._lingering.values(), default=None)
+
+    def release(self, now: float) -> int:
+        """End the lingers due by `now`: wake the subscribers they held. Returns how many ended.
+        Cost: O(topics lingering + subscribers woken)."""
+        due = [topic for topic, deadline in self._lingering.items() if deadline <= now]
+        for topic in due:
+            del self._lingering[topic]
+            self._wake(topic.take_idle())
+        return len(due)
 
     def reserve(self, name: str, count: int) -> tuple[int, int]:
         """Hand out `count` seqs of a ring topic as [begin, end) (docs/design/reorder-window.md §4).

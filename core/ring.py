@@ -105,6 +105,13 @@ class RingTopic(Topic):
         woken, self.idle = self.idle, {}  # `take_idle`, inlined: the publish hot path
         return seq, woken
 
+    def hold(self, woken: Collection[Subscription]) -> bool:
+        """Also ends the linger once the most-behind held subscriber is half a ring behind, so a linger
+        never pushes a caught-up subscriber off the ring. The first handle in `idle` parked first, with the
+        lowest cursor: parked handles were caught up, and the end only moves forward."""
+        super().hold(woken)
+        return self.end - next(iter(self.idle)).cursor >= max(1, self.capacity // 2)
+
     def restart(self, epoch: str, start: int) -> None:
         """Empty ring in epoch `epoch`, available range [start, start): a broker's stream position."""
         if not 0 <= start < MAX_SEQ:

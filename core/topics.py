@@ -61,6 +61,8 @@ class Topic:
         self.subs: dict[Subscription, None] = {}
         #: caught-up subscribers of a shared topic, woken by the next publish (ordered: deterministic)
         self.idle: dict[Subscription, None] = {}
+        #: `config.linger`, read by every publish that wakes subscribers (the engine then holds them instead)
+        self.linger = config.linger
         self.max_message_bytes = 1 << 20
         #: created on first use by a rule (not by an operator): removed when unused (`Engine.reclaim`)
         self.auto = False
@@ -129,6 +131,14 @@ class Topic:
             return ()
         self.idle = {}
         return idle
+
+    def hold(self, woken: Collection[Subscription]) -> bool:
+        """A linger: put the handles a publish handed over back in `idle`, in their order (the engine wakes
+        them when the linger ends). Returns whether it must end now rather than at its deadline."""
+        parked = self.idle  # empty: the publish that handed them over just took it
+        self.idle = woken if isinstance(woken, dict) else dict.fromkeys(woken)
+        self.idle.update(parked)
+        return False
 
     def reserve(self, count: int) -> tuple[int, int]:
         """Hand out `count` seqs as [begin, end) for producers that publish them later (ring topics)."""

@@ -36,6 +36,9 @@ from .rawtcp import RawBroadcastServer
 
 log = logging.getLogger("gateway")
 
+#: a linger due within this much is ended now: the loop's timers tick in milliseconds and may fire early
+LINGER_SLACK_S = 0.001
+
 
 class Connection(Protocol):
     identity: ClientIdentity
@@ -83,6 +86,8 @@ class Hub:
         #: connections whose last write has not drained (not ready), watched for the blocked timeout
         self.blocked: dict[Hashable, Any] = {}
         self._watchdog: asyncio.TimerHandle | None = None
+        #: armed while a topic lingers (`TopicConfig.linger`): wakes its held subscribers when it is due
+        self._linger: asyncio.TimerHandle | None = None
         #: long-poll sessions by their secret id (gateway/longpoll.py)
         self.lp_sessions: dict[str, Any] = {}
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled
@@ -110,7 +115,7 @@ class Hub:
 
     async def stop(self) -> None:
         self.gc.stop()
-        for timer in (self._tick, self._watchdog, *self._token_timers.values(), *self._idle_timers.values()):
+        for timer in (self._tick, self._watchdog, self._linger, *self._token_timers.values(), *self._idle_timers.values()):
             if timer:
                 timer.cancel()
         if self._task:
@@ -270,8 +275,21 @@ class Hub:
     # -- the core's verbs, with the wake-up the scheduler needs --------------------------------------------
 
     def wake(self) -> None:
+        if self._linger is None and self.engine.lingering:
+            self._arm_linger()
         if self.engine.has_work:
             self._work.set()
+
+    def _arm_linger(self) -> None:
+        due = self.engine.next_release()
+        if due is not None:
+            delay = max(0.0, due - time.monotonic())
+            self._linger = asyncio.get_running_loop().call_later(delay, self._on_linger)
+
+    def _on_linger(self) -> None:
+        self._linger = None
+        self.engine.release(time.monotonic() + LINGER_SLACK_S)
+        self.wake()
 
     def write_blocked(self, client_id: str, conn: Any) -> None:
         """A write did not drain at once: the client is not ready, and the watchdog watches it."""

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from core import TopicKind
-from core.config import MAX_HOLE_TIMEOUT, TOPIC_INT_BOUNDS
+from core.config import MAX_HOLE_TIMEOUT, MAX_LINGER, TOPIC_INT_BOUNDS
 from core.errors import RequestError
 
 from .errors import BadCommand, BadRecord, BadRequest
@@ -114,6 +114,8 @@ ReorderWindow = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["reorder_window"])
 MaxCount = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["max_count"])]
 MaxBytes = Annotated[int, Meta(ge=1, le=TOPIC_INT_BOUNDS["max_bytes"])]
 HoleTimeout = Annotated[float, Meta(gt=0, le=MAX_HOLE_TIMEOUT)]
+#: seconds a shared topic holds its caught-up subscribers back after a publish (0: none)
+Linger = Annotated[float, Meta(ge=0, le=MAX_LINGER)]
 
 
 class CreateTopic(_Wire, frozen=True):
@@ -125,6 +127,7 @@ class CreateTopic(_Wire, frozen=True):
     batch_depth: BatchDepth | UnsetType = UNSET
     reorder_window: ReorderWindow | UnsetType = UNSET
     hole_timeout: HoleTimeout | UnsetType = UNSET
+    linger: Linger | UnsetType = UNSET
     max_count: MaxCount | UnsetType = UNSET
     max_bytes: MaxBytes | UnsetType = UNSET
     client_publish: bool | UnsetType = UNSET

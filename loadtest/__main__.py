@@ -50,15 +50,16 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int | str = 1):  # -> runner.TargetFactory
+def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int | str = 1,
+                     linger: float = 0.0):  # -> runner.TargetFactory
     from loadtest.gatewayproc import GatewayProcess
     from loadtest.target import Target
 
     if not args.url:
-        return lambda workdir: GatewayProcess(workdir, args.gateway_cmd, capacity, batch_depth)
-    if batch_depth != 1:
-        print(f"note: --batch-depth {batch_depth} is not applied to a running gateway (--url): its own topic "
-              "rules decide", file=sys.stderr)
+        return lambda workdir: GatewayProcess(workdir, args.gateway_cmd, capacity, batch_depth, linger)
+    if batch_depth != 1 or linger:
+        print(f"note: --batch-depth {batch_depth} / --linger {linger} are not applied to a running gateway "
+              "(--url): its own topic rules decide", file=sys.stderr)
     url = urlsplit(args.url if "://" in args.url else f"http://{args.url}")
     if not url.hostname or not url.port:
         raise SystemExit(f"--url needs a host and a port: {args.url}")
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = _bare_problem(args, scenario)
         if problem:
             parser.error(problem)
-    factory = _gateway_factory(args, scenario.capacity, scenario.batch_depth)
+    factory = _gateway_factory(args, scenario.capacity, scenario.batch_depth, scenario.linger)
     if bare and not baseline:
         from loadtest.bare_server import BareServer
 
@@ -186,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                 dataclasses.replace(scenario, batch_depth=depth).validate()
             except ValueError as exc:
                 parser.error(f"--depths: {exc}")
-        result = compare_depths(scenario, args.depths, lambda depth: _gateway_factory(args, scenario.capacity, depth),
+        def factory_at(depth: int | str):  # -> runner.TargetFactory
+            return _gateway_factory(args, scenario.capacity, depth, scenario.linger)
+
+        result = compare_depths(scenario, args.depths, factory_at,
                                 _out(args, f"depths-{scenario.name}"), args.rounds, console, not args.no_progress,
                                 **options)
         silent = max(r["silent loss"] for figures in result["runs"].values() for r in figures)

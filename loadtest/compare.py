@@ -30,9 +30,9 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
             console: Console | None = None, progress: bool = True, **options: Any) -> dict[str, Any]:
     console = console or Console()
     nchan.ensure_installed(console)
-    if scenario.batch_depth != 1:
-        console.print(f"gateway: batch_depth {scenario.batch_depth}; nchan has no equivalent (one message per "
-                      "WebSocket frame)")
+    if scenario.batch_depth != 1 or scenario.linger:
+        console.print(f"gateway: batch_depth {scenario.batch_depth}, linger {scenario.linger} s; nchan has no "
+                      "equivalent (one message per WebSocket frame, sent at once)")
     factories = {"gateway": gateway,
                  "nchan": lambda workdir: nchan.NchanServer(workdir, scenario.capacity)}
     runs: dict[str, list[dict[str, float]]] = {"gateway": [], "nchan": []}
@@ -44,6 +44,7 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
     medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
                for label, figures in runs.items()}
     depth = f", gateway batch depth {scenario.batch_depth}" if scenario.batch_depth != 1 else ""
+    depth += f", linger {scenario.linger} s" if scenario.linger else ""
     report.print_comparison(console, medians, f"{scenario.name}: gateway vs nginx + nchan "
                                               f"(median of {rounds} round{'s' * (rounds > 1)}{depth})")
     report.write_overlay(out / "compare_latency_cdf.png",

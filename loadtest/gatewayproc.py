@@ -27,10 +27,10 @@ STARTUP_TIMEOUT = 30.0
 STOP_TIMEOUT = 2.0
 
 
-def config_text(admin_token: str, capacity: int = 64, batch_depth: int | str = 1) -> str:
+def config_text(admin_token: str, capacity: int = 64, batch_depth: int | str = 1, linger: float = 0.0) -> str:
     """The gateway config of a load run: loopback, ephemeral ports, every topic a ring of ``capacity``
     messages from which a subscription gives up to ``batch_depth`` messages per cycle (``"auto"``: a slice
-    sized by its backlog)."""
+    sized by its backlog), holding caught-up subscribers back ``linger`` seconds after a publish."""
     depth = '"auto"' if batch_depth == "auto" else int(batch_depth)
     return f"""\
 [server]
@@ -54,6 +54,7 @@ pattern = "*"
 kind = "ring"
 capacity = {int(capacity)}
 batch_depth = {depth}
+linger = {float(linger)}
 reorder_window = 64
 client_publish = true
 anonymous = true
@@ -71,11 +72,12 @@ class GatewayProcess(ServerProcess):
     stop_timeout = STOP_TIMEOUT
 
     def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64,
-                 batch_depth: int | str = 1) -> None:
+                 batch_depth: int | str = 1, linger: float = 0.0) -> None:
         self.workdir = Path(workdir)
         self.command = shlex.split(command) if command else [sys.executable, "-m", "gateway"]
         self.capacity = capacity
         self.batch_depth = batch_depth
+        self.linger = linger
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Target:
@@ -83,7 +85,7 @@ class GatewayProcess(ServerProcess):
         token = secrets.token_hex(16)
         config = self.workdir / "gateway.toml"
         ready = self.workdir / "gateway.ready.json"
-        config.write_text(config_text(token, self.capacity, self.batch_depth))
+        config.write_text(config_text(token, self.capacity, self.batch_depth, self.linger))
         ready.unlink(missing_ok=True)
         log = open(self.workdir / "gateway.log", "ab")
         raise_nofile_limit()

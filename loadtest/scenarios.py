@@ -70,6 +70,9 @@ class Scenario:
     #: one message per topic per frame, ``"auto"`` a slice sized by the subscriber's backlog. nchan has no
     #: equivalent: it sends one message per frame.
     batch_depth: int | str = 1
+    #: seconds the gateway's topics hold caught-up subscribers back after a publish (config
+    #: ``topics.rules.linger``): fewer, fuller frames for that much latency. nchan has no equivalent.
+    linger: float = 0.0
     #: run twice, the hot topics silent ("alone") then published ("beside"), and compare the cold topics'
     #: latency (needs ``hot_topics``)
     coldhot: bool = False
@@ -110,6 +113,8 @@ class Scenario:
             raise ValueError("window must be >= 0")
         if self.batch_depth != AUTO and not (isinstance(self.batch_depth, int) and self.batch_depth >= 1):
             raise ValueError(f'batch_depth must be an integer >= 1 or "{AUTO}"')
+        if not 0.0 <= self.linger <= 10.0:
+            raise ValueError("linger must be in [0, 10] seconds")
         if self.coldhot and not (self.hot_topics and 0 < self.hot_share < 1):
             raise ValueError("coldhot needs hot_topics and 0 < hot_share < 1")
         if self.coldhot and self.dominator_topics:
@@ -239,6 +244,8 @@ _FLAGS: dict[str, tuple[str, object, str]] = {
     "--window": ("window", int, "rate max: messages per subscription in flight (0: open loop)"),
     "--batch-depth": ("batch_depth", "depth", "messages a ring subscription may give per cycle, or 'auto' "
                       "(gateway topic rule batch_depth; nchan has no equivalent)"),
+    "--linger": ("linger", float, "seconds the gateway's topics hold caught-up subscribers back after a publish "
+                 "(gateway topic rule linger; nchan has no equivalent)"),
 }
 
 

@@ -87,6 +87,7 @@ def test_admin_table_names_every_body_field():
 
 @pytest.mark.parametrize("settings", [
     {"capacity": 1.5}, {"capacity": 10**29}, {"capacity": True}, {"hole_timeout": True},
+    {"linger": -0.1}, {"linger": 11}, {"linger": True}, {"kind": "private", "linger": 0.01},
     {"client_publish": "false"}, {"anonymous": "yes"}, {"kind": "queue"}, {"capacitty": 8},
 ])
 def test_bad_topic_settings_are_a_400_json_error_never_stored(settings):

@@ -518,14 +518,14 @@ def admin_create_corpus() -> list[Any]:
         {"name": "fz.c2", "kind": "snapshot"},
         {"name": "fz.c3", "kind": "private", "max_count": 8, "max_bytes": 4096},
         {"name": "fz.c4", "reorder_window": 8, "hole_timeout": 0.5, "batch_depth": 2, "client_publish": True,
-         "anonymous": True},
+         "anonymous": True, "linger": 0.01},
         {"name": "fz.c5"},
         {"name": "other.c6", "kind": "ring", "capacity": 8},
     ]
 
 
 ADMIN_CREATE_FIELDS = [("name",), ("kind",), ("capacity",), ("batch_depth",), ("reorder_window",),
-                       ("hole_timeout",), ("max_count",), ("max_bytes",), ("client_publish",), ("anonymous",)]
+                       ("hole_timeout",), ("linger",), ("max_count",), ("max_bytes",), ("client_publish",), ("anonymous",)]
 
 
 def admin_publish_corpus() -> list[Any]:

@@ -1,0 +1,43 @@
+"""A topic's `linger`, end to end: caught-up WebSocket subscribers get what was published within it in one
+frame when it ends (the gateway's timer wakes them: nothing else happens meanwhile), and the topic's
+settings show it. A topic without linger beside it is not held."""
+
+import time
+
+import httpx
+import pytest
+from gw_helpers import auth, recv_entries, send, ws_connect
+
+from gateway.testing import run_gateway
+
+pytestmark = pytest.mark.timeout(60)
+
+LINGER = 0.3
+RULES = {"rules": [{"pattern": "hot.*", "anonymous": True, "batch_depth": "auto", "linger": LINGER},
+                   {"pattern": "*", "anonymous": True}]}
+
+
+def test_what_is_published_within_the_linger_arrives_in_one_frame_when_it_ends():
+    with run_gateway(topics=RULES) as gw, ws_connect(gw) as ws:
+        for topic in ("hot.a", "cold.b"):
+            send(ws, op="subscribe", topic=topic)
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+        published = time.monotonic()
+        gw.call(lambda: [gw.hub.publish("hot.a", i) for i in range(3)])
+        gw.call(lambda: gw.hub.publish("cold.b", "now"))  # no linger: not held behind hot.a's
+        cold = recv_entries(ws)
+        assert [(e["topic"], e["seq"]) for e in cold] == [("cold.b", 0)]
+        assert time.monotonic() - published < LINGER
+        gw.call(lambda: gw.hub.publish("hot.a", 3))  # within the same linger
+        hot = recv_entries(ws)
+        waited = time.monotonic() - published
+        assert [(e["topic"], e["seq"]) for e in hot] == [("hot.a", i) for i in range(4)]
+        assert waited >= LINGER - 0.02, waited  # held for the linger (the loop's timers tick in ms)
+
+
+def test_linger_is_a_topic_setting_on_the_admin_api():
+    with run_gateway(topics=RULES) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+        r = http.post("/api/topics", json={"name": "px.1", "kind": "snapshot", "linger": 0.5})
+        assert r.status_code == 201, r.text
+        assert r.json()["linger"] == 0.5
+        assert http.post("/api/topics", json={"name": "hot.x"}).json()["linger"] == LINGER
