@@ -62,6 +62,8 @@ class Batch:
     client_id: Hashable
     entries: list[bytes]
     size: int
+    #: the client has more for the next cycle (a backlog, replies past the budget): false when caught up
+    more: bool = False
 
     def frame(self) -> bytes:
         return frame_batch(self.entries)
@@ -504,7 +506,7 @@ class Engine:
             out, size = fill(client)
             if out:
                 client.state = writing
-                batches.append(Batch(client.id, out, size))
+                batches.append(Batch(client.id, out, size, bool(client.active or client.direct)))
                 entries += len(out)
                 emitted += size
         counters.entries_emitted += entries

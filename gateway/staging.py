@@ -3,7 +3,8 @@
 While a backlog lasts, the hub runs several cycles as one round (`scheduler.write_coalesce_cycles`, at most
 `scheduler.write_coalesce_ms`; reads still run between them) and each connection's frames of those cycles go
 out together at the round's end, by `transport.writelines` (one `writev` on uvloop); a client caught up
-(nothing for it next cycle) is written after each cycle, so nobody waits for another's backlog. The frames are the
+(nothing for it next cycle: `Batch.more` false) is written at once (`send`, WebSocket) or after its cycle,
+so nobody waits for another's backlog. The frames are the
 cycles' frames, in order, one batch each: the scheduler's rules and the wire do not change, only the number
 of system calls (docs/architecture.md, "Rounds"). With no backlog a round is one cycle, written at once.
 Frames written outside the scheduler (pongs, pings, SSE heartbeats) are whole frames, so they may go between
@@ -91,6 +92,22 @@ class StagedWriter:
         staged += parts
         self._staged_bytes += size
         return self._staged_bytes < self.hub.stage_limit or self.flush()
+
+    def send(self, data: bytes) -> bool:
+        """For a client caught up: write `data` now (the round holds nothing for it), or after its cycle
+        with the frames staged before it. Returns what `stage` does."""
+        if self._staged:
+            return self.stage(data)
+        transport = self._stream()
+        if transport is None:
+            return False
+        transport.write(data)
+        self.hub.staged_writes += 1
+        self._written()
+        if self.paused:
+            self._blocked()
+            return False
+        return True
 
     def flush(self) -> bool:
         """Write what is staged, in one call. Returns False when the write left the transport above its

@@ -296,7 +296,7 @@ class WSConnection(StagedWriter):
         assert proto is not None  # no outbox: the direct write path
         if proto.transport.is_closing() or proto.lingering:  # closed, or our side already shut
             return False
-        return self.stage(framed(frame))
+        return self.stage(framed(frame)) if batch.more else self.send(framed(frame))
 
     def _stream(self) -> asyncio.Transport | None:
         proto = self.proto
