@@ -41,3 +41,16 @@ def test_linger_is_a_topic_setting_on_the_admin_api():
         assert r.status_code == 201, r.text
         assert r.json()["linger"] == 0.5
         assert http.post("/api/topics", json={"name": "hot.x"}).json()["linger"] == LINGER
+
+
+def test_the_shipped_example_rule_for_hot_feeds_is_valid():
+    import tomllib
+    from pathlib import Path
+
+    from core import TopicConfig
+
+    text = (Path(__file__).parents[2] / "config" / "default.toml").read_text()
+    block = text[text.index('# pattern = "hot.*"'):].split("\n\n")[0]
+    rule = tomllib.loads("\n".join(line.removeprefix("# ") for line in block.splitlines()))
+    assert rule.pop("pattern") == "hot.*" and rule["batch_depth"] == "auto" and rule["linger"] > 0
+    TopicConfig(**rule)
