@@ -23,6 +23,7 @@ the hot paths read as attributes (`shared`, `pending`).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,10 @@ class Engine:
         self._holey: dict[Topic, None] = {}
         #: topics holding caught-up subscribers back (`TopicConfig.linger`), with when to wake them
         self._lingering: dict[Topic, float] = {}
+        #: the same deadlines as a heap (deadline, hold number, topic); entries of lingers that ended early
+        #: stay until their deadline passes
+        self._deadlines: list[tuple[float, int, Topic]] = []
+        self._holds = 0
         self._space_freed: list[tuple[str, Hashable]] = []
         #: whether `commit` reports what left each private queue (`take_committed`): a broker acks it
         self.report_commits = False
@@ -370,7 +375,10 @@ class Engine:
             self._lingering.pop(topic, None)
             self._wake(topic.take_idle())
         elif topic not in self._lingering:
-            self._lingering[topic] = now + topic.linger
+            deadline = now + topic.linger
+            self._lingering[topic] = deadline
+            self._holds += 1
+            heapq.heappush(self._deadlines, (deadline, self._holds, topic))
 
     @property
     def lingering(self) -> bool:
@@ -378,17 +386,24 @@ class Engine:
         return bool(self._lingering)
 
     def next_release(self) -> float | None:
-        """When the earliest linger ends (the clock of `publish`'s `now`). O(topics lingering)."""
-        return min(self._lingering.values(), default=None)
+        """When the earliest linger ends (the clock of `publish`'s `now`). O(1), past ended lingers."""
+        deadlines, lingering = self._deadlines, self._lingering
+        while deadlines and lingering.get(deadlines[0][2]) != deadlines[0][0]:
+            heapq.heappop(deadlines)  # that linger ended early, or its topic is gone
+        return deadlines[0][0] if deadlines else None
 
     def release(self, now: float) -> int:
         """End the lingers due by `now`: wake the subscribers they held. Returns how many ended.
-        Cost: O(topics lingering + subscribers woken)."""
-        due = [topic for topic, deadline in self._lingering.items() if deadline <= now]
-        for topic in due:
-            del self._lingering[topic]
-            self._wake(topic.take_idle())
-        return len(due)
+        Cost: O(log(lingers) + subscribers woken) per linger ended."""
+        deadlines, lingering = self._deadlines, self._lingering
+        ended = 0
+        while deadlines and deadlines[0][0] <= now:
+            deadline, _, topic = heapq.heappop(deadlines)
+            if lingering.get(topic) == deadline:
+                del lingering[topic]
+                self._wake(topic.take_idle())
+                ended += 1
+        return ended
 
     def reserve(self, name: str, count: int) -> tuple[int, int]:
         """Hand out `count` seqs of a ring topic as [begin, end) (docs/design/reorder-window.md §4).

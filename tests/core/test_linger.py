@@ -16,8 +16,8 @@ LINGER = 0.05
 #: lingering rings: a small one (its linger ends early after 4 held messages), a default-sized auto one, one
 #: at depth 1 (a subscriber is left behind); a ring without linger beside them
 RINGS = {"l8": TopicConfig(capacity=8, batch_depth="auto", linger=LINGER),
-         "l64": TopicConfig(capacity=64, batch_depth="auto", linger=LINGER),
-         "d16": TopicConfig(capacity=16, batch_depth=1, linger=LINGER),
+         "l64": TopicConfig(capacity=64, batch_depth="auto", linger=LINGER / 2),
+         "d16": TopicConfig(capacity=16, batch_depth=1, linger=LINGER * 2),
          "n8": TopicConfig(capacity=8, batch_depth=2)}
 CLIENTS = ["c0", "c1", "c2"]
 
@@ -95,7 +95,7 @@ class LingerMachine(RuleBasedStateMachine):
     @rule()
     def drain(self) -> None:
         """Once every linger is released and every write done, each subscriber reaches the end."""
-        self.now += LINGER
+        self.now += LINGER * 2
         self.engine.release(self.now)
         assert not self.engine.lingering
         for c in list(self.writing):
@@ -120,8 +120,9 @@ class LingerMachine(RuleBasedStateMachine):
             for sub in ring.idle:  # parked: caught up when parked, maybe held since
                 if sub.cursor < ring.end:
                     assert ring.linger, "a topic without linger never holds a subscriber"
-                    deadline = self.engine.next_release()
-                    assert deadline is not None and deadline <= self.published_at[t][sub.cursor] + LINGER
+                    deadline = self.engine._lingering[ring]  # noqa: SLF001 (the topic's own deadline)
+                    assert deadline <= self.published_at[t][sub.cursor] + ring.linger
+                    assert self.engine.next_release() <= deadline
                     # ... and a ring ends its linger before a held subscriber is half the ring behind
                     assert ring.end - sub.cursor < max(1, ring.capacity // 2)
 
@@ -152,11 +153,11 @@ def test_publishes_within_the_linger_reach_a_caught_up_subscriber_in_one_batch()
     engine.subscribe("a", "l64")
     cycle(engine)  # subscribed
     for i in range(3):
-        engine.publish("l64", i, now=10.0 + i * 0.01)
+        engine.publish("l64", i, now=10.0 + i * 0.01)  # its linger: 0.025 s
     assert engine.run_cycle() == [] and engine.lingering
-    assert engine.next_release() == pytest.approx(10.05)
-    assert engine.release(10.049) == 0 and engine.run_cycle() == []
-    assert engine.release(10.05) == 1 and not engine.lingering
+    assert engine.next_release() == pytest.approx(10.025)
+    assert engine.release(10.024) == 0 and engine.run_cycle() == []
+    assert engine.release(10.025) == 1 and not engine.lingering
     assert messages(cycle(engine)["a"]) == [0, 1, 2]
 
 
@@ -166,8 +167,8 @@ def test_a_lagging_subscriber_is_not_held():
     engine.subscribe("behind", "d16")  # depth 1: held messages leave it behind after a cycle
     cycle(engine)
     for i in range(3):
-        engine.publish("d16", i, now=1.0)
-    engine.release(1.05)
+        engine.publish("d16", i, now=1.0)  # its linger: 0.1 s
+    engine.release(1.1)
     assert messages(cycle(engine)["behind"]) == [0]
     engine.connect("late")
     engine.subscribe("late", "d16")
@@ -176,7 +177,7 @@ def test_a_lagging_subscriber_is_not_held():
     for seq in (1, 2, 3):
         assert messages(cycle(engine)["behind"]) == [seq]
     assert engine.lingering
-    engine.release(2.05)
+    engine.release(2.1)
     assert messages(cycle(engine)["late"]) == [3]
 
 
@@ -231,3 +232,21 @@ def test_unsubscribe_and_delete_during_a_linger_leave_nothing_behind():
 def test_bad_linger_settings_are_refused(settings, error):
     with pytest.raises(ValueError, match=error.replace("[", r"\[").replace("]", r"\]")):
         TopicConfig(**settings)
+
+
+def test_lingers_of_different_lengths_end_in_deadline_order():
+    engine = linger_engine()
+    engine.connect("a")
+    for t in ("l8", "l64"):
+        engine.subscribe("a", t)
+    cycle(engine)
+    engine.publish("l8", 0, now=0.0)  # linger 0.05: due at 0.05
+    engine.publish("l64", 0, now=0.01)  # linger 0.025: due at 0.035, first
+    assert engine.next_release() == pytest.approx(0.035)
+    assert engine.release(0.04) == 1
+    assert [e["topic"] for e in cycle(engine)["a"]] == ["l64"]
+    for i in range(1, 4):  # l8 reaches half its ring: its linger ends now, not at 0.05
+        engine.publish("l8", i, now=0.02)
+    assert not engine.lingering and engine.next_release() is None
+    assert messages(cycle(engine)["a"], "l8") == [0, 1, 2, 3]
+    assert engine.release(1.0) == 0
