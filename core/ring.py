@@ -235,7 +235,16 @@ class RingTopic(Topic):
 
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
         depth = self.config.batch_depth
-        if isinstance(depth, str):  # AUTO_DEPTH, the only string TopicConfig keeps
+        if depth == 1:  # the default: one stored entry when there is one, else the general path below
+            cursor = sub.cursor
+            if self.begin <= cursor < self.end:
+                entry = self.slots[cursor % self.capacity]
+                if entry is not None:
+                    out.append(entry)
+                    sub.cursor = cursor + 1
+                    self.counters.messages_delivered += 1
+                    return len(entry)
+        elif isinstance(depth, str):  # AUTO_DEPTH, the only string TopicConfig keeps
             return self._read_auto(sub, out, room)
         added = 0
         taken = 0
