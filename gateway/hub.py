@@ -88,6 +88,7 @@ class Hub:
         self._watchdog: asyncio.TimerHandle | None = None
         #: armed while a topic lingers (`TopicConfig.linger`): wakes its held subscribers when it is due
         self._linger: asyncio.TimerHandle | None = None
+        self._linger_due = 0.0
         #: long-poll sessions by their secret id (gateway/longpoll.py)
         self.lp_sessions: dict[str, Any] = {}
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled
@@ -275,16 +276,21 @@ class Hub:
     # -- the core's verbs, with the wake-up the scheduler needs --------------------------------------------
 
     def wake(self) -> None:
-        if self._linger is None and self.engine.lingering:
+        if self.engine.lingering:
             self._arm_linger()
         if self.engine.has_work:
             self._work.set()
 
     def _arm_linger(self) -> None:
+        """The timer goes off at the earliest linger's end: a topic with a shorter linger held after one
+        with a longer may end first."""
         due = self.engine.next_release()
-        if due is not None:
-            delay = max(0.0, due - time.monotonic())
-            self._linger = asyncio.get_running_loop().call_later(delay, self._on_linger)
+        if due is None or (self._linger is not None and self._linger_due <= due):
+            return
+        if self._linger is not None:
+            self._linger.cancel()
+        self._linger_due = due
+        self._linger = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()), self._on_linger)
 
     def _on_linger(self) -> None:
         self._linger = None

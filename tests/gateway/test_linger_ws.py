@@ -54,3 +54,17 @@ def test_the_shipped_example_rule_for_hot_feeds_is_valid():
     rule = tomllib.loads("\n".join(line.removeprefix("# ") for line in block.splitlines()))
     assert rule.pop("pattern") == "hot.*" and rule["batch_depth"] == "auto" and rule["linger"] > 0
     TopicConfig(**rule)
+
+
+def test_a_short_linger_is_not_held_by_a_longer_one_that_began_first():
+    rules = {"rules": [{"pattern": "slow.*", "anonymous": True, "linger": 5.0},
+                       {"pattern": "hot.*", "anonymous": True, "linger": 0.1}]}
+    with run_gateway(topics=rules) as gw, ws_connect(gw) as ws:
+        for topic in ("slow.a", "hot.b"):
+            send(ws, op="subscribe", topic=topic)
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+        gw.call(lambda: gw.hub.publish("slow.a", 0))  # due in 5 s
+        published = time.monotonic()
+        gw.call(lambda: gw.hub.publish("hot.b", 0))  # due in 0.1 s: first
+        assert [(e["topic"], e["seq"]) for e in recv_entries(ws, timeout=3.0)] == [("hot.b", 0)]
+        assert time.monotonic() - published < 2.0
