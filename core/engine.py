@@ -12,7 +12,8 @@ The I/O layer drives it with verbs and writes what `run_cycle` returns:
   whose waiting publishers should retry; `reclaim(now, ttl)` removes rule-created topics that stayed
   unused (no subscriber, nothing retained) for `ttl`.
 
-Costs: a publish is O(1) plus O(1) per subscriber that was caught up (idle); `run_cycle` is
+Costs: a publish is O(1) plus O(1) per subscriber that was caught up (idle), which a topic with a linger
+wakes at `release` instead (O(log topics lingering) per linger); `run_cycle` is
 O(active clients + active handles + entries emitted); subscribe, unsubscribe and disconnect are
 O(that client's subscriptions). Nothing walks all clients or all topics.
 
@@ -370,7 +371,8 @@ class Engine:
 
     def _hold(self, topic: Topic, woken: Collection[Subscription], now: float) -> None:
         """A topic with a linger keeps the subscribers its publish would wake until `release` (its first
-        held publish plus `linger`), so what it publishes meanwhile reaches them together. O(1)."""
+        held publish plus `linger`), so what it publishes meanwhile reaches them together.
+        Cost: O(1), plus O(log topics lingering) for the publish that starts a linger."""
         if topic.hold(woken):  # held long enough to risk the ring: wake them now
             self._lingering.pop(topic, None)
             self._wake(topic.take_idle())
