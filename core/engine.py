@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .client import Client, ClientState, Subscription
-from .config import AUTO_DEPTH, MAX_SEQ, EngineConfig, TopicConfig, TopicKind
+from .config import MAX_SEQ, EngineConfig, TopicConfig, TopicKind
 from .counters import Counters
 from .entries import encode_closed, encode_loss, encode_subscribed, encode_unsubscribed, frame_batch
 from .errors import (
@@ -546,36 +546,41 @@ class Engine:
             self.counters.direct_entries += len(out)
         if size >= budget or not client.active:
             return out, size
-        handles, client.active = client.active, {}
-        unreached: list[Subscription] = []
-        again: list[Subscription] = []
+        handles = client.active  # walked once, then refilled with what stays active, in the order rule's order
+        unreached: list[Subscription] | None = None
+        again: list[Subscription] | None = None
         peeked = client.peeked_subs
         left = len(handles)
         for sub in handles:
             left -= 1  # handles after this one
             if size >= budget:
+                if unreached is None:
+                    unreached = []
                 unreached.append(sub)
                 continue
             topic = sub.topic
             had_peeked = sub.peeked
             room = budget - size
-            if topic.config.batch_depth is AUTO_DEPTH:  # its share: the handles after it are still reached
+            if topic.auto_depth:  # its share: the handles after it are still reached
                 room = -(-room // (left + 1))
             size += topic.read_into(sub, out, room)
             if sub.peeked and not had_peeked:  # entries kept until commit (private): first ones of this batch
                 peeked.append(sub)
             if topic.has_data(sub):
+                if again is None:
+                    again = []
                 again.append(sub)
             else:  # _park, inlined: this runs for every handle that runs dry
                 sub.active = False
                 if topic.shared:
                     topic.idle[sub] = None
-        # Handles not reached, then handles still holding data, go before any that become active later.
-        if unreached or again:  # usually neither at depth 1: every handle ran dry and was parked
-            active = dict.fromkeys(unreached)
-            active.update(dict.fromkeys(again))
-            active.update(client.active)  # none today: a read wakes nobody; kept so the order rule holds
-            client.active = active
+        # Handles not reached, then handles still holding data, go before any that become active later (none
+        # do during a fill: a read wakes nobody).
+        handles.clear()
+        if unreached is not None:  # usually neither at depth 1: every handle ran dry and was parked
+            handles.update(dict.fromkeys(unreached))
+        if again is not None:
+            handles.update(dict.fromkeys(again))
         return out, size
 
     def _activate(self, sub: Subscription) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Collection, Hashable
 from typing import Any, ClassVar
 
 from .client import Subscription
-from .config import TopicConfig
+from .config import AUTO_DEPTH, TopicConfig
 from .counters import Counters
 from .entries import encode_message
 from .errors import BadData, CoreUsageError, MessageTooLarge
@@ -63,6 +63,8 @@ class Topic:
         self.idle: dict[Subscription, None] = {}
         #: `config.linger`, read by every publish that wakes subscribers (the engine then holds them instead)
         self.linger = config.linger
+        #: `batch_depth = "auto"`, read for every handle a cycle visits
+        self.auto_depth = config.batch_depth is AUTO_DEPTH
         self.max_message_bytes = 1 << 20
         #: created on first use by a rule (not by an operator): removed when unused (`Engine.reclaim`)
         self.auto = False
