@@ -497,14 +497,16 @@ class Publisher:
         """Write ``records`` (one write per ``chunk_size`` lines) and sync; on return the gateway has processed
         every one of them."""
         self.outcome.records += len(records)
-        resent = False
+        resent = 0  # the first `resent` of `records` were written on a connection that broke
         delays = self.retry.delays()
         started = time.monotonic()
         while records:
+            handed = 0  # records given to this connection: a write that fails still holds its chunk
             try:
                 if self._connection is None:
                     self._connection = IngestConnection(self.host, self.port, self.timeout)
                 for chunk in chunks(records, self.chunk_size):
+                    handed += len(chunk)
                     self._connection.send(chunk)
                 self._sync_id = (self._sync_id + 1) % (1 << 53)
                 self._connection.sync(self._sync_id)
@@ -517,9 +519,11 @@ class Publisher:
                 client = self._connection.client if self._connection is not None else None
                 self.close()
                 if client is not None and client.records:
-                    records = self._settle(client, resent, complete=False)
-                    resent = True
-                    self.outcome.unsequenced_resent += sum(1 for r in records if r[1] is None)
+                    # what the gateway may not have read, then what was never written (the connection broke
+                    # while the chunks were being written)
+                    again = self._settle(client, resent, complete=False)
+                    self.outcome.unsequenced_resent += sum(1 for r in again if r[1] is None)
+                    records, resent = again + records[handed:], len(again)
                 delay = next(delays, None)
                 if delay is None:
                     raise GatewayUnreachable(
@@ -530,7 +534,7 @@ class Publisher:
                 log.warning("ingest %s:%s: %s; reconnecting in %.1f s", self.host, self.port, exc, delay)
                 time.sleep(delay)
 
-    def _settle(self, client: IngestClient, resent: bool, complete: bool) -> list[Record]:
+    def _settle(self, client: IngestClient, resent: int, complete: bool) -> list[Record]:
         """Fold what ``client`` learnt into the outcome; the records to write again (none when complete)."""
         if complete:
             assert client.result is not None
@@ -543,10 +547,10 @@ class Publisher:
             again = client.unanswered()
             self._settled_accepted = 0  # the next connection counts from 0
         self.outcome.accepted += accepted
-        for _line, (topic, seq, _data), code in client.refusals:
+        for line, (topic, seq, _data), code in client.refusals:
             if seq is None:
                 continue
-            if resent:
+            if line <= resent:  # written before, on a connection that broke (a fresh one numbers from 1)
                 if code in ALREADY_LANDED:
                     self.outcome.landed_on_resend += 1
                 else:

@@ -253,6 +253,21 @@ def test_publisher_reconnects_and_writes_again_only_what_it_does_not_know():
     assert outcome.refusals == {} and double.seqs_by_topic() == {"t": list(range(130))}
 
 
+def test_publisher_writes_what_it_never_wrote_when_the_connection_breaks_mid_group():
+    """The first connection drops after 50 lines while thousands are still to be written: the write that
+    fails and those never made are written on the next connection, with the unanswered ones, once each."""
+    from pipeline.retry import RetryPolicy
+
+    count = 20_000
+    with IngestProtocolDouble(close_first_after_lines=50) as double:
+        with ingest.Publisher("127.0.0.1", double.port, timeout=5, retry=RetryPolicy(2, 0.05, 0.05), chunk_size=10) as pub:
+            pub.publish(records("t", range(count)))
+        outcome = pub.finish()
+    assert outcome.reconnects == 1 and outcome.refusals == {} and outcome.lost_on_resend == {}
+    assert outcome.accepted + outcome.landed_on_resend == count and outcome.landed_on_resend == 50
+    assert double.seqs_by_topic() == {"t": list(range(count))}
+
+
 def test_publisher_keeps_what_was_answered_before_the_connection_broke():
     from pipeline.retry import RetryPolicy
 
