@@ -147,11 +147,18 @@ TestLingerMachine.settings = settings(max_examples=150, stateful_step_count=50, 
 
 # -- worked examples -----------------------------------------------------------------------------------------
 
-def test_publishes_within_the_linger_reach_a_caught_up_subscriber_in_one_batch():
+def subscribed(*topics: str, client: str = "a") -> Engine:
+    """An engine with `client` subscribed to `topics`, its `subscribed` entries read."""
     engine = linger_engine()
-    engine.connect("a")
-    engine.subscribe("a", "l64")
-    cycle(engine)  # subscribed
+    engine.connect(client)
+    for t in topics:
+        engine.subscribe(client, t)
+    cycle(engine)
+    return engine
+
+
+def test_publishes_within_the_linger_reach_a_caught_up_subscriber_in_one_batch():
+    engine = subscribed("l64")
     for i in range(3):
         engine.publish("l64", i, now=10.0 + i * 0.01)  # its linger: 0.025 s
     assert engine.run_cycle() == [] and engine.lingering
@@ -162,10 +169,7 @@ def test_publishes_within_the_linger_reach_a_caught_up_subscriber_in_one_batch()
 
 
 def test_a_lagging_subscriber_is_not_held():
-    engine = linger_engine()
-    engine.connect("behind")
-    engine.subscribe("behind", "d16")  # depth 1: held messages leave it behind after a cycle
-    cycle(engine)
+    engine = subscribed("d16", client="behind")  # depth 1: held messages leave it behind after a cycle
     for i in range(3):
         engine.publish("d16", i, now=1.0)  # its linger: 0.1 s
     engine.release(1.1)
@@ -182,10 +186,7 @@ def test_a_lagging_subscriber_is_not_held():
 
 
 def test_a_small_ring_ends_its_linger_at_half_the_ring_without_loss():
-    engine = linger_engine()
-    engine.connect("a")
-    engine.subscribe("a", "l8")
-    cycle(engine)
+    engine = subscribed("l8")
     for i in range(3):
         engine.publish("l8", i, now=1.0)
     assert engine.lingering
@@ -195,10 +196,7 @@ def test_a_small_ring_ends_its_linger_at_half_the_ring_without_loss():
 
 
 def test_a_snapshot_topic_with_linger_conflates_to_the_latest():
-    engine = linger_engine()
-    engine.connect("a")
-    engine.subscribe("a", "snap.p")
-    cycle(engine)
+    engine = subscribed("snap.p")
     for i in range(5):
         engine.publish("snap.p", {"v": i}, now=1.0 + i * 0.001)
     assert engine.run_cycle() == []
@@ -235,11 +233,7 @@ def test_bad_linger_settings_are_refused(settings, error):
 
 
 def test_lingers_of_different_lengths_end_in_deadline_order():
-    engine = linger_engine()
-    engine.connect("a")
-    for t in ("l8", "l64"):
-        engine.subscribe("a", t)
-    cycle(engine)
+    engine = subscribed("l8", "l64")
     engine.publish("l8", 0, now=0.0)  # linger 0.05: due at 0.05
     engine.publish("l64", 0, now=0.01)  # linger 0.025: due at 0.035, first
     assert engine.next_release() == pytest.approx(0.035)
