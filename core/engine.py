@@ -576,6 +576,8 @@ class Engine:
                     topic.idle[sub] = None
         # Handles not reached, then handles still holding data, go before any that become active later (none
         # do during a fill: a read wakes nobody).
+        if unreached is None and again is not None and len(again) == len(handles):
+            return out, size  # every handle still has data: the same handles in the same order
         handles.clear()
         if unreached is not None:  # usually neither at depth 1: every handle ran dry and was parked
             handles.update(dict.fromkeys(unreached))
