@@ -65,6 +65,8 @@ class Hub:
         self._work = asyncio.Event()
         #: connections with frames staged in the current round (`_flush_staged` writes them)
         self.staged: dict[Any, None] = {}
+        #: those of them whose client is caught up: written after the cycle, not at the round's end
+        self.caught_up: dict[Any, None] = {}
         #: a round runs up to this many cycles (or `coalesce_s`) while work remains, then writes once per client
         self.coalesce_cycles = config.scheduler.write_coalesce_cycles
         self.coalesce_s = config.scheduler.write_coalesce_ms / 1000
@@ -558,7 +560,7 @@ class Hub:
                     # Clients caught up are written now; those with a backlog keep their frames for the
                     # round's write. Reads run between cycles, as between rounds (what they publish goes in
                     # the next cycle).
-                    self._flush_staged(backlogged_wait=True)
+                    self._flush_caught_up()
                     await asyncio.sleep(0)
                 self.rounds += 1
                 self._flush_staged()
@@ -566,27 +568,33 @@ class Hub:
                 self._wake_space_waiters()
                 await asyncio.sleep(0)
 
-    def _flush_staged(self, backlogged_wait: bool = False) -> None:
-        """Write each connection's staged frames; with `backlogged_wait`, only those of clients with nothing
-        more to come next cycle (caught up: a round never delays them), the others staying for the round's
-        end. One left above its high-water mark is not ready (its batches were reported done when staged)
-        until its transport drains."""
+    def _flush_staged(self) -> None:
+        """The round's end: write each connection's staged frames."""
         staged, self.staged = self.staged, {}
-        engine = self.engine
+        self.caught_up.clear()
         for conn in staged:
-            client_id = conn.identity.client_id
-            if backlogged_wait and engine.is_active(client_id):
-                self.staged[conn] = None
-                continue
-            try:
-                if conn.flush():
-                    continue
-            except Exception:  # a transport that broke mid-write: drop it, never the others
-                log.exception("delivery to %s failed", client_id)
-                self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
-                continue
-            if client_id in self.conns and conn.blocked_since is not None:
-                engine.mark_idle(client_id)
+            self._flush(conn)
+
+    def _flush_caught_up(self) -> None:
+        """Between a round's cycles: write the staged frames of clients with nothing more to come next cycle
+        (caught up: a round never delays them); those with a backlog keep theirs for the round's end."""
+        caught_up, self.caught_up = self.caught_up, {}
+        for conn in caught_up:
+            self._flush(conn)
+
+    def _flush(self, conn: Any) -> None:
+        """One left above its high-water mark is not ready (its batches were reported done when staged)
+        until its transport drains."""
+        client_id = conn.identity.client_id
+        try:
+            if conn.flush():
+                return
+        except Exception:  # a transport that broke mid-write: drop it, never the others
+            log.exception("delivery to %s failed", client_id)
+            self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+            return
+        if client_id in self.conns and conn.blocked_since is not None:
+            self.engine.mark_idle(client_id)
 
     def _deliver(self, batches: list[Batch]) -> None:
         frames: dict[bytes | tuple[bytes, ...], bytes] = {}

@@ -3,8 +3,8 @@
 While a backlog lasts, the hub runs several cycles as one round (`scheduler.write_coalesce_cycles`, at most
 `scheduler.write_coalesce_ms`; reads still run between them) and each connection's frames of those cycles go
 out together at the round's end, by `transport.writelines` (one `writev` on uvloop); a client caught up
-(nothing for it next cycle: `Batch.more` false) is written at once (`send`, WebSocket) or after its cycle,
-so nobody waits for another's backlog. The frames are the
+(nothing for it next cycle: `Batch.more` false) is written at once (`send`), or after its cycle when frames
+of the round wait before its batch, so nobody waits for another's backlog. The frames are the
 cycles' frames, in order, one batch each: the scheduler's rules and the wire do not change, only the number
 of system calls (docs/architecture.md, "Rounds"). With no backlog a round is one cycle, written at once.
 Frames written outside the scheduler (pongs, pings, SSE heartbeats) are whole frames, so they may go between
@@ -94,17 +94,35 @@ class StagedWriter:
         return self._staged_bytes < self.hub.stage_limit or self.flush()
 
     def send(self, data: bytes) -> bool:
-        """For a client caught up: write `data` now (the round holds nothing for it), or after its cycle
-        with the frames staged before it. Returns what `stage` does."""
+        """For a client caught up (`Batch.more` false): write `data` now, as the round holds nothing for it,
+        or, behind frames staged earlier in the round, stage it for the write after this cycle. Returns what
+        `stage` does."""
         if self._staged:
+            self.hub.caught_up[self] = None
             return self.stage(data)
         transport = self._stream()
         if transport is None:
             return False
         transport.write(data)
+        return self._wrote()
+
+    def send_parts(self, parts: tuple[bytes, ...], size: int) -> bool:
+        """`send` for one unit written in `parts` (`size` bytes in all)."""
+        if self._staged:
+            self.hub.caught_up[self] = None
+            return self.stage_parts(parts, size)
+        transport = self._stream()
+        if transport is None:
+            return False
+        transport.writelines(parts)
+        return self._wrote()
+
+    def _wrote(self) -> bool:
+        """After a write: False when it left the transport above its high-water mark (the client is blocked
+        until `resume_writing`)."""
         self.hub.staged_writes += 1
         self._written()
-        if self.paused:
+        if self.paused:  # pause_writing ran inside the write: above the high-water mark
             self._blocked()
             return False
         return True
@@ -125,9 +143,4 @@ class StagedWriter:
             transport.write(staged[0])
         else:
             transport.writelines(staged)
-        self.hub.staged_writes += 1
-        self._written()
-        if self.paused:  # pause_writing ran inside the write: above the high-water mark
-            self._blocked()
-            return False
-        return True
+        return self._wrote()

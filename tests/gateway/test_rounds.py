@@ -108,9 +108,11 @@ def test_a_client_blocked_by_a_rounds_write_delays_nobody_and_catches_up_when_it
         wait_for(lambda: gw.call(lambda: not gw.hub.blocked), "the slow client drained")
 
 
-def test_a_caught_up_client_is_written_after_its_cycle_not_held_for_anothers_backlog():
+@pytest.mark.parametrize("cold_backlog", [1, 5])
+def test_a_caught_up_client_is_written_after_its_cycle_not_held_for_anothers_backlog(cold_backlog):
     """A round goes on while some client has a backlog; a client with nothing more to come is written at the
-    end of each cycle, so another's backlog never delays it."""
+    end of its cycle, so another's backlog never delays it: at once with one message, and with five (four
+    cycles staged in the round, then caught up) after the fifth cycle."""
     rules = {"rules": [{"pattern": "*", "anonymous": True, "capacity": 32768}]}
     settings = {"write_coalesce_cycles": 100_000, "write_coalesce_ms": 60_000}  # the backlog is one round
     with (run_gateway(topics=rules, scheduler=settings, websocket={"write_high_water": 1 << 22}) as gw,
@@ -119,8 +121,10 @@ def test_a_caught_up_client_is_written_after_its_cycle_not_held_for_anothers_bac
         send(caught_up, op="subscribe", topic="cold")
         for ws in (backlogged, caught_up):
             assert recv_entries(ws)[0]["type"] == "subscribed"
-        gw.call(lambda: ([gw.hub.publish("hot", i) for i in range(20_000)], gw.hub.publish("cold", "now")))
-        assert recv_entries(caught_up)[0]["data"] == "now"
+        gw.call(lambda: ([gw.hub.publish("hot", i) for i in range(20_000)],
+                         [gw.hub.publish("cold", i) for i in range(cold_backlog)]))
+        got = collect(caught_up, lambda g: len(g) >= cold_backlog)
+        assert [e["data"] for e in got] == list(range(cold_backlog))
         with pytest.raises(TimeoutError):  # the backlog's round (20,000 cycles) still runs: nothing written yet
             backlogged.recv(timeout=0.05)
         got = collect(backlogged, lambda g: len(g) >= 20_000, timeout=30)
