@@ -198,8 +198,7 @@ class SseConnection(StagedWriter):
         size = len(head) + len(frame) + 2
         self.bytes_sent += size
         # one chunk, the shared frame not copied: chunk size, head, frame, then event end + chunk end
-        parts = (b"%x\r\n" % size, head, frame, b"\n\n\r\n")
-        return self.stage_parts(parts, size) if batch.more else self.send_parts(parts, size)
+        return self.write_batch((b"%x\r\n" % size, head, frame, b"\n\n\r\n"), size, batch.more)
 
     def _stream(self) -> asyncio.Transport | None:
         transport = self.transport

@@ -3,7 +3,7 @@
 While a backlog lasts, the hub runs several cycles as one round (`scheduler.write_coalesce_cycles`, at most
 `scheduler.write_coalesce_ms`; reads still run between them) and each connection's frames of those cycles go
 out together at the round's end, by `transport.writelines` (one `writev` on uvloop); a client caught up
-(nothing for it next cycle: `Batch.more` false) is written at once (`send`), or after its cycle when frames
+(nothing for it next cycle: `Batch.more` false) is written at once, or after its cycle when frames
 of the round wait before its batch, so nobody waits for another's backlog. The frames are the
 cycles' frames, in order, one batch each: the scheduler's rules and the wire do not change, only the number
 of system calls (docs/architecture.md, "Rounds"). With no backlog a round is one cycle, written at once.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -72,60 +73,23 @@ class StagedWriter:
         """Frames wait for the round's write (the last `deliver` was staged, not written)."""
         return bool(self._staged)
 
-    def stage(self, data: bytes) -> bool:
-        """Hold `data` for the round's write. Returns False when it had to be written at once and left the
-        transport above its high-water mark (the client is blocked)."""
+    def write_batch(self, parts: tuple[bytes, ...], size: int, more: bool) -> bool:
+        """A batch's bytes (`parts`, `size` in all, none copied). While the client has more to come next cycle
+        (`Batch.more`) they are staged for the round's write; for a client caught up they are written now,
+        or, behind frames staged earlier in the round, after this cycle (`hub.caught_up`). Returns False when
+        a write left the transport above its high-water mark (the client is blocked)."""
         staged = self._staged
-        if not staged:
+        if staged:
+            if not more:
+                self.hub.caught_up[self] = None
+        elif more:
             self.hub.staged[self] = None
             self._staged_bytes = 0
-        staged.append(data)
-        self._staged_bytes += len(data)
-        return self._staged_bytes < self.hub.stage_limit or self.flush()
-
-    def stage_parts(self, parts: tuple[bytes, ...], size: int) -> bool:
-        """`stage` for one unit written in `parts` (`size` bytes in all), none of them copied."""
-        staged = self._staged
-        if not staged:
-            self.hub.staged[self] = None
-            self._staged_bytes = 0
+        else:
+            return self._write_parts(parts)
         staged += parts
         self._staged_bytes += size
         return self._staged_bytes < self.hub.stage_limit or self.flush()
-
-    def send(self, data: bytes) -> bool:
-        """For a client caught up (`Batch.more` false): write `data` now, as the round holds nothing for it,
-        or, behind frames staged earlier in the round, stage it for the write after this cycle. Returns what
-        `stage` does."""
-        if self._staged:
-            self.hub.caught_up[self] = None
-            return self.stage(data)
-        transport = self._stream()
-        if transport is None:
-            return False
-        transport.write(data)
-        return self._wrote()
-
-    def send_parts(self, parts: tuple[bytes, ...], size: int) -> bool:
-        """`send` for one unit written in `parts` (`size` bytes in all)."""
-        if self._staged:
-            self.hub.caught_up[self] = None
-            return self.stage_parts(parts, size)
-        transport = self._stream()
-        if transport is None:
-            return False
-        transport.writelines(parts)
-        return self._wrote()
-
-    def _wrote(self) -> bool:
-        """After a write: False when it left the transport above its high-water mark (the client is blocked
-        until `resume_writing`)."""
-        self.hub.staged_writes += 1
-        self._written()
-        if self.paused:  # pause_writing ran inside the write: above the high-water mark
-            self._blocked()
-            return False
-        return True
 
     def flush(self) -> bool:
         """Write what is staged, in one call. Returns False when the write left the transport above its
@@ -136,11 +100,22 @@ class StagedWriter:
         self._staged = []
         if self.hub.delivery_log is not None:
             self.hub.delivery_log.written(self)
+        return self._write_parts(staged)
+
+    def _write_parts(self, parts: Sequence[bytes]) -> bool:
+        """One write call (`writelines`: one `writev` on uvloop). False when nothing may be written any more,
+        or when the write left the transport above its high-water mark (the client is blocked until
+        `resume_writing`)."""
         transport = self._stream()
         if transport is None:
             return False
-        if len(staged) == 1:
-            transport.write(staged[0])
+        if len(parts) == 1:
+            transport.write(parts[0])
         else:
-            transport.writelines(staged)
-        return self._wrote()
+            transport.writelines(parts)
+        self.hub.staged_writes += 1
+        self._written()
+        if self.paused:  # pause_writing ran inside the write: above the high-water mark
+            self._blocked()
+            return False
+        return True

@@ -296,7 +296,8 @@ class WSConnection(StagedWriter):
         assert proto is not None  # no outbox: the direct write path
         if proto.transport.is_closing() or proto.lingering:  # closed, or our side already shut
             return False
-        return self.stage(framed(frame)) if batch.more else self.send(framed(frame))
+        data = framed(frame)
+        return self.write_batch((data,), len(data), batch.more)
 
     def _stream(self) -> asyncio.Transport | None:
         proto = self.proto
