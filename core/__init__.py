@@ -3,6 +3,9 @@
 See docs/architecture.md for the model and engine.py for the calling contract.
 """
 
+# First: it decides whether the compiled modules or their sources are imported below.
+from .native import BUILD, COMPILED  # isort: skip
+
 from .config import EngineConfig, TopicConfig, TopicKind, TopicRule
 from .counters import Counters
 from .engine import Batch, Engine, Published, Subscribed
@@ -28,6 +31,8 @@ from .errors import (
 )
 
 __all__ = [
+    "BUILD",
+    "COMPILED",
     "Batch",
     "CoreUsageError",
     "Counters",

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+import core
+
 from .broker import BrokerUnreachable
 from .broker.forward import WorkerLinks
 from .config import ConfigError, GatewayConfig, load_config
@@ -51,6 +53,7 @@ async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0,
     if generated:
         print(f"admin token (development, loopback only): {running.admin_token}", flush=True)
     scheme = "https" if config.server.ssl_certfile else "http"
+    print(f"core: {core.BUILD}", flush=True)
     print(f"gateway listening on {scheme}://{config.server.host}:{running.http_port}", flush=True)
     try:
         await running.wait()

@@ -94,6 +94,7 @@ def test_gateway_serve_runs_on_the_embedded_default_config(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)
     assert f"admin token (development, loopback only): {ports['admin_token']}" in out
+    assert "core: compiled (" in out or "core: pure Python (" in out  # which build of the core runs
 
 
 def test_gateway_serve_reports_config_errors(tmp_path):
