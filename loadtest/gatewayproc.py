@@ -8,6 +8,7 @@ token is the one written into FILE (the ready file carries a token only when the
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shlex
 import signal
@@ -89,10 +90,12 @@ class GatewayProcess(ServerProcess):
         ready.unlink(missing_ok=True)
         log = open(self.workdir / "gateway.log", "ab")
         raise_nofile_limit()
+        # PYTHONSAFEPATH: `python -m` must not put the current directory first, or the checkout the run starts
+        # from would shadow one that `--gateway-cmd "env PYTHONPATH=..."` names (an A/B of two checkouts).
         self.proc = subprocess.Popen(
             [*self.command, "serve", "--config", str(config), "--ready-file", str(ready)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=raise_nofile_limit, start_new_session=True)
+            env={**os.environ, "PYTHONSAFEPATH": "1"}, preexec_fn=raise_nofile_limit, start_new_session=True)
         log.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:

@@ -4,6 +4,7 @@ hundred messages, seconds each."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -93,3 +94,19 @@ def test_nothing_listening_fails_fast(tmp_path: Path) -> None:
         runner.run(SMALL, lambda workdir: nullcontext(Target("gateway", "127.0.0.1", port, port)), tmp_path,
                    Console(record=True), progress=False)
     assert time.monotonic() - start < 15
+
+
+def test_gateway_cmd_runs_the_checkout_its_pythonpath_names(tmp_path: Path, monkeypatch) -> None:
+    """An A/B of two checkouts: run from this one, the gateway must come from the one on PYTHONPATH."""
+    repo = Path(__file__).resolve().parents[2]
+    other = tmp_path / "other"
+    for package in ("core", "gateway", "config"):
+        shutil.copytree(repo / package, other / package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.chdir(repo)  # where `python -m` would find this checkout's gateway first
+    script = "import sys, gateway.cli; print('ran', gateway.cli.__file__, flush=True); sys.exit(gateway.cli.main(sys.argv[1:]))"
+    command = f"env PYTHONPATH={other} {sys.executable} -c \"{script}\""
+    with GatewayProcess(tmp_path / "run", command):
+        pass
+    log = (tmp_path / "run" / "gateway.log").read_text()
+    assert f"ran {other / 'gateway' / 'cli.py'}" in log
+    assert "core: " in log
