@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+import core
+
 if TYPE_CHECKING:
     from core import Batch
 
@@ -118,6 +120,8 @@ class Metrics:
                                   value=self.hub.rounds)
         yield CounterMetricFamily("fanout_staged_writes", "write calls of staged batches (WebSocket, SSE)",
                                   value=self.hub.staged_writes)
+        yield GaugeMetricFamily("fanout_core_compiled", "1: the core's mypyc-compiled modules run; 0: their Python "
+                                "sources (`gateway serve` prints why)", value=int(core.COMPILED))
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
         yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
         pauses = HistogramMetricFamily("fanout_gc_pause_seconds", "garbage-collector pauses", labels=["generation"])

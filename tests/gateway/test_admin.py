@@ -4,6 +4,7 @@ import httpx
 import pytest
 from gw_helpers import auth, collect, recv_entries, send, ws_connect
 
+import core
 from gateway.testing import make_token, run_gateway
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,6 +73,7 @@ def test_stats_metrics_health_openapi_static():
         for name in ("fanout_messages_published_total", "fanout_cycle_duration_seconds_bucket",
                      "fanout_entries_per_batch_bucket", "fanout_write_blocked_clients", "fanout_clients"):
             assert name in metrics
+        assert f"\nfanout_core_compiled {float(core.COMPILED)}\n" in metrics  # which build of the core runs
         spec = http.get("/api/openapi.json").json()
         assert spec["openapi"].startswith("3.") and "/api/topics/{name}/publish" in spec["paths"]
         assert "core" in http.get("/api/stats", headers=auth(gw)).json()
