@@ -599,6 +599,7 @@ class Hub:
     def _deliver(self, batches: list[Batch]) -> None:
         frames: dict[bytes | tuple[bytes, ...], bytes] = {}
         conns = self.conns
+        delivery_log = self.delivery_log
         done = []
         for batch in batches:
             conn = conns.get(batch.client_id)
@@ -618,8 +619,8 @@ class Hub:
                 log.exception("delivery to %s failed", batch.client_id)
                 self.kick(batch.client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
                 continue
-            if self.delivery_log is not None:
-                self.delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
+            if delivery_log is not None:
+                delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
             if finished:
                 done.append(batch.client_id)
         if done:

@@ -65,11 +65,9 @@ class _FramedCache:
         self.payload = b""
         self.frame = text_frame_header(0)
 
-    def __call__(self, payload: bytes) -> bytes:
-        if payload is not self.payload:
-            self.frame = text_frame_header(len(payload)) + payload
-            self.payload = payload
-        return self.frame
+    def update(self, payload: bytes) -> None:
+        self.frame = text_frame_header(len(payload)) + payload
+        self.payload = payload
 
 
 #: holds one payload and its frame (the last one written) until the next payload replaces them
@@ -288,15 +286,18 @@ class WSConnection(StagedWriter):
         self.frames_sent += 1
         self.bytes_sent += len(frame)
         self.entries_sent += len(batch.entries)
-        if self._outbox is not None:
+        proto = self.proto
+        if proto is None:  # the ASGI path: its writer task writes the frame
+            assert self._outbox is not None
             self._outbox.put_nowait(frame)
             self._blocked()
             return False
-        proto = self.proto
-        assert proto is not None  # no outbox: the direct write path
         if proto.transport.is_closing() or proto.lingering:  # closed, or our side already shut
             return False
-        data = framed(frame)
+        cache = framed
+        if frame is not cache.payload:
+            cache.update(frame)
+        data = cache.frame
         return self.write_batch((data,), len(data), batch.more)
 
     def _stream(self) -> asyncio.Transport | None:
