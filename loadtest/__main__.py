@@ -9,7 +9,7 @@
     python -m loadtest wsbench                   WebSocket client cost: ours vs websockets' asyncio client
     python -m loadtest core | rawtcp [...]       the core and raw-TCP benchmarks (their own flags)
     python -m loadtest cluster [--clients N]     in-process vs Redis vs 2 workers; cross-node latency; kill -9 recovery
-    python -m loadtest idle-memory [--clients N] gateway memory per idle WebSocket client, and after they leave
+    python -m loadtest idle-memory [--clients N] [--crowds K]  memory per idle WebSocket client, and after K crowds leave
 """
 
 from __future__ import annotations

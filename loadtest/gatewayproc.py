@@ -73,8 +73,10 @@ class GatewayProcess(ServerProcess):
     stop_timeout = STOP_TIMEOUT
 
     def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64,
-                 batch_depth: int | str = 1, linger: float = 0.0) -> None:
+                 batch_depth: int | str = 1, linger: float = 0.0, env: dict[str, str] | None = None) -> None:
         self.workdir = Path(workdir)
+        #: variables added to the gateway's environment (`GATEWAY_*` overrides)
+        self.env = env or {}
         self.command = shlex.split(command) if command else [sys.executable, "-m", "gateway"]
         self.capacity = capacity
         self.batch_depth = batch_depth
@@ -95,7 +97,7 @@ class GatewayProcess(ServerProcess):
         self.proc = subprocess.Popen(
             [*self.command, "serve", "--config", str(config), "--ready-file", str(ready)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONSAFEPATH": "1"}, preexec_fn=raise_nofile_limit, start_new_session=True)
+            env={**os.environ, **self.env, "PYTHONSAFEPATH": "1"}, preexec_fn=raise_nofile_limit, start_new_session=True)
         log.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:

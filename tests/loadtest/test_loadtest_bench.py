@@ -157,3 +157,14 @@ def test_closed_loop_run_against_the_gateway(tmp_path: Path) -> None:
     assert summary["loss"]["silent"] == 0 and summary["loss"]["announced"] == 0
     assert summary["published"]["sent"] > 16
     assert "window_resets" not in summary["published"]["errors"]
+
+
+def test_idle_memory_measures_each_crowd_in_turn() -> None:
+    from loadtest import idle_memory
+
+    result = asyncio.run(idle_memory.measure(150, settle_s=0.5, crowds=2, hold_s=0.5, warm_s=0.5))
+    assert result["clients"] == 150 and result["bytes_per_client"] > 0
+    assert [run["rss_after_mb"] for run in result["crowds"]][0] == result["rss_after_mb"]
+    assert len(result["crowds"]) == 2
+    for run in result["crowds"]:
+        assert run["rss_with_clients_mb"] > result["rss_before_mb"] > 0 and run["rss_after_mb"] > 0
