@@ -505,11 +505,6 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._active)
 
-    def is_active(self, client_id: Hashable) -> bool:
-        """Whether the client gets a batch in the next cycle (READY, with work). O(1)."""
-        client = self._clients.get(client_id)
-        return client is not None and client in self._active
-
     def run_cycle(self) -> list[Batch]:
         """Visit each eligible active client once; return its batch (docs/design/batching.md §5)."""
         clients, self._active = self._active, {}

@@ -137,9 +137,7 @@ class Topic:
     def hold(self, woken: Collection[Subscription]) -> bool:
         """A linger: put the handles a publish handed over back in `idle`, in their order (the engine wakes
         them when the linger ends). Returns whether it must end now rather than at its deadline."""
-        parked = self.idle  # empty: the publish that handed them over just took it
-        self.idle = woken if isinstance(woken, dict) else dict.fromkeys(woken)
-        self.idle.update(parked)
+        self.idle = woken if isinstance(woken, dict) else dict.fromkeys(woken)  # the publish left it empty
         return False
 
     def reserve(self, count: int) -> tuple[int, int]:

@@ -583,8 +583,8 @@ class Hub:
             self._flush(conn)
 
     def _flush(self, conn: Any) -> None:
-        """One left above its high-water mark is not ready (its batches were reported done when staged)
-        until its transport drains."""
+        """Write one connection's staged frames. One left above its high-water mark is not ready (its batches
+        were reported done when staged) until its transport drains."""
         client_id = conn.identity.client_id
         try:
             if conn.flush():

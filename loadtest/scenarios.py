@@ -12,6 +12,8 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
+from core.config import MAX_LINGER
+
 TRANSPORTS = ("ws", "longpoll", "mixed")
 PUBLISH_VIA = ("ingest", "admin")
 #: ``--batch-depth auto``: the gateway's ``batch_depth = "auto"`` (docs/design/batching.md §8)
@@ -113,8 +115,8 @@ class Scenario:
             raise ValueError("window must be >= 0")
         if self.batch_depth != AUTO and not (isinstance(self.batch_depth, int) and self.batch_depth >= 1):
             raise ValueError(f'batch_depth must be an integer >= 1 or "{AUTO}"')
-        if not 0.0 <= self.linger <= 10.0:
-            raise ValueError("linger must be in [0, 10] seconds")
+        if not 0.0 <= self.linger <= MAX_LINGER:
+            raise ValueError(f"linger must be in [0, {MAX_LINGER:g}] seconds")
         if self.coldhot and not (self.hot_topics and 0 < self.hot_share < 1):
             raise ValueError("coldhot needs hot_topics and 0 < hot_share < 1")
         if self.coldhot and self.dominator_topics:
