@@ -106,23 +106,28 @@ class WsClient(asyncio.Protocol):
         messages: list[bytes] = []
         for event in protocol.events_received():
             if type(event) is Frame:
-                opcode = event.opcode
-                if opcode is Opcode.TEXT or opcode is Opcode.BINARY:
-                    if event.fin:
-                        messages.append(event.data)
-                    else:
-                        self._fragments = [event.data]
-                elif opcode is Opcode.CONT:
-                    self._fragments.append(event.data)
-                    if event.fin:
-                        messages.append(b"".join(self._fragments))
-                        self._fragments = []
-                elif opcode is Opcode.CLOSE:
+                if event.opcode is Opcode.CLOSE:
                     close = protocol.close_rcvd
                     self._closing(f"close {close.code} {close.reason}" if close else "close")
+                else:
+                    self._data_frame(event.opcode, event.fin, event.data, messages)
             elif isinstance(event, Response):
                 self._handshake_done()
         return messages
+
+    def _data_frame(self, opcode: int, fin: bool, payload: bytes, messages: list[bytes]) -> None:
+        """A text, binary or continuation frame: a message once its last fragment is in (others: ignored,
+        websockets answered them)."""
+        if opcode == Opcode.TEXT or opcode == Opcode.BINARY:
+            if fin:
+                messages.append(payload)
+            else:
+                self._fragments = [payload]
+        elif opcode == Opcode.CONT:
+            self._fragments.append(payload)
+            if fin:
+                messages.append(b"".join(self._fragments))
+                self._fragments = []
 
     def _split(self, data: bytes) -> list[bytes]:
         """The messages of the complete frames in ``data`` (after what an earlier read left over).
@@ -161,17 +166,10 @@ class WsClient(asyncio.Protocol):
             if stop > end:
                 self._need = stop - pos
                 break
-            opcode = first & 0x0F
-            if opcode == 1 or opcode == 2:
-                if first & 0x80:
-                    messages.append(data[pos + head:stop])
-                else:
-                    self._fragments = [data[pos + head:stop]]
-            elif opcode == 0:
-                self._fragments.append(data[pos + head:stop])
-                if first & 0x80:
-                    messages.append(b"".join(self._fragments))
-                    self._fragments = []
+            if first == 0x81 or first == 0x82:  # a whole text or binary message: nearly every frame
+                messages.append(data[pos + head:stop])
+            elif first & 0x0F <= 2:  # a fragment
+                self._data_frame(first & 0x0F, bool(first & 0x80), data[pos + head:stop], messages)
             else:  # ping, pong, close (or an opcode websockets rejects): one whole frame, at a frame boundary
                 messages += self._through_websockets(data[pos:stop])
             pos = stop
