@@ -112,17 +112,22 @@ class WsSubscriber(Subscriber):
 
     def ws_messages(self, messages: list[bytes], now_ns: int) -> None:
         loads = orjson.loads
+        recorder = self.recorder
         if self.worker.spec.target.kind == "nchan":
             for body in messages:
                 self.batch += 1
+                if recorder.raw_frame(self.index, body, self.batch, now_ns):
+                    continue
                 try:
                     data = loads(body)
                 except orjson.JSONDecodeError:
                     data = None
-                self.recorder.raw_message(self.index, body, data, self.batch, now_ns)
+                recorder.raw_message(self.index, body, data, self.batch, now_ns)
             return
         for body in messages:
             self.batch += 1
+            if recorder.msg_frame(self.index, body, self.batch, now_ns):
+                continue
             try:
                 entries = loads(body)
             except orjson.JSONDecodeError:

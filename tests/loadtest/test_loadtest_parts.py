@@ -8,6 +8,7 @@ import sys
 import types
 from collections import Counter
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,6 +160,63 @@ def test_recorder_survives_entries_that_are_not_ours() -> None:
     assert r.entries(0, "junk", 2, 6) == 0 and r.errors["bad_batch"] == 1
     r.raw_message(0, b"{}", {"t": "a", "n": "1"}, 3, 7)
     assert r.errors["bad_message"] == 1 and len(r.seq) == 2
+
+
+def _recorded(r: Recorder) -> tuple[object, ...]:
+    arrays = tuple(list(getattr(r, name)) for name in ("topic", "client", "seq", "publish_ns", "deliver_ns", "batch_id"))
+    return arrays, r.starts, r.losses, r.lost, r.msgs, r.foreign, r.frames, r.dropped_rows, dict(r.errors)
+
+
+_LOAD_MSG = st.fixed_dictionaries({
+    "type": st.just("msg"), "topic": st.sampled_from(["a", "b", "zz"]), "seq": st.integers(0, 99),
+    "data": st.fixed_dictionaries({"ts": st.integers(0, 2**62), "n": st.integers(-1, 3), "pad": st.just("x" * 20)})})
+_ENTRY = st.one_of(
+    _LOAD_MSG,
+    st.fixed_dictionaries({"type": st.just("msg"), "topic": st.just("a"),
+                           "seq": st.one_of(st.integers(0, 9), st.text(max_size=2)),
+                           "data": st.one_of(st.none(), st.fixed_dictionaries({"ts": st.text(max_size=2)}))}),
+    st.fixed_dictionaries({"type": st.just("loss"), "topic": st.just("a"), "from": st.integers(0, 5),
+                           "to": st.integers(6, 9), "reason": st.just("lagged")}),
+    st.fixed_dictionaries({"type": st.just("subscribed"), "topic": st.just("b"), "seq": st.integers(0, 9)}),
+)
+
+
+@given(st.lists(st.one_of(st.lists(_LOAD_MSG, max_size=6), st.lists(_ENTRY, max_size=6)), max_size=5),
+       st.integers(0, 12))
+@settings(max_examples=200, deadline=None)
+def test_recorder_fast_path_records_what_the_general_path_does(frames: list[list[dict]], max_rows: int) -> None:
+    """`msg_frame` takes the frames of nothing but well-formed load messages, and must keep exactly what
+    `entries` keeps for them; every other frame it refuses, leaving it to `entries`."""
+    general = Recorder({"a": 0, "b": 1}, stalled=[False, True], max_rows=max_rows)
+    fast = Recorder({"a": 0, "b": 1}, stalled=[False, True], max_rows=max_rows)
+    took = 0
+    for batch_id, frame in enumerate(frames):
+        body = orjson.dumps(frame)
+        general.entries(1, frame, batch_id, 1000 + batch_id)
+        if fast.msg_frame(1, body, batch_id, 1000 + batch_id):
+            took += 1
+        else:
+            fast.entries(1, orjson.loads(body), batch_id, 1000 + batch_id)
+    assert _recorded(fast) == _recorded(general)
+    common = sum(all(e["type"] == "msg" and type(e["seq"]) is int and isinstance(e["data"], dict)
+                     and type(e["data"].get("n")) is int for e in frame) for frame in frames)
+    assert took == common
+
+
+def test_recorder_raw_fast_path_matches() -> None:
+    bodies = [orjson.dumps({"ts": 5, "t": "a", "n": 1, "pad": "x"}), orjson.dumps({"ts": 6, "t": "zz", "n": 2}),
+              orjson.dumps({"ts": 7, "t": "a", "n": -1}), b'{"t": "a", "n": "1"}', b"not json"]
+    general, fast = Recorder({"a": 0}, stalled=[False]), Recorder({"a": 0}, stalled=[False])
+    for i, body in enumerate(bodies):
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None
+        general.raw_message(0, body, data, i, 10 + i)
+        if not fast.raw_frame(0, body, i, 10 + i):
+            fast.raw_message(0, body, data, i, 10 + i)
+    assert _recorded(fast) == _recorded(general)
+    assert list(fast.seq) == [1] and fast.foreign == 1 and fast.errors["bad_message"] == 2
 
 
 @given(st.lists(st.binary(max_size=64), max_size=8), st.sampled_from([
