@@ -141,8 +141,8 @@ class Recorder:
         return subscribed
 
     def msg_frame(self, client: int, body: bytes, batch_id: int, now: int) -> bool:
-        """Record a gateway frame if it holds only load messages (the hot path: a row costs about half of
-        what :meth:`entries` spends on it). Returns False, recording nothing, for any other frame."""
+        """Record a gateway frame if it holds only load messages (the hot path: a row costs 0.56-0.84 of
+        what orjson and :meth:`entries` spend on it). Returns False, recording nothing, for any other frame."""
         try:
             msgs = _decode_msgs(body)
         except _NOT_COMMON:
@@ -185,21 +185,7 @@ class Recorder:
         except _NOT_COMMON:
             return False
         self.frames += 1
-        t = self.topic_index.get(raw.t)
-        if t is None or raw.n < 0:
-            if t is None:
-                self.foreign += 1
-            return True
-        self.msgs[self.stalled[client]] += 1
-        if len(self.seq) >= self.max_rows:
-            self.dropped_rows += 1
-            return True
-        self.topic.append(t)
-        self.seq.append(raw.n)
-        self.client.append(client)
-        self.publish_ns.append(raw.ts)
-        self.deliver_ns.append(now)
-        self.batch_id.append(batch_id)
+        self._raw_row(client, raw.t, raw.n, raw.ts, batch_id, now)
         return True
 
     def raw_message(self, client: int, body: bytes, data: Any, batch_id: int, now: int) -> None:
@@ -208,21 +194,26 @@ class Recorder:
         if type(data) is not dict or type(data.get("t")) is not str:
             self._error("bad_message", body[:200])
             return
-        t = self.topic_index.get(data["t"])
         n, ts = data.get("n"), data.get("ts", -1)
         if type(n) is not int or type(ts) is not int:
             self._error("bad_message", body[:200])
             return
-        if t is None or n < 0:
-            if t is None:
+        self._raw_row(client, data["t"], n, ts, batch_id, now)
+
+    def _raw_row(self, client: int, name: str, seq: int, ts: int, batch_id: int, now: int) -> None:
+        """One well-formed message of nchan's: counted and kept (unless the rows are at their cap), or
+        counted as foreign, or skipped as the priming message."""
+        topic = self.topic_index.get(name)
+        if topic is None or seq < 0:
+            if topic is None:
                 self.foreign += 1
             return
         self.msgs[self.stalled[client]] += 1
         if len(self.seq) >= self.max_rows:
             self.dropped_rows += 1
             return
-        self.topic.append(t)
-        self.seq.append(n)
+        self.topic.append(topic)
+        self.seq.append(seq)
         self.client.append(client)
         self.publish_ns.append(ts)
         self.deliver_ns.append(now)
