@@ -101,8 +101,7 @@ class Recorder:
                 if type(data) is dict:
                     n = data.get("n")
                     if type(n) is int and n < 0:  # priming message: the stream starts after it
-                        key = (client, t)
-                        self.starts[key] = max(self.starts.get(key, 0), seq + 1)
+                        self._starts_at(client, t, seq + 1)
                         continue
                     ts = data.get("ts", -1)
                     if type(ts) is not int:  # not one of ours (another publisher on --url)
@@ -131,8 +130,7 @@ class Recorder:
                 t = topic_index.get(e.get("topic"))
                 if t is not None:
                     subscribed += 1
-                    key = (client, t)
-                    self.starts[key] = max(self.starts.get(key, 0), e.get("seq", 0))
+                    self._starts_at(client, t, e.get("seq", 0))
             elif kind == "error":
                 self._error(str(e.get("code")), e)
             elif kind not in ("reply", "unsubscribed", "closed"):
@@ -161,8 +159,7 @@ class Recorder:
                 continue
             data = m.data
             if data.n < 0:  # priming message: the stream starts after it
-                key = (client, t)
-                self.starts[key] = max(self.starts.get(key, 0), m.seq + 1)
+                self._starts_at(client, t, m.seq + 1)
                 continue
             rows += 1
             if rows > room:
@@ -218,6 +215,11 @@ class Recorder:
         self.publish_ns.append(ts)
         self.deliver_ns.append(now)
         self.batch_id.append(batch_id)
+
+    def _starts_at(self, client: int, topic: int, seq: int) -> None:
+        """The client's stream of the topic starts at ``seq`` or later (a priming message, a subscribe ack)."""
+        key = (client, topic)
+        self.starts[key] = max(self.starts.get(key, 0), seq)
 
     def _error(self, code: str, sample: Any) -> None:
         self.errors[code] += 1
