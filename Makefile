@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup java browser redis bench clean
+.PHONY: run test lint setup java browser redis iproute bench clean
 
 # Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never runs
 # (core/native.py falls back to the sources).
@@ -28,6 +28,10 @@ browser:
 redis:
 	@command -v redis-server >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server)
 
+# The load tool counts a server's TCP segments with `ss` (iproute2; tests/loadtest/test_segments.py).
+iproute:
+	@command -v ss >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2)
+
 run: $(STAMP)
 	$(BIN)/gateway serve
 
@@ -38,7 +42,7 @@ lint: $(STAMP)
 	$(BIN)/mypy gateway
 
 # Then the core's own tests once more on its pure-Python fallback (FANOUT_PURE_PYTHON, core/native.py).
-test: lint java browser redis
+test: lint java browser redis iproute
 	$(BIN)/python -m pytest -q
 	FANOUT_PURE_PYTHON=1 $(BIN)/python -m pytest -q tests/core
 

@@ -244,6 +244,11 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "loadgen cpu us/delivery": round(1e6 * cpu.get("loadgen", {}).get("cpu_s", 0.0) / delivered, 3)
         if delivered else 0.0,
     }
+    # TCP data segments the server sent its subscribers (0: not measured). On loopback the sender pays for
+    # both ends of a segment, so these two explain much of its CPU per delivery.
+    sent = summary.get("server_segments") or 0
+    out["server segments/delivery"] = round(sent / delivered, 3) if delivered else 0.0
+    out["server cpu us/segment"] = round(1e6 * cpu.get("server", {}).get("cpu_s", 0.0) / sent, 3) if sent else 0.0
     for name, stats in summary.get("topic_classes_ms", {}).items():
         if len(summary["topic_classes_ms"]) > 1:
             out[f"{name} topics p99 ms"] = stats["p99"]

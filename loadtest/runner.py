@@ -26,7 +26,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from loadtest import analysis, deliverylog, publisher, recorder, report, worker
+from loadtest import analysis, deliverylog, publisher, recorder, report, segments, worker
 from loadtest.procstat import MachineSampler, TreeSampler, peak_rss, raise_nofile_limit, wait_quiet
 from loadtest.scenarios import Plan, Scenario, plan
 from loadtest.target import Target
@@ -150,6 +150,7 @@ class LoadRun:
         server = TreeSampler(target.pid) if target.pid else None
         loadgen = TreeSampler(os.getpid(), exclude=target.pid)
         machine = MachineSampler()
+        segments_before = segments.read(target.http_port)
         go_ns = time.time_ns() + int(GO_DELAY * 1e9)
         for conn in [pub, *workers]:
             conn.send(("go", go_ns))
@@ -212,6 +213,7 @@ class LoadRun:
                 time.sleep(0.1)
             sample()
             t_end = time.monotonic()
+            segments_after = segments.read(target.http_port)
 
         for conn in workers:
             conn.send(("stop",))
@@ -224,6 +226,8 @@ class LoadRun:
         data = analysis.merge(dumps, p, published)
         summary = analysis.summarize(data, s, p, target.kind, go_ns, stall_for > 0)
         summary["cpu"] = self._cpu(server, loadgen, machine, t_go, t_end, dumps, published)
+        # TCP data segments the server sent to its WebSocket clients (None: `ss` unavailable)
+        summary["server_segments"] = segments.sent_between(segments_before, segments_after)
         summary["timing"] = {"go_ns": go_ns, "publish_s": round(
             (published.get("last_ns", go_ns) - published.get("first_ns", go_ns)) / 1e9, 3),
             "measured_s": round(t_end - t_go, 3)}
