@@ -41,8 +41,7 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
             console.rule(f"round {r + 1}/{rounds}: {label}")
             summary = runner.run(scenario, factory, out / f"{label}-{r + 1}", console, progress, **options)
             runs[label].append(analysis.figures(summary))
-    medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
-               for label, figures in runs.items()}
+    medians = _medians(runs, console)
     depth = f", gateway batch depth {scenario.batch_depth}" if scenario.batch_depth != 1 else ""
     depth += f", linger {scenario.linger} s" if scenario.linger else ""
     report.print_comparison(console, medians, f"{scenario.name}: gateway vs nginx + nchan "
@@ -71,8 +70,7 @@ def compare_depths(scenario: Scenario, depths: list[int | str], gateway: Callabl
             run = dataclasses.replace(scenario, batch_depth=depth)
             summary = runner.run(run, gateway(depth), out / f"depth-{depth}-{r + 1}", console, progress, **options)
             runs[label].append(analysis.figures(summary))
-    medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
-               for label, figures in runs.items()}
+    medians = _medians(runs, console)
     first = next(iter(medians))
     columns = dict(medians)
     for label in list(medians)[1:]:
@@ -107,8 +105,7 @@ def compare_baseline(scenario: Scenario, gateway: runner.TargetFactory, batches:
             summary = runner.run(scenario, factory, out / f"{label.replace(' ', '-')}-{r + 1}", console, progress,
                                  **options)
             runs[label].append(analysis.figures(summary))
-    medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
-               for label, figures in runs.items()}
+    medians = _medians(runs, console)
     columns = dict(medians)
     for label in list(medians)[1:]:
         columns[f"gateway/{label}"] = {name: (value / medians[label][name] if medians[label].get(name) else 0.0)
@@ -124,3 +121,20 @@ def compare_baseline(scenario: Scenario, gateway: runner.TargetFactory, batches:
     (out / "baseline.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
     return result
+
+
+#: A load process this busy (% of one core) is reading as fast as it can: what it measures is partly itself.
+SATURATED_PCT = 90.0
+
+
+def _medians(runs: dict[str, list[dict[str, float]]], console: Console) -> dict[str, dict[str, float]]:
+    """Each target's median of each figure over its rounds; warns of a target whose load saturated a core."""
+    medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
+               for label, figures in runs.items()}
+    for label, figures in medians.items():
+        busiest = figures.get("loadgen busiest proc %", 0.0)
+        if busiest >= SATURATED_PCT:
+            console.print(f"[yellow]against {label} the busiest load process ran at {busiest:.0f}% of a core: "
+                          "its latency and CPU figures are partly the load tool's; spread the clients with "
+                          "--procs N (docs/loadtest.md)")
+    return medians

@@ -171,3 +171,19 @@ def test_idle_memory_measures_each_crowd_in_turn() -> None:
     assert len(result["crowds"]) == 2
     for run in result["crowds"]:
         assert run["rss_with_clients_mb"] > result["rss_before_mb"] > 0 and run["rss_after_mb"] > 0
+
+
+def test_comparison_warns_of_a_saturated_load_process() -> None:
+    from rich.console import Console
+
+    from loadtest.compare import _medians
+
+    console = Console(record=True, width=200)
+    runs = {"gateway": [{"loadgen busiest proc %": 40.0}, {"loadgen busiest proc %": 95.0},
+                        {"loadgen busiest proc %": 50.0}],
+            "nchan": [{"loadgen busiest proc %": 91.0}, {"loadgen busiest proc %": 96.0},
+                      {"loadgen busiest proc %": 60.0}]}
+    assert _medians(runs, console) == {"gateway": {"loadgen busiest proc %": 50.0},
+                                       "nchan": {"loadgen busiest proc %": 91.0}}
+    text = console.export_text()
+    assert "against nchan the busiest load process ran at 91%" in text and "against gateway" not in text
