@@ -244,8 +244,8 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "loadgen cpu us/delivery": round(1e6 * cpu.get("loadgen", {}).get("cpu_s", 0.0) / delivered, 3)
         if delivered else 0.0,
     }
-    # TCP data segments the server sent its subscribers (0: not measured). On loopback the sender pays for
-    # both ends of a segment, so these two explain much of its CPU per delivery.
+    # TCP data segments the server sent its subscribers (0: not measured). On loopback the sending call pays
+    # for both ends of a segment, so these two explain much of the server's CPU per delivery.
     sent = summary.get("server_segments") or 0
     out["server segments/delivery"] = round(sent / delivered, 3) if delivered else 0.0
     out["server cpu us/segment"] = round(1e6 * cpu.get("server", {}).get("cpu_s", 0.0) / sent, 3) if sent else 0.0

@@ -1,8 +1,10 @@
 """TCP data segments a server sent from one port, read from the kernel's socket table (`ss`, iproute2).
 
-On loopback the sender pays for both ends of every segment (the send, the receive path in softirq, the
-reader's wake-up), so segments per delivery explain much of a server's CPU per delivery: a server that
-puts several messages in a segment (batching, or Nagle's algorithm in the kernel) pays that cost once.
+On loopback the process whose call sends a segment pays for both ends of it (the send, the receive path in
+softirq, the reader's wake-up), so segments per delivery explain much of a server's CPU per delivery: a
+server that puts several messages in a segment pays that cost once. A segment Nagle's algorithm held back
+leaves when an ACK arrives, and on loopback that is in the reader's call: charged to the load, not to the
+server (docs/benchmarks.md, "Segments per delivery").
 """
 
 from __future__ import annotations
