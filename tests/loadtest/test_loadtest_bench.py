@@ -111,8 +111,12 @@ def test_figures_of_a_coldhot_pair() -> None:
     assert figures["cold p99 beside/alone"] == 1.5 and figures["cold p99 ms alone"] == 2.0
     assert figures["server cpu us/delivery"] == pytest.approx(2e6 / 1000)
     assert figures["publisher cpu %"] == 5.0 and figures["other cpu % (not ours)"] == 1.5
+
+
+def test_figures_of_server_segments() -> None:
+    figures = analysis.figures(_summary())
     assert figures["server segments/delivery"] == 0.0 and figures["server cpu us/segment"] == 0.0  # not measured
-    figures = analysis.figures({**base, "server_segments": 250})
+    figures = analysis.figures({**_summary(), "server_segments": 250})
     assert figures["server segments/delivery"] == 0.25 and figures["server cpu us/segment"] == 8000.0
 
 

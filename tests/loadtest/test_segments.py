@@ -13,6 +13,7 @@ def test_counts_the_data_segments_each_socket_sent_since_the_first_read() -> Non
         port = server.getsockname()[1]
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
         accepted = [server.accept()[0] for _ in clients]
+        opened = clients + accepted
         try:
             for conn in accepted:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -25,17 +26,16 @@ def test_counts_the_data_segments_each_socket_sent_since_the_first_read() -> Non
                     conn.sendall(b"x" * 10)
                     time.sleep(0.01)  # one segment each, whatever the kernel would merge
             # a socket that opens after the first read counts in full
-            late = socket.create_connection(("127.0.0.1", port))
+            opened.append(socket.create_connection(("127.0.0.1", port)))
             late_peer = server.accept()[0]
+            opened.append(late_peer)
             late_peer.sendall(b"late")
             time.sleep(0.05)
             after = segments.read(port)
             assert segments.sent_between(before, after) == 1 + 2 + 3 + 1
-            late.close()
-            late_peer.close()
         finally:
-            for s in clients + accepted:
-                s.close()
+            for sock in opened:
+                sock.close()
 
 
 def test_unknown_when_either_read_failed() -> None:
