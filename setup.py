@@ -1,11 +1,26 @@
-"""The compiled core: mypyc turns the scheduler's hot modules into C extensions at install, when a C compiler
+"""Packaging beyond pyproject.toml: what the wheel holds, and the compiled core.
+
+What the wheel holds: every package setuptools finds (no hand list), plus the checkout's top-level data
+folders shipped inside the gateway package, so an installed gateway reads them with importlib.resources
+exactly as a checkout does (gateway/assets.py): config/ becomes `gateway.defaults`, static/ becomes
+`gateway.static`.
+
+The compiled core: mypyc turns the scheduler's hot modules into C extensions at install, when a C compiler
 and the Python headers are there. Without them (a warning), or with FANOUT_PURE_PYTHON=1 set, the same
-modules run as plain Python (docs/architecture.md, "The compiled core"). Everything else is in
-pyproject.toml."""
+modules run as plain Python (docs/architecture.md, "The compiled core"). Beside the extensions the build
+records a digest of each source it compiled (core/_compiled.json): core/native.py runs the compiled modules
+only while every source still has that digest, whatever the files' times say.
+"""
 
+import hashlib
+import json
 import os
+from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
 
 # The modules a cycle runs through. Not compiled: config.py (it validates untyped input at run time, which
 # mypyc's type checks would turn into TypeErrors), errors.py (no hot path) and byte_ring.py (the raw TCP
@@ -20,6 +35,37 @@ COMPILED = [
     "core/snapshot.py",
     "core/topics.py",
 ]
+#: Written beside the compiled modules; read by core/native.py.
+BUILD_RECORD = "_compiled.json"
+
+#: Data folders of the checkout, shipped as packages of their own inside `gateway`.
+DATA_PACKAGES = {"gateway.defaults": "config", "gateway.static": "static", "gateway.static.admin": "static/admin"}
+
+
+def source_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class RecordingBuildExt(build_ext):
+    """build_ext that also writes which sources the core's extensions were compiled from."""
+
+    def run(self) -> None:
+        super().run()
+        built = {}
+        for ext in self.extensions:
+            package, _, name = ext.name.rpartition(".")
+            if package == "core" and os.path.exists(self.get_ext_fullpath(ext.name)):
+                built[name] = source_digest(HERE / "core" / f"{name}.py")
+        if built:
+            target = Path(self.get_ext_fullpath("core.client")).parent / BUILD_RECORD
+            target.write_text(json.dumps(built, indent=1, sort_keys=True) + "\n")
+
+    def get_outputs(self) -> list:
+        # the record belongs to the build's outputs, so an editable install's wheel and a wheel both hold it
+        outputs = super().get_outputs()
+        if self.extensions:
+            outputs.append(str(Path(self.get_ext_fullpath("core.client")).parent / BUILD_RECORD))
+        return outputs
 
 
 def extensions() -> list:
@@ -33,4 +79,17 @@ def extensions() -> list:
     return modules
 
 
-setup(ext_modules=extensions())
+setup(
+    packages=find_packages(include=["core", "gateway", "gateway.*", "fanout_client", "fanout_client.*",
+                                    "loadtest", "pipeline"]) + list(DATA_PACKAGES),
+    package_dir=DATA_PACKAGES,
+    package_data={
+        "gateway.defaults": ["*.toml"],
+        "gateway.static": ["*.html", "*.js", "*.ts", "*.ico", "*.svg"],
+        "gateway.static.admin": ["*.html", "*.js", "*.css"],
+        "pipeline": ["log4j2.properties"],
+        "loadtest": ["*.template"],
+    },
+    ext_modules=extensions(),
+    cmdclass={"build_ext": RecordingBuildExt},
+)

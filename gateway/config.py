@@ -22,8 +22,9 @@ import msgspec
 
 from core import EngineConfig, TopicConfig, TopicRule
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "config" / "default.toml"
+from .assets import default_config_path, static_root
+
+DEFAULT_CONFIG = default_config_path()
 ENV_PREFIX = "GATEWAY_"
 
 log = logging.getLogger(__name__)
@@ -241,8 +242,8 @@ class GatewayConfig:
         return rules
 
     def static_path(self) -> Path:
-        path = Path(self.server.static_dir)
-        return path if path.is_absolute() else ROOT / path
+        """`server.static_dir` when set (relative to the working directory), else the shipped pages."""
+        return Path(self.server.static_dir) if self.server.static_dir else static_root()
 
 
 _TOPIC_KEYS = {f for f in TopicConfig.__dataclass_fields__}

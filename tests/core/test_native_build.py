@@ -1,5 +1,5 @@
 """The compiled core (setup.py, core/native.py): built where it can be, the same behaviour as its sources, and
-never used once a source is newer than the build."""
+never used once a source is not the one it was compiled from (a digest, not file times, decides)."""
 
 import json
 import os
@@ -82,16 +82,22 @@ def test_the_pure_python_fallback_runs_the_sources_and_behaves_the_same():
 
 
 @pytest.mark.skipif(not any(CORE_DIR.glob("*" + SUFFIX)), reason="the core is not compiled here")
-def test_a_build_older_than_its_source_is_not_used(tmp_path):
+def test_a_build_is_used_until_a_source_differs_from_the_one_it_was_compiled_from(tmp_path):
     shutil.copytree(CORE_DIR, tmp_path / "core", ignore=shutil.ignore_patterns("__pycache__"))
     for runtime in CORE_DIR.parent.glob("*__mypyc*" + SUFFIX):  # mypyc's shared runtime of the group
         shutil.copy2(runtime, tmp_path)
     fresh = _run({"FANOUT_PURE_PYTHON": ""}, tmp_path)
     assert fresh["compiled"] and fresh["engine"].endswith(SUFFIX)
     ring = tmp_path / "core" / "ring.py"
-    later = (tmp_path / "core" / f"ring{SUFFIX}").stat().st_mtime + 1
-    os.utime(ring, (later, later))  # an edit since the build
+    later = (tmp_path / "core" / f"ring{SUFFIX}").stat().st_mtime + 10
+    os.utime(ring, (later, later))  # written after the build, as pip writes a wheel's sources: same text
+    touched = _run({"FANOUT_PURE_PYTHON": ""}, tmp_path)
+    assert touched["compiled"] and touched["engine"].endswith(SUFFIX), touched["build"]
+    ring.write_text(ring.read_text() + "# an edit since the build\n")
     stale = _run({"FANOUT_PURE_PYTHON": ""}, tmp_path)
     assert not stale["compiled"] and stale["engine"] == str(tmp_path / "core" / "engine.py")
     assert "ring changed since the build" in stale["build"]
     assert stale["out"] == fresh["out"]
+    (tmp_path / "core" / "_compiled.json").unlink()  # a build that recorded nothing proves nothing
+    unrecorded = _run({"FANOUT_PURE_PYTHON": ""}, tmp_path)
+    assert not unrecorded["compiled"]
