@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import mimetypes
 
 from starlette.applications import Starlette
@@ -9,7 +10,6 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
-from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from . import admin, longpoll, sse
@@ -17,11 +17,14 @@ from .broker.forward import SessionRouter, WorkerLinks
 from .errors import MethodNotAllowed, NotFound
 from .http_errors import error_response
 from .hub import Hub
-from .origin import OriginGuard, parse_allowed_origins
+from .origin import OriginGuard, OriginPolicy, parse_allowed_origins
+from .pages import Pages
 from .ws import websocket_endpoint
 
 # The client library's type declarations (static/fanout.d.ts): the system table may call .ts a Qt file.
 mimetypes.add_type("application/typescript", ".ts")
+
+log = logging.getLogger(__name__)
 
 
 async def healthz(request: Request) -> Response:
@@ -67,13 +70,16 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
         Route("/metrics", metrics),
         Route("/healthz", healthz),
     ]
+    allowed = parse_allowed_origins(hub.config.server.allowed_origins)
     static = hub.config.static_path()
     if static.is_dir():
-        routes.append(Mount("/", StaticFiles(directory=static, html=True), name="static"))
+        routes.append(Mount("/", Pages(directory=str(static), policy=OriginPolicy(allowed)), name="static"))
+    else:
+        log.warning("no pages at %s (server.static_dir): /, /fanout.js and /admin/ answer 404", static)
     app = Starlette(
         routes=routes,
         exception_handlers={404: not_found, 405: method_not_allowed},
-        middleware=[Middleware(OriginGuard, allowed=parse_allowed_origins(hub.config.server.allowed_origins))]
+        middleware=[Middleware(OriginGuard, allowed=allowed)]
         + ([Middleware(SessionRouter, links=links, config=hub.config)] if links is not None else []),
     )
     app.state.hub = hub
