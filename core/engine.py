@@ -36,7 +36,6 @@ from .entries import encode_closed, encode_loss, encode_subscribed, encode_unsub
 from .errors import (
     AlreadySubscribed,
     BadSeq,
-    BadTopic,
     CoreUsageError,
     DirectQueueFull,
     NotSubscribed,
@@ -48,7 +47,7 @@ from .errors import (
 from .private import PrivateTopic
 from .ring import RingTopic
 from .snapshot import SnapshotTopic
-from .topics import Topic
+from .topics import Topic, check_topic_name
 
 _TOPIC_CLASSES: dict[TopicKind, type[Topic]] = {
     TopicKind.RING: RingTopic,
@@ -111,6 +110,9 @@ class Engine:
         self._unused_new: dict[Topic, None] = {}
         #: rule-created topics without a subscriber, oldest first, with when `reclaim` first saw them so
         self._unused: dict[Topic, float] = {}
+        #: rule-created topics without a subscriber that retain data, oldest first: when `reclaim` put them
+        #: here and their `activity()` then; removed once it has not changed for the retained ttl
+        self._retained: dict[Topic, tuple[float, int]] = {}
 
     # -- topics ----------------------------------------------------------------------------------------
 
@@ -121,8 +123,7 @@ class Engine:
         first seq; by default a new epoch of this engine, from seq 0."""
         if name in self._topics:
             raise TopicExists(f"topic {name!r} exists")
-        if not name or len(name) > self.config.max_topic_name:
-            raise BadTopic(f"topic name must be 1..{self.config.max_topic_name} characters")
+        check_topic_name(name, self.config.max_topic_name)
         if len(self._topics) >= self.config.max_topics:
             raise TooManyTopics(f"the gateway holds its maximum of {self.config.max_topics} topics")
         config = config or self.config.rule_for(name) or TopicConfig()
@@ -178,28 +179,52 @@ class Engine:
         self._lingering.pop(topic, None)
         self._unused_new.pop(topic, None)
         self._unused.pop(topic, None)
+        self._retained.pop(topic, None)
 
-    def reclaim(self, now: float, ttl: float) -> list[str]:
+    def reclaim(self, now: float, ttl: float, retained_ttl: float = 0.0) -> list[str]:
         """Remove rule-created topics with no subscriber and no retained data for at least `ttl` seconds,
-        so names that clients try cannot fill `max_topics` for good. Returns the names removed.
+        so names that clients try cannot fill `max_topics` for good; and, when `retained_ttl` > 0, those
+        that retain data (messages, a last value) but had no subscriber and no publish for `retained_ttl`
+        (checked every `retained_ttl - ttl` seconds: a topic goes between one and two of them after its
+        last use). Returns the names removed.
 
         Cost: O(topics that became unused since the last call + topics removed or kept): each unused
-        topic is stamped once, then looked at once when its time is up.
+        topic is stamped once, then looked at once when its time is up (a retained one once per period).
         """
         unused = self._unused
         for topic in self._unused_new:
             unused.pop(topic, None)
+            self._retained.pop(topic, None)
             unused[topic] = now
         self._unused_new.clear()
         removed: list[str] = []
+        retained = self._retained
         while unused:
             topic = next(iter(unused))
             if unused[topic] + ttl > now:
                 break
             del unused[topic]
-            if not topic.subs and not topic.retains_data():
+            if topic.subs:
+                continue
+            if not topic.retains_data():
                 self._forget(topic)
                 removed.append(topic.name)
+            elif retained_ttl > 0:
+                retained[topic] = (now, topic.activity())
+        period = max(0.0, retained_ttl - ttl)
+        while retained and retained_ttl > 0:
+            topic = next(iter(retained))
+            stamp, mark = retained[topic]
+            if stamp + period > now:
+                break
+            del retained[topic]
+            if topic.subs:
+                continue
+            if topic.activity() == mark:
+                self._forget(topic)
+                removed.append(topic.name)
+            else:  # published to meanwhile: looked at again one period from now
+                retained[topic] = (now, topic.activity())
         return removed
 
     def topic(self, name: str) -> Topic:
@@ -221,13 +246,17 @@ class Engine:
     def topic_config(self, name: str) -> TopicConfig | None:
         """The settings the topic has, or would get on first use; None if it neither exists nor matches a rule."""
         topic = self._topics.get(name)
-        return topic.config if topic is not None else self.config.rule_for(name)
+        if topic is not None:
+            return topic.config
+        check_topic_name(name, self.config.max_topic_name)  # every transport asks this before a new name
+        return self.config.rule_for(name)
 
     def resolve(self, name: str) -> Topic:
         """The topic, created on first use when a config rule matches its name."""
         topic = self._topics.get(name)
         if topic is not None:
             return topic
+        check_topic_name(name, self.config.max_topic_name)
         config = self.config.rule_for(name)
         if config is None:
             raise UnknownTopic(f"no topic {name!r} and no rule creates it")
@@ -309,6 +338,7 @@ class Engine:
             extra = encode_loss(name, since[1], None, "epoch")
         self._unused_new.pop(topic, None)
         self._unused.pop(topic, None)
+        self._retained.pop(topic, None)
         topic.subs[sub] = None
         client.subs[name] = sub
         client.direct.append(encode_subscribed(name, topic.kind, epoch, start, request_id))

@@ -80,6 +80,9 @@ class PrivateTopic(Topic):
     def retains_data(self) -> bool:
         return bool(self.queues)
 
+    def activity(self) -> int:
+        return 0  # a queue lives with its handle: an unused private topic retains nothing
+
     def publish(
         self, data: Any, seq: int | None, owner: Hashable, now: float
     ) -> tuple[int, Collection[Subscription]]:

@@ -233,6 +233,9 @@ class RingTopic(Topic):
         # Any seq handed out (published, pending or reserved) is history a recovery may ask for.
         return self.next_id > 0 or self.end > 0 or bool(self.pending)
 
+    def activity(self) -> int:
+        return self.end + self.next_id + len(self.pending)
+
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
         depth = self.config.batch_depth
         if depth == 1:  # the default: one stored entry when there is one, else the general path below

@@ -61,6 +61,9 @@ class SnapshotTopic(Topic):
     def retains_data(self) -> bool:
         return self.latest is not None
 
+    def activity(self) -> int:
+        return self.seq
+
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
         if sub.cursor > self.seq or self.latest is None:
             return 0

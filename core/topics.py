@@ -15,7 +15,19 @@ from .client import Subscription
 from .config import AUTO_DEPTH, TopicConfig
 from .counters import Counters
 from .entries import encode_message
-from .errors import BadData, CoreUsageError, MessageTooLarge
+from .errors import BadData, BadTopic, CoreUsageError, MessageTooLarge
+
+
+def check_topic_name(name: str, max_chars: int) -> None:
+    """The one grammar of topic names (docs/protocol.md, "Topic names"), for every transport and the broker's
+    key space: 1..`max_chars` characters, each printable and not whitespace, none of `{` `}`. `{` and `}`
+    delimit the topic in a Redis key (`P:{T}:m`, the hash tag, docs/cluster.md §2): a name holding them
+    could name another topic's key or a private queue's. Raises `BadTopic`. Cost: O(len(name)), in C;
+    called for names not in the topic table only."""
+    if not 0 < len(name) <= max_chars:
+        raise BadTopic(f"topic name must be 1..{max_chars} characters")
+    if not name.isprintable() or " " in name or "{" in name or "}" in name:
+        raise BadTopic("topic name may hold printable characters only, no whitespace and no `{` or `}`")
 
 
 class Topic:
@@ -185,6 +197,11 @@ class Topic:
 
     def retains_data(self) -> bool:
         """Whether removing the topic would lose something (messages, a last value, queued entries)."""
+        raise NotImplementedError
+
+    def activity(self) -> int:
+        """A number that changes whenever the topic is published to (`Engine.reclaim` compares two readings
+        to tell a retained topic nobody publishes to any more)."""
         raise NotImplementedError
 
     def info(self) -> dict[str, Any]:
