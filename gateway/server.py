@@ -47,6 +47,17 @@ def resolve_admin_token(config: GatewayConfig) -> tuple[str, bool]:
     return secrets.token_urlsafe(18), True
 
 
+def check_listener_tokens(config: GatewayConfig) -> None:
+    """As for the admin token, and before anything is started: beyond loopback, anyone could publish or send."""
+    for section, what in (("ingest", "the ingest"), ("rawtcp", "the raw TCP broadcaster")):
+        cfg = getattr(config, section)
+        if cfg.enabled and not cfg.token and not _is_loopback(cfg.host):
+            raise ConfigError(
+                f"refusing to bind {what} on {cfg.host} without {section}.token: set it"
+                f" (or GATEWAY_{section.upper()}_TOKEN)"
+            )
+
+
 class GatewayServer(uvicorn.Server):
     """uvicorn's server, closing the gateway's clients first on shutdown so it never waits on them."""
 
@@ -169,14 +180,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     token, _generated = resolve_admin_token(config)
     shared = config.server.workers > 1
     tls = tls_files(config)
-    # As for the admin token, and before anything is started: beyond loopback, anyone could publish or send.
-    for section, what in (("ingest", "the ingest"), ("rawtcp", "the raw TCP broadcaster")):
-        cfg = getattr(config, section)
-        if cfg.enabled and not cfg.token and not _is_loopback(cfg.host):
-            raise ConfigError(
-                f"refusing to bind {what} on {cfg.host} without {section}.token: set it"
-                f" (or GATEWAY_{section.upper()}_TOKEN)"
-            )
+    check_listener_tokens(config)
     hub = Hub(config)
     await hub.start()
     server_cfg = config.server

@@ -82,7 +82,10 @@ def run_workers(
     for sock in internal:  # the workers hold them: a dead worker's port then refuses instead of queueing
         sock.close()
 
+    asked_to_stop: list[int] = []  # the signals forwarded: a worker they end has stopped cleanly
+
     def forward(signum: int, _frame: object) -> None:
+        asked_to_stop.append(signum)
         for pid in pids:
             try:
                 os.kill(pid, signum)
@@ -102,7 +105,7 @@ def run_workers(
         if ready_file:
             write_ready_file(ready_file, info)
         print(f"gateway: {len(pids)} workers on http://{config.server.host}:{ready['http_port']}", flush=True)
-    code = _supervise(pids)
+    code = _supervise(pids, asked_to_stop)
     for path in workdir.iterdir():
         path.unlink()
     workdir.rmdir()
@@ -138,8 +141,10 @@ def _stop(pids: list[int]) -> None:
             pass
 
 
-def _supervise(pids: list[int]) -> int:
-    """Wait for the workers; the first one to end takes the others down. Returns the exit status."""
+def _supervise(pids: list[int], asked_to_stop: list[int]) -> int:
+    """Wait for the workers; the first one to end takes the others down. Returns the exit status: 0 when
+    every worker ended cleanly, or by the signal the supervisor forwarded (uvicorn stops gracefully, then
+    raises the signal again so the process ends by it)."""
     code = 0 if pids else 1
     stopping = False
     while pids:
@@ -153,7 +158,7 @@ def _supervise(pids: list[int]) -> int:
         worker_code = os.waitstatus_to_exitcode(status)
         if not stopping:
             stopping = True
-            if worker_code != 0:
+            if worker_code != 0 and -worker_code not in asked_to_stop:
                 print(f"gateway: worker {pid} ended with status {worker_code}: stopping the others",
                       file=sys.stderr, flush=True)
                 code = 1

@@ -141,6 +141,8 @@ def test_two_workers_serve_one_port_and_every_subscriber_gets_every_message(node
         # both workers report to Redis; the stats count every client, whichever worker holds it
         wait_for(lambda: (c := node.api("/stats")["cluster"]) and len(c["nodes"]) == 2 and c["clients"] == 6,
                  what="2 workers and 6 clients in the cluster stats")
+    assert node.stop() == 0, node.log()[-2000:]  # SIGTERM: a clean stop of every worker is a success
+    assert "ended with status" not in node.log()
 
 
 def test_workers_need_a_broker():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.sync.client import connect as ws_connect
 
 from gateway.config import ConfigError, load_config
 from gateway.server import resolve_admin_token
@@ -111,3 +112,36 @@ def test_gateway_serve_refuses_an_unknown_key_of_a_known_section_and_ignores_oth
                             text=True, timeout=30, env={**env, "GATEWAY_SERVER_PROT": "1", "GATEWAY_INTERFACE": "CGI/1.1"})
     assert result.returncode == 2 and "config error" in result.stderr
     assert "GATEWAY_SERVER_PROT names no key of [server]" in result.stderr and "port" in result.stderr
+
+
+def _gateway(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=30, env={**clean, **(env or {})})
+
+
+def test_gateway_token_mints_a_token_the_gateway_accepts():
+    from gateway.testing import TEST_JWT_SECRET, run_gateway
+
+    minted = _gateway("token", "--sub", "alice", "--subscribe", "private.*", "--publish", "chat.*", "--ttl", "60",
+                      env={"GATEWAY_AUTH_JWT_SECRET": TEST_JWT_SECRET})
+    assert minted.returncode == 0, minted.stderr
+    token = minted.stdout.strip()
+    with run_gateway() as gw, ws_connect(f"{gw.ws_url}?token={token}") as ws:
+        ws.send(json.dumps({"op": "rpc", "id": 1, "method": "whoami"}))
+        reply = next(e for e in json.loads(ws.recv(timeout=5)) if e.get("id") == 1)
+        assert reply["result"]["user"] == "alice"
+    unset = _gateway("token", "--sub", "alice")
+    assert unset.returncode == 2 and "auth.jwt_secret is empty" in unset.stderr
+
+
+def test_gateway_check_config_prints_the_values_in_force_with_secrets_masked(tmp_path):
+    override = tmp_path / "prod.toml"
+    override.write_text('[server]\nport = 9000\nadmin_token = "hunter2"\n')
+    checked = _gateway("check-config", str(override), env={"GATEWAY_LIMITS_PUBLISH_RATE": "7.5"})
+    assert checked.returncode == 0, checked.stderr
+    effective = json.loads(checked.stdout)
+    assert effective["server"]["port"] == 9000 and effective["limits"]["publish_rate"] == 7.5
+    assert effective["server"]["admin_token"] == "<set>" and "hunter2" not in checked.stdout
+    beyond = _gateway("check-config", env={"GATEWAY_SERVER_HOST": "0.0.0.0"})
+    assert beyond.returncode == 2 and "admin_token" in beyond.stderr  # what `serve` would refuse
