@@ -1,0 +1,93 @@
+"""The package as a user installs it: `python -m build` makes an sdist and, from it, a wheel; the wheel goes
+into a fresh venv, and `gateway serve` started from another directory runs the compiled core with the
+embedded default config and serves every page (issue 23: outside a checkout nothing of it worked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import time
+import venv
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _can_compile() -> bool:
+    cc = (sysconfig.get_config_var("CC") or "").split()
+    return bool(cc) and shutil.which(cc[0]) is not None and Path(sysconfig.get_paths()["include"], "Python.h").exists()
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    env = {k: v for k, v in os.environ.items() if k != "FANOUT_PURE_PYTHON"}
+    done = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], capture_output=True,
+                          text=True, timeout=540, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def test_the_sdist_and_the_wheel_hold_the_config_the_pages_and_every_package(dist: Path) -> None:
+    (sdist,) = dist.glob("*.tar.gz")
+    (wheel,) = dist.glob("*.whl")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    assert {"config/default.toml", "static/fanout.js", "static/admin/index.html", "setup.py"} <= names
+    assert not any(name.endswith((".so", "_compiled.json")) for name in names)  # sources only
+    files = set(zipfile.ZipFile(wheel).namelist())
+    assert {"gateway/defaults/default.toml", "gateway/static/fanout.js", "gateway/static/fanout.d.ts",
+            "gateway/static/index.html", "gateway/static/favicon.ico", "gateway/static/admin/index.html",
+            "gateway/static/admin/dashboard.js", "gateway/broker/redis_broker.py", "fanout_client/__init__.py",
+            "fanout_client/ingest.py", "pipeline/log4j2.properties", "loadtest/nchan.conf.template"} <= files
+    assert not any(name.startswith(("config/", "static/", "tests/")) for name in files)  # no top-level clutter
+    if _can_compile():
+        assert "core/_compiled.json" in files and any(n.startswith("core/engine.") and n.endswith(".so") for n in files)
+
+
+def test_the_installed_wheel_serves_from_another_directory_with_the_compiled_core(dist: Path, tmp_path: Path) -> None:
+    (wheel,) = dist.glob("*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], capture_output=True,
+                               text=True, timeout=400)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ready = elsewhere / "ready.json"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "FANOUT_", "PYTHON"))}
+    env = {**clean, "GATEWAY_INGEST_PORT": "0", "GATEWAY_RAWTCP_SENDER_PORT": "0",
+           "GATEWAY_RAWTCP_RECEIVER_PORT": "0"}
+    for tool in ("gateway", "fanout-loadtest", "fanout-pipeline"):
+        helped = subprocess.run([str(env_dir / "bin" / tool), "--help"], cwd=elsewhere, capture_output=True,
+                                text=True, timeout=60, env=env)
+        assert helped.returncode == 0, (tool, helped.stderr[-2000:])
+    proc = subprocess.Popen([str(env_dir / "bin" / "gateway"), "serve", "--port", "0", "--ready-file", str(ready)],
+                            cwd=elsewhere, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the installed gateway did not start"
+            time.sleep(0.1)
+        base = f"http://127.0.0.1:{json.loads(ready.read_text())['http_port']}"
+        for path in ("/", "/fanout.js", "/fanout.d.ts", "/admin/", "/healthz", "/favicon.ico"):
+            assert httpx.get(base + path, timeout=10).status_code == 200, path
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    assert "no pages at" not in out
+    assert ("core: compiled (8 modules, mypyc)" in out) == _can_compile(), out
