@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 
-from gateway.ingest_client import AsyncIngestConnection, BadAnswer, ErrorAnswer, Synced
+from fanout_client.ingest import AsyncIngestConnection, BadAnswer, ErrorAnswer, Synced
 from loadtest.aio import run_loop
 from loadtest.httpclient import HttpConnection, open_connection
 from loadtest.procstat import raise_nofile_limit
@@ -168,7 +168,7 @@ class Publisher:
         self.accepted.clear()
 
     def _line(self, topic: int, n: int) -> bytes:
-        # Formatted, not encoded with gateway.ingest_client.record_line: the data is JSON text already, and
+        # Formatted, not encoded with fanout_client.ingest.record_line: the data is JSON text already, and
         # encoding it again would cost the publisher more than the gateway's parse of it.
         return b'{"topic":"%s","data":%s}\n' % (self.messages.names[topic], self.messages.data(topic, n))
 

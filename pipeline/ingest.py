@@ -1,5 +1,5 @@
 """The pipeline's side of the gateway's TCP ingest (docs/protocol.md, "TCP ingest"), for one connection:
-exactly-once accounting over the gateway's ingest client (gateway/ingest_client.py).
+exactly-once accounting over the ingest client (fanout_client/ingest.py).
 
 Two layers, as in h11 / websockets:
 
@@ -48,7 +48,7 @@ from itertools import islice
 
 import orjson
 
-from gateway.ingest_client import (
+from fanout_client.ingest import (
     DEFAULT_PORT,
     DEFAULT_TIMEOUT,
     Answer,

@@ -5,7 +5,7 @@ log4j2 file of our own is handed to the driver JVM before it starts), two shuffl
 one micro-batch or one test is small; a large audit raises it with ``--conf``), and no
 ``spark.jars.packages`` (nothing is downloaded). The same code runs on a cluster with ``master="spark://..."``
 or ``"yarn"``: then the loopback settings are left out, and what the executors cannot import already (asked
-with one tiny job: the ``pipeline`` package, the gateway's ingest client) is zipped and shipped to them; a
+with one tiny job: the ``pipeline`` package, the ingest client ``fanout_client.ingest``) is zipped and shipped to them; a
 package shipped with ``spark-submit --py-files`` or installed on the executors is not shipped again.
 
 ``PYSPARK_PYTHON`` / ``PYSPARK_DRIVER_PYTHON`` set by the user are kept (executors on other machines need
@@ -60,8 +60,9 @@ def _base_config(master: str | None) -> dict[str, str]:
     return config
 
 
-#: what executors import from the gateway package: its ingest client only (no server dependency)
-_GATEWAY_MODULES = ("__init__.py", "ingest_client.py")
+#: what executors import of the client package: its ingest client only (``fanout_client/__init__.py`` imports
+#: nothing eagerly, so neither the WebSocket client nor its dependencies are needed there)
+_CLIENT_MODULES = ("__init__.py", "ingest.py")
 
 
 def _executors_can_import(spark: SparkSession, modules: tuple[str, ...]) -> dict[str, bool]:
@@ -103,8 +104,9 @@ def _zip(files: list[tuple[Path, str]], name: str) -> str:
 
 def _ship_package(spark: SparkSession) -> list[str]:
     """Ship to the executors what they cannot import already: ``pipeline/`` (when it is a directory here)
-    and the gateway's ingest client (all they need of the gateway). Returns the archives added."""
-    found = _executors_can_import(spark, ("pipeline.feed", "gateway.ingest_client"))
+    and the ingest client, ``fanout_client.ingest`` (all they need to talk to the gateway). Returns the archives
+    added."""
+    found = _executors_can_import(spark, ("pipeline.feed", "fanout_client.ingest"))
     shipped = []
     if not found["pipeline.feed"]:
         if not _PACKAGE_DIR.is_dir():
@@ -113,13 +115,13 @@ def _ship_package(spark: SparkSession) -> list[str]:
         files = [(p, str(Path("pipeline") / p.relative_to(_PACKAGE_DIR))) for p in sorted(_PACKAGE_DIR.rglob("*"))
                  if p.is_file() and "__pycache__" not in p.parts]
         shipped.append(_zip(files, "fanout-pipeline"))
-    if not found["gateway.ingest_client"]:
-        spec = importlib.util.find_spec("gateway.ingest_client")
+    if not found["fanout_client.ingest"]:
+        spec = importlib.util.find_spec("fanout_client.ingest")
         if spec is None or spec.origin is None or not Path(spec.origin).is_file():
-            raise RuntimeError("the executors cannot import gateway.ingest_client and it is no file here to ship")
-        gateway_dir = Path(spec.origin).parent
-        shipped.append(_zip([(gateway_dir / name, f"gateway/{name}") for name in _GATEWAY_MODULES],
-                            "fanout-gateway-client"))
+            raise RuntimeError("the executors cannot import fanout_client.ingest and it is no file here to ship")
+        client_dir = Path(spec.origin).parent
+        shipped.append(_zip([(client_dir / name, f"fanout_client/{name}") for name in _CLIENT_MODULES],
+                            "fanout-client"))
     for archive in shipped:
         spark.sparkContext.addPyFile(archive)
     return shipped

@@ -10,7 +10,7 @@ import msgspec
 import orjson
 from websockets.sync.client import connect
 
-from gateway.ingest_client import BadAnswer, Closed, IngestConnection
+from fanout_client.ingest import BadAnswer, Closed, IngestConnection
 
 
 def ws_connect(gw, *, query: str = "", rcvbuf: int | None = None, max_queue: int | None = None):
@@ -63,7 +63,7 @@ def auth(gw) -> dict:
 
 
 class Ingest:
-    """A TCP ingest publisher (gateway.ingest_client) whose answers are dicts, as the tests compare them."""
+    """A TCP ingest publisher (fanout_client.ingest) whose answers are dicts, as the tests compare them."""
 
     def __init__(self, gw):
         self.connection = IngestConnection("127.0.0.1", gw.ingest_port, timeout=5)

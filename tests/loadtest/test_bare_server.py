@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from rich.console import Console
 
-from gateway.ingest_client import ErrorAnswer, IngestConnection, Synced, record_line
+from fanout_client.ingest import ErrorAnswer, IngestConnection, Synced, record_line
 from loadtest import runner
 from loadtest.bare_server import BareServer
 from loadtest.scenarios import SCENARIOS

@@ -114,10 +114,10 @@ def test_ship_package_zips_only_what_the_executors_miss(monkeypatch, tmp_path):
     assert added == shipped and len(shipped) == 2
     names = [p.rsplit("/", 1)[1] for p in shipped]
     assert re.fullmatch(r"fanout-pipeline-[0-9a-f]{12}\.zip", names[0])
-    assert re.fullmatch(r"fanout-gateway-client-[0-9a-f]{12}\.zip", names[1])
+    assert re.fullmatch(r"fanout-client-[0-9a-f]{12}\.zip", names[1])
     pipeline_files = zipfile.ZipFile(shipped[0]).namelist()
     assert "pipeline/feed.py" in pipeline_files and not any("__pycache__" in n for n in pipeline_files)
-    assert zipfile.ZipFile(shipped[1]).namelist() == ["gateway/__init__.py", "gateway/ingest_client.py"]
+    assert zipfile.ZipFile(shipped[1]).namelist() == ["fanout_client/__init__.py", "fanout_client/ingest.py"]
     monkeypatch.setattr(spark_module, "_executors_can_import", lambda s, m: {name: True for name in m})
     assert spark_module._ship_package(fake) == []  # importable there (--py-files, installed): not shipped again
 

@@ -12,7 +12,7 @@ import types
 import pytest
 from test_pipeline_e2e import Subscriber, connect
 
-from gateway.ingest_client import IngestConnection
+from fanout_client.ingest import IngestConnection
 from pipeline import reference
 from pipeline.live import follow, window_figures
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import pipeline.feed
-from gateway.ingest_client import IngestConnection
+from fanout_client.ingest import IngestConnection
 from pipeline.__main__ import main
 
 gateway_testing = pytest.importorskip("gateway.testing")

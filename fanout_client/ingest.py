@@ -14,7 +14,9 @@ the load generator and the tests.
 * `AsyncIngestConnection`: the asyncio variant (the load generator's publisher, which runs on an event
   loop): the same lines and answers, with write flow control.
 
-It imports nothing else of the gateway: Spark executors import it without the server's dependencies.
+It imports nothing of the gateway nor of the rest of `fanout_client` (whose `__init__` imports nothing
+eagerly): Spark executors import it with `fanout_client/__init__.py` alone, without the server's or the
+WebSocket client's dependencies (pipeline/spark.py ships exactly these two files).
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ class AnswerReader:
 
 def _decode(line: bytes) -> Answer | None:
     try:
-        return _decode_answer(line)
+        answer: Answer = _decode_answer(line)
+        return answer
     except msgspec.DecodeError as exc:  # ValidationError included
         failure = str(exc)
     try:

@@ -1,0 +1,885 @@
+"""The asyncio client of fanout-gateway over WebSocket: the Python twin of static/fanout.js (docs/client.md,
+"The Python client: fanout_client").
+
+    async with fanout_client.connect("http://127.0.0.1:8080", get_token=fetch_token) as client:
+        sub = await client.subscribe("prices.eurusd")
+        async for event in sub:                       # Message or Loss, in order
+            ...
+
+A `Client` outlives its connections: it reconnects with full-jitter backoff, resubscribes every
+subscription with ``since`` (its epoch and the next seq it needs), drops redeliveries, asks ``get_token``
+for a fresh token when the gateway says the token expired (``auth`` on the live connection) and on the close
+codes 4001 and 4011, and follows the close-code table of fanout.js. Every buffer has a bound: requests
+(``max_pending_requests``), each subscription's events (``max_queued_events``, policy in `Subscription`),
+frames (``max_frame_bytes``, and the WebSocket library's own queue of 16 frames and 32 KiB write buffer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal, TypeAlias
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import orjson
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
+
+from .events import Event, FanoutError, Position, Stream, TopicKind
+
+__all__ = ["Client", "ClientState", "CloseInfo", "Subscription", "TokenSource", "connect"]
+
+log = logging.getLogger("fanout_client")
+
+ClientState: TypeAlias = Literal["connecting", "connected", "disconnected", "closed"]
+#: ``get_token``: a function returning a token (or None: no token to give), or an awaitable of one
+TokenSource: TypeAlias = Callable[[], "str | None | Awaitable[str | None]"]
+
+#: commands per frame (docs/protocol.md: at most 100)
+MAX_COMMANDS = 100
+#: a connection that lived this long resets the backoff: the next reconnect is quick
+STABLE_S = 10.0
+#: close codes after which the client does not reconnect (4001 and 4011 depend on get_token)
+TERMINAL = frozenset({4000, 4006})
+#: how long `close` waits for the closing handshake before dropping the connection
+CLOSE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class CloseInfo:
+    """How a connection ended: the WebSocket close code (1006: no close frame, or no connection at all)."""
+
+    code: int
+    reason: str
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A command waiting for its answer (by id)."""
+
+    kind: Literal["request", "subscribe", "unsubscribe", "auth", "open"]
+    future: asyncio.Future[Any] | None = None
+    command: dict[str, Any] | None = None
+    sub: Subscription | None = None
+    #: a request written to a connection (lost with it: `disconnected`), not one waiting in the outbox
+    sent: bool = False
+    token: str | None = None
+
+
+def _ws_url(url: str) -> str:
+    """``http(s)://host[:port][/prefix]`` -> ``ws(s)://.../ws``; a ``ws(s)://`` URL is used as given."""
+    parts = urlsplit(url)
+    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ValueError(f"not a gateway URL (http, https, ws or wss): {url!r}")
+    path = parts.path
+    if parts.scheme in ("http", "https"):
+        path = path.rstrip("/") + "/ws"
+    return urlunsplit((scheme, parts.netloc, path or "/", parts.query, ""))
+
+
+def _with_token(url: str, token: str | None) -> str:
+    if token is None:
+        return url
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "token"]
+    return urlunsplit(parts._replace(query=urlencode([*query, ("token", token)])))
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class Subscription:
+    """One topic's stream: ``async for event in sub`` yields `Message` and `Loss` events in order; a message
+    never comes twice, and a seq that will never come is told by exactly one `Loss`.
+
+    The iteration ends when the application ends the subscription (`unsubscribe`, or the client closed by
+    `Client.close` / the end of ``async with``): what was still queued is dropped. When the gateway ends it,
+    the queued events come first, then the iteration raises `FanoutError` whose ``code`` says why:
+    ``deleted`` (an operator deleted the topic), ``taken_over`` (another connection of the user took this
+    private queue), ``lost`` (with a broker, Redis lost this private queue), a gateway error code (a
+    resubscribe refused, e.g. ``forbidden``), or ``closed`` (the gateway closed the client for good:
+    ``close_code`` 4000, 4001, 4006, 4011).
+
+    **The bound.** At most ``max_queued_events`` events wait for the application. When a message comes for a
+    full queue:
+
+    * ring and snapshot topics are *paused*: the client unsubscribes the topic at once (other topics and
+      requests go on), and once the application has taken half the queue, subscribes it again with
+      ``since`` = the next seq it needs. The gateway replays from its ring: nothing is lost while the ring
+      still holds it, otherwise the gateway's own `Loss` (``gone``) gives the exact range. A snapshot topic
+      gets its latest value (conflation). `pauses` counts these.
+    * private topics (never lossy on the gateway) apply *back-pressure*: the client stops reading the
+      connection until there is room. The gateway holds the entries (and its publishers, once its queue is
+      full); past ``websocket.blocked_timeout_s`` it closes the connection with 4008, and the client
+      reconnects and takes the queue over.
+    """
+
+    def __init__(self, client: Client, topic: str, since: Position | None) -> None:
+        self.client = client
+        self.topic = topic
+        self._stream = Stream(topic, since)
+        self._queue: deque[Event] = deque()
+        self._max = client.max_queued_events
+        self._readable = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+        self._paused = False
+        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        #: why the subscription ended (None while it is open): ``unsubscribed``, ``client_closed``, ``deleted``,
+        #: ``taken_over``, ``lost``, ``error``
+        self.closed_reason: str | None = None
+        self._error: FanoutError | None = None
+        #: `subscribed` answers so far (the first subscribe and each resubscribe)
+        self.subscribed_count = 0
+        #: times the queue was full and a ring or snapshot topic was paused (see the class docstring)
+        self.pauses = 0
+
+    # -- state --------------------------------------------------------------------------------------------
+
+    @property
+    def kind(self) -> TopicKind | None:
+        """``ring``, ``snapshot`` or ``private``: known from the first ``subscribed``."""
+        return self._stream.kind
+
+    @property
+    def epoch(self) -> str | None:
+        return self._stream.epoch
+
+    @property
+    def next_seq(self) -> int | None:
+        """The next seq this subscription needs."""
+        return self._stream.next_seq
+
+    @property
+    def position(self) -> Position | None:
+        """Where to resume: pass it as ``since`` to a later `Client.subscribe` (another process) to recover exactly."""
+        return self._stream.position
+
+    @property
+    def queued(self) -> int:
+        """Events waiting for the application."""
+        return len(self._queue)
+
+    # -- the application's side ----------------------------------------------------------------------------
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self._queue:
+            if self.closed_reason is not None:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._readable.clear()
+            await self._readable.wait()
+        event = self._queue.popleft()
+        self._space.set()
+        if self._paused and len(self._queue) <= self._max // 2:
+            self._paused = False
+            self.client._resume(self)
+        return event
+
+    async def get(self, timeout: float | None = None) -> Event:
+        """The next event (as ``async for`` would give it); `TimeoutError` after ``timeout`` seconds."""
+        async with asyncio.timeout(timeout):
+            return await self.__anext__()
+
+    async def unsubscribe(self) -> None:
+        """End the subscription (the iteration ends; queued events are dropped)."""
+        if self.closed_reason is not None:
+            return
+        self.client._unsubscribe(self)
+        self._end("unsubscribed", None)
+
+    # -- the client's side ------------------------------------------------------------------------------------
+
+    def _command(self, request_id: int) -> dict[str, Any]:
+        command: dict[str, Any] = {"op": "subscribe", "topic": self.topic, "id": request_id}
+        position = self._stream.position
+        if position is not None:
+            command["since"] = {"epoch": position.epoch, "seq": position.seq}
+        return command
+
+    def _on_subscribed(self, kind: str, epoch: str, seq: int) -> list[Event]:
+        self.subscribed_count += 1
+        if not self._ready.done():
+            self._ready.set_result(None)
+        return self._stream.on_subscribed(kind, epoch, seq)
+
+    def _room_for(self, count: int) -> bool:
+        return len(self._queue) + count <= self._max
+
+    async def _deliver(self, make: Callable[[], list[Event]]) -> None:
+        """Queue the events ``make`` produces from one entry, under the bound (see the class docstring)."""
+        if self.closed_reason is not None:
+            return
+        if self._stream.kind == "private":
+            while not self._room_for(2) and self.closed_reason is None:
+                self._space.clear()
+                await self._space.wait()
+            if self.closed_reason is not None:
+                return
+        elif self._paused:
+            return  # resumed later with `since`: the gateway replays it
+        elif not self._room_for(2):  # a message may come with a `gap` loss before it
+            self._paused = True
+            self.pauses += 1
+            self._stream.resubscribing()
+            self.client._pause(self)
+            return
+        events = make()
+        if events:
+            self._queue.extend(events)
+            self._readable.set()
+
+    def _end(self, reason: str, error: FanoutError | None, *, drop_queued: bool = False) -> None:
+        if self.closed_reason is not None:
+            return
+        self.closed_reason = reason
+        self._error = error
+        if drop_queued:
+            self._queue.clear()
+        if not self._ready.done():
+            self._ready.set_exception(error or FanoutError("closed", f"the subscription ended ({reason})"))
+        self._readable.set()
+        self._space.set()
+
+
+class Client:
+    """A connection to the gateway that outlives its WebSocket connections. Make one with `connect`; use it as
+    ``async with``, or call `start` and `close` yourself. Options: `connect`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        get_token: TokenSource | None = None,
+        connect_timeout: float = 10.0,
+        ping_interval: float | None = 20.0,
+        ping_timeout: float = 10.0,
+        backoff_base: float = 0.5,
+        backoff_max: float = 15.0,
+        request_timeout: float = 10.0,
+        max_pending_requests: int = 1000,
+        max_queued_events: int = 10000,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        start_timeout: float | None = 30.0,
+        on_state: Callable[[ClientState, CloseInfo | None], None] | None = None,
+        on_error: Callable[[FanoutError], None] | None = None,
+    ) -> None:
+        if max_queued_events < 2:
+            raise ValueError("max_queued_events must be at least 2 (a message and the loss before it)")
+        self.url = _ws_url(url)
+        #: the token of the next connection (the one `get_token` last gave, or ``token``)
+        self.token = token
+        self._get_token = get_token
+        self.connect_timeout = connect_timeout
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.request_timeout = request_timeout
+        self.max_pending_requests = max_pending_requests
+        self.max_queued_events = max_queued_events
+        self.max_frame_bytes = max_frame_bytes
+        self.start_timeout = start_timeout
+        self._on_state = on_state
+        self._on_error = on_error
+        self.state: ClientState = "connecting"
+        #: connections made after the first one
+        self.reconnects = 0
+        #: how the last connection ended (None before the first ended)
+        self.last_close: CloseInfo | None = None
+        #: why the client closed, when the gateway (or a failure) closed it: a `FanoutError` ``closed``
+        self.close_error: FanoutError | None = None
+        #: the user and the expiry (Unix seconds) of the last token an ``auth`` refresh got accepted
+        self.user: str | None = None
+        self.expires_at: int | None = None
+        self.subscriptions: dict[str, Subscription] = {}
+        self._ws: ClientConnection | None = None
+        self._need_token = token is None and get_token is not None
+        self._pending: dict[int, _Pending] = {}
+        self._outbox: dict[int, None] = {}  # request ids waiting for a connection, in order
+        self._requests = 0
+        self._wire: list[dict[str, Any]] = []
+        self._flushing = False
+        self._send_lock: asyncio.Lock | None = None
+        self._next_id = 1
+        self._attempt = 0
+        self._ever_connected = False
+        self._refreshing = False
+        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._changed: asyncio.Event | None = None
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Closed for good (by `close`, or by the gateway: `close_error`)."""
+        return self.state == "closed"
+
+    async def __aenter__(self) -> Client:
+        self.start()
+        if self.start_timeout is not None:
+            try:
+                await self.wait_connected(self.start_timeout)
+            except BaseException:
+                await self.close()
+                raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def start(self) -> None:
+        """Connect in the background (and reconnect, until `close`). Called by ``async with``."""
+        if self._task is not None:
+            return
+        self._send_lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="fanout-client")
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Until the client is connected (the gateway answered on a new connection). Raises the client's
+        `FanoutError` ``closed`` if it closes first, `FanoutError` ``timeout`` after ``timeout`` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self.state != "connected":
+                    if self.state == "closed":
+                        raise self.close_error or FanoutError("closed", "the client is closed")
+                    assert self._changed is not None, "start() the client first"
+                    await self._changed.wait()
+        except TimeoutError:
+            raise FanoutError("timeout", f"not connected within {timeout} s (last close: {self.last_close})") from None
+
+    async def wait_closed(self) -> FanoutError | None:
+        """Until the client is closed; the error that closed it, None when the application did."""
+        while self.state != "closed":
+            assert self._changed is not None, "start() the client first"
+            await self._changed.wait()
+        return self.close_error
+
+    async def close(self) -> None:
+        """Close for good: no reconnect; waiting requests fail with ``closed``; subscriptions end."""
+        self._terminate(CloseInfo(1000, "closed by the application"), by_gateway=False)
+        ws = self._ws
+        if ws is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await ws.close(1000, "client closed")
+        tasks = [t for t in (self._task, *self._tasks) if t is not None and t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    async def subscribe(self, topic: str, since: Position | None = None) -> Subscription:
+        """Subscribe to ``topic`` and return the `Subscription` once the gateway acknowledged it (waiting for a
+        connection if there is none, at most ``request_timeout``). ``since`` resumes from a saved position.
+        Raises `FanoutError`: the gateway's refusal (``forbidden``, ``unknown_topic``, ...), ``timeout``,
+        ``already_subscribed`` (one subscription per topic), ``closed``."""
+        self._check_open()
+        existing = self.subscriptions.get(topic)
+        if existing is not None and existing.closed_reason is None:
+            raise FanoutError("already_subscribed", f"this client already has a subscription to {topic!r}")
+        sub = Subscription(self, topic, since)
+        self.subscriptions[topic] = sub
+        if self._ws is not None:
+            self._send_subscribe(sub)
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                await asyncio.shield(sub._ready)
+        except TimeoutError:
+            self._abandon(sub)
+            raise FanoutError("timeout", f"no answer to the subscribe in {self.request_timeout} s") from None
+        except asyncio.CancelledError:
+            self._abandon(sub)
+            raise
+        return sub
+
+    async def publish(self, topic: str, data: Any) -> int:
+        """Publish to a topic that takes client publishes; returns the seq the gateway gave the message.
+        A `FanoutError` ``disconnected`` means the publish may have landed."""
+        result = await self._request({"op": "publish", "topic": topic, "data": data})
+        seq = _int(result.get("seq")) if isinstance(result, dict) else None
+        if seq is None:
+            raise FanoutError("bad_reply", f"a publish answered {result!r}")
+        return seq
+
+    async def rpc(self, method: str, params: Any = None) -> Any:
+        """Call an rpc method (``echo``, ``time``, ``topics``, ``whoami``); returns its result."""
+        return await self._request({"op": "rpc", "method": method, "params": params})
+
+    async def _request(self, command: dict[str, Any]) -> Any:
+        self._check_open()
+        if self._requests >= self.max_pending_requests:
+            raise FanoutError("queue_full", f"{self.max_pending_requests} requests already wait for an answer")
+        request_id = self._new_id()
+        command["id"] = request_id
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        pending = _Pending("request", future=future, command=command)
+        self._pending[request_id] = pending
+        self._requests += 1
+        try:
+            if self._ws is not None:
+                pending.sent = True
+                self._send_soon(command)
+            else:
+                self._outbox[request_id] = None
+            async with asyncio.timeout(self.request_timeout):
+                return await future
+        except TimeoutError:
+            raise FanoutError("timeout", f"no answer in {self.request_timeout} s") from None
+        finally:
+            self._requests -= 1
+            self._pending.pop(request_id, None)
+            self._outbox.pop(request_id, None)
+
+    def _check_open(self) -> None:
+        if self._task is None:
+            raise RuntimeError("start() the client first (or use it as `async with`)")
+        if self.state == "closed":
+            raise self.close_error or FanoutError("closed", "the client is closed")
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _send_subscribe(self, sub: Subscription) -> None:
+        request_id = self._new_id()
+        self._pending[request_id] = _Pending("subscribe", sub=sub)
+        sub._stream.resubscribing()
+        self._send_soon(sub._command(request_id))
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        if self.subscriptions.get(sub.topic) is sub:
+            del self.subscriptions[sub.topic]
+        if self._ws is not None and not sub._paused:
+            self._send_unsubscribe(sub)
+
+    def _send_unsubscribe(self, sub: Subscription) -> None:
+        request_id = self._new_id()
+        self._pending[request_id] = _Pending("unsubscribe", sub=sub)
+        self._send_soon({"op": "unsubscribe", "topic": sub.topic, "id": request_id})
+
+    def _abandon(self, sub: Subscription) -> None:
+        """A subscribe the caller gave up on (timeout, cancelled): end it on both sides."""
+        if sub.closed_reason is None:
+            self._unsubscribe(sub)
+        sub._ready.cancel()
+        sub._end("unsubscribed", None, drop_queued=True)
+
+    def _pause(self, sub: Subscription) -> None:
+        """``sub``'s queue is full (ring or snapshot): stop the topic's flow until the application catches up."""
+        if self._ws is not None:
+            self._send_unsubscribe(sub)
+
+    def _resume(self, sub: Subscription) -> None:
+        """``sub``'s queue has room again: subscribe from where it stopped (without a connection, the next
+        connection resubscribes it)."""
+        if self._ws is not None and sub.closed_reason is None:
+            self._send_subscribe(sub)
+
+    # -- writing ----------------------------------------------------------------------------------------------
+
+    def _send_soon(self, command: dict[str, Any]) -> None:
+        """Queue a command for the current connection: the commands of one loop turn share one frame."""
+        self._wire.append(command)
+        if not self._flushing:
+            self._flushing = True
+            self._spawn(self._flush())
+
+    async def _flush(self) -> None:
+        assert self._send_lock is not None
+        async with self._send_lock:
+            self._flushing = False
+            commands, self._wire = self._wire, []
+            ws = self._ws
+            if ws is not None and commands:
+                await self._write(ws, commands)
+
+    async def _write(self, ws: ClientConnection, commands: list[dict[str, Any]]) -> None:
+        for i in range(0, len(commands), MAX_COMMANDS):
+            chunk = commands[i : i + MAX_COMMANDS]
+            try:
+                await ws.send(orjson.dumps(chunk[0] if len(chunk) == 1 else chunk).decode())
+            except ConnectionClosed:
+                return  # the reader sees the close; the requests sent fail with `disconnected`
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("fanout_client: a background task failed", exc_info=task.exception())
+
+    # -- the connection loop -----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self.closed:
+            if self._need_token:
+                try:
+                    token = await self._ask_token()
+                except Exception as exc:  # noqa: BLE001 - the application's function: reported, retried
+                    self._report(FanoutError("token", f"get_token failed: {exc!r}"))
+                    await self._backoff(CloseInfo(1006, "get_token failed"))
+                    continue
+                self._need_token = False
+                if token:
+                    self.token = token
+            self._set_state("connecting", None)
+            try:
+                ws = await ws_connect(
+                    _with_token(self.url, self.token),
+                    open_timeout=self.connect_timeout,
+                    ping_interval=self.ping_interval,
+                    ping_timeout=self.ping_timeout,
+                    close_timeout=CLOSE_TIMEOUT_S,
+                    max_size=self.max_frame_bytes,
+                    compression=None,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - refused, reset, timed out, an HTTP answer (403, 503): retried
+                await self._backoff(CloseInfo(1006, f"cannot connect: {exc}"))
+                continue
+            if self.closed:
+                await ws.close(1000, "client closed")
+                return
+            close, lived = await self._serve(ws)
+            self.last_close = close
+            self._drop_connection_state()
+            if self.closed:
+                return
+            if lived >= STABLE_S:
+                self._attempt = 0
+            if await self._may_reconnect(close):
+                await self._backoff(close)
+
+    async def _serve(self, ws: ClientConnection) -> tuple[CloseInfo, float]:
+        """Read the connection until it ends; how it ended and how long it lived."""
+        opened_at = time.monotonic()
+        self._ws = ws
+        # The opening frame: a ping (its answer makes the client `connected`: the gateway accepted us; a refused
+        # token is closed before it), every subscription to restore, the requests that waited.
+        open_id = self._new_id()
+        self._pending[open_id] = _Pending("open")
+        commands: list[dict[str, Any]] = [{"op": "ping", "id": open_id}]
+        for sub in self.subscriptions.values():
+            if sub.closed_reason is None and not sub._paused:
+                request_id = self._new_id()
+                self._pending[request_id] = _Pending("subscribe", sub=sub)
+                sub._stream.resubscribing()
+                commands.append(sub._command(request_id))
+        for request_id in list(self._outbox):
+            pending = self._pending.get(request_id)
+            if pending is not None and pending.command is not None:
+                pending.sent = True
+                commands.append(pending.command)
+        self._outbox.clear()
+        assert self._send_lock is not None
+        try:
+            async with self._send_lock:
+                await self._write(ws, commands)
+            async for frame in ws:
+                try:
+                    entries = orjson.loads(frame)
+                except orjson.JSONDecodeError:
+                    await ws.close(1007, "a frame that is not JSON")
+                    break
+                if isinstance(entries, list):
+                    await self._on_batch(entries)
+        except ConnectionClosed:
+            pass
+        finally:
+            self._ws = None
+        code = ws.close_code if ws.close_code is not None else 1006
+        return CloseInfo(code, ws.close_reason or ""), time.monotonic() - opened_at
+
+    async def _may_reconnect(self, close: CloseInfo) -> bool:
+        """The close-code table of docs/client.md: whether to reconnect (False: the client is closed)."""
+        if close.code in TERMINAL:
+            self._terminate(close, by_gateway=True)
+            return False
+        if close.code in (4001, 4011):
+            if self._get_token is None:
+                self._terminate(close, by_gateway=True)
+                return False
+            self._set_state("disconnected", close)
+            previous = self.token
+            try:
+                token = await self._ask_token()
+            except Exception as exc:  # noqa: BLE001 - the application's function: reported, retried
+                self._report(FanoutError("token", f"get_token failed: {exc!r}"))
+                return True
+            if self.state == "closed":
+                return False
+            if not token or (close.code == 4001 and token == previous):
+                self._terminate(close, by_gateway=True)
+                return False
+            self.token = token
+        return True
+
+    async def _backoff(self, close: CloseInfo) -> None:
+        """Full jitter: a delay uniform in [0, min(backoff_max, backoff_base * 2^attempt))."""
+        if self.state == "closed":
+            return
+        self.last_close = close
+        self._set_state("disconnected", close)
+        cap = min(self.backoff_max, self.backoff_base * 2 ** min(self._attempt, 30))
+        self._attempt += 1
+        await asyncio.sleep(random.uniform(0, cap))
+
+    def _drop_connection_state(self) -> None:
+        self._wire = []
+        lost = FanoutError("disconnected", "the connection was lost before the answer (the request may have run)")
+        for request_id, pending in list(self._pending.items()):
+            if pending.kind == "request" and not pending.sent:
+                continue  # still waits in the outbox
+            del self._pending[request_id]
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(lost)
+        for sub in self.subscriptions.values():
+            sub._stream.resubscribing()
+
+    def _terminate(self, close: CloseInfo, *, by_gateway: bool) -> None:
+        if self.state == "closed":
+            return
+        error = FanoutError("closed", close.reason or f"closed with {close.code}", close_code=close.code)
+        if by_gateway:
+            self.close_error = error
+            self.last_close = close
+        self._drop_connection_state()
+        for pending in self._pending.values():
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(error)
+        self._pending.clear()
+        self._outbox.clear()
+        self.state = "closed"
+        if by_gateway:
+            self._report(error)
+        self._notify(close)
+        subs = list(self.subscriptions.values())
+        self.subscriptions.clear()
+        for sub in subs:
+            sub._end("client_closed", error if by_gateway else None, drop_queued=not by_gateway)
+
+    def _set_state(self, state: ClientState, close: CloseInfo | None) -> None:
+        if self.state == state or self.state == "closed":
+            return
+        self.state = state
+        self._notify(close)
+
+    def _notify(self, close: CloseInfo | None) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+        if self._on_state is not None:
+            try:
+                self._on_state(self.state, close)
+            except Exception:
+                log.exception("fanout_client: the on_state handler failed")
+
+    def _report(self, error: FanoutError) -> None:
+        if self._on_error is None:
+            log.warning("fanout_client: %s", error)
+            return
+        try:
+            self._on_error(error)
+        except Exception:
+            log.exception("fanout_client: the on_error handler failed")
+
+    async def _ask_token(self) -> str | None:
+        assert self._get_token is not None
+        value = self._get_token()
+        if inspect.isawaitable(value):
+            value = await value
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"get_token returned {type(value).__name__}, not str or None")
+        return value
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    async def _on_batch(self, entries: list[Any]) -> None:
+        for entry in entries:
+            if self._ws is None or self.state == "closed":
+                return
+            if not isinstance(entry, dict):
+                continue
+            kind = entry.get("type")
+            topic = entry.get("topic")
+            sub = self.subscriptions.get(topic) if isinstance(topic, str) else None
+            if kind == "msg":
+                seq = _int(entry.get("seq"))
+                if sub is not None and seq is not None:
+                    await sub._deliver(partial(sub._stream.on_msg, seq, entry.get("data")))
+            elif kind == "loss":
+                start, end, reason = _int(entry.get("from")), entry.get("to"), entry.get("reason")
+                if sub is not None and start is not None and (end is None or _int(end) is not None):
+                    why = reason if isinstance(reason, str) else "gone"
+                    await sub._deliver(partial(sub._stream.on_loss, start, _int(end), why))
+            elif kind == "subscribed":
+                self._on_subscribed(entry, sub)
+            elif kind == "unsubscribed":
+                self._settle(entry.get("id"))
+            elif kind == "closed":
+                if sub is not None:
+                    del self.subscriptions[sub.topic]
+                    reason = entry.get("reason")
+                    reason = reason if isinstance(reason, str) else "closed"
+                    sub._end(reason, FanoutError(reason, f"the gateway ended the subscription to {sub.topic!r}"))
+            elif kind == "reply":
+                self._on_reply(entry)
+            elif kind == "error":
+                self._on_error_entry(entry)
+            # any other type: a newer gateway's entry, ignored
+
+    def _settle(self, request_id: object) -> _Pending | None:
+        return self._pending.pop(request_id, None) if isinstance(request_id, int) else None
+
+    def _on_subscribed(self, entry: dict[str, Any], sub: Subscription | None) -> None:
+        asked = self._settle(entry.get("id"))
+        # the subscription that asked (an earlier one of the same topic may have been replaced since); `id`
+        # null: the gateway's own, after an epoch change under a live subscription (with a broker)
+        target = asked.sub if asked is not None and asked.kind == "subscribe" else sub
+        kind, epoch, seq = entry.get("kind"), entry.get("epoch"), _int(entry.get("seq"))
+        if target is None or target is not sub or sub.closed_reason is not None or sub._paused:
+            return
+        if isinstance(kind, str) and isinstance(epoch, str) and seq is not None:
+            events = sub._on_subscribed(kind, epoch, seq)
+            if events:
+                sub._queue.extend(events)
+                sub._readable.set()
+
+    def _on_reply(self, entry: dict[str, Any]) -> None:
+        pending = self._settle(entry.get("id"))
+        if pending is None:
+            return
+        result = entry.get("result")
+        if pending.kind == "open":
+            if self._ever_connected:
+                self.reconnects += 1
+            self._ever_connected = True
+            self._set_state("connected", None)
+        elif pending.kind == "auth":
+            if pending.token is not None:
+                self.token = pending.token
+            if isinstance(result, dict):
+                user, expires = result.get("user"), _int(result.get("expires_at"))
+                self.user = user if isinstance(user, str) else None
+                self.expires_at = expires
+        elif pending.future is not None and not pending.future.done():
+            pending.future.set_result(result)
+
+    def _on_error_entry(self, entry: dict[str, Any]) -> None:
+        code, message = entry.get("code"), entry.get("message")
+        error = FanoutError(code if isinstance(code, str) else "error", message if isinstance(message, str) else "")
+        pending = self._settle(entry.get("id"))
+        if pending is None:
+            if error.code == "token_expired":
+                if not self._refreshing:
+                    self._refreshing = True
+                    self._spawn(self._refresh_token())
+                return
+            self._report(error)
+            return
+        if pending.kind == "request":
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(error)
+        elif pending.kind == "subscribe" and pending.sub is not None:
+            if error.code == "already_subscribed":
+                return
+            sub = pending.sub
+            if self.subscriptions.get(sub.topic) is sub:
+                del self.subscriptions[sub.topic]
+            sub._end("error", error)
+        elif pending.kind in ("unsubscribe", "open"):
+            return  # not_subscribed after a pause: nothing to stop
+        else:
+            self._report(error)  # an `auth` refused: the gateway closes with 4011, then get_token is asked again
+
+    async def _refresh_token(self) -> None:
+        """``token_expired`` on a live connection: a fresh token with ``auth`` before ``auth.expired_grace_s``."""
+        try:
+            if self._get_token is None:
+                self._report(FanoutError("token_expired", "the token expired and there is no get_token"))
+                return
+            try:
+                token = await self._ask_token()
+            except Exception as exc:  # noqa: BLE001 - the application's function: reported
+                self._report(FanoutError("token", f"get_token failed: {exc!r}"))
+                return
+            if not token:
+                self._report(FanoutError("token_expired", "the token expired and get_token gave none"))
+                return
+            if self._ws is not None:
+                request_id = self._new_id()
+                self._pending[request_id] = _Pending("auth", token=token)
+                self._send_soon({"op": "auth", "token": token, "id": request_id})
+            else:
+                self.token = token
+        finally:
+            self._refreshing = False
+
+
+def connect(
+    url: str,
+    *,
+    token: str | None = None,
+    get_token: TokenSource | None = None,
+    connect_timeout: float = 10.0,
+    ping_interval: float | None = 20.0,
+    ping_timeout: float = 10.0,
+    backoff_base: float = 0.5,
+    backoff_max: float = 15.0,
+    request_timeout: float = 10.0,
+    max_pending_requests: int = 1000,
+    max_queued_events: int = 10000,
+    max_frame_bytes: int = 64 * 1024 * 1024,
+    start_timeout: float | None = 30.0,
+    on_state: Callable[[ClientState, CloseInfo | None], None] | None = None,
+    on_error: Callable[[FanoutError], None] | None = None,
+) -> Client:
+    """A `Client` of the gateway at ``url`` (its base ``http(s)://`` URL, or the ``ws(s)://.../ws`` URL), to use
+    as ``async with connect(...) as client``. Options (docs/client.md, "The Python client: fanout_client"):
+
+    * ``token``: a JWT, sent as ``?token=``; ``get_token``: a function (or coroutine function) giving one, asked
+      before the first connection when ``token`` is None, when the token expires (the new one is sent with
+      ``auth`` on the live connection) and on the close codes 4001 and 4011;
+    * ``connect_timeout``: seconds for one connection's opening handshake; ``ping_interval``,
+      ``ping_timeout``: WebSocket pings (None: none), no pong in time drops the connection and re-makes it;
+    * ``backoff_base``, ``backoff_max``: the reconnect delays' cap, doubling from ``backoff_base`` (full jitter);
+    * ``request_timeout``: seconds for `Client.publish`, `Client.rpc` and `Client.subscribe` (``timeout``);
+    * ``max_pending_requests``: requests waiting for an answer or a connection (beyond: ``queue_full``);
+    * ``max_queued_events``: each subscription's queue (policy: `Subscription`);
+    * ``max_frame_bytes``: the largest frame accepted from the gateway (a larger one drops the connection);
+    * ``start_timeout``: how long ``async with`` waits for the first connection (None: it does not wait);
+    * ``on_state(state, close)``, ``on_error(error)``: callbacks (state changes; errors no request owns).
+    """
+    return Client(
+        url, token=token, get_token=get_token, connect_timeout=connect_timeout, ping_interval=ping_interval,
+        ping_timeout=ping_timeout, backoff_base=backoff_base, backoff_max=backoff_max, request_timeout=request_timeout,
+        max_pending_requests=max_pending_requests, max_queued_events=max_queued_events, max_frame_bytes=max_frame_bytes,
+        start_timeout=start_timeout, on_state=on_state, on_error=on_error,
+    )
+
