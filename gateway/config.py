@@ -51,6 +51,9 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_connections: int
     max_connections_per_ip: int
     header_timeout_s: float
+    max_header_bytes: int
+    max_headers: int
+    allowed_hosts: list[str]
     gc_full_interval_s: float
     workers: int
 
@@ -58,6 +61,8 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True):
 class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     cycle_budget_bytes: int
     direct_queue_max: int
+    direct_queue_max_bytes: int
+    direct_total_max_bytes: int
     max_message_bytes: int
     max_topics: int
     max_subscriptions: int
@@ -73,6 +78,7 @@ class WebSocketConfig(_Section, frozen=True, forbid_unknown_fields=True):
     notsent_lowat_bytes: int
     blocked_timeout_s: float
     max_frame_bytes: int
+    max_fragments: int
     ping_interval_s: float
     ping_timeout_s: float
     direct_write: bool
@@ -101,6 +107,7 @@ class IngestConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_line_bytes: int
     max_buffer_bytes: int
     max_records_per_turn: int
+    max_answer_bytes: int
     token: str
 
 
@@ -128,13 +135,21 @@ class AuthConfig(_Section, frozen=True, forbid_unknown_fields=True):
     jwt_issuer: str
     leeway_s: float
     expired_grace_s: float
+    rate_per_connection: float
+    burst_per_connection: int
+    rate_per_ip: float
+    burst_per_ip: int
 
 
 class LimitsConfig(_Section, frozen=True, forbid_unknown_fields=True):
     publish_rate: float
     publish_burst: int
     max_created_topics: int
+    topic_create_rate: float
+    topic_create_burst: int
+    max_client_topics: int
     topic_ttl_s: float
+    topic_history_ttl_s: float
     idle_timeout_s: float
     bad_input_log_per_s: float
 
@@ -142,6 +157,7 @@ class LimitsConfig(_Section, frozen=True, forbid_unknown_fields=True):
 class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True):
     publish_timeout_s: float
     max_body_bytes: int
+    max_publish_messages: int
     stats_interval_s: float
     stats_max_viewers: int
 
@@ -163,6 +179,8 @@ class BrokerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     prefix: str
     history_ttl_s: float
     connect_timeout_s: float
+    max_topics: int
+    max_pending_bytes: int
 
 
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
@@ -226,6 +244,8 @@ class GatewayConfig:
         return EngineConfig(
             cycle_budget_bytes=s.cycle_budget_bytes,
             direct_queue_max=s.direct_queue_max,
+            direct_queue_max_bytes=s.direct_queue_max_bytes,
+            direct_total_max_bytes=s.direct_total_max_bytes,
             max_message_bytes=s.max_message_bytes,
             max_topics=s.max_topics,
             max_subscriptions=s.max_subscriptions,
@@ -371,10 +391,22 @@ def load_config(
     config.engine_config()  # validates the topic rules
     if config.server.workers < 1:
         raise ConfigError(f"server.workers must be >= 1, not {config.server.workers}")
+    if config.server.max_header_bytes < 1024 or config.server.max_headers < 1:
+        raise ConfigError("server.max_header_bytes must be >= 1024 and server.max_headers >= 1")
     if config.scheduler.write_coalesce_cycles < 1:
         raise ConfigError(f"scheduler.write_coalesce_cycles must be >= 1, not {config.scheduler.write_coalesce_cycles}")
     if config.scheduler.write_coalesce_ms < 0:
         raise ConfigError(f"scheduler.write_coalesce_ms must be >= 0, not {config.scheduler.write_coalesce_ms}")
+    for key, value in (("limits.topic_create_rate", config.limits.topic_create_rate),
+                       ("limits.topic_create_burst", config.limits.topic_create_burst),
+                       ("limits.max_client_topics", config.limits.max_client_topics),
+                       ("limits.topic_history_ttl_s", config.limits.topic_history_ttl_s),
+                       ("broker.max_topics", config.broker.max_topics),
+                       ("broker.max_pending_bytes", config.broker.max_pending_bytes)):
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, not {value}")
+    if config.admin.max_publish_messages < 1:
+        raise ConfigError(f"admin.max_publish_messages must be >= 1, not {config.admin.max_publish_messages}")
     if config.server.workers > 1 and not config.broker.url:
         raise ConfigError(
             f"server.workers = {config.server.workers} needs a broker: each worker would be a topic space of its"

@@ -1,10 +1,18 @@
-"""Connection-level defences of the HTTP port: connection limits and the request-header deadline.
+"""Connection-level defences of the HTTP port: connection limits, the request-header deadline, the bounds
+of request headers and the `Host` allow-list.
 
 One anonymous peer must not exhaust the gateway's file descriptors or hold connections open forever by
 never finishing its request headers (slowloris). uvicorn runs `GuardedHttpToolsProtocol`, a subclass of its
 httptools protocol: every accepted connection is admitted by the `ConnectionLimiter` before anything is
 parsed, or answered with a fixed 503 and closed. An upgraded WebSocket connection keeps its slot: its loss
 is reported to the WebSocket protocol only, which releases it (gateway/ws.py).
+
+Request heads are bounded before they are parsed: httptools joins the pieces of a header value (and uvicorn
+those of the URL) by concatenating bytes, so a header sent in many reads costs time quadratic in its size.
+The bytes of a head are counted as they arrive and, past `server.max_header_bytes`, the request is answered
+`431` without feeding them to the parser; past `server.max_headers` header lines likewise. A request whose
+`Host` is not served (gateway/hosts.py) is answered `421`. Each of these answers is one pre-built write, then
+the connection is shut and what the peer still sends is dropped unread (as for the 503).
 
 The protocol also exposes itself in each request's ASGI scope (`scope["extensions"][SCOPE_KEY]`), so that a
 streaming response (SSE, gateway/sse.py) can write straight to the transport, as the WebSocket does; such a
@@ -17,16 +25,18 @@ import asyncio
 from collections import Counter
 from typing import Any, Protocol, cast
 
+import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .hosts import HostPolicy
 from .ratelog import BadInputLog
 
 #: where the protocol puts itself in each request's ASGI scope, under "extensions"
 SCOPE_KEY = "fanout.http"
 
 #: reasons a connection is refused or cut, as exported in fanout_connections_refused_total{reason}
-REASONS = ("total", "per_ip", "header_timeout")
+REASONS = ("total", "per_ip", "header_timeout", "header_too_large", "bad_host")
 
 #: counts and rate-limits refusals of a limiter made without the hub's log (one per process otherwise)
 FALLBACK_BAD_INPUT = BadInputLog(5.0)
@@ -42,6 +52,36 @@ REFUSAL = (
     b"Content-Length: %d\r\n"
     b"Connection: close\r\n\r\n" % len(_REFUSAL_BODY)
 ) + _REFUSAL_BODY
+
+
+
+
+def _answer(status: bytes, code: str, message: str) -> bytes:
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+            % (status, len(body))) + body
+
+
+#: request heads over `server.max_header_bytes` or `server.max_headers` (RFC 6585 §5)
+HEADERS_TOO_LARGE = _answer(b"431 Request Header Fields Too Large", "headers_too_large",
+                            "request headers over server.max_header_bytes or server.max_headers")
+#: a `Host` that is not served here (gateway/hosts.py; RFC 9110 §15.5.20)
+BAD_HOST = _answer(b"421 Misdirected Request", "bad_host", "this Host is not served here (server.allowed_hosts)")
+
+
+class _HeadRefused(Exception):
+    """Raised from a parser callback to stop parsing: the request is answered with `answer`."""
+
+    def __init__(self, reason: str, answer: bytes) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.answer = answer
+
+
+def _head_ends(data: bytes, room: int) -> bool:
+    """Whether a head may end within the first `room` bytes of `data` (`room` < 0: it may not). A head whose
+    end straddles the previous read is let through once: the next read is counted whole again."""
+    return room >= 0 and (data.find(b"\r\n\r\n", 0, room + 4) >= 0 or b"\n" in data[:3])
 
 
 #: after the answer, a refused peer's request is read and dropped this long at most, or until it closes
@@ -114,7 +154,8 @@ class StreamListener(Protocol):
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol behind the connection limiter and the request-header deadline.
+    """uvicorn's httptools protocol behind the connection limiter, the request-header deadline, the bounds
+    of request heads and the `Host` allow-list (module docstring).
 
     The deadline runs from connecting, and on a keep-alive connection from the first byte after a completed
     response, to the end of the request headers; a WebSocket handshake is such a request. One timer per
@@ -124,7 +165,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limiter: ConnectionLimiter = ConnectionLimiter()
     #: seconds; 0: no deadline
     header_timeout_s = 0.0
+    #: bytes of one request head (request line, header lines, the empty line) and header lines in it
+    max_header_bytes = 16384
+    max_headers = 100
+    #: None: every Host is served
+    hosts: HostPolicy | None = None
+    #: a connection between workers (gateway/broker/forward.py), never one of a client
+    internal = False
     _refused = False
+    #: answered and shut by us (431, 421): what the peer still sends is dropped
+    _answered = False
+    #: the parser is between requests or in a head: arriving bytes are counted against max_header_bytes
+    _in_head = True
+    _head_bytes = 0
+    _header_count = 0
     #: the header deadline; on a refused connection, the end of its linger
     _timer: asyncio.TimerHandle | None = None
     #: the response being written straight to the transport, if any (set and cleared by it)
@@ -135,29 +189,88 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refused = True
             # not super(): a refused connection is never parsed, served, or known to uvicorn's shutdown
             self.transport = transport
-            transport.write(REFUSAL)
-            if transport.can_write_eof():
-                transport.write_eof()  # the peer's own close then ends it (eof_received returns None)
-                self._timer = self.loop.call_later(REFUSAL_LINGER_S, transport.close)
-            else:  # TLS: closing runs the TLS shutdown, which reads the peer's input meanwhile
-                transport.close()
+            self._answer_and_close(REFUSAL)
             return
         super().connection_made(transport)
         self._arm_header_deadline()
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self._answered:
             return
         # bytes while no request is in progress start the next request's headers (even bare CRLFs, which
         # the parser skips: they cancel uvicorn's keep-alive timer, so they must not hold the connection)
         if self._timer is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_deadline()
-        super().data_received(data)
+        if self._in_head:
+            seen = self._head_bytes
+            self._head_bytes = seen + len(data)
+            if self._head_bytes > self.max_header_bytes and not _head_ends(data, self.max_header_bytes - seen):
+                self._refuse_request(_HeadRefused("header_too_large", HEADERS_TOO_LARGE))
+                return
+        # uvicorn's data_received, but a head we refuse is answered by us, without a log line per request
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _HeadRefused):
+                self._refuse_request(exc.__context__)
+                return
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def on_message_begin(self) -> None:
+        self._header_count = 0
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.max_headers:
+            raise _HeadRefused("header_too_large", HEADERS_TOO_LARGE)
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        if self.hosts is not None:
+            for name, value in self.headers:
+                if name == b"host" and not self.hosts.allows(value):
+                    raise _HeadRefused("bad_host", BAD_HOST)
         self._cancel_timer()
         cast(dict[str, Any], self.scope).setdefault("extensions", {})[SCOPE_KEY] = self
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        super().on_message_complete()
+
+    def _refuse_request(self, refusal: _HeadRefused) -> None:
+        """Answer a refused request head and close (a response under way on this connection: close only)."""
+        self._answered = True
+        self._cancel_timer()
+        self._unset_keepalive_if_required()
+        self.limiter.refuse(refusal.reason, peer_ip(self.transport))
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # pipelined behind a response still being written: no answer in its midst
+        else:
+            self._answer_and_close(refusal.answer)
+
+    def _answer_and_close(self, answer: bytes) -> None:
+        transport = self.transport
+        transport.write(answer)
+        if transport.can_write_eof():
+            transport.write_eof()  # the peer's own close then ends it (eof_received returns None)
+            self._timer = self.loop.call_later(REFUSAL_LINGER_S, transport.close)
+        else:  # TLS: closing runs the TLS shutdown, which reads the peer's input meanwhile
+            transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -194,6 +307,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def http_protocol_class(limiter: ConnectionLimiter, header_timeout_s: float) -> type[GuardedHttpToolsProtocol]:
-    attrs = {"limiter": limiter, "header_timeout_s": header_timeout_s}
+def http_protocol_class(
+    limiter: ConnectionLimiter, header_timeout_s: float, max_header_bytes: int = 16384, max_headers: int = 100,
+    hosts: HostPolicy | None = None, internal: bool = False,
+) -> type[GuardedHttpToolsProtocol]:
+    attrs = {"limiter": limiter, "header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes,
+             "max_headers": max_headers, "hosts": hosts, "internal": internal}
     return type("ConfiguredGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), attrs)

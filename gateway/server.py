@@ -17,10 +17,12 @@ import uvicorn
 from .app import build_app
 from .broker.forward import WorkerLinks
 from .config import ConfigError, GatewayConfig
+from .hosts import HostPolicy
 from .hub import Hub
 from .ingest import IngestServer
 from .netguard import ConnectionLimiter, http_protocol_class
 from .origin import OriginPolicy, parse_allowed_origins
+from .page_headers import SecurityHeaders
 from .ws import protocol_class
 
 log = logging.getLogger("gateway")
@@ -181,6 +183,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     shared = config.server.workers > 1
     tls = tls_files(config)
     check_listener_tokens(config)
+    hosts = HostPolicy(config.server.allowed_hosts, config.server.host)
     hub = Hub(config)
     await hub.start()
     server_cfg = config.server
@@ -213,8 +216,9 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     limiter = ConnectionLimiter(server_cfg.max_connections, server_cfg.max_connections_per_ip, hub.bad_input)
     hub.metrics.connections = limiter
     uv_config = uvicorn.Config(
-        build_app(hub, token, links),
-        http=http_protocol_class(limiter, server_cfg.header_timeout_s),
+        SecurityHeaders(build_app(hub, token, links)),
+        http=http_protocol_class(limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes,
+                                 server_cfg.max_headers, hosts),
         ws=protocol_class(ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes, limiter, hub.bad_input,
                           hub, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins))),
         ws_per_message_deflate=False,  # a shared frame per batch: compression would cost an encode per client

@@ -27,7 +27,7 @@ from core import Batch
 
 from . import close_codes
 from .commands import handle_payload
-from .errors import BadToken, TokenExpired
+from .errors import BadToken, RateLimited, TokenExpired
 from .hub import Hub
 from .identity import ClientIdentity
 from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
@@ -43,6 +43,21 @@ SCOPE_KEY = "fanout.ws"
 KICK_GRACE_S = 2.0
 #: the route the protocol serves itself
 WS_PATH = "/ws"
+#: bytes handed to the frame parser at a time: a peer's protocol error (too many fragments) is seen after at
+#: most this much of a read, so a read of one-byte frames costs ~9 ms of parsing at most, not ~35 ms per 64 KiB
+PARSE_SLICE = 16384
+
+
+class WSCounters:
+    """Per-process counts of the frame-level bounds, for /metrics (gateway/metrics.py)."""
+
+    #: pongs not written because a later ping came while the peer's writes were paused (one waits)
+    pongs_coalesced = 0
+    #: connections closed for fragmenting a message into more than `websocket.max_fragments` frames
+    fragment_closes = 0
+
+
+ws_counters = WSCounters()
 
 
 class _Discard:
@@ -94,6 +109,11 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     origins: OriginPolicy | None = None
     #: this connection is served here, not by an ASGI task
     served = False
+    #: frames one message may take without a hub (with one: `websocket.max_fragments`); more: close 1008
+    max_fragments = 64
+    #: the pong answering the peer's latest ping, held while our writes are paused (at most one waits,
+    #: RFC 6455 §5.5.3); reading is paused with it, so a peer that pings and never reads is not read either
+    held_pong: bytes | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         super().connection_made(transport)
@@ -111,8 +131,57 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        pong = self.held_pong
+        if pong is not None:
+            self.held_pong = None
+            if not self.transport.is_closing() and not self.lingering:
+                self.transport.write(pong)
+                self.transport.resume_reading()
         if self.connection is not None:
             self.connection.on_resume()
+
+    def handle_ping(self) -> None:
+        # uvicorn writes every pong at once, whatever is buffered: a peer that pings and never reads made the
+        # gateway hold pongs without bound (issue 24: +169 MiB in 6 s). While our writes are paused only the
+        # pong of the latest ping waits, and the peer is not read until it reads.
+        pong = b"".join(self.conn.data_to_send())
+        if self.lingering or self.transport.is_closing():
+            return
+        if self.writable.is_set():
+            self.transport.write(pong)
+            return
+        if self.held_pong is not None:
+            ws_counters.pongs_coalesced += 1
+        else:
+            self.transport.pause_reading()
+        self.held_pong = pong
+
+    def handle_cont(self, event: Any) -> None:
+        if self.lingering or self.close_sent:
+            return
+        limit = self.hub.config.websocket.max_fragments if self.hub is not None else self.max_fragments
+        if len(self.frames) >= limit:
+            # each frame costs a parse: one-byte fragments cost ~500 ns of CPU per byte (issue 24)
+            self.frames = []
+            ws_counters.fragment_closes += 1
+            self.conn.fail(close_codes.POLICY_VIOLATION,
+                           f"more than {limit} fragments in one message (websocket.max_fragments)")
+            self.handle_parser_exception()
+            return
+        super().handle_cont(event)
+
+    def keepalive_timeout(self) -> None:
+        # uvicorn's closes the transport, which waits for the buffer to drain: a peer that never reads was
+        # never closed. Close frame, then linger and cut (`linger_close`).
+        self.pong_timer = None
+        self.pending_ping_payload = None
+        if self.close_sent or self.lingering or self.transport.is_closing():
+            return
+        self.conn.fail(close_codes.INTERNAL_ERROR, "keepalive ping timeout")
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.close_sent = True
+        self.linger_close(KICK_GRACE_S)
+        self._unregister("closed")
 
     def linger_close(self, grace: float) -> None:
         """Close after our close frame without a reset: closing a socket with unread input makes the kernel
@@ -130,8 +199,29 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.loop.call_later(grace, transport.abort)
 
     def data_received(self, data: bytes) -> None:
-        if not self.lingering:
-            super().data_received(data)
+        if self.lingering:
+            return
+        if self.handshake_complete and len(data) > PARSE_SLICE:
+            # in slices: once a frame ends the connection (lingering), the rest of the read is not parsed
+            view = memoryview(data)
+            for start in range(0, len(data), PARSE_SLICE):
+                super().data_received(view[start:start + PARSE_SLICE])  # type: ignore[arg-type]  # buffer
+                if self.lingering or self.transport.is_closing():
+                    return
+            return
+        super().data_received(data)
+        if not self.handshake_initiated and self.conn.handshake_exc is not None:
+            self._refused_by_websockets()
+
+    def _refused_by_websockets(self) -> None:
+        """websockets refused the handshake request itself (a line over 8 KiB, over 128 headers, not HTTP):
+        it queued its answer (414, 431; nothing for a non-HTTP request) but emits no event, so uvicorn would
+        neither write it nor close, and the connection would hold its slot for good. Answer and close."""
+        self.handshake_initiated = self.handshake_complete = self.close_sent = True
+        if self.limiter is not None:
+            self.limiter.refuse("header_too_large", self.client[0] if self.client else "")
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.linger_close(KICK_GRACE_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -314,6 +404,8 @@ class WSConnection(StagedWriter):
 
     def on_pause(self) -> None:
         self.paused = True
+        if self.blocked_since is None:  # paused by what the protocol writes itself (pongs): watched as well
+            self._blocked()
 
     def on_resume(self) -> None:
         self.paused = False
@@ -384,10 +476,11 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     token = websocket.query_params.get("token")
     if token is not None:
         try:
-            principal = hub.tokens.verify(token)
-        except (BadToken, TokenExpired) as exc:
+            principal = hub.tokens.verify(token, websocket.client.host if websocket.client else "")
+        except (BadToken, TokenExpired, RateLimited) as exc:
             hub.bad_input("ws", "token refused: %s", exc)
-            await websocket.close(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
+            code = exc.close_code or close_codes.TOO_MANY_TOKEN_CHECKS
+            await websocket.close(code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
             return
     client_id = hub.new_client_id("ws")
     host, port = websocket.client if websocket.client else ("", 0)
@@ -425,10 +518,11 @@ def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
     tokens = params.get("token")
     if tokens is not None:
         try:
-            principal = hub.tokens.verify(tokens[-1])
-        except (BadToken, TokenExpired) as exc:
+            principal = hub.tokens.verify(tokens[-1], proto.client[0] if proto.client else "")
+        except (BadToken, TokenExpired, RateLimited) as exc:  # RateLimited: auth.rate_per_ip
             hub.bad_input("ws", "token refused: %s", exc)
-            proto.close_with(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
+            code = exc.close_code or close_codes.TOO_MANY_TOKEN_CHECKS
+            proto.close_with(code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
             return
     client_id = hub.new_client_id("ws")
     host, port = proto.client if proto.client else ("", 0)

@@ -171,7 +171,7 @@ def test_per_ip_limit_answers_503_and_a_closed_connection_or_websocket_frees_its
             with connect(gw.ws_url, open_timeout=5) as ws:
                 ws_subscribed(ws)
         wait_for(lambda: open_connections(gw) == 0)
-        assert refused(gw) == {"total": 0, "per_ip": 2, "header_timeout": 0}
+        assert refused(gw) == {"total": 0, "per_ip": 2, "header_timeout": 0, "header_too_large": 0, "bad_host": 0}
         assert gw.hub.bad_input.by_source["http"] == 2
         metrics = httpx.get(f"{gw.http_url}/metrics").text
         assert "fanout_http_connections 1.0" in metrics  # the scrape's own connection
@@ -264,7 +264,7 @@ def test_tls_serves_wss_and_https(tls):
         assert asyncio.run(subscribe(f"wss://127.0.0.1:{port}/ws"))["type"] == "subscribed"
         assert httpx.get(f"https://127.0.0.1:{port}/healthz", verify=context).json() == {"status": "ok"}
         wait_for(lambda: open_connections(gw) == 0)
-        assert refused(gw) == {"total": 0, "per_ip": 0, "header_timeout": 0}
+        assert refused(gw) == {"total": 0, "per_ip": 0, "header_timeout": 0, "header_too_large": 0, "bad_host": 0}
 
 
 def test_tls_config_mistakes_are_config_errors(tls, tmp_path):
