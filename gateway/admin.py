@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core import QueueFull, RequestError, TopicKind, UnknownTopic
+from core.errors import MessageTooLarge
 
 from . import close_codes, schema
 from .bodies import read_body
@@ -95,6 +97,10 @@ async def delete_topic(request: Request) -> Response:
     return JSONResponse({"deleted": name, "subscribers_notified": await _hub(request).delete_topic_async(name)})
 
 
+#: A bulk publish (`messages`) runs this long at most before it yields to the event loop.
+BULK_SLICE_S = 0.002
+
+
 @guarded
 async def publish(request: Request) -> Response:
     """Body: {"data": D} or {"messages": [D, ...]}, optional "client" (private topics) and "seq"."""
@@ -102,12 +108,20 @@ async def publish(request: Request) -> Response:
     name = request.path_params["name"]
     body: schema.PublishBody = schema.body(await _json_body(request), schema.PublishBody)
     items = body.items()
+    bound = hub.config.admin.max_publish_messages
+    if len(items) > bound:
+        raise MessageTooLarge(f"at most {bound} messages per publish (admin.max_publish_messages), not {len(items)}")
     topic_config = hub.engine.topic_config(name) if hub.via_broker(name) else hub.resolve(name).config
     if topic_config is None:
         raise UnknownTopic(f"no topic {name!r} and no rule creates it")
     timeout = hub.config.admin.publish_timeout_s
     seqs: list[int] = []
+    slice_started = time.perf_counter()
     for data in items:
+        if time.perf_counter() - slice_started > BULK_SLICE_S:
+            # A publish that lands at once (in-process) never awaits: yield, so other clients are served.
+            await asyncio.sleep(0)
+            slice_started = time.perf_counter()
         try:
             if topic_config.kind is TopicKind.PRIVATE:
                 result = await hub.publish_wait(name, data, owner=body.client, timeout=timeout, seq=body.seq)

@@ -16,6 +16,7 @@ import jwt
 
 from .config import AuthConfig, ConfigError
 from .errors import BadToken, TokenExpired
+from .owners import check_user_id
 
 HMAC_ALGORITHMS = ("HS256",)
 PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256")
@@ -95,5 +96,8 @@ def _principal(claims: dict) -> Principal:
     user = claims["sub"]
     if not isinstance(user, str) or not 0 < len(user) <= MAX_USER_CHARS:
         raise BadToken(f"claim 'sub' must be a string of 1..{MAX_USER_CHARS} characters")
+    reserved = check_user_id(user)  # anonymous client ids own queues too (gateway/owners.py)
+    if reserved is not None:
+        raise BadToken(reserved)
     exp = claims["exp"]
     return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"))

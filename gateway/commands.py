@@ -19,7 +19,7 @@ from core.entries import encode_reply
 from core.errors import DirectQueueFull, RequestError, UnknownTopic
 
 from . import close_codes, schema
-from .errors import BadCommand, BadJson, Forbidden, RateLimited, TooManyCreatedTopics, UnknownMethod
+from .errors import BadCommand, BadJson, Forbidden, RateLimited, UnknownMethod
 from .identity import ClientIdentity
 from .ratelog import TokenBucket
 
@@ -47,13 +47,9 @@ def _topic_config(hub: "Hub", name: str) -> TopicConfig:
 
 
 def _creating(hub: "Hub", identity: ClientIdentity, name: str) -> bool:
-    """Whether acting on `name` creates it; refuses when this connection used up its creations."""
-    if hub.engine.has_topic(name):
-        return False
-    limit = hub.config.limits.max_created_topics
-    if identity.created_topics >= limit:
-        raise TooManyCreatedTopics(f"this connection may create at most {limit} topics")
-    return True
+    """Whether acting on `name` creates it here; refuses when this client may create no more topics
+    (per connection, per address, in total: gateway/topic_budget.py). With a broker Redis decides (hub)."""
+    return hub.creating(identity, name)
 
 
 def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) -> None:
@@ -67,7 +63,8 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
         raise Forbidden(f"not allowed to subscribe to {name!r}")
     creating = _creating(hub, identity, name)
     hub.subscribe(identity.client_id, name, since=since, request_id=command.id)
-    identity.created_topics += creating
+    if creating:
+        hub.creations.charge(identity)
 
 
 def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> None:
@@ -82,7 +79,8 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
         raise RateLimited(f"publish rate above {hub.config.limits.publish_rate:g}/s")
     creating = _creating(hub, identity, name)
     hub.publish_reply(identity.client_id, name, command.data, command.id)  # the reply, now or from the broker
-    identity.created_topics += creating
+    if creating:
+        hub.creations.charge(identity)
 
 
 def _rpc(hub: "Hub", identity: ClientIdentity, method: str, params: Any) -> Any:

@@ -33,6 +33,7 @@ from .identity import ClientIdentity
 from .metrics import Metrics
 from .ratelog import BadInputLog
 from .rawtcp import RawBroadcastServer
+from .topic_budget import CreationBudget
 
 log = logging.getLogger("gateway")
 
@@ -78,6 +79,8 @@ class Hub:
         self._task: asyncio.Task | None = None
         self._tick: asyncio.TimerHandle | None = None
         self.tokens = TokenVerifier(config.auth)
+        #: topic creations by clients: per connection, per address, in total (gateway/topic_budget.py)
+        self.creations = CreationBudget(config.limits, lambda: self.engine.topic_count)
         #: registered clients per (transport, peer IP), for per-address limits
         self.clients_by_ip: Counter[tuple[str, str]] = Counter()
         #: per client: the timer of its token's expiry (or of the grace after it), and of its idle check
@@ -149,7 +152,7 @@ class Hub:
             self.wake()
         ttl = self.config.limits.topic_ttl_s
         if ttl > 0:
-            self.engine.reclaim(now, ttl)
+            self.engine.reclaim(now, ttl, self.config.limits.topic_history_ttl_s)
         self._schedule_tick()
 
     def _schedule_watchdog(self) -> None:
@@ -336,6 +339,16 @@ class Hub:
         """The topic, created on first use by a rule."""
         return self.engine.resolve(name)
 
+    def creating(self, identity: ClientIdentity, name: str) -> bool:
+        """Whether a client's subscribe or publish on `name` creates a topic here (then the caller charges
+        `creations` once it did); raises `TooManyCreatedTopics` when the client may create no more. A topic
+        that goes through a broker is created in Redis, which alone knows whether it exists: the broker asks
+        `creations` itself and charges only a creation that happened (docs/cluster.md §2)."""
+        if self.engine.has_topic(name) or self.via_broker(name):
+            return False
+        self.creations.check(identity)
+        return True
+
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None) -> None:
         """Subscribe now, or, with a broker, once the topic is attached (its answer, `subscribed` or an
         error entry, then comes from the attach)."""
@@ -344,7 +357,7 @@ class Hub:
             return
         if self.via_broker(topic):
             if not self.broker.attached(topic):
-                self.broker.attach(topic).add_done_callback(
+                self.broker.attach(topic, creator=self.conns[client_id].identity).add_done_callback(
                     lambda ready: self._subscribe_attached(ready, client_id, topic, since, request_id))
                 return
             self.broker.hold(topic)
@@ -454,9 +467,12 @@ class Hub:
         self.wake()
         return result
 
-    def publish_later(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> asyncio.Future:
+    def publish_later(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
+                      creator: ClientIdentity | None = None) -> asyncio.Future:
         """Publish through the broker when the topic goes through one (a future of the `Published`), else now
-        (a done future). Raises at once what can be told at once (`BrokerUnavailable`, `BadData`, ...)."""
+        (a done future). Raises at once what can be told at once (`BrokerUnavailable`, `BadData`, ...).
+        `creator`: the client publishing, whose creation budget pays if the publish creates the topic in
+        the broker (None: an operator or publisher, bounded by `broker.max_topics` only)."""
         if self.queued_in_broker(topic):  # a full queue holds the publish back until it has room
             pushed = self.broker.queues.push(topic, owner, data, seq, None)  # type: ignore[attr-defined]
             return self._published(topic, pushed)
@@ -464,7 +480,7 @@ class Hub:
             future = asyncio.get_running_loop().create_future()
             future.set_result(self.publish(topic, data, seq=seq, owner=owner))
             return future
-        return self._published(topic, self.broker.publish(topic, data, seq))
+        return self._published(topic, self.broker.publish(topic, data, seq, creator=creator))
 
     def _published(self, topic: str, seq_future: asyncio.Future) -> asyncio.Future:
         result = asyncio.get_running_loop().create_future()
@@ -486,7 +502,8 @@ class Hub:
 
     def publish_reply(self, client_id: str, topic: str, data: Any, request_id: Any) -> None:
         """A client's publish: its `reply` with the seq comes now, or when the broker has given it."""
-        future = self.publish_later(topic, data)
+        conn = self.conns.get(client_id)
+        future = self.publish_later(topic, data, creator=conn.identity if conn is not None else None)
 
         def answer(done: asyncio.Future) -> None:
             if client_id not in self.conns:

@@ -116,10 +116,24 @@ class Metrics:
             for reason, count in sorted(limiter.refused.items()):
                 refused.add_metric([reason], count)
             yield refused
+        creations = CounterMetricFamily("fanout_topic_creations_refused",
+                                        "client topic creations refused (too_many_topics) by bound: connection"
+                                        " (limits.max_created_topics), address (limits.topic_create_rate), total"
+                                        " (limits.max_client_topics), cluster (broker.max_topics)", labels=["bound"])
+        for bound, count in sorted(self.hub.creations.refused.items()):
+            creations.add_metric([bound], count)
+        yield creations
+        broker = self.hub.broker
+        if broker.distributed:
+            yield GaugeMetricFamily("fanout_broker_pending_bytes", "bytes of publishes waiting for Redis"
+                                    " (bounded by broker.max_pending_bytes)", value=getattr(broker, "pending_bytes", 0))
+            yield CounterMetricFamily("fanout_broker_backlog_refused", "publishes refused (broker_unavailable) because"
+                                      " broker.max_pending_bytes wait for Redis", value=getattr(broker, "backlog_refused", 0))
         yield CounterMetricFamily("fanout_rounds", "scheduler rounds (cycles written together, gateway/staging.py)",
                                   value=self.hub.rounds)
         yield CounterMetricFamily("fanout_staged_writes", "write calls of staged batches (WebSocket, SSE)",
                                   value=self.hub.staged_writes)
+        yield from self._byte_bounds()
         yield GaugeMetricFamily("fanout_core_compiled", "1: the core's mypyc-compiled modules run; 0: their Python "
                                 "sources (`gateway serve` prints why)", value=int(core.COMPILED))
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
@@ -136,6 +150,23 @@ class Metrics:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield GaugeMetricFamily(f"fanout_raw_{name}", f"raw TCP broadcaster {name} (docs/design/byte-ring.md §8)",
                                             value=value)
+
+    def _byte_bounds(self) -> Iterator[Metric]:
+        """What peers make the gateway hold or spend, against their bounds (docs/security.md, issue 24)."""
+        from .ingest import ingest_counters
+        from .ws import ws_counters
+
+        yield GaugeMetricFamily("fanout_direct_queue_bytes", "bytes in all clients' direct queues (replies, acks,"
+                                " errors; bounded by scheduler.direct_total_max_bytes)",
+                                value=self.hub.engine.direct_bytes)
+        yield CounterMetricFamily("fanout_ws_pongs_coalesced", "pongs not written: a later ping came while the"
+                                  " client's writes were paused (one pong waits)", value=ws_counters.pongs_coalesced)
+        yield CounterMetricFamily("fanout_ws_fragment_closes", "connections closed (1008) for a message in more"
+                                  " than websocket.max_fragments frames", value=ws_counters.fragment_closes)
+        yield CounterMetricFamily("fanout_ingest_answer_pauses", "times a publisher's unread answers reached"
+                                  " ingest.max_answer_bytes (its records waited)", value=ingest_counters.answer_pauses)
+        yield CounterMetricFamily("fanout_auth_rate_limited", "token checks refused past auth.rate_per_ip",
+                                  value=self.hub.tokens.per_address.refused)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -31,15 +31,18 @@ class Broker(Protocol):
 
     async def stop(self) -> None: ...
 
-    def publish(self, topic: str, data: Any, seq: int | None) -> asyncio.Future[int]:
+    def publish(self, topic: str, data: Any, seq: int | None, *, creator: Any = None) -> asyncio.Future[int]:
         """Hand a message to the broker; the future gives its seq. Raises at once what can be told at once
-        (`BrokerUnavailable`, `BadData`, `MessageTooLarge`, `BadSeq`); the future fails with the rest."""
+        (`BrokerUnavailable`, `BadData`, `MessageTooLarge`, `BadSeq`); the future fails with the rest.
+        `creator` (a client's `ClientIdentity`, or None for operators and publishers): whose topic creation
+        budget (`Hub.creations`) pays when the publish creates the topic."""
 
     def attached(self, topic: str) -> bool:
         """Whether the engine holds `topic` as the broker's stream (subscribes go on at once)."""
 
-    def attach(self, topic: str) -> asyncio.Future[None]:
-        """Bring `topic` into the engine at the broker's epoch and history; done once it is live."""
+    def attach(self, topic: str, *, creator: Any = None) -> asyncio.Future[None]:
+        """Bring `topic` into the engine at the broker's epoch and history; done once it is live. `creator`:
+        as for `publish`, when the attach creates the topic."""
 
     def hold(self, topic: str) -> None:
         """A local subscriber came: keep the topic attached."""

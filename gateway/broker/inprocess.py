@@ -27,7 +27,7 @@ class InProcessBroker:
     async def stop(self) -> None:
         pass
 
-    def publish(self, topic: str, data: Any, seq: int | None) -> asyncio.Future[int]:
+    def publish(self, topic: str, data: Any, seq: int | None, *, creator: Any = None) -> asyncio.Future[int]:
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         future.set_result(self.hub.publish(topic, data, seq=seq).seq)
         return future
@@ -35,7 +35,7 @@ class InProcessBroker:
     def attached(self, topic: str) -> bool:
         return True  # the engine creates topics on first use itself
 
-    def attach(self, topic: str) -> asyncio.Future[None]:
+    def attach(self, topic: str, *, creator: Any = None) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         future.set_result(None)
         return future

@@ -5,6 +5,17 @@
 
 from __future__ import annotations
 
+from core.errors import BadTopic
+
+
+def _topic(topic: str) -> str:
+    """`topic`, refused when it could leave its hash tag: the grammar (core.topics.check_topic_name) already
+    refuses `{` and `}` in every name a client, publisher or operator gives; this is the key space's own
+    guard, so no name that slipped past it can reach another topic's or a private queue's keys."""
+    if "{" in topic or "}" in topic:
+        raise BadTopic(f"topic name {topic[:64]!r} may not hold `{{` or `}}`")
+    return topic
+
 
 class Keys:
     def __init__(self, prefix: str) -> None:
@@ -16,15 +27,15 @@ class Keys:
 
     def meta(self, topic: str) -> str:
         """Hash: `e` epoch, `n` next seq, `k` kind, `cap` capacity, `c` settings (JSON), `v` last value (snapshot)."""
-        return f"{self.prefix}:{{{topic}}}:m"
+        return f"{self.prefix}:{{{_topic(topic)}}}:m"
 
     def stream(self, topic: str) -> str:
         """Stream of a ring topic: id `SEQ-1`, field `d` the data (JSON), capped at `cap` entries."""
-        return f"{self.prefix}:{{{topic}}}:s"
+        return f"{self.prefix}:{{{_topic(topic)}}}:s"
 
     def channel(self, topic: str) -> str:
         """Pub/sub channel: `EPOCH SEQ DATA` per publish, `! deleted` when an operator deletes the topic."""
-        return f"{self.prefix}:{{{topic}}}:c"
+        return f"{self.prefix}:{{{_topic(topic)}}}:c"
 
     def topic_of(self, channel: str) -> str:
         """The topic a channel name belongs to (`channel`'s inverse)."""
@@ -34,6 +45,7 @@ class Keys:
         """A private queue (docs/cluster.md §8): its hash (`e` epoch, `n` next seq, `b` bytes, `h` holder),
         its list (the queued data, oldest first) and its channel (`n NEXT` after an append, `t NODE` when
         a node takes it over). The owner comes last, so no owner's names collide with another's."""
+        topic = _topic(topic)
         return (f"{self.prefix}:{{{topic}}}:qm:{owner}", f"{self.prefix}:{{{topic}}}:ql:{owner}",
                 f"{self.prefix}:{{{topic}}}:qc:{owner}")
 

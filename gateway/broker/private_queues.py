@@ -38,7 +38,7 @@ from core.errors import BadSeq, NoTarget, NotSubscribed, StaleSeq
 from core.private import PrivateTopic
 
 from ..errors import BrokerUnavailable, InternalError
-from .validate import check_ready, encode_message
+from .validate import PENDING_OVERHEAD, check_ready, encode_message
 
 if TYPE_CHECKING:
     from .redis_broker import RedisBroker
@@ -379,7 +379,10 @@ class PrivateQueues:
         check_ready(broker.available, broker.last_error, seq)
         raw = encode_message(topic, data, self.hub.engine.config.max_message_bytes)
         self.hub.resolve(topic)
+        size = len(raw) + PENDING_OVERHEAD
+        broker.reserve(size)  # broker.max_pending_bytes: what waits for Redis, shared topics and queues alike
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: broker.release_bytes(size))
         key = (topic, owner)
         outbox = self._outboxes.get(key)
         if outbox is None:

@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from core import RequestError, TopicConfig, TopicKind
-from core.errors import BadSeq, StaleSeq, TopicExists, UnknownTopic
+from core.errors import BadSeq, StaleSeq, TooManyTopics, TopicExists, UnknownTopic
 
 from ..config import ConfigError, topic_config
 from ..errors import BrokerUnavailable
@@ -45,7 +45,7 @@ from .base import BrokerUnreachable
 from .cluster_info import ClusterInfo
 from .keys import Keys, seq_of, stream_id
 from .private_queues import PrivateQueues
-from .validate import check_ready, encode_message
+from .validate import PENDING_OVERHEAD, check_ready, encode_message
 
 if TYPE_CHECKING:
     from ..hub import Hub
@@ -96,6 +96,8 @@ class Line:
     overflow: bool = False
     task: asyncio.Task[None] | None = None
     release_timer: asyncio.TimerHandle | None = None
+    #: the client whose subscribe made the attach (its creation budget pays if the topic is new in Redis)
+    creator: Any = None
 
 
 @dataclass(slots=True)
@@ -105,6 +107,9 @@ class _Pending:
     seq: int | None
     config: TopicConfig
     future: asyncio.Future[int]
+    #: the publishing client (None: an operator or a publisher), and why it may not create the topic (None: it may)
+    creator: Any = None
+    refusal: tuple[str, str] | None = None
 
 
 class RedisBroker:
@@ -129,6 +134,14 @@ class RedisBroker:
         self._pubsub: Connection | None = None
         self._subscribing: dict[str, asyncio.Future[None]] = {}
         self._queue: list[_Pending] = []
+        #: bytes of data of the publishes not yet answered by Redis (shared topics and private queues), bounded
+        #: by broker.max_pending_bytes while Redis stalls; publishes beyond are refused (`reserve`)
+        self.pending_bytes = 0
+        self.max_pending_bytes = config.max_pending_bytes
+        #: publishes refused for that bound (`/metrics`: fanout_broker_backlog_refused_total)
+        self.backlog_refused = 0
+        #: the cluster-wide topic bound (broker.max_topics), checked by Redis when a topic would be created
+        self.max_topics = config.max_topics
         self._queued: asyncio.Event | None = None
         self._shas: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -383,13 +396,38 @@ class RedisBroker:
             raise UnknownTopic(f"no topic {name!r} and no rule creates it")
         return config
 
-    async def _touch(self, name: str, config: TopicConfig, first: str, exclusive: bool = False) -> list[Any]:
+    async def _touch(
+        self, name: str, config: TopicConfig, first: str, exclusive: bool = False,
+        refusal: tuple[str, str] | None = None,
+    ) -> list[Any]:
+        """The TOUCH script; `refusal`: why the caller may not create the topic (TooManyCreatedTopics if
+        it is new), None when it may."""
         keys = self.keys
-        return await self.redis.evalsha(
+        reply: list[Any] = await self.redis.evalsha(
             self._shas["TOUCH"], 3, keys.meta(name), keys.stream(name), keys.topics,
             secrets.token_hex(8), config.kind.value, config.capacity, orjson.dumps(config.as_dict()),
-            self.ttl, "1" if exclusive else "0", first, time.time(), name,
+            self.ttl, "1" if exclusive else "0", first, time.time(), name, "0" if refusal else "1", self.max_topics,
         )
+        if reply[0] == -2:
+            assert refusal is not None
+            raise self.hub.creations.refuse(refusal)
+        if reply[0] == -3:
+            self.hub.creations.refused["cluster"] += 1
+            raise TooManyTopics(f"the cluster holds its maximum of {self.max_topics} topics (broker.max_topics)")
+        return reply
+
+    def reserve(self, size: int) -> None:
+        """Count `size` bytes of a publish waiting for Redis; `BrokerUnavailable` when that would pass
+        broker.max_pending_bytes (Redis stalls: the publisher retries later). `release` when answered."""
+        if self.max_pending_bytes > 0 and self.pending_bytes + size > self.max_pending_bytes and self.pending_bytes:
+            self.backlog_refused += 1
+            raise BrokerUnavailable(
+                f"the broker is not keeping up: {self.pending_bytes} bytes of publishes wait for Redis"
+                f" (broker.max_pending_bytes); retry later")
+        self.pending_bytes += size
+
+    def release_bytes(self, size: int) -> None:
+        self.pending_bytes -= size
 
     async def _sync(self, line: Line) -> None:
         """Bring the local topic level with Redis: create it, fill a gap, or restart it in a new epoch; then
@@ -401,7 +439,14 @@ class RedisBroker:
             while self.available:
                 fresh = line.epoch is None or not engine.has_topic(name)
                 first = "-" if fresh or restart else stream_id(line.next)
-                _, epoch_b, top, settings, value, entries = await self._touch(name, self._settings(name), first)
+                # A client's subscribe creates the topic in Redis within its budget; a resync always may.
+                creator = line.creator if line.epoch is None else None
+                refusal = None if creator is None else self.hub.creations.refusal(creator)
+                created, epoch_b, top, settings, value, entries = await self._touch(
+                    name, self._settings(name), first, refusal=refusal)
+                if created == 1 and creator is not None:
+                    self.hub.creations.charge(creator)
+                    line.creator = None
                 epoch = epoch_b.decode()
                 config = self._config_from(settings) or self._settings(name)
                 line.kind = config.kind.value
@@ -500,7 +545,7 @@ class RedisBroker:
         line = self.lines.get(topic)
         return line is not None and line.epoch is not None and self.hub.engine.has_topic(topic)
 
-    def attach(self, topic: str) -> asyncio.Future[None]:
+    def attach(self, topic: str, *, creator: Any = None) -> asyncio.Future[None]:
         line = self.lines.get(topic)
         if line is not None:
             return line.ready
@@ -509,7 +554,7 @@ class RedisBroker:
         if not self.available:
             ready.set_exception(BrokerUnavailable(f"broker unreachable: {self.last_error}"))
             return ready
-        line = self.lines[topic] = Line(topic, ready)
+        line = self.lines[topic] = Line(topic, ready, creator=creator)
         line.task = loop.create_task(self._attach(line), name=f"broker-attach {topic}")
         return ready
 
@@ -550,12 +595,16 @@ class RedisBroker:
             engine.delete_topic(line.name)
         self._drop(line)
 
-    def publish(self, topic: str, data: Any, seq: int | None) -> asyncio.Future[int]:
+    def publish(self, topic: str, data: Any, seq: int | None, *, creator: Any = None) -> asyncio.Future[int]:
         check_ready(self.available, self.last_error, seq)
         config = self._settings(topic)
         raw = encode_message(topic, data, self.hub.engine.config.max_message_bytes)
+        size = len(raw) + len(topic) + PENDING_OVERHEAD
+        self.reserve(size)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(topic, raw, seq, config, future))
+        future.add_done_callback(lambda _: self.release_bytes(size))
+        refusal = None if creator is None else self.hub.creations.refusal(creator)
+        self._queue.append(_Pending(topic, raw, seq, config, future, creator, refusal))
         assert self._queued is not None  # set by start
         self._queued.set()
         return future
@@ -581,7 +630,7 @@ class RedisBroker:
                     self._shas["PUBLISH"], 3, keys.meta(name), keys.stream(name), keys.topics,
                     secrets.token_hex(8), p.data, p.config.kind.value, p.config.capacity,
                     orjson.dumps(p.config.as_dict()), self.ttl, keys.channel(name),
-                    "" if p.seq is None else p.seq, now, name,
+                    "" if p.seq is None else p.seq, now, name, "0" if p.refusal else "1", self.max_topics,
                 )
             results = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
@@ -600,9 +649,18 @@ class RedisBroker:
             elif isinstance(result, Exception):
                 p.future.set_exception(BrokerUnavailable(f"broker refused the publish: {result}"))
             else:
-                status, _epoch, seq = result
+                status, _epoch, seq, created = result
                 if status == 0:
+                    if created == 1 and p.creator is not None:
+                        self.hub.creations.charge(p.creator)
                     p.future.set_result(int(seq))
+                elif status == -3:  # the topic is new, and this client may create none now
+                    assert p.refusal is not None
+                    p.future.set_exception(self.hub.creations.refuse(p.refusal))
+                elif status == -4:
+                    self.hub.creations.refused["cluster"] += 1
+                    p.future.set_exception(TooManyTopics(
+                        f"the cluster holds its maximum of {self.max_topics} topics (broker.max_topics)"))
                 elif status == -1:
                     p.future.set_exception(StaleSeq(f"seq {p.seq} of {p.topic!r} was already published (next: {seq})"))
                 else:
@@ -614,7 +672,7 @@ class RedisBroker:
             raise BrokerUnavailable(f"broker unreachable: {self.last_error}")
         try:
             created = (await self._touch(topic, config, "+", exclusive=True))[0]
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
             self._lost(exc)
             raise BrokerUnavailable(f"broker unreachable: {self.last_error}") from None
         if created == -1:

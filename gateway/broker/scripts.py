@@ -5,13 +5,32 @@ Numbers are printed with `%d`: Lua 5.1 holds them as doubles and `tostring` woul
 
 from __future__ import annotations
 
+#: The cluster-wide topic bound, shared by PUBLISH and TOUCH when they would create a topic (KEYS[3] the
+#: topics' sorted set, `now` and `ttl` in seconds, `max` 0 for none): members whose meta expired (last
+#: publish or creation older than the ttl) leave the set first, so it counts the topics Redis holds.
+#: Returns true when there is room.
+_ROOM = r"""
+local function room(topics, now, ttl, max)
+  if tonumber(max) <= 0 then return true end
+  redis.call('ZREMRANGEBYSCORE', topics, '-inf', tonumber(now) - tonumber(ttl))
+  return redis.call('ZCARD', topics) < tonumber(max)
+end
+"""
+
 #: KEYS: meta, stream, topics. ARGV: 1 epoch if new, 2 data (JSON), 3 kind, 4 capacity, 5 settings (JSON),
-#: 6 ttl seconds, 7 channel, 8 explicit seq or "", 9 now (score), 10 topic name.
-#: Returns {status, epoch, seq}: status 0 published at seq; -1 the explicit seq is below the next one
-#: (it landed); -2 it is above the next one. A new epoch empties the stream left from an older one.
-PUBLISH = r"""
+#: 6 ttl seconds, 7 channel, 8 explicit seq or "", 9 now (score), 10 topic name, 11 "1" when the publisher
+#: may create the topic, 12 the cluster-wide topic bound (broker.max_topics, 0: none).
+#: Returns {status, epoch, seq, created}: status 0 published at seq (created 1 when this publish made the
+#: topic); -1 the explicit seq is below the next one (it landed); -2 it is above the next one; -3 no such
+#: topic and the publisher may create none; -4 no such topic and the cluster holds its bound. A new epoch
+#: empties the stream left from an older one.
+PUBLISH = _ROOM + r"""
 local epoch = redis.call('HGET', KEYS[1], 'e')
+local created = 0
 if not epoch then
+  if ARGV[11] ~= '1' then return {-3, '', 0, 0} end
+  if not room(KEYS[3], ARGV[9], ARGV[6], ARGV[12]) then return {-4, '', 0, 0} end
+  created = 1
   epoch = ARGV[1]
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[1], 'e', epoch, 'n', 0, 'k', ARGV[3], 'cap', ARGV[4], 'c', ARGV[5])
@@ -20,8 +39,8 @@ local meta = redis.call('HMGET', KEYS[1], 'n', 'k', 'cap')
 local seq = tonumber(meta[1])
 if ARGV[8] ~= '' then
   local want = tonumber(ARGV[8])
-  if want < seq then return {-1, epoch, seq} end
-  if want > seq then return {-2, epoch, seq} end
+  if want < seq then return {-1, epoch, seq, created} end
+  if want > seq then return {-2, epoch, seq, created} end
 end
 redis.call('HSET', KEYS[1], 'n', seq + 1)
 local s = string.format('%d', seq)
@@ -34,20 +53,24 @@ end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('PUBLISH', ARGV[7], epoch .. ' ' .. s .. ' ' .. ARGV[2])
 redis.call('ZADD', KEYS[3], ARGV[9], ARGV[10])
-return {0, epoch, seq}
+return {0, epoch, seq, created}
 """
 
 #: KEYS: meta, stream, topics. ARGV: 1 epoch if new, 2 kind, 3 capacity, 4 settings (JSON), 5 ttl seconds,
 #: 6 "1" to refuse an existing topic (admin create), 7 first stream id to read ("-" for all), 8 now,
-#: 9 topic name.
+#: 9 topic name, 10 "1" when the caller may create the topic, 11 the cluster-wide topic bound (0: none).
 #: Returns {created, epoch, next seq, settings, last value or false, entries}: one consistent view of the
-#: topic's meta and history (entries: {{id, {'d', data}}, ...} from ARGV[7] on; none for snapshots).
-TOUCH = r"""
+#: topic's meta and history (entries: {{id, {'d', data}}, ...} from ARGV[7] on; none for snapshots);
+#: {-1, epoch} when it exists and ARGV[6] is "1"; {-2, ''} when it does not and the caller may create none;
+#: {-3, ''} when it does not and the cluster holds its bound.
+TOUCH = _ROOM + r"""
 local epoch = redis.call('HGET', KEYS[1], 'e')
 local created = 0
 if epoch then
   if ARGV[6] == '1' then return {-1, epoch} end
 else
+  if ARGV[10] ~= '1' then return {-2, ''} end
+  if not room(KEYS[3], ARGV[8], ARGV[5], ARGV[11]) then return {-3, ''} end
   epoch = ARGV[1]
   created = 1
   redis.call('DEL', KEYS[2])

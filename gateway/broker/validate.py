@@ -14,6 +14,9 @@ from ..errors import BrokerUnavailable
 
 #: Bytes of a `msg` entry besides its topic and data (`{"type":"msg","topic":,"seq":,"data":}` and a seq).
 ENTRY_OVERHEAD = 64
+#: What a publish waiting for Redis holds besides its data (its record, future, callbacks: about 0.5 KiB in
+#: CPython 3.11), counted against broker.max_pending_bytes with the data (RedisBroker.reserve).
+PENDING_OVERHEAD = 512
 
 
 def check_ready(available: bool, last_error: str, seq: int | None) -> None:

@@ -1,0 +1,102 @@
+"""Topic creations by clients, bounded per connection, per address across reconnects, and in total.
+
+A client's subscribe or publish to a name no topic has yet creates it by a rule. Each creation costs
+memory until `Engine.reclaim` removes the topic (limits.topic_ttl_s unused, limits.topic_history_ttl_s
+when it retains messages), so creations are bounded three ways (docs/security.md, "Limits"):
+
+* per connection: `limits.max_created_topics`;
+* per peer address, across reconnects: a token bucket of `limits.topic_create_rate` per second and
+  `limits.topic_create_burst` at once, kept in a table of at most `ADDRESSES_MAX` addresses (the least
+  recently used is forgotten: its next connection starts with a full bucket, which costs an attacker an
+  address per burst);
+* in total: no client creation while the gateway holds `limits.max_client_topics` topics (the admin API
+  and the ingest create up to `scheduler.max_topics`); with a broker also `broker.max_topics` cluster-wide,
+  checked by Redis (redis_broker.py).
+
+Every refusal is `too_many_topics` for that request only, counted in `fanout_topic_creations_refused_total`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .errors import TooManyCreatedTopics
+
+if TYPE_CHECKING:
+    from .config import LimitsConfig
+    from .identity import ClientIdentity
+
+#: Addresses whose buckets are remembered (about 100 bytes each).
+ADDRESSES_MAX = 65_536
+
+
+class _Bucket:
+    __slots__ = ("tokens", "stamp")
+
+    def __init__(self, tokens: float, stamp: float) -> None:
+        self.tokens = tokens
+        self.stamp = stamp
+
+
+class CreationBudget:
+    def __init__(self, limits: "LimitsConfig", topic_count: Callable[[], int], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_connection = limits.max_created_topics
+        self.rate = limits.topic_create_rate
+        self.burst = float(limits.topic_create_burst)
+        self.total = limits.max_client_topics
+        self.topic_count = topic_count
+        self.clock = clock
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        #: refusals by reason ("connection", "address", "total", "cluster"): `/metrics`
+        self.refused: dict[str, int] = {"connection": 0, "address": 0, "total": 0, "cluster": 0}
+
+    def _bucket(self, ip: str) -> _Bucket:
+        now = self.clock()
+        bucket = self._buckets.get(ip)
+        if bucket is None:
+            bucket = self._buckets[ip] = _Bucket(self.burst, now)
+            if len(self._buckets) > ADDRESSES_MAX:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(ip)
+            bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.stamp) * self.rate)
+            bucket.stamp = now
+        return bucket
+
+    def refusal(self, identity: "ClientIdentity") -> tuple[str, str] | None:
+        """Why `identity` may not create a topic now, (reason, message), or None when it may (nothing is
+        taken, nothing counted)."""
+        if identity.created_topics >= self.per_connection:
+            return "connection", f"this connection may create at most {self.per_connection} topics"
+        if self.burst > 0 and self._bucket(identity.ip).tokens < 1:
+            return "address", (f"topics created from your address above {self.rate:g}/s"
+                               f" (burst {self.burst:g}): retry later")
+        if self.total > 0 and self.topic_count() >= self.total:
+            return "total", f"the gateway holds {self.total} topics: clients may create no more"
+        return None
+
+    def refuse(self, reason: tuple[str, str]) -> TooManyCreatedTopics:
+        """The error of a refusal, counted."""
+        self.refused[reason[0]] += 1
+        return TooManyCreatedTopics(reason[1])
+
+    def check(self, identity: "ClientIdentity") -> None:
+        """Raise `TooManyCreatedTopics` when `identity` may not create a topic now (nothing is taken)."""
+        reason = self.refusal(identity)
+        if reason is not None:
+            raise self.refuse(reason)
+
+    def charge(self, identity: "ClientIdentity") -> None:
+        """`identity` created a topic."""
+        identity.created_topics += 1
+        if self.burst > 0:
+            bucket = self._bucket(identity.ip)
+            bucket.tokens = max(0.0, bucket.tokens - 1)
+
+    @property
+    def addresses(self) -> int:
+        return len(self._buckets)
