@@ -42,7 +42,7 @@ class Subscription:
 
 
 class Client:
-    __slots__ = ("id", "owner", "state", "direct", "active", "subs", "budget", "peeked_subs", "info")
+    __slots__ = ("id", "owner", "state", "direct", "direct_bytes", "active", "subs", "budget", "peeked_subs", "info")
 
     def __init__(self, client_id: Hashable, budget: int, ready: bool, info: Any = None, owner: Hashable = None) -> None:
         self.id = client_id
@@ -50,6 +50,8 @@ class Client:
         self.owner = client_id if owner is None else owner
         self.state = ClientState.READY if ready else ClientState.IDLE
         self.direct: deque[bytes] = deque()
+        #: bytes of the entries in `direct` (bounded by `EngineConfig.direct_queue_max_bytes`)
+        self.direct_bytes = 0
         #: ordered, coalesced active-handle set (a dict keeps insertion order, a key appears once)
         self.active: dict[Subscription, None] = {}
         self.subs: dict[str, Subscription] = {}

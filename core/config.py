@@ -133,6 +133,11 @@ class EngineConfig:
     cycle_budget_bytes: int = 64 * 1024
     #: direct queue bound per client: replies pile up only when a client does not read; it is then cut.
     direct_queue_max: int = 1024
+    #: the same bound in bytes (a reply can be as large as the command it echoes) ...
+    direct_queue_max_bytes: int = 1 << 20
+    #: ... and over all clients' direct queues; past it, a client holding more than its cycle budget is cut
+    #: (a small queue goes on: the clients that do not read pay, not the others).
+    direct_total_max_bytes: int = 64 << 20
     #: largest encoded message; bigger payloads are refused with `too_large`.
     max_message_bytes: int = 1 << 20
     #: topic count bound: auto-created topics cannot grow without limit.

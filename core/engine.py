@@ -102,6 +102,8 @@ class Engine:
         self._deadlines: list[tuple[float, int, Topic]] = []
         self._holds = 0
         self._space_freed: list[tuple[str, Hashable]] = []
+        #: bytes in all clients' direct queues (bounded by `EngineConfig.direct_total_max_bytes`)
+        self.direct_bytes = 0
         #: whether `commit` reports what left each private queue (`take_committed`): a broker acks it
         self.report_commits = False
         self._committed: list[tuple[str, Hashable, int]] = []
@@ -147,8 +149,8 @@ class Engine:
             begin, _ = topic.attach(sub, None)
             self.counters.loss_notices += 1
             # past the bound, like `delete_topic`: two per subscription, once per epoch change
-            client.direct.append(encode_loss(name, cursor, None, "epoch"))
-            client.direct.append(encode_subscribed(name, topic.kind, epoch, begin))
+            self._queue(client, encode_loss(name, cursor, None, "epoch"))
+            self._queue(client, encode_subscribed(name, topic.kind, epoch, begin))
             self._note_work(client)
 
     def skip(self, name: str, upto: int, now: float = 0.0) -> bool:
@@ -168,7 +170,7 @@ class Engine:
             client = sub.client
             del client.subs[name]
             self._drop_sub(sub)
-            client.direct.append(encode_closed(name, "deleted"))  # past the bound: one per subscription
+            self._queue(client, encode_closed(name, "deleted"))  # past the bound: one per subscription
             self._note_work(client)
         self._forget(topic)
         return len(subs)
@@ -286,6 +288,8 @@ class Engine:
         for sub in client.subs.values():
             self._drop_sub(sub)
         client.subs.clear()
+        self.direct_bytes -= client.direct_bytes
+        client.direct_bytes = 0
         client.direct.clear()
         client.active.clear()
         client.peeked_subs.clear()
@@ -324,6 +328,7 @@ class Engine:
             raise TooManySubscriptions(f"at most {self.config.max_subscriptions} subscriptions per client")
         if len(client.direct) + 2 > self.config.direct_queue_max:
             raise DirectQueueFull("direct queue full")
+        self._check_direct_bytes(client, 0)  # `subscribed` and a notice: small, they may pass the bound
         topic = self.resolve(name)
         sub = Subscription(client, topic)
         held = topic.claim(sub)  # private: another connection of the same owner holds the queue
@@ -341,9 +346,9 @@ class Engine:
         self._retained.pop(topic, None)
         topic.subs[sub] = None
         client.subs[name] = sub
-        client.direct.append(encode_subscribed(name, topic.kind, epoch, start, request_id))
+        self._queue(client, encode_subscribed(name, topic.kind, epoch, start, request_id))
         if extra is not None:
-            client.direct.append(extra)
+            self._queue(client, extra)
         if topic.has_data(sub):
             self._activate(sub)
         else:
@@ -364,8 +369,28 @@ class Engine:
         client = self.client(client_id)
         if len(client.direct) >= self.config.direct_queue_max:
             raise DirectQueueFull(f"direct queue of {client_id!r} holds {self.config.direct_queue_max} entries")
-        client.direct.append(entry)
+        self._check_direct_bytes(client, len(entry))
+        self._queue(client, entry)
         self._note_work(client)
+
+    def _check_direct_bytes(self, client: Client, size: int) -> None:
+        """DirectQueueFull when `size` more bytes would take the client's queue past its byte bound, or the
+        total past its bound while this client's own queue holds more than a cycle's budget."""
+        config = self.config
+        held = client.direct_bytes + size
+        if held > config.direct_queue_max_bytes:
+            raise DirectQueueFull(f"direct queue of {client.id!r} would hold {held} bytes"
+                                  f" (at most {config.direct_queue_max_bytes})")
+        if self.direct_bytes + size > config.direct_total_max_bytes and held > client.budget:
+            raise DirectQueueFull(f"direct queues hold {self.direct_bytes} bytes in all"
+                                  f" (at most {config.direct_total_max_bytes}), {held} of them for {client.id!r}")
+
+    def _queue(self, client: Client, entry: bytes) -> None:
+        """Append to the client's direct queue, counting its bytes (every append goes through here)."""
+        client.direct.append(entry)
+        size = len(entry)
+        client.direct_bytes += size
+        self.direct_bytes += size
 
     # -- publishing ------------------------------------------------------------------------------------
 
@@ -568,6 +593,8 @@ class Engine:
                 entry = direct.popleft()
                 out.append(entry)
                 size += len(entry)
+            client.direct_bytes -= size
+            self.direct_bytes -= size
             self.counters.direct_entries += len(out)
         if size >= budget or not client.active:
             return out, size
@@ -672,5 +699,5 @@ class Engine:
             client.peeked_subs.remove(old)
         topic.subs.pop(old, None)
         topic.idle.pop(old, None)
-        client.direct.append(encode_closed(topic.name, reason))  # past the bound, like delete_topic
+        self._queue(client, encode_closed(topic.name, reason))  # past the bound, like delete_topic
         self._note_work(client)
