@@ -35,10 +35,11 @@ iproute:
 run: $(STAMP)
 	$(BIN)/gateway serve
 
-# Lint and types first (pyproject.toml: ruff; mypy strict on the sans-I/O core, typed definitions in gateway/).
+# Lint and types first (pyproject.toml: ruff; mypy strict on the sans-I/O core and the Python client, typed definitions in gateway/).
 lint: $(STAMP)
-	$(BIN)/ruff check core gateway loadtest pipeline tests
+	$(BIN)/ruff check core gateway fanout_client loadtest pipeline tests
 	$(BIN)/mypy --strict core
+	$(BIN)/mypy --strict fanout_client
 	$(BIN)/mypy gateway
 
 # Then the core's own tests once more on its pure-Python fallback (FANOUT_PURE_PYTHON, core/native.py).
