@@ -41,6 +41,8 @@ class ClientIdentity:
     connected_at: float = field(default_factory=time.time)
     #: topics this connection caused to be created (bounded by limits.max_created_topics)
     created_topics: int = 0
+    #: its publishes and subscribes in flight to a broker that may create a topic (gateway/topic_budget.py)
+    creating: int = 0
     #: client publishes (limits.publish_rate / publish_burst); made on first publish
     publish_bucket: TokenBucket | None = None
     #: monotonic time of the last command, for the idle timeout

@@ -70,9 +70,10 @@ class CreationBudget:
     def refusal(self, identity: "ClientIdentity") -> tuple[str, str] | None:
         """Why `identity` may not create a topic now, (reason, message), or None when it may (nothing is
         taken, nothing counted)."""
-        if identity.created_topics >= self.per_connection:
+        # creations that may be under way through a broker count as made until Redis answered (`begin`)
+        if identity.created_topics + identity.creating >= self.per_connection:
             return "connection", f"this connection may create at most {self.per_connection} topics"
-        if self.burst > 0 and self._bucket(identity.ip).tokens < 1:
+        if self.burst > 0 and self._bucket(identity.ip).tokens - identity.creating < 1:
             return "address", (f"topics created from your address above {self.rate:g}/s"
                                f" (burst {self.burst:g}): retry later")
         if self.total > 0 and self.topic_count() >= self.total:
@@ -89,6 +90,20 @@ class CreationBudget:
         reason = self.refusal(identity)
         if reason is not None:
             raise self.refuse(reason)
+
+    def begin(self, identity: "ClientIdentity") -> tuple[str, str] | None:
+        """A publish or subscribe through a broker that may create a topic (only Redis knows): its refusal
+        (Redis then refuses it only if the topic is new), or None, and then it counts as a creation until
+        `end` says whether it was one."""
+        reason = self.refusal(identity)
+        if reason is None:
+            identity.creating += 1
+        return reason
+
+    def end(self, identity: "ClientIdentity", created: bool) -> None:
+        identity.creating -= 1
+        if created:
+            self.charge(identity)
 
     def charge(self, identity: "ClientIdentity") -> None:
         """`identity` created a topic."""

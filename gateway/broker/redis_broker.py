@@ -96,8 +96,11 @@ class Line:
     overflow: bool = False
     task: asyncio.Task[None] | None = None
     release_timer: asyncio.TimerHandle | None = None
-    #: the client whose subscribe made the attach (its creation budget pays if the topic is new in Redis)
+    #: the client whose subscribe made the attach (its creation budget pays if the topic is new in Redis),
+    #: why it may not create it (None: it may), and whether the first TOUCH created it
     creator: Any = None
+    refusal: tuple[str, str] | None = None
+    created: bool = False
 
 
 @dataclass(slots=True)
@@ -107,9 +110,11 @@ class _Pending:
     seq: int | None
     config: TopicConfig
     future: asyncio.Future[int]
-    #: the publishing client (None: an operator or a publisher), and why it may not create the topic (None: it may)
+    #: the publishing client (None: an operator or a publisher), why it may not create the topic (None: it
+    #: may), and whether the publish created it
     creator: Any = None
     refusal: tuple[str, str] | None = None
+    created: bool = False
 
 
 class RedisBroker:
@@ -440,13 +445,10 @@ class RedisBroker:
                 fresh = line.epoch is None or not engine.has_topic(name)
                 first = "-" if fresh or restart else stream_id(line.next)
                 # A client's subscribe creates the topic in Redis within its budget; a resync always may.
-                creator = line.creator if line.epoch is None else None
-                refusal = None if creator is None else self.hub.creations.refusal(creator)
+                refusal = line.refusal if line.epoch is None else None
                 created, epoch_b, top, settings, value, entries = await self._touch(
                     name, self._settings(name), first, refusal=refusal)
-                if created == 1 and creator is not None:
-                    self.hub.creations.charge(creator)
-                    line.creator = None
+                line.created = line.created or created == 1
                 epoch = epoch_b.decode()
                 config = self._config_from(settings) or self._settings(name)
                 line.kind = config.kind.value
@@ -555,6 +557,11 @@ class RedisBroker:
             ready.set_exception(BrokerUnavailable(f"broker unreachable: {self.last_error}"))
             return ready
         line = self.lines[topic] = Line(topic, ready, creator=creator)
+        if creator is not None:
+            budget = self.hub.creations
+            line.refusal = budget.begin(creator)
+            if line.refusal is None:
+                ready.add_done_callback(lambda _: budget.end(creator, line.created))
         line.task = loop.create_task(self._attach(line), name=f"broker-attach {topic}")
         return ready
 
@@ -603,8 +610,13 @@ class RedisBroker:
         self.reserve(size)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda _: self.release_bytes(size))
-        refusal = None if creator is None else self.hub.creations.refusal(creator)
-        self._queue.append(_Pending(topic, raw, seq, config, future, creator, refusal))
+        pending = _Pending(topic, raw, seq, config, future, creator)
+        if creator is not None:
+            budget = self.hub.creations
+            pending.refusal = budget.begin(creator)
+            if pending.refusal is None:
+                future.add_done_callback(lambda _: budget.end(creator, pending.created))
+        self._queue.append(pending)
         assert self._queued is not None  # set by start
         self._queued.set()
         return future
@@ -651,8 +663,7 @@ class RedisBroker:
             else:
                 status, _epoch, seq, created = result
                 if status == 0:
-                    if created == 1 and p.creator is not None:
-                        self.hub.creations.charge(p.creator)
+                    p.created = created == 1
                     p.future.set_result(int(seq))
                 elif status == -3:  # the topic is new, and this client may create none now
                     assert p.refusal is not None
