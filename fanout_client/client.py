@@ -99,6 +99,12 @@ def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
 class Subscription:
     """One topic's stream: ``async for event in sub`` yields `Message` and `Loss` events in order; a message
     never comes twice, and a seq that will never come is told by exactly one `Loss`.
@@ -307,7 +313,7 @@ class Client:
         self.close_error: FanoutError | None = None
         #: the user and the expiry (Unix seconds) of the last token an ``auth`` refresh got accepted
         self.user: str | None = None
-        self.expires_at: int | None = None
+        self.expires_at: float | None = None
         self.subscriptions: dict[str, Subscription] = {}
         self._ws: ClientConnection | None = None
         self._need_token = token is None and get_token is not None
@@ -785,9 +791,9 @@ class Client:
             if pending.token is not None:
                 self.token = pending.token
             if isinstance(result, dict):
-                user, expires = result.get("user"), _int(result.get("expires_at"))
+                user, expires = result.get("user"), result.get("expires_at")
                 self.user = user if isinstance(user, str) else None
-                self.expires_at = expires
+                self.expires_at = _number(expires)
         elif pending.future is not None and not pending.future.done():
             pending.future.set_result(result)
 
