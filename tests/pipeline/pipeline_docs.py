@@ -23,11 +23,18 @@ def commands(text: str | None = None) -> list[str]:
     return out
 
 
+#: The venv's programs the document names, as the words the tests run in-process: the console script
+#: `fanout-pipeline` is `pipeline.__main__:main`, i.e. `python -m pipeline`.
+VENV_PROGRAMS = {".venv/bin/fanout-pipeline": ["python", "-m", "pipeline"], ".venv/bin/python": ["python"]}
+
+
 def argv(command: str, substitutions: dict[str, str]) -> list[str]:
-    """The command's words after replacing each key of ``substitutions`` (longest first) in its text."""
+    """The command's words after replacing each key of ``substitutions`` (longest first) in its text, the
+    venv's programs written as VENV_PROGRAMS says."""
     for old in sorted(substitutions, key=len, reverse=True):
         command = command.replace(old, substitutions[old])
-    return shlex.split(command)
+    words = shlex.split(command)
+    return VENV_PROGRAMS.get(words[0], words[:1]) + words[1:] if words else words
 
 
 CLUSTER_MASTER = "spark://spark-master:7077"

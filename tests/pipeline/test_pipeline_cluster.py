@@ -92,7 +92,7 @@ def _driver_env(tmp: Path, **extra: str) -> dict:
 
 
 def _doc_commands() -> dict[str, str]:
-    found = {c.split()[0] if not c.startswith("python") else "python": c for c in commands() if is_cluster_command(c)}
+    found = {argv(c, {})[0].rpartition("/")[2]: c for c in commands() if is_cluster_command(c)}
     assert sorted(found) == ["python", "spark-submit", "zip"], found
     return found
 
