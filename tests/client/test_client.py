@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -403,3 +406,23 @@ def test_requests_wait_for_a_connection_and_time_out_when_none_comes() -> None:
             assert late.value.code == "timeout"
 
     run(main())
+
+
+# -- the documentation ------------------------------------------------------------------------------------------
+
+def test_the_example_of_docs_client_md_runs_as_written() -> None:
+    """The example of "The Python client: fanout_client", run in the checkout against a gateway (its URL in
+    place of make run's http://127.0.0.1:8080)."""
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "client.md").read_text()
+    section = doc.split("## The Python client: `fanout_client`", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "http://127.0.0.1:8080" in example
+    with run_gateway() as gw:
+        out = subprocess.run([sys.executable, "-c", example.replace("http://127.0.0.1:8080", gw.http_url)],
+                             cwd=root, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "'transport': 'ws'" in lines[0]
+    assert lines[1:4] == ["#0 hello 0", "#1 hello 1", "#2 hello 2"]
+    assert lines[4].startswith("resume later with since = Position(epoch=") and lines[4].endswith("seq=3)")
