@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup java browser redis iproute bench clean
+.PHONY: run test lint setup java browser redis iproute netcat bench clean
 
 # Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never runs
 # (core/native.py falls back to the sources).
@@ -32,6 +32,10 @@ redis:
 iproute:
 	@command -v ss >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2)
 
+# The README's demo publishes with nc (tests/docs/test_doc_commands.py runs it as written).
+netcat:
+	@command -v nc >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q netcat-openbsd)
+
 run: $(STAMP)
 	$(BIN)/gateway serve
 
@@ -43,7 +47,7 @@ lint: $(STAMP)
 	$(BIN)/mypy gateway
 
 # Then the core's own tests once more on its pure-Python fallback (FANOUT_PURE_PYTHON, core/native.py).
-test: lint java browser redis iproute
+test: lint java browser redis iproute netcat
 	$(BIN)/python -m pytest -q
 	FANOUT_PURE_PYTHON=1 $(BIN)/python -m pytest -q tests/core
 
@@ -51,4 +55,4 @@ bench: $(STAMP)
 	$(BIN)/python -m loadtest core
 
 clean:
-	rm -rf $(VENV) .pytest_cache build core/*.so *__mypyc*.so
+	rm -rf $(VENV) .pytest_cache build dist core/*.so core/_compiled.json *__mypyc*.so

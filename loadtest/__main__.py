@@ -1,4 +1,4 @@
-"""``python -m loadtest``: load runs against the gateway (or nginx + nchan), and the micro-benchmarks.
+"""``fanout-loadtest`` (or ``python -m loadtest``): load runs against the gateway (or nginx + nchan), and the micro-benchmarks.
 
     python -m loadtest SCENARIO [flags]          one run (starts its own gateway unless --url)
     python -m loadtest compare SCENARIO [flags]  gateway vs nginx + nchan, alternating
