@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from .app import build_app
-from .broker.forward import WorkerLinks
+from .broker.forward import MAX_FORWARDS_UNLIMITED, WorkerLinks, serve_inbox
 from .config import ConfigError, GatewayConfig
 from .hosts import HostPolicy
 from .hub import Hub
@@ -64,21 +64,28 @@ class GatewayServer(uvicorn.Server):
     """uvicorn's server, closing the gateway's clients first on shutdown so it never waits on them."""
 
     hub: Hub
-    #: with `server.workers` > 1: this worker's internal socket and the HTTP protocol serving it (plain HTTP
-    #: even under TLS: loopback between workers; no per-address limit: every peer is a worker), docs/cluster.md §5
+    #: with `server.workers` > 1: this worker's inbox and the HTTP protocol serving the connections the other
+    #: workers pass through it (plain HTTP even under TLS: a socketpair between workers; no per-address
+    #: limit: every peer is a worker; at most `server.max_connections` at once), docs/cluster.md §5
     internal: tuple[socket.socket, type[asyncio.Protocol]] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.internal is not None and self.started:
-            sock, protocol = self.internal
+            inbox, protocol = self.internal
             config, state = self.config, self.server_state
+            loop = asyncio.get_running_loop()
+            opening: set[asyncio.Task] = set()
 
             def create_protocol() -> asyncio.Protocol:
                 return protocol(config=config, server_state=state, app_state=self.lifespan.state)  # type: ignore[call-arg]  # uvicorn's protocol signature
 
-            server = await asyncio.get_running_loop().create_server(create_protocol, sock=sock, backlog=1024)
-            self.servers.append(server)
+            def serve(sock: socket.socket) -> None:
+                task = loop.create_task(loop.connect_accepted_socket(create_protocol, sock))
+                opening.add(task)
+                task.add_done_callback(opening.discard)
+
+            serve_inbox(inbox, serve)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.hub.close_all_clients()
@@ -118,9 +125,11 @@ def tls_files(config: GatewayConfig) -> tuple[str, str] | None:
 FD_RESERVE = 64
 
 
-def raise_open_files_limit(max_connections: int) -> None:
+def raise_open_files_limit(max_connections: int, workers: int = 1) -> None:
     """Every connection is a file descriptor: take the hard limit, and warn when the gateway would run out
-    of descriptors (accept failing for everyone) before its own connection limit refuses anyone."""
+    of descriptors (accept failing for everyone) before its own connection limit refuses anyone. With
+    several workers a worker also holds one descriptor per session request it forwards and one per request
+    forwarded to it, each bounded by `server.max_connections` (gateway/broker/forward.py): 3 x in all."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
@@ -129,10 +138,12 @@ def raise_open_files_limit(max_connections: int) -> None:
         except (ValueError, OSError) as exc:  # e.g. an unlimited hard limit above the kernel's nr_open
             log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
     log.info("open-files limit (RLIMIT_NOFILE): %s", "unlimited" if soft == resource.RLIM_INFINITY else soft)
-    if max_connections and soft != resource.RLIM_INFINITY and soft < max_connections + FD_RESERVE:
-        log.warning("open-files limit %d is below server.max_connections + %d (%d): descriptors run out first;"
+    sockets = max_connections * (3 if workers > 1 else 1)
+    if max_connections and soft != resource.RLIM_INFINITY and soft < sockets + FD_RESERVE:
+        what = "server.max_connections" if workers == 1 else "3 x server.max_connections (forwards between workers)"
+        log.warning("open-files limit %d is below %s + %d (%d): descriptors run out first;"
                     " raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower server.max_connections",
-                    soft, FD_RESERVE, max_connections + FD_RESERVE)
+                    soft, what, FD_RESERVE, sockets + FD_RESERVE)
 
 
 @dataclass
@@ -209,11 +220,15 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
         hub.raw = raw
         assert raw.sender_port is not None and raw.receiver_port is not None  # set by start()
         running.raw_sender_port, running.raw_receiver_port = raw.sender_port, raw.receiver_port
-    raise_open_files_limit(server_cfg.max_connections)
+    raise_open_files_limit(server_cfg.max_connections, server_cfg.workers)
     sock = _listen(server_cfg.host, server_cfg.port, reuse_port=shared)
     running.http_port = sock.getsockname()[1]
     ws = config.websocket
     limiter = ConnectionLimiter(server_cfg.max_connections, server_cfg.max_connections_per_ip, hub.bad_input)
+    if links is not None and links.counts is not None:  # per-address limits count across the workers
+        links.counts.bind(worker)
+        limiter.per_ip = links.counts.counter("connections")
+        hub.clients_by_ip = links.counts.counter("clients")
     hub.metrics.connections = limiter
     uv_config = uvicorn.Config(
         SecurityHeaders(build_app(hub, token, links)),
@@ -238,8 +253,10 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     running.server = GatewayServer(uv_config)
     running.server.hub = hub
     if links is not None:
-        links.sock.setblocking(False)
-        running.server.internal = (links.sock, http_protocol_class(ConnectionLimiter(), server_cfg.header_timeout_s))
+        internal_limiter = ConnectionLimiter(server_cfg.max_connections or MAX_FORWARDS_UNLIMITED, 0, hub.bad_input)
+        running.server.internal = (links.inbox, http_protocol_class(
+            internal_limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes, server_cfg.max_headers,
+            hosts, internal=True))
     running.task = asyncio.get_running_loop().create_task(running.server.serve(sockets=[sock]))
     while not running.server.started:
         if running.task.done():

@@ -4,17 +4,25 @@ With `server.workers = N` the kernel spreads each new TCP connection over the wo
 session or an SSE stream lives in one worker's memory. So the session secret names its owner: worker `i`
 hands out `w{i}.` + 128 random bits (the prefix is public and adds nothing to guess; the random part is the
 secret, as with one worker). A request for `/lp/{secret}` or `/sse/{secret}` that reaches another worker is
-forwarded over loopback to the owner's *internal socket*: the supervisor binds one such socket per worker on
-127.0.0.1 (an ephemeral port) before forking, each worker serves the app on its own one as well, and every
-worker knows all the ports (`WorkerLinks`).
+forwarded to the owner over a connection only the workers can make: the forwarder makes a connected pair of
+Unix stream sockets (`socketpair`), and hands one end to the owner through the owner's *inbox*, a datagram
+socketpair the supervisor makes per worker before forking (`SCM_RIGHTS`); the owner serves the app on it as
+on a client connection (`WorkerLinks`). No socket has an address another process could connect to (the
+internal sockets used to be loopback TCP ports, which served the whole app to any local process), and the
+owner serves at most `server.max_connections` such connections at once (beyond: `503`).
 
 `SessionRouter` is an ASGI middleware (inside the Origin guard, so the worker that received the request
-answers CORS and preflights itself). On the public socket it forwards what another worker owns; on the
-internal socket it never forwards (no loops) and, when the hop carries the cluster's key, takes the client's
-address from `X-Forwarded-For` so that logs and per-address checks see the real client. With one worker
-there are no links, no prefix, no internal socket, and no router.
+answers CORS and preflights itself). On a client's connection it forwards what another worker owns; on an
+internal connection it never forwards (no loops) and, when the hop carries the cluster's key, takes the
+client's address from `X-Forwarded-For` so that logs and per-address checks see the real client. With one
+worker there are no links, no prefix, no inbox, and no router.
 
-The forwarder is a small HTTP/1.1 client: one loopback connection per forwarded request (`Connection:
+Descriptors: each forward holds one here (its end of the pair) and one at the owner, on top of the client's
+connection; forwards out of a worker are bounded by its client connections (`server.max_connections`), those
+into it by the same number, so a worker holds at most 3 x `server.max_connections` sockets (the start-up
+descriptor check counts them, gateway/server.py).
+
+The forwarder is a small HTTP/1.1 client: one internal connection per forwarded request (`Connection:
 close`, so the end of the response is the end of the connection), the request body read here with the
 route's bound and sent with its length, the response streamed back as it comes (a long poll waits up to
 `longpoll.poll_timeout_s` on the owner), and the upstream connection closed as soon as the client goes.
@@ -28,6 +36,7 @@ import logging
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -35,10 +44,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import RequestError
 
+from ..addrcount import SharedCounts
 from ..bodies import read_body
 from ..config import GatewayConfig
 from ..errors import InternalError, TooManyConnections
 from ..http_errors import error_response
+from ..netguard import SCOPE_KEY
 
 log = logging.getLogger("gateway.forward")
 
@@ -58,7 +69,7 @@ FORWARDED_METHODS = frozenset({"GET", "POST", "DELETE"})
 _HOP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"date", b"server",
                            b"vary", b"access-control-allow-origin", b"access-control-expose-headers"})
 
-#: seconds to open the loopback connection: immediate unless the owner's accept backlog is full, or it is gone
+#: seconds to open the internal connection (the pair and its passing are immediate; a bound all the same)
 CONNECT_TIMEOUT_S = 2.0
 #: seconds the owner may take to answer beyond what the request itself waits (a long poll's timeout); also the
 #: longest wait between two pieces of a response body
@@ -70,8 +81,10 @@ READ_CHUNK = 64 * 1024
 #: concurrent forwards of a worker when `server.max_connections` is 0 (no limit). Otherwise the bound is
 #: `server.max_connections`: each forward sits on one admitted client connection (HTTP/1.1: one request at a
 #: time), so the bound only matters when that limit is off; each forward holds two descriptors (ours, the
-#: owner's accepted one).
+#: owner's). The same number bounds the internal connections a worker serves at once.
 MAX_FORWARDS_UNLIMITED = 16384
+#: file descriptors passed per inbox read
+_FDS_PER_READ = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,25 +93,56 @@ class WorkerLinks:
 
     #: this worker's index, 0..N-1
     index: int
-    #: the internal port of every worker, by index (127.0.0.1)
-    ports: tuple[int, ...]
-    #: this worker's internal listening socket (the supervisor bound it and listens already)
-    sock: socket.socket
+    #: every worker's inbox, by index: the sending end of a datagram socketpair (None: this worker's own)
+    outboxes: tuple[socket.socket | None, ...]
+    #: this worker's inbox: the receiving end, where the others pass the connections they forward
+    inbox: socket.socket
     #: the key a hop carries, so that only another worker's `X-Forwarded-For` is believed
     key: str
+    #: counts of the per-address limits, shared by every worker (gateway/addrcount.py)
+    counts: SharedCounts | None = None
 
     @property
     def secret_prefix(self) -> str:
         return f"w{self.index}."
 
 
-def bind_internal() -> socket.socket:
-    """A listening loopback socket on an ephemeral port: one worker's internal socket."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
+def make_inbox() -> tuple[socket.socket, socket.socket]:
+    """(receiving, sending) ends of one worker's inbox; made by the supervisor before it forks."""
+    receiving, sending = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiving.setblocking(False)
+    sending.setblocking(False)
+    return receiving, sending
+
+
+def serve_inbox(inbox: socket.socket, serve: Callable[[socket.socket], object]) -> None:
+    """Watch this worker's inbox on the running loop: `serve(sock)` each connection passed to it."""
+
+    def readable() -> None:
+        while True:
+            try:
+                _data, fds, _flags, _addr = socket.recv_fds(inbox, 1, _FDS_PER_READ)
+            except (BlockingIOError, InterruptedError):
+                return
+            for fd in fds:
+                serve(socket.socket(fileno=fd))
+
+    asyncio.get_running_loop().add_reader(inbox.fileno(), readable)
+
+
+def _connect(outbox: socket.socket) -> socket.socket:
+    """A new connection to the worker of `outbox`: our end of a pair whose other end is passed to it.
+    Raises OSError (e.g. the owner is gone, or its inbox is full)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        socket.send_fds(outbox, [b"c"], [theirs.fileno()])
+    except OSError:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    ours.setblocking(False)
+    return ours
 
 
 def new_key() -> str:
@@ -121,7 +165,6 @@ class SessionRouter:
     def __init__(self, app: ASGIApp, links: WorkerLinks, config: GatewayConfig) -> None:
         self.app = app
         self.links = links
-        self.internal = links.sock.getsockname()[:2]
         self.key = links.key.encode()
         self.poll_timeout_s = config.longpoll.poll_timeout_s
         self.max_body = {"lp": config.longpoll.max_body_bytes, "sse": config.sse.max_body_bytes}
@@ -132,11 +175,11 @@ class SessionRouter:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        server = scope.get("server")
-        if server is not None and tuple(server[:2]) == self.internal:
+        protocol = scope.get("extensions", {}).get(SCOPE_KEY)
+        if protocol is not None and protocol.internal:
             return await self.app(self._trusted(scope), receive, send)
         owner = owner_of(scope["path"])
-        if owner is None or owner == self.links.index or owner >= len(self.links.ports) \
+        if owner is None or owner == self.links.index or owner >= len(self.links.outboxes) \
                 or scope["method"] not in FORWARDED_METHODS:
             return await self.app(scope, receive, send)  # an index no worker has: the tables say 404
         if self.active >= self.max_forwards:
@@ -150,8 +193,8 @@ class SessionRouter:
             self.active -= 1
 
     def _trusted(self, scope: Scope) -> Scope:
-        """A request on the internal socket: from another worker when it carries the key (then its client
-        is `X-Forwarded-For`'s), else from some local process, served as it is."""
+        """A request on an internal connection: from another worker, which sends the key (then its client
+        is `X-Forwarded-For`'s); without it, served as it is."""
         headers = dict(scope["headers"])
         if not secrets.compare_digest(headers.get(KEY_HEADER, b""), self.key):
             return scope
@@ -206,9 +249,10 @@ class SessionRouter:
         begun = False
         writer: asyncio.StreamWriter | None = None
         try:
+            outbox = self.links.outboxes[owner]
+            assert outbox is not None  # not this worker's own
             reader, upstream = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", self.links.ports[owner], limit=MAX_HEAD_BYTES),
-                CONNECT_TIMEOUT_S)
+                asyncio.open_connection(sock=_connect(outbox), limit=MAX_HEAD_BYTES), CONNECT_TIMEOUT_S)
             writer = upstream
             upstream.write(request)
             status = 100

@@ -5,8 +5,9 @@ The supervisor (this module, in the process `gateway serve` started) fixes the p
 resolved once, by binding it with SO_REUSEPORT and holding it until every worker listens) and the admin
 token (generated once, so every worker accepts the same), then forks the workers. Each worker is a whole
 gateway (`start_gateway(config, worker=i)`) that binds the same HTTP and ingest ports with SO_REUSEPORT;
-worker 0 alone runs the raw TCP broadcaster. Each worker also gets its internal loopback socket and the
-others' ports, for the session requests that reach the wrong worker (forward.py). The supervisor writes
+worker 0 alone runs the raw TCP broadcaster. Each worker also gets its inbox and the others' (socketpairs
+made here, reachable by no other process), for the session requests that reach the wrong worker
+(forward.py), and the shared counters of the per-address limits (gateway/addrcount.py). The supervisor writes
 the ready file once all of them listen, forwards SIGTERM and SIGINT, and when one worker ends it stops the
 others and exits non-zero, so whatever supervises the gateway restarts it whole.
 """
@@ -25,8 +26,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..addrcount import SharedCounts
 from ..config import GatewayConfig
-from .forward import WorkerLinks, bind_internal, new_key
+from .forward import WorkerLinks, make_inbox, new_key
 
 #: Seconds for every worker to listen (a cold start imports the app; Redis may take its connect timeout).
 READY_TIMEOUT_S = 60.0
@@ -61,26 +63,30 @@ def run_workers(
         raw["server"]["admin_token"] = secrets.token_urlsafe(18)
     shared = GatewayConfig(raw)
     workdir = Path(tempfile.mkdtemp(prefix="gateway-workers-"))
-    # One internal socket per worker, listening before any worker starts (a forward queues in its backlog
-    # until the owner serves): session requests that reach the wrong worker go there (forward.py).
-    internal = [bind_internal() for _ in range(config.server.workers)]
-    ports = tuple(sock.getsockname()[1] for sock in internal)
+    # One inbox per worker, made before any worker starts (a connection passed early waits in it until the
+    # owner serves): session requests that reach the wrong worker go there (forward.py). Only the workers
+    # hold its ends: no other process can reach a worker this way.
+    inboxes = [make_inbox() for _ in range(config.server.workers)]
+    counts = SharedCounts(config.server.workers)
     key = new_key()
     pids: list[int] = []
     for index in range(config.server.workers):
         pid = os.fork()
         if pid == 0:  # the worker
-            for sock in holders + [s for i, s in enumerate(internal) if i != index]:
+            for sock in holders + [receiving for i, (receiving, _) in enumerate(inboxes) if i != index]:
                 sock.close()
+            inboxes[index][1].close()  # its own: it never forwards to itself
+            outboxes = tuple(None if i == index else sending for i, (_, sending) in enumerate(inboxes))
             code = 1
             try:
                 code = serve(shared, str(workdir / f"worker-{index}.json"), index,
-                             WorkerLinks(index, ports, internal[index], key))
+                             WorkerLinks(index, outboxes, inboxes[index][0], key, counts))
             finally:
                 os._exit(code)
         pids.append(pid)
-    for sock in internal:  # the workers hold them: a dead worker's port then refuses instead of queueing
-        sock.close()
+    for pair in inboxes:  # the workers hold them: a dead worker's inbox then refuses instead of queueing
+        for sock in pair:
+            sock.close()
 
     asked_to_stop: list[int] = []  # the signals forwarded: a worker they end has stopped cleanly
 

@@ -1,0 +1,107 @@
+"""Per-address limits that hold across `server.workers` processes (docs/security.md, Limits).
+
+Each worker counts its own connections and sessions per peer address; with N workers a client spread over
+them by the kernel would get N times every per-address limit. So the supervisor maps one shared anonymous
+memory region before it forks (`SharedCounts`): one column of 32-bit counters per worker, `SLOTS` counters
+a column, a key's slot chosen by a keyed hash (BLAKE2b with a random key made at start, so a client cannot
+aim its addresses at another's slot). A worker writes only its own column (one writer: no lock, no atomic
+instruction needed) and reads the others' (aligned 32-bit reads are whole), so a key's count in the cluster
+is its exact count here plus the other workers' counters of its slot.
+
+Costs and limits of the design, stated: a check and an update are a hash and N-1 reads (about a
+microsecond); two workers admitting the same address at the same instant may both pass at limit - 1, so a
+limit can be exceeded by at most N-1; keys that share a slot in another worker's column count together there
+(with 2^18 slots, a given address shares one with probability about addresses / 262,144), which can only
+refuse early, never admit beyond a limit. Memory: 1 MiB of address space per worker, of which only touched
+pages are resident. A worker that dies takes the others down (gateway/broker/workers.py), so no stale
+column outlives it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from collections import Counter
+from collections.abc import Hashable
+
+#: counters per worker column (a power of two)
+SLOTS = 1 << 18
+_WIDTH = 4  # bytes of a counter
+
+
+class SharedCounts:
+    """The shared counters of every worker (module docstring). Made before the fork; `bind(index)` in the
+    worker names its own column."""
+
+    def __init__(self, workers: int, slots: int = SLOTS) -> None:
+        self.workers = workers
+        self.slots = slots
+        self._map = mmap.mmap(-1, workers * slots * _WIDTH)  # MAP_SHARED | MAP_ANONYMOUS: children share it
+        self._key = os.urandom(16)
+        view = memoryview(self._map)
+        self.columns = [view[i * slots * _WIDTH:(i + 1) * slots * _WIDTH].cast("i") for i in range(workers)]
+        self.index = 0
+
+    def bind(self, index: int) -> None:
+        self.index = index
+
+    def slot(self, namespace: str, key: Hashable) -> int:
+        digest = hashlib.blake2b(f"{namespace}\0{key!r}".encode(), key=self._key, digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (self.slots - 1)
+
+    def others(self, slot: int) -> int:
+        """What the other workers count in `slot`."""
+        return sum(column[slot] for i, column in enumerate(self.columns) if i != self.index)
+
+    def add(self, slot: int, delta: int) -> None:
+        self.columns[self.index][slot] += delta
+
+    def counter(self, namespace: str) -> "SharedCounter":
+        return SharedCounter(self, namespace)
+
+
+class SharedCounter(Counter):
+    """A drop-in `Counter` for per-address counts whose reads answer the cluster's count.
+
+    It stores this worker's own counts (and mirrors them into its shared column); `c[key]` is the own count
+    plus the other workers'. So the usual `c[key] += 1`, `c[key] -= 1`, `if not c[key]: del c[key]` and
+    `c[key] >= limit` work unchanged: an assignment applies the difference to the value last read for that
+    key (read and write happen in one step of the event loop; another worker's change in between is not
+    mistaken for ours). Keys whose own count drops to 0 are not kept.
+    """
+
+    def __init__(self, shared: SharedCounts, namespace: str) -> None:
+        super().__init__()
+        self.shared = shared
+        self.namespace = namespace
+        self._last: tuple[Hashable, int] | None = None  # (key, cluster count read)
+
+    def __getitem__(self, key: Hashable) -> int:
+        total = dict.get(self, key, 0) + self.shared.others(self.shared.slot(self.namespace, key))
+        self._last = (key, total)
+        return total
+
+    def __setitem__(self, key: Hashable, value: int) -> None:
+        last = self._last
+        base = last[1] if last is not None and last[0] == key else self[key]
+        self._last = None
+        own = dict.get(self, key, 0)
+        new_own = own + value - base
+        if new_own < 0:
+            new_own = 0
+        self.shared.add(self.shared.slot(self.namespace, key), new_own - own)
+        if new_own:
+            dict.__setitem__(self, key, new_own)
+        else:
+            dict.pop(self, key, None)
+
+    def __delitem__(self, key: Hashable) -> None:
+        own = dict.pop(self, key, 0)
+        if own:
+            self.shared.add(self.shared.slot(self.namespace, key), -own)
+        self._last = None
+
+    def own(self, key: Hashable) -> int:
+        """This worker's own count."""
+        return dict.get(self, key, 0)

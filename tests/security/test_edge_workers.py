@@ -1,0 +1,165 @@
+"""`server.workers = 2` at the edge (issue 24), on real `gateway serve` processes and a real redis-server:
+the internal links between workers are reachable by no other process, the start-up descriptor check counts
+the sockets forwards hold, and per-address limits hold across the workers."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cluster"))
+from cluster_helpers import REDIS_SERVER, ROOT, NodeFactory, RedisServer  # noqa: E402
+
+if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):
+    pytest.skip("redis-server is missing: `make redis` (part of `make test`) installs it", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    factory = NodeFactory(tmp_path, redis)
+    yield factory
+    factory.stop_all()
+    redis.stop()
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def listening(pid: int) -> tuple[set[int], int]:
+    """(TCP ports the process listens on, Unix sockets it listens on)."""
+    inodes = _socket_inodes(pid)
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    unix = 0
+    with open("/proc/net/unix") as f:
+        for line in list(f)[1:]:
+            fields = line.split()
+            if fields[3] == "00010000" and fields[6] in inodes:  # __SO_ACCEPTCON: listening
+                unix += 1
+    return ports, unix
+
+
+def fresh(method: str, url: str, **kwargs) -> httpx.Response:
+    return httpx.request(method, url, timeout=10, **kwargs)
+
+
+# -- 5. the internal links ---------------------------------------------------------------------------------
+
+def test_workers_listen_on_the_public_ports_only_and_still_forward_sessions(nodes):
+    node = nodes.start("w", server={"workers": 2}, longpoll={"poll_timeout_s": 0.5})
+    public = {node.info["http_port"], node.ingest_port}
+    for pid in node.info["workers"]:
+        ports, unix = listening(pid)
+        assert ports <= public and unix == 0, (pid, ports, public, unix)  # nothing a local process could reach
+    # forwards work: sessions of both workers, each polled over fresh connections (either worker)
+    secrets = [fresh("POST", f"{node.http_url}/lp").json()["session"] for _ in range(10)]
+    assert {s.split(".", 1)[0] for s in secrets} == {"w0", "w1"}
+    for secret in secrets:
+        for _ in range(3):
+            reply = fresh("GET", f"{node.http_url}/lp/{secret}")
+            assert reply.status_code == 200, reply.text
+
+
+# -- 6. descriptors of forwards counted at start -----------------------------------------------------------
+
+def test_the_descriptor_check_counts_the_sockets_of_forwards(nodes, tmp_path):
+    node = nodes.start("w", wait=False, server={"workers": 2, "max_connections": 100})
+    node.stop()
+    config = tmp_path / "w" / "gateway.toml"
+    ready = tmp_path / "w" / "ready-limited.json"
+
+    def low_limit() -> None:  # 300 descriptors: above max_connections + 64 (164), below 3 x 100 + 64 (364)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
+                             str(ready)], cwd=ROOT, env=env, preexec_fn=low_limit,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "gateway did not start"
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        output, _ = proc.communicate(timeout=20)
+    assert "3 x server.max_connections" in output and "(364)" in output, output[-3000:]
+
+
+# -- 7. per-address limits across workers ------------------------------------------------------------------
+
+def _served(port: int) -> socket.socket | None:
+    """A kept-alive connection that got 200 for /healthz, or None when it was refused (503)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    if data.startswith(b"HTTP/1.1 200"):
+        return sock
+    assert data.startswith(b"HTTP/1.1 503"), data[:200]
+    sock.close()
+    return None
+
+
+def test_per_address_limits_hold_across_two_workers(nodes):
+    node = nodes.start("w", server={"workers": 2, "max_connections_per_ip": 4},
+                       longpoll={"max_sessions_per_ip": 3}, sse={"max_sessions_per_ip": 2})
+    port = node.info["http_port"]
+    # connections: one at a time, each served before the next (no two admissions at the same instant)
+    held = [_served(port) for _ in range(12)]
+    assert sum(s is not None for s in held) == 4, [s is not None for s in held]
+    for sock in held:
+        if sock is not None:
+            sock.close()
+    time.sleep(0.3)  # the closes reach both workers
+    # long-poll sessions, each on a fresh connection (the kernel spreads them over both workers)
+    answers = [fresh("POST", f"{node.http_url}/lp").status_code for _ in range(10)]
+    assert answers.count(201) == 3 and answers.count(429) == 7, answers
+    # SSE streams, held open
+    with httpx.Client(timeout=10) as a, httpx.Client(timeout=10) as b, httpx.Client(timeout=10) as c:
+        streams = []
+        statuses = []
+        for client in (a, b, c, a, b, c):
+            stream = client.stream("GET", f"{node.http_url}/sse")
+            response = stream.__enter__()
+            statuses.append(response.status_code)
+            if response.status_code == 200:
+                lines = response.iter_lines()
+                next(lines)  # the session event: the stream is registered (the iterator kept: it holds it)
+                streams.append((stream, lines))
+            else:
+                stream.__exit__(None, None, None)
+        assert statuses.count(200) == 2, statuses
+        for stream, _ in streams:
+            stream.__exit__(None, None, None)
