@@ -619,7 +619,7 @@ class Client:
             pass
         finally:
             self._ws = None
-        code = ws.close_code if ws.close_code is not None else 1006
+        code = int(ws.close_code) if ws.close_code is not None else 1006  # None, or 1006: no close frame came
         return CloseInfo(code, ws.close_reason or ""), time.monotonic() - opened_at
 
     async def _may_reconnect(self, close: CloseInfo) -> bool:
@@ -873,7 +873,7 @@ def connect(
       before the first connection when ``token`` is None, when the token expires (the new one is sent with
       ``auth`` on the live connection) and on the close codes 4001 and 4011;
     * ``connect_timeout``: seconds for one connection's opening handshake; ``ping_interval``,
-      ``ping_timeout``: WebSocket pings (None: none), no pong in time drops the connection and re-makes it;
+      ``ping_timeout``: WebSocket pings (None: none), no pong in time drops the connection (1006) and re-makes it;
     * ``backoff_base``, ``backoff_max``: the reconnect delays' cap, doubling from ``backoff_base`` (full jitter);
     * ``request_timeout``: seconds for `Client.publish`, `Client.rpc` and `Client.subscribe` (``timeout``);
     * ``max_pending_requests``: requests waiting for an answer or a connection (beyond: ``queue_full``);

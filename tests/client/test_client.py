@@ -211,6 +211,27 @@ def test_a_cut_connection_resumes_without_gap_or_duplicate() -> None:
     run(main())
 
 
+def test_a_silent_connection_is_found_by_pings_and_re_made() -> None:
+    """A connection that stays open but carries nothing (a dead peer TCP has not noticed): no pong in time,
+    the client drops it and resumes on a new one."""
+    topic = "feed.frozen"
+
+    async def main() -> None:
+        async with gateway() as gw:
+            with TcpProxy(gw.http_port) as proxy:
+                async with fanout_client.connect(proxy.url, **FAST, ping_interval=0.2, ping_timeout=0.3) as client:
+                    sub = await client.subscribe(topic)
+                    await publish(gw, topic, [0, 1])
+                    assert seqs(await take(sub, 2)) == [0, 1]
+                    proxy.freeze()
+                    await publish(gw, topic, [2, 3])
+                    assert seqs(await take(sub, 2, timeout=8)) == [2, 3]  # over the next connection
+                    assert client.reconnects == 1 and client.last_close is not None
+                    assert client.last_close.code == 1006  # no close frame came back
+
+    run(main())
+
+
 def test_a_kick_closes_the_client_for_good() -> None:
     """4000 (an operator's kick): no reconnect; the subscription's queued events come, then its error."""
 
