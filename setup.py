@@ -87,6 +87,7 @@ setup(
         "gateway.defaults": ["*.toml"],
         "gateway.static": ["*.html", "*.js", "*.ts", "*.ico", "*.svg"],
         "gateway.static.admin": ["*.html", "*.js", "*.css"],
+        "fanout_client": ["py.typed"],
         "pipeline": ["log4j2.properties"],
         "loadtest": ["*.template"],
     },

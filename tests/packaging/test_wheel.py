@@ -51,19 +51,23 @@ def test_the_sdist_and_the_wheel_hold_the_config_the_pages_and_every_package(dis
     assert {"gateway/defaults/default.toml", "gateway/static/fanout.js", "gateway/static/fanout.d.ts",
             "gateway/static/index.html", "gateway/static/favicon.ico", "gateway/static/admin/index.html",
             "gateway/static/admin/dashboard.js", "gateway/broker/redis_broker.py", "fanout_client/__init__.py",
-            "fanout_client/ingest.py", "pipeline/log4j2.properties", "loadtest/nchan.conf.template"} <= files
+            "fanout_client/ingest.py", "fanout_client/py.typed", "pipeline/log4j2.properties",
+            "loadtest/nchan.conf.template"} <= files
     assert not any(name.startswith(("config/", "static/", "tests/")) for name in files)  # no top-level clutter
     if _can_compile():
         assert "core/_compiled.json" in files and any(n.startswith("core/engine.") and n.endswith(".so") for n in files)
 
 
-def test_the_installed_wheel_serves_from_another_directory_with_the_compiled_core(dist: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["wheel", "checkout"])
+def test_the_installed_package_serves_from_another_directory_with_the_compiled_core(
+        source: str, dist: Path, tmp_path: Path) -> None:
+    """`pip install dist/*.whl` and `pip install <checkout>` (not editable) give the same gateway."""
     (wheel,) = dist.glob("*.whl")
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], capture_output=True,
-                               text=True, timeout=400)
+    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel if source == "wheel" else ROOT)],
+                               capture_output=True, text=True, timeout=400)
     assert installed.returncode == 0, installed.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
