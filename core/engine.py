@@ -49,6 +49,9 @@ from .ring import RingTopic
 from .snapshot import SnapshotTopic
 from .topics import Topic, check_topic_name
 
+#: names whose rule lookup `Engine._rule_for` remembers (cleared when full)
+RULE_CACHE_MAX = 4096
+
 _TOPIC_CLASSES: dict[TopicKind, type[Topic]] = {
     TopicKind.RING: RingTopic,
     TopicKind.SNAPSHOT: SnapshotTopic,
@@ -115,6 +118,8 @@ class Engine:
         #: rule-created topics without a subscriber that retain data, oldest first: when `reclaim` put them
         #: here and their `activity()` then; removed once it has not changed for the retained ttl
         self._retained: dict[Topic, tuple[float, int]] = {}
+        #: rule lookups of names no topic has (`_rule_for`), at most RULE_CACHE_MAX
+        self._rules_seen: dict[str, TopicConfig | None] = {}
 
     # -- topics ----------------------------------------------------------------------------------------
 
@@ -250,16 +255,27 @@ class Engine:
         topic = self._topics.get(name)
         if topic is not None:
             return topic.config
+        return self._rule_for(name)
+
+    def _rule_for(self, name: str) -> TopicConfig | None:
+        """The rule's settings for a name no topic has (checked against the name grammar first), from a
+        bounded cache: with a broker, every publish to a topic this node does not serve asks (fnmatch over
+        every rule, several times per publish)."""
+        cache = self._rules_seen
+        if name in cache:
+            return cache[name]
         check_topic_name(name, self.config.max_topic_name)  # every transport asks this before a new name
-        return self.config.rule_for(name)
+        if len(cache) >= RULE_CACHE_MAX:
+            cache.clear()
+        config = cache[name] = self.config.rule_for(name)
+        return config
 
     def resolve(self, name: str) -> Topic:
         """The topic, created on first use when a config rule matches its name."""
         topic = self._topics.get(name)
         if topic is not None:
             return topic
-        check_topic_name(name, self.config.max_topic_name)
-        config = self.config.rule_for(name)
+        config = self._rule_for(name)
         if config is None:
             raise UnknownTopic(f"no topic {name!r} and no rule creates it")
         topic = self.create_topic(name, config)

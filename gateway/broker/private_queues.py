@@ -377,6 +377,7 @@ class PrivateQueues:
         if owner is None:
             raise NoTarget(f"private topic {topic!r} needs the user whose queue gets the message (`client`)")
         check_ready(broker.available, broker.last_error, seq)
+        broker.reserve(0)
         raw = encode_message(topic, data, self.hub.engine.config.max_message_bytes)
         self.hub.resolve(topic)
         size = len(raw) + PENDING_OVERHEAD

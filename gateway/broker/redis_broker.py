@@ -423,8 +423,11 @@ class RedisBroker:
 
     def reserve(self, size: int) -> None:
         """Count `size` bytes of a publish waiting for Redis; `BrokerUnavailable` when that would pass
-        broker.max_pending_bytes (Redis stalls: the publisher retries later). `release` when answered."""
-        if self.max_pending_bytes > 0 and self.pending_bytes + size > self.max_pending_bytes and self.pending_bytes:
+        broker.max_pending_bytes (Redis stalls: the publisher retries later; one publish of any size goes
+        when nothing waits). `release_bytes` when answered. `size` 0: only whether anything fits (checked
+        before the data is encoded, so a refusal costs no encoding)."""
+        if self.max_pending_bytes > 0 and self.pending_bytes and self.pending_bytes + size > self.max_pending_bytes - (
+                0 if size else 1):
             self.backlog_refused += 1
             raise BrokerUnavailable(
                 f"the broker is not keeping up: {self.pending_bytes} bytes of publishes wait for Redis"
@@ -605,6 +608,7 @@ class RedisBroker:
     def publish(self, topic: str, data: Any, seq: int | None, *, creator: Any = None) -> asyncio.Future[int]:
         check_ready(self.available, self.last_error, seq)
         config = self._settings(topic)
+        self.reserve(0)
         raw = encode_message(topic, data, self.hub.engine.config.max_message_bytes)
         size = len(raw) + len(topic) + PENDING_OVERHEAD
         self.reserve(size)
