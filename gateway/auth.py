@@ -11,15 +11,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jwt
+from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
+from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from .config import AuthConfig, ConfigError
-from .errors import BadToken, TokenExpired
+from .errors import BadToken, RateLimited, TokenExpired
 from .owners import check_user_id
+from .ratelog import TokenBucket
 
 HMAC_ALGORITHMS = ("HS256",)
 PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256")
+#: the one algorithm each kind of public key checks: a token of the other one is refused as any bad token
+#: (PyJWT would raise InvalidKeyError, which is not an InvalidTokenError)
+_KEY_ALGORITHMS: tuple[tuple[type, str], ...] = ((RSAPublicKey, "RS256"), (EllipticCurvePublicKey, "ES256"))
+#: addresses whose token checks are counted (`CheckLimiter`); past it the least recently seen are forgotten
+MAX_TRACKED_ADDRESSES = 65536
 #: A token is a few hundred bytes; 8 KiB leaves room for long pattern lists and bounds the work per check.
 MAX_TOKEN_BYTES = 8192
 #: Longest user id (`sub`): it names private queues and appears in logs and the admin API.
@@ -39,16 +49,52 @@ class Principal:
     publish: tuple[str, ...] = ()
 
 
+class CheckLimiter:
+    """Token checks (signature verifications) per peer address: a token bucket per address, in a table of
+    at most `MAX_TRACKED_ADDRESSES` (least recently seen forgotten first). A 4096-bit RS256 check costs
+    ~0.1 ms: unbounded, one client sending bad tokens took most of a core (issue 24)."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._buckets: dict[str, TokenBucket] = {}
+        #: checks refused, for /metrics (`fanout_auth_rate_limited_total`)
+        self.refused = 0
+
+    def take(self, address: str) -> bool:
+        if self.rate <= 0:
+            return True
+        buckets = self._buckets
+        bucket = buckets.pop(address, None)
+        if bucket is None:
+            if len(buckets) >= MAX_TRACKED_ADDRESSES:
+                del buckets[next(iter(buckets))]
+            bucket = TokenBucket(self.rate, self.burst)
+        buckets[address] = bucket  # most recently seen last
+        return bucket.take()
+
+
 class TokenVerifier:
     def __init__(self, auth: AuthConfig) -> None:
         self.secret = auth.jwt_secret
-        self.public_key = None
+        self.public_key: Any = None
+        self.public_algorithms: list[str] = []
         if auth.jwt_public_key_file:
             path = Path(auth.jwt_public_key_file)
             try:
-                self.public_key = path.read_bytes()
+                pem = path.read_bytes()
             except OSError as exc:
                 raise ConfigError(f"auth.jwt_public_key_file: cannot read {path}: {exc.strerror}") from None
+            try:
+                self.public_key = load_pem_public_key(pem)  # parsed once, not per check
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"auth.jwt_public_key_file: {path} is not a PEM public key: {exc}") from None
+            self.public_algorithms = [alg for kind, alg in _KEY_ALGORITHMS if isinstance(self.public_key, kind)]
+            if not self.public_algorithms:
+                raise ConfigError(f"auth.jwt_public_key_file: {path} is neither an RSA nor an EC public key")
+        #: token checks per address (`auth.rate_per_ip`, `burst_per_ip`); per connection, the `auth` commands
+        #: are limited in gateway/commands.py (`auth.rate_per_connection`, `burst_per_connection`)
+        self.per_address = CheckLimiter(auth.rate_per_ip, auth.burst_per_ip)
         self.audience = auth.jwt_audience or None
         self.issuer = auth.jwt_issuer or None
         self.leeway = auth.leeway_s
@@ -57,8 +103,17 @@ class TokenVerifier:
     def enabled(self) -> bool:
         return bool(self.secret or self.public_key)
 
-    def verify(self, token: object) -> Principal:
-        """The token's principal; BadToken or TokenExpired saying why it is refused."""
+    def admit(self, address: str | None) -> None:
+        """Count one token check from `address`; RateLimited past `auth.rate_per_ip`."""
+        if address is not None and not self.per_address.take(address):
+            self.per_address.refused += 1
+            raise RateLimited(f"too many token checks from this address (auth.rate_per_ip ="
+                              f" {self.per_address.rate:g}/s); retry later")
+
+    def verify(self, token: object, address: str | None = None) -> Principal:
+        """The token's principal; BadToken or TokenExpired saying why it is refused, RateLimited when
+        `address` made too many checks (`admit`)."""
+        self.admit(address)
         if not self.enabled:
             raise BadToken("authentication is not configured on this gateway (auth.jwt_secret)")
         if not isinstance(token, str) or not token:
@@ -70,8 +125,8 @@ class TokenVerifier:
             key: str | bytes
             if algorithm in HMAC_ALGORITHMS and self.secret:
                 key, algorithms = self.secret, list(HMAC_ALGORITHMS)
-            elif algorithm in PUBLIC_KEY_ALGORITHMS and self.public_key:
-                key, algorithms = self.public_key, list(PUBLIC_KEY_ALGORITHMS)
+            elif algorithm in self.public_algorithms:
+                key, algorithms = self.public_key, self.public_algorithms
             else:
                 raise BadToken(f"token algorithm {algorithm!r} is not accepted here")
             claims = jwt.decode(
@@ -80,8 +135,10 @@ class TokenVerifier:
             )
         except jwt.ExpiredSignatureError:
             raise TokenExpired("the token has expired") from None
-        except jwt.InvalidTokenError as exc:
+        except jwt.PyJWTError as exc:  # InvalidTokenError, and InvalidKeyError of a key the token cannot use
             raise BadToken(f"invalid token: {exc}") from None
+        except (ValueError, TypeError) as exc:  # anything else a malformed token makes a library raise
+            raise BadToken(f"invalid token: {type(exc).__name__}") from None
         return _principal(claims)
 
 

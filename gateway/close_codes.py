@@ -5,11 +5,13 @@ BAD_TOKEN = 4001  # ?token= refused: invalid signature, audience, issuer, claims
 BAD_CLIENT_ID = 4006  # ?id= is refused: identity comes from a token's `sub`, never from a chosen name
 SLOW_CONSUMER = 4008  # write-blocked longer than websocket.blocked_timeout_s
 DIRECT_OVERFLOW = 4009  # the direct queue (replies, acks) hit scheduler.direct_queue_max
+TOO_MANY_TOKEN_CHECKS = 4029  # ?token= not checked: this address is past auth.rate_per_ip
 TOKEN_EXPIRED = 4011  # the token expired and no fresh one came within auth.expired_grace_s
 IDLE = 4012  # no subscription and no command for limits.idle_timeout_s
 GOING_AWAY = 1001  # server shutting down
 INTERNAL_ERROR = 1011
 # Sent by the WebSocket protocol layer (websockets, through gateway.ws.FanoutWSProtocol) on a peer's error:
 PROTOCOL_ERROR = 1002  # a malformed frame (e.g. an unmasked client frame)
+POLICY_VIOLATION = 1008  # a message in more than websocket.max_fragments frames
 INVALID_DATA = 1007  # a text frame that is not valid UTF-8
 MESSAGE_TOO_BIG = 1009  # a frame larger than websocket.max_frame_bytes

@@ -26,6 +26,10 @@ from .ratelog import TokenBucket
 if TYPE_CHECKING:
     from .hub import Hub
 
+#: `rpc topics` lists at most this many topics (the first created the caller may subscribe to): its reply,
+#: and the work of one call, stay bounded however many topics there are (the admin API lists them all)
+RPC_TOPICS_MAX = 1000
+
 
 def parse_commands(payload: bytes | str) -> list[Any]:
     """The JSON values of one frame: one object, or an array of at most 100. Raises BadJson / BadCommand."""
@@ -83,6 +87,21 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
         hub.creations.charge(identity)
 
 
+def _costly(hub: "Hub", identity: ClientIdentity, what: str) -> None:
+    """A command that costs CPU (`auth`: a signature check; `rpc topics`: a walk of the topics) takes a token
+    of the connection's bucket (`auth.rate_per_connection`, `burst_per_connection`); RateLimited past it."""
+    auth = hub.config.auth
+    if auth.rate_per_connection <= 0:
+        return
+    bucket: TokenBucket | None = getattr(identity, "costly_bucket", None)
+    if bucket is None:
+        bucket = TokenBucket(auth.rate_per_connection, auth.burst_per_connection)
+        setattr(identity, "costly_bucket", bucket)  # noqa: B010  # kept with the connection's identity
+    if not bucket.take():
+        raise RateLimited(f"`{what}` above {auth.rate_per_connection:g}/s on this connection"
+                          " (auth.rate_per_connection)")
+
+
 def _rpc(hub: "Hub", identity: ClientIdentity, method: str, params: Any) -> Any:
     if method == "echo":
         try:
@@ -95,8 +114,14 @@ def _rpc(hub: "Hub", identity: ClientIdentity, method: str, params: Any) -> Any:
     if method == "whoami":
         return {"client_id": identity.client_id, "transport": identity.transport, "user": identity.user}
     if method == "topics":
-        return [{"name": t.name, "kind": t.kind, "epoch": t.epoch} for t in hub.engine.topics()
-                if identity.may_subscribe(t.name, t.config)]
+        _costly(hub, identity, "rpc topics")
+        listed = []
+        for t in hub.engine.topics():
+            if identity.may_subscribe(t.name, t.config):
+                listed.append({"name": t.name, "kind": t.kind, "epoch": t.epoch})
+                if len(listed) == RPC_TOPICS_MAX:
+                    break
+        return listed
     raise UnknownMethod(f"no rpc method {method[:64]!r}")
 
 
@@ -109,6 +134,8 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
     elif isinstance(command, schema.Publish):
         _publish(hub, identity, command)
     elif isinstance(command, schema.Auth):
+        _costly(hub, identity, "auth")
+        hub.tokens.admit(identity.ip)  # per address, whatever carries the token (gateway/auth.py)
         principal = hub.authenticate(client_id, command.token)
         hub.send_direct(client_id, encode_reply(command.id, {"user": principal.user,
                                                              "expires_at": principal.expires_at}))

@@ -7,6 +7,11 @@ refused since the last sync. Back-pressure: a record for a full private queue st
 pauses, later lines stay in the parser, unparsed) until the queue frees space. A malformed line gets an
 error line naming its line number; the connection and everything else go on.
 
+Answers are flow-controlled too: a publisher that does not read them (error lines, `synced`) has its
+records left unprocessed, and reading paused, while more than `ingest.max_answer_bytes` of answers wait to
+be written (asyncio's `pause_writing` / `resume_writing`): what it can make the gateway hold is that much
+plus its read buffer (`max_buffer_bytes`), not every answer (issue 24: +276 MiB).
+
 With `ingest.token` set, the first line must be `{"auth": TOKEN}` within `server.header_timeout_s`;
 otherwise the connection gets one `unauthorized` error line and is closed before anything is published.
 """
@@ -27,6 +32,16 @@ from .ingest_parser import Authed, AuthFailed, IngestParser, Item, LineError, Pu
 log = logging.getLogger("gateway.ingest")
 
 
+class IngestCounters:
+    """Per-process counts for /metrics (gateway/metrics.py)."""
+
+    #: times a publisher's unread answers reached `ingest.max_answer_bytes` (its records wait)
+    answer_pauses = 0
+
+
+ingest_counters = IngestCounters()
+
+
 def _error_line(line_no: int, code: str, message: str) -> bytes:
     return orjson.dumps({"type": "error", "line": line_no, "code": code, "message": message}) + b"\n"
 
@@ -43,6 +58,9 @@ class IngestProtocol(asyncio.Protocol):
         #: the record waiting for space in a private queue
         self.blocked: Publish | None = None
         self.reading_paused = False
+        #: more than `max_answer_bytes` of answers wait to be written: records are not processed
+        self.write_paused = False
+        self.max_answer = config.max_answer_bytes
         self.max_per_turn = config.max_records_per_turn
         #: a scheduled continuation: this connection yielded the loop to the fan-out after a full turn
         self.continuation: asyncio.Handle | None = None
@@ -56,6 +74,7 @@ class IngestProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream protocol is given a Transport
         self.peer = transport.get_extra_info("peername")
+        self.transport.set_write_buffer_limits(high=self.max_answer, low=self.max_answer // 4)  # type: ignore[union-attr]
         if not self.parser.authed:
             self.auth_timer = asyncio.get_running_loop().call_later(self.auth_timeout, self._auth_expired)
 
@@ -68,11 +87,22 @@ class IngestProtocol(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return  # refused: nothing more from this peer is looked at
         self.parser.feed(data)
-        if self.blocked is None and self.continuation is None:
+        if self.blocked is None and self.continuation is None and not self.write_paused:
             self._process()
         if self.parser.buffered > self.max_buffer and not self.reading_paused and self.transport:
             self.transport.pause_reading()
             self.reading_paused = True
+
+    def pause_writing(self) -> None:
+        """The answers not yet written passed `max_answer_bytes`: stop processing and reading."""
+        self.write_paused = True
+        ingest_counters.answer_pauses += 1
+        self._pause()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.transport is not None and self.blocked is None and self.continuation is None:
+            self._process()
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -80,12 +110,12 @@ class IngestProtocol(asyncio.Protocol):
 
     def _continue(self) -> None:
         self.continuation = None
-        if self.blocked is None and self.transport is not None:
+        if self.blocked is None and self.transport is not None and not self.write_paused:
             self._process()
 
     def _process(self) -> None:
         budget = self.max_per_turn
-        while self.blocked is None:
+        while self.blocked is None and not self.write_paused:
             if self.sync_waiting is not None or self.landing >= self.max_per_turn:
                 self._pause()  # the broker's answers resume it (`_landed`)
                 break
@@ -103,7 +133,8 @@ class IngestProtocol(asyncio.Protocol):
             except Exception as exc:
                 # The parser consumed the line before failing on it: that line is lost, the next ones go on.
                 self._internal_error(self.parser.lines, exc)
-        if self.reading_paused and self.blocked is None and self.parser.buffered <= self.max_buffer and self.transport:
+        if (self.reading_paused and self.blocked is None and not self.write_paused
+                and self.parser.buffered <= self.max_buffer and self.transport):
             self.transport.resume_reading()
             self.reading_paused = False
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from core.errors import MessageTooLarge
+from core.errors import BadSeq, MessageTooLarge
 
 from . import schema
 from .errors import BadJson, BadRecord
@@ -143,7 +143,7 @@ class IngestParser:
             return LineError(self.lines, BadJson.code, f"not JSON: {exc}")
         try:
             record = schema.record(value)
-        except BadRecord as exc:
+        except (BadRecord, BadSeq) as exc:  # BadSeq: a whole number past 64 bits (schema.Seq)
             return LineError(self.lines, exc.code, exc.message)
         if isinstance(record, schema.SyncRecord):
             return Sync(self.lines, record.sync)

@@ -17,7 +17,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from core import TopicKind
 from core.config import MAX_HOLE_TIMEOUT, MAX_LINGER, TOPIC_INT_BOUNDS
-from core.errors import RequestError
+from core.errors import BadSeq, RequestError
 
 from .errors import BadCommand, BadRecord, BadRequest
 
@@ -32,6 +32,15 @@ TopicName = Annotated[str, Meta(min_length=1, max_length=MAX_TOPIC_CHARS)]
 #: JavaScript's safe integers: an id is echoed to clients that must hold it exactly
 SafeInt = Annotated[int, Meta(ge=-(2**53 - 1), le=2**53 - 1)]
 RequestId = Union[SafeInt, Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)], None]
+
+
+def _check_seq(value: dict[str, Any]) -> None:
+    """JSON parsers read an integer literal beyond 64 bits as a float (10**29 -> 1e+29): such a whole number
+    is a seq outside [0, 2**53), answered `bad_seq` as -1 or 2**53 are (docs/protocol.md); any other float
+    (1.5, 2.0) stays a wrong type, refused by the conversion."""
+    seq = value.get("seq")
+    if isinstance(seq, float) and seq.is_integer() and not 0 <= seq < 2**53:
+        raise BadSeq(f"seq {seq:g} is outside [0, 2**53)")
 
 
 class _Wire(Struct, forbid_unknown_fields=True, frozen=True):
@@ -253,11 +262,15 @@ def record(value: Any) -> Record:
     if not isinstance(value, dict):
         raise BadRecord("a record is a JSON object")
     kind = SyncRecord if "sync" in value else AuthRecord if "auth" in value else PublishRecord
+    if kind is PublishRecord:
+        _check_seq(value)
     return _convert(value, kind, BadRecord)
 
 
 def body(value: Any, kind: type[Struct]) -> Any:
-    """A parsed JSON value as an admin API body. Raises BadRequest."""
+    """A parsed JSON value as an admin API body. Raises BadRequest (BadSeq: `PublishBody.seq`)."""
+    if kind is PublishBody and isinstance(value, dict):
+        _check_seq(value)
     return _convert(value, kind, BadRequest)
 
 

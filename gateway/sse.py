@@ -35,7 +35,7 @@ from core.errors import RequestError, TooManySubscriptions
 
 from . import close_codes, schema
 from .commands import run_command
-from .errors import BadRequest, BadToken, NotFound, TokenExpired, TooManySessionsFromAddress, UnknownSession
+from .errors import BadRequest, BadToken, NotFound, RateLimited, TokenExpired, TooManySessionsFromAddress, UnknownSession
 from .http_errors import error_response
 from .hub import Hub
 from .identity import ClientIdentity
@@ -57,6 +57,10 @@ PING = b": ping\n\n"
 LAST_CHUNK = b"0\r\n\r\n"
 #: an item of a recovery point: seq in decimal, at most 16 digits (2^53 has 16)
 _SEQ = re.compile(r"[0-9]{1,16}")
+#: longest `id:` value (bytes): past it the compact form (`IdLine`)
+MAX_ID_BYTES = 4096
+#: seconds an ended stream's checkpoints are kept for a reconnect (EventSource retries after ~3 s)
+CHECKPOINT_TTL_S = 60.0
 #: characters that cannot stand in a position: the item separator, and what would end the `id:` line or
 #: make a browser ignore it (NUL)
 _UNSAFE_IN_ID = re.compile("[,\n\r\0]")
@@ -124,6 +128,10 @@ class Positions:
         self._prefixes: dict[Subscription, tuple[str, str]] = {}
 
     def __call__(self) -> bytes:
+        return ",".join(self.items()).encode()
+
+    def items(self) -> list[str]:
+        """The `EPOCH:TOPIC:NEXT` items, in subscription order."""
         subs = self.client.subs
         prefixes = self._prefixes
         parts = []
@@ -137,7 +145,127 @@ class Positions:
                 parts.append(cached[1] + str(sub.cursor))
         if len(prefixes) > 2 * len(subs) + 16:
             self._prefixes = {sub: prefixes[sub] for sub in subs.values()}
-        return ",".join(parts).encode()
+        return parts
+
+
+class Checkpoints:
+    """Full recovery points kept by the gateway for the compact `id:` form (`IdLine`): per stream key its
+    last `KEPT` checkpoints (number -> POSITIONS text); a stream's are kept `ttl` seconds after it ends, and
+    at most `MAX_ENDED` ended streams' (oldest dropped first). Lost with the process: a compact id is only
+    understood by the gateway process that wrote it (a full id, by any)."""
+
+    KEPT = 2
+    MAX_ENDED = 4096
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._points: dict[str, dict[int, str]] = {}
+        self._ended: dict[str, float] = {}  # key -> when its points are dropped, oldest first
+
+    def put(self, key: str, number: int, text: str) -> None:
+        points = self._points.setdefault(key, {})
+        points[number] = text
+        while len(points) > self.KEPT:
+            del points[next(iter(points))]
+
+    def ended(self, key: str) -> None:
+        if key not in self._points:
+            return
+        now = time.monotonic()
+        ended = self._ended
+        for old, deadline in list(ended.items()):
+            if deadline > now and len(ended) < self.MAX_ENDED:
+                break
+            del ended[old]
+            self._points.pop(old, None)
+        ended[key] = now + self.ttl
+
+    def get(self, key: str, number: int) -> str | None:
+        deadline = self._ended.get(key)
+        if deadline is not None and deadline < time.monotonic():
+            return None
+        return self._points.get(key, {}).get(number)
+
+
+def checkpoints(hub: Hub) -> Checkpoints:
+    """The hub's checkpoints (made on first use, kept with the hub)."""
+    table: Checkpoints | None = getattr(hub, "sse_checkpoints", None)
+    if table is None:
+        table = Checkpoints(CHECKPOINT_TTL_S)
+        setattr(hub, "sse_checkpoints", table)  # noqa: B010  # the hub is another module's: one attribute, ours
+    return table
+
+
+class IdLine:
+    """The `id:` value of a stream, bounded by `MAX_ID_BYTES` (issue 24: 265 KB per one-message event with
+    1,000 subscriptions). Full POSITIONS while they fit; past it the compact form `~KEY.N,ITEMS`: checkpoint
+    N of this stream, a full POSITIONS kept by the gateway (`Checkpoints`), and the items that differ from it.
+    A new checkpoint is taken when the items would pass half the bound, or a topic of the checkpoint was
+    left, so the line stays within the bound and a checkpoint costs O(subscriptions) once per half a bound
+    of items written."""
+
+    __slots__ = ("positions", "table", "key", "number", "base")
+
+    def __init__(self, positions: Positions, table: Checkpoints) -> None:
+        self.positions = positions
+        self.table = table
+        self.key = secrets.token_urlsafe(9)
+        self.number = 0
+        #: the current checkpoint's items, by topic (None: the full form is in use)
+        self.base: dict[str, str] | None = None
+
+    def __call__(self) -> bytes:
+        items = self.positions.items()
+        full = ",".join(items)
+        if len(full) <= MAX_ID_BYTES:
+            self.base = None
+            return full.encode()
+        base = self.base
+        changed: list[str] = []
+        if base is not None:
+            present = 0
+            for item in items:
+                topic = _topic_of(item)
+                present += topic in base
+                if base.get(topic) != item:
+                    changed.append(item)
+            if present < len(base) or sum(map(len, changed)) + len(changed) > MAX_ID_BYTES // 2:
+                base = None  # a topic of the checkpoint was left, or the items outgrew half the bound
+        if base is None:
+            self.number += 1
+            self.base = {_topic_of(item): item for item in items}
+            self.table.put(self.key, self.number, full)
+            changed = []
+        head = f"~{self.key}.{self.number}"
+        return (head + "," + ",".join(changed) if changed else head).encode()
+
+    def ended(self) -> None:
+        self.table.ended(self.key)
+
+
+def _topic_of(item: str) -> str:
+    return item[item.index(":") + 1:item.rindex(":")]
+
+
+def recovery_point(text: str, max_items: int, table: Checkpoints) -> dict[str, tuple[str, int]]:
+    """`parse_positions`, and the compact form `~KEY.N,ITEMS` (`IdLine`): checkpoint N's positions with ITEMS
+    over them. Raises BadRequest (a malformed text, or a checkpoint no longer kept)."""
+    if not text.startswith("~"):
+        return parse_positions(text, max_items)
+    ref, _, rest = text.partition(",")
+    key, dot, number = ref[1:].rpartition(".")
+    if not dot or not number.isdigit() or len(number) > 16:
+        raise BadRequest("the recovery point's checkpoint is not ~KEY.N")
+    base = table.get(key, int(number))
+    if base is None:
+        raise BadRequest("the recovery point's checkpoint is no longer kept (gateway restarted, another"
+                         " process, or ended too long ago)")
+    positions = parse_positions(base, max_items)
+    for topic, point in parse_positions(rest, max_items).items():
+        positions[topic] = point
+    if len(positions) > max_items:
+        raise BadRequest(f"the recovery point has more than {max_items} positions (scheduler.max_subscriptions)")
+    return positions
 
 
 # -- the connection ------------------------------------------------------------------------------------------
@@ -155,7 +283,7 @@ class SseConnection(StagedWriter):
         self.secret = secret_prefix + secrets.token_urlsafe(16)
         self.sessions = sessions
         #: the positions of the engine's client (read, never changed), after each cycle
-        self.positions_of: Positions | None = None
+        self.positions_of: IdLine | None = None
         #: the positions last written in an `id:` line (a browser starts with the empty one)
         self.positions = b""
         self.events_sent = 0
@@ -221,6 +349,8 @@ class SseConnection(StagedWriter):
     def on_lost(self) -> None:
         """The connection is gone: nothing more is written; the endpoint unregisters the client."""
         self.closed = True
+        if self.positions_of is not None:
+            self.positions_of.ended()
         self._stop()
         if self._cut is not None:
             self._cut.cancel()
@@ -322,7 +452,7 @@ class _Stream(Response):
                 self.proto.stream = conn
                 conn.start()
                 hub.register(conn, ready=True)
-                conn.positions_of = Positions(hub.engine.client(cid))
+                conn.positions_of = IdLine(Positions(hub.engine.client(cid)), checkpoints(hub))
                 self._subscribe()
             # The request has no body: what comes next is the disconnect (the connection was lost), also
             # after a kick (the close event written, the connection closed within KICK_GRACE_S).
@@ -373,10 +503,10 @@ async def stream(request: Request) -> Response:
     token = query.get("token")
     if token is not None:
         try:
-            principal = hub.tokens.verify(token)
-        except (BadToken, TokenExpired) as exc:
+            principal = hub.tokens.verify(token, host)
+        except (BadToken, TokenExpired, RateLimited) as exc:  # RateLimited: auth.rate_per_ip
             hub.bad_input("sse", "token refused: %s", exc)
-            return close_only(exc.close_code, exc.message)
+            return close_only(exc.close_code or close_codes.TOO_MANY_TOKEN_CHECKS, exc.message)
     proto = request.scope.get("extensions", {}).get(SCOPE_KEY)
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
         raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.netguard.GuardedHttpToolsProtocol)")
@@ -391,7 +521,7 @@ async def stream(request: Request) -> Response:
     if recovery_text is None:
         recovery_text = query.get("since", "")
     try:
-        positions = parse_positions(recovery_text, max_subs)
+        positions = recovery_point(recovery_text, max_subs, checkpoints(hub))
     except BadRequest as exc:
         hub.bad_input("sse", "%s: %s", host, exc.message)
         refusals.insert(0, exc)

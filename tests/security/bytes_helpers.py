@@ -1,0 +1,129 @@
+"""Peers that misbehave at the byte level, for the tests of issue 24 (tests/security/test_bytes_*.py): a raw
+WebSocket client that frames by hand (pings, fragments) and may never read."""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import struct
+import time
+
+
+def ws_frame(opcode: int, payload: bytes, *, fin: bool = True) -> bytes:
+    """A masked client frame (mask key 0: the payload goes as is)."""
+    first = (0x80 if fin else 0) | opcode
+    n = len(payload)
+    if n < 126:
+        head = bytes((first, 0x80 | n))
+    elif n < 65536:
+        head = struct.pack("!BBH", first, 0x80 | 126, n)
+    else:
+        head = struct.pack("!BBQ", first, 0x80 | 127, n)
+    return head + b"\0\0\0\0" + payload
+
+
+TEXT, CONT, CLOSE, PING = 0x1, 0x0, 0x8, 0x9
+
+
+class RawWs:
+    """A WebSocket client on a bare socket: it reads only when told to (a small receive buffer, so a peer
+    that does not read fills it at once)."""
+
+    def __init__(self, port: int, *, rcvbuf: int = 4096, query: str = "") -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        sock.sendall((f"GET /ws{query} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(1)
+            assert chunk, "closed during the handshake"
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 101"), head
+        self.sock = sock
+        self.buffer = b""
+
+    def send(self, data: bytes, timeout: float = 5.0) -> bool:
+        """Send all of `data`; False when the peer stopped reading for `timeout` seconds (or closed)."""
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.sendall(data)
+            return True
+        except (socket.timeout, OSError):
+            return False
+
+    def flood(self, frame: bytes, seconds: float) -> int:
+        """Send `frame` again and again for `seconds` (never reading); returns the bytes the peer took."""
+        chunk = frame * max(1, 65536 // len(frame))
+        sent = 0
+        deadline = time.monotonic() + seconds
+        self.sock.settimeout(0.2)
+        while time.monotonic() < deadline:
+            try:
+                sent += self.sock.send(chunk)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+        return sent
+
+    def frames(self, timeout: float = 5.0):
+        """Read server frames until the connection ends; yields (opcode, payload)."""
+        self.sock.settimeout(timeout)
+        while True:
+            while True:
+                parsed = self._parse()
+                if parsed is None:
+                    break
+                yield parsed
+            try:
+                chunk = self.sock.recv(65536)
+            except (socket.timeout, OSError):
+                return
+            if not chunk:
+                return
+            self.buffer += chunk
+
+    def close_code(self, timeout: float = 5.0) -> int | None:
+        """Read until the server's close frame; its code (None: the connection ended without one)."""
+        for opcode, payload in self.frames(timeout):
+            if opcode == CLOSE:
+                return struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else None
+        return None
+
+    def _parse(self):
+        buf = self.buffer
+        if len(buf) < 2:
+            return None
+        n = buf[1] & 0x7F
+        offset = 2
+        if n == 126:
+            if len(buf) < 4:
+                return None
+            n = struct.unpack("!H", buf[2:4])[0]
+            offset = 4
+        elif n == 127:
+            if len(buf) < 10:
+                return None
+            n = struct.unpack("!Q", buf[2:10])[0]
+            offset = 10
+        if len(buf) < offset + n:
+            return None
+        self.buffer = buf[offset + n:]
+        return buf[0] & 0x0F, buf[offset:offset + n]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def ws_protocol_of(gw, client_id: str):
+    """The gateway's protocol object of a served WebSocket client (read on the gateway's loop only)."""
+    return gw.hub.conns[client_id].proto
+
+
+def only_client(gw, prefix: str = "ws-") -> str:
+    return gw.call(lambda: next(c for c in gw.hub.conns if c.startswith(prefix)))
