@@ -198,7 +198,8 @@ class Subscription:
         return event
 
     async def get(self, timeout: float | None = None) -> Event:
-        """The next event (as ``async for`` would give it); `TimeoutError` after ``timeout`` seconds."""
+        """The next event (as ``async for`` would give it; at the end `StopAsyncIteration` or the error);
+        `TimeoutError` after ``timeout`` seconds."""
         async with asyncio.timeout(timeout):
             return await self.__anext__()
 
@@ -207,7 +208,7 @@ class Subscription:
         if self.closed_reason is not None:
             return
         self.client._unsubscribe(self)
-        self._end("unsubscribed", None)
+        self._end("unsubscribed", None, drop_queued=True)
 
     # -- the client's side ------------------------------------------------------------------------------------
 
