@@ -114,6 +114,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     #: the pong answering the peer's latest ping, held while our writes are paused (at most one waits,
     #: RFC 6455 §5.5.3); reading is paused with it, so a peer that pings and never reads is not read either
     held_pong: bytes | None = None
+    #: bytes read and dropped while lingering
+    dropped = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         super().connection_made(transport)
@@ -200,6 +202,11 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
+            # dropped; past a slice the peer is not read any more (it is cut at the grace): a kicked peer
+            # that floods made the gateway read and drop ~2 GB/s for the grace
+            self.dropped += len(data)
+            if self.dropped > PARSE_SLICE and not self.transport.is_closing():
+                self.transport.pause_reading()
             return
         if self.handshake_complete and len(data) > PARSE_SLICE:
             # in slices: once a frame ends the connection (lingering), the rest of the read is not parsed

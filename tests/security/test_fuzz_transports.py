@@ -107,7 +107,7 @@ RSS_KILL_MB = 2048
 #: (internal error) is a gateway bug, not an acceptable answer.
 WS_CLOSE_CODES = {1000, 1001, 1007, 1009, 4000, 4001, 4006, 4008, 4009, 4011, 4012}
 #: on the raw-frame connections protocol errors (1002) are expected too
-RAW_CLOSE_CODES = WS_CLOSE_CODES | {1002}
+RAW_CLOSE_CODES = WS_CLOSE_CODES | {1002, 1008}  # 1008: a message in more than websocket.max_fragments frames
 ENTRY_TYPES = {"msg", "loss", "subscribed", "unsubscribed", "reply", "error", "closed"}
 LOSS_REASONS = {"lagged", "skipped", "gone", "epoch"}
 INGEST_TYPES = {"error", "synced", "authed"}
@@ -142,6 +142,10 @@ enabled = false
 jwt_secret = "{TEST_JWT_SECRET}"
 leeway_s = 0.0
 expired_grace_s = 1.0
+# token checks stay rate-limited (per connection: `auth` answered rate_limited), per address high enough that
+# the reconnections' refused tokens are answered 4001, not 4029
+rate_per_ip = 1000.0
+burst_per_ip = 2000
 
 [limits]
 publish_rate = 1000000.0
@@ -991,7 +995,7 @@ def ws_frame(opcode: int, payload: bytes, *, fin: bool = True, rsv: int = 0, mas
 def raw_frames(rng: random.Random, mutator: Mutator) -> bytes:
     """One frame-level mutation (sometimes a few frames)."""
     payload = mutator.texts[rng.randrange(len(mutator.texts))]
-    op = rng.randrange(14)
+    op = rng.randrange(16)
     if op == 0:
         return ws_frame(1, payload, rsv=rng.randint(1, 7))
     if op == 1:
@@ -1025,6 +1029,10 @@ def raw_frames(rng: random.Random, mutator: Mutator) -> bytes:
     if op == 12:  # a fragmented message whose pieces add up past the frame limit
         piece = b"[" + b" " * 40_000
         return ws_frame(1, piece, fin=False) + ws_frame(0, b" " * 40_000, fin=False) + ws_frame(0, b"]")
+    if op == 13:  # a message in more one-byte fragments than websocket.max_fragments (64): close 1008
+        return ws_frame(1, b"[", fin=False) + ws_frame(0, b" ", fin=False) * rng.randint(64, 400) + ws_frame(0, b"]")
+    if op == 14:  # a burst of pings: pongs are written, or one waits while writes are paused
+        return ws_frame(9, b"p" * rng.randint(0, 125)) * rng.randint(50, 500)
     return ws_frame(1, b"\xef\xbb\xbf" + payload)  # a byte-order mark
 
 
