@@ -88,6 +88,9 @@ def _head_ends(data: bytes, room: int) -> bool:
 #: (RFC 9112 §9.6): closing with its request unread would reset the connection, and over a real network a
 #: reset can destroy the 503 before the client reads it
 REFUSAL_LINGER_S = 1.0
+#: ... and at most this many bytes of it: then reading stops (the kernel's buffer and the peer's window
+#: hold the rest until the close), so a peer streaming gigabytes into a refused connection costs no CPU here
+REFUSAL_DRAIN_BYTES = 256 * 1024
 
 
 def peer_ip(transport: asyncio.BaseTransport) -> str:
@@ -179,6 +182,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _in_head = True
     _head_bytes = 0
     _header_count = 0
+    #: bytes read and dropped after our answer (REFUSAL_DRAIN_BYTES)
+    _drained = 0
     #: the header deadline; on a refused connection, the end of its linger
     _timer: asyncio.TimerHandle | None = None
     #: the response being written straight to the transport, if any (set and cleared by it)
@@ -196,6 +201,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._refused or self._answered:
+            self._drained += len(data)
+            if self._drained > REFUSAL_DRAIN_BYTES and not self.transport.is_closing():
+                self.transport.pause_reading()
             return
         # bytes while no request is in progress start the next request's headers (even bare CRLFs, which
         # the parser skips: they cancel uvicorn's keep-alive timer, so they must not hold the connection)
@@ -223,6 +231,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
+                # this protocol is done (the WebSocket's now): its parser and its scope refer back to it,
+                # cycles that would keep the head (URL, headers) until a full collection (gateway/gcpolicy.py)
+                self._break_cycles()
             else:
                 self._unsupported_upgrade_warning()
 
@@ -285,11 +296,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
         if self._refused:
+            # uvicorn's own connection_lost is not run: drop the parser, whose callbacks refer back to this
+            # protocol (a cycle that would wait for a full collection, gateway/gcpolicy.py)
+            self.parser = None  # type: ignore[assignment]
             return
         self.limiter.release(self.transport)
         super().connection_lost(exc)
+        self._break_cycles()
         if self.stream is not None:
             self.stream.on_lost()
+
+    def _break_cycles(self) -> None:
+        self.parser = None  # type: ignore[assignment]
+        scope = cast("dict[str, Any] | None", self.scope)
+        if scope is not None:
+            scope.get("extensions", {}).pop(SCOPE_KEY, None)
 
     def _arm_header_deadline(self) -> None:
         if self.header_timeout_s > 0:
