@@ -100,6 +100,22 @@ class TooManyConnections(RequestError):
     http_status = 503
 
 
+class HeadersTooLarge(RequestError):
+    """A request head over `server.max_header_bytes` or `server.max_headers` (answered by gateway/netguard.py
+    before the app sees the request, and the connection closed)."""
+
+    code = "headers_too_large"
+    http_status = 431
+
+
+class BadHost(RequestError):
+    """A `Host` the gateway does not serve (`server.allowed_hosts`, gateway/hosts.py; answered by
+    gateway/netguard.py, and the connection closed)."""
+
+    code = "bad_host"
+    http_status = 421
+
+
 class Unauthorized(RequestError):
     """Admin API without the right bearer token; ingest without the right auth line."""
 

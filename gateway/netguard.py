@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from http import HTTPStatus
 from typing import Any, Protocol, cast
 
 import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from core.errors import RequestError
+
+from .errors import BadHost, HeadersTooLarge
 from .hosts import HostPolicy
 from .ratelog import BadInputLog
 
@@ -56,17 +60,18 @@ REFUSAL = (
 
 
 
-def _answer(status: bytes, code: str, message: str) -> bytes:
-    body = orjson.dumps({"error": {"code": code, "message": message}})
-    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-            % (status, len(body))) + body
+def _answer(error: RequestError) -> bytes:
+    """A whole HTTP answer for `error`, built once: sending it costs one write, whatever the flood."""
+    body = orjson.dumps({"error": {"code": error.code, "message": str(error)}})
+    status = HTTPStatus(error.http_status)
+    return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+            % (status.value, status.phrase.encode(), len(body))) + body
 
 
 #: request heads over `server.max_header_bytes` or `server.max_headers` (RFC 6585 §5)
-HEADERS_TOO_LARGE = _answer(b"431 Request Header Fields Too Large", "headers_too_large",
-                            "request headers over server.max_header_bytes or server.max_headers")
+HEADERS_TOO_LARGE = _answer(HeadersTooLarge("request headers over server.max_header_bytes or server.max_headers"))
 #: a `Host` that is not served here (gateway/hosts.py; RFC 9110 §15.5.20)
-BAD_HOST = _answer(b"421 Misdirected Request", "bad_host", "this Host is not served here (server.allowed_hosts)")
+BAD_HOST = _answer(BadHost("this Host is not served here (server.allowed_hosts)"))
 
 
 class _HeadRefused(Exception):
