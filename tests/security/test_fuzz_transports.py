@@ -1271,10 +1271,14 @@ def odd_headers(rng: random.Random, tokens: Tokens, port: int) -> dict[str, byte
             name = "X-" + "".join(rng.choice("abcdefghij-") for _ in range(rng.randint(1, 30)))
             # (a field value starts and ends with a visible character: h11 refuses to send anything else)
             headers[name] = bytes(rng.choice(b"abc \t\x80\xff!~") for _ in range(rng.randint(0, 300))).strip(b" \t")
+            if rng.random() < 0.05:  # a head over server.max_header_bytes: 431 headers_too_large
+                headers[name] = b"p" * rng.randint(16_000, 40_000)
         elif roll == 4:
             headers["Accept-Encoding"] = rng.choice([b"gzip", b"br", b"*;q=0", b"identity;q=x"])
         else:
-            headers["Host"] = rng.choice([b"evil.example", b"127.0.0.1:%d" % port, b"", b"a" * 300])
+            # (a name not in server.allowed_hosts: 421 bad_host)
+            headers["Host"] = rng.choice([b"evil.example", b"127.0.0.1:%d" % port, b"", b"a" * 300, b"localhost",
+                                          b"[::1]:80", b"LOCALHOST.", b"localhost.evil.example"])
     return headers
 
 
