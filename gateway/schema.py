@@ -10,7 +10,7 @@ field gets the same answer on WebSocket, long-poll, ingest and the admin API. Ra
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -250,11 +250,18 @@ def _convert(value: Any, kind: Any, error: type[RequestError]) -> Any:
         raise error(str(exc)) from None
 
 
+#: each command's Struct by its `op`: converting to the one Struct costs ~0.35 us, to the `Command` union ~7.5 us
+#: (msgspec builds a union's type information on every call); the answers are the same
+COMMANDS_BY_OP: dict[str, type[Struct]] = {str(kind.__struct_config__.tag): kind for kind in get_args(Command)}
+
+
 def command(value: Any) -> Command:
     """A parsed JSON value as a command. Raises BadCommand."""
     if not isinstance(value, dict):
         raise BadCommand("a command is a JSON object")
-    return _convert(value, Command, BadCommand)
+    op = value.get("op")
+    kind = COMMANDS_BY_OP.get(op) if isinstance(op, str) else None  # no or unknown `op`: the union says why
+    return _convert(value, Command if kind is None else kind, BadCommand)
 
 
 def record(value: Any) -> Record:
@@ -278,6 +285,10 @@ def request_id_of(value: Any) -> Any:
     """The `id` of a command that failed to convert, when it is itself valid (so the error can name it)."""
     if isinstance(value, dict):
         request_id = value.get("id")
+        kind = type(request_id)
+        if request_id is None or (kind is int and -(2**53 - 1) <= request_id <= 2**53 - 1) or (
+                kind is str and len(request_id) <= MAX_REQUEST_ID_CHARS):
+            return request_id  # valid as it is (what the conversion below would say, without its ~1.3 us)
         try:
             return msgspec.convert(request_id, RequestId, strict=True)
         except msgspec.ValidationError:
