@@ -7,6 +7,13 @@ refused since the last sync. Back-pressure: a record for a full private queue st
 pauses, later lines stay in the parser, unparsed) until the queue frees space. A malformed line gets an
 error line naming its line number; the connection and everything else go on.
 
+With a broker (docs/cluster.md §3), the same holds for what waits for Redis: while the publishes waiting on
+this node hold `broker.max_pending_bytes` (Redis stalls), a record is held, not refused, and the connection
+is not read until they fall to half of it; while Redis is lost, a record gets its `broker_unavailable` line
+and the connection is not read until Redis is back. A flood of publishers then costs no CPU: the kernel's
+buffers hold what they send (issue 24: refusing 4 KiB records from 48 connections one by one kept /healthz
+at ~700 ms).
+
 Answers are flow-controlled too: a publisher that does not read them (error lines, `synced`) has its
 records left unprocessed, and reading paused, while more than `ingest.max_answer_bytes` of answers wait to
 be written (asyncio's `pause_writing` / `resume_writing`): what it can make the gateway hold is that much
@@ -25,7 +32,7 @@ import orjson
 
 from core import QueueFull, RequestError
 
-from .errors import InternalError, Unauthorized
+from .errors import BrokerUnavailable, InternalError, Unauthorized
 from .hub import Hub
 from .ingest_parser import Authed, AuthFailed, IngestParser, Item, LineError, Publish, Sync
 
@@ -42,21 +49,61 @@ class IngestCounters:
 ingest_counters = IngestCounters()
 
 
+#: Bytes of records all the ingest connections of one server apply in one turn of the event loop, at most
+#: (about 2 ms of parsing and encoding): with large records the count alone would let a turn run long.
+TURN_BYTES = 256 * 1024
+
+
+class LoopTurn:
+    """What all the ingest connections of one server may apply in one turn of the event loop together:
+    `ingest.max_records_per_turn` records and `TURN_BYTES` bytes. Without it, 48 publishers whose reads are
+    ready at once each applied a turn's worth in the same loop turn, and another client's request waited
+    for all of them."""
+
+    def __init__(self, records: int, size: int = TURN_BYTES) -> None:
+        self.records = records
+        self.size = size
+        self.left = records
+        self.bytes_left = size
+        self._refill: asyncio.Handle | None = None
+
+    @property
+    def spent(self) -> bool:
+        """This turn's budget is spent: go on in a later turn."""
+        return self.left <= 0 or self.bytes_left <= 0
+
+    def spend(self, records: int, size: int) -> None:
+        """`records` items and `size` bytes of input were framed this turn."""
+        if self._refill is None:
+            self._refill = asyncio.get_running_loop().call_soon(self._refilled)  # runs in the next turn
+        self.left -= records
+        self.bytes_left -= size
+
+    def _refilled(self) -> None:
+        self._refill = None
+        self.left = self.records
+        self.bytes_left = self.size
+
+
 def _error_line(line_no: int, code: str, message: str) -> bytes:
     return orjson.dumps({"type": "error", "line": line_no, "code": code, "message": message}) + b"\n"
 
 
 class IngestProtocol(asyncio.Protocol):
-    def __init__(self, hub: Hub) -> None:
+    def __init__(self, hub: Hub, turn: LoopTurn | None = None) -> None:
         self.hub = hub
         config = hub.config.ingest
+        #: the loop turn's budget, shared by the server's connections
+        self.turn = turn if turn is not None else LoopTurn(config.max_records_per_turn)
         self.parser = IngestParser(config.max_line_bytes, config.token)
         self.max_buffer = config.max_buffer_bytes
         self.accepted = 0
         self.refused = 0
         self.transport: asyncio.Transport | None = None
-        #: the record waiting for space in a private queue
+        #: the record waiting for space in a private queue, or for the broker (`_wait_for_broker`)
         self.blocked: Publish | None = None
+        #: not read until the broker takes publishes again (`RedisBroker.when_accepting`)
+        self.broker_wait: asyncio.Future[None] | None = None
         self.reading_paused = False
         #: more than `max_answer_bytes` of answers wait to be written: records are not processed
         self.write_paused = False
@@ -80,6 +127,8 @@ class IngestProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self.broker_wait is not None:
+            self.broker_wait.cancel()
         if self.auth_timer is not None:
             self.auth_timer.cancel()
 
@@ -87,11 +136,16 @@ class IngestProtocol(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return  # refused: nothing more from this peer is looked at
         self.parser.feed(data)
-        if self.blocked is None and self.continuation is None and not self.write_paused:
+        if not self.held and self.continuation is None and not self.write_paused:
             self._process()
         if self.parser.buffered > self.max_buffer and not self.reading_paused and self.transport:
             self.transport.pause_reading()
             self.reading_paused = True
+
+    @property
+    def held(self) -> bool:
+        """A record waits (a full private queue, the broker) or the broker takes none now: nothing is processed."""
+        return self.blocked is not None or self.broker_wait is not None
 
     def pause_writing(self) -> None:
         """The answers not yet written passed `max_answer_bytes`: stop processing and reading."""
@@ -101,7 +155,7 @@ class IngestProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        if self.transport is not None and self.blocked is None and self.continuation is None:
+        if self.transport is not None and not self.held and self.continuation is None:
             self._process()
 
     def _write(self, data: bytes) -> None:
@@ -110,30 +164,33 @@ class IngestProtocol(asyncio.Protocol):
 
     def _continue(self) -> None:
         self.continuation = None
-        if self.blocked is None and self.transport is not None and not self.write_paused:
+        if not self.held and self.transport is not None and not self.write_paused:
             self._process()
 
     def _process(self) -> None:
         budget = self.max_per_turn
-        while self.blocked is None and not self.write_paused:
+        while not self.held and not self.write_paused:
             if self.sync_waiting is not None or self.landing >= self.max_per_turn:
                 self._pause()  # the broker's answers resume it (`_landed`)
                 break
-            if budget == 0:
-                # A publisher at full speed must not starve the fan-out: after a turn, let a cycle run
-                # (the scheduler was woken by these publishes), then go on with what is buffered.
+            if budget == 0 or self.turn.spent:
+                # A publisher at full speed must not starve the fan-out: after a turn (its own, or every
+                # connection's together), let a cycle run (the scheduler was woken by these publishes),
+                # then go on with what is buffered.
                 self.continuation = asyncio.get_running_loop().call_soon(self._continue)
                 break
             budget -= 1
             try:
+                buffered = self.parser.buffered
                 item = self.parser.next_item()
                 if item is None:
                     break
+                self.turn.spend(1, buffered - self.parser.buffered)
                 self._apply(item)
             except Exception as exc:
                 # The parser consumed the line before failing on it: that line is lost, the next ones go on.
                 self._internal_error(self.parser.lines, exc)
-        if (self.reading_paused and self.blocked is None and not self.write_paused
+        if (self.reading_paused and not self.held and not self.write_paused
                 and self.parser.buffered <= self.max_buffer and self.transport):
             self.transport.resume_reading()
             self.reading_paused = False
@@ -202,17 +259,26 @@ class IngestProtocol(asyncio.Protocol):
         if self.landing == 0 and self.sync_waiting is not None:
             sync, self.sync_waiting = self.sync_waiting, None
             self._apply(sync)
-        if self.transport is not None and self.blocked is None and self.continuation is None:
+        if self.transport is not None and not self.held and self.continuation is None:
             self._process()
 
     def _publish(self, item: Publish) -> None:
         record = item.record
         if self.hub.broker.distributed and (self.hub.via_broker(record.topic) or self.hub.queued_in_broker(record.topic)):
+            broker = self.hub.broker
+            if getattr(broker, "congested", False):
+                self._wait_for_broker(item)  # over broker.max_pending_bytes: held, not refused
+                return
             try:
                 future = self.hub.publish_later(record.topic, record.data, seq=record.seq, owner=record.client)
             except RequestError as exc:
+                if isinstance(exc, BrokerUnavailable) and getattr(broker, "congested", False):
+                    self._wait_for_broker(item)  # this one met the bound
+                    return
                 self.refused += 1
                 self._error(item.line, exc.code, exc.message)
+                if isinstance(exc, BrokerUnavailable):
+                    self._wait_for_broker(None)  # Redis lost: one answer, then no reading until it is back
                 return
             self.landing += 1
             future.add_done_callback(lambda done: self._landed(item.line, done))
@@ -246,7 +312,25 @@ class IngestProtocol(asyncio.Protocol):
             self._publish(item)
         except Exception as exc:
             self._internal_error(item.line, exc)
-        if self.blocked is None:
+        if self.blocked is None and self.broker_wait is None:
+            self._process()
+
+    def _wait_for_broker(self, item: Publish | None) -> None:
+        """The broker takes no publish now: hold `item` (None: it was answered) and stop reading until it
+        does (`RedisBroker.when_accepting`)."""
+        self._pause()
+        if item is not None:
+            self.blocked = item
+        self.broker_wait = self.hub.broker.when_accepting()  # type: ignore[attr-defined]  # RedisBroker
+        self.broker_wait.add_done_callback(self._broker_accepting)
+
+    def _broker_accepting(self, future: asyncio.Future) -> None:
+        if future.cancelled() or self.transport is None:
+            return
+        self.broker_wait = None
+        if self.blocked is not None:
+            self._on_space(future)
+        elif self.continuation is None and not self.write_paused:
             self._process()
 
 class IngestServer:
@@ -258,7 +342,9 @@ class IngestServer:
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> None:
         """`reuse_port`: several worker processes serve the port (server.workers, docs/cluster.md §5)."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: IngestProtocol(self.hub), host, port, reuse_port=reuse_port or None)
+        turn = LoopTurn(self.hub.config.ingest.max_records_per_turn)
+        self.server = await loop.create_server(lambda: IngestProtocol(self.hub, turn), host, port,
+                                               reuse_port=reuse_port or None)
         self.port = self.server.sockets[0].getsockname()[1]
         log.info("TCP ingest on %s:%d", host, self.port)
 

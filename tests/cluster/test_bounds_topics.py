@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -95,23 +97,81 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
-def test_publishes_waiting_for_a_stalled_redis_are_bounded_in_bytes(nodes, redis_server):
+def _send_in_background(sock: socket.socket, data: bytes) -> threading.Thread:
+    """`sendall` in a thread: a gateway that stops reading makes it block (TCP back-pressure)."""
+    thread = threading.Thread(target=sock.sendall, args=(data,), daemon=True)
+    thread.start()
+    return thread
+
+
+class Lines:
+    """The ingest's answer lines, read from the socket itself (so a wait for none can time out)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+
+    def next(self, timeout: float = 30) -> dict | None:
+        """The next line, or None when none came within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = self.sock.recv(65536)
+            assert chunk, "the gateway closed the connection"
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+
+def test_a_stalled_redis_holds_the_ingest_back_and_refuses_other_publishes_past_the_byte_bound(nodes, redis_server):
+    """While the publishes waiting for Redis hold broker.max_pending_bytes, the ingest holds its records
+    (no broker_unavailable line; the connection is not read: TCP back-pressure) and lands every one once
+    Redis answers; the admin API keeps its documented answer, 503 broker_unavailable with Retry-After."""
     node = nodes.start("a", broker={"max_pending_bytes": 262144})
     payload = "x" * 20000
+    records = b"".join(json.dumps({"topic": "stall", "data": payload}).encode() + b"\n" for _ in range(100))
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
-        with socket.create_connection(("127.0.0.1", node.ingest_port), timeout=10) as ingest:
-            ingest.sendall(b"".join(json.dumps({"topic": "stall", "data": payload}).encode() + b"\n"
-                                    for _ in range(100)))
-            reader = ingest.makefile()
-            line = json.loads(reader.readline())  # the first refusal comes at once, not after the timeout
-            assert line["code"] == "broker_unavailable" and "max_pending_bytes" in line["message"]
+        with socket.create_connection(("127.0.0.1", node.ingest_port), timeout=30) as ingest:
+            sender = _send_in_background(ingest, records + b'{"sync": 1}\n')
+            lines = Lines(ingest)
+            # before: the first record past the bound was answered broker_unavailable at once
+            assert lines.next(1.0) is None, "a record was answered while Redis stalls"
+            pending = metric(node.http_url, "fanout_broker_pending_bytes")
+            assert 0 < pending <= 262144
+            refused = httpx.post(f"{node.http_url}/api/topics/stall/publish", json={"data": "y" * 300000},
+                                 headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "broker_unavailable"
+            assert "max_pending_bytes" in refused.json()["error"]["message"]
             assert metric(node.http_url, "fanout_broker_backlog_refused_total") >= 1
-            assert metric(node.http_url, "fanout_broker_pending_bytes") <= 262144
+            os.kill(redis_server.proc.pid, signal.SIGCONT)  # within the 5 s after which Redis counts as lost
+            assert lines.next() == {"type": "synced", "id": 1, "accepted": 100, "refused": 0}
+            sender.join(10)
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 30
-    while node.publish("stall", "after").status_code != 200:  # Redis is back: publishes land again
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
     assert metric(node.http_url, "fanout_broker_pending_bytes") == 0
+
+
+def test_while_redis_is_lost_an_ingest_connection_gets_one_refusal_then_waits_for_it(nodes, redis_server):
+    """Redis lost: the ingest answers one record broker_unavailable and reads nothing more from that
+    connection until Redis is back (a publisher flooding meanwhile costs no CPU); then the rest lands."""
+    node = nodes.start("a")
+    assert node.publish("lost", "first").status_code == 200
+    redis_server.stop()
+    deadline = time.monotonic() + 30
+    while node.publish("lost", "x").status_code != 503:  # the node saw Redis go
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    with socket.create_connection(("127.0.0.1", node.ingest_port), timeout=30) as ingest:
+        records = b"".join(json.dumps({"topic": "lost", "data": i}).encode() + b"\n" for i in range(50))
+        ingest.sendall(records + b'{"sync": 1}\n')
+        lines = Lines(ingest)
+        line = lines.next()
+        assert line is not None and line["line"] == 1 and line["code"] == "broker_unavailable"
+        # before: each of the 50 was answered broker_unavailable at once, then the sync
+        assert lines.next(1.0) is None, "the connection was read on while Redis is lost"
+        redis_server.start()
+        assert lines.next() == {"type": "synced", "id": 1, "accepted": 49, "refused": 1}

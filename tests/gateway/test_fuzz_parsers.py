@@ -105,6 +105,9 @@ class RecordingTransport:
     def is_closing(self):
         return False
 
+    def set_write_buffer_limits(self, high=None, low=None):
+        pass
+
     def get_extra_info(self, name, default=None):
         return ("127.0.0.1", 1) if name == "peername" else default
 
