@@ -163,6 +163,9 @@ class Metrics:
                                   " client's writes were paused (one pong waits)", value=ws_counters.pongs_coalesced)
         yield CounterMetricFamily("fanout_ws_fragment_closes", "connections closed (1008) for a message in more"
                                   " than websocket.max_fragments frames", value=ws_counters.fragment_closes)
+        yield CounterMetricFamily("fanout_ws_input_deferrals", "times a WebSocket client's input was left for the"
+                                  " next turn of the event loop (its share of the turn spent)",
+                                  value=ws_counters.input_deferrals)
         yield CounterMetricFamily("fanout_ingest_answer_pauses", "times a publisher's unread answers reached"
                                   " ingest.max_answer_bytes (its records waited)", value=ingest_counters.answer_pauses)
         yield CounterMetricFamily("fanout_auth_rate_limited", "token checks refused past auth.rate_per_ip",
