@@ -6,8 +6,10 @@ delay another client sees meanwhile (max, p99). Figures, not asserts: docs/secur
   and reconnect, from 8 tasks for `--seconds` (the attack that filled the topic table for good);
 * stall: with Redis stopped (SIGSTOP), 48 ingest connections publish 4 KiB records as fast as the gateway
   takes them for `--seconds`;
-* bulk: admin publishes of `admin.max_publish_messages` messages one after the other, and one 8 MiB body of
-  2 M messages (refused once decoded) for `--seconds`.
+* bulk: admin publishes of `admin.max_publish_messages` messages one after the other, each followed by a
+  6 MB body of 2 M messages (refused 413: over `admin.max_body_bytes`, from its Content-Length, before it is
+  read or decoded; before that bound was 2 MiB, it was refused by the message count once decoded) for
+  `--seconds`.
 """
 
 from __future__ import annotations
