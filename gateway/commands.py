@@ -93,10 +93,9 @@ def _costly(hub: "Hub", identity: ClientIdentity, what: str) -> None:
     auth = hub.config.auth
     if auth.rate_per_connection <= 0:
         return
-    bucket: TokenBucket | None = getattr(identity, "costly_bucket", None)
+    bucket = identity.costly_bucket
     if bucket is None:
-        bucket = TokenBucket(auth.rate_per_connection, auth.burst_per_connection)
-        setattr(identity, "costly_bucket", bucket)  # noqa: B010  # kept with the connection's identity
+        bucket = identity.costly_bucket = TokenBucket(auth.rate_per_connection, auth.burst_per_connection)
     if not bucket.take():
         raise RateLimited(f"`{what}` above {auth.rate_per_connection:g}/s on this connection"
                           " (auth.rate_per_connection)")

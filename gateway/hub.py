@@ -33,6 +33,7 @@ from .identity import ClientIdentity
 from .metrics import Metrics
 from .ratelog import BadInputLog
 from .rawtcp import RawBroadcastServer
+from .session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 from .topic_budget import CreationBudget
 
 log = logging.getLogger("gateway")
@@ -96,6 +97,10 @@ class Hub:
         self._linger_due = 0.0
         #: long-poll sessions by their secret id (gateway/longpoll.py)
         self.lp_sessions: dict[str, Any] = {}
+        #: the final body of long-poll sessions closed between two polls, for their next poll
+        self.lp_closed = ClosedSessions(config.longpoll.session_ttl_s, config.longpoll.max_sessions)
+        #: the checkpoints of SSE streams' compact `id:` form (gateway/sse.py, `IdLine`)
+        self.sse_checkpoints = Checkpoints(CHECKPOINT_TTL_S)
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled
         self.ingest = None
         #: called when the server shuts down, after the clients were closed: streams that are not clients

@@ -45,6 +45,8 @@ class ClientIdentity:
     creating: int = 0
     #: client publishes (limits.publish_rate / publish_burst); made on first publish
     publish_bucket: TokenBucket | None = None
+    #: `auth` and `rpc topics` (auth.rate_per_connection / burst_per_connection); made on first use
+    costly_bucket: TokenBucket | None = None
     #: monotonic time of the last command, for the idle timeout
     last_command: float = field(default_factory=time.monotonic)
 

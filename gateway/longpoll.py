@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from typing import Any
 
 import orjson
@@ -43,45 +42,6 @@ EMPTY_BODY = b'{"batch":null,"entries":[]}'
 UNKNOWN_SESSION = UnknownSession("no such long-poll session (expired or closed)")
 #: seconds a client refused for lack of sessions should wait
 RETRY_LATER = {"Retry-After": "5"}
-
-
-class ClosedSessions:
-    """The final body of sessions closed while no poll waited (a kick, a token expiry, idle), kept for the
-    next poll for `longpoll.session_ttl_s` so the client learns why (docs/protocol.md), at most
-    `longpoll.max_sessions` of them (oldest dropped first). Each is answered once, then forgotten."""
-
-    def __init__(self, ttl: float, limit: int) -> None:
-        self.ttl = ttl
-        self.limit = max(1, limit)
-        self._bodies: dict[str, tuple[float, bytes]] = {}  # secret -> (deadline, body), oldest first
-
-    def keep(self, secret: str, body: bytes) -> None:
-        now = time.monotonic()
-        bodies = self._bodies
-        for old, (deadline, _) in list(bodies.items()):
-            if deadline > now and len(bodies) < self.limit:
-                break
-            del bodies[old]
-        bodies[secret] = (now + self.ttl, body)
-
-    def take(self, secret: str) -> bytes | None:
-        kept = self._bodies.pop(secret, None)
-        if kept is None or kept[0] < time.monotonic():
-            return None
-        return kept[1]
-
-    def __len__(self) -> int:
-        return len(self._bodies)
-
-
-def closed_sessions(hub: Hub) -> ClosedSessions:
-    """The hub's table of closed sessions' final bodies (made on first use, kept with the hub)."""
-    table: ClosedSessions | None = getattr(hub, "lp_closed", None)
-    if table is None:
-        config = hub.config.longpoll
-        table = ClosedSessions(config.session_ttl_s, config.max_sessions)
-        setattr(hub, "lp_closed", table)  # noqa: B010  # the hub is another module's: one attribute, ours
-    return table
 
 
 class LongPollSession:
@@ -137,7 +97,7 @@ class LongPollSession:
         if self.poll is not None and not self.poll.done():
             self.poll.set_result(body)
         else:  # closed between two polls: the next one gets it (not 404 unknown_session)
-            closed_sessions(self.hub).keep(self.secret, body)
+            self.hub.lp_closed.keep(self.secret, body)
 
     def describe(self) -> dict[str, Any]:
         return {"transport": "longpoll", "peer": self.identity.peer, "batches": self.batches, "entries_sent": self.entries_sent,
@@ -207,7 +167,7 @@ async def create_session(request: Request) -> Response:
 async def poll(request: Request) -> Response:
     session = _session(request)
     if session is None:
-        final = closed_sessions(request.app.state.hub).take(request.path_params["session"])
+        final = request.app.state.hub.lp_closed.take(request.path_params["session"])
         if final is not None:
             return Response(final, media_type="application/json")
         return error_response(UNKNOWN_SESSION)
@@ -253,6 +213,6 @@ async def delete_session(request: Request) -> Response:
     if session is None:
         return error_response(UNKNOWN_SESSION)
     session.kick(1000, "session deleted")
-    closed_sessions(request.app.state.hub).take(session.secret)  # the client closed it: nothing to tell
+    request.app.state.hub.lp_closed.take(session.secret)  # the client closed it: nothing to tell
     request.app.state.hub.unregister(session.identity.client_id, "closed")
     return Response(status_code=204)

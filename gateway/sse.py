@@ -41,6 +41,7 @@ from .hub import Hub
 from .identity import ClientIdentity
 from .longpoll import accept_commands
 from .netguard import SCOPE_KEY, GuardedHttpToolsProtocol
+from .session_tables import Checkpoints
 from .staging import StagedWriter, tune_stream
 
 log = logging.getLogger("gateway.sse")
@@ -59,8 +60,6 @@ LAST_CHUNK = b"0\r\n\r\n"
 _SEQ = re.compile(r"[0-9]{1,16}")
 #: longest `id:` value (bytes): past it the compact form (`IdLine`)
 MAX_ID_BYTES = 4096
-#: seconds an ended stream's checkpoints are kept for a reconnect (EventSource retries after ~3 s)
-CHECKPOINT_TTL_S = 60.0
 #: characters that cannot stand in a position: the item separator, and what would end the `id:` line or
 #: make a browser ignore it (NUL)
 _UNSAFE_IN_ID = re.compile("[,\n\r\0]")
@@ -146,54 +145,6 @@ class Positions:
         if len(prefixes) > 2 * len(subs) + 16:
             self._prefixes = {sub: prefixes[sub] for sub in subs.values()}
         return parts
-
-
-class Checkpoints:
-    """Full recovery points kept by the gateway for the compact `id:` form (`IdLine`): per stream key its
-    last `KEPT` checkpoints (number -> POSITIONS text); a stream's are kept `ttl` seconds after it ends, and
-    at most `MAX_ENDED` ended streams' (oldest dropped first). Lost with the process: a compact id is only
-    understood by the gateway process that wrote it (a full id, by any)."""
-
-    KEPT = 2
-    MAX_ENDED = 4096
-
-    def __init__(self, ttl: float) -> None:
-        self.ttl = ttl
-        self._points: dict[str, dict[int, str]] = {}
-        self._ended: dict[str, float] = {}  # key -> when its points are dropped, oldest first
-
-    def put(self, key: str, number: int, text: str) -> None:
-        points = self._points.setdefault(key, {})
-        points[number] = text
-        while len(points) > self.KEPT:
-            del points[next(iter(points))]
-
-    def ended(self, key: str) -> None:
-        if key not in self._points:
-            return
-        now = time.monotonic()
-        ended = self._ended
-        for old, deadline in list(ended.items()):
-            if deadline > now and len(ended) < self.MAX_ENDED:
-                break
-            del ended[old]
-            self._points.pop(old, None)
-        ended[key] = now + self.ttl
-
-    def get(self, key: str, number: int) -> str | None:
-        deadline = self._ended.get(key)
-        if deadline is not None and deadline < time.monotonic():
-            return None
-        return self._points.get(key, {}).get(number)
-
-
-def checkpoints(hub: Hub) -> Checkpoints:
-    """The hub's checkpoints (made on first use, kept with the hub)."""
-    table: Checkpoints | None = getattr(hub, "sse_checkpoints", None)
-    if table is None:
-        table = Checkpoints(CHECKPOINT_TTL_S)
-        setattr(hub, "sse_checkpoints", table)  # noqa: B010  # the hub is another module's: one attribute, ours
-    return table
 
 
 class IdLine:
@@ -452,7 +403,7 @@ class _Stream(Response):
                 self.proto.stream = conn
                 conn.start()
                 hub.register(conn, ready=True)
-                conn.positions_of = IdLine(Positions(hub.engine.client(cid)), checkpoints(hub))
+                conn.positions_of = IdLine(Positions(hub.engine.client(cid)), hub.sse_checkpoints)
                 self._subscribe()
             # The request has no body: what comes next is the disconnect (the connection was lost), also
             # after a kick (the close event written, the connection closed within KICK_GRACE_S).
@@ -521,7 +472,7 @@ async def stream(request: Request) -> Response:
     if recovery_text is None:
         recovery_text = query.get("since", "")
     try:
-        positions = recovery_point(recovery_text, max_subs, checkpoints(hub))
+        positions = recovery_point(recovery_text, max_subs, hub.sse_checkpoints)
     except BadRequest as exc:
         hub.bad_input("sse", "%s: %s", host, exc.message)
         refusals.insert(0, exc)

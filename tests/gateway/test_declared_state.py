@@ -1,0 +1,46 @@
+"""State the transports keep beside a connection or the hub is declared on its owner, typed, made with it:
+no attribute is added at run time by name (`setattr(hub, "lp_closed", ...)`, read back with a `getattr`
+fallback), which mypy cannot check and a typo would silently split."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from pathlib import Path
+
+from gateway.config import load_config
+from gateway.hub import Hub
+from gateway.identity import ClientIdentity
+from gateway.ratelog import TokenBucket
+from gateway.session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
+from gateway.testing import DEFAULTS
+
+GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
+
+
+def test_the_hub_holds_the_session_transports_tables_from_the_start():
+    async def make() -> Hub:
+        return Hub(load_config(overrides={**DEFAULTS, "longpoll": {"session_ttl_s": 7, "max_sessions": 9}},
+                               environ={}))
+
+    hub = asyncio.run(make())
+    assert isinstance(hub.lp_closed, ClosedSessions)
+    assert (hub.lp_closed.ttl, hub.lp_closed.limit) == (7, 9)
+    assert isinstance(hub.sse_checkpoints, Checkpoints) and hub.sse_checkpoints.ttl == CHECKPOINT_TTL_S
+
+
+def test_a_connections_rate_buckets_are_fields_of_its_identity():
+    fields = {f.name: f for f in dataclasses.fields(ClientIdentity)}
+    for name in ("publish_bucket", "costly_bucket"):
+        assert fields[name].type == "TokenBucket | None" and fields[name].default is None
+    identity = ClientIdentity("ws-0123456789abcdef", "ws")
+    identity.costly_bucket = TokenBucket(1, 5)
+
+
+def test_no_transport_adds_attributes_to_the_hub_or_an_identity_by_name():
+    pattern = re.compile(r"\bsetattr\((hub|identity|self\.hub|self\.identity)\b"
+                         r"|\bgetattr\(\w+, \"(lp_closed|sse_checkpoints|costly_bucket)\"")
+    found = [f"{path.name}:{n}" for path in sorted(GATEWAY.glob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []
