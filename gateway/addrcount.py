@@ -15,6 +15,18 @@ limit can be exceeded by at most N-1; keys that share a slot in another worker's
 refuse early, never admit beyond a limit. Memory: 1 MiB of address space per worker, of which only touched
 pages are resident. A worker that dies takes the others down (gateway/broker/workers.py), so no stale
 column outlives it.
+
+The token buckets keyed by address (`limits.topic_create_rate` / `topic_create_burst`, `auth.rate_per_ip` /
+`burst_per_ip`) are shared the same way (`SharedRate`): one table of 64-bit floats per bucket kind, a
+column per worker, each worker writing only its own. A bucket is kept as GCRA keeps it (the generic cell
+rate algorithm): one number X, in tokens, such that the tokens left at time t are burst - (X - rate * t),
+X never below rate * t; a take is X + 1. The cluster's X for a key is the largest of the workers' values
+in its slot, and a worker writes only a larger value into its own column, so every take any worker made
+counts, with no lock. What this does not promise: two workers taking from the same bucket at the same
+instant (between one's read and its write, about a microsecond) may both see the same X and count one take
+between them, so a burst can be exceeded by at most N-1 per such coincidence; addresses that share a slot
+(probability about addresses / 262,144) share a bucket, which can refuse early but never admits beyond a
+limit.
 """
 
 from __future__ import annotations
@@ -22,12 +34,16 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import time
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 #: counters per worker column (a power of two)
 SLOTS = 1 << 18
 _WIDTH = 4  # bytes of a counter
+#: the shared token bucket tables (`SharedRate`): topic creations per address, token checks per address
+RATE_TABLES = ("topic_create", "token_check")
+_RATE_WIDTH = 8  # bytes of a bucket (a float)
 
 
 class SharedCounts:
@@ -42,6 +58,14 @@ class SharedCounts:
         view = memoryview(self._map)
         self.columns = [view[i * slots * _WIDTH:(i + 1) * slots * _WIDTH].cast("i") for i in range(workers)]
         self.index = 0
+        # the token buckets: a table per kind, a column of floats per worker (2 MiB of address space each)
+        column = slots * _RATE_WIDTH
+        self._rates = mmap.mmap(-1, len(RATE_TABLES) * workers * column)
+        rates = memoryview(self._rates)
+        self.rate_columns = {
+            name: [rates[(t * workers + i) * column:(t * workers + i + 1) * column].cast("d") for i in range(workers)]
+            for t, name in enumerate(RATE_TABLES)
+        }
 
     def bind(self, index: int) -> None:
         self.index = index
@@ -59,6 +83,55 @@ class SharedCounts:
 
     def counter(self, namespace: str) -> "SharedCounter":
         return SharedCounter(self, namespace)
+
+    def rate(self, table: str, rate: float, burst: float, *,
+             clock: Callable[[], float] = time.monotonic) -> "SharedRate":
+        """The token buckets of `table` (one of RATE_TABLES), shared by every worker."""
+        return SharedRate(self, table, rate, burst, clock)
+
+
+class SharedRate:
+    """Token buckets keyed by address whose tokens every worker takes from (module docstring: GCRA, each
+    worker's column holding the largest X it wrote). `clock` is CLOCK_MONOTONIC, the same in every process.
+    `rate` 0: no refill (a burst per address)."""
+
+    def __init__(self, shared: SharedCounts, table: str, rate: float, burst: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.shared = shared
+        self.table = table
+        self.rate = rate
+        self.burst = float(burst)
+        self.clock = clock
+        self.columns = shared.rate_columns[table]
+
+    def _read(self, key: Hashable) -> tuple[int, float, float]:
+        """(slot, X in the cluster, rate * now)."""
+        slot = self.shared.slot(self.table, key)
+        base = self.clock() * self.rate
+        return slot, max(base, max(column[slot] for column in self.columns)), base
+
+    def _write(self, slot: int, value: float) -> None:
+        own = self.columns[self.shared.index]
+        if value > own[slot]:
+            own[slot] = value
+
+    def tokens(self, key: Hashable) -> float:
+        """Tokens left for `key` now (nothing taken)."""
+        _, x, base = self._read(key)
+        return self.burst - (x - base)
+
+    def take(self, key: Hashable) -> bool:
+        """Take one token for `key`; False (nothing taken) when less than one is left."""
+        slot, x, base = self._read(key)
+        if self.burst - (x - base) < 1:
+            return False
+        self._write(slot, x + 1)
+        return True
+
+    def charge(self, key: Hashable) -> None:
+        """Take one token for `key` whatever is left (an empty bucket stays empty, never below)."""
+        slot, x, base = self._read(key)
+        self._write(slot, min(x + 1, base + self.burst))
 
 
 class SharedCounter(Counter):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jwt
 from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
@@ -22,6 +22,9 @@ from .config import AuthConfig, ConfigError
 from .errors import BadToken, RateLimited, TokenExpired
 from .owners import check_user_id
 from .ratelog import TokenBucket
+
+if TYPE_CHECKING:
+    from .addrcount import SharedRate
 
 HMAC_ALGORITHMS = ("HS256",)
 PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256")
@@ -58,12 +61,17 @@ class CheckLimiter:
         self.rate = rate
         self.burst = burst
         self._buckets: dict[str, TokenBucket] = {}
+        #: with server.workers > 1: the buckets shared by every worker (gateway/addrcount.py), used instead
+        #: of `_buckets`, so the rate holds across the workers an address's connections land on
+        self.shared: SharedRate | None = None
         #: checks refused, for /metrics (`fanout_auth_rate_limited_total`)
         self.refused = 0
 
     def take(self, address: str) -> bool:
         if self.rate <= 0:
             return True
+        if self.shared is not None:
+            return self.shared.take(address)
         buckets = self._buckets
         bucket = buckets.pop(address, None)
         if bucket is None:

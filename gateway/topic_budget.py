@@ -8,7 +8,8 @@ when it retains messages), so creations are bounded three ways (docs/security.md
 * per peer address, across reconnects: a token bucket of `limits.topic_create_rate` per second and
   `limits.topic_create_burst` at once, kept in a table of at most `ADDRESSES_MAX` addresses (the least
   recently used is forgotten: its next connection starts with a full bucket, which costs an attacker an
-  address per burst);
+  address per burst); with `server.workers` > 1, in memory shared by the workers instead
+  (gateway/addrcount.py, `SharedRate`), so one address has one bucket whichever worker serves it;
 * in total: no client creation while the gateway holds `limits.max_client_topics` topics (the admin API
   and the ingest create up to `scheduler.max_topics`); with a broker also `broker.max_topics` cluster-wide,
   checked by Redis (redis_broker.py).
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from .errors import TooManyCreatedTopics
 
 if TYPE_CHECKING:
+    from .addrcount import SharedRate
     from .config import LimitsConfig
     from .identity import ClientIdentity
 
@@ -51,6 +53,9 @@ class CreationBudget:
         self.topic_count = topic_count
         self.clock = clock
         self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        #: with server.workers > 1: the buckets shared by every worker (gateway/addrcount.py), used instead
+        #: of `_buckets`, so the rate holds across the workers an address's connections land on
+        self.shared: SharedRate | None = None
         #: refusals by reason ("connection", "address", "total", "cluster"): `/metrics`
         self.refused: dict[str, int] = {"connection": 0, "address": 0, "total": 0, "cluster": 0}
 
@@ -67,13 +72,16 @@ class CreationBudget:
             bucket.stamp = now
         return bucket
 
+    def _tokens(self, ip: str) -> float:
+        return self.shared.tokens(ip) if self.shared is not None else self._bucket(ip).tokens
+
     def refusal(self, identity: "ClientIdentity") -> tuple[str, str] | None:
         """Why `identity` may not create a topic now, (reason, message), or None when it may (nothing is
         taken, nothing counted)."""
         # creations that may be under way through a broker count as made until Redis answered (`begin`)
         if identity.created_topics + identity.creating >= self.per_connection:
             return "connection", f"this connection may create at most {self.per_connection} topics"
-        if self.burst > 0 and self._bucket(identity.ip).tokens - identity.creating < 1:
+        if self.burst > 0 and self._tokens(identity.ip) - identity.creating < 1:
             return "address", (f"topics created from your address above {self.rate:g}/s"
                                f" (burst {self.burst:g}): retry later")
         if self.total > 0 and self.topic_count() >= self.total:
@@ -108,7 +116,9 @@ class CreationBudget:
     def charge(self, identity: "ClientIdentity") -> None:
         """`identity` created a topic."""
         identity.created_topics += 1
-        if self.burst > 0:
+        if self.burst > 0 and self.shared is not None:
+            self.shared.charge(identity.ip)
+        elif self.burst > 0:
             bucket = self._bucket(identity.ip)
             bucket.tokens = max(0.0, bucket.tokens - 1)
 

@@ -73,3 +73,20 @@ def test_forked_workers_share_the_counts():
     assert ours["10.0.0.1"] == 7 and ours.own("10.0.0.1") == 0
     ours["10.0.0.1"] += 1
     assert ours["10.0.0.1"] == 8
+
+
+def test_shared_token_buckets_count_every_workers_takes_and_refill_at_the_rate():
+    now = [1000.0]
+    a, b = (view.rate("token_check", 2.0, 4, clock=lambda: now[0]) for view in views())
+    assert [a.take("ip"), b.take("ip"), a.take("ip"), b.take("ip"), a.take("ip"), b.take("ip")] == [True] * 4 + [False] * 2
+    assert a.take("other") and b.tokens("other") == 3  # another address, another bucket
+    now[0] += 1.0  # 2 tokens back, whoever reads
+    assert b.tokens("ip") == 2 and b.take("ip") and a.take("ip") and not b.take("ip")
+    now[0] += 100.0  # refilled to the burst, never beyond
+    assert a.tokens("ip") == 4
+    c, d = (view.rate("topic_create", 0.0, 2, clock=lambda: now[0]) for view in views())
+    c.charge("ip")
+    d.charge("ip")
+    d.charge("ip")  # past empty: stays empty
+    now[0] += 1e6
+    assert c.tokens("ip") == 0 and d.tokens("ip") == 0  # rate 0: no refill

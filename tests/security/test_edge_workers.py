@@ -4,6 +4,7 @@ the sockets forwards hold, and per-address limits hold across the workers."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -163,3 +164,35 @@ def test_per_address_limits_hold_across_two_workers(nodes):
         assert statuses.count(200) == 2, statuses
         for stream, _ in streams:
             stream.__exit__(None, None, None)
+
+
+# -- 7b. token buckets keyed by address across workers ------------------------------------------------------
+
+SECRET = "edge-workers-jwt-secret-of-32-bytes!!"
+
+
+def test_token_checks_per_address_hold_across_two_workers(nodes):
+    """auth.rate_per_ip / burst_per_ip: one bucket per address whichever worker checks the token (before,
+    each worker had its own: two workers allowed twice the burst)."""
+    node = nodes.start("w", server={"workers": 2}, auth={"jwt_secret": SECRET, "rate_per_ip": 0.01,
+                                                         "burst_per_ip": 4})
+    statuses = [fresh("POST", f"{node.http_url}/lp", headers={"Authorization": "Bearer not.a.token"}).status_code
+                for _ in range(30)]  # each on a new connection: the kernel spreads them over both workers
+    assert statuses.count(429) == 26 and set(statuses) - {429} == {401}, statuses
+
+
+def test_topic_creations_per_address_hold_across_two_workers(nodes):
+    """limits.topic_create_rate / topic_create_burst: one bucket per address across the workers."""
+    from websockets.sync.client import connect
+
+    node = nodes.start("w", server={"workers": 2}, limits={"topic_create_burst": 3, "topic_create_rate": 0.0})
+    answers = []
+    for i in range(16):  # one creation per connection, each a new connection (either worker)
+        with connect(node.ws_url, open_timeout=10) as ws:
+            ws.send(json.dumps({"op": "publish", "topic": f"chat.n{i}", "data": i, "id": i}))
+            while True:
+                entries = [e for e in json.loads(ws.recv(timeout=10)) if e.get("id") == i]
+                if entries:
+                    answers.append("ok" if entries[0]["type"] == "reply" else entries[0]["code"])
+                    break
+    assert answers == ["ok"] * 3 + ["too_many_topics"] * 13, answers
