@@ -77,18 +77,19 @@ def test_oversized_bodies_are_refused_before_they_are_read():
     with run_gateway(longpoll={"max_body_bytes": 1024}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
         session = http.post("/lp").json()["session"]
         # 256 MiB announced, 10 bytes sent: the answer comes at once, nothing is buffered
-        head = (f"POST /lp/{session} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = (f"POST /lp/{session} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {256 << 20}\r\n\r\n").encode()
         started = time.monotonic()
         answer = raw_http(gw.http_port, head, b'{"op":"pi')
         assert answer.startswith(b"HTTP/1.1 413") and b'"too_large"' in answer
         assert time.monotonic() - started < 3
         # chunked, no length: refused once past the bound while streaming
-        head = (f"POST /lp/{session} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+        head = (f"POST /lp/{session} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
         chunk = b"400\r\n" + b" " * 1024 + b"\r\n"
         answer = raw_http(gw.http_port, head, chunk * 3)
         assert answer.startswith(b"HTTP/1.1 413")
-        admin = raw_http(gw.http_port, (f"POST /api/topics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {gw.admin_token}\r\n"
+        admin = raw_http(gw.http_port, (f"POST /api/topics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                        f"Authorization: Bearer {gw.admin_token}\r\n"
                                         f"Content-Length: {1 << 30}\r\n\r\n").encode())
         assert admin.startswith(b"HTTP/1.1 413")
 
