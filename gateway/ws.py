@@ -46,17 +46,20 @@ SCOPE_KEY = "fanout.ws"
 KICK_GRACE_S = 2.0
 #: the route the protocol serves itself
 WS_PATH = "/ws"
-#: bytes handed to the frame parser at a time: a peer's protocol error (too many fragments) is seen after at
-#: most this much of a read, so a read of one-byte frames costs ~9 ms of parsing at most, not ~35 ms per 64 KiB
-PARSE_SLICE = 16384
+#: bytes handed to the frame parser at a time, one step of `_handle_input`: a peer's protocol error (too many
+#: fragments) is seen after at most this much of a read, and a slice of the smallest frames (2,700 pings in
+#: 16 KiB: ~7 ms) takes ~2 ms to parse
+PARSE_SLICE = 4096
+#: bytes a lingering connection is read for (and dropped) before it is not read any more
+LINGER_READ = 16384
 #: CPU time one connection's input (parsing its frames, running its commands) may take of a turn of the event
 #: loop, and all the connections' input together (`InputTurn`): the rest of what a connection sent waits for
 #: the next turn, its reading paused meanwhile. Without it, a burst of commands (8 connections, each read
 #: holding 5 frames of 60 `auth`) took ~25 ms per turn and /healthz of another client waited 64-84 ms at p99
 #: (issue 24). A step (a slice parsed, one frame's commands run, ~0.2 ms for 100 cheap ones) is not cut, and
 #: each connection with input takes at least one step per turn, so none waits behind the others for long.
-TURN_BUDGET_S = 0.0005
-TURN_BUDGET_ALL_S = 0.002
+TURN_BUDGET_S = 0.00025
+TURN_BUDGET_ALL_S = 0.001
 
 
 class InputTurn:
@@ -247,10 +250,10 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
-            # dropped; past a slice the peer is not read any more (it is cut at the grace): a kicked peer
+            # dropped; past `LINGER_READ` the peer is not read any more (it is cut at the grace): a kicked peer
             # that floods made the gateway read and drop ~2 GB/s for the grace
             self.dropped += len(data)
-            if self.dropped > PARSE_SLICE and not self.transport.is_closing():
+            if self.dropped > LINGER_READ and not self.transport.is_closing():
                 self.transport.pause_reading()
             return
         if self.handshake_complete:

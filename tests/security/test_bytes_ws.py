@@ -31,7 +31,7 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_bounded_and_cut():
                                if cid in gw.hub.conns else 0)
                 biggest = max(biggest, held)
             # uvicorn wrote every pong: MiBs in a second. Now the write buffer stops near the high-water mark:
-            # the pongs of one parse slice (16 KiB of pings) at most past it, then one held pong
+            # the pongs of one parse slice (PARSE_SLICE of pings) at most past it, then one held pong
             assert biggest <= HIGH_WATER + PARSE_SLICE + 200, biggest
             # and the write-blocked client is cut as a slow consumer (4008), pings or not
             wait_for(lambda: gw.call(lambda: cid not in gw.hub.conns), "the slow consumer's cut", timeout=10)
