@@ -305,7 +305,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
                 if conn.parser_exc is not None:  # a protocol error: its close frame is queued
                     self.unhandled = self.unparsed = None
                     self.handle_parser_exception()
-                    return
+                    break
                 events = conn.events_received()
                 if events:
                     self.unhandled = deque(events)
@@ -321,6 +321,10 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
                 self.loop.call_soon(self._handle_input)
                 return
         self.unhandled = self.unparsed = None  # closing: nothing more is handled
+        if paused and self.lingering and not self.transport.is_closing():
+            # read (and drop, up to LINGER_READ) what the peer still sends: its end of the stream closes the
+            # connection cleanly, where a cut at the grace could reset it
+            self.transport.resume_reading()
 
     def _dispatch(self, event: Event) -> None:
         """One event, as uvicorn's `handle_events` does it."""

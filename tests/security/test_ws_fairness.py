@@ -119,3 +119,36 @@ def test_commands_left_for_a_later_turn_are_all_run_in_order():
             assert f"fanout_ws_input_deferrals_total {float(ws_counters.input_deferrals)}" in metrics
         finally:
             client.close()
+
+
+def test_a_connection_closed_in_a_later_turn_still_ends_cleanly():
+    # a protocol error (RSV1 set, no extension) at the end of a burst that takes several turns: once the
+    # client, closed with 1002, ends its side, the gateway closes at once (it reads again to see that end),
+    # not at the grace 2 s later with a reset
+    from gateway.testing import run_gateway
+
+    with run_gateway(scheduler={"direct_queue_max": 100000, "direct_queue_max_bytes": 1 << 26}) as gw:
+        client = RawWs(gw.http_port, rcvbuf=1 << 20)
+        try:
+            frame = ws_frame(TEXT, json.dumps([{"op": "ping", "id": 1}] * 100).encode())
+            bad = bytes((0xC1,)) + ws_frame(TEXT, b"{}")[1:]
+            assert client.send(frame * 100 + bad)  # one read (~140 KB), handled over several turns
+            replies, code = 0, None
+            for opcode, payload in client.frames(timeout=10):
+                if opcode == 0x8:
+                    code = int.from_bytes(payload[:2], "big")
+                    break
+                replies += sum(1 for entry in json.loads(payload) if entry["type"] == "reply")
+            assert code == 1002 and replies > 0  # (the replies still queued when it failed are not sent)
+            client.sock.shutdown(socket.SHUT_WR)
+            start = time.monotonic()
+
+            def open_connections() -> float:  # this /metrics request's own connection included
+                text = urllib.request.urlopen(f"{gw.http_url}/metrics", timeout=5).read().decode()
+                return float(text.split("\nfanout_http_connections ")[1].split()[0])
+
+            while open_connections() > 1 and time.monotonic() - start < 5:
+                time.sleep(0.05)
+            assert time.monotonic() - start < 1.0  # not the grace's cut (2 s)
+        finally:
+            client.close()
