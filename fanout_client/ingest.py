@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import orjson
@@ -64,6 +64,8 @@ DEFAULT_TIMEOUT = 30.0
 
 #: Bytes asked of the socket per read.
 READ_SIZE = 65536
+_A = TypeVar("_A")
+_T = TypeVar("_T")
 
 
 class IngestError(Exception):
@@ -223,13 +225,9 @@ class IngestSocket:
             if readable:
                 self._read()
             if writable:
-                try:
-                    sent = self._sock.send(view)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError as exc:
-                    raise IngestProtocolError(f"connection to the gateway failed while writing: {exc}") from exc
-                view = view[sent:]
+                sent = self._attempt(self._sock.send, view, "writing")
+                if sent is not None:
+                    view = view[sent:]
 
     def read_until(self, done: Callable[[], bool], timeout: float) -> bool:
         """Read until ``done()`` is true or ``timeout`` seconds passed (or the gateway closed); ``done()``."""
@@ -252,13 +250,20 @@ class IngestSocket:
         mask = ready[0][1] if ready else 0
         return bool(mask & selectors.EVENT_READ), bool(mask & selectors.EVENT_WRITE)
 
-    def _read(self) -> None:
+    def _attempt(self, operation: Callable[[_A], _T], argument: _A, doing: str) -> _T | None:
+        """``operation(argument)`` on the non-blocking socket: None when it would block (or was interrupted); a failure
+        of the connection raised as `IngestProtocolError`."""
         try:
-            data = self._sock.recv(READ_SIZE)
+            return operation(argument)
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except OSError as exc:
-            raise IngestProtocolError(f"connection to the gateway failed while reading: {exc}") from exc
+            raise IngestProtocolError(f"connection to the gateway failed while {doing}: {exc}") from exc
+
+    def _read(self) -> None:
+        data = self._attempt(self._sock.recv, READ_SIZE, "reading")
+        if data is None:
+            return
         self.eof = not data
         self.received(data)
 

@@ -23,29 +23,14 @@ import json
 import multiprocessing
 import os
 import socket
-import struct
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from loadtest.floodprobe import ROOT, FloodGateway, FloodSampler, recv_until, ws_frame
+
 FLOODS = ("ping", "echo", "topics", "ingest", "fragments", "auth")
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rsa_key(workdir: Path) -> tuple[Path, bytes]:
@@ -61,39 +46,7 @@ def _rsa_key(workdir: Path) -> tuple[Path, bytes]:
     return path, private
 
 
-def start_gateway(root: Path, workdir: Path, key_file: Path | None) -> tuple[subprocess.Popen, dict]:
-    config = workdir / "gateway.toml"
-    auth = f'[auth]\njwt_public_key_file = "{key_file}"\n' if key_file else ""
-    config.write_text('[server]\nhost = "127.0.0.1"\nport = 0\nadmin_token = "flood-admin-token"\n'
-                      'log_level = "warning"\n[ingest]\nport = 0\n[rawtcp]\nenabled = false\n' + auth)
-    ready = workdir / "ready.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    env["PYTHONPATH"] = str(root)
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=root, env=env, stdout=open(workdir / "gateway.log", "wb"),
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not ready.exists() or not ready.read_text().strip():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((workdir / "gateway.log").read_text(errors="replace")[-2000:])
-        time.sleep(0.05)
-    time.sleep(0.2)
-    return proc, json.loads(ready.read_text())
-
-
 # -- the attackers (in their own process) ------------------------------------------------------------------
-
-def ws_frame(opcode: int, payload: bytes, *, fin: bool = True) -> bytes:
-    first = (0x80 if fin else 0) | opcode
-    n = len(payload)
-    if n < 126:
-        head = bytes((first, 0x80 | n))
-    elif n < 65536:
-        head = struct.pack("!BBH", first, 0x80 | 126, n)
-    else:
-        head = struct.pack("!BBQ", first, 0x80 | 127, n)
-    return head + b"\0\0\0\0" + payload
-
 
 async def _ws_open(port: int) -> socket.socket:
     loop = asyncio.get_running_loop()
@@ -203,70 +156,29 @@ def seed_topics(port: int, count: int) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         lines = b"".join(b'{"topic":"bulk.t%d","data":1}\n' % i for i in range(count))
         sock.sendall(lines + b'{"sync":1}\n')
-        data = b""
-        while b'"synced"' not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-
-
-# -- the prober --------------------------------------------------------------------------------------------
-
-def healthz_ms(port: int) -> float:
-    start = time.perf_counter()
-    with socket.socket() as sock:
-        sock.settimeout(10)
-        sock.bind(("127.0.0.2", 0))
-        sock.connect(("127.0.0.1", port))
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        data = b""
-        while b'"ok"' not in data:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    if b'"ok"' not in data:
-        return float("inf")
-    return (time.perf_counter() - start) * 1000
+        recv_until(sock, b'"synced"')
 
 
 def run(kind: str, seconds: float, root: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="byte-flood-") as tmp:
         key_file, private = _rsa_key(Path(tmp)) if kind == "auth" else (None, b"")
-        proc, ports = start_gateway(root, Path(tmp), key_file)
+        gateway = FloodGateway(Path(tmp), {"auth": {"jwt_public_key_file": str(key_file)}} if key_file else {},
+                               root=root)
         try:
             if kind == "topics":
-                seed_topics(ports["ingest_port"], 5000)
-            before_ms = [healthz_ms(ports["http_port"]) for _ in range(20)]
-            rss_start, cpu_start = rss_mib(proc.pid), cpu_s(proc.pid)
+                seed_topics(gateway.info["ingest_port"], 5000)
+            sampler = FloodSampler(gateway.proc.pid, gateway.http_port)
             out: multiprocessing.Queue = multiprocessing.Queue()
-            attacker = multiprocessing.Process(target=attack, args=(kind, ports, seconds, private, out))
+            attacker = multiprocessing.Process(target=attack, args=(kind, gateway.info, seconds, private, out))
             attacker.start()
-            delays, peak = [], rss_start
-            stop = time.monotonic() + seconds
-            while time.monotonic() < stop:
-                delays.append(healthz_ms(ports["http_port"]))
-                peak = max(peak, rss_mib(proc.pid))
-                time.sleep(0.05)
+            sampler.sample(seconds)
             stats = out.get(timeout=60)
-            peak = max(peak, rss_mib(proc.pid))
-            cpu = cpu_s(proc.pid) - cpu_start
+            sampler.stop()
             attacker.join(15)
-            time.sleep(1)
-            rss_end = rss_mib(proc.pid)
+            sampler.settle(1)
         finally:
-            proc.terminate()
-            proc.wait(15)
-    delays.sort()
-    return {"flood": kind, "seconds": seconds, "attacker": stats,
-            "rss_mib": {"start": round(rss_start, 1), "peak": round(peak, 1), "end": round(rss_end, 1),
-                        "peak_minus_start": round(peak - rss_start, 1)},
-            "gateway_cpu_s": round(cpu, 2),
-            "healthz_ms": {"before_max": round(max(before_ms), 1), "probes": len(delays),
-                           "p50": round(delays[len(delays) // 2], 1),
-                           "p99": round(delays[min(len(delays) - 1, int(len(delays) * 0.99))], 1),
-                           "max": round(delays[-1], 1)}}
+            gateway.stop()
+    return {"flood": kind, "seconds": seconds, "attacker": stats, **sampler.figures()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,53 +21,19 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from loadtest.floodprobe import ROOT, FloodGateway, FloodSampler, prober_get
+
 ATTACKERS = 8
 CHUNK = 64 * 1024
 HUGE = 113 * 10**6
 #: sockets an attacker process keeps open at most (its descriptors): above the per-address limit (256)
 MAX_HELD = 800
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def start_gateway(root: Path, workdir: Path) -> tuple[subprocess.Popen, int]:
-    config = workdir / "gateway.toml"
-    config.write_text('[server]\nhost = "127.0.0.1"\nport = 0\nadmin_token = "flood-admin-token"\n'
-                      'log_level = "warning"\n[ingest]\nenabled = false\n[rawtcp]\nenabled = false\n')
-    ready = workdir / "ready.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    env["PYTHONPATH"] = str(root)
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=root, env=env, stdout=open(workdir / "gateway.log", "wb"),
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((workdir / "gateway.log").read_text(errors="replace")[-2000:])
-        time.sleep(0.05)
-    time.sleep(0.2)
-    return proc, int(json.loads(ready.read_text())["http_port"])
 
 
 # -- the attackers (in their own process) ------------------------------------------------------------------
@@ -136,36 +102,8 @@ def attack(kind: str, port: int, seconds: float, out: "multiprocessing.Queue[dic
     asyncio.run(main())
 
 
-# -- the prober --------------------------------------------------------------------------------------------
-
-def healthz_ms(port: int) -> float:
-    start = time.perf_counter()
-    with socket.socket() as sock:
-        sock.settimeout(10)
-        sock.bind(("127.0.0.2", 0))
-        sock.connect(("127.0.0.1", port))
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        data = b""
-        while b'"ok"' not in data:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    if b'"ok"' not in data:
-        return float("inf")
-    return (time.perf_counter() - start) * 1000
-
-
 def open_connections(port: int) -> int:
-    with socket.socket() as sock:
-        sock.settimeout(10)
-        sock.bind(("127.0.0.2", 0))
-        sock.connect(("127.0.0.1", port))
-        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    for line in data.decode(errors="replace").splitlines():
+    for line in prober_get(port, "/metrics").decode(errors="replace").splitlines():
         if line.startswith("fanout_http_connections "):
             return int(float(line.split()[1])) - 1  # not this scrape's own
     return -1
@@ -173,41 +111,25 @@ def open_connections(port: int) -> int:
 
 def run(kind: str, seconds: float, root: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="edge-flood-") as tmp:
-        proc, port = start_gateway(root, Path(tmp))
+        gateway = FloodGateway(Path(tmp), {"ingest": {"enabled": False}}, root=root)
+        port = gateway.http_port
         try:
-            before_ms = [healthz_ms(port) for _ in range(20)]
-            rss_start, cpu_start = rss_mib(proc.pid), cpu_s(proc.pid)
+            sampler = FloodSampler(gateway.proc.pid, port)
             out: multiprocessing.Queue = multiprocessing.Queue()
             attacker = multiprocessing.Process(target=attack, args=(kind, port, seconds, out))
             attacker.start()
-            delays, peak = [], rss_start
-            stop = time.monotonic() + seconds
-            while time.monotonic() < stop:
-                delays.append(healthz_ms(port))
-                peak = max(peak, rss_mib(proc.pid))
-                time.sleep(0.05)
+            sampler.sample(seconds)
             stats = out.get(timeout=30)
             held = open_connections(port)
             time.sleep(3)  # the attacker still holds every socket it kept: are they still held here?
             held_later = open_connections(port)
-            peak = max(peak, rss_mib(proc.pid))
-            cpu = cpu_s(proc.pid) - cpu_start
+            sampler.stop()
             attacker.join(15)
-            time.sleep(0.5)
-            rss_end = rss_mib(proc.pid)
+            sampler.settle(0.5)
         finally:
-            proc.terminate()
-            proc.wait(15)
-    delays.sort()
+            gateway.stop()
     return {"flood": kind, "seconds": seconds, "attacker": stats, "connections_held_at_end": held,
-            "connections_held_3s_later": held_later,
-            "rss_mib": {"start": round(rss_start, 1), "peak": round(peak, 1), "end": round(rss_end, 1),
-                        "peak_minus_start": round(peak - rss_start, 1)},
-            "gateway_cpu_s": round(cpu, 2),
-            "healthz_ms": {"before_max": round(max(before_ms), 1), "probes": len(delays),
-                           "p50": round(delays[len(delays) // 2], 1),
-                           "p99": round(delays[min(len(delays) - 1, int(len(delays) * 0.99))], 1),
-                           "max": round(delays[-1], 1)}}
+            "connections_held_3s_later": held_later, **sampler.figures()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,8 +30,8 @@ from pathlib import Path
 import httpx
 import websockets
 
-ROOT = Path(__file__).resolve().parents[1]
-ADMIN_TOKEN = "flood-admin-token"
+from loadtest.floodprobe import ADMIN_TOKEN, FloodGateway, delay_figures, rss_mib
+
 #: the stall flood: ingest connections and data bytes of one record (512 records in flight per connection:
 #: 48 connections would hold 96 MiB of data without broker.max_pending_bytes)
 STALL_CONNECTIONS = 48
@@ -45,53 +44,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class Gateway:
-    def __init__(self, workdir: Path, sections: dict[str, dict]) -> None:
-        self.workdir = workdir
-        base = {"server": {"host": "127.0.0.1", "port": 0, "admin_token": ADMIN_TOKEN, "log_level": "warning"},
-                "ingest": {"port": 0}, "rawtcp": {"enabled": False}}
-        for name, values in sections.items():
-            base.setdefault(name, {}).update(values)
-        lines = []
-        for name, values in base.items():
-            lines.append(f"[{name}]")
-            lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
-        config = workdir / "gateway.toml"
-        config.write_text("\n".join(lines) + "\n")
-        ready = workdir / "ready.json"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config),
-                                      "--ready-file", str(ready)], cwd=ROOT, env=env,
-                                     stdout=open(workdir / "gateway.log", "ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((workdir / "gateway.log").read_text()[-2000:])
-            time.sleep(0.05)
-        time.sleep(0.2)
-        self.info = json.loads(ready.read_text())
-        self.url = f"http://127.0.0.1:{self.info['http_port']}"
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 class Probe(threading.Thread):
     """Another client: GET /healthz every 20 ms (its delay), and the gateway's RSS every 20 ms."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: FloodGateway) -> None:
         super().__init__(daemon=True)
         self.gateway = gateway
         self.delays: list[float] = []
@@ -108,14 +64,13 @@ class Probe(threading.Thread):
                 time.sleep(0.02)
 
     def report(self, start_rss: float, end_rss: float) -> str:
-        delays = sorted(self.delays)
-        p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))]
+        median, p99, worst = delay_figures(self.delays)
         return (f"RSS start {start_rss:.1f} MiB, peak {max(self.rss):.1f} MiB (+{max(self.rss) - start_rss:.1f}),"
-                f" end {end_rss:.1f} MiB; /healthz by another client: {len(delays)} probes, max"
-                f" {delays[-1] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, median {delays[len(delays) // 2] * 1000:.1f} ms")
+                f" end {end_rss:.1f} MiB; /healthz by another client: {len(self.delays)} probes, max"
+                f" {worst * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, median {median * 1000:.1f} ms")
 
 
-def measure(gateway: Gateway, flood) -> None:
+def measure(gateway: FloodGateway, flood) -> None:
     start = rss_mib(gateway.proc.pid)
     probe = Probe(gateway)
     probe.start()
@@ -127,7 +82,7 @@ def measure(gateway: Gateway, flood) -> None:
     print(probe.report(start, rss_mib(gateway.proc.pid)))
 
 
-def flood_topics(gateway: Gateway, seconds: float) -> str:
+def flood_topics(gateway: FloodGateway, seconds: float) -> str:
     url = gateway.url.replace("http", "ws") + "/ws"
     counts = {"ok": 0, "refused": 0, "connections": 0}
 
@@ -188,7 +143,7 @@ def _stall_publishers(port: int, seconds: float, out) -> None:
     out.put((sent, answers))
 
 
-def flood_stall(gateway: Gateway, redis: subprocess.Popen, seconds: float) -> str:
+def flood_stall(gateway: FloodGateway, redis: subprocess.Popen, seconds: float) -> str:
     import multiprocessing
 
     os.kill(redis.pid, signal.SIGSTOP)
@@ -206,7 +161,7 @@ def flood_stall(gateway: Gateway, redis: subprocess.Popen, seconds: float) -> st
             + "; ".join(pending))
 
 
-def flood_bulk(gateway: Gateway, seconds: float, count: int, huge_too: bool) -> str:
+def flood_bulk(gateway: FloodGateway, seconds: float, count: int, huge_too: bool) -> str:
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
     small = json.dumps({"messages": list(range(count))}).encode()
     huge = json.dumps({"messages": [0] * 2_000_000}).encode()  # 6 MiB: 2 M messages
@@ -245,7 +200,7 @@ def main() -> None:
             sections["ingest"] = {"max_buffer_bytes": 262144}
             if os.environ.get("FLOOD_PENDING") is not None:
                 sections["broker"]["max_pending_bytes"] = int(os.environ["FLOOD_PENDING"])
-        gateway = Gateway(workdir, sections)
+        gateway = FloodGateway(workdir, sections)
         try:
             if args.flood == "topics":
                 measure(gateway, lambda: flood_topics(gateway, args.seconds))

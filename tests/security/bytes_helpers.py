@@ -1,5 +1,6 @@
 """Peers that misbehave at the byte level, for the tests of issue 24 (tests/security/test_bytes_*.py): a raw
-WebSocket client that frames by hand (pings, fragments) and may never read."""
+WebSocket client that frames by hand (pings, fragments) and may never read; plain connections read until the
+gateway closes them (tests/security/test_edge_http.py, test_connection_limits.py)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,31 @@ import socket
 import struct
 import time
 
-
-def ws_frame(opcode: int, payload: bytes, *, fin: bool = True) -> bytes:
-    """A masked client frame (mask key 0: the payload goes as is)."""
-    first = (0x80 if fin else 0) | opcode
-    n = len(payload)
-    if n < 126:
-        head = bytes((first, 0x80 | n))
-    elif n < 65536:
-        head = struct.pack("!BBH", first, 0x80 | 126, n)
-    else:
-        head = struct.pack("!BBQ", first, 0x80 | 127, n)
-    return head + b"\0\0\0\0" + payload
-
+from loadtest.floodprobe import ws_frame  # noqa: F401 - the tests' frames
 
 TEXT, CONT, CLOSE, PING = 0x1, 0x0, 0x8, 0x9
+
+
+def tcp(gw) -> socket.socket:
+    """A plain connection to the gateway's HTTP port."""
+    return socket.create_connection(("127.0.0.1", gw.http_port), timeout=5)
+
+
+def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything the gateway sends until it closes the connection; fails if it is still open after `timeout`."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"still open after {timeout} s; got {data[:300]!r}"
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
 
 
 class RawWs:

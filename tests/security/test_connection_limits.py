@@ -23,6 +23,7 @@ import httpx
 import pytest
 import trustme
 import websockets.asyncio.client
+from bytes_helpers import read_until_closed, tcp
 from websockets.sync.client import connect
 
 from gateway.config import ConfigError
@@ -35,27 +36,6 @@ HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
 # -- helpers: raw sockets, bounded waits -------------------------------------------------------------------
-
-def tcp(gw) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", gw.http_port), timeout=5)
-
-
-def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    """Everything the gateway sends until it closes the connection; fails if it is still open after timeout."""
-    data = b""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"still open after {timeout} s; got {data[:200]!r}"
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
-
 
 def closed_after(sock: socket.socket, timeout: float = 5.0) -> float:
     """Seconds until the gateway closes the connection (nothing may arrive before)."""

@@ -12,32 +12,12 @@ import time
 
 import httpx
 import pytest
+from bytes_helpers import read_until_closed, tcp
 
 from gateway.config import ConfigError
 from gateway.testing import TEST_TOKEN, run_gateway
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def tcp(gw) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", gw.http_port), timeout=5)
-
-
-def answer_then_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    """Everything the gateway sends until it closes; fails if it is still open after `timeout`."""
-    data = b""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"still open after {timeout} s; got {data[:300]!r}"
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
 
 
 def send_in_pieces(sock: socket.socket, data: bytes, piece: int) -> None:
@@ -84,12 +64,12 @@ def test_a_head_over_max_header_bytes_is_answered_431_and_closed_whatever_its_pi
         for piece in (100_000, 1000, 256):  # one read; many reads of one header value (the quadratic case)
             sock = tcp(gw)
             send_in_pieces(sock, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20000, piece)
-            assert json_error(answer_then_closed(sock), b"431") == "headers_too_large"
+            assert json_error(read_until_closed(sock), b"431") == "headers_too_large"
             sock.close()
         # a URL alone, too
         sock = tcp(gw)
         sock.sendall(b"GET /healthz?" + b"q" * 17000)
-        assert json_error(answer_then_closed(sock), b"431") == "headers_too_large"
+        assert json_error(read_until_closed(sock), b"431") == "headers_too_large"
         sock.close()
         wait_for(lambda: open_connections(gw) == 0)
         assert refused(gw)["header_too_large"] == 4
@@ -101,11 +81,11 @@ def test_more_header_lines_than_max_headers_is_answered_431():
     with run_gateway(server={"max_headers": 20}) as gw:
         sock = tcp(gw)
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: b\r\n" * 20 + b"\r\n")
-        assert json_error(answer_then_closed(sock), b"431") == "headers_too_large"
+        assert json_error(read_until_closed(sock), b"431") == "headers_too_large"
         sock.close()
         sock = tcp(gw)  # with Host: 20
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: b\r\n" * 18 + b"Connection: close\r\n\r\n")
-        assert answer_then_closed(sock).startswith(b"HTTP/1.1 200")
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 200")
         sock.close()
 
 
@@ -122,7 +102,7 @@ def test_heads_within_the_bounds_and_bodies_beyond_them_are_served():
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         # keep-alive: the next head on the same connection is bounded again
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n")
-        assert b"HTTP/1.1 431" in answer_then_closed(sock)
+        assert b"HTTP/1.1 431" in read_until_closed(sock)
         sock.close()
 
 
@@ -147,7 +127,7 @@ def test_a_handshake_websockets_refuses_for_size_is_answered_and_closed_and_free
         for _ in range(6):  # more than the per-address limit: each one's slot is freed
             sock = tcp(gw)
             sock.sendall(request)
-            data = answer_then_closed(sock)
+            data = read_until_closed(sock)
             assert data.startswith(b"HTTP/1.1 " + status), data[:200]
             sock.close()
         wait_for(lambda: open_connections(gw) == 0)
@@ -179,7 +159,7 @@ def test_a_foreign_host_is_answered_421_on_every_path_and_transport():
             for request in requests:
                 sock = tcp(gw)
                 sock.sendall(request)
-                assert json_error(answer_then_closed(sock), b"421") == "bad_host", request[:60]
+                assert json_error(read_until_closed(sock), b"421") == "bad_host", request[:60]
                 sock.close()
         assert refused(gw)["bad_host"] == len(requests)
         assert gw.call(lambda: len(gw.hub.conns)) == 0  # no WebSocket, SSE or long-poll client was made
@@ -192,7 +172,7 @@ def test_the_default_allows_the_bind_address_localhost_and_ip_literals():
             assert httpx.get(f"{gw.http_url}/healthz", headers={"Host": host}).status_code == 200, host
         sock = tcp(gw)  # HTTP/1.0 without Host: not a browser
         sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
-        assert answer_then_closed(sock).startswith(b"HTTP/1.1 200")
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 200")
         for host in ("localhost.attacker.example", "attacker.example", "127.0.0.1.nip.io"):
             assert httpx.get(f"{gw.http_url}/healthz", headers={"Host": host}).status_code == 421, host
 

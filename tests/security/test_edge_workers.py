@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtest.floodprobe import recv_until
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cluster"))
 from cluster_helpers import REDIS_SERVER, ROOT, NodeFactory, RedisServer  # noqa: E402
 
@@ -120,12 +122,7 @@ def _served(port: int) -> socket.socket | None:
     """A kept-alive connection that got 200 for /healthz, or None when it was refused (503)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        data += chunk
+    data = recv_until(sock, b"\r\n\r\n", 4096)
     if data.startswith(b"HTTP/1.1 200"):
         return sock
     assert data.startswith(b"HTTP/1.1 503"), data[:200]
