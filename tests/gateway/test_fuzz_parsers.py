@@ -128,8 +128,8 @@ records = st.fixed_dictionaries(
               "auth": st.sampled_from(["s3cret", "x"]) | json_values},
 )
 lines = st.binary(max_size=80).map(lambda b: b.replace(b"\n", b"")) | records.map(orjson.dumps)
-#: what a peer's bytes can make of a line, besides records of the schema
-INGEST_ERROR_CODES = {"bad_json", "bad_record", "too_large"}
+#: what a peer's bytes can make of a line, besides records of the schema (protocol.md, TCP ingest)
+INGEST_ERROR_CODES = {"bad_json", "bad_record", "bad_seq", "too_large"}  # bad_seq: a whole number past 2**53
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
