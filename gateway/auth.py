@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from .config import AuthConfig, ConfigError
-from .errors import BadToken, RateLimited, TokenExpired
+from .errors import BadToken, TokenExpired, TooManyTokenChecks
 from .owners import check_user_id
-from .ratelog import TokenBucket
+from .ratelog import AddressRates
 
 if TYPE_CHECKING:
     from .addrcount import SharedRate
@@ -53,33 +53,18 @@ class Principal:
 
 
 class CheckLimiter:
-    """Token checks (signature verifications) per peer address: a token bucket per address, in a table of
-    at most `MAX_TRACKED_ADDRESSES` (least recently seen forgotten first). A 4096-bit RS256 check costs
-    ~0.1 ms: unbounded, one client sending bad tokens took most of a core (issue 24)."""
+    """Token checks (signature verifications) per peer address: a token bucket per address (`AddressRates`,
+    or with `server.workers` > 1 the workers' shared `SharedRate`). A 4096-bit RS256 check costs ~0.1 ms:
+    unbounded, one client sending bad tokens took most of a core (issue 24)."""
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate = rate
-        self.burst = burst
-        self._buckets: dict[str, TokenBucket] = {}
-        #: with server.workers > 1: the buckets shared by every worker (gateway/addrcount.py), used instead
-        #: of `_buckets`, so the rate holds across the workers an address's connections land on
-        self.shared: SharedRate | None = None
+        self.rates: AddressRates | SharedRate = AddressRates(rate, burst, MAX_TRACKED_ADDRESSES)
         #: checks refused, for /metrics (`fanout_auth_rate_limited_total`)
         self.refused = 0
 
     def take(self, address: str) -> bool:
-        if self.rate <= 0:
-            return True
-        if self.shared is not None:
-            return self.shared.take(address)
-        buckets = self._buckets
-        bucket = buckets.pop(address, None)
-        if bucket is None:
-            if len(buckets) >= MAX_TRACKED_ADDRESSES:
-                del buckets[next(iter(buckets))]
-            bucket = TokenBucket(self.rate, self.burst)
-        buckets[address] = bucket  # most recently seen last
-        return bucket.take()
+        return self.rate <= 0 or self.rates.take(address)
 
 
 class TokenVerifier:
@@ -112,15 +97,15 @@ class TokenVerifier:
         return bool(self.secret or self.public_key)
 
     def admit(self, address: str | None) -> None:
-        """Count one token check from `address`; RateLimited past `auth.rate_per_ip`."""
+        """Count one token check from `address`; TooManyTokenChecks past `auth.rate_per_ip`."""
         if address is not None and not self.per_address.take(address):
             self.per_address.refused += 1
-            raise RateLimited(f"too many token checks from this address (auth.rate_per_ip ="
+            raise TooManyTokenChecks(f"too many token checks from this address (auth.rate_per_ip ="
                               f" {self.per_address.rate:g}/s); retry later")
 
     def verify(self, token: object, address: str | None = None) -> Principal:
-        """The token's principal; BadToken or TokenExpired saying why it is refused, RateLimited when
-        `address` made too many checks (`admit`)."""
+        """The token's principal; BadToken or TokenExpired saying why it is refused, TooManyTokenChecks
+        when `address` made too many checks (`admit`)."""
         self.admit(address)
         if not self.enabled:
             raise BadToken("authentication is not configured on this gateway (auth.jwt_secret)")

@@ -45,6 +45,12 @@ class RateLimited(RequestError):
     http_status = 429
 
 
+class TooManyTokenChecks(RateLimited):
+    """A `?token=` (or bearer token) not checked: its address is past `auth.rate_per_ip` (gateway/auth.py)."""
+
+    close_code = close_codes.TOO_MANY_TOKEN_CHECKS
+
+
 class TooManyCreatedTopics(RequestError):
     """This connection has caused `limits.max_created_topics` creations (the code is the table's own)."""
 

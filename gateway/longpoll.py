@@ -28,10 +28,10 @@ from .errors import (
     BadJson,
     BadToken,
     Closed,
-    RateLimited,
     TokenExpired,
     TooManySessions,
     TooManySessionsFromAddress,
+    TooManyTokenChecks,
     UnknownSession,
 )
 from .http_errors import error_response
@@ -155,7 +155,7 @@ async def create_session(request: Request) -> Response:
         except (BadToken, TokenExpired) as exc:
             hub.bad_input("longpoll", "token refused: %s", exc)
             return error_response(exc, {"WWW-Authenticate": "Bearer"})
-        except RateLimited as exc:  # auth.rate_per_ip
+        except TooManyTokenChecks as exc:  # auth.rate_per_ip
             hub.bad_input("longpoll", "token not checked: %s", exc)
             return error_response(exc, RETRY_LATER)
     identity = ClientIdentity(hub.new_client_id("lp"), "longpoll", f"{host}:{port}", host, principal)

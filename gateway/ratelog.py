@@ -1,5 +1,5 @@
-"""Rate limits: a token bucket, and the rate-limited log of bad client input (a peer cannot flood the log,
-or the disk, by misbehaving).
+"""Rate limits: a token bucket, token buckets keyed by peer address, and the rate-limited log of bad client
+input (a peer cannot flood the log, or the disk, by misbehaving).
 
 One `BadInputLog` per process (on the hub). Each call counts the event by source; at most `per_second`
 lines are written per second (a token bucket with a burst of the same size), the rest are only counted
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 log = logging.getLogger("gateway.input")
 
@@ -28,14 +28,56 @@ class TokenBucket:
         self.clock = clock
         self.stamp = clock()
 
-    def take(self) -> bool:
+    def refill(self) -> float:
+        """The tokens there are now."""
         now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
-        if self.tokens < 1:
+        return self.tokens
+
+    def take(self) -> bool:
+        if self.refill() < 1:
             return False
         self.tokens -= 1
         return True
+
+
+class AddressRates:
+    """A token bucket per key (a peer address) in this process, in a table of at most `max_keys` (the least
+    recently used is forgotten: its next use starts with a full bucket, which costs an attacker an address
+    per burst). The verbs of gateway/addrcount.py's `SharedRate`, which replaces it with `server.workers` > 1
+    so one address has one bucket whichever worker serves it. `rate` 0: no refill."""
+
+    def __init__(self, rate: float, burst: float, max_keys: int = 65_536, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.max_keys = max_keys
+        self.clock = clock
+        self._buckets: dict[Hashable, TokenBucket] = {}
+
+    def _bucket(self, key: Hashable) -> TokenBucket:
+        buckets = self._buckets
+        bucket = buckets.pop(key, None)
+        if bucket is None:
+            if len(buckets) >= self.max_keys:
+                del buckets[next(iter(buckets))]
+            bucket = TokenBucket(self.rate, self.burst, clock=self.clock)
+        buckets[key] = bucket  # most recently used last
+        return bucket
+
+    def tokens(self, key: Hashable) -> float:
+        """Tokens left for `key` now (nothing taken)."""
+        return self._bucket(key).refill()
+
+    def take(self, key: Hashable) -> bool:
+        """Take one token for `key`; False (nothing taken) when less than one is left."""
+        return self._bucket(key).take()
+
+    def charge(self, key: Hashable) -> None:
+        """Take one token for `key` whatever is left (an empty bucket stays empty, never below)."""
+        bucket = self._bucket(key)
+        bucket.tokens = max(0.0, bucket.refill() - 1)
 
 
 class BadInputLog:

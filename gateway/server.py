@@ -231,8 +231,8 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
         hub.clients_by_ip = links.counts.counter("clients")
         # the token buckets keyed by address too: one bucket per address across the workers
         limits = config.limits
-        hub.creations.shared = links.counts.rate("topic_create", limits.topic_create_rate, limits.topic_create_burst)
-        hub.tokens.per_address.shared = links.counts.rate("token_check", config.auth.rate_per_ip,
+        hub.creations.rates = links.counts.rate("topic_create", limits.topic_create_rate, limits.topic_create_burst)
+        hub.tokens.per_address.rates = links.counts.rate("token_check", config.auth.rate_per_ip,
                                                           config.auth.burst_per_ip)
     hub.metrics.connections = limiter
     uv_config = uvicorn.Config(

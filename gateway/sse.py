@@ -35,7 +35,15 @@ from core.errors import RequestError, TooManySubscriptions
 
 from . import close_codes, schema
 from .commands import run_command
-from .errors import BadRequest, BadToken, NotFound, RateLimited, TokenExpired, TooManySessionsFromAddress, UnknownSession
+from .errors import (
+    BadRequest,
+    BadToken,
+    NotFound,
+    TokenExpired,
+    TooManySessionsFromAddress,
+    TooManyTokenChecks,
+    UnknownSession,
+)
 from .http_errors import error_response
 from .hub import Hub
 from .identity import ClientIdentity
@@ -455,9 +463,9 @@ async def stream(request: Request) -> Response:
     if token is not None:
         try:
             principal = hub.tokens.verify(token, host)
-        except (BadToken, TokenExpired, RateLimited) as exc:  # RateLimited: auth.rate_per_ip
+        except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
             hub.bad_input("sse", "token refused: %s", exc)
-            return close_only(exc.close_code or close_codes.TOO_MANY_TOKEN_CHECKS, exc.message)
+            return close_only(exc.close_code, exc.message)
     proto = request.scope.get("extensions", {}).get(SCOPE_KEY)
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
         raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.netguard.GuardedHttpToolsProtocol)")

@@ -20,11 +20,11 @@ Every refusal is `too_many_topics` for that request only, counted in `fanout_top
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .errors import TooManyCreatedTopics
+from .ratelog import AddressRates
 
 if TYPE_CHECKING:
     from .addrcount import SharedRate
@@ -35,14 +35,6 @@ if TYPE_CHECKING:
 ADDRESSES_MAX = 65_536
 
 
-class _Bucket:
-    __slots__ = ("tokens", "stamp")
-
-    def __init__(self, tokens: float, stamp: float) -> None:
-        self.tokens = tokens
-        self.stamp = stamp
-
-
 class CreationBudget:
     def __init__(self, limits: "LimitsConfig", topic_count: Callable[[], int], *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -51,29 +43,10 @@ class CreationBudget:
         self.burst = float(limits.topic_create_burst)
         self.total = limits.max_client_topics
         self.topic_count = topic_count
-        self.clock = clock
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
-        #: with server.workers > 1: the buckets shared by every worker (gateway/addrcount.py), used instead
-        #: of `_buckets`, so the rate holds across the workers an address's connections land on
-        self.shared: SharedRate | None = None
+        #: a bucket per address; with server.workers > 1 the workers' shared ones (gateway/addrcount.py)
+        self.rates: AddressRates | SharedRate = AddressRates(self.rate, self.burst, ADDRESSES_MAX, clock=clock)
         #: refusals by reason ("connection", "address", "total", "cluster"): `/metrics`
         self.refused: dict[str, int] = {"connection": 0, "address": 0, "total": 0, "cluster": 0}
-
-    def _bucket(self, ip: str) -> _Bucket:
-        now = self.clock()
-        bucket = self._buckets.get(ip)
-        if bucket is None:
-            bucket = self._buckets[ip] = _Bucket(self.burst, now)
-            if len(self._buckets) > ADDRESSES_MAX:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(ip)
-            bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.stamp) * self.rate)
-            bucket.stamp = now
-        return bucket
-
-    def _tokens(self, ip: str) -> float:
-        return self.shared.tokens(ip) if self.shared is not None else self._bucket(ip).tokens
 
     def refusal(self, identity: "ClientIdentity") -> tuple[str, str] | None:
         """Why `identity` may not create a topic now, (reason, message), or None when it may (nothing is
@@ -81,7 +54,7 @@ class CreationBudget:
         # creations that may be under way through a broker count as made until Redis answered (`begin`)
         if identity.created_topics + identity.creating >= self.per_connection:
             return "connection", f"this connection may create at most {self.per_connection} topics"
-        if self.burst > 0 and self._tokens(identity.ip) - identity.creating < 1:
+        if self.burst > 0 and self.rates.tokens(identity.ip) - identity.creating < 1:
             return "address", (f"topics created from your address above {self.rate:g}/s"
                                f" (burst {self.burst:g}): retry later")
         if self.total > 0 and self.topic_count() >= self.total:
@@ -116,12 +89,5 @@ class CreationBudget:
     def charge(self, identity: "ClientIdentity") -> None:
         """`identity` created a topic."""
         identity.created_topics += 1
-        if self.burst > 0 and self.shared is not None:
-            self.shared.charge(identity.ip)
-        elif self.burst > 0:
-            bucket = self._bucket(identity.ip)
-            bucket.tokens = max(0.0, bucket.tokens - 1)
-
-    @property
-    def addresses(self) -> int:
-        return len(self._buckets)
+        if self.burst > 0:
+            self.rates.charge(identity.ip)

@@ -30,7 +30,7 @@ from core import Batch
 
 from . import close_codes
 from .commands import handle_payload
-from .errors import BadToken, RateLimited, TokenExpired
+from .errors import BadToken, TokenExpired, TooManyTokenChecks
 from .hub import Hub
 from .identity import ClientIdentity
 from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
@@ -617,10 +617,9 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     if token is not None:
         try:
             principal = hub.tokens.verify(token, websocket.client.host if websocket.client else "")
-        except (BadToken, TokenExpired, RateLimited) as exc:
+        except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
             hub.bad_input("ws", "token refused: %s", exc)
-            code = exc.close_code or close_codes.TOO_MANY_TOKEN_CHECKS
-            await websocket.close(code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
+            await websocket.close(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
             return
     client_id = hub.new_client_id("ws")
     host, port = websocket.client if websocket.client else ("", 0)
@@ -659,10 +658,9 @@ def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
     if tokens is not None:
         try:
             principal = hub.tokens.verify(tokens[-1], proto.client[0] if proto.client else "")
-        except (BadToken, TokenExpired, RateLimited) as exc:  # RateLimited: auth.rate_per_ip
+        except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
             hub.bad_input("ws", "token refused: %s", exc)
-            code = exc.close_code or close_codes.TOO_MANY_TOKEN_CHECKS
-            proto.close_with(code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
+            proto.close_with(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
             return
     client_id = hub.new_client_id("ws")
     host, port = proto.client if proto.client else ("", 0)
