@@ -70,8 +70,6 @@ class _Pending:
     future: asyncio.Future[Any] | None = None
     command: dict[str, Any] | None = None
     sub: Subscription | None = None
-    #: a request written to a connection (lost with it: `disconnected`), not one waiting in the outbox
-    sent: bool = False
     token: str | None = None
 
 
@@ -219,11 +217,16 @@ class Subscription:
             command["since"] = {"epoch": position.epoch, "seq": position.seq}
         return command
 
-    def _on_subscribed(self, kind: str, epoch: str, seq: int) -> list[Event]:
+    def _on_subscribed(self, kind: str, epoch: str, seq: int) -> None:
         self.subscribed_count += 1
         if not self._ready.done():
             self._ready.set_result(None)
-        return self._stream.on_subscribed(kind, epoch, seq)
+        self._push(self._stream.on_subscribed(kind, epoch, seq))
+
+    def _push(self, events: list[Event]) -> None:
+        if events:
+            self._queue.extend(events)
+            self._readable.set()
 
     def _room_for(self, count: int) -> bool:
         return len(self._queue) + count <= self._max
@@ -246,10 +249,7 @@ class Subscription:
             self._stream.resubscribing()
             self.client._pause(self)
             return
-        events = make()
-        if events:
-            self._queue.extend(events)
-            self._readable.set()
+        self._push(make())
 
     def _end(self, reason: str, error: FanoutError | None, *, drop_queued: bool = False) -> None:
         if self.closed_reason is not None:
@@ -446,7 +446,6 @@ class Client:
         self._requests += 1
         try:
             if self._ws is not None:
-                pending.sent = True
                 self._send_soon(command)
             else:
                 self._outbox[request_id] = None
@@ -526,7 +525,7 @@ class Client:
         for i in range(0, len(commands), MAX_COMMANDS):
             chunk = commands[i : i + MAX_COMMANDS]
             try:
-                await ws.send(orjson.dumps(chunk[0] if len(chunk) == 1 else chunk).decode())
+                await ws.send(orjson.dumps(chunk[0] if len(chunk) == 1 else chunk), text=True)
             except ConnectionClosed:
                 return  # the reader sees the close; the requests sent fail with `disconnected`
 
@@ -601,14 +600,14 @@ class Client:
         for request_id in list(self._outbox):
             pending = self._pending.get(request_id)
             if pending is not None and pending.command is not None:
-                pending.sent = True
                 commands.append(pending.command)
         self._outbox.clear()
         assert self._send_lock is not None
         try:
             async with self._send_lock:
                 await self._write(ws, commands)
-            async for frame in ws:
+            while True:
+                frame = await ws.recv(decode=False)  # the text frame's UTF-8 bytes, as orjson takes them
                 try:
                     entries = orjson.loads(frame)
                 except orjson.JSONDecodeError:
@@ -661,8 +660,8 @@ class Client:
         self._wire = []
         lost = FanoutError("disconnected", "the connection was lost before the answer (the request may have run)")
         for request_id, pending in list(self._pending.items()):
-            if pending.kind == "request" and not pending.sent:
-                continue  # still waits in the outbox
+            if request_id in self._outbox:
+                continue  # a request still waiting for a connection: not lost
             del self._pending[request_id]
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(lost)
@@ -773,10 +772,7 @@ class Client:
         if target is None or target is not sub or sub.closed_reason is not None or sub._paused:
             return
         if isinstance(kind, str) and isinstance(epoch, str) and seq is not None:
-            events = sub._on_subscribed(kind, epoch, seq)
-            if events:
-                sub._queue.extend(events)
-                sub._readable.set()
+            sub._on_subscribed(kind, epoch, seq)
 
     def _on_reply(self, entry: dict[str, Any]) -> None:
         pending = self._settle(entry.get("id"))
