@@ -18,6 +18,7 @@ from .errors import MethodNotAllowed, NotFound
 from .http_errors import error_response
 from .hub import Hub
 from .origin import OriginGuard, OriginPolicy, parse_allowed_origins
+from .page_headers import SecurityHeaders
 from .pages import Pages
 from .ws import websocket_endpoint
 
@@ -79,7 +80,7 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
     app = Starlette(
         routes=routes,
         exception_handlers={404: not_found, 405: method_not_allowed},
-        middleware=[Middleware(OriginGuard, allowed=allowed)]
+        middleware=[Middleware(SecurityHeaders), Middleware(OriginGuard, allowed=allowed)]
         + ([Middleware(SessionRouter, links=links, config=hub.config)] if links is not None else []),
     )
     app.state.hub = hub

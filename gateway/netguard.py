@@ -32,7 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from core.errors import RequestError
 
-from .errors import BadHost, HeadersTooLarge
+from .errors import BadHost, HeadersTooLarge, TooManyConnections
 from .hosts import HostPolicy
 from .ratelog import BadInputLog
 
@@ -45,21 +45,6 @@ REASONS = ("total", "per_ip", "header_timeout", "header_too_large", "bad_host")
 #: counts and rate-limits refusals of a limiter made without the hub's log (one per process otherwise)
 FALLBACK_BAD_INPUT = BadInputLog(5.0)
 
-_REFUSAL_BODY = orjson.dumps({"error": {
-    "code": "too_many_connections",
-    "message": "too many open connections, in all or from your address; retry later",
-}})
-#: one fixed answer, pre-built: refusing costs one write whatever the flood, and nothing is parsed first
-REFUSAL = (
-    b"HTTP/1.1 503 Service Unavailable\r\n"
-    b"Content-Type: application/json\r\n"
-    b"Content-Length: %d\r\n"
-    b"Connection: close\r\n\r\n" % len(_REFUSAL_BODY)
-) + _REFUSAL_BODY
-
-
-
-
 def _answer(error: RequestError) -> bytes:
     """A whole HTTP answer for `error`, built once: sending it costs one write, whatever the flood."""
     body = orjson.dumps({"error": {"code": error.code, "message": str(error)}})
@@ -68,6 +53,8 @@ def _answer(error: RequestError) -> bytes:
             % (status.value, status.phrase.encode(), len(body))) + body
 
 
+#: a connection past `server.max_connections` or `max_connections_per_ip`: answered before anything is parsed
+REFUSAL = _answer(TooManyConnections("too many open connections, in all or from your address; retry later"))
 #: request heads over `server.max_header_bytes` or `server.max_headers` (RFC 6585 §5)
 HEADERS_TOO_LARGE = _answer(HeadersTooLarge("request headers over server.max_header_bytes or server.max_headers"))
 #: a `Host` that is not served here (gateway/hosts.py; RFC 9110 §15.5.20)

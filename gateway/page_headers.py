@@ -1,6 +1,6 @@
 """Security headers on every HTTP answer of the app: no framing, no content sniffing.
 
-An ASGI middleware around the whole application (gateway/server.py wraps it), so that it composes with
+An ASGI middleware, the outermost of the application's own (gateway/app.py), so that it composes with
 whatever a route or the pages set (CORS, ETag, Cache-Control: gateway/pages.py, gateway/origin.py): it only
 adds a header the response does not carry already (a response forwarded from another worker carries the
 owner's).
@@ -41,6 +41,3 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.app, name)  # e.g. `.state` of the Starlette app it wraps

@@ -22,7 +22,6 @@ from .hub import Hub
 from .ingest import IngestServer
 from .netguard import ConnectionLimiter, http_protocol_class
 from .origin import OriginPolicy, parse_allowed_origins
-from .page_headers import SecurityHeaders
 from .ws import protocol_class
 
 log = logging.getLogger("gateway")
@@ -236,7 +235,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
                                                           config.auth.burst_per_ip)
     hub.metrics.connections = limiter
     uv_config = uvicorn.Config(
-        SecurityHeaders(build_app(hub, token, links)),
+        build_app(hub, token, links),
         http=http_protocol_class(limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes,
                                  server_cfg.max_headers, hosts),
         ws=protocol_class(ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes, limiter, hub.bad_input,
