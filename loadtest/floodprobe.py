@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtest.procstat import read_stat
+
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_TOKEN = "flood-admin-token"
 #: the prober's source address: not the attackers' (127.0.0.1)
@@ -24,18 +26,19 @@ PROBER_ADDRESS = "127.0.0.2"
 
 # -- the gateway's process ---------------------------------------------------------------------------------
 
+def _stat(pid: int) -> tuple[int, float, int]:
+    stat = read_stat(pid)
+    if stat is None:
+        raise RuntimeError(f"the gateway (pid {pid}) exited")
+    return stat
+
+
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return _stat(pid)[2] / 2**20
 
 
 def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat(pid)[1]
 
 
 class FloodGateway:

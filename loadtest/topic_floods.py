@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -30,18 +29,13 @@ from pathlib import Path
 import httpx
 import websockets
 
+from loadtest.cluster_bench import Redis
 from loadtest.floodprobe import ADMIN_TOKEN, FloodGateway, delay_figures, rss_mib
 
 #: the stall flood: ingest connections and data bytes of one record (512 records in flight per connection:
 #: 48 connections would hold 96 MiB of data without broker.max_pending_bytes)
 STALL_CONNECTIONS = 48
 RECORD_BYTES = 4096
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Probe(threading.Thread):
@@ -143,10 +137,10 @@ def _stall_publishers(port: int, seconds: float, out) -> None:
     out.put((sent, answers))
 
 
-def flood_stall(gateway: FloodGateway, redis: subprocess.Popen, seconds: float) -> str:
+def flood_stall(gateway: FloodGateway, redis: Redis, seconds: float) -> str:
     import multiprocessing
 
-    os.kill(redis.pid, signal.SIGSTOP)
+    os.kill(redis.proc.pid, signal.SIGSTOP)
     try:
         results: multiprocessing.Queue = multiprocessing.Queue()
         child = multiprocessing.Process(target=_stall_publishers, args=(gateway.info["ingest_port"], seconds, results))
@@ -155,7 +149,7 @@ def flood_stall(gateway: FloodGateway, redis: subprocess.Popen, seconds: float) 
         child.join()
         metrics = httpx.get(f"{gateway.url}/metrics", timeout=30).text
     finally:
-        os.kill(redis.pid, signal.SIGCONT)
+        os.kill(redis.proc.pid, signal.SIGCONT)
     pending = [line for line in metrics.splitlines() if line.startswith("fanout_broker_")]
     return (f"stall flood, {seconds:g} s with Redis stopped: {sent} records sent, {answers} answer lines; "
             + "; ".join(pending))
@@ -189,12 +183,8 @@ def main() -> None:
     sections: dict[str, dict] = {}
     try:
         if args.flood == "stall":
-            port = free_port()
-            redis = subprocess.Popen([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port),
-                                      "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                      "--dir", str(workdir)], stdout=subprocess.DEVNULL)
-            time.sleep(0.5)
-            sections["broker"] = {"url": f"redis://127.0.0.1:{port}/0"}
+            redis = Redis(workdir)
+            sections["broker"] = {"url": redis.url}
             # each ingest connection's read buffer is its own bound (4 MiB by default: 48 connections could
             # hold 192 MiB there); kept small so the figures show what waits for Redis
             sections["ingest"] = {"max_buffer_bytes": 262144}
@@ -213,8 +203,7 @@ def main() -> None:
             gateway.stop()
     finally:
         if redis is not None:
-            redis.kill()
-            redis.wait()
+            redis.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

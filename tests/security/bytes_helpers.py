@@ -1,6 +1,6 @@
 """Peers that misbehave at the byte level, for the tests of issue 24 (tests/security/test_bytes_*.py): a raw
 WebSocket client that frames by hand (pings, fragments) and may never read; plain connections read until the
-gateway closes them (tests/security/test_edge_http.py, test_connection_limits.py)."""
+gateway closes them, and its connection counters (tests/security/test_edge_http.py, test_connection_limits.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ TEXT, CONT, CLOSE, PING = 0x1, 0x0, 0x8, 0x9
 def tcp(gw) -> socket.socket:
     """A plain connection to the gateway's HTTP port."""
     return socket.create_connection(("127.0.0.1", gw.http_port), timeout=5)
+
+
+def open_connections(gw) -> int:
+    return gw.call(lambda: gw.hub.metrics.connections.open)
+
+
+def refused(gw) -> dict[str, int]:
+    return gw.call(lambda: dict(gw.hub.metrics.connections.refused))
 
 
 def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
@@ -129,11 +137,6 @@ class RawWs:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def ws_protocol_of(gw, client_id: str):
-    """The gateway's protocol object of a served WebSocket client (read on the gateway's loop only)."""
-    return gw.hub.conns[client_id].proto
 
 
 def only_client(gw, prefix: str = "ws-") -> str:

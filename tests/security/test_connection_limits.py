@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trustme
 import websockets.asyncio.client
-from bytes_helpers import read_until_closed, tcp
+from bytes_helpers import open_connections, read_until_closed, refused, tcp
 from websockets.sync.client import connect
 
 from gateway.config import ConfigError
@@ -81,14 +81,6 @@ def wait_for(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
-
-
-def open_connections(gw) -> int:
-    return gw.call(lambda: gw.hub.metrics.connections.open)
-
-
-def refused(gw) -> dict[str, int]:
-    return gw.call(lambda: dict(gw.hub.metrics.connections.refused))
 
 
 def assert_refusal(data: bytes) -> None:

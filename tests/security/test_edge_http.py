@@ -8,11 +8,11 @@ import base64
 import json
 import os
 import socket
-import time
 
 import httpx
 import pytest
-from bytes_helpers import read_until_closed, tcp
+from bytes_helpers import open_connections, read_until_closed, refused, tcp
+from gw_helpers import wait_for
 
 from gateway.config import ConfigError
 from gateway.testing import TEST_TOKEN, run_gateway
@@ -36,21 +36,6 @@ def json_error(data: bytes, status: bytes) -> str:
     return json.loads(body)["error"]["code"]
 
 
-def refused(gw) -> dict[str, int]:
-    return gw.call(lambda: dict(gw.hub.metrics.connections.refused))
-
-
-def open_connections(gw) -> int:
-    return gw.call(lambda: gw.hub.metrics.connections.open)
-
-
-def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def upgrade(path: str = "/ws", host: str = "127.0.0.1", extra: bytes = b"") -> bytes:
     key = base64.b64encode(os.urandom(16))
     return (b"GET " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode() + b"\r\nUpgrade: websocket\r\n"
@@ -71,7 +56,7 @@ def test_a_head_over_max_header_bytes_is_answered_431_and_closed_whatever_its_pi
         sock.sendall(b"GET /healthz?" + b"q" * 17000)
         assert json_error(read_until_closed(sock), b"431") == "headers_too_large"
         sock.close()
-        wait_for(lambda: open_connections(gw) == 0)
+        wait_for(lambda: open_connections(gw) == 0, "every connection closed", timeout=5)
         assert refused(gw)["header_too_large"] == 4
         metrics = httpx.get(f"{gw.http_url}/metrics").text
         assert 'fanout_connections_refused_total{reason="header_too_large"} 4.0' in metrics
@@ -130,7 +115,7 @@ def test_a_handshake_websockets_refuses_for_size_is_answered_and_closed_and_free
             data = read_until_closed(sock)
             assert data.startswith(b"HTTP/1.1 " + status), data[:200]
             sock.close()
-        wait_for(lambda: open_connections(gw) == 0)
+        wait_for(lambda: open_connections(gw) == 0, "every connection closed", timeout=5)
         assert refused(gw)["header_too_large"] == 6
 
 

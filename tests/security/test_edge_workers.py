@@ -20,7 +20,7 @@ import pytest
 from loadtest.floodprobe import recv_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cluster"))
-from cluster_helpers import REDIS_SERVER, ROOT, NodeFactory, RedisServer  # noqa: E402
+from cluster_helpers import REDIS_SERVER, ROOT, Node, NodeFactory, RedisServer  # noqa: E402
 
 if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):
     pytest.skip("redis-server is missing: `make redis` (part of `make test`) installs it", allow_module_level=True)
@@ -93,10 +93,9 @@ def test_workers_listen_on_the_public_ports_only_and_still_forward_sessions(node
 # -- 6. descriptors of forwards counted at start -----------------------------------------------------------
 
 def test_the_descriptor_check_counts_the_sockets_of_forwards(nodes, tmp_path):
-    node = nodes.start("w", wait=False, server={"workers": 2, "max_connections": 100})
-    node.stop()
-    config = tmp_path / "w" / "gateway.toml"
-    ready = tmp_path / "w" / "ready-limited.json"
+    config = tmp_path / "gateway.toml"
+    config.write_text(Node(tmp_path, nodes.redis.url, {"server": {"workers": 2, "max_connections": 100}}).config_text())
+    ready = tmp_path / "ready.json"
 
     def low_limit() -> None:  # 300 descriptors: above max_connections + 64 (164), below 3 x 100 + 64 (364)
         resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))

@@ -5,58 +5,30 @@ kept /healthz of another client at 64-84 ms p99). Black-box: a gateway process o
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from bytes_helpers import TEXT, RawWs, ws_frame
 
+from loadtest.floodprobe import FloodGateway, healthz_ms
+
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _start(tmp: Path) -> tuple[subprocess.Popen, int]:
-    config = tmp / "gateway.toml"
-    # replies are bounded per client in entries and bytes (4009): raised here, so the burst is all handled
-    config.write_text('[server]\nhost = "127.0.0.1"\nport = 0\nadmin_token = "fairness-test-token"\n'
-                      'log_level = "warning"\n[ingest]\nenabled = false\n[rawtcp]\nenabled = false\n'
-                      '[scheduler]\ndirect_queue_max = 1000000\ndirect_queue_max_bytes = 1073741824\n'
-                      'direct_total_max_bytes = 2147483648\n[limits]\nbad_input_log_per_s = 0\n')
-    ready = tmp / "ready.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=ROOT, env=env, stdout=open(tmp / "gateway.log", "wb"),
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not ready.exists() or not ready.read_text().strip():
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp / "gateway.log").read_text()[-2000:]
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())["http_port"]
-
-
-def _healthz_ms(port: int) -> float:
-    start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        data = b""
-        while b'"ok"' not in data:
-            chunk = sock.recv(4096)
-            assert chunk, data
-            data += chunk
-    return (time.perf_counter() - start) * 1000
+#: replies are bounded per client in entries and bytes (4009): raised here, so the burst is all handled
+SECTIONS = {"ingest": {"enabled": False},
+            "scheduler": {"direct_queue_max": 1000000, "direct_queue_max_bytes": 1073741824,
+                          "direct_total_max_bytes": 2147483648},
+            "limits": {"bad_input_log_per_s": 0}}
 
 
 def test_a_burst_of_commands_leaves_the_loop_to_other_clients(tmp_path):
-    proc, port = _start(tmp_path)
+    gateway = FloodGateway(tmp_path, SECTIONS)
+    port = gateway.http_port
     try:
-        assert max(_healthz_ms(port) for _ in range(5)) < 1000
+        assert max(healthz_ms(port) for _ in range(5)) < 1000
         attacker = RawWs(port, rcvbuf=1 << 20)
         answered = [0]
 
@@ -79,7 +51,7 @@ def test_a_burst_of_commands_leaves_the_loop_to_other_clients(tmp_path):
         delays = []
         last, still = -1, time.monotonic()
         while len(delays) < 60 and time.monotonic() - still < 0.5:  # until the answers stop coming
-            delays.append(_healthz_ms(port))
+            delays.append(healthz_ms(port))
             time.sleep(0.02)
             if answered[0] != last:
                 last, still = answered[0], time.monotonic()
@@ -93,8 +65,7 @@ def test_a_burst_of_commands_leaves_the_loop_to_other_clients(tmp_path):
         assert median < 20 and worst < 60, (median, worst, delays)
         attacker.close()
     finally:
-        proc.terminate()
-        proc.wait(15)
+        gateway.stop()
 
 
 def test_commands_left_for_a_later_turn_are_all_run_in_order():
