@@ -50,12 +50,6 @@ def _topic_config(hub: "Hub", name: str) -> TopicConfig:
     return config
 
 
-def _creating(hub: "Hub", identity: ClientIdentity, name: str) -> bool:
-    """Whether acting on `name` creates it here; refuses when this client may create no more topics
-    (per connection, per address, in total: gateway/topic_budget.py). With a broker Redis decides (hub)."""
-    return hub.creating(identity, name)
-
-
 def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) -> None:
     name = command.topic
     since = None
@@ -65,7 +59,7 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
         since = (command.since.epoch, command.since.seq)
     if not identity.may_subscribe(name, _topic_config(hub, name)):
         raise Forbidden(f"not allowed to subscribe to {name!r}")
-    creating = _creating(hub, identity, name)
+    creating = hub.creating(identity, name)  # raises when this client may create no more
     hub.subscribe(identity.client_id, name, since=since, request_id=command.id)
     if creating:
         hub.creations.charge(identity)
@@ -81,7 +75,7 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
         bucket = identity.publish_bucket = TokenBucket(limits.publish_rate, limits.publish_burst)
     if not bucket.take():
         raise RateLimited(f"publish rate above {hub.config.limits.publish_rate:g}/s")
-    creating = _creating(hub, identity, name)
+    creating = hub.creating(identity, name)  # raises when this client may create no more
     hub.publish_reply(identity.client_id, name, command.data, command.id)  # the reply, now or from the broker
     if creating:
         hub.creations.charge(identity)

@@ -102,7 +102,7 @@ class IngestProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         #: the record waiting for space in a private queue, or for the broker (`_wait_for_broker`)
         self.blocked: Publish | None = None
-        #: not read until the broker takes publishes again (`RedisBroker.when_accepting`)
+        #: not read until the broker takes publishes again (`Broker.when_accepting`)
         self.broker_wait: asyncio.Future[None] | None = None
         self.reading_paused = False
         #: more than `max_answer_bytes` of answers wait to be written: records are not processed
@@ -266,13 +266,13 @@ class IngestProtocol(asyncio.Protocol):
         record = item.record
         if self.hub.broker.distributed and (self.hub.via_broker(record.topic) or self.hub.queued_in_broker(record.topic)):
             broker = self.hub.broker
-            if getattr(broker, "congested", False):
+            if broker.congested:
                 self._wait_for_broker(item)  # over broker.max_pending_bytes: held, not refused
                 return
             try:
                 future = self.hub.publish_later(record.topic, record.data, seq=record.seq, owner=record.client)
             except RequestError as exc:
-                if isinstance(exc, BrokerUnavailable) and getattr(broker, "congested", False):
+                if isinstance(exc, BrokerUnavailable) and broker.congested:
                     self._wait_for_broker(item)  # this one met the bound
                     return
                 self.refused += 1
@@ -317,11 +317,11 @@ class IngestProtocol(asyncio.Protocol):
 
     def _wait_for_broker(self, item: Publish | None) -> None:
         """The broker takes no publish now: hold `item` (None: it was answered) and stop reading until it
-        does (`RedisBroker.when_accepting`)."""
+        does (`Broker.when_accepting`)."""
         self._pause()
         if item is not None:
             self.blocked = item
-        self.broker_wait = self.hub.broker.when_accepting()  # type: ignore[attr-defined]  # RedisBroker
+        self.broker_wait = self.hub.broker.when_accepting()
         self.broker_wait.add_done_callback(self._broker_accepting)
 
     def _broker_accepting(self, future: asyncio.Future) -> None:

@@ -126,9 +126,9 @@ class Metrics:
         broker = self.hub.broker
         if broker.distributed:
             yield GaugeMetricFamily("fanout_broker_pending_bytes", "bytes of publishes waiting for Redis"
-                                    " (bounded by broker.max_pending_bytes)", value=getattr(broker, "pending_bytes", 0))
+                                    " (bounded by broker.max_pending_bytes)", value=broker.pending_bytes)
             yield CounterMetricFamily("fanout_broker_backlog_refused", "publishes refused (broker_unavailable) because"
-                                      " broker.max_pending_bytes wait for Redis", value=getattr(broker, "backlog_refused", 0))
+                                      " broker.max_pending_bytes wait for Redis", value=broker.backlog_refused)
         yield CounterMetricFamily("fanout_rounds", "scheduler rounds (cycles written together, gateway/staging.py)",
                                   value=self.hub.rounds)
         yield CounterMetricFamily("fanout_staged_writes", "write calls of staged batches (WebSocket, SSE)",

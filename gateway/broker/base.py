@@ -25,6 +25,16 @@ from core import TopicConfig
 class Broker(Protocol):
     #: publishes of shared topics go through the broker (a future), not straight into the engine
     distributed: bool
+    #: the publishes waiting for the broker met their byte bound: it takes none until they drain
+    #: (`when_accepting`); publishers that can wait hold theirs (the ingest), others get `BrokerUnavailable`
+    congested: bool
+    #: bytes of publishes waiting for the broker, and publishes refused for their bound (`/metrics`)
+    pending_bytes: int
+    backlog_refused: int
+
+    def when_accepting(self) -> asyncio.Future[None]:
+        """A future done once the broker takes publishes again (at once when it does). Cancel it to stop
+        waiting."""
 
     async def start(self) -> None:
         """Connect; raise `BrokerUnreachable` when that is impossible (the gateway does not start)."""

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 class InProcessBroker:
     distributed = False
+    congested = False  # the engine takes every publish at once: nothing waits
+    pending_bytes = 0
+    backlog_refused = 0
 
     def __init__(self, hub: "Hub") -> None:
         self.hub = hub
@@ -30,6 +33,11 @@ class InProcessBroker:
     def publish(self, topic: str, data: Any, seq: int | None, *, creator: Any = None) -> asyncio.Future[int]:
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         future.set_result(self.hub.publish(topic, data, seq=seq).seq)
+        return future
+
+    def when_accepting(self) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
         return future
 
     def attached(self, topic: str) -> bool:
