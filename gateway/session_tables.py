@@ -23,8 +23,9 @@ class ClosedSessions:
     def keep(self, secret: str, body: bytes) -> None:
         now = time.monotonic()
         bodies = self._bodies
-        for old, (deadline, _) in list(bodies.items()):
-            if deadline > now and len(bodies) < self.limit:
+        while bodies:  # the oldest first: stops at the first one still kept (no copy of the table)
+            old = next(iter(bodies))
+            if bodies[old][0] > now and len(bodies) < self.limit:
                 break
             del bodies[old]
         bodies[secret] = (now + self.ttl, body)
@@ -64,8 +65,9 @@ class Checkpoints:
             return
         now = time.monotonic()
         ended = self._ended
-        for old, deadline in list(ended.items()):
-            if deadline > now and len(ended) < self.MAX_ENDED:
+        while ended:  # the oldest first, as in `ClosedSessions.keep`
+            old = next(iter(ended))
+            if ended[old] > now and len(ended) < self.MAX_ENDED:
                 break
             del ended[old]
             self._points.pop(old, None)
