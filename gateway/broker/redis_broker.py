@@ -426,9 +426,25 @@ class RedisBroker:
             assert refusal is not None
             raise self.hub.creations.refuse(refusal)
         if reply[0] == -3:
-            self.hub.creations.refused["cluster"] += 1
-            raise TooManyTopics(f"the cluster holds its maximum of {self.max_topics} topics (broker.max_topics)")
+            raise self._cluster_full()
         return reply
+
+    def _begin_creation(self, holder: Line | _Pending, done: asyncio.Future[Any]) -> None:
+        """A client's attach or publish, which creates the topic if Redis has none: the refusal of its
+        creation budget goes with it to Redis (which refuses only a new topic); allowed, it counts as a
+        creation under way until `done`, then is charged if it created the topic (`holder.created`)."""
+        creator = holder.creator
+        if creator is None:
+            return
+        budget = self.hub.creations
+        holder.refusal = budget.begin(creator)
+        if holder.refusal is None:
+            done.add_done_callback(lambda _: budget.end(creator, holder.created))
+
+    def _cluster_full(self) -> TooManyTopics:
+        """The error of a topic Redis would create past broker.max_topics, counted."""
+        self.hub.creations.refused["cluster"] += 1
+        return TooManyTopics(f"the cluster holds its maximum of {self.max_topics} topics (broker.max_topics)")
 
     def reserve(self, size: int) -> None:
         """Count `size` bytes of a publish waiting for Redis; `BrokerUnavailable` when that would pass
@@ -596,11 +612,7 @@ class RedisBroker:
             ready.set_exception(BrokerUnavailable(f"broker unreachable: {self.last_error}"))
             return ready
         line = self.lines[topic] = Line(topic, ready, creator=creator)
-        if creator is not None:
-            budget = self.hub.creations
-            line.refusal = budget.begin(creator)
-            if line.refusal is None:
-                ready.add_done_callback(lambda _: budget.end(creator, line.created))
+        self._begin_creation(line, ready)
         line.task = loop.create_task(self._attach(line), name=f"broker-attach {topic}")
         return ready
 
@@ -651,11 +663,7 @@ class RedisBroker:
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda _: self.release_bytes(size))
         pending = _Pending(topic, raw, seq, config, future, creator)
-        if creator is not None:
-            budget = self.hub.creations
-            pending.refusal = budget.begin(creator)
-            if pending.refusal is None:
-                future.add_done_callback(lambda _: budget.end(creator, pending.created))
+        self._begin_creation(pending, future)
         self._queue.append(pending)
         assert self._queued is not None  # set by start
         self._queued.set()
@@ -715,9 +723,7 @@ class RedisBroker:
                     assert p.refusal is not None
                     p.future.set_exception(self.hub.creations.refuse(p.refusal))
                 elif status == -4:
-                    self.hub.creations.refused["cluster"] += 1
-                    p.future.set_exception(TooManyTopics(
-                        f"the cluster holds its maximum of {self.max_topics} topics (broker.max_topics)"))
+                    p.future.set_exception(self._cluster_full())
                 elif status == -1:
                     p.future.set_exception(StaleSeq(f"seq {p.seq} of {p.topic!r} was already published (next: {seq})"))
                 else:
