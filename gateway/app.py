@@ -12,15 +12,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from . import admin, longpoll, sse
-from .broker.forward import SessionRouter, WorkerLinks
+from . import admin
 from .errors import MethodNotAllowed, NotFound
 from .http_errors import error_response
 from .hub import Hub
 from .origin import OriginGuard, OriginPolicy, parse_allowed_origins
 from .page_headers import SecurityHeaders
 from .pages import Pages
-from .ws import websocket_endpoint
+from .transports import longpoll, sse
+from .transports.ws import websocket_endpoint
+from .workers.forward import SessionRouter, WorkerLinks
 
 # The client library's type declarations (static/fanout.d.ts): the system table may call .ts a Qt file.
 mimetypes.add_type("application/typescript", ".ts")
@@ -55,7 +56,7 @@ async def websocket_disabled(websocket: WebSocket) -> None:
 
 def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> Starlette:
     """`links`: with `server.workers` > 1, session requests owned by another worker go to it
-    (gateway/broker/forward.py), inside the Origin guard, which this worker answers itself."""
+    (gateway/workers/forward.py), inside the Origin guard, which this worker answers itself."""
     lp_on = hub.config.longpoll.enabled
     routes = [
         WebSocketRoute("/ws", websocket_endpoint if hub.config.websocket.enabled else websocket_disabled),
@@ -84,7 +85,7 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
         + ([Middleware(SessionRouter, links=links, config=hub.config)] if links is not None else []),
     )
     app.state.hub = hub
-    app.state.sse_sessions = {}  # SSE streams by their secret (gateway/sse.py)
+    app.state.sse_sessions = {}  # SSE streams by their secret (gateway/transports/sse.py)
     app.state.admin_token = admin_token
     app.state.session_prefix = links.secret_prefix if links is not None else ""  # names the owning worker
     return app

@@ -16,10 +16,10 @@ from typing import Any
 import core
 
 from .broker import BrokerUnreachable
-from .broker.forward import WorkerLinks
 from .config import ConfigError, GatewayConfig, load_config
 from .operator_tools import check, mint_token
 from .server import start_gateway
+from .workers.forward import WorkerLinks
 
 
 def _run(coro: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.server.workers > 1:  # docs/cluster.md §5
-        from .broker.workers import run_workers
+        from .workers.supervisor import run_workers
 
         return run_workers(config, args.ready_file, _serve_worker, write_ready_file)
     return _serve_worker(config, args.ready_file, 0)

@@ -10,7 +10,7 @@ TOKEN_EXPIRED = 4011  # the token expired and no fresh one came within auth.expi
 IDLE = 4012  # no subscription and no command for limits.idle_timeout_s
 GOING_AWAY = 1001  # server shutting down
 INTERNAL_ERROR = 1011
-# Sent by the WebSocket protocol layer (websockets, through gateway.ws.FanoutWSProtocol) on a peer's error:
+# Sent by the WebSocket protocol layer (websockets, through gateway.transports.ws.FanoutWSProtocol) on a peer's error:
 PROTOCOL_ERROR = 1002  # a malformed frame (e.g. an unmasked client frame)
 POLICY_VIOLATION = 1008  # a message in more than websocket.max_fragments frames
 INVALID_DATA = 1007  # a text frame that is not valid UTF-8

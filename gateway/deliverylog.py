@@ -10,7 +10,7 @@ each batch, and writes one JSON line per delivered message:
     {"client": ID, "transport": "ws", "topic": T, "seq": N, "publish_ns": P, "deliver_ns": D, "batch_id": B}
 
 `deliver_ns` is the wall-clock time the batch was handed to the client's transport (a batch staged for a
-scheduler round, gateway/staging.py, is stamped by `written` when the round writes it); `publish_ns` the time
+scheduler round, gateway/transports/staging.py, is stamped by `written` when the round writes it); `publish_ns` the time
 the engine accepted the message (`Hub.publish` stamps (topic, seq) when the log is enabled;
 null when the stamp is gone, `max_publish_stamps` later); `batch_id` numbers the logged batches.
 

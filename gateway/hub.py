@@ -32,9 +32,9 @@ from .gcpolicy import GcPolicy
 from .identity import ClientIdentity
 from .metrics import Metrics
 from .ratelog import BadInputLog
-from .rawtcp import RawBroadcastServer
 from .session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 from .topic_budget import CreationBudget
+from .transports.rawtcp import RawBroadcastServer
 
 log = logging.getLogger("gateway")
 
@@ -75,7 +75,7 @@ class Hub:
         #: rounds run, and write calls of staged data (`/metrics`: batches written / writes = what rounds save)
         self.rounds = 0
         self.staged_writes = 0
-        #: staged bytes per connection at which it is written before the round ends (gateway/staging.py)
+        #: staged bytes per connection at which it is written before the round ends (gateway/transports/staging.py)
         self.stage_limit = config.websocket.write_high_water
         self._task: asyncio.Task | None = None
         self._tick: asyncio.TimerHandle | None = None
@@ -95,11 +95,11 @@ class Hub:
         #: armed while a topic lingers (`TopicConfig.linger`): wakes its held subscribers when it is due
         self._linger: asyncio.TimerHandle | None = None
         self._linger_due = 0.0
-        #: long-poll sessions by their secret id (gateway/longpoll.py)
+        #: long-poll sessions by their secret id (gateway/transports/longpoll.py)
         self.lp_sessions: dict[str, Any] = {}
         #: the final body of long-poll sessions closed between two polls, for their next poll
         self.lp_closed = ClosedSessions(config.longpoll.session_ttl_s, config.longpoll.max_sessions)
-        #: the checkpoints of SSE streams' compact `id:` form (gateway/sse.py, `IdLine`)
+        #: the checkpoints of SSE streams' compact `id:` form (gateway/transports/sse.py, `IdLine`)
         self.sse_checkpoints = Checkpoints(CHECKPOINT_TTL_S)
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled
         self.ingest = None

@@ -129,7 +129,7 @@ class Metrics:
                                     " (bounded by broker.max_pending_bytes)", value=broker.pending_bytes)
             yield CounterMetricFamily("fanout_broker_backlog_refused", "publishes refused (broker_unavailable) because"
                                       " broker.max_pending_bytes wait for Redis", value=broker.backlog_refused)
-        yield CounterMetricFamily("fanout_rounds", "scheduler rounds (cycles written together, gateway/staging.py)",
+        yield CounterMetricFamily("fanout_rounds", "scheduler rounds (cycles written together, gateway/transports/staging.py)",
                                   value=self.hub.rounds)
         yield CounterMetricFamily("fanout_staged_writes", "write calls of staged batches (WebSocket, SSE)",
                                   value=self.hub.staged_writes)
@@ -153,8 +153,8 @@ class Metrics:
 
     def _byte_bounds(self) -> Iterator[Metric]:
         """What peers make the gateway hold or spend, against their bounds (docs/security.md, issue 24)."""
-        from .ingest import ingest_counters
-        from .ws import ws_counters
+        from .transports.ingest import ingest_counters
+        from .transports.ws import ws_counters
 
         yield GaugeMetricFamily("fanout_direct_queue_bytes", "bytes in all clients' direct queues (replies, acks,"
                                 " errors; bounded by scheduler.direct_total_max_bytes)",

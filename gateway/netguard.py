@@ -5,7 +5,7 @@ One anonymous peer must not exhaust the gateway's file descriptors or hold conne
 never finishing its request headers (slowloris). uvicorn runs `GuardedHttpToolsProtocol`, a subclass of its
 httptools protocol: every accepted connection is admitted by the `ConnectionLimiter` before anything is
 parsed, or answered with a fixed 503 and closed. An upgraded WebSocket connection keeps its slot: its loss
-is reported to the WebSocket protocol only, which releases it (gateway/ws.py).
+is reported to the WebSocket protocol only, which releases it (gateway/transports/ws.py).
 
 Request heads are bounded before they are parsed: httptools joins the pieces of a header value (and uvicorn
 those of the URL) by concatenating bytes, so a header sent in many reads costs time quadratic in its size.
@@ -15,7 +15,7 @@ The bytes of a head are counted as they arrive and, past `server.max_header_byte
 the connection is shut and what the peer still sends is dropped unread (as for the 503).
 
 The protocol also exposes itself in each request's ASGI scope (`scope["extensions"][SCOPE_KEY]`), so that a
-streaming response (SSE, gateway/sse.py) can write straight to the transport, as the WebSocket does; such a
+streaming response (SSE, gateway/transports/sse.py) can write straight to the transport, as the WebSocket does; such a
 response sets itself as `stream` and is told of the transport's flow control and of the connection's loss.
 """
 
@@ -136,7 +136,7 @@ class ConnectionLimiter:
 
 
 class StreamListener(Protocol):
-    """A response written straight to the transport (gateway/sse.py)."""
+    """A response written straight to the transport (gateway/transports/sse.py)."""
 
     def on_pause(self) -> None:
         """The transport's buffer went above its high-water mark."""
@@ -165,7 +165,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_headers = 100
     #: None: every Host is served
     hosts: HostPolicy | None = None
-    #: a connection between workers (gateway/broker/forward.py), never one of a client
+    #: a connection between workers (gateway/workers/forward.py), never one of a client
     internal = False
     _refused = False
     #: answered and shut by us (431, 421): what the peer still sends is dropped

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import uvicorn
 
 from .app import build_app
-from .broker.forward import MAX_FORWARDS_UNLIMITED, WorkerLinks, serve_inbox
 from .config import ConfigError, GatewayConfig
 from .hosts import HostPolicy
 from .hub import Hub
-from .ingest import IngestServer
 from .netguard import ConnectionLimiter, http_protocol_class
 from .origin import OriginPolicy, parse_allowed_origins
-from .ws import protocol_class
+from .transports.ingest import IngestServer
+from .transports.ws import protocol_class
+from .workers.forward import MAX_FORWARDS_UNLIMITED, WorkerLinks, serve_inbox
 
 log = logging.getLogger("gateway")
 
@@ -128,7 +128,7 @@ def raise_open_files_limit(max_connections: int, workers: int = 1) -> None:
     """Every connection is a file descriptor: take the hard limit, and warn when the gateway would run out
     of descriptors (accept failing for everyone) before its own connection limit refuses anyone. With
     several workers a worker also holds one descriptor per session request it forwards and one per request
-    forwarded to it, each bounded by `server.max_connections` (gateway/broker/forward.py): 3 x in all."""
+    forwarded to it, each bounded by `server.max_connections` (gateway/workers/forward.py): 3 x in all."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
@@ -205,7 +205,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     if config.rawtcp.enabled and worker == 0:
         from core.byte_ring import ByteRingConfig
 
-        from .rawtcp import RawBroadcastServer
+        from .transports.rawtcp import RawBroadcastServer
 
         r = config.rawtcp
         raw = RawBroadcastServer(ByteRingConfig(

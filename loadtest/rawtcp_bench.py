@@ -2,7 +2,7 @@
 
     python -m loadtest.rawtcp_bench [--duration 5] [--receivers 16] [--install] [--no-iperf]
 
-The gateway (``gateway.rawtcp.RawBroadcastServer``, uvloop when available) runs in a child process
+The gateway (``gateway.transports.rawtcp.RawBroadcastServer``, uvloop when available) runs in a child process
 so it has a core of its own; this process is the load: one sender pushing as fast as the gateway
 reads and ``--receivers`` receivers counting what they get. After a warm-up, the bytes received over
 ``--duration`` seconds give the aggregate receiver Gbit/s (docs/design/byte-ring.md §1 counts receiver egress as
@@ -47,7 +47,7 @@ def serve_child(config_json: str) -> None:
     """Child process body: run the broadcaster; print its ports as one JSON line; answer each
     ``stats`` line on stdin with a JSON line; stop at end of stdin."""
     from core.byte_ring import ByteRingConfig
-    from gateway.rawtcp import RawBroadcastServer
+    from gateway.transports.rawtcp import RawBroadcastServer
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
 """Long-poll and SSE sessions with `server.workers = 2` (docs/cluster.md §5): every request of a session goes
 over a fresh TCP connection, so the kernel spreads them over both workers, and the one that does not hold
-the session forwards it to the one that does (gateway/broker/forward.py). 30+ connections per test: the
+the session forwards it to the one that does (gateway/workers/forward.py). 30+ connections per test: the
 chance that all land on the owner is below 2**-29."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.broker.forward import _parse_head, owner_of
+from gateway.workers.forward import _parse_head, owner_of
 
 #: a long poll returns this soon when nothing comes (the forwarder waits for it plus its own margin)
 POLL_S = 2.0

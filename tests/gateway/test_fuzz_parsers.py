@@ -10,10 +10,10 @@ from gateway.commands import handle_payload
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
-from gateway.ingest import IngestProtocol
-from gateway.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
 from gateway.origin import OriginGuard, parse_allowed_origins
 from gateway.testing import DEFAULTS, make_token
+from gateway.transports.ingest import IngestProtocol
+from gateway.transports.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -1,4 +1,4 @@
-"""The TCP ingest's sans-I/O parser (gateway/ingest_parser.py): bytes in, items out, no socket, no loop."""
+"""The TCP ingest's sans-I/O parser (gateway/transports/ingest_parser.py): bytes in, items out, no socket, no loop."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
 from gateway.schema import PublishRecord
+from gateway.transports.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
 
 TOKEN = "s3cret"
 

@@ -1,4 +1,4 @@
-"""gateway.rawtcp against a real server on 127.0.0.1 with ephemeral ports and real sockets
+"""gateway.transports.rawtcp against a real server on 127.0.0.1 with ephemeral ports and real sockets
 (docs/design/byte-ring.md)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from core.byte_ring import ByteRingConfig
-from gateway.rawtcp import RawBroadcastServer, _ReceiverProtocol, _SenderProtocol
+from gateway.transports.rawtcp import RawBroadcastServer, _ReceiverProtocol, _SenderProtocol
 
 HOST = "127.0.0.1"
 KIB = 1024

@@ -1,4 +1,4 @@
-"""Scheduler rounds (gateway/staging.py): under a backlog several cycles go out in one write per client.
+"""Scheduler rounds (gateway/transports/staging.py): under a backlog several cycles go out in one write per client.
 
 The frames are the cycles' own (one message per frame at depth 1, in order, nothing lost); the knob set to
 1 writes every cycle at once; a client left above its high-water mark by a round's write is not ready until

@@ -19,8 +19,8 @@ from core import Engine, TopicConfig, TopicKind
 from gateway import close_codes
 from gateway.config import SseConfig
 from gateway.errors import BadRequest
-from gateway.sse import DELETED, Positions, parse_positions
 from gateway.testing import make_token, run_gateway
+from gateway.transports.sse import DELETED, Positions, parse_positions
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from gw_helpers import Ingest, auth
 
-from gateway.ingest import IngestProtocol
 from gateway.testing import run_gateway
+from gateway.transports.ingest import IngestProtocol
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,8 @@ import pytest
 from gw_helpers import Ingest, auth
 from sse_client import SseClient
 
-from gateway.sse import MAX_ID_BYTES
 from gateway.testing import run_gateway
+from gateway.transports.sse import MAX_ID_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 

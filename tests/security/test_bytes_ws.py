@@ -11,7 +11,7 @@ from bytes_helpers import CONT, PING, TEXT, RawWs, only_client, ws_frame
 from gw_helpers import collect, send, wait_for, ws_connect
 
 from gateway.testing import run_gateway
-from gateway.ws import PARSE_SLICE
+from gateway.transports.ws import PARSE_SLICE
 
 pytestmark = pytest.mark.timeout(60)
 

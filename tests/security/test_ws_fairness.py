@@ -70,7 +70,7 @@ def test_a_burst_of_commands_leaves_the_loop_to_other_clients(tmp_path):
 
 def test_commands_left_for_a_later_turn_are_all_run_in_order():
     from gateway.testing import run_gateway
-    from gateway.ws import ws_counters
+    from gateway.transports.ws import ws_counters
 
     with run_gateway(scheduler={"direct_queue_max": 100000, "direct_queue_max_bytes": 1 << 26}) as gw:
         client = RawWs(gw.http_port, rcvbuf=1 << 20)

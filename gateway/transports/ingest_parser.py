@@ -19,8 +19,8 @@ import orjson
 
 from core.errors import BadSeq, MessageTooLarge
 
-from . import schema
-from .errors import BadJson, BadRecord
+from .. import schema
+from ..errors import BadJson, BadRecord
 
 #: Bytes an unauthenticated connection may send without a newline: its first line is only an auth record,
 #: so a peer without the token cannot make the gateway buffer up to max_buffer_bytes.

@@ -89,7 +89,7 @@ _FDS_PER_READ = 16
 
 @dataclass(frozen=True, slots=True)
 class WorkerLinks:
-    """What a worker knows of the others: made by the supervisor (gateway/broker/workers.py)."""
+    """What a worker knows of the others: made by the supervisor (gateway/workers/supervisor.py)."""
 
     #: this worker's index, 0..N-1
     index: int

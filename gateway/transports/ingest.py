@@ -1,6 +1,6 @@
 """TCP ingest for publishers and pipelines: newline-delimited JSON records (docs/protocol.md).
 
-The I/O half: `IngestParser` (gateway/ingest_parser.py) frames and parses the lines; this protocol feeds it
+The I/O half: `IngestParser` (gateway/transports/ingest_parser.py) frames and parses the lines; this protocol feeds it
 what it reads, applies its items in order, synchronously, and writes the answers. A `sync` record is
 answered when every record before it on the connection was applied, with how many were accepted and
 refused since the last sync. Back-pressure: a record for a full private queue stops the connection (reading
@@ -32,8 +32,8 @@ import orjson
 
 from core import QueueFull, RequestError
 
-from .errors import BrokerUnavailable, InternalError, Unauthorized
-from .hub import Hub
+from ..errors import BrokerUnavailable, InternalError, Unauthorized
+from ..hub import Hub
 from .ingest_parser import Authed, AuthFailed, IngestParser, Item, LineError, Publish, Sync
 
 log = logging.getLogger("gateway.ingest")

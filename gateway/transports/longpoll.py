@@ -21,9 +21,9 @@ from starlette.responses import JSONResponse, Response
 
 from core import Batch, RequestError
 
-from .bodies import read_body
-from .commands import handle_payload
-from .errors import (
+from ..bodies import read_body
+from ..commands import handle_payload
+from ..errors import (
     BadAck,
     BadJson,
     BadToken,
@@ -34,9 +34,9 @@ from .errors import (
     TooManyTokenChecks,
     UnknownSession,
 )
-from .http_errors import error_response
-from .hub import Hub
-from .identity import ClientIdentity
+from ..http_errors import error_response
+from ..hub import Hub
+from ..identity import ClientIdentity
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
 UNKNOWN_SESSION = UnknownSession("no such long-poll session (expired or closed)")

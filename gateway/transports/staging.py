@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .hub import Hub
-    from .identity import ClientIdentity
+    from ..hub import Hub
+    from ..identity import ClientIdentity
 
 
 def tune_stream(transport: asyncio.Transport, high_water: int, send_buffer: int, notsent_lowat: int) -> None:

@@ -28,14 +28,14 @@ from websockets.protocol import Event, Protocol
 
 from core import Batch
 
-from . import close_codes
-from .commands import handle_payload
-from .errors import BadToken, TokenExpired, TooManyTokenChecks
-from .hub import Hub
-from .identity import ClientIdentity
-from .netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
-from .origin import OriginPolicy
-from .ratelog import BadInputLog
+from .. import close_codes
+from ..commands import handle_payload
+from ..errors import BadToken, TokenExpired, TooManyTokenChecks
+from ..hub import Hub
+from ..identity import ClientIdentity
+from ..netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
+from ..origin import OriginPolicy
+from ..ratelog import BadInputLog
 from .staging import StagedWriter, tune_stream
 from .wsframes import text_frame_header
 
@@ -65,7 +65,7 @@ TURN_BUDGET_ALL_S = 0.001
 class InputTurn:
     """The time the WebSocket connections of one server may spend on their input in one turn of the event
     loop together (`TURN_BUDGET_ALL_S`); the turn is over when the callback it schedules runs (the next turn),
-    as the ingest's `LoopTurn` (gateway/ingest.py)."""
+    as the ingest's `LoopTurn` (gateway/transports/ingest.py)."""
 
     __slots__ = ("budget", "deadline")
 

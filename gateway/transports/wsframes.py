@@ -1,4 +1,4 @@
-"""WebSocket frame bytes a server writes itself (gateway/ws.py, and the load tool's bare reference server,
+"""WebSocket frame bytes a server writes itself (gateway/transports/ws.py, and the load tool's bare reference server,
 which imports this module alone, not the gateway)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 `POST /sse/{secret}` (commands, as on long-poll) and `DELETE /sse/{secret}`; the session ends with the
 stream's connection. The contract, event by event, is docs/protocol.md `## SSE`.
 
-The write path is the WebSocket's (gateway/ws.py): the response head goes through ASGI `send` (so the
+The write path is the WebSocket's (gateway/transports/ws.py): the response head goes through ASGI `send` (so the
 Origin middleware adds its CORS headers), then the scheduler writes each batch as one HTTP chunk straight
 to the transport, never awaiting. uvicorn runs our httptools protocol (gateway/netguard.py), which exposes
 itself in the ASGI scope and tells the stream of `pause_writing` / `resume_writing` / `connection_lost`:
@@ -33,9 +33,9 @@ from core.client import Client, Subscription
 from core.config import MAX_SEQ
 from core.errors import RequestError, TooManySubscriptions
 
-from . import close_codes, schema
-from .commands import run_command
-from .errors import (
+from .. import close_codes, schema
+from ..commands import run_command
+from ..errors import (
     BadRequest,
     BadToken,
     NotFound,
@@ -44,12 +44,12 @@ from .errors import (
     TooManyTokenChecks,
     UnknownSession,
 )
-from .http_errors import error_response
-from .hub import Hub
-from .identity import ClientIdentity
+from ..http_errors import error_response
+from ..hub import Hub
+from ..identity import ClientIdentity
+from ..netguard import SCOPE_KEY, GuardedHttpToolsProtocol
+from ..session_tables import Checkpoints
 from .longpoll import accept_commands
-from .netguard import SCOPE_KEY, GuardedHttpToolsProtocol
-from .session_tables import Checkpoints
 from .staging import StagedWriter, tune_stream
 
 log = logging.getLogger("gateway.sse")
