@@ -25,6 +25,7 @@ from .http_errors import error_response
 from .hub import Hub
 from .openapi import OPENAPI
 from .stats_feed import SnapshotStream, StatsFeed
+from .transports.ingest import ingest_counters
 
 UNAUTHORIZED = Unauthorized("a valid `Authorization: Bearer <token>` header is required")
 DISABLED = Disabled("the raw TCP broadcaster is disabled")
@@ -72,7 +73,7 @@ def guarded(handler: Endpoint) -> Endpoint:
 
 @guarded
 async def list_topics(request: Request) -> Response:
-    return JSONResponse({"topics": await _hub(request).topics_info()})
+    return JSONResponse({"topics": await _hub(request).router.topics_info()})
 
 
 @guarded
@@ -85,18 +86,18 @@ async def create_topic(request: Request) -> Response:
         config = topic_config({**(rule.as_dict() if rule is not None else {}), **body.settings()})
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
-    return JSONResponse(await hub.create_topic_async(body.name, config), status_code=201)
+    return JSONResponse(await hub.router.create_topic(body.name, config), status_code=201)
 
 
 @guarded
 async def get_topic(request: Request) -> Response:
-    return JSONResponse(await _hub(request).topic_info(request.path_params["name"]))
+    return JSONResponse(await _hub(request).router.topic_info(request.path_params["name"]))
 
 
 @guarded
 async def delete_topic(request: Request) -> Response:
     name = request.path_params["name"]
-    return JSONResponse({"deleted": name, "subscribers_notified": await _hub(request).delete_topic_async(name)})
+    return JSONResponse({"deleted": name, "subscribers_notified": await _hub(request).router.delete_topic(name)})
 
 
 #: A bulk publish (`messages`) runs this long at most before it yields to the event loop.
@@ -113,7 +114,7 @@ async def publish(request: Request) -> Response:
     bound = hub.config.admin.max_publish_messages
     if len(items) > bound:
         raise MessageTooLarge(f"at most {bound} messages per publish (admin.max_publish_messages), not {len(items)}")
-    topic_config = hub.engine.topic_config(name) if hub.via_broker(name) else hub.resolve(name).config
+    topic_config = hub.router.topic_config(name)
     if topic_config is None:
         raise UnknownTopic(f"no topic {name!r} and no rule creates it")
     timeout = hub.config.admin.publish_timeout_s
@@ -125,10 +126,9 @@ async def publish(request: Request) -> Response:
             await asyncio.sleep(0)
             slice_started = time.perf_counter()
         try:
-            if topic_config.kind is TopicKind.PRIVATE:
-                result = await hub.publish_wait(name, data, owner=body.client, timeout=timeout, seq=body.seq)
-            else:
-                result = await hub.publish_async(name, data, seq=body.seq)
+            private = topic_config.kind is TopicKind.PRIVATE  # a full queue holds the publish up to `timeout`
+            result = await hub.router.publish(name, data, owner=body.client, seq=body.seq,
+                                              timeout=timeout if private else None)
         except BrokerUnavailable as exc:
             return error_response(exc, {"Retry-After": "1"})
         except (QueueFull, asyncio.TimeoutError):
@@ -143,7 +143,7 @@ async def list_clients(request: Request) -> Response:
     hub = _hub(request)
     clients = []
     for client in hub.engine.clients():
-        conn = hub.conns.get(client.id)
+        conn = hub.clients.conns.get(client.id)
         clients.append({
             "id": client.id,
             "user": conn.identity.user if conn is not None else None,
@@ -159,7 +159,7 @@ async def list_clients(request: Request) -> Response:
 @guarded
 async def kick_client(request: Request) -> Response:
     client_id = request.path_params["client_id"]
-    if not _hub(request).kick(client_id, close_codes.KICKED, "kicked by admin", "kicked"):
+    if not _hub(request).clients.kick(client_id, close_codes.KICKED, "kicked by admin", "kicked"):
         return error_response(UnknownClient(f"no client {client_id[:128]!r}"))
     return JSONResponse({"kicked": client_id})
 
@@ -190,11 +190,11 @@ async def stats(request: Request) -> Response:
         "core": counters,
         "entries_per_cycle": counters["entries_emitted"] / cycles,
         "entries_per_batch": counters["entries_emitted"] / (counters["clients_served"] or 1),
-        "clients": dict(hub.metrics.clients_by_transport),
-        "write_blocked": len(hub.blocked),
+        "clients": dict(hub.clients.by_transport),
+        "write_blocked": len(hub.scheduler.blocked),
         "topics": hub.engine.topic_count,
-        "disconnects": {f"{t}:{r}": n for (t, r), n in hub.metrics.disconnects.items()},
-        "ingest": {"records": hub.metrics.ingest_records, "errors": hub.metrics.ingest_errors},
+        "disconnects": {f"{t}:{r}": n for (t, r), n in hub.clients.disconnects.items()},
+        "ingest": {"records": ingest_counters.records, "errors": ingest_counters.errors},
         "raw": hub.raw.stats() if hub.raw is not None else None,
         "cluster": await hub.broker.cluster_stats(),
     })

@@ -59,8 +59,8 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
         since = (command.since.epoch, command.since.seq)
     if not identity.may_subscribe(name, _topic_config(hub, name)):
         raise Forbidden(f"not allowed to subscribe to {name!r}")
-    creating = hub.creating(identity, name)  # raises when this client may create no more
-    hub.subscribe(identity.client_id, name, since=since, request_id=command.id)
+    creating = hub.router.creating(identity, name)  # raises when this client may create no more
+    hub.router.subscribe(identity.client_id, name, since=since, request_id=command.id)
     if creating:
         hub.creations.charge(identity)
 
@@ -75,8 +75,8 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
         bucket = identity.publish_bucket = TokenBucket(limits.publish_rate, limits.publish_burst)
     if not bucket.take():
         raise RateLimited(f"publish rate above {hub.config.limits.publish_rate:g}/s")
-    creating = hub.creating(identity, name)  # raises when this client may create no more
-    hub.publish_reply(identity.client_id, name, command.data, command.id)  # the reply, now or from the broker
+    creating = hub.router.creating(identity, name)  # raises when this client may create no more
+    hub.router.publish_reply(identity.client_id, name, command.data, command.id)  # the reply, now or from the broker
     if creating:
         hub.creations.charge(identity)
 
@@ -123,33 +123,33 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
     if isinstance(command, schema.Subscribe):
         _subscribe(hub, identity, command)
     elif isinstance(command, schema.Unsubscribe):
-        hub.unsubscribe(client_id, command.topic, request_id=command.id)
+        hub.router.unsubscribe(client_id, command.topic, request_id=command.id)
     elif isinstance(command, schema.Publish):
         _publish(hub, identity, command)
     elif isinstance(command, schema.Auth):
         _costly(hub, identity, "auth")
-        hub.tokens.admit(identity.ip)  # per address, whatever carries the token (gateway/auth.py)
-        principal = hub.authenticate(client_id, command.token)
-        hub.send_direct(client_id, encode_reply(command.id, {"user": principal.user,
+        hub.clients.tokens.admit(identity.ip)  # per address, whatever carries the token (gateway/auth.py)
+        principal = hub.clients.authenticate(client_id, command.token)
+        hub.clients.send_direct(client_id, encode_reply(command.id, {"user": principal.user,
                                                              "expires_at": principal.expires_at}))
     elif isinstance(command, schema.Rpc):
-        hub.send_direct(client_id, encode_reply(command.id, _rpc(hub, identity, command.method, command.params)))
+        hub.clients.send_direct(client_id, encode_reply(command.id, _rpc(hub, identity, command.method, command.params)))
     else:  # schema.Ping: the union is closed
-        hub.send_direct(client_id, encode_reply(command.id, "pong"))
+        hub.clients.send_direct(client_id, encode_reply(command.id, "pong"))
 
 
 def run_command(hub: "Hub", client_id: str, value: Any) -> None:
     """Convert one parsed command and run it; any refusal is answered with an `error` entry."""
-    identity = hub.conns[client_id].identity
+    identity = hub.clients.conns[client_id].identity
     identity.last_command = time.monotonic()
     request_id = schema.request_id_of(value)
     try:
         _run(hub, identity, schema.command(value))
     except RequestError as exc:
         if isinstance(exc, DirectQueueFull):  # the client does not read its replies
-            hub.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", exc.code)
+            hub.clients.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", exc.code)
         else:
-            hub.send_error(client_id, exc, request_id)
+            hub.clients.send_error(client_id, exc, request_id)
 
 
 def handle_payload(hub: "Hub", client_id: str, payload: bytes | str) -> int:
@@ -157,10 +157,10 @@ def handle_payload(hub: "Hub", client_id: str, payload: bytes | str) -> int:
     try:
         values = parse_commands(payload)
     except RequestError as exc:
-        hub.send_error(client_id, exc)
+        hub.clients.send_error(client_id, exc)
         return 0
     for value in values:
-        if client_id not in hub.conns:
+        if client_id not in hub.clients.conns:
             break  # kicked by an earlier command of the same frame
         run_command(hub, client_id, value)
     return len(values)

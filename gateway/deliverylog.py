@@ -1,7 +1,7 @@
 """A sampled log of what the gateway delivered, for the live audit (`python -m pipeline audit --follow`).
 
-Config section `[deliverylog]` (off by default). When on, the hub stamps each publish (`Hub.publish`:
-`DeliveryLog.published`) and makes one call per delivered batch (`Hub._deliver`):
+Config section `[deliverylog]` (off by default). When on, the scheduler stamps each publish (`Scheduler.apply`:
+`DeliveryLog.published`) and makes one call per delivered batch (`Scheduler._deliver`):
 `DeliveryLog.delivered(batch, conn)`, which only decides whether the client is sampled (a
 cached hash of its id) and, if so, appends a reference to the batch's entries to an in-memory queue. A
 writer thread does the rest off the event loop: it picks the message entries (`{"type":"msg",...}`) out of
@@ -33,7 +33,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -47,7 +47,8 @@ _CACHE_LIMIT = 100_000
 
 
 class DeliveryLog:
-    def __init__(self, config: Any, hub: Any) -> None:
+    def __init__(self, config: Any, instance: str = "0", stopped: Callable[[], bool] = lambda: False) -> None:
+        """`stopped`: whether the scheduler has ended (the writer thread then ends too)."""
         self.sample_rate = float(config.sample_rate)
         self.directory = Path(config.directory)
         self.rotate_s = float(config.rotate_s)
@@ -56,11 +57,11 @@ class DeliveryLog:
         self.flush_interval_s = float(config.flush_interval_s)
         self.max_queue = int(config.max_queue)
         self.max_stamps = int(config.max_publish_stamps)
-        self.instance = getattr(hub, "instance_id", "0")
+        self.instance = instance
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dropped_batches = 0
         self.written_rows = 0
-        self._hub = hub
+        self._stopped = stopped
         self._queue: collections.deque = collections.deque()
         self._sampled: dict[Hashable, str] = {}
         #: sampled batches staged in a round, by connection, until `written` (at most a round's worth)
@@ -121,16 +122,12 @@ class DeliveryLog:
             del stamps[next(iter(stamps))]
 
     # -- writer thread --------------------------------------------------------------------------------------
-    def _hub_stopped(self) -> bool:
-        task = getattr(self._hub, "_task", None)
-        return task is not None and task.done()
-
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._stop.wait(self.flush_interval_s)
                 self.flush()
-                if self._hub_stopped():
+                if self._stopped():
                     break
         except Exception:  # noqa: BLE001 - the log must never take the gateway down
             log.exception("delivery log writer failed; no more deliveries are logged")

@@ -24,6 +24,9 @@ import gc
 import logging
 import sys
 import time
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from .metrics import BucketHistogram
 
@@ -129,3 +132,11 @@ class GcPolicy:
             gc.unfreeze()
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+
+    def collect(self) -> Iterator[Metric]:
+        pauses = HistogramMetricFamily("fanout_gc_pause_seconds", "garbage-collector pauses", labels=["generation"])
+        for generation, histogram in self.pauses.items():
+            pauses.add_metric([str(generation)], histogram.cumulative(), sum_value=histogram.total)
+        yield pauses
+        yield CounterMetricFamily("fanout_gc_full_collections", "periodic full collections (gcpolicy)",
+                                  value=self.full_collections)

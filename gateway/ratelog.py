@@ -11,7 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+
+from prometheus_client.core import Metric
+
+from .metrics import counter_family
 
 log = logging.getLogger("gateway.input")
 
@@ -99,3 +103,7 @@ class BadInputLog:
         else:
             log.warning("bad input (%s): " + message, source, *args)
         return True
+
+    def collect(self) -> Iterator[Metric]:
+        yield counter_family("fanout_bad_input", "bad client input by source (logged at a bounded rate)", "source",
+                             self.by_source)

@@ -20,8 +20,8 @@ from .hosts import HostPolicy
 from .hub import Hub
 from .netguard import ConnectionLimiter, http_protocol_class
 from .origin import OriginPolicy, parse_allowed_origins
-from .transports.ingest import IngestServer
-from .transports.ws import protocol_class
+from .transports.ingest import IngestServer, ingest_counters
+from .transports.ws import protocol_class, ws_counters
 from .workers.forward import MAX_FORWARDS_UNLIMITED, WorkerLinks, serve_inbox
 
 log = logging.getLogger("gateway")
@@ -216,7 +216,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
         ), token=r.token, handshake_timeout=config.server.header_timeout_s,
             sender_idle_timeout=r.sender_idle_timeout_s, bad_input=hub.bad_input)
         await raw.start(r.host, r.sender_port, r.receiver_port)
-        hub.raw = raw
+        hub.attach_raw(raw)
         assert raw.sender_port is not None and raw.receiver_port is not None  # set by start()
         running.raw_sender_port, running.raw_receiver_port = raw.sender_port, raw.receiver_port
     raise_open_files_limit(server_cfg.max_connections, server_cfg.workers)
@@ -227,13 +227,15 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     if links is not None and links.counts is not None:  # per-address limits count across the workers
         links.counts.bind(worker)
         limiter.per_ip = links.counts.counter("connections")
-        hub.clients_by_ip = links.counts.counter("clients")
+        hub.clients.clients_by_ip = links.counts.counter("clients")
         # the token buckets keyed by address too: one bucket per address across the workers
         limits = config.limits
         hub.creations.rates = links.counts.rate("topic_create", limits.topic_create_rate, limits.topic_create_burst)
-        hub.tokens.per_address.rates = links.counts.rate("token_check", config.auth.rate_per_ip,
+        hub.clients.tokens.per_address.rates = links.counts.rate("token_check", config.auth.rate_per_ip,
                                                           config.auth.burst_per_ip)
-    hub.metrics.connections = limiter
+    hub.attach_limiter(limiter)
+    hub.metrics.add(ws_counters.collect)
+    hub.metrics.add(ingest_counters.collect)
     uv_config = uvicorn.Config(
         build_app(hub, token, links),
         http=http_protocol_class(limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes,

@@ -156,7 +156,7 @@ class StatsFeed:
         # clients: O(clients), the same way; describe() and the lag only for the listed ones
         prev_clients, sent_now = self._prev_clients, {}
         deliveries: list[tuple[int, Hashable, Any]] = []
-        for count, (client_id, conn) in enumerate(list(hub.conns.items()), 1):
+        for count, (client_id, conn) in enumerate(list(hub.clients.conns.items()), 1):
             if not count % SAMPLE_CHUNK:
                 await asyncio.sleep(0)
             sent = getattr(conn, "entries_sent", None)  # every transport that counts its deliveries
@@ -193,8 +193,8 @@ class StatsFeed:
             return _per_s(counters[name] - prev_counters[name], dt) if prev_counters else None
 
         histograms = {}
-        for name, histogram in (("cycle_seconds", hub.metrics.cycle_seconds),
-                                ("entries_per_batch", hub.metrics.entries_per_batch)):
+        for name, histogram in (("cycle_seconds", hub.scheduler.cycle_seconds),
+                                ("entries_per_batch", hub.scheduler.entries_per_batch)):
             snap = histogram.snapshot()
             before_counts = self._prev_hist.get(name)
             snap["recent"] = ([c - b for c, b in zip(snap["counts"], before_counts)]
@@ -211,9 +211,9 @@ class StatsFeed:
             "viewers": self.viewers,
             "totals": {
                 "topics": engine.topic_count,
-                "clients": len(hub.conns),
-                "clients_by_transport": dict(hub.metrics.clients_by_transport),
-                "write_blocked": len(hub.blocked),
+                "clients": len(hub.clients.conns),
+                "clients_by_transport": dict(hub.clients.by_transport),
+                "write_blocked": len(hub.scheduler.blocked),
                 "published_per_s": counter_rate("messages_published"),
                 "delivered_per_s": counter_rate("messages_delivered"),
                 "entries_per_s": counter_rate("entries_emitted"),

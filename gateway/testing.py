@@ -80,7 +80,7 @@ class GatewayHandle:
 
     def client_of(self, user: str) -> str:
         """The client id of the (one) connection authenticated as `user`."""
-        return self.call(lambda: next(c for c, conn in self.hub.conns.items() if conn.identity.user == user))
+        return self.call(lambda: next(c for c, conn in self.hub.clients.conns.items() if conn.identity.user == user))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the gateway's loop (the hub is not thread-safe) and return its result."""

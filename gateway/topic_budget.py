@@ -20,10 +20,13 @@ Every refusal is `too_many_topics` for that request only, counted in `fanout_top
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from prometheus_client.core import Metric
+
 from .errors import TooManyCreatedTopics
+from .metrics import counter_family
 from .ratelog import AddressRates
 
 if TYPE_CHECKING:
@@ -85,6 +88,11 @@ class CreationBudget:
         identity.creating -= 1
         if created:
             self.charge(identity)
+
+    def collect(self) -> Iterator[Metric]:
+        yield counter_family("fanout_topic_creations_refused", "client topic creations refused (too_many_topics) by"
+                             " bound: connection (limits.max_created_topics), address (limits.topic_create_rate),"
+                             " total (limits.max_client_topics), cluster (broker.max_topics)", "bound", self.refused)
 
     def charge(self, identity: "ClientIdentity") -> None:
         """`identity` created a topic."""

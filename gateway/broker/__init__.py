@@ -3,20 +3,17 @@ processes (`RedisBroker`, `[broker] url`). docs/cluster.md."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .base import Broker, BrokerUnreachable
+from ..config import GatewayConfig
+from ..topic_budget import CreationBudget
+from .base import Broker, BrokerEvents, BrokerUnreachable
 from .inprocess import InProcessBroker
 
-if TYPE_CHECKING:
-    from ..hub import Hub
-
-__all__ = ["Broker", "BrokerUnreachable", "InProcessBroker", "make_broker"]
+__all__ = ["Broker", "BrokerEvents", "BrokerUnreachable", "InProcessBroker", "make_broker"]
 
 
-def make_broker(hub: "Hub") -> Broker:
-    if not hub.config.broker.url:
-        return InProcessBroker(hub)
+def make_broker(config: GatewayConfig, events: BrokerEvents, creations: CreationBudget, instance_id: str) -> Broker:
+    if not config.broker.url:
+        return InProcessBroker(events)
     from .redis_broker import RedisBroker  # redis is imported only when a broker is configured
 
-    return RedisBroker(hub)
+    return RedisBroker(config.broker, events, creations, instance_id)

@@ -1,30 +1,73 @@
 """The broker seam: where the topic space lives (docs/cluster.md).
 
-The hub asks its broker two questions and makes one kind of call:
+Every subscribe and publish goes through the node's broker, in one process as in a cluster, as in
+centrifuge's node: `InProcessBroker` (inprocess.py, the default) answers at once from this process's
+engine; `RedisBroker` (redis_broker.py) answers once Redis has ordered the message, then feeds it back to
+every node. Which topics a broker keeps elsewhere (shared topics in Redis streams, private queues in Redis
+lists) is the broker's own business: nobody outside asks.
 
-* `distributed`: whether publishes of shared topics (ring, snapshot) go through an outside broker, which
-  gives them their seq and feeds them back into this node's engine, rather than into the engine at once.
-  Private topics never do (docs/cluster.md §8).
-* `attached(topic)`: whether the node's engine holds the topic as the broker's stream (a subscribe can go
-  on at once); otherwise `attach(topic)` brings it in first.
-* the async verbs (`publish`, `attach`, `create`, `delete`, listings) answer with `RequestError`s, among them
-  `BrokerUnavailable`.
-
-`InProcessBroker` (inprocess.py) is the default: the engine is the whole topic space, every call answers
-at once. `RedisBroker` (redis_broker.py) shares the topic space of several nodes through Redis.
+A broker never sees the hub. It is given `BrokerEvents` (implemented by the scheduler, gateway/scheduler.py)
+and reports through it what reaches this node's engine: a message applied at its seq, a gap skipped, a topic
+deleted, a private queue evicted, queue space freed. Each event wakes the scheduler itself, so no broker can
+forget a wake.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Hashable, Iterator
 from typing import Any, Protocol
 
-from core import TopicConfig
+from prometheus_client.core import Metric
+
+from core import Engine, Published, RequestError, TopicConfig
+
+from ..identity import ClientIdentity
+
+
+class BrokerEvents(Protocol):
+    """What a broker may do to this node: read the engine, and change it only through these events."""
+
+    #: read the engine freely (topic_config, has_topic, topic(...).subs, counters); change it through the verbs
+    #: below, or through `create_topic` / `restart_topic` followed by `wake`
+    engine: Engine
+
+    def apply(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
+        """Put one message into the engine (raises what the engine raises: `QueueFull`, `StaleSeq`, ...)."""
+
+    def skip(self, topic: str, upto: int) -> None:
+        """Seqs below `upto` are lost here: subscribers behind it get the loss notice."""
+
+    def deleted(self, topic: str) -> int:
+        """The topic is gone; its local subscribers get `closed`. Returns how many there were."""
+
+    def evicted(self, topic: str, owner: Hashable, reason: str) -> bool:
+        """A private queue's local handle is closed (taken over elsewhere, or lost)."""
+
+    def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
+               queue_start: tuple[str, int] | None = None) -> None:
+        """A subscribe that waited for the broker goes on now (its answer, or its error, reaches the client)."""
+
+    def refused(self, client_id: str, error: RequestError, request_id: Any = None) -> None:
+        """A subscribe that waited for the broker failed: the client gets the error (if still connected)."""
+
+    def connected(self, client_id: str) -> bool:
+        """Whether the client is still on this node."""
+
+    def client_count(self) -> int:
+        """Clients connected to this node (the cluster-wide stats)."""
+
+    def space(self) -> None:
+        """Queue space may have been freed (commits, evictions): held publishers retry."""
+
+    def space_freed(self, topic: str, owner: Hashable) -> asyncio.Future[None]:
+        """A future done when the private queue (topic, owner) frees space or disappears."""
+
+    def wake(self) -> None:
+        """The engine has work (after `create_topic` / `restart_topic`)."""
 
 
 class Broker(Protocol):
-    #: publishes of shared topics go through the broker (a future), not straight into the engine
-    distributed: bool
     #: the publishes waiting for the broker met their byte bound: it takes none until they drain
     #: (`when_accepting`); publishers that can wait hold theirs (the ingest), others get `BrokerUnavailable`
     congested: bool
@@ -41,30 +84,47 @@ class Broker(Protocol):
 
     async def stop(self) -> None: ...
 
-    def publish(self, topic: str, data: Any, seq: int | None, *, creator: Any = None) -> asyncio.Future[int]:
-        """Hand a message to the broker; the future gives its seq. Raises at once what can be told at once
-        (`BrokerUnavailable`, `BadData`, `MessageTooLarge`, `BadSeq`); the future fails with the rest.
-        `creator` (a client's `ClientIdentity`, or None for operators and publishers): whose topic creation
-        budget (`Hub.creations`) pays when the publish creates the topic."""
+    # -- publishing: one path -----------------------------------------------------------------------------
 
-    def attached(self, topic: str) -> bool:
-        """Whether the engine holds `topic` as the broker's stream (subscribes go on at once)."""
+    def publish_nowait(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published | None:
+        """Publish at once when the topic lives in this engine: its `Published`, or raise (`QueueFull` is
+        back-pressure). None: the topic lives in the broker, so use `publish` (the ingest's fast path)."""
 
-    def attach(self, topic: str, *, creator: Any = None) -> asyncio.Future[None]:
-        """Bring `topic` into the engine at the broker's epoch and history; done once it is live. `creator`:
-        as for `publish`, when the attach creates the topic."""
+    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
+                creator: ClientIdentity | None = None, deadline: float | None = None) -> asyncio.Future[Published]:
+        """Publish; the future gives the `Published` (at once in-process, after Redis's script otherwise).
+        Raises at once what can be told at once (`BrokerUnavailable`, `BadData`, `MessageTooLarge`, `BadSeq`);
+        the future fails with the rest. `owner`: the user whose private queue gets it. `deadline`
+        (monotonic): a full private queue holds the publish until then, then `QueueFull`; None: `QueueFull`
+        at once. `creator` (a client's identity, None for operators and publishers): whose topic creation
+        budget pays when the publish creates the topic."""
 
-    def hold(self, topic: str) -> None:
-        """A local subscriber came: keep the topic attached."""
+    # -- subscribing ----------------------------------------------------------------------------------------
 
-    def release(self, topic: str) -> None:
-        """A local subscriber left: when none is left, detach the topic after a grace."""
+    def creates_here(self, topic: str) -> bool:
+        """Whether a client's first use of `topic` creates it in this engine (the router charges the client's
+        creation budget); False when the broker creates it (and charges the budget itself)."""
 
-    async def create(self, topic: str, config: TopicConfig) -> None:
-        """Create the topic cluster-wide with these settings (`TopicExists` if it exists) and attach it."""
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
+                  creator: ClientIdentity) -> None:
+        """Subscribe now, or once the broker has brought the topic in (the answer then comes through
+        `BrokerEvents.joined` / `refused`). Raises what can be told at once."""
 
-    async def delete(self, topic: str) -> None:
-        """Remove the topic cluster-wide; every node's subscribers get `closed` `deleted`."""
+    def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
+        """A local subscriber of `topic` left (after the engine's unsubscribe or disconnect); `unsubscribed`:
+        it asked to (a private queue then leaves the broker too), else its connection ended."""
+
+    def committed(self, reports: list[tuple[str, Hashable, int]]) -> None:
+        """Private queues' commits to acknowledge: (topic, owner, first seq still queued)."""
+
+    # -- topics (admin API) ---------------------------------------------------------------------------------
+
+    async def create(self, topic: str, config: TopicConfig) -> dict[str, Any]:
+        """Create the topic (cluster-wide with Redis; `TopicExists` if it exists); returns its INFO."""
+
+    async def delete(self, topic: str) -> int:
+        """Remove the topic (cluster-wide with Redis); every subscriber gets `closed` `deleted`. Returns how
+        many local subscribers were told."""
 
     async def topics(self) -> list[dict[str, Any]] | None:
         """Cluster-wide topic listing (`GET /api/topics`), or None: the engine's own is the whole."""
@@ -74,6 +134,9 @@ class Broker(Protocol):
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         """Every node's counters and their sums (`GET /api/stats`), or None for a single process."""
+
+    def collect(self) -> Iterator[Metric]:
+        """The broker's families for /metrics."""
 
 
 class BrokerUnreachable(Exception):

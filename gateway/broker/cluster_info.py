@@ -43,7 +43,7 @@ class ClusterInfo:
         epoch, top, settings = meta
         if epoch is None:
             return None
-        engine = self.broker.hub.engine
+        engine = self.broker.events.engine
         config = self.broker._config_from(settings) or engine.topic_config(name) or TopicConfig()
         local = engine.topic(name) if engine.has_topic(name) else None
         info: dict[str, Any] = {"name": name, "epoch": epoch.decode(),
@@ -83,9 +83,9 @@ class ClusterInfo:
 
     def _node_stats(self) -> dict[str, Any]:
         broker = self.broker
-        hub = broker.hub
-        return {"node": broker.node_id, "pid": os.getpid(), "core": hub.engine.counters.as_dict(),
-                "clients": len(hub.conns), "topics": hub.engine.topic_count, "attached": len(broker.lines)}
+        events = broker.events
+        return {"node": broker.node_id, "pid": os.getpid(), "core": events.engine.counters.as_dict(),
+                "clients": events.client_count(), "topics": events.engine.topic_count, "attached": len(broker.lines)}
 
     async def _stats_loop(self) -> None:
         broker = self.broker

@@ -1,64 +1,99 @@
-"""The default broker: the topic space is this process's engine (no Redis, no change of behaviour).
+"""The default broker: the topic space is this process's engine (no Redis).
 
-The hub publishes straight into its engine when `distributed` is false, so `publish` here is only the
-seam's answer for callers that want a future either way.
+Every verb answers at once; the only wait is a publish to a full private queue with a deadline, which is
+held until the queue frees space (docs/design/private-queues.md §3).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Hashable, Iterator
+from typing import Any
 
-from core import TopicConfig
+from prometheus_client.core import Metric
 
-if TYPE_CHECKING:
-    from ..hub import Hub
+from core import Published, QueueFull, RequestError, TopicConfig
+
+from ..identity import ClientIdentity
+from .base import BrokerEvents
 
 
 class InProcessBroker:
-    distributed = False
-    congested = False  # the engine takes every publish at once: nothing waits
+    congested = False  # the engine takes every publish at once: nothing waits for a broker
     pending_bytes = 0
     backlog_refused = 0
 
-    def __init__(self, hub: "Hub") -> None:
-        self.hub = hub
+    def __init__(self, events: BrokerEvents) -> None:
+        self.events = events
+        self._held: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         pass
 
     async def stop(self) -> None:
-        pass
-
-    def publish(self, topic: str, data: Any, seq: int | None, *, creator: Any = None) -> asyncio.Future[int]:
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        future.set_result(self.hub.publish(topic, data, seq=seq).seq)
-        return future
+        for task in list(self._held):
+            task.cancel()
 
     def when_accepting(self) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         future.set_result(None)
         return future
 
-    def attached(self, topic: str) -> bool:
-        return True  # the engine creates topics on first use itself
+    def publish_nowait(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
+        return self.events.apply(topic, data, seq=seq, owner=owner)
 
-    def attach(self, topic: str, *, creator: Any = None) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        future.set_result(None)
+    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
+                creator: ClientIdentity | None = None, deadline: float | None = None) -> asyncio.Future[Published]:
+        future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
+        try:
+            future.set_result(self.events.apply(topic, data, seq=seq, owner=owner))
+        except QueueFull:
+            if deadline is None:
+                raise
+            task = asyncio.get_running_loop().create_task(self._when_space(future, topic, data, seq, owner, deadline))
+            self._held.add(task)
+            task.add_done_callback(self._held.discard)
         return future
 
-    def hold(self, topic: str) -> None:
+    async def _when_space(self, future: asyncio.Future[Published], topic: str, data: Any, seq: int | None,
+                          owner: Hashable, deadline: float) -> None:
+        """A full private queue: try again each time it frees space, until `deadline`."""
+        while not future.done():
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise QueueFull(f"private queue {topic!r} of {owner!r} is full")
+                await asyncio.wait_for(self.events.space_freed(topic, owner), remaining)
+                future.set_result(self.events.apply(topic, data, seq=seq, owner=owner))
+            except QueueFull as exc:
+                if deadline - time.monotonic() <= 0:
+                    future.set_exception(exc)
+            except asyncio.TimeoutError:
+                future.set_exception(QueueFull(f"private queue {topic!r} of {owner!r} is full"))
+            except RequestError as exc:
+                future.set_exception(exc)
+
+    def creates_here(self, topic: str) -> bool:
+        return not self.events.engine.has_topic(topic)
+
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
+                  creator: ClientIdentity) -> None:
+        self.events.engine.subscribe(client_id, topic, since=since, request_id=request_id)
+        self.events.wake()
+
+    def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
         pass
 
-    def release(self, topic: str) -> None:
+    def committed(self, reports: list[tuple[str, Hashable, int]]) -> None:
         pass
 
-    async def create(self, topic: str, config: TopicConfig) -> None:
-        self.hub.engine.create_topic(topic, config)
+    async def create(self, topic: str, config: TopicConfig) -> dict[str, Any]:
+        info: dict[str, Any] = self.events.engine.create_topic(topic, config).info()
+        return info
 
-    async def delete(self, topic: str) -> None:
-        self.hub.engine.delete_topic(topic)
+    async def delete(self, topic: str) -> int:
+        return self.events.deleted(topic)
 
     async def topics(self) -> list[dict[str, Any]] | None:
         return None
@@ -68,3 +103,6 @@ class InProcessBroker:
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         return None
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(())

@@ -92,7 +92,7 @@ class _Outbox:
 class PrivateQueues:
     def __init__(self, broker: "RedisBroker") -> None:
         self.broker = broker
-        self.hub = broker.hub
+        self.events = broker.events
         self.held: dict[Key, Held] = {}
         self.by_channel: dict[str, Held] = {}
         self._outboxes: dict[Key, _Outbox] = {}
@@ -129,27 +129,27 @@ class PrivateQueues:
 
     def subscribe(self, client_id: str, topic: str, request_id: Any) -> None:
         """Subscribe `client_id` to its owner's queue: at once when this node holds it, else after the attach."""
-        hub = self.hub
-        owner = hub.engine.client(client_id).owner
+        events = self.events
+        owner = events.engine.client(client_id).owner
         key = (topic, owner)
         held = self.held.get(key)
         if held is not None:
             if held.epoch is None:
                 held.waiting.append((client_id, request_id))
             else:
-                hub.engine.subscribe(client_id, topic, request_id=request_id, queue_start=(held.epoch, 0))
-                hub.wake()
+                events.engine.subscribe(client_id, topic, request_id=request_id, queue_start=(held.epoch, 0))
+                events.wake()
             return
         if not self.broker.available:
             raise BrokerUnavailable(f"broker unreachable: {self.broker.last_error}; retry later")
-        hub.resolve(topic)  # the rule's errors (unknown topic) now, before any Redis work
+        events.engine.resolve(topic)  # the rule's errors (unknown topic) now, before any Redis work
         keys = self.broker.keys.queue(topic, str(owner))
         held = self.held[key] = Held(topic, owner, keys, waiting=[(client_id, request_id)])
         self.by_channel[keys[2]] = held
         self._spawn(self._attach(held))
 
     async def _attach(self, held: Held) -> None:
-        hub = self.hub
+        events = self.events
         try:
             await self.broker._subscribe([held.keys[2]])
             epoch, head, entries = await self._eval(
@@ -160,24 +160,23 @@ class PrivateQueues:
             self._forget(held)
             error = exc if isinstance(exc, RequestError) else BrokerUnavailable(f"broker unreachable: {exc}")
             for client_id, request_id in waiting:
-                if client_id in hub.conns:
-                    hub.send_error(client_id, error, request_id)
+                events.refused(client_id, error, request_id)
             return
         held.epoch = epoch.decode()
         waiting, held.waiting = held.waiting, []
         subscribed = False
         for client_id, request_id in waiting:
-            if client_id not in hub.conns:
+            if not events.connected(client_id):
                 continue
             try:
-                hub.engine.subscribe(client_id, held.topic, request_id=request_id,
-                                     queue_start=(held.epoch, int(head)))
+                events.engine.subscribe(client_id, held.topic, request_id=request_id,
+                                        queue_start=(held.epoch, int(head)))
                 subscribed = True
             except RequestError as err:
-                hub.send_error(client_id, err, request_id)
+                events.refused(client_id, err, request_id)
+        events.wake()
         if not subscribed:
             self._forget(held)
-            hub.wake()
             return
         held.top = int(head) + len(entries)
         self._feed(held, int(head), entries)
@@ -213,7 +212,7 @@ class PrivateQueues:
             self.broker._unsubscribe(held.keys[2])
 
     def _local(self, held: Held) -> Any:
-        engine = self.hub.engine
+        engine = self.events.engine
         if not engine.has_topic(held.topic):
             return None
         topic = engine.topic(held.topic)
@@ -229,9 +228,7 @@ class PrivateQueues:
         if payload.startswith(b"t "):
             if payload[2:].decode() != self.broker.node_id and held.epoch is not None:
                 self._forget(held)
-                if self.hub.engine.evict(held.topic, held.owner):
-                    self.hub._wake_space_waiters()
-                    self.hub.wake()
+                self.events.evicted(held.topic, held.owner, "taken_over")
             return True
         if payload.startswith(b"n "):
             held.top = max(held.top, int(payload[2:]))
@@ -294,9 +291,7 @@ class PrivateQueues:
             log.warning("broker: the queue %s lost seqs [%d, %d) with Redis; its handle is closed",
                         held.keys[0], end, held.top)
             self._forget(held)
-            if self.hub.engine.evict(held.topic, held.owner, "lost"):
-                self.hub._wake_space_waiters()
-                self.hub.wake()
+            self.events.evicted(held.topic, held.owner, "lost")
             return False
         try:
             await self._eval("QUEUE_RESTORE", held.keys[:2], held.epoch, end, self.broker.ttl, self.broker.node_id)
@@ -307,12 +302,10 @@ class PrivateQueues:
         return True
 
     def _feed(self, held: Held, head: int, entries: list[bytes]) -> None:
-        engine = self.hub.engine
-        now = time.monotonic()
         for i, data in enumerate(entries):
             try:
                 # encoded by the publishing node (orjson): embedded as is, not decoded and encoded again
-                engine.publish(held.topic, orjson.Fragment(data), seq=head + i, owner=held.owner, now=now)
+                self.events.apply(held.topic, orjson.Fragment(data), seq=head + i, owner=held.owner)
             except StaleSeq:
                 continue  # this node has it already
             except QueueFull:
@@ -320,7 +313,6 @@ class PrivateQueues:
             except RequestError as exc:
                 log.warning("broker: seq %d of the queue %s cannot be stored here: %s", head + i, held.keys[0], exc)
                 break
-        self.hub.wake()
 
     # -- commits -----------------------------------------------------------------------------------------
 
@@ -378,8 +370,8 @@ class PrivateQueues:
             raise NoTarget(f"private topic {topic!r} needs the user whose queue gets the message (`client`)")
         check_ready(broker.available, broker.last_error, seq)
         broker.reserve(0)
-        raw = encode_message(topic, data, self.hub.engine.config.max_message_bytes)
-        self.hub.resolve(topic)
+        raw = encode_message(topic, data, self.events.engine.config.max_message_bytes)
+        self.events.engine.resolve(topic)
         size = len(raw) + PENDING_OVERHEAD
         broker.reserve(size)  # broker.max_pending_bytes: what waits for Redis, shared topics and queues alike
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -394,7 +386,7 @@ class PrivateQueues:
         return future
 
     async def _send(self, outbox: _Outbox) -> None:
-        hub = self.hub
+        events = self.events
         items = outbox.items
         keys = self.broker.keys.queue(outbox.topic, str(outbox.owner))
         backoff = BACKOFF_S
@@ -404,7 +396,7 @@ class PrivateQueues:
                     items.popleft()
                 if not items:
                     break
-                config = hub.engine.topic_config(outbox.topic)
+                config = events.engine.topic_config(outbox.topic)
                 if config is None:
                     self._fail_all(outbox, NotSubscribed(f"no topic {outbox.topic!r}"))
                     break
@@ -433,7 +425,7 @@ class PrivateQueues:
                         continue
                     wait = backoff if head.deadline is None else max(0.0, min(backoff, head.deadline - time.monotonic()))
                     try:
-                        await asyncio.wait_for(hub.space_freed(outbox.topic, outbox.owner), wait)
+                        await asyncio.wait_for(events.space_freed(outbox.topic, outbox.owner), wait)
                     except asyncio.TimeoutError:
                         pass
                     backoff = min(backoff * 2, BACKOFF_MAX_S)

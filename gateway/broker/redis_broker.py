@@ -23,32 +23,33 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 import redis.asyncio as aioredis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
-from core import RequestError, TopicConfig, TopicKind
+from core import Published, RequestError, TopicConfig, TopicKind
 from core.errors import BadSeq, StaleSeq, TooManyTopics, TopicExists, UnknownTopic
 
-from ..config import ConfigError, topic_config
-from ..errors import BrokerUnavailable
+from ..config import BrokerConfig, ConfigError, topic_config
+from ..errors import BrokerUnavailable, InternalError
+from ..identity import ClientIdentity
+from ..topic_budget import CreationBudget
 from . import scripts
-from .base import BrokerUnreachable
+from .base import BrokerEvents, BrokerUnreachable
 from .cluster_info import ClusterInfo
 from .keys import Keys, seq_of, stream_id
 from .private_queues import PrivateQueues
 from .validate import PENDING_OVERHEAD, check_ready, encode_message
-
-if TYPE_CHECKING:
-    from ..hub import Hub
 
 log = logging.getLogger("gateway.broker")
 
@@ -121,16 +122,17 @@ class _Pending:
 
 
 class RedisBroker:
-    distributed = True
-
-    def __init__(self, hub: "Hub") -> None:
-        self.hub = hub
-        config = hub.config.broker
+    def __init__(self, config: BrokerConfig, events: BrokerEvents, creations: CreationBudget, instance_id: str) -> None:
+        self.events = events
+        #: pays for the topics clients' subscribes and publishes create in Redis (gateway/topic_budget.py)
+        self.creations = creations
+        #: private queues live in Redis, so the engine reports commits for Redis to acknowledge (§8)
+        events.engine.report_commits = True
         self.url = config.url
         self.keys = Keys(config.prefix)
         self.ttl = max(1, math.ceil(config.history_ttl_s))
         self.connect_timeout = config.connect_timeout_s
-        self.node_id = f"{hub.instance_id}-{os.getpid()}"
+        self.node_id = f"{instance_id}-{os.getpid()}"
         self.redis = aioredis.Redis.from_url(
             config.url, socket_timeout=COMMAND_TIMEOUT_S, socket_connect_timeout=COMMAND_TIMEOUT_S,
             retry=Retry(NoBackoff(), 0),  # a failure is reported at once: publishes are refused, not delayed
@@ -365,27 +367,22 @@ class RedisBroker:
             return False
         self._feed(line, seq, data)
         line.next = seq + 1
-        self.hub.wake()
+        self.events.wake()
         return True
 
     def _feed(self, line: Line, seq: int, data: bytes) -> None:
-        engine = self.hub.engine
         try:
             # the publishing node encoded `data` (orjson) for the stream: embed it, never decode and re-encode
-            engine.publish(line.name, orjson.Fragment(data), seq=seq, now=time.monotonic())
+            self.events.apply(line.name, orjson.Fragment(data), seq=seq)
         except RequestError as exc:
             # e.g. larger than this node's scheduler.max_message_bytes: its subscribers are told it is lost.
             log.warning("broker: seq %d of %r cannot be stored here: %s", seq, line.name, exc)
-            engine.skip(line.name, seq + 1, time.monotonic())
-            return
-        if self.hub.delivery_log is not None:
-            self.hub.delivery_log.published(line.name, seq)
+            self.events.skip(line.name, seq + 1)
 
     def _deleted(self, line: Line) -> None:
         self._drop(line)
-        if self.hub.engine.has_topic(line.name):
-            self.hub.engine.delete_topic(line.name)
-            self.hub.wake()
+        if self.events.engine.has_topic(line.name):
+            self.events.deleted(line.name)
 
     def _drop(self, line: Line) -> None:
         self.lines.pop(line.name, None)
@@ -405,7 +402,7 @@ class RedisBroker:
             line.task = asyncio.get_running_loop().create_task(self._sync(line), name=f"broker-sync {line.name}")
 
     def _settings(self, name: str) -> TopicConfig:
-        config = self.hub.engine.topic_config(name)
+        config = self.events.engine.topic_config(name)
         if config is None:
             raise UnknownTopic(f"no topic {name!r} and no rule creates it")
         return config
@@ -424,7 +421,7 @@ class RedisBroker:
         )
         if reply[0] == -2:
             assert refusal is not None
-            raise self.hub.creations.refuse(refusal)
+            raise self.creations.refuse(refusal)
         if reply[0] == -3:
             raise self._cluster_full()
         return reply
@@ -436,14 +433,14 @@ class RedisBroker:
         creator = holder.creator
         if creator is None:
             return
-        budget = self.hub.creations
+        budget = self.creations
         holder.refusal = budget.begin(creator)
         if holder.refusal is None:
             done.add_done_callback(lambda _: budget.end(creator, holder.created))
 
     def _cluster_full(self) -> TooManyTopics:
         """The error of a topic Redis would create past broker.max_topics, counted."""
-        self.hub.creations.refused["cluster"] += 1
+        self.creations.refused["cluster"] += 1
         return TooManyTopics(f"the cluster holds its maximum of {self.max_topics} topics (broker.max_topics)")
 
     def reserve(self, size: int) -> None:
@@ -493,7 +490,7 @@ class RedisBroker:
         """Bring the local topic level with Redis: create it, fill a gap, or restart it in a new epoch; then
         apply what waited in the buffer. Loops until the line is LIVE with nothing missing."""
         name = line.name
-        engine = self.hub.engine
+        engine = self.events.engine
         restart = False
         try:
             while self.available:
@@ -517,7 +514,7 @@ class RedisBroker:
                     self._sync_ring(line, fresh, restart, epoch, config, top, entries)
                 restart = False
                 line.epoch = epoch
-                self.hub.wake()
+                self.events.wake()
                 if not line.ready.done():
                     line.ready.set_result(None)
                 buffer, line.buffer = line.buffer, []
@@ -563,7 +560,7 @@ class RedisBroker:
     def _sync_ring(
         self, line: Line, fresh: bool, restart: bool, epoch: str, config: TopicConfig, top: int, entries: list[Any]
     ) -> None:
-        engine = self.hub.engine
+        engine = self.events.engine
         name = line.name
         start = seq_of(entries[0][0]) if entries else top
         if fresh:
@@ -574,7 +571,7 @@ class RedisBroker:
             line.next = start
         elif start > line.next:
             # Published while this node did not listen, and trimmed from the stream since: exactly lost.
-            engine.skip(name, start, time.monotonic())
+            self.events.skip(name, start)
             line.next = start
         for entry_id, fields in entries:
             seq = seq_of(entry_id)
@@ -585,7 +582,7 @@ class RedisBroker:
     def _sync_snapshot(
         self, line: Line, fresh: bool, restart: bool, epoch: str, config: TopicConfig, top: int, value: bytes | None
     ) -> None:
-        engine = self.hub.engine
+        engine = self.events.engine
         if fresh:
             engine.create_topic(line.name, config, epoch=epoch, start=0)
             line.next = 0
@@ -598,9 +595,76 @@ class RedisBroker:
 
     # -- the seam ----------------------------------------------------------------------------------------
 
+    def _private(self, topic: str) -> bool:
+        """Whether `topic` is private: its queues live in Redis lists (private_queues.py), not in streams."""
+        config = self.events.engine.topic_config(topic)
+        return config is not None and config.kind is TopicKind.PRIVATE
+
+    def publish_nowait(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published | None:
+        return None  # every topic lives in Redis: its seq comes from the script
+
+    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
+                creator: ClientIdentity | None = None, deadline: float | None = None) -> asyncio.Future[Published]:
+        if self._private(topic):  # a full queue holds the publish back until it has room (or `deadline`)
+            seq_future = self.queues.push(topic, owner, data, seq, deadline)
+        else:
+            seq_future = self._publish_shared(topic, data, seq, creator)
+        result: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
+
+        def landed(done: asyncio.Future[int]) -> None:
+            exc = done.exception()
+            if exc is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(Published(topic, done.result()))
+
+        seq_future.add_done_callback(landed)
+        return result
+
+    def creates_here(self, topic: str) -> bool:
+        # shared topics are created in Redis (which charges the creator's budget when it did, `_begin_creation`)
+        return self._private(topic) and not self.events.engine.has_topic(topic)
+
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
+                  creator: ClientIdentity) -> None:
+        if self._private(topic):
+            self.queues.subscribe(client_id, topic, request_id)
+            return
+        if not self.attached(topic):
+            self.attach(topic, creator=creator).add_done_callback(
+                lambda ready: self._attached(ready, client_id, topic, since, request_id))
+            return
+        self.hold(topic)
+        self.events.engine.subscribe(client_id, topic, since=since, request_id=request_id)
+        self.events.wake()
+
+    def _attached(self, ready: asyncio.Future[None], client_id: str, topic: str, since: tuple[str, int] | None,
+                  request_id: Any) -> None:
+        if not self.events.connected(client_id):
+            self.release(topic)
+            return
+        exc = ready.exception()
+        if exc is not None:
+            error = exc if isinstance(exc, RequestError) else InternalError(f"subscribing to {topic!r} failed: {exc}")
+            self.events.refused(client_id, error, request_id)
+            return
+        self.hold(topic)
+        self.events.joined(client_id, topic, since=since, request_id=request_id)
+
+    def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
+        if not self._private(topic):
+            self.release(topic)
+        elif unsubscribed:
+            self.queues.unsubscribed(topic, owner)
+        else:
+            self.queues.released(topic, owner)
+
+    def committed(self, reports: list[tuple[str, Hashable, int]]) -> None:
+        self.queues.committed(reports)
+
     def attached(self, topic: str) -> bool:
         line = self.lines.get(topic)
-        return line is not None and line.epoch is not None and self.hub.engine.has_topic(topic)
+        return line is not None and line.epoch is not None and self.events.engine.has_topic(topic)
 
     def attach(self, topic: str, *, creator: Any = None) -> asyncio.Future[None]:
         line = self.lines.get(topic)
@@ -637,14 +701,14 @@ class RedisBroker:
         line = self.lines.get(topic)
         if line is None or line.release_timer is not None:
             return
-        engine = self.hub.engine
+        engine = self.events.engine
         if engine.has_topic(topic) and engine.topic(topic).subs:
             return
         line.release_timer = asyncio.get_running_loop().call_later(DETACH_GRACE_S, self._detach, line)
 
     def _detach(self, line: Line) -> None:
         line.release_timer = None
-        engine = self.hub.engine
+        engine = self.events.engine
         if self.lines.get(line.name) is not line or not line.ready.done():
             return
         if engine.has_topic(line.name):
@@ -653,11 +717,11 @@ class RedisBroker:
             engine.delete_topic(line.name)
         self._drop(line)
 
-    def publish(self, topic: str, data: Any, seq: int | None, *, creator: Any = None) -> asyncio.Future[int]:
+    def _publish_shared(self, topic: str, data: Any, seq: int | None, creator: ClientIdentity | None) -> asyncio.Future[int]:
         check_ready(self.available, self.last_error, seq)
         config = self._settings(topic)
         self.reserve(0)
-        raw = encode_message(topic, data, self.hub.engine.config.max_message_bytes)
+        raw = encode_message(topic, data, self.events.engine.config.max_message_bytes)
         size = len(raw) + len(topic) + PENDING_OVERHEAD
         self.reserve(size)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -721,7 +785,7 @@ class RedisBroker:
                     p.future.set_result(int(seq))
                 elif status == -3:  # the topic is new, and this client may create none now
                     assert p.refusal is not None
-                    p.future.set_exception(self.hub.creations.refuse(p.refusal))
+                    p.future.set_exception(self.creations.refuse(p.refusal))
                 elif status == -4:
                     p.future.set_exception(self._cluster_full())
                 elif status == -1:
@@ -730,7 +794,17 @@ class RedisBroker:
                     p.future.set_exception(BadSeq(f"seq {p.seq} of {p.topic!r} is not the next one ({seq}): with a"
                                                   " broker, an explicit seq only makes a retry idempotent"))
 
-    async def create(self, topic: str, config: TopicConfig) -> None:
+    async def create(self, topic: str, config: TopicConfig) -> dict[str, Any]:
+        engine = self.events.engine
+        if config.kind is TopicKind.PRIVATE:  # its queues are made in Redis when their users subscribe
+            local: dict[str, Any] = engine.create_topic(topic, config).info()
+            return local
+        await self._create_shared(topic, config)
+        info = engine.topic(topic).info() if engine.has_topic(topic) else await self.topic_info(topic)
+        assert info is not None
+        return dict(info)
+
+    async def _create_shared(self, topic: str, config: TopicConfig) -> None:
         if not self.available:
             raise BrokerUnavailable(f"broker unreachable: {self.last_error}")
         try:
@@ -743,7 +817,15 @@ class RedisBroker:
         await self.attach(topic)
         self.release(topic)
 
-    async def delete(self, topic: str) -> None:
+    async def delete(self, topic: str) -> int:
+        engine = self.events.engine
+        if self._private(topic):
+            return self.events.deleted(topic)
+        subscribers = len(engine.topic(topic).subs) if engine.has_topic(topic) else 0
+        await self._delete_shared(topic)
+        return subscribers
+
+    async def _delete_shared(self, topic: str) -> None:
         if not self.available:
             raise BrokerUnavailable(f"broker unreachable: {self.last_error}")
         keys = self.keys
@@ -756,7 +838,7 @@ class RedisBroker:
         line = self.lines.get(topic)
         if line is not None:
             self._deleted(line)  # at once here; other nodes on the channel's `! deleted`
-        elif not existed and not self.hub.engine.has_topic(topic):
+        elif not existed and not self.events.engine.has_topic(topic):
             raise UnknownTopic(f"no topic {topic!r}")
 
     # -- cluster-wide listings (admin API): cluster_info.py ---------------------------------------------
@@ -769,6 +851,12 @@ class RedisBroker:
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         return await self.cluster.cluster_stats()
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("fanout_broker_pending_bytes", "bytes of publishes waiting for Redis"
+                                " (bounded by broker.max_pending_bytes)", value=self.pending_bytes)
+        yield CounterMetricFamily("fanout_broker_backlog_refused", "publishes refused (broker_unavailable) because"
+                                  " broker.max_pending_bytes wait for Redis", value=self.backlog_refused)
 
 
 def _field(fields: list[bytes], name: bytes) -> bytes:

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 
 import orjson
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from core import QueueFull, RequestError
 
@@ -44,6 +46,15 @@ class IngestCounters:
 
     #: times a publisher's unread answers reached `ingest.max_answer_bytes` (its records wait)
     answer_pauses = 0
+    #: records accepted, and error lines sent
+    records = 0
+    errors = 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("fanout_ingest_records", "records accepted on the TCP ingest", value=self.records)
+        yield CounterMetricFamily("fanout_ingest_errors", "error lines sent on the TCP ingest", value=self.errors)
+        yield CounterMetricFamily("fanout_ingest_answer_pauses", "times a publisher's unread answers reached"
+                                  " ingest.max_answer_bytes (its records waited)", value=self.answer_pauses)
 
 
 ingest_counters = IngestCounters()
@@ -218,7 +229,7 @@ class IngestProtocol(asyncio.Protocol):
             self._unauthorized(item.line, item.message)
 
     def _error(self, line_no: int, code: str, message: str) -> None:
-        self.hub.metrics.ingest_errors += 1
+        ingest_counters.errors += 1
         self._write(_error_line(line_no, code, message))
 
     def _auth_expired(self) -> None:
@@ -255,7 +266,7 @@ class IngestProtocol(asyncio.Protocol):
             self._internal_error(line_no, exc)  # type: ignore[arg-type]  # a BaseException from the future
         else:
             self.accepted += 1
-            self.hub.metrics.ingest_records += 1
+            ingest_counters.records += 1
         if self.landing == 0 and self.sync_waiting is not None:
             sync, self.sync_waiting = self.sync_waiting, None
             self._apply(sync)
@@ -264,27 +275,9 @@ class IngestProtocol(asyncio.Protocol):
 
     def _publish(self, item: Publish) -> None:
         record = item.record
-        if self.hub.broker.distributed and (self.hub.via_broker(record.topic) or self.hub.queued_in_broker(record.topic)):
-            broker = self.hub.broker
-            if broker.congested:
-                self._wait_for_broker(item)  # over broker.max_pending_bytes: held, not refused
-                return
-            try:
-                future = self.hub.publish_later(record.topic, record.data, seq=record.seq, owner=record.client)
-            except RequestError as exc:
-                if isinstance(exc, BrokerUnavailable) and broker.congested:
-                    self._wait_for_broker(item)  # this one met the bound
-                    return
-                self.refused += 1
-                self._error(item.line, exc.code, exc.message)
-                if isinstance(exc, BrokerUnavailable):
-                    self._wait_for_broker(None)  # Redis lost: one answer, then no reading until it is back
-                return
-            self.landing += 1
-            future.add_done_callback(lambda done: self._landed(item.line, done))
-            return
-        try:
-            self.hub.publish(record.topic, record.data, seq=record.seq, owner=record.client)
+        router = self.hub.router
+        try:  # at once when the topic lives in this process
+            published = router.publish_nowait(record.topic, record.data, seq=record.seq, owner=record.client)
         except QueueFull:
             self._block(item)
             return
@@ -292,15 +285,34 @@ class IngestProtocol(asyncio.Protocol):
             self.refused += 1
             self._error(item.line, exc.code, exc.message)
             return
-        self.accepted += 1
-        self.hub.metrics.ingest_records += 1
+        if published is not None:
+            self.accepted += 1
+            ingest_counters.records += 1
+            return
+        broker = self.hub.broker  # the topic lives in the broker: the answer comes when it has landed
+        if broker.congested:
+            self._wait_for_broker(item)  # over broker.max_pending_bytes: held, not refused
+            return
+        try:
+            future = router.publish(record.topic, record.data, seq=record.seq, owner=record.client)
+        except RequestError as exc:
+            if isinstance(exc, BrokerUnavailable) and broker.congested:
+                self._wait_for_broker(item)  # this one met the bound
+                return
+            self.refused += 1
+            self._error(item.line, exc.code, exc.message)
+            if isinstance(exc, BrokerUnavailable):
+                self._wait_for_broker(None)  # Redis lost: one answer, then no reading until it is back
+            return
+        self.landing += 1
+        future.add_done_callback(lambda done: self._landed(item.line, done))
 
     def _block(self, item: Publish) -> None:
         self.blocked = item
         if self.transport is not None and not self.reading_paused:
             self.transport.pause_reading()
             self.reading_paused = True
-        future = self.hub.space_freed(item.record.topic, item.record.client)
+        future = self.hub.scheduler.space_freed(item.record.topic, item.record.client)
         future.add_done_callback(self._on_space)
 
     def _on_space(self, _future: asyncio.Future) -> None:

@@ -61,6 +61,8 @@ class LongPollSession:
         self.polls = 0
         self._expiry: asyncio.TimerHandle | None = None
         self.closed = False
+        #: a poll's answer is a whole body handed over at once: a session is never write-blocked
+        self.blocked_since: float | None = None
         self.arm_expiry()
 
     def arm_expiry(self) -> None:
@@ -76,7 +78,7 @@ class LongPollSession:
     def _expire(self) -> None:
         self.closed = True
         self.hub.lp_sessions.pop(self.secret, None)
-        self.hub.unregister(self.identity.client_id, "expired")
+        self.hub.clients.unregister(self.identity.client_id, "expired")
 
     def deliver(self, batch: Batch, frame: bytes) -> bool:
         self.batches += 1
@@ -87,6 +89,9 @@ class LongPollSession:
             self.poll.set_result(body)
         self.poll = None
         return False  # done only when a poll acknowledges it
+
+    def flush(self) -> bool:
+        return True  # nothing is staged: `deliver` hands the batch to the poll
 
     def kick(self, code: int, reason: str) -> None:
         self.closed = True
@@ -113,10 +118,10 @@ class LongPollSession:
             if ack != self.outstanding[0]:
                 return self.outstanding[1]  # not acknowledged: the same batch again
             self.outstanding = None
-            hub.commit(cid)
+            hub.scheduler.commit(cid)
         future = asyncio.get_running_loop().create_future()
         self.poll = future
-        hub.mark_ready(cid)
+        hub.scheduler.mark_ready(cid)
         try:
             return await asyncio.wait_for(asyncio.shield(future), hub.config.longpoll.poll_timeout_s)
         except asyncio.TimeoutError:
@@ -124,8 +129,8 @@ class LongPollSession:
                 return future.result()
             if self.poll is future:
                 self.poll = None
-                if cid in hub.conns:
-                    hub.mark_idle(cid)
+                if cid in hub.clients.conns:
+                    hub.scheduler.mark_idle(cid)
             return EMPTY_BODY
 
 
@@ -139,9 +144,9 @@ async def create_session(request: Request) -> Response:
     hub: Hub = request.app.state.hub
     config = hub.config.longpoll
     host, port = request.client if request.client else ("", 0)
-    if hub.metrics.clients_by_transport["longpoll"] >= config.max_sessions:
+    if hub.clients.by_transport["longpoll"] >= config.max_sessions:
         return error_response(TooManySessions("the long-poll session limit is reached"), RETRY_LATER)
-    if config.max_sessions_per_ip and hub.clients_by_ip[("longpoll", host)] >= config.max_sessions_per_ip:
+    if config.max_sessions_per_ip and hub.clients.clients_by_ip[("longpoll", host)] >= config.max_sessions_per_ip:
         hub.bad_input("longpoll", "%s holds its maximum of %d sessions", host, config.max_sessions_per_ip)
         return error_response(TooManySessionsFromAddress(
             f"at most {config.max_sessions_per_ip} sessions per address"), RETRY_LATER)
@@ -151,16 +156,16 @@ async def create_session(request: Request) -> Response:
         try:
             if scheme.lower() != "bearer":
                 raise BadToken("the Authorization header must be `Bearer <token>`")
-            principal = hub.tokens.verify(token.strip(), host)
+            principal = hub.clients.tokens.verify(token.strip(), host)
         except (BadToken, TokenExpired) as exc:
             hub.bad_input("longpoll", "token refused: %s", exc)
             return error_response(exc, {"WWW-Authenticate": "Bearer"})
         except TooManyTokenChecks as exc:  # auth.rate_per_ip
             hub.bad_input("longpoll", "token not checked: %s", exc)
             return error_response(exc, RETRY_LATER)
-    identity = ClientIdentity(hub.new_client_id("lp"), "longpoll", f"{host}:{port}", host, principal)
+    identity = ClientIdentity(hub.clients.new_client_id("lp"), "longpoll", f"{host}:{port}", host, principal)
     session = LongPollSession(hub, identity, request.app.state.session_prefix)
-    hub.register(session, ready=False)
+    hub.clients.register(session, ready=False)
     return JSONResponse({"session": session.secret, "client_id": identity.client_id}, status_code=201)
 
 
@@ -214,5 +219,5 @@ async def delete_session(request: Request) -> Response:
         return error_response(UNKNOWN_SESSION)
     session.kick(1000, "session deleted")
     request.app.state.hub.lp_closed.take(session.secret)  # the client closed it: nothing to tell
-    request.app.state.hub.unregister(session.identity.client_id, "closed")
+    request.app.state.hub.clients.unregister(session.identity.client_id, "closed")
     return Response(status_code=204)

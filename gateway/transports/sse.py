@@ -303,7 +303,7 @@ class SseConnection(StagedWriter):
         self.paused = False
         if self.blocked_since is not None:
             self.blocked_since = None
-            self.hub.write_drained(self.identity.client_id)
+            self.hub.scheduler.write_drained(self.identity.client_id)
 
     def on_lost(self) -> None:
         """The connection is gone: nothing more is written; the endpoint unregisters the client."""
@@ -314,7 +314,7 @@ class SseConnection(StagedWriter):
         if self._cut is not None:
             self._cut.cancel()
             self._cut = None
-        self.hub.write_unwatched(self.identity.client_id)
+        self.hub.scheduler.write_unwatched(self.identity.client_id)
 
     # -- control -------------------------------------------------------------------------------------------
 
@@ -410,7 +410,7 @@ class _Stream(Response):
             if not self.proto.transport.is_closing():  # else gone before the head: nothing to register
                 self.proto.stream = conn
                 conn.start()
-                hub.register(conn, ready=True)
+                hub.clients.register(conn, ready=True)
                 conn.positions_of = IdLine(Positions(hub.engine.client(cid)), hub.sse_checkpoints)
                 self._subscribe()
             # The request has no body: what comes next is the disconnect (the connection was lost), also
@@ -424,17 +424,17 @@ class _Stream(Response):
             conn.on_lost()
             if self.proto.stream is conn:
                 self.proto.stream = None
-            hub.unregister(cid, reason)
+            hub.clients.unregister(cid, reason)
 
     def _subscribe(self) -> None:
         """The request's subscriptions, as commands: same checks and answers as a `subscribe`."""
         hub = self.hub
         cid = self.identity.client_id
         for refusal in self.refusals:
-            hub.send_error(cid, refusal)
+            hub.clients.send_error(cid, refusal)
         names = self.topics + [name for name in self.recovery if name not in self.topics]
         for name in names:
-            if cid not in hub.conns:
+            if cid not in hub.clients.conns:
                 return  # cut by an earlier subscribe (direct queue)
             command: dict[str, Any] = {"op": "subscribe", "topic": name}
             if name in self.recovery:
@@ -450,7 +450,7 @@ async def stream(request: Request) -> Response:
     if not config.enabled:
         return _disabled()
     host, port = request.client if request.client else ("", 0)
-    if config.max_sessions_per_ip and hub.clients_by_ip[("sse", host)] >= config.max_sessions_per_ip:
+    if config.max_sessions_per_ip and hub.clients.clients_by_ip[("sse", host)] >= config.max_sessions_per_ip:
         hub.bad_input("sse", "%s holds its maximum of %d streams", host, config.max_sessions_per_ip)
         return error_response(TooManySessionsFromAddress(
             f"at most {config.max_sessions_per_ip} SSE streams per address"), RETRY_LATER)
@@ -462,7 +462,7 @@ async def stream(request: Request) -> Response:
     token = query.get("token")
     if token is not None:
         try:
-            principal = hub.tokens.verify(token, host)
+            principal = hub.clients.tokens.verify(token, host)
         except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
             hub.bad_input("sse", "token refused: %s", exc)
             return close_only(exc.close_code, exc.message)
@@ -485,7 +485,7 @@ async def stream(request: Request) -> Response:
         hub.bad_input("sse", "%s: %s", host, exc.message)
         refusals.insert(0, exc)
         positions = {}
-    identity = ClientIdentity(hub.new_client_id("sse"), "sse", f"{host}:{port}", host, principal)
+    identity = ClientIdentity(hub.clients.new_client_id("sse"), "sse", f"{host}:{port}", host, principal)
     return _Stream(hub, proto, identity, _sessions(request), topics, positions, refusals,
                    request.app.state.session_prefix)
 
@@ -514,5 +514,5 @@ async def delete_session(request: Request) -> Response:
     if isinstance(found, Response):
         return found
     hub, conn = found
-    hub.kick(conn.identity.client_id, DELETED, "session deleted", "closed")
+    hub.clients.kick(conn.identity.client_id, DELETED, "session deleted", "closed")
     return Response(status_code=204)

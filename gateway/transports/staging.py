@@ -1,6 +1,6 @@
 """Writes staged for a scheduler round: one write call per connection per round, not one per cycle.
 
-While a backlog lasts, the hub runs several cycles as one round (`scheduler.write_coalesce_cycles`, at most
+While a backlog lasts, the scheduler runs several cycles as one round (`scheduler.write_coalesce_cycles`, at most
 `scheduler.write_coalesce_ms`; reads still run between them) and each connection's frames of those cycles go
 out together at the round's end, by `transport.writelines` (one `writev` on uvloop); a client caught up
 (nothing for it next cycle: `Batch.more` false) is written at once, or after its cycle when frames
@@ -11,7 +11,7 @@ Frames written outside the scheduler (pongs, pings, SSE heartbeats) are whole fr
 two rounds' frames; a close goes after the staged frames (`kick` writes them first).
 
 A connection's batches are reported done when staged, so it takes part in the round's next cycle. When the
-round's write leaves its transport above the high-water mark the hub makes it not ready until the transport
+round's write leaves its transport above the high-water mark the scheduler makes it not ready until the transport
 drains, as a direct write would. Staged bytes are bounded by the high-water mark: past it, the connection is
 written at once.
 """
@@ -22,9 +22,11 @@ import asyncio
 import socket
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from core import Batch
+
     from ..hub import Hub
     from ..identity import ClientIdentity
 
@@ -48,6 +50,7 @@ class StagedWriter:
 
     def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
         self.hub = hub
+        self.scheduler = hub.scheduler
         self.identity = identity
         #: the transport is above its high-water mark (`pause_writing` until `resume_writing`)
         self.paused = False
@@ -60,10 +63,20 @@ class StagedWriter:
         """The transport to write, or None when nothing may be written any more (closed, closing)."""
         raise NotImplementedError
 
+    # the rest of the scheduler's `Connection`, which each transport's class implements
+    def deliver(self, batch: Batch, frame: bytes) -> bool:
+        raise NotImplementedError
+
+    def kick(self, code: int, reason: str) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        raise NotImplementedError
+
     def _blocked(self) -> None:
         """A write left the transport above its high-water mark: not ready, and watched, until it drains."""
         self.blocked_since = time.monotonic()
-        self.hub.write_blocked(self.identity.client_id, self)
+        self.scheduler.write_blocked(self.identity.client_id, self)
 
     def _written(self) -> None:
         """Called after each write of staged data."""
@@ -76,20 +89,20 @@ class StagedWriter:
     def write_batch(self, parts: tuple[bytes, ...], size: int, more: bool) -> bool:
         """A batch's bytes (`parts`, `size` in all, none copied). While the client has more to come next cycle
         (`Batch.more`) they are staged for the round's write; for a client caught up they are written now,
-        or, behind frames staged earlier in the round, after this cycle (`hub.caught_up`). Returns False when
+        or, behind frames staged earlier in the round, after this cycle (`Scheduler.caught_up`). Returns False when
         a write left the transport above its high-water mark (the client is blocked)."""
         staged = self._staged
         if staged:
             if not more:
-                self.hub.caught_up[self] = None
+                self.scheduler.caught_up[self] = None
         elif more:
-            self.hub.staged[self] = None
+            self.scheduler.staged[self] = None
             self._staged_bytes = 0
         else:
             return self._write_parts(parts)
         staged += parts
         self._staged_bytes += size
-        return self._staged_bytes < self.hub.stage_limit or self.flush()
+        return self._staged_bytes < self.scheduler.stage_limit or self.flush()
 
     def flush(self) -> bool:
         """Write what is staged, in one call. Returns False when the write left the transport above its
@@ -98,8 +111,8 @@ class StagedWriter:
         if not staged:  # nothing since the last write (one written at the stage limit reported itself)
             return True
         self._staged = []
-        if self.hub.delivery_log is not None:
-            self.hub.delivery_log.written(self)
+        if self.scheduler.delivery_log is not None:
+            self.scheduler.delivery_log.written(self)
         return self._write_parts(staged)
 
     def _write_parts(self, parts: Sequence[bytes]) -> bool:
@@ -113,7 +126,7 @@ class StagedWriter:
             transport.write(parts[0])
         else:
             transport.writelines(parts)
-        self.hub.staged_writes += 1
+        self.scheduler.staged_writes += 1
         self._written()
         if self.paused:  # pause_writing ran inside the write: above the high-water mark
             self._blocked()

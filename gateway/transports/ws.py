@@ -17,9 +17,11 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, cast
 from urllib.parse import parse_qs
 
+from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Frame, Opcode
@@ -94,6 +96,15 @@ class WSCounters:
     fragment_closes = 0
     #: times a connection's input was left for the next turn of the loop (its budget, or the turn's, spent)
     input_deferrals = 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("fanout_ws_pongs_coalesced", "pongs not written: a later ping came while the"
+                                  " client's writes were paused (one pong waits)", value=self.pongs_coalesced)
+        yield CounterMetricFamily("fanout_ws_fragment_closes", "connections closed (1008) for a message in more"
+                                  " than websocket.max_fragments frames", value=self.fragment_closes)
+        yield CounterMetricFamily("fanout_ws_input_deferrals", "times a WebSocket client's input was left for the"
+                                  " next turn of the event loop (its share of the turn spent)",
+                                  value=self.input_deferrals)
 
 
 ws_counters = WSCounters()
@@ -426,7 +437,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         conn = self.connection
         if self.served and conn is not None and self.hub is not None:
             conn.closed = True
-            self.hub.unregister(conn.identity.client_id, reason)
+            self.hub.clients.unregister(conn.identity.client_id, reason)
 
     def handle_close(self, event: Any) -> None:
         super().handle_close(event)
@@ -456,7 +467,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             handle_payload(self.hub, client_id, data)
         except Exception:  # our bug, not the peer's: this client is closed, nobody else is disturbed
             log.exception("websocket %s failed", client_id)
-            self.hub.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+            self.hub.clients.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
 
     def handle_parser_exception(self) -> None:
         # a peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007): the close frame is
@@ -540,7 +551,7 @@ class WSConnection(StagedWriter):
     def _unblocked(self) -> None:
         if self.blocked_since is not None:
             self.blocked_since = None
-            self.hub.write_drained(self.identity.client_id)
+            self.hub.scheduler.write_drained(self.identity.client_id)
 
     def on_pause(self) -> None:
         self.paused = True
@@ -553,7 +564,7 @@ class WSConnection(StagedWriter):
 
     def on_lost(self) -> None:
         self.closed = True
-        self.hub.write_unwatched(self.identity.client_id)
+        self.hub.scheduler.write_unwatched(self.identity.client_id)
 
     async def _write_via_asgi(self) -> None:
         assert self._outbox is not None
@@ -616,16 +627,16 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     token = websocket.query_params.get("token")
     if token is not None:
         try:
-            principal = hub.tokens.verify(token, websocket.client.host if websocket.client else "")
+            principal = hub.clients.tokens.verify(token, websocket.client.host if websocket.client else "")
         except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
             hub.bad_input("ws", "token refused: %s", exc)
             await websocket.close(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
             return
-    client_id = hub.new_client_id("ws")
+    client_id = hub.clients.new_client_id("ws")
     host, port = websocket.client if websocket.client else ("", 0)
     identity = ClientIdentity(client_id, "ws", f"{host}:{port}", host, principal)
     conn = WSConnection(hub, identity, websocket, proto)
-    hub.register(conn, ready=True)
+    hub.clients.register(conn, ready=True)
     reason = "closed"
     try:
         while True:
@@ -643,7 +654,7 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
         reason = "error"
     finally:
         conn.closed = True
-        hub.unregister(client_id, reason)
+        hub.clients.unregister(client_id, reason)
 
 
 def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
@@ -657,12 +668,12 @@ def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
     tokens = params.get("token")
     if tokens is not None:
         try:
-            principal = hub.tokens.verify(tokens[-1], proto.client[0] if proto.client else "")
+            principal = hub.clients.tokens.verify(tokens[-1], proto.client[0] if proto.client else "")
         except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
             hub.bad_input("ws", "token refused: %s", exc)
             proto.close_with(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
             return
-    client_id = hub.new_client_id("ws")
+    client_id = hub.clients.new_client_id("ws")
     host, port = proto.client if proto.client else ("", 0)
     identity = ClientIdentity(client_id, "ws", f"{host}:{port}", host, principal)
-    hub.register(WSConnection(hub, identity, None, proto), ready=True)
+    hub.clients.register(WSConnection(hub, identity, None, proto), ready=True)

@@ -81,10 +81,10 @@ def test_client_commands_are_run_or_answered_with_an_error(frames):
 async def _run_frames(frames):
     hub = _hub()
     conn = RecordingConnection("c")
-    hub.register(conn, ready=True)
+    hub.clients.register(conn, ready=True)
     for frame in frames:
         handle_payload(hub, "c", frame)
-        if "c" not in hub.conns:
+        if "c" not in hub.clients.conns:
             break
         for batch in hub.engine.run_cycle():
             for entry in map(orjson.loads, batch.entries):

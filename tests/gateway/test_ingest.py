@@ -64,7 +64,7 @@ def test_a_full_private_queue_stops_reading_the_publisher_until_space_frees():
         pub.send(*({"topic": "q", "client": "dave", "data": i} for i in range(20)))
         pub.send({"sync": "after"})
         assert not pub.has_line(0.5)  # blocked behind the full queue: the sync is not answered
-        gw.call(lambda: gw.hub.mark_ready(dave))
+        gw.call(lambda: gw.hub.scheduler.mark_ready(dave))
         got = []
         deadline = time.monotonic() + 10
         while len(got) < 20 and time.monotonic() < deadline:

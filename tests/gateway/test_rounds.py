@@ -32,7 +32,7 @@ def metric(gw, name: str) -> float:
 
 def publish_backlog(gw, topic: str, count: int) -> None:
     """Publish `count` messages in one loop callback: the whole backlog is there before the next cycle."""
-    gw.call(lambda: [gw.hub.publish(topic, i) for i in range(count)])
+    gw.call(lambda: [gw.hub.router.publish_nowait(topic, i) for i in range(count)])
 
 
 def subscribed_clients(gw, stack: contextlib.ExitStack, count: int):
@@ -78,7 +78,7 @@ def test_a_cold_message_is_not_held_back_by_a_rounds_backlog():
         for topic in ("hot", "cold"):
             send(ws, op="subscribe", topic=topic)
             recv_entries(ws)
-        gw.call(lambda: ([gw.hub.publish("hot", i) for i in range(BACKLOG)], gw.hub.publish("cold", "now")))
+        gw.call(lambda: ([gw.hub.router.publish_nowait("hot", i) for i in range(BACKLOG)], gw.hub.router.publish_nowait("cold", "now")))
         got = collect(ws, lambda g: any(e["topic"] == "cold" for e in g))
         hot_before = [e for e in got if e["topic"] == "hot"]
         assert len(hot_before) <= 1  # the cold one rides in the first cycle, beside the first hot message
@@ -95,17 +95,17 @@ def test_a_client_blocked_by_a_rounds_write_delays_nobody_and_catches_up_when_it
         for ws in (slow, fast):
             send(ws, op="subscribe", topic="feed")
             assert recv_entries(ws)[0]["type"] == "subscribed"
-        gw.call(lambda: [gw.hub.publish("feed", payload) for _ in range(1000)])
+        gw.call(lambda: [gw.hub.router.publish_nowait("feed", payload) for _ in range(1000)])
         got = collect(fast, lambda g: len(g) >= 1000, timeout=20)
         assert [e["seq"] for e in got] == list(range(1000))
-        blocked = wait_for(lambda: gw.call(lambda: list(gw.hub.blocked.values())), "the slow client blocked")
+        blocked = wait_for(lambda: gw.call(lambda: list(gw.hub.scheduler.blocked.values())), "the slow client blocked")
         # not ready once blocked: what waits in its transport is at most the high-water mark and one round
         buffered = gw.call(lambda: blocked[0].proto.transport.get_write_buffer_size())
         assert buffered <= high_water + 8 * (len(payload) + 100), buffered
         # reading again, the slow client gets every message in order (the ring holds them all)
         seqs = [e["seq"] for e in collect(slow, lambda g: len(g) >= 1000, timeout=20)]
         assert seqs == list(range(1000))
-        wait_for(lambda: gw.call(lambda: not gw.hub.blocked), "the slow client drained")
+        wait_for(lambda: gw.call(lambda: not gw.hub.scheduler.blocked), "the slow client drained")
 
 
 @pytest.mark.parametrize("cold_backlog", [1, 5])
@@ -121,8 +121,8 @@ def test_a_caught_up_client_is_written_after_its_cycle_not_held_for_anothers_bac
         send(caught_up, op="subscribe", topic="cold")
         for ws in (backlogged, caught_up):
             assert recv_entries(ws)[0]["type"] == "subscribed"
-        gw.call(lambda: ([gw.hub.publish("hot", i) for i in range(20_000)],
-                         [gw.hub.publish("cold", i) for i in range(cold_backlog)]))
+        gw.call(lambda: ([gw.hub.router.publish_nowait("hot", i) for i in range(20_000)],
+                         [gw.hub.router.publish_nowait("cold", i) for i in range(cold_backlog)]))
         got = collect(caught_up, lambda g: len(g) >= cold_backlog)
         assert [e["data"] for e in got] == list(range(cold_backlog))
         with pytest.raises(TimeoutError):  # the backlog's round (20,000 cycles) still runs: nothing written yet
@@ -138,10 +138,10 @@ def test_a_kick_mid_round_writes_the_rounds_frames_before_its_close():
           ws_connect(gw) as ws):
         send(ws, op="subscribe", topic="hot")
         assert recv_entries(ws)[0]["type"] == "subscribed"
-        (client_id,) = gw.call(lambda: list(gw.hub.conns))
+        (client_id,) = gw.call(lambda: list(gw.hub.clients.conns))
         publish_backlog(gw, "hot", 20_000)
         # the next loop turn is a yield between two cycles of the round: some frames are staged, none written
-        assert gw.call(lambda: gw.hub.kick(client_id, close_codes.KICKED, "kicked", "kicked"))
+        assert gw.call(lambda: gw.hub.clients.kick(client_id, close_codes.KICKED, "kicked", "kicked"))
         seqs = []
         with pytest.raises(ConnectionClosed) as closed:
             while True:

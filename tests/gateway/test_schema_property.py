@@ -67,7 +67,7 @@ class Recording:
 
 async def answers(command: dict) -> list[dict]:
     hub = Hub(load_config(overrides=DEFAULTS, environ={}), instance_id="prop")
-    hub.register(Recording("c"), ready=True)
+    hub.clients.register(Recording("c"), ready=True)
     handle_payload(hub, "c", json.dumps(command))  # stdlib: it writes integers of any size, as a peer may
     raw = [e for batch in hub.engine.run_cycle() for e in batch.entries]
     for entry in raw:

@@ -188,7 +188,7 @@ def test_refusals_at_connect_are_a_stream_of_one_close_event(query, code):
         event = sse.next_event()
         assert event.event == "close" and event.json()["code"] == code
         assert sse.next_event() is None
-        assert gw.call(lambda: len(gw.hub.conns)) == 0
+        assert gw.call(lambda: len(gw.hub.clients.conns)) == 0
 
 
 def test_origin_session_limit_and_the_disabled_switches():
@@ -232,7 +232,7 @@ def test_a_slow_consumer_is_cut_with_4008_and_another_stream_is_unharmed():
             SseClient(gw, "?topics=t") as fast:
         fast.session()
         fast.next_batch()
-        wait_for(lambda: gw.call(lambda: len(gw.hub.conns)) == 2, what="both streams")
+        wait_for(lambda: gw.call(lambda: len(gw.hub.clients.conns)) == 2, what="both streams")
         received = []
 
         def read_fast():
@@ -261,7 +261,7 @@ def test_a_slow_consumer_is_cut_with_4008_and_another_stream_is_unharmed():
         assert events[0].event == "session" and events[-1].event == "close"
         assert events[-1].json() == {"code": 4008, "reason": "slow consumer"}
         assert slow.ended
-        assert gw.call(lambda: len(gw.hub.conns)) == 1
+        assert gw.call(lambda: len(gw.hub.clients.conns)) == 1
         metrics = httpx.get(f"{gw.http_url}/metrics").text
         assert 'fanout_disconnects_total{reason="slow_consumer",transport="sse"} 1.0' in metrics
 
@@ -288,11 +288,11 @@ def test_the_client_is_gone_from_the_hub_when_its_connection_closes_or_it_is_kic
     with run_gateway() as gw:
         with SseClient(gw, "?topics=chat.a") as sse:
             cid = sse.session()["client_id"]
-            assert gw.call(lambda: cid in gw.hub.conns and gw.hub.engine.has_client(cid))
-        wait_for(lambda: gw.call(lambda: cid not in gw.hub.conns and not gw.hub.engine.has_client(cid)),
+            assert gw.call(lambda: cid in gw.hub.clients.conns and gw.hub.engine.has_client(cid))
+        wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns and not gw.hub.engine.has_client(cid)),
                  what="the client's removal")
         wait_for(lambda: gw.call(lambda: not gw.running.server.server_state.connections), what="the connection's end")
-        assert gw.call(lambda: gw.hub.metrics.clients_by_transport["sse"]) == 0
+        assert gw.call(lambda: gw.hub.clients.by_transport["sse"]) == 0
         with SseClient(gw, "?topics=chat.a") as sse:
             cid = sse.session()["client_id"]
             r = httpx.delete(f"{gw.http_url}/api/clients/{cid}", headers=auth(gw))
@@ -302,7 +302,7 @@ def test_the_client_is_gone_from_the_hub_when_its_connection_closes_or_it_is_kic
                 event = sse.next_event()
             assert event.json() == {"code": 4000, "reason": "kicked by admin"}
             assert sse.next_event() is None
-        assert gw.call(lambda: cid not in gw.hub.conns and not gw.hub.engine.has_client(cid))
+        assert gw.call(lambda: cid not in gw.hub.clients.conns and not gw.hub.engine.has_client(cid))
 
 
 # -- a browser's EventSource ---------------------------------------------------------------------------------
@@ -353,7 +353,7 @@ def test_a_browsers_eventsource_reconnects_with_last_event_id_and_misses_nothing
              f"{gw.http_url}/"],
             capture_output=True, text=True, timeout=60,
         )
-        wait_for(lambda: gw.call(lambda: gw.hub.metrics.clients_by_transport["sse"]) == 0, what="the streams' end")
+        wait_for(lambda: gw.call(lambda: gw.hub.clients.by_transport["sse"]) == 0, what="the streams' end")
     found = re.search(r'<div id="log">(.*?)</div>', page.stdout, re.S)
     assert found, page.stdout[-2000:]
     log = [tuple(row) for row in orjson.loads(found.group(1).replace("&quot;", '"'))]

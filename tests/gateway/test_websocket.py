@@ -168,7 +168,7 @@ def test_socket_send_buffer_is_applied_to_client_sockets():
         def sndbuf():
             import socket
 
-            (conn,) = gw.hub.conns.values()
+            (conn,) = gw.hub.clients.conns.values()
             return conn.proto.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
 
         assert 32768 <= gw.call(sndbuf) <= 2 * 32768  # Linux doubles the value it is given

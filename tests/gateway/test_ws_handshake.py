@@ -20,4 +20,4 @@ def test_an_open_connection_holds_no_handshake_request():
         held = gw.call(lambda: sum(isinstance(o, types.GeneratorType) and o.gi_code.co_qualname == "ServerProtocol.parse"
                                    for o in gc.get_objects()))
         assert held == 0
-        assert len(gw.hub.conns) == 5
+        assert len(gw.hub.clients.conns) == 5

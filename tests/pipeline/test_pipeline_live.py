@@ -74,10 +74,9 @@ def test_the_gateway_logs_what_it_delivers(tmp_path):
 def test_sampling_is_per_client(tmp_path):
     from gateway.deliverylog import DeliveryLog
 
-    fake_hub = types.SimpleNamespace(instance_id="x", engine=types.SimpleNamespace(publish=lambda *a, **k: None))
     config = types.SimpleNamespace(sample_rate=0.25, directory=str(tmp_path), rotate_s=60, rotate_bytes=1 << 20,
                                    max_files=3, flush_interval_s=60, max_queue=10, max_publish_stamps=10)  # fmt: skip
-    log = DeliveryLog(config, fake_hub)
+    log = DeliveryLog(config, "x")
     conn = types.SimpleNamespace(identity=types.SimpleNamespace(transport="lp"))
     chosen = [log._sample(f"client-{i}", conn) == "lp" for i in range(4000)]
     assert 0.2 < sum(chosen) / 4000 < 0.3

@@ -21,11 +21,11 @@ def tcp(gw) -> socket.socket:
 
 
 def open_connections(gw) -> int:
-    return gw.call(lambda: gw.hub.metrics.connections.open)
+    return gw.call(lambda: gw.hub.limiter.open)
 
 
 def refused(gw) -> dict[str, int]:
-    return gw.call(lambda: dict(gw.hub.metrics.connections.refused))
+    return gw.call(lambda: dict(gw.hub.limiter.refused))
 
 
 def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
@@ -140,4 +140,4 @@ class RawWs:
 
 
 def only_client(gw, prefix: str = "ws-") -> str:
-    return gw.call(lambda: next(c for c in gw.hub.conns if c.startswith(prefix)))
+    return gw.call(lambda: next(c for c in gw.hub.clients.conns if c.startswith(prefix)))

@@ -27,15 +27,15 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_bounded_and_cut():
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
                 attacker.flood(ws_frame(PING, b"x" * 125), 0.1)
-                held = gw.call(lambda: gw.hub.conns[cid].proto.transport.get_write_buffer_size()
-                               if cid in gw.hub.conns else 0)
+                held = gw.call(lambda: gw.hub.clients.conns[cid].proto.transport.get_write_buffer_size()
+                               if cid in gw.hub.clients.conns else 0)
                 biggest = max(biggest, held)
             # uvicorn wrote every pong: MiBs in a second. Now the write buffer stops near the high-water mark:
             # the pongs of one parse slice (PARSE_SLICE of pings) at most past it, then one held pong
             assert biggest <= HIGH_WATER + PARSE_SLICE + 200, biggest
             # and the write-blocked client is cut as a slow consumer (4008), pings or not
-            wait_for(lambda: gw.call(lambda: cid not in gw.hub.conns), "the slow consumer's cut", timeout=10)
-            assert gw.call(lambda: gw.hub.metrics.disconnects[("ws", "slow_consumer")]) == 1
+            wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns), "the slow consumer's cut", timeout=10)
+            assert gw.call(lambda: gw.hub.clients.disconnects[("ws", "slow_consumer")]) == 1
         finally:
             attacker.close()
 
@@ -62,8 +62,8 @@ def test_replies_to_a_client_that_never_reads_are_bounded_in_bytes():
                 queued = gw.call(lambda: sum(len(e) for e in gw.hub.engine.client(cid).direct)
                                  if gw.hub.engine.has_client(cid) else 0)
                 most = max(most, queued)
-            wait_for(lambda: gw.call(lambda: cid not in gw.hub.conns), "the 4009 cut")
-            assert gw.call(lambda: gw.hub.metrics.disconnects[("ws", "direct_queue_full")]) == 1
+            wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns), "the 4009 cut")
+            assert gw.call(lambda: gw.hub.clients.disconnects[("ws", "direct_queue_full")]) == 1
             assert most <= (1 << 20), most
             assert gw.call(lambda: gw.hub.engine.direct_bytes) == 0  # nothing left behind
         finally:

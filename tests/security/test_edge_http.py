@@ -147,7 +147,7 @@ def test_a_foreign_host_is_answered_421_on_every_path_and_transport():
                 assert json_error(read_until_closed(sock), b"421") == "bad_host", request[:60]
                 sock.close()
         assert refused(gw)["bad_host"] == len(requests)
-        assert gw.call(lambda: len(gw.hub.conns)) == 0  # no WebSocket, SSE or long-poll client was made
+        assert gw.call(lambda: len(gw.hub.clients.conns)) == 0  # no WebSocket, SSE or long-poll client was made
 
 
 def test_the_default_allows_the_bind_address_localhost_and_ip_literals():

@@ -10,5 +10,5 @@ def test_x_forwarded_for_does_not_escape_the_per_address_session_limit():
         answers = [httpx.post(f"{gw.http_url}/lp", headers={"X-Forwarded-For": f"203.0.113.{i}"}).status_code
                    for i in range(3)]
         assert answers == [201, 201, 429]
-        (session,) = [c for c in gw.hub.conns.values()][:1]
+        (session,) = [c for c in gw.hub.clients.conns.values()][:1]
         assert session.identity.ip == "127.0.0.1"

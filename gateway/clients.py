@@ -1,0 +1,208 @@
+"""The client registry: who is connected, through which transport, from which address, as which user.
+
+It registers and unregisters the transports' connections (with the engine, through the scheduler's engine,
+and with the broker for the topics they leave), verifies tokens for connected clients, and owns the timers
+that end a connection: the token's expiry and its grace, the idle check, and the watchdog of write-blocked
+clients. `kick` is the one way a connection is closed by the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from core import CoreUsageError, RequestError
+
+from . import close_codes
+from .auth import Principal, TokenVerifier
+from .broker import Broker
+from .config import GatewayConfig
+from .errors import BadToken, TokenExpired
+from .scheduler import Connection, Scheduler
+
+log = logging.getLogger("gateway")
+
+
+class ClientRegistry:
+    def __init__(self, config: GatewayConfig, scheduler: Scheduler, broker: Broker,
+                 conns: dict[Hashable, Connection]) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.broker = broker
+        #: the connections by client id (the scheduler reads the same dict)
+        self.conns = conns
+        self.tokens = TokenVerifier(config.auth)
+        #: registered clients per (transport, peer IP), for per-address limits (shared memory with workers)
+        self.clients_by_ip: Counter[tuple[str, str]] = Counter()
+        self.by_transport: Counter[str] = Counter()
+        self.disconnects: Counter[tuple[str, str]] = Counter()
+        #: called on every arrival and departure (the GC policy counts them)
+        self.on_arrival: Callable[[], None] = lambda: None
+        self.on_departure: Callable[[], None] = lambda: None
+        #: per client: the timer of its token's expiry (or of the grace after it), and of its idle check
+        self._token_timers: dict[Hashable, asyncio.TimerHandle] = {}
+        self._idle_timers: dict[Hashable, asyncio.TimerHandle] = {}
+        self._watchdog: asyncio.TimerHandle | None = None
+        scheduler.kick = self.kick
+
+    def start(self) -> None:
+        self._schedule_watchdog()
+
+    def stop(self) -> None:
+        for timer in (self._watchdog, *self._token_timers.values(), *self._idle_timers.values()):
+            if timer is not None:
+                timer.cancel()
+
+    def close_all(self) -> None:
+        for client_id in list(self.conns):
+            self.kick(client_id, close_codes.GOING_AWAY, "server shutting down", "shutdown")
+
+    # -- arrivals and departures ---------------------------------------------------------------------------
+
+    def new_client_id(self, prefix: str) -> str:
+        """64 random bits: ids are not secrets (nothing can be claimed by naming one), but never collide."""
+        return f"{prefix}-{secrets.token_hex(8)}"
+
+    def register(self, conn: Connection, *, ready: bool) -> None:
+        identity = conn.identity
+        cid = identity.client_id
+        self.scheduler.engine.connect(cid, ready=ready, info=identity, owner=identity.owner)
+        self.conns[cid] = conn
+        self.clients_by_ip[(identity.transport, identity.ip)] += 1
+        self.by_transport[identity.transport] += 1
+        self.on_arrival()
+        if identity.principal is not None:
+            self._arm_token_expiry(cid, identity.principal)
+        if self.config.limits.idle_timeout_s > 0:
+            self._arm_idle(cid, self.config.limits.idle_timeout_s)
+
+    def unregister(self, client_id: Hashable, reason: str) -> None:
+        conn = self.conns.pop(client_id, None)
+        if conn is None:
+            return
+        identity = conn.identity
+        key = (identity.transport, identity.ip)
+        self.clients_by_ip[key] -= 1
+        if not self.clients_by_ip[key]:
+            del self.clients_by_ip[key]
+        for timers in (self._token_timers, self._idle_timers):
+            timer = timers.pop(client_id, None)
+            if timer is not None:
+                timer.cancel()
+        self.scheduler.write_unwatched(client_id)
+        engine = self.scheduler.engine
+        client = engine.client(client_id)
+        names, owner = list(client.subs), client.owner
+        engine.disconnect(client_id)
+        for name in names:
+            self.broker.left(name, owner, unsubscribed=False)
+        self.by_transport[identity.transport] -= 1
+        self.disconnects[(identity.transport, reason)] += 1
+        self.on_departure()
+        self.scheduler.space()
+
+    def kick(self, client_id: Hashable, code: int, reason: str, metric_reason: str) -> bool:
+        conn = self.conns.get(client_id)
+        if conn is None:
+            return False
+        conn.kick(code, reason)
+        self.unregister(client_id, metric_reason)
+        return True
+
+    def send_direct(self, client_id: Hashable, entry: bytes) -> None:
+        self.scheduler.send_direct(client_id, entry)
+
+    def send_error(self, client_id: Hashable, exc: RequestError, request_id: object = None) -> None:
+        self.scheduler.send_error(client_id, exc, request_id)
+
+    # -- identity ------------------------------------------------------------------------------------------
+
+    def authenticate(self, client_id: str, token: object) -> Principal:
+        """Verify a token for a connected client: a first token makes an anonymous connection its user's,
+        a later one refreshes the same user's token (new expiry and patterns). Raises BadToken, TokenExpired."""
+        principal = self.tokens.verify(token)
+        identity = self.conns[client_id].identity
+        if identity.principal is not None and identity.principal.user != principal.user:
+            raise BadToken("the token is for another user than the connection's")
+        if identity.principal is None:
+            try:
+                self.scheduler.engine.set_owner(client_id, principal.user)
+            except CoreUsageError:
+                raise BadToken("this connection holds private queues of its own: reconnect with the token") from None
+        identity.principal = principal
+        self._arm_token_expiry(client_id, principal)
+        return principal
+
+    def _arm_token_expiry(self, client_id: str, principal: Principal) -> None:
+        old = self._token_timers.pop(client_id, None)
+        if old is not None:
+            old.cancel()
+        delay = max(0.0, principal.expires_at + self.config.auth.leeway_s - time.time())
+        loop = asyncio.get_running_loop()
+        self._token_timers[client_id] = loop.call_later(delay, self._token_expired, client_id, principal)
+
+    def _token_expired(self, client_id: str, principal: Principal) -> None:
+        grace = self.config.auth.expired_grace_s
+        self.send_error(client_id, TokenExpired(f"the token has expired: send auth with a fresh token within {grace:g} s"))
+        loop = asyncio.get_running_loop()
+        self._token_timers[client_id] = loop.call_later(grace, self._grace_over, client_id, principal)
+
+    def _grace_over(self, client_id: str, principal: Principal) -> None:
+        conn = self.conns.get(client_id)
+        if conn is not None and conn.identity.principal is principal:  # not refreshed meanwhile
+            self._token_timers.pop(client_id, None)
+            self.kick(client_id, close_codes.TOKEN_EXPIRED, "token expired", "token_expired")
+
+    # -- timers --------------------------------------------------------------------------------------------
+
+    def _arm_idle(self, client_id: str, delay: float) -> None:
+        self._idle_timers[client_id] = asyncio.get_running_loop().call_later(delay, self._check_idle, client_id)
+
+    def _check_idle(self, client_id: str) -> None:
+        # One timer per connection, re-armed lazily: commands only stamp `last_command`.
+        conn = self.conns.get(client_id)
+        if conn is None:
+            return
+        limit = self.config.limits.idle_timeout_s
+        quiet = time.monotonic() - conn.identity.last_command
+        if self.scheduler.engine.client(client_id).subs:
+            self._arm_idle(client_id, limit)
+        elif quiet < limit:
+            self._arm_idle(client_id, limit - quiet)
+        else:
+            self._idle_timers.pop(client_id, None)
+            self.kick(client_id, close_codes.IDLE, "idle: no subscription and no command", "idle")
+
+    def _schedule_watchdog(self) -> None:
+        period = min(1.0, self.config.websocket.blocked_timeout_s / 4)
+        self._watchdog = asyncio.get_running_loop().call_later(period, self._on_watchdog)
+
+    def _on_watchdog(self) -> None:
+        # Cost: O(write-blocked clients) only.
+        limit = self.config.websocket.blocked_timeout_s
+        now = time.monotonic()
+        for client_id, conn in list(self.scheduler.blocked.items()):
+            if conn.blocked_since is not None and now - conn.blocked_since > limit:
+                log.info("disconnecting %s: write-blocked for more than %.1f s", client_id, limit)
+                self.kick(client_id, close_codes.SLOW_CONSUMER, "slow consumer", "slow_consumer")
+        self._schedule_watchdog()
+
+    # -- metrics -------------------------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        clients = GaugeMetricFamily("fanout_clients", "connected clients", labels=["transport"])
+        for transport, count in sorted(self.by_transport.items()):
+            clients.add_metric([transport], count)
+        yield clients
+        disconnects = CounterMetricFamily("fanout_disconnects", "disconnects by reason", labels=["transport", "reason"])
+        for (transport, reason), count in sorted(self.disconnects.items()):
+            disconnects.add_metric([transport, reason], count)
+        yield disconnects
+        yield CounterMetricFamily("fanout_auth_rate_limited", "token checks refused past auth.rate_per_ip",
+                                  value=self.tokens.per_address.refused)

@@ -1,0 +1,128 @@
+"""The topic router: the verbs transports and the admin API use on topics, each through the broker.
+
+Subscribes, unsubscribes and publishes take one path whether the topic space is this process's engine or
+Redis (the broker decides, gateway/broker/base.py); the router adds what belongs to the client asking: its
+creation budget, and its `reply` or error entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Hashable
+from typing import Any
+
+from core import Published, RequestError, TopicConfig
+from core.entries import encode_reply
+from core.topics import Topic
+
+from .broker import Broker
+from .clients import ClientRegistry
+from .errors import InternalError
+from .identity import ClientIdentity
+from .scheduler import Scheduler
+from .topic_budget import CreationBudget
+
+
+class TopicRouter:
+    def __init__(self, scheduler: Scheduler, clients: ClientRegistry, broker: Broker, creations: CreationBudget) -> None:
+        self.scheduler = scheduler
+        self.engine = scheduler.engine
+        self.clients = clients
+        self.broker = broker
+        #: topic creations by clients: per connection, per address, in total (gateway/topic_budget.py)
+        self.creations = creations
+
+    def topic_config(self, name: str) -> TopicConfig | None:
+        """The topic's settings, or its rule's for a name no topic has yet (None: no rule creates it)."""
+        return self.engine.topic_config(name)
+
+    def resolve(self, name: str) -> Topic:
+        """The local topic, created on first use by a rule (raises the rule's errors)."""
+        return self.engine.resolve(name)
+
+    def creating(self, identity: ClientIdentity, name: str) -> bool:
+        """Whether a client's subscribe or publish on `name` creates a topic here (then the caller charges
+        `creations` once it did); raises `TooManyCreatedTopics` when the client may create no more. A topic
+        the broker creates (in Redis, which alone knows whether it exists) is charged by the broker itself,
+        and only when it was created (docs/cluster.md §2)."""
+        if not self.broker.creates_here(name):
+            return False
+        self.creations.check(identity)
+        return True
+
+    # -- subscribing ---------------------------------------------------------------------------------------
+
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None) -> None:
+        """Subscribe now, or once the broker has the topic (the answer, `subscribed` or an error entry, then
+        comes from there)."""
+        self.broker.subscribe(client_id, topic, since=since, request_id=request_id,
+                              creator=self.clients.conns[client_id].identity)
+
+    def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
+        owner = self.engine.client(client_id).owner
+        self.engine.unsubscribe(client_id, topic, request_id=request_id)
+        self.broker.left(topic, owner, unsubscribed=True)
+        self.scheduler.wake()
+
+    # -- publishing ----------------------------------------------------------------------------------------
+
+    def publish_nowait(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published | None:
+        """The ingest's fast path: published at once (or raised) when the topic lives here, None when it goes
+        through the broker (then `publish`)."""
+        return self.broker.publish_nowait(topic, data, seq=seq, owner=owner)
+
+    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
+                creator: ClientIdentity | None = None, timeout: float | None = None) -> asyncio.Future[Published]:
+        """Publish through the broker: a future of the `Published`. `timeout`: how long a full private queue
+        holds the publish before `QueueFull` (None: at once)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self.broker.publish(topic, data, seq=seq, owner=owner, creator=creator, deadline=deadline)
+
+    def publish_reply(self, client_id: str, topic: str, data: Any, request_id: Any) -> None:
+        """A client's publish: its `reply` with the seq comes now, or when the broker has given it."""
+        conn = self.clients.conns.get(client_id)
+        future = self.publish(topic, data, creator=conn.identity if conn is not None else None)
+
+        def answer(done: asyncio.Future[Published]) -> None:
+            if client_id not in self.clients.conns:
+                return
+            exc = done.exception()
+            if isinstance(exc, RequestError):
+                self.scheduler.send_error(client_id, exc, request_id)
+            elif exc is not None:
+                self.scheduler.send_error(client_id, InternalError(f"publish failed: {exc}"), request_id)
+            else:
+                self.scheduler.send_direct(client_id, encode_reply(request_id, {"seq": done.result().seq}))
+
+        if future.done():
+            answer(future)
+        else:
+            future.add_done_callback(answer)
+
+    # -- topics (admin API) ----------------------------------------------------------------------------------
+
+    async def create_topic(self, name: str, config: TopicConfig) -> dict[str, Any]:
+        """Create a topic (cluster-wide with Redis); returns its INFO."""
+        return await self.broker.create(name, config)
+
+    async def delete_topic(self, name: str) -> int:
+        """Remove a topic (cluster-wide with Redis). Returns how many local subscribers were told."""
+        return await self.broker.delete(name)
+
+    async def topics_info(self) -> list[dict[str, Any]]:
+        """INFO of every topic: the cluster's (from the broker), else this engine's."""
+        listed = await self.broker.topics()
+        if listed is None:
+            return [t.info() for t in self.engine.topics()]
+        names = {info["name"] for info in listed}
+        return listed + [t.info() for t in self.engine.topics() if t.name not in names]
+
+    async def topic_info(self, name: str) -> dict[str, Any]:
+        if self.engine.has_topic(name):
+            info: dict[str, Any] = self.engine.topic(name).info()
+            return info
+        listed = await self.broker.topic_info(name)
+        if listed is None:
+            return dict(self.engine.topic(name).info())  # raises UnknownTopic
+        return listed

@@ -1,0 +1,367 @@
+"""The scheduler: the core engine, the task that runs its cycles, and the hand-off of batches to connections.
+
+It owns every change of the engine: the client registry and the topic router call its verbs, and the broker
+reports through it (it implements `BrokerEvents`), so each change comes with the wake-up it needs and no
+caller can forget one (a silent stall). Anyone may read `engine`.
+
+The task runs `run_cycle` whenever there is work, hands each batch to its connection without awaiting it,
+and sleeps when idle. A round runs up to `write_coalesce_cycles` cycles (or `write_coalesce_ms`) while work
+remains, then each connection writes its staged frames once (gateway/transports/staging.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from core import Batch, Engine, Published, RequestError
+from core.entries import encode_error
+
+from . import close_codes
+from .config import GatewayConfig
+from .deliverylog import DeliveryLog
+from .identity import ClientIdentity
+from .metrics import BATCH_BUCKETS, CYCLE_BUCKETS, BucketHistogram
+
+log = logging.getLogger("gateway")
+
+#: a linger due within this much is ended now: the loop's timers tick in milliseconds and may fire early
+LINGER_SLACK_S = 0.001
+
+#: how the scheduler drops a connection that broke: (client id, close code, reason, metric reason) -> closed
+Kick = Callable[[Hashable, int, str, str], bool]
+
+
+class Connection(Protocol):
+    """What the scheduler and the client registry need of a transport's connection."""
+
+    identity: ClientIdentity
+    #: when its last write stopped draining (monotonic), None while it drains: the watchdog's input
+    blocked_since: float | None
+
+    def deliver(self, batch: Batch, frame: bytes) -> bool:
+        """Start writing one batch (or stage it for the round's write); True if the client is ready again."""
+
+    def flush(self) -> bool:
+        """Write what was staged this round; True when it drained (the client stays ready)."""
+
+    def kick(self, code: int, reason: str) -> None:
+        """Close the connection with a protocol close code and reason."""
+
+    def describe(self) -> dict[str, Any]:
+        """State for the admin API."""
+
+
+class Scheduler:
+    def __init__(self, config: GatewayConfig, engine: Engine, conns: Mapping[Hashable, Connection]) -> None:
+        self.config = config
+        self.engine = engine
+        #: the client registry's connections, read-only here
+        self.conns = conns
+        #: set by the client registry: how a connection that broke is dropped
+        self.kick: Kick = lambda client_id, code, reason, metric: False
+        #: set by the hub: private queues' commits go to the broker (a Redis broker acknowledges them)
+        self.report_commits: Callable[[list[tuple[str, Hashable, int]]], None] = lambda reports: None
+        self._work = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._tick: asyncio.TimerHandle | None = None
+        #: armed while a topic lingers (`TopicConfig.linger`): wakes its held subscribers when it is due
+        self._linger: asyncio.TimerHandle | None = None
+        self._linger_due = 0.0
+        #: connections with frames staged in the current round (`_flush_staged` writes them)
+        self.staged: dict[Connection, None] = {}
+        #: those of them whose client is caught up: written after the cycle, not at the round's end
+        self.caught_up: dict[Connection, None] = {}
+        #: a round runs up to this many cycles (or `coalesce_s`) while work remains, then writes once per client
+        self.coalesce_cycles = config.scheduler.write_coalesce_cycles
+        self.coalesce_s = config.scheduler.write_coalesce_ms / 1000
+        #: staged bytes per connection at which it is written before the round ends (transports/staging.py)
+        self.stage_limit = config.websocket.write_high_water
+        #: connections whose last write has not drained (not ready), watched for the blocked timeout
+        self.blocked: dict[Hashable, Connection] = {}
+        #: publishers waiting for space in a private queue: (topic, owner) -> futures
+        self._space_waiters: dict[tuple[str, Hashable], list[asyncio.Future[None]]] = {}
+        #: the sampled delivery log ([deliverylog], gateway/deliverylog.py), when enabled
+        self.delivery_log: DeliveryLog | None = None
+        #: rounds run, and write calls of staged data (`/metrics`: batches written / writes = what rounds save)
+        self.rounds = 0
+        self.staged_writes = 0
+        self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
+        self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="fanout-scheduler")
+        self._schedule_tick()
+
+    async def stop(self) -> None:
+        for timer in (self._tick, self._linger):
+            if timer is not None:
+                timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
+
+    def _schedule_tick(self) -> None:
+        period = self.config.scheduler.hole_tick_ms / 1000
+        self._tick = asyncio.get_running_loop().call_later(period, self._on_tick)
+
+    def _on_tick(self) -> None:
+        # Cost: O(topics that hold an out-of-order hole), nothing when there is none; reclaim costs
+        # O(topics that became unused + topics whose time is up).
+        now = time.monotonic()
+        if self.engine.tick(now):
+            self.wake()
+        ttl = self.config.limits.topic_ttl_s
+        if ttl > 0:
+            self.engine.reclaim(now, ttl, self.config.limits.topic_history_ttl_s)
+        self._schedule_tick()
+
+    # -- wake-ups ----------------------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        if self.engine.lingering:
+            self._arm_linger()
+        if self.engine.has_work:
+            self._work.set()
+
+    def _arm_linger(self) -> None:
+        """The timer goes off at the earliest linger's end: a topic with a shorter linger held after one
+        with a longer may end first."""
+        due = self.engine.next_release()
+        if due is None or (self._linger is not None and self._linger_due <= due):
+            return
+        if self._linger is not None:
+            self._linger.cancel()
+        self._linger_due = due
+        self._linger = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()), self._on_linger)
+
+    def _on_linger(self) -> None:
+        self._linger = None
+        self.engine.release(time.monotonic() + LINGER_SLACK_S)
+        self.wake()
+
+    # -- readiness (the transports' write state) -----------------------------------------------------------
+
+    def write_blocked(self, client_id: Hashable, conn: Connection) -> None:
+        """A write did not drain at once: the client is not ready, and the watchdog watches it."""
+        self.blocked[client_id] = conn
+
+    def write_drained(self, client_id: Hashable) -> None:
+        """The blocked write drained: the client is ready again."""
+        self.blocked.pop(client_id, None)
+        self.write_done(client_id)
+
+    def write_unwatched(self, client_id: Hashable) -> None:
+        """The connection is gone: stop watching its write (the registry unregisters it separately)."""
+        self.blocked.pop(client_id, None)
+
+    def write_done(self, client_id: Hashable) -> None:
+        if client_id in self.conns:
+            self.engine.write_done(client_id)
+            self.space()
+            self.wake()
+
+    def mark_ready(self, client_id: Hashable) -> None:
+        self.engine.mark_ready(client_id)
+        self.wake()
+
+    def mark_idle(self, client_id: Hashable) -> None:
+        self.engine.mark_idle(client_id)
+
+    def commit(self, client_id: Hashable) -> None:
+        self.engine.commit(client_id)
+        self.space()
+
+    # -- direct entries ------------------------------------------------------------------------------------
+
+    def send_direct(self, client_id: Hashable, entry: bytes) -> None:
+        try:
+            self.engine.send_direct(client_id, entry)
+        except RequestError:  # DirectQueueFull: the client does not read its replies
+            self.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")
+            return
+        self.wake()
+
+    def send_error(self, client_id: Hashable, exc: RequestError, request_id: Any = None) -> None:
+        self.send_direct(client_id, encode_error(exc.code, exc.message, request_id))
+
+    # -- BrokerEvents: what the broker reports ------------------------------------------------------------
+
+    def apply(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
+        result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
+        if self.delivery_log is not None:
+            self.delivery_log.published(topic, result.seq)
+        self.wake()
+        return result
+
+    def skip(self, topic: str, upto: int) -> None:
+        self.engine.skip(topic, upto, time.monotonic())
+        self.wake()
+
+    def deleted(self, topic: str) -> int:
+        count = self.engine.delete_topic(topic)
+        self.wake()
+        return count
+
+    def evicted(self, topic: str, owner: Hashable, reason: str) -> bool:
+        if not self.engine.evict(topic, owner, reason):
+            return False
+        self.space()
+        self.wake()
+        return True
+
+    def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
+               queue_start: tuple[str, int] | None = None) -> None:
+        if client_id not in self.conns:
+            return
+        try:
+            self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
+        except RequestError as err:
+            self.send_error(client_id, err, request_id)
+        self.wake()
+
+    def refused(self, client_id: str, error: RequestError, request_id: Any = None) -> None:
+        if client_id in self.conns:
+            self.send_error(client_id, error, request_id)
+
+    def connected(self, client_id: str) -> bool:
+        return client_id in self.conns
+
+    def client_count(self) -> int:
+        return len(self.conns)
+
+    def space_freed(self, topic: str, owner: Hashable) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._space_waiters.setdefault((topic, owner), []).append(future)
+        return future
+
+    def space(self) -> None:
+        if self.engine.report_commits:
+            committed = self.engine.take_committed()
+            if committed:
+                self.report_commits(committed)
+        for key in self.engine.take_space_freed():
+            for future in self._space_waiters.pop(key, ()):
+                if not future.done():
+                    future.set_result(None)
+
+    # -- the task ----------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        engine = self.engine
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while engine.has_work:
+                round_started = time.perf_counter()
+                for cycle in range(1, self.coalesce_cycles + 1):
+                    started = time.perf_counter()
+                    batches = engine.run_cycle()
+                    self._deliver(batches)
+                    now = time.perf_counter()
+                    self._observe(now - started, batches)
+                    del batches  # not held while the loop sleeps: the last cycle's entries can be a lot
+                    if cycle == self.coalesce_cycles or not engine.has_work or now - round_started >= self.coalesce_s:
+                        break
+                    # Clients caught up are written now; those with a backlog keep their frames for the
+                    # round's write. Reads run between cycles, as between rounds (what they publish goes in
+                    # the next cycle).
+                    self._flush_caught_up()
+                    await asyncio.sleep(0)
+                self.rounds += 1
+                self._flush_staged()
+                # What the round committed is written now: a broker may drop it, and held publishers retry.
+                self.space()
+                await asyncio.sleep(0)
+
+    def _observe(self, seconds: float, batches: list[Batch]) -> None:
+        self.cycle_seconds.observe(seconds)
+        observe = self.entries_per_batch.observe
+        for batch in batches:
+            observe(len(batch.entries))
+
+    def _flush_staged(self) -> None:
+        """The round's end: write each connection's staged frames."""
+        staged, self.staged = self.staged, {}
+        self.caught_up.clear()
+        for conn in staged:
+            self._flush(conn)
+
+    def _flush_caught_up(self) -> None:
+        """Between a round's cycles: write the staged frames of clients with nothing more to come next cycle
+        (caught up: a round never delays them); those with a backlog keep theirs for the round's end."""
+        caught_up, self.caught_up = self.caught_up, {}
+        for conn in caught_up:
+            self._flush(conn)
+
+    def _flush(self, conn: Connection) -> None:
+        """Write one connection's staged frames. One left above its high-water mark is not ready (its batches
+        were reported done when staged) until its transport drains."""
+        client_id = conn.identity.client_id
+        try:
+            if conn.flush():
+                return
+        except Exception:  # a transport that broke mid-write: drop it, never the others
+            log.exception("delivery to %s failed", client_id)
+            self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+            return
+        if client_id in self.conns and conn.blocked_since is not None:
+            self.engine.mark_idle(client_id)
+
+    def _deliver(self, batches: list[Batch]) -> None:
+        frames: dict[bytes | tuple[bytes, ...], bytes] = {}
+        conns = self.conns
+        delivery_log = self.delivery_log
+        done = []
+        for batch in batches:
+            conn = conns.get(batch.client_id)
+            if conn is None:
+                continue
+            # Clients of one topic usually get identical batches: frame them once. The entries are the key
+            # (a bytes object caches its hash, and a lookup compares identity first; one entry, the common
+            # case, is its own key, never equal to a tuple key).
+            entries = batch.entries
+            key = entries[0] if len(entries) == 1 else tuple(entries)
+            frame = frames.get(key)
+            if frame is None:
+                frame = frames[key] = batch.frame()
+            try:
+                finished = conn.deliver(batch, frame)
+            except Exception:  # a transport that broke mid-write: drop it, never the others
+                log.exception("delivery to %s failed", batch.client_id)
+                self.kick(batch.client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+                continue
+            if delivery_log is not None:
+                delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
+            if finished:
+                done.append(batch.client_id)
+        if done:
+            self.engine.writes_done(done)
+
+    # -- metrics -------------------------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        """The scheduler's families for /metrics."""
+        yield CounterMetricFamily("fanout_rounds", "scheduler rounds (cycles written together,"
+                                  " gateway/transports/staging.py)", value=self.rounds)
+        yield CounterMetricFamily("fanout_staged_writes", "write calls of staged batches (WebSocket, SSE)",
+                                  value=self.staged_writes)
+        yield GaugeMetricFamily("fanout_write_blocked_clients", "clients whose write has not drained",
+                                value=len(self.blocked))
+        yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
+        yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
+
