@@ -25,7 +25,7 @@ from .clients import ClientRegistry
 from .config import GatewayConfig
 from .deliverylog import DeliveryLog
 from .gcpolicy import GcPolicy
-from .metrics import Metrics, engine_families, limiter_families, stats_families
+from .metrics import Metrics, engine_families, stats_families
 from .netguard import ConnectionLimiter
 from .ratelog import BadInputLog
 from .router import TopicRouter
@@ -86,7 +86,7 @@ class Hub:
     def attach_limiter(self, limiter: ConnectionLimiter) -> None:
         """The HTTP port's connection accounting, once the server listens (/metrics)."""
         self.limiter = limiter
-        self.metrics.add(lambda: limiter_families(limiter))
+        self.metrics.add(limiter.collect)
 
     async def start(self) -> None:
         await self.broker.start()

@@ -20,8 +20,6 @@ import core
 if TYPE_CHECKING:
     from core import Engine
 
-    from .netguard import ConnectionLimiter
-
 CYCLE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -89,13 +87,6 @@ def counter_family(name: str, doc: str, label: str, counts: Mapping[str, int]) -
     for key, count in sorted(counts.items()):
         family.add_metric([key], count)
     return family
-
-
-def limiter_families(limiter: "ConnectionLimiter") -> Iterator[Metric]:
-    yield GaugeMetricFamily("fanout_http_connections", "open HTTP-port connections (WebSocket included)",
-                            value=limiter.open)
-    yield counter_family("fanout_connections_refused", "HTTP-port connections refused at a limit or cut at the"
-                         " header deadline", "reason", limiter.refused)
 
 
 def stats_families(prefix: str, doc: str, stats: Mapping[str, Any]) -> Iterator[Metric]:

@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterator
 from http import HTTPStatus
 from typing import Any, Protocol, cast
 
 import httptools
 import orjson
+from prometheus_client.core import GaugeMetricFamily, Metric
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from core.errors import RequestError
 
 from .errors import BadHost, HeadersTooLarge, TooManyConnections
 from .hosts import HostPolicy
+from .metrics import counter_family
 from .ratelog import BadInputLog
 
 #: where the protocol puts itself in each request's ASGI scope, under "extensions"
@@ -105,6 +108,12 @@ class ConnectionLimiter:
     @property
     def open(self) -> int:
         return len(self._open)
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("fanout_http_connections", "open HTTP-port connections (WebSocket included)",
+                                value=self.open)
+        yield counter_family("fanout_connections_refused", "HTTP-port connections refused at a limit or cut at the"
+                             " header deadline", "reason", self.refused)
 
     def admit(self, transport: asyncio.BaseTransport) -> bool:
         """Count the connection in, or refuse it (counted and reported) when a limit is reached."""

@@ -19,7 +19,7 @@ from core import TopicConfig, TopicKind
 from ..errors import BrokerUnavailable
 
 if TYPE_CHECKING:
-    from .redis_broker import RedisBroker
+    from .node import RedisNode
 
 log = logging.getLogger("gateway.broker")
 
@@ -35,7 +35,7 @@ class ClusterInfo:
     """What the admin API shows of the whole cluster, read from (and, for this node's counters, written to)
     Redis by a `RedisBroker`."""
 
-    def __init__(self, broker: "RedisBroker") -> None:
+    def __init__(self, broker: "RedisNode") -> None:
         self.broker = broker
         self._queues_refreshed = time.monotonic()
 
@@ -44,7 +44,7 @@ class ClusterInfo:
         if epoch is None:
             return None
         engine = self.broker.events.engine
-        config = self.broker._config_from(settings) or engine.topic_config(name) or TopicConfig()
+        config = self.broker.config_from(settings) or engine.topic_config(name) or TopicConfig()
         local = engine.topic(name) if engine.has_topic(name) else None
         info: dict[str, Any] = {"name": name, "epoch": epoch.decode(),
                                 "subscribers": len(local.subs) if local is not None else 0, **config.as_dict()}
@@ -100,7 +100,7 @@ class ClusterInfo:
                 if refreshed - self._queues_refreshed > min(broker.ttl / 2, 600):
                     self._queues_refreshed = refreshed
                     try:
-                        await broker.queues.refresh()
+                        await broker.refresh_queues()
                     except (RedisError, OSError) as exc:
                         log.debug("broker: queues not refreshed: %s", exc)
             await asyncio.sleep(STATS_PERIOD_S)

@@ -41,7 +41,7 @@ from ..errors import BrokerUnavailable, InternalError
 from .validate import PENDING_OVERHEAD, check_ready, encode_message
 
 if TYPE_CHECKING:
-    from .redis_broker import RedisBroker
+    from .node import RedisNode
 
 log = logging.getLogger("gateway.broker")
 
@@ -90,7 +90,7 @@ class _Outbox:
 
 
 class PrivateQueues:
-    def __init__(self, broker: "RedisBroker") -> None:
+    def __init__(self, broker: "RedisNode") -> None:
         self.broker = broker
         self.events = broker.events
         self.held: dict[Key, Held] = {}
@@ -123,7 +123,7 @@ class PrivateQueues:
 
     async def _eval(self, name: str, keys: tuple[str, ...], *args: Any) -> Any:
         broker = self.broker
-        return await broker.redis.evalsha(broker._shas[name], len(keys), *keys, *args)
+        return await broker.redis.evalsha(broker.shas[name], len(keys), *keys, *args)
 
     # -- subscribing -------------------------------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class PrivateQueues:
     async def _attach(self, held: Held) -> None:
         events = self.events
         try:
-            await self.broker._subscribe([held.keys[2]])
+            await self.broker.subscribe_channels([held.keys[2]])
             epoch, head, entries = await self._eval(
                 "QUEUE_ATTACH", held.keys[:2], secrets.token_hex(8), self.broker.ttl, held.keys[2],
                 self.broker.node_id)
@@ -209,7 +209,7 @@ class PrivateQueues:
         if self.held.get((held.topic, held.owner)) is held:
             del self.held[(held.topic, held.owner)]
             self.by_channel.pop(held.keys[2], None)
-            self.broker._unsubscribe(held.keys[2])
+            self.broker.unsubscribe_channel(held.keys[2])
 
     def _local(self, held: Held) -> Any:
         engine = self.events.engine
@@ -339,7 +339,7 @@ class PrivateQueues:
             try:
                 pipe = broker.redis.pipeline(transaction=False)
                 for keys, epoch, upto in acks.values():
-                    pipe.evalsha(broker._shas["QUEUE_ACK"], 2, keys[0], keys[1], upto, broker.ttl, epoch)
+                    pipe.evalsha(broker.shas["QUEUE_ACK"], 2, keys[0], keys[1], upto, broker.ttl, epoch)
                 await pipe.execute()
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 for key, ack in acks.items():  # sent again when Redis is back (acks are idempotent)

@@ -158,7 +158,7 @@ class RedisBroker:
         #: the cluster-wide topic bound (broker.max_topics), checked by Redis when a topic would be created
         self.max_topics = config.max_topics
         self._queued: asyncio.Event | None = None
-        self._shas: dict[str, str] = {}
+        self.shas: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         #: private queues held in Redis (private_queues.py, docs/cluster.md §8)
         self.queues = PrivateQueues(self)
@@ -223,7 +223,7 @@ class RedisBroker:
         await self.redis.ping()
         for name in ("PUBLISH", "TOUCH", "DELETE", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
                      "QUEUE_DELETE", "QUEUE_RESTORE"):
-            self._shas[name] = await self.redis.script_load(getattr(scripts, name))
+            self.shas[name] = await self.redis.script_load(getattr(scripts, name))
         if self._pubsub is not None:
             await self._pubsub.disconnect()
         kwargs = dict(self.redis.connection_pool.connection_kwargs)
@@ -303,7 +303,7 @@ class RedisBroker:
 
         await asyncio.wait_for(confirmations(), COMMAND_TIMEOUT_S)
 
-    async def _subscribe(self, channels: list[str]) -> None:
+    async def subscribe_channels(self, channels: list[str]) -> None:
         """SUBSCRIBE and wait until Redis confirms: from then on no message of these channels is missed."""
         loop = asyncio.get_running_loop()
         waiting = []
@@ -314,7 +314,7 @@ class RedisBroker:
         await self._pubsub.send_command("SUBSCRIBE", *channels)
         await asyncio.wait_for(asyncio.gather(*waiting), COMMAND_TIMEOUT_S)
 
-    def _unsubscribe(self, channel: str) -> None:
+    def unsubscribe_channel(self, channel: str) -> None:
         if self.available and self._pubsub is not None:
             asyncio.get_running_loop().create_task(self._send_quietly("UNSUBSCRIBE", channel))
 
@@ -393,7 +393,7 @@ class RedisBroker:
         if not line.ready.done():
             line.ready.set_exception(UnknownTopic(f"topic {line.name!r} was deleted"))
             line.ready.exception()  # retrieved: nobody may be waiting
-        self._unsubscribe(self.keys.channel(line.name))
+        self.unsubscribe_channel(self.keys.channel(line.name))
 
     # -- reading the stream ------------------------------------------------------------------------------
 
@@ -415,7 +415,7 @@ class RedisBroker:
         it is new), None when it may."""
         keys = self.keys
         reply: list[Any] = await self.redis.evalsha(
-            self._shas["TOUCH"], 3, keys.meta(name), keys.stream(name), keys.topics,
+            self.shas["TOUCH"], 3, keys.meta(name), keys.stream(name), keys.topics,
             secrets.token_hex(8), config.kind.value, config.capacity, orjson.dumps(config.as_dict()),
             self.ttl, "1" if exclusive else "0", first, time.time(), name, "0" if refusal else "1", self.max_topics,
         )
@@ -502,7 +502,7 @@ class RedisBroker:
                     name, self._settings(name), first, refusal=refusal)
                 line.created = line.created or created == 1
                 epoch = epoch_b.decode()
-                config = self._config_from(settings) or self._settings(name)
+                config = self.config_from(settings) or self._settings(name)
                 line.kind = config.kind.value
                 if not fresh and epoch != line.epoch and not restart:
                     restart = True  # another epoch: its stream from the start
@@ -549,7 +549,7 @@ class RedisBroker:
         if self.lines.get(line.name) is line:
             self._drop(line)
 
-    def _config_from(self, settings: bytes | None) -> TopicConfig | None:
+    def config_from(self, settings: bytes | None) -> TopicConfig | None:
         if not settings:
             return None
         try:
@@ -682,7 +682,7 @@ class RedisBroker:
 
     async def _attach(self, line: Line) -> None:
         try:
-            await self._subscribe([self.keys.channel(line.name)])
+            await self.subscribe_channels([self.keys.channel(line.name)])
         except (RedisError, OSError, asyncio.TimeoutError, RequestError) as exc:
             if isinstance(exc, (RedisError, OSError)):
                 self._lost(exc)
@@ -757,7 +757,7 @@ class RedisBroker:
             for p in batch:
                 name = p.topic
                 pipe.evalsha(
-                    self._shas["PUBLISH"], 3, keys.meta(name), keys.stream(name), keys.topics,
+                    self.shas["PUBLISH"], 3, keys.meta(name), keys.stream(name), keys.topics,
                     secrets.token_hex(8), p.data, p.config.kind.value, p.config.capacity,
                     orjson.dumps(p.config.as_dict()), self.ttl, keys.channel(name),
                     "" if p.seq is None else p.seq, now, name, "0" if p.refusal else "1", self.max_topics,
@@ -830,7 +830,7 @@ class RedisBroker:
             raise BrokerUnavailable(f"broker unreachable: {self.last_error}")
         keys = self.keys
         try:
-            existed = await self.redis.evalsha(self._shas["DELETE"], 3, keys.meta(topic), keys.stream(topic),
+            existed = await self.redis.evalsha(self.shas["DELETE"], 3, keys.meta(topic), keys.stream(topic),
                                                keys.topics, keys.channel(topic), topic)
         except (RedisError, OSError) as exc:
             self._lost(exc)
@@ -851,6 +851,9 @@ class RedisBroker:
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         return await self.cluster.cluster_stats()
+
+    async def refresh_queues(self) -> None:
+        await self.queues.refresh()
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("fanout_broker_pending_bytes", "bytes of publishes waiting for Redis"
