@@ -78,7 +78,8 @@ def test_a_cold_message_is_not_held_back_by_a_rounds_backlog():
         for topic in ("hot", "cold"):
             send(ws, op="subscribe", topic=topic)
             recv_entries(ws)
-        gw.call(lambda: ([gw.hub.router.publish_nowait("hot", i) for i in range(BACKLOG)], gw.hub.router.publish_nowait("cold", "now")))
+        publish = gw.hub.router.publish_nowait
+        gw.call(lambda: ([publish("hot", i) for i in range(BACKLOG)], publish("cold", "now")))
         got = collect(ws, lambda g: any(e["topic"] == "cold" for e in g))
         hot_before = [e for e in got if e["topic"] == "hot"]
         assert len(hot_before) <= 1  # the cold one rides in the first cycle, beside the first hot message
