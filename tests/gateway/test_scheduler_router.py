@@ -1,0 +1,195 @@
+"""The scheduler, the client registry and the topic router over fake connections: no socket, no server.
+
+Each test runs the real hub (in-process broker) on an event loop of its own and plays a transport: a
+`FakeConnection` records what the scheduler hands it and can refuse to drain or break mid-write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from core import QueueFull
+from gateway import close_codes
+from gateway.config import load_config
+from gateway.hub import Hub
+from gateway.identity import ClientIdentity
+from gateway.testing import DEFAULTS
+
+pytestmark = pytest.mark.unit
+
+
+class FakeConnection:
+    """A transport's connection as the scheduler sees it: `deliver`, `flush`, `kick`, `describe`."""
+
+    def __init__(self, client_id: str, *, drains: bool = True, breaks: bool = False) -> None:
+        self.identity = ClientIdentity(client_id, "fake", ip="127.0.0.1")
+        self.blocked_since: float | None = None
+        self.drains = drains
+        self.breaks = breaks
+        self.entries: list[dict[str, Any]] = []
+        self.kicked: tuple[int, str] | None = None
+
+    def deliver(self, batch: Any, frame: bytes) -> bool:
+        if self.breaks:
+            raise RuntimeError("the socket broke")
+        self.entries += orjson.loads(frame)
+        return self.drains
+
+    def flush(self) -> bool:
+        return True
+
+    def kick(self, code: int, reason: str) -> None:
+        self.kicked = (code, reason)
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": "fake"}
+
+
+def run(test: Callable[[Hub], Awaitable[None]], **overrides: Any) -> None:
+    async def main() -> None:
+        hub = Hub(load_config(overrides={**DEFAULTS, **overrides}, environ={}), instance_id="unit")
+        await hub.start()
+        try:
+            await test(hub)
+        finally:
+            await hub.stop()
+
+    asyncio.run(main())
+
+
+async def settle(until: Callable[[], bool], timeout: float = 2.0) -> None:
+    """Let the scheduler task run until `until()` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not until():
+        assert asyncio.get_running_loop().time() < deadline, "the scheduler did not deliver"
+        await asyncio.sleep(0.001)
+
+
+def connect(hub: Hub, client_id: str, **kwargs: Any) -> FakeConnection:
+    conn = FakeConnection(client_id, **kwargs)
+    hub.clients.register(conn, ready=True)
+    return conn
+
+
+def messages(conn: FakeConnection) -> list[Any]:
+    return [e["data"] for e in conn.entries if e["type"] == "msg"]
+
+
+def test_subscribe_and_publish_take_one_path_and_reach_every_subscriber():
+    async def test(hub: Hub) -> None:
+        a, b = connect(hub, "a"), connect(hub, "b")
+        for conn in (a, b):
+            hub.router.subscribe(conn.identity.client_id, "chat.room", request_id=1)
+        await settle(lambda: all(any(e["type"] == "subscribed" for e in c.entries) for c in (a, b)))
+        published = await hub.router.publish("chat.room", {"n": 1})
+        assert published.seq == 0
+        assert hub.router.publish_nowait("chat.room", {"n": 2}).seq == 1  # the in-process fast path
+        await settle(lambda: len(messages(a)) == 2 and len(messages(b)) == 2)
+        assert messages(a) == messages(b) == [{"n": 1}, {"n": 2}]
+
+    run(test)
+
+
+def test_a_client_publish_is_answered_with_its_seq():
+    async def test(hub: Hub) -> None:
+        a = connect(hub, "a")
+        hub.router.subscribe("a", "chat.x")
+        hub.router.publish_reply("a", "chat.x", "hello", request_id=7)
+        await settle(lambda: any(e["type"] == "reply" for e in a.entries))
+        reply = next(e for e in a.entries if e["type"] == "reply")
+        assert (reply["id"], reply["result"]) == (7, {"seq": 0})
+
+    run(test)
+
+
+def test_a_broken_connection_is_kicked_and_the_others_still_get_the_message():
+    async def test(hub: Hub) -> None:
+        good, bad = connect(hub, "good"), connect(hub, "bad")
+        for conn in (good, bad):
+            hub.router.subscribe(conn.identity.client_id, "chat.t")
+        await settle(lambda: bool(good.entries))
+        bad.breaks = True
+        hub.router.publish_nowait("chat.t", "m")
+        await settle(lambda: messages(good) == ["m"])
+        assert bad.kicked == (close_codes.INTERNAL_ERROR, "internal error")
+        assert "bad" not in hub.clients.conns and not hub.engine.has_client("bad")
+        assert hub.clients.disconnects[("fake", "error")] == 1
+
+    run(test)
+
+
+def test_a_client_that_does_not_drain_gets_nothing_until_it_does():
+    async def test(hub: Hub) -> None:
+        slow = connect(hub, "slow", drains=False)
+        hub.router.subscribe("slow", "chat.s")
+        await settle(lambda: bool(slow.entries))
+        hub.router.publish_nowait("chat.s", 1)
+        await asyncio.sleep(0.05)
+        assert messages(slow) == []  # its `subscribed` write has not drained: not ready
+        hub.scheduler.write_drained("slow")
+        await settle(lambda: messages(slow) == [1])
+
+    run(test)
+
+
+def test_a_full_private_queue_holds_a_publish_with_a_timeout_until_it_has_room():
+    async def test(hub: Hub) -> None:
+        reader = connect(hub, "reader", drains=False)
+        hub.router.subscribe("reader", "private.inbox")
+        await settle(lambda: bool(reader.entries))
+        for i in range(2):
+            hub.router.publish_nowait("private.inbox", i, owner="reader")
+        with pytest.raises(QueueFull):
+            await hub.router.publish("private.inbox", "no room", owner="reader")
+        held = hub.router.publish("private.inbox", "waits", owner="reader", timeout=2.0)
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        reader.drains = True
+        hub.scheduler.write_drained("reader")  # its writes drained: what they carried leaves the queue
+        assert (await asyncio.wait_for(held, 2.0)).seq == 2
+        await settle(lambda: messages(reader) == [0, 1, "waits"])
+
+    run(test, topics={"rules": [{"pattern": "private.*", "kind": "private", "anonymous": True, "max_count": 2}]})
+
+
+def test_kick_closes_with_the_code_and_unregisters():
+    async def test(hub: Hub) -> None:
+        conn = connect(hub, "k")
+        hub.router.subscribe("k", "chat.k")
+        assert hub.clients.kick("k", close_codes.KICKED, "kicked by admin", "kicked")
+        assert conn.kicked == (close_codes.KICKED, "kicked by admin")
+        assert hub.clients.by_transport["fake"] == 0 and not hub.clients.clients_by_ip
+        assert not hub.clients.kick("k", close_codes.KICKED, "again", "kicked")
+
+    run(test)
+
+
+def test_the_router_creates_and_deletes_topics_through_the_broker():
+    async def test(hub: Hub) -> None:
+        from core import TopicConfig
+
+        info = await hub.router.create_topic("made.here", TopicConfig())
+        assert info["name"] == "made.here"
+        assert [t["name"] for t in await hub.router.topics_info()] == ["made.here"]
+        a = connect(hub, "a")
+        hub.router.subscribe("a", "made.here")
+        assert await hub.router.delete_topic("made.here") == 1
+        await settle(lambda: any(e["type"] == "closed" for e in a.entries))
+
+    run(test)
+
+
+def test_metrics_come_from_each_part():
+    async def test(hub: Hub) -> None:
+        connect(hub, "m")
+        text = hub.metrics.render().decode()
+        for family in ("fanout_clients{transport=\"fake\"} 1.0", "fanout_rounds_total", "fanout_topics ",
+                       "fanout_bad_input_total", "fanout_topic_creations_refused_total", "fanout_gc_full_collections"):
+            assert family in text, family
+
+    run(test)
