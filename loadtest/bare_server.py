@@ -228,7 +228,7 @@ class WsConnection(asyncio.Protocol):
         self.transport.write(text_frame(orjson.dumps(answers)))
 
 
-class IngestConnection(asyncio.Protocol):
+class BareIngestProtocol(asyncio.Protocol):
     """One publisher on the TCP ingest: NDJSON records in, answers (authed, synced, error lines) out."""
 
     transport: asyncio.Transport
@@ -288,7 +288,7 @@ async def serve(host: str, port: int, ingest_port: int, ready_file: Path | None,
     loop = asyncio.get_running_loop()
     server = BareServer(batch=batch)
     ws = await loop.create_server(lambda: WsConnection(server), host, port, backlog=4096)
-    ingest = await loop.create_server(lambda: IngestConnection(server), host, ingest_port, backlog=128)
+    ingest = await loop.create_server(lambda: BareIngestProtocol(server), host, ingest_port, backlog=128)
     info = {"http_port": ws.sockets[0].getsockname()[1], "ingest_port": ingest.sockets[0].getsockname()[1],
             "pid": os.getpid(), "batch": batch}
     if ready_file is not None:

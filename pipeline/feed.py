@@ -40,10 +40,10 @@ from pyspark.sql import types as T
 
 from pipeline import badrecords, ingest
 from pipeline.errors import BadInput, LossError, PipelineError, PlanError
+from pipeline.feed_metrics import FeedMetrics
 from pipeline.gatewayapi import DEFAULT_ADMIN_URL, AdminClient, TopicState
 from pipeline.ledger import BatchOutcome, Ledger, classify
 from pipeline.lockstep import RoundClient, RoundCoordinator
-from pipeline.metrics import FeedMetrics
 from pipeline.plan import TopicFacts, plan_problems
 from pipeline.retry import DEFAULT_RETRY, RetryPolicy
 

@@ -6,7 +6,7 @@ Two layers, as in h11 / websockets:
 * :class:`IngestClient` is sans-I/O: it turns records into line-delimited JSON bytes, checks the gateway's
   answers (bytes fed to :meth:`IngestClient.receive_data`, decoded by the shared ``AnswerReader``), and
   decides whether the connection ended well. It never touches a socket or a clock.
-* :class:`IngestConnection` is the blocking adapter over the shared ``IngestSocket``: ``send`` a chunk,
+* :class:`PipelineIngestSender` is the blocking adapter over the shared ``IngestSocket``: ``send`` a chunk,
   ``sync`` and wait, with the answers read concurrently with the writes (the gateway may answer every record
   of a retried batch with an error line, so a writer that does not read could deadlock against a gateway
   blocked on writing to us), all bounded by timeouts. :func:`publish` is what a Spark task calls once per
@@ -71,12 +71,12 @@ __all__ = [
     "LOST",
     "ConnectionLost",
     "PartitionOutcome",
+    "PipelineIngestSender",
     "Publisher",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT",
     "IngestClient",
-    "IngestConnection",
     "IngestError",
     "IngestProtocolError",
     "IngestRefused",
@@ -339,7 +339,7 @@ def chunks(records: Iterable[Record], size: int) -> Iterator[list[Record]]:
         yield chunk
 
 
-class IngestConnection:
+class PipelineIngestSender:
     """A blocking ingest connection (the shared ``IngestSocket`` feeding :class:`IngestClient`).
 
     ``send`` writes one chunk of records as one write (a "sendall" that keeps reading answers meanwhile, so
@@ -352,7 +352,7 @@ class IngestConnection:
         self.client = IngestClient()
         self._socket = IngestSocket(host, port, self.client.receive_data, timeout)
 
-    def __enter__(self) -> IngestConnection:
+    def __enter__(self) -> PipelineIngestSender:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -393,7 +393,7 @@ def publish(
     ``timeout`` seconds for the ``synced`` answer), ``OSError`` for a connection that cannot be made, and
     ``ValueError`` for a malformed record. Nothing is published for an empty ``records`` except the sync.
     """
-    with IngestConnection(host, port, timeout) as connection:
+    with PipelineIngestSender(host, port, timeout) as connection:
         for chunk in chunks(records, chunk_size):
             connection.send(chunk)
         return connection.sync(sync_id)
@@ -478,7 +478,7 @@ class Publisher:
         self.outcome = PartitionOutcome()
         self._sync_id = sync_base
         self._settled_accepted = 0
-        self._connection: IngestConnection | None = None
+        self._connection: PipelineIngestSender | None = None
         self._refused: dict[tuple[str, str], list[int]] = {}
         self._lost_on_resend: dict[str, list[int]] = {}
 
@@ -504,7 +504,7 @@ class Publisher:
             handed = 0  # records given to this connection: a write that fails still holds its chunk
             try:
                 if self._connection is None:
-                    self._connection = IngestConnection(self.host, self.port, self.timeout)
+                    self._connection = PipelineIngestSender(self.host, self.port, self.timeout)
                 for chunk in chunks(records, self.chunk_size):
                     handed += len(chunk)
                     self._connection.send(chunk)
