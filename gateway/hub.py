@@ -32,9 +32,9 @@ from .gcpolicy import GcPolicy
 from .identity import ClientIdentity
 from .metrics import Metrics
 from .ratelog import BadInputLog
-from .session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 from .topic_budget import CreationBudget
 from .transports.rawtcp import RawBroadcastServer
+from .transports.sessions import SessionStore
 
 log = logging.getLogger("gateway")
 
@@ -95,12 +95,8 @@ class Hub:
         #: armed while a topic lingers (`TopicConfig.linger`): wakes its held subscribers when it is due
         self._linger: asyncio.TimerHandle | None = None
         self._linger_due = 0.0
-        #: long-poll sessions by their secret id (gateway/transports/longpoll.py)
-        self.lp_sessions: dict[str, Any] = {}
-        #: the final body of long-poll sessions closed between two polls, for their next poll
-        self.lp_closed = ClosedSessions(config.longpoll.session_ttl_s, config.longpoll.max_sessions)
-        #: the checkpoints of SSE streams' compact `id:` form (gateway/transports/sse.py, `IdLine`)
-        self.sse_checkpoints = Checkpoints(CHECKPOINT_TTL_S)
+        #: long-poll sessions and SSE streams by their secret, and what outlives them (gateway/transports/sessions.py)
+        self.sessions = SessionStore(config)
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled
         self.ingest = None
         #: called when the server shuts down, after the clients were closed: streams that are not clients

@@ -17,30 +17,29 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any, cast
+from typing import Any
 from urllib.parse import parse_qs
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
 from websockets.protocol import Event, Protocol
 
-from core import Batch
+from core import Batch, RequestError
 
 from .. import close_codes
 from ..commands import handle_payload
-from ..errors import BadToken, TokenExpired, TooManyTokenChecks
 from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
 from ..origin import OriginPolicy
 from ..ratelog import BadInputLog
+from .handshake import close_reason, open_client
 from .staging import StagedWriter, tune_stream
 from .wsframes import text_frame_header
 
 log = logging.getLogger("gateway.ws")
-SCOPE_KEY = "fanout.ws"
 
 #: how long a kicked client's buffered data and close frame may take to drain before the cut
 KICK_GRACE_S = 2.0
@@ -167,11 +166,6 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         super().connection_made(transport)
         tune_stream(transport, self.write_high_water, self.socket_send_buffer, self.notsent_lowat)
-
-    async def run_asgi(self) -> None:
-        extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
-        extensions[SCOPE_KEY] = self  # the endpoint finds its protocol here (see the module docstring)
-        await super().run_asgi()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -451,12 +445,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         conn = self.connection
         if self.close_sent or conn is None or conn.closed or self.hub is None:
             return
-        client_id = conn.identity.client_id
-        try:
-            handle_payload(self.hub, client_id, data)
-        except Exception:  # our bug, not the peer's: this client is closed, nobody else is disturbed
-            log.exception("websocket %s failed", client_id)
-            self.hub.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+        run_frame(self.hub, conn.identity.client_id, data)
 
     def handle_parser_exception(self) -> None:
         # a peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007): the close frame is
@@ -603,66 +592,64 @@ class WSConnection(StagedWriter):
         }
 
 
-async def websocket_endpoint(websocket: WebSocket) -> None:
-    hub: Hub = websocket.app.state.hub
-    config = hub.config.websocket
-    proto = websocket.scope.get("extensions", {}).get(SCOPE_KEY) if config.direct_write else None
-    await websocket.accept()
-    if "id" in websocket.query_params:
-        # Names chosen by clients could be claimed by anyone; a private queue belongs to a token's `sub`.
-        await websocket.close(close_codes.BAD_CLIENT_ID, "?id= is not accepted: identity comes from ?token=")
+# -- what both ways of serving /ws share ---------------------------------------------------------------------
+
+def open_ws_client(hub: Hub, query: str, peer: tuple[str, int] | None) -> ClientIdentity:
+    """The handshake of a `/ws` connection (its query string, `?token=`, `?id=`): gateway/transports/handshake.py.
+    Raises its `RequestError`, whose `close_code` and `close_reason` are the close frame the peer gets."""
+    params = parse_qs(query, keep_blank_values=True)
+    tokens, ids = params.get("token"), params.get("id")
+    return open_client(hub, "ws", peer, token=tokens[-1] if tokens else None, requested_id=ids[-1] if ids else None)
+
+
+def run_frame(hub: Hub, client_id: str, data: bytes | str) -> None:
+    """One command message of a registered client. A failure is our bug, not the peer's: this client is closed
+    with 1011, nobody else is disturbed."""
+    try:
+        handle_payload(hub, client_id, data)
+    except Exception:
+        log.exception("websocket %s failed", client_id)
+        hub.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+
+
+def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
+    """After the handshake of a connection the protocol serves: open its client and register it."""
+    try:
+        identity = open_ws_client(hub, query, proto.client)
+    except RequestError as exc:
+        assert exc.close_code is not None  # every refusal of the handshake ends a WebSocket with a code
+        proto.close_with(exc.close_code, close_reason(exc))
         return
-    principal = None
-    token = websocket.query_params.get("token")
-    if token is not None:
-        try:
-            principal = hub.tokens.verify(token, websocket.client.host if websocket.client else "")
-        except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
-            hub.bad_input("ws", "token refused: %s", exc)
-            await websocket.close(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
-            return
-    client_id = hub.new_client_id("ws")
-    host, port = websocket.client if websocket.client else ("", 0)
-    identity = ClientIdentity(client_id, "ws", f"{host}:{port}", host, principal)
-    conn = WSConnection(hub, identity, websocket, proto)
+    hub.register(WSConnection(hub, identity, None, proto), ready=True)
+
+
+async def websocket_endpoint(websocket: WebSocket) -> None:
+    """`/ws` through ASGI, with `websocket.direct_write = false` only (the protocol serves it otherwise,
+    `FanoutWSProtocol.handle_connect`): the same handshake, commands and connection object, but commands come
+    by ASGI `receive` and batches go by `send` from the connection's writer task (docs/benchmarks.md compares
+    the two write paths). The Origin check is the app's middleware (gateway/origin.py), same answer."""
+    hub: Hub = websocket.app.state.hub
+    await websocket.accept()
+    try:
+        identity = open_ws_client(hub, websocket.scope["query_string"].decode("latin-1"), websocket.client)
+    except RequestError as exc:
+        assert exc.close_code is not None
+        await websocket.close(exc.close_code, close_reason(exc))
+        return
+    client_id = identity.client_id
+    conn = WSConnection(hub, identity, websocket, None)
     hub.register(conn, ready=True)
     reason = "closed"
     try:
-        while True:
+        while True:  # also after a kick: until its close is sent (the disconnect comes then)
             message = await websocket.receive()
             if message["type"] == "websocket.disconnect":
                 break
             payload = message.get("text")
-            if payload is None:
-                payload = message.get("bytes") or b""
-            handle_payload(hub, client_id, payload)
-    except WebSocketDisconnect:
-        pass
-    except Exception:
+            run_frame(hub, client_id, payload if payload is not None else message.get("bytes") or b"")
+    except Exception:  # the ASGI server's failure, not a command's (run_frame)
         log.exception("websocket %s failed", client_id)
         reason = "error"
     finally:
         conn.closed = True
         hub.unregister(client_id, reason)
-
-
-def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
-    """After the handshake of a connection the protocol serves: check `?id=` and `?token=`, register it."""
-    params = parse_qs(query, keep_blank_values=True)
-    if "id" in params:
-        # Names chosen by clients could be claimed by anyone; a private queue belongs to a token's `sub`.
-        proto.close_with(close_codes.BAD_CLIENT_ID, "?id= is not accepted: identity comes from ?token=")
-        return
-    principal = None
-    tokens = params.get("token")
-    if tokens is not None:
-        try:
-            principal = hub.tokens.verify(tokens[-1], proto.client[0] if proto.client else "")
-        except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
-            hub.bad_input("ws", "token refused: %s", exc)
-            proto.close_with(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
-            return
-    client_id = hub.new_client_id("ws")
-    host, port = proto.client if proto.client else ("", 0)
-    identity = ClientIdentity(client_id, "ws", f"{host}:{port}", host, principal)
-    hub.register(WSConnection(hub, identity, None, proto), ready=True)
