@@ -7,8 +7,13 @@ connection, which is most of what an idle connection would otherwise hold (docs/
 clients). The scheduler writes each batch as one pre-built text frame straight to the transport, never
 awaiting: a client whose transport buffer is above the high-water mark is not ready until asyncio calls
 `resume_writing` (below a quarter of it). Per-message compression is off: it would force an encode per client.
-With `websocket.direct_write = false`, or under another ASGI server, `/ws` is the Starlette endpoint below
-and writes go through ASGI `send` from a writer task.
+With `websocket.direct_write = false` (a shipped setting, "for comparison": docs/benchmarks.md measures the
+two write paths) `/ws` is the Starlette endpoint below, `websocket_endpoint`, and writes go through ASGI
+`send` from a writer task. It is the only other way `/ws` is served (the gateway always runs this protocol,
+gateway/server.py, and so do the test gateways, gateway/testing.py), and it shares everything but the I/O
+with the protocol's: the handshake (`open_ws_client`, gateway/transports/handshake.py), the command path
+(`run_frame`) and the connection (`WSConnection`); the frame-level bounds (fragments, pongs, UTF-8,
+protocol errors) are this protocol's on both, the Origin check the app's middleware there (same 403).
 """
 
 from __future__ import annotations
@@ -128,7 +133,27 @@ framed = _FramedCache()
 
 
 class FanoutWSProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's websockets-sansio protocol, exposing itself and its flow control to the endpoint."""
+    """uvicorn's websockets-sansio protocol, serving `/ws` itself (`handle_connect`). What each override of
+    uvicorn's methods is for (the rest of uvicorn's protocol runs as it is; each override says more):
+
+    - `connection_made`: client sockets get the write high-water mark, SO_SNDBUF and TCP_NOTSENT_LOWAT.
+    - `pause_writing`, `resume_writing`: a connection is not ready while its writes are paused (the
+      scheduler and the slow-consumer watchdog see it); a pong held meanwhile goes out on resume.
+    - `handle_connect`: serves `/ws` without ASGI (Origin, handshake, registration); other paths, and `/ws`
+      disabled or with `direct_write` off, go to uvicorn's and the ASGI app.
+    - `data_received`, `handle_events`: input handled in turns (`_handle_input`, `InputTurn`), dropped while
+      lingering; websockets' own refusal of a request is answered (`_refused_by_websockets`).
+    - `handle_ping`: at most one pong waits while writes are paused (uvicorn's held every pong).
+    - `handle_cont`: `websocket.max_fragments`.
+    - `send_receive_event_to_app`: invalid UTF-8 is a 1007 close, not an ERROR traceback per frame; a served
+      connection's message goes to `run_frame`.
+    - `handle_parser_exception`: a peer's protocol error is counted and logged at a bounded rate; the close
+      lingers (`linger_close`).
+    - `keepalive_timeout`: close frame, then linger and cut (uvicorn's waited for a buffer that a peer that
+      does not read never drains).
+    - `handle_close`, `connection_lost`: a served client is unregistered (no ASGI task does it); the
+      connection's slot of the HTTP port's limits is released.
+    """
 
     write_high_water = 65536
     #: SO_SNDBUF of client sockets; 0 keeps the kernel's (auto-tuned, several MiB on loopback)
@@ -164,15 +189,18 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     turn: InputTurn | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
+        # uvicorn's, then our socket and flow-control settings (the SSE stream's are the same, sse.py)
         super().connection_made(transport)
         tune_stream(transport, self.write_high_water, self.socket_send_buffer, self.notsent_lowat)
 
     def pause_writing(self) -> None:
+        # uvicorn's (its ASGI `send` waits), and the served connection is not ready until `resume_writing`
         super().pause_writing()
         if self.connection is not None:
             self.connection.on_pause()
 
     def resume_writing(self) -> None:
+        # uvicorn's, the pong held by `handle_ping` (reading resumes with it), and the connection is ready
         super().resume_writing()
         pong = self.held_pong
         if pong is not None:
@@ -201,6 +229,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.held_pong = pong
 
     def handle_cont(self, event: Any) -> None:
+        # a continuation frame: bounded by `websocket.max_fragments` (uvicorn takes any number)
         if self.lingering or self.close_sent:
             return
         limit = self.hub.config.websocket.max_fragments if self.hub is not None else self.max_fragments
@@ -243,6 +272,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.loop.call_later(grace, transport.abort)
 
     def data_received(self, data: bytes) -> None:
+        # uvicorn's parses and handles all of a read at once: once the handshake is done, a read is parsed and
+        # handled in turns (`_handle_input`); while lingering it is dropped; before, uvicorn's parses the request
         if self.lingering:
             # dropped; past `LINGER_READ` the peer is not read any more (it is cut at the grace): a kicked peer
             # that floods made the gateway read and drop ~2 GB/s for the grace
@@ -358,6 +389,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.linger_close(KICK_GRACE_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # uvicorn's (an ASGI endpoint gets its disconnect), the HTTP port's slot, and a served client is gone
         super().connection_lost(exc)
         if self.limiter is not None:
             self.limiter.release(self.transport)
@@ -368,6 +400,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     # -- serving /ws without ASGI ------------------------------------------------------------------------
 
     def handle_connect(self, event: Request) -> None:
+        # The handshake request. `/ws` is answered here; anything else goes to uvicorn's, which runs the ASGI
+        # app: other paths (404), `/ws` when disabled (`TransportOff`: 403) or with `direct_write` off.
         hub = self.hub
         path, _, query = event.path.partition("?")
         if hub is None or path != WS_PATH or not hub.config.websocket.enabled or not hub.config.websocket.direct_write:
@@ -423,6 +457,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             self.hub.unregister(conn.identity.client_id, reason)
 
     def handle_close(self, event: Any) -> None:
+        # the peer's close frame: uvicorn's echo and close, and a served client is gone
         super().handle_close(event)
         self._unregister("closed")
 
