@@ -306,7 +306,7 @@ class IngestClient:
         self.answered_line = max(self.answered_line, answer.line)
 
     def _synced(self, answer: Synced) -> None:
-        if self.state is not State.SYNC_SENT or answer.id != self._sync_id:
+        if self.state is not State.SYNC_SENT or self._sync_id is None or answer.id != self._sync_id:
             raise IngestProtocolError(f"unexpected synced answer {answer!r} (our sync id {self._sync_id!r})")
         accepted, refused = answer.accepted, answer.refused
         before = self.result or SyncResult(0, 0, 0, 0)
@@ -355,7 +355,7 @@ class PipelineIngestSender:
     def __enter__(self) -> PipelineIngestSender:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -427,7 +427,7 @@ def compress(seqs: Iterable[int]) -> list[tuple[int, int, int]]:
                 runs[-1][2] += 1
                 continue
         runs.append([seq, 1, 1])
-    return [tuple(r) for r in runs]  # type: ignore[misc]
+    return [(start, step, count) for start, step, count in runs]
 
 
 def expand(runs: Iterable[tuple[int, int, int]]) -> Iterator[int]:
@@ -456,7 +456,7 @@ class PartitionOutcome:
     input_duplicates: int = 0
 
     def counts(self) -> dict[str, int]:
-        refused = {}
+        refused: dict[str, int] = {}
         for (_topic, code), runs in self.refusals.items():
             refused[code] = refused.get(code, 0) + sum(r[2] for r in runs)
         return {"records": self.records, "accepted": self.accepted, **refused}
@@ -485,7 +485,7 @@ class Publisher:
     def __enter__(self) -> Publisher:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
