@@ -10,7 +10,6 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
-from starlette.websockets import WebSocket
 
 from . import admin
 from .errors import MethodNotAllowed, NotFound
@@ -20,6 +19,7 @@ from .origin import OriginGuard, OriginPolicy, parse_allowed_origins
 from .page_headers import SecurityHeaders
 from .pages import Pages
 from .transports import longpoll, sse
+from .transports.handshake import TransportOff
 from .transports.ws import websocket_endpoint
 from .workers.forward import SessionRouter, WorkerLinks
 
@@ -46,28 +46,23 @@ async def method_not_allowed(request: Request, exc: Exception) -> Response:
     return error_response(MethodNotAllowed(request.method))
 
 
-async def longpoll_disabled(request: Request) -> Response:
-    return error_response(NotFound("the long-poll transport is disabled (longpoll.enabled)"))
-
-
-async def websocket_disabled(websocket: WebSocket) -> None:
-    await websocket.close()  # before accept: the handshake is answered with HTTP 403
-
-
 def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> Starlette:
     """`links`: with `server.workers` > 1, session requests owned by another worker go to it
     (gateway/workers/forward.py), inside the Origin guard, which this worker answers itself."""
-    lp_on = hub.config.longpoll.enabled
+    config = hub.config
+    # every route of a transport that is off answers with its one `TransportOff` (404 not_found; /ws: 403)
+    ws_off = None if config.websocket.enabled else TransportOff("WebSocket", "websocket.enabled")
+    lp_off = None if config.longpoll.enabled else TransportOff("long-poll", "longpoll.enabled")
+    sse_off = None if config.sse.enabled else TransportOff("SSE", "sse.enabled")
     routes = [
-        WebSocketRoute("/ws", websocket_endpoint if hub.config.websocket.enabled else websocket_disabled),
-        Route("/lp", longpoll.create_session if lp_on else longpoll_disabled, methods=["POST"]),
-        Route("/lp/{session}", longpoll.poll if lp_on else longpoll_disabled, methods=["GET"]),
-        Route("/lp/{session}", longpoll.post_commands if lp_on else longpoll_disabled, methods=["POST"]),
-        Route("/lp/{session}", longpoll.delete_session if lp_on else longpoll_disabled, methods=["DELETE"]),
-        # sse checks sse.enabled itself: the endpoints answer 404 when it is off
-        Route("/sse", sse.stream, methods=["GET"]),
-        Route("/sse/{session}", sse.post_commands, methods=["POST"]),
-        Route("/sse/{session}", sse.delete_session, methods=["DELETE"]),
+        WebSocketRoute("/ws", ws_off or websocket_endpoint),
+        Route("/lp", lp_off or longpoll.create_session, methods=["POST"]),
+        Route("/lp/{session}", lp_off or longpoll.poll, methods=["GET"]),
+        Route("/lp/{session}", lp_off or longpoll.post_commands, methods=["POST"]),
+        Route("/lp/{session}", lp_off or longpoll.delete_session, methods=["DELETE"]),
+        Route("/sse", sse_off or sse.stream, methods=["GET"]),
+        Route("/sse/{session}", sse_off or sse.post_commands, methods=["POST"]),
+        Route("/sse/{session}", sse_off or sse.delete_session, methods=["DELETE"]),
         Mount("/api", routes=admin.routes),
         Route("/metrics", metrics),
         Route("/healthz", healthz),
@@ -85,7 +80,6 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
         + ([Middleware(SessionRouter, links=links, config=hub.config)] if links is not None else []),
     )
     app.state.hub = hub
-    app.state.sse_sessions = {}  # SSE streams by their secret (gateway/transports/sse.py)
     app.state.admin_token = admin_token
     app.state.session_prefix = links.secret_prefix if links is not None else ""  # names the owning worker
     return app

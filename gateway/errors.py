@@ -97,8 +97,12 @@ class TooManySessionsFromAddress(TooManySessions):
 
 
 class ForbiddenOrigin(RequestError):
+    """A browser request from an `Origin` not in `server.allowed_origins` on /ws, /lp, /sse (gateway/origin.py):
+    403 JSON on HTTP; a WebSocket handshake is closed before accept (uvicorn answers it with HTTP 403)."""
+
     code = "forbidden_origin"
     http_status = 403
+    close_code = close_codes.POLICY_VIOLATION
 
 
 class TooManyConnections(RequestError):

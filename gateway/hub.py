@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Hashable
-from typing import Any
 
 from core import Engine
 
@@ -30,9 +29,9 @@ from .netguard import ConnectionLimiter
 from .ratelog import BadInputLog
 from .router import TopicRouter
 from .scheduler import Connection, Scheduler
-from .session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 from .topic_budget import CreationBudget
 from .transports.rawtcp import RawBroadcastServer
+from .transports.sessions import SessionStore
 
 
 class Hub:
@@ -51,12 +50,8 @@ class Hub:
         self.clients = ClientRegistry(config, self.scheduler, self.broker, conns)
         self.clients.on_arrival, self.clients.on_departure = self.gc.arrived, self.gc.departed
         self.router = TopicRouter(self.scheduler, self.clients, self.broker, self.creations)
-        #: long-poll sessions by their secret id (gateway/transports/longpoll.py)
-        self.lp_sessions: dict[str, Any] = {}
-        #: the final body of long-poll sessions closed between two polls, for their next poll
-        self.lp_closed = ClosedSessions(config.longpoll.session_ttl_s, config.longpoll.max_sessions)
-        #: the checkpoints of SSE streams' compact `id:` form (gateway/transports/sse.py, `IdLine`)
-        self.sse_checkpoints = Checkpoints(CHECKPOINT_TTL_S)
+        #: long-poll sessions and SSE streams by their secret, and what outlives them (transports/sessions.py)
+        self.sessions = SessionStore(config)
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled (`attach_raw`)
         self.limiter: ConnectionLimiter | None = None  # the HTTP port's accounting, once it listens
         #: called when the server shuts down, after the clients were closed: streams that are not clients

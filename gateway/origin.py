@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .config import ConfigError
+from .errors import ForbiddenOrigin
+from .http_errors import error_response
 
 #: Routes a browser page reaches with the user's cookies and network position.
 GUARDED_PREFIXES = ("/ws", "/lp", "/sse")
@@ -114,12 +115,10 @@ class OriginGuard(OriginPolicy):
         await self.app(scope, receive, send_with_cors)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, origin: str) -> None:
+        refusal = ForbiddenOrigin(f"origin {origin[:100]!r} is not allowed (server.allowed_origins)")
         if scope["type"] == "websocket":
             await receive()  # websocket.connect
-            await send({"type": "websocket.close", "code": 1008})  # before accept: uvicorn answers 403
+            # before accept: uvicorn answers the handshake with HTTP 403
+            await send({"type": "websocket.close", "code": refusal.close_code})
             return
-        body = orjson.dumps({"error": {"code": "forbidden_origin",
-                                       "message": f"origin {origin[:100]!r} is not allowed (server.allowed_origins)"}})
-        await send({"type": "http.response.start", "status": 403,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await error_response(refusal)(scope, receive, send)

@@ -1,6 +1,7 @@
-"""Tables of the session transports that outlive a session, owned by the hub (`Hub.lp_closed`,
-`Hub.sse_checkpoints`): the final body of long-poll sessions closed between two polls (gateway/transports/longpoll.py),
-and the checkpoints of SSE's compact `id:` form (gateway/transports/sse.py). Each is bounded in count and time."""
+"""Tables of the session transports that outlive a session, held by the hub's session store (`Hub.sessions`,
+gateway/transports/sessions.py: `closed`, `checkpoints`): the final body of long-poll sessions closed between
+two polls (gateway/transports/longpoll.py), and the checkpoints of SSE's compact `id:` form
+(gateway/transports/sse.py). Each is bounded in count and time."""
 
 from __future__ import annotations
 

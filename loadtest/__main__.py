@@ -21,7 +21,12 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:  # imported when a command needs them (the CLI starts without numpy and friends)
+    from loadtest import runner
+    from loadtest.scenarios import Scenario
 
 #: subcommands owned by other modules, imported only when asked for
 DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "wsbench": "loadtest.wsbench",
@@ -51,7 +56,7 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int | str = 1,
-                     linger: float = 0.0):  # -> runner.TargetFactory
+                     linger: float = 0.0) -> runner.TargetFactory:
     from loadtest.gatewayproc import GatewayProcess
     from loadtest.target import Target
 
@@ -84,7 +89,7 @@ def _batches(text: str) -> list[int]:
     return values
 
 
-def _bare_problem(args: argparse.Namespace, scenario) -> str:  # scenario: scenarios.Scenario
+def _bare_problem(args: argparse.Namespace, scenario: Scenario) -> str:
     """Why the bare server cannot run this scenario ("" when it can): it speaks WebSocket and the TCP
     ingest only, and runs as our own subprocess."""
     if getattr(args, "bare_batch", 1) < 1:
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 dataclasses.replace(scenario, batch_depth=depth).validate()
             except ValueError as exc:
                 parser.error(f"--depths: {exc}")
-        def factory_at(depth: int | str):  # -> runner.TargetFactory
+        def factory_at(depth: int | str) -> runner.TargetFactory:
             return _gateway_factory(args, scenario.capacity, depth, scenario.linger)
 
         result = compare_depths(scenario, args.depths, factory_at,

@@ -1,7 +1,7 @@
 """From what the processes of a run reported to the figures of ``summary.json``.
 
 :func:`merge` joins the worker dumps into one delivery log; :func:`summarize` computes every figure with
-:mod:`loadtest.metrics`. Latency, skew and fairness are taken over the *light* clients (not stalled, not the
+:mod:`loadtest.delivery_stats`. Latency, skew and fairness are taken over the *light* clients (not stalled, not the
 dominator): the figures a well-behaved client sees. Loss is counted for everyone.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from loadtest import metrics
-from loadtest.metrics import DeliveryLog, Notices
+from loadtest import delivery_stats
+from loadtest.delivery_stats import DeliveryLog, Notices
 from loadtest.scenarios import Plan, Scenario
 
 
@@ -62,7 +62,7 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
     log = data.log
     light = _role_codes(plan, "light")
     light_log = log.select(np.isin(log.client, light))
-    lat = metrics.latencies(light_log)
+    lat = delivery_stats.latencies(light_log)
 
     ready = {c for c, st in data.clients.items() if st.get("ready")}
     closed = {c for c, st in data.clients.items() if st.get("closed_ns")}
@@ -70,7 +70,7 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
     accepted = data.published.get("accepted", {})
     index = plan.topic_index()
     expected_end = _expected_end(data.starts, {index[t]: n for t, n in accepted.items() if t in index}, target)
-    loss = metrics.loss_figures(log, data.notices, data.starts, expected_end, reading)
+    loss = delivery_stats.loss_figures(log, data.notices, data.starts, expected_end, reading)
     loss_by_role = {}
     for role in ("light", "stalled", "dominator"):
         codes = _role_codes(plan, role)
@@ -81,14 +81,14 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
                                data.notices.start[mask_n], data.notices.end[mask_n],
                                tuple(r for r, m in zip(data.notices.reason, mask_n) if m))
         role_starts = {k: v for k, v in data.starts.items() if plan.clients[k[0]].role == role}
-        figures = metrics.loss_figures(log.select(np.isin(log.client, codes)), role_notices, role_starts,
+        figures = delivery_stats.loss_figures(log.select(np.isin(log.client, codes)), role_notices, role_starts,
                                        expected_end, reading)
         loss_by_role[role] = dataclasses.asdict(figures)
 
     # fairness over the light clients that were ready: raw delivery counts, and the share of what was
     # published on their own topics (1.0 each when nobody misses anything)
     light_ready = np.array([c for c in light if c in ready], np.int64)
-    counts = metrics.per_client_counts(light_log, len(plan.clients))[light_ready] if light_ready.size else \
+    counts = delivery_stats.per_client_counts(light_log, len(plan.clients))[light_ready] if light_ready.size else \
         np.zeros(0)
     topic_accepted = np.array([accepted.get(t, 0) for t in plan.topics], np.float64)
     owed = np.array([topic_accepted[list(plan.clients[c].topics)].sum() for c in light_ready], np.float64)
@@ -98,9 +98,9 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
     if len(log):
         first_pub = data.published.get("first_ns", go_ns)
         window_ns = int(log.deliver_ns.max()) - int(first_pub)
-    _, series = metrics.rate_series(log.deliver_ns, go_ns, 0.1)
-    sizes = metrics.batch_sizes(log)
-    skew = metrics.skews(light_log)
+    _, series = delivery_stats.rate_series(log.deliver_ns, go_ns, 0.1)
+    sizes = delivery_stats.batch_sizes(log)
+    skew = delivery_stats.skews(light_log)
     classes = _class_latency(light_log, plan)
 
     by_transport = {}
@@ -108,8 +108,8 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
     if len(transports) > 1:
         for transport in transports:
             codes = np.array([c for c in light if plan.clients[c].transport == transport], np.int64)
-            by_transport[transport] = metrics.ms(metrics.percentiles(
-                metrics.latencies(light_log.select(np.isin(light_log.client, codes)))))
+            by_transport[transport] = delivery_stats.ms(delivery_stats.percentiles(
+                delivery_stats.latencies(light_log.select(np.isin(light_log.client, codes)))))
 
     stalled_codes = _role_codes(plan, "stalled")
     publish_s = max(1e-9, (data.published.get("last_ns", go_ns) - data.published.get("first_ns", go_ns)) / 1e9)
@@ -142,25 +142,28 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
             "foreign": int(sum(w["foreign"] for w in data.workers)),
             "window_s": round(window_ns / 1e9, 3),
         },
-        "latency_ms": metrics.ms(metrics.percentiles(lat)),
+        "latency_ms": delivery_stats.ms(delivery_stats.percentiles(lat)),
         "latency_ms_by_transport": by_transport,
-        "latency_ms_stalled": metrics.ms(metrics.percentiles(
-            metrics.latencies(log.select(np.isin(log.client, stalled_codes))))) if stalled_codes.size else {},
-        "skew_ms": metrics.ms(metrics.percentiles(skew)),
+        "latency_ms_stalled": delivery_stats.ms(delivery_stats.percentiles(
+            delivery_stats.latencies(log.select(np.isin(log.client, stalled_codes)))))
+        if stalled_codes.size else {},
+        "skew_ms": delivery_stats.ms(delivery_stats.percentiles(skew)),
         "loss": dataclasses.asdict(loss),
         "loss_by_role": loss_by_role,
-        "fairness": {"jain_rate": round(metrics.jain(counts), 4), "jain_share": round(metrics.jain(shares), 4),
+        "fairness": {"jain_rate": round(delivery_stats.jain(counts), 4),
+                     "jain_share": round(delivery_stats.jain(shares), 4),
                      "clients": int(light_ready.size),
                      "share_min": round(float(shares.min()), 4) if shares.size else 0.0},
-        "batch_entries": {k: (v if k == "n" else round(v, 2)) for k, v in metrics.percentiles(sizes).items()},
+        "batch_entries": {k: (v if k == "n" else round(v, 2))
+                          for k, v in delivery_stats.percentiles(sizes).items()},
         "topic_classes_ms": classes,
         "client_errors": _sum_counters(w["errors"] for w in data.workers),
         "client_error_samples": [s for w in data.workers for s in w["error_samples"]][:10],
     }
     if "dominator" in {c.role for c in plan.clients}:
         dom = _role_codes(plan, "dominator")
-        summary["latency_ms_dominator"] = metrics.ms(metrics.percentiles(
-            metrics.latencies(log.select(np.isin(log.client, dom)))))
+        summary["latency_ms_dominator"] = delivery_stats.ms(delivery_stats.percentiles(
+            delivery_stats.latencies(log.select(np.isin(log.client, dom)))))
     return summary
 
 
@@ -180,9 +183,9 @@ def _class_latency(light_log: DeliveryLog, plan: Plan) -> dict[str, dict[str, fl
     out = {}
     for name in sorted(set(plan.classes)):
         codes = np.flatnonzero(classes == name)
-        lat = metrics.latencies(light_log.select(np.isin(light_log.topic, codes)))
+        lat = delivery_stats.latencies(light_log.select(np.isin(light_log.topic, codes)))
         if lat.size:  # the light clients may not take every class (busy topics are the dominator's)
-            out[name] = metrics.ms(metrics.percentiles(lat))
+            out[name] = delivery_stats.ms(delivery_stats.percentiles(lat))
     return out
 
 

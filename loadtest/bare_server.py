@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from websockets.frames import Frame, Opcode
@@ -153,7 +153,7 @@ class WsConnection(asyncio.Protocol):
         self.open = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  (uvloop transports are not asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -197,7 +197,7 @@ class WsConnection(asyncio.Protocol):
         self.topics = []
         self.open = False
 
-    def commands(self, payload: bytes) -> None:
+    def commands(self, payload: bytes | bytearray | memoryview) -> None:
         try:
             commands = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -228,7 +228,7 @@ class WsConnection(asyncio.Protocol):
         self.transport.write(text_frame(orjson.dumps(answers)))
 
 
-class IngestConnection(asyncio.Protocol):
+class BareIngestProtocol(asyncio.Protocol):
     """One publisher on the TCP ingest: NDJSON records in, answers (authed, synced, error lines) out."""
 
     transport: asyncio.Transport
@@ -241,7 +241,7 @@ class IngestConnection(asyncio.Protocol):
         self.refused = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
 
     def data_received(self, data: bytes) -> None:
         *lines, self.buffer = (self.buffer + data).split(b"\n")
@@ -288,7 +288,7 @@ async def serve(host: str, port: int, ingest_port: int, ready_file: Path | None,
     loop = asyncio.get_running_loop()
     server = BareServer(batch=batch)
     ws = await loop.create_server(lambda: WsConnection(server), host, port, backlog=4096)
-    ingest = await loop.create_server(lambda: IngestConnection(server), host, ingest_port, backlog=128)
+    ingest = await loop.create_server(lambda: BareIngestProtocol(server), host, ingest_port, backlog=128)
     info = {"http_port": ws.sockets[0].getsockname()[1], "ingest_port": ingest.sockets[0].getsockname()[1],
             "pid": os.getpid(), "batch": batch}
     if ready_file is not None:

@@ -89,8 +89,9 @@ async def _ws_flood(port: int, until: float, stats: dict, chunk: bytes, *, read:
         except asyncio.TimeoutError:
             stats["stalled"] += 1  # the gateway stopped reading: hold the connection until it cuts it
             try:
-                while time.monotonic() < until and await asyncio.wait_for(loop.sock_recv(sock, 1), until - time.monotonic()):
-                    pass
+                while time.monotonic() < until:
+                    if not await asyncio.wait_for(loop.sock_recv(sock, 1), until - time.monotonic()):
+                        break
             except (OSError, asyncio.TimeoutError):
                 pass
         except OSError:

@@ -96,8 +96,12 @@ def compare_baseline(scenario: Scenario, gateway: runner.TargetFactory, batches:
 
     console = console or Console()
     factories: dict[str, runner.TargetFactory] = {"gateway": gateway}
+
+    def bare(batch: int) -> runner.TargetFactory:
+        return lambda workdir: BareServer(workdir, batch)
+
     for batch in batches:
-        factories[f"bare {batch}"] = lambda workdir, batch=batch: BareServer(workdir, batch)
+        factories[f"bare {batch}"] = bare(batch)
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in factories}
     for r in range(rounds):
         for label, factory in factories.items():

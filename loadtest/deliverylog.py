@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from loadtest.metrics import DeliveryLog
+from loadtest.delivery_stats import DeliveryLog
 
 SCHEMA = pa.schema([
     ("topic", pa.string()),

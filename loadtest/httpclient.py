@@ -1,9 +1,9 @@
 """A small HTTP/1.1 keep-alive client for the long-poll subscribers and the HTTP publishers.
 
-:class:`ResponseParser` is sans-I/O (bytes in, responses out); :class:`HttpConnection` runs it under an
-``asyncio.Protocol`` with one request in flight at a time. It only speaks what the load generator needs:
-``Content-Length`` and chunked bodies, no TLS, no redirects. A general client (httpx) costs several times
-more CPU per request, and a long-poll client makes one request per delivered batch.
+:class:`ResponseParser` is sans-I/O (bytes in, responses out) over h11's framing; :class:`HttpConnection`
+runs it under an ``asyncio.Protocol`` with one request in flight at a time. It only speaks what the load
+generator needs: ``Content-Length`` and chunked bodies, no TLS, no redirects. A general client (httpx)
+costs several times more CPU per request, and a long-poll client makes one request per delivered batch.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import cast
+
+import h11
 
 #: a response head longer than this is not from a server we talk to
 MAX_HEAD = 64 * 1024
@@ -32,113 +35,86 @@ class HttpResponse:
 class ResponseParser:
     """Feed bytes with :meth:`feed`; it returns the responses completed by them (maybe several, maybe none).
 
-    ``head_only`` answers (HEAD requests, 1xx, 204, 304) are not supported: we never send such requests.
+    The HTTP/1.1 framing is h11's (``Content-Length``, chunked, bodiless 1xx / 204 / 304 answers). Requests
+    written with :meth:`request` are the ones the responses answer; bytes that arrive with no request of ours
+    outstanding are read as the response to a plain ``GET``, so the parser also reads a stream of responses
+    on its own (pipelined responses, tests). Anything h11 refuses raises :class:`HttpProtocolError`, and the
+    parser stays refused.
     """
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self._head: tuple[int, dict[str, str]] | None = None
-        self._remaining = 0  # bytes of the current fixed-length body or chunk
-        self._chunked = False
-        self._chunk_state = "size"  # size | data | crlf | trailer
         self._body = bytearray()
 
+    def request(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes = b"") -> bytes:
+        """The bytes of a request (its ``Host`` and ``Content-Length`` among ``headers``); its response is the
+        next one :meth:`feed` returns. Raises :class:`HttpProtocolError` while a response is still due."""
+        conn = self._conn
+        try:
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                conn.start_next_cycle()
+            head = conn.send(h11.Request(method=method, target=target, headers=headers))
+            data = conn.send(h11.Data(data=body)) if body else b""
+            end = conn.send(h11.EndOfMessage())
+        except h11.ProtocolError as exc:
+            raise HttpProtocolError(f"cannot send a request now: {exc}") from exc
+        return (head or b"") + (data or b"") + (end or b"")
+
     def feed(self, data: bytes) -> list[HttpResponse]:
-        self._buf += data
+        conn = self._conn
         out: list[HttpResponse] = []
-        while True:
-            response = self._step()
-            if response is None:
-                return out
-            out.append(response)
+        try:
+            if data:  # h11 reads b"" as the end of the stream
+                conn.receive_data(data)
+            while True:
+                if conn.our_state is h11.IDLE and conn.their_state is h11.IDLE:
+                    if not data:
+                        return out
+                    # bytes with no request of ours outstanding: the response to a plain GET
+                    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "response-parser")]))
+                    conn.send(h11.EndOfMessage())
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    return out
+                if event is h11.PAUSED:
+                    if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                        conn.start_next_cycle()  # another response follows
+                        continue
+                    return out
+                if isinstance(event, h11.Response):
+                    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
+                    self._head = (event.status_code, headers)
+                elif isinstance(event, h11.Data):
+                    self._body += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    out.append(self._finish())
+                # InformationalResponse (1xx) and ConnectionClosed: nothing to hand over
+        except h11.ProtocolError as exc:
+            raise HttpProtocolError(str(exc)) from exc
 
-    def _step(self) -> HttpResponse | None:
-        if self._head is None:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > MAX_HEAD:
-                    raise HttpProtocolError("response head too long")
-                return None
-            self._head = self._parse_head(bytes(self._buf[:end]))
-            del self._buf[:end + 4]
-            headers = self._head[1]
-            self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-            self._chunk_state = "size"
-            if not self._chunked:
-                length = headers.get("content-length", "0")
-                if not (length.isascii() and length.isdigit()):
-                    raise HttpProtocolError("bad content-length")
-                self._remaining = int(length)
-        if self._chunked:
-            return self._step_chunked()
-        if len(self._buf) < self._remaining:
-            return None
-        body = bytes(self._buf[:self._remaining])
-        del self._buf[:self._remaining]
-        return self._finish(body)
-
-    def _step_chunked(self) -> HttpResponse | None:
-        while True:
-            if self._chunk_state == "size":
-                end = self._buf.find(b"\r\n")
-                if end < 0:
-                    return None
-                digits = bytes(self._buf[:end]).split(b";")[0].strip()
-                if not digits or digits.strip(b"0123456789abcdefABCDEF"):
-                    raise HttpProtocolError("bad chunk size")
-                size = int(digits, 16)
-                del self._buf[:end + 2]
-                self._remaining = size
-                self._chunk_state = "data" if size else "trailer"
-            elif self._chunk_state == "data":
-                if len(self._buf) < self._remaining + 2:
-                    return None
-                self._body += self._buf[:self._remaining]
-                del self._buf[:self._remaining + 2]
-                self._chunk_state = "size"
-            else:  # trailer: lines until an empty one
-                end = self._buf.find(b"\r\n")
-                if end < 0:
-                    return None
-                del self._buf[:end + 2]
-                if end == 0:
-                    body = bytes(self._body)
-                    self._body = bytearray()
-                    return self._finish(body)
-
-    def _finish(self, body: bytes) -> HttpResponse:
+    def _finish(self) -> HttpResponse:
         assert self._head is not None
         status, headers = self._head
+        body = bytes(self._body)
         self._head = None
+        self._body = bytearray()
         return HttpResponse(status, headers, body)
-
-    @staticmethod
-    def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not (parts[1].isascii() and parts[1].isdigit()):
-            raise HttpProtocolError(f"bad status line {lines[0][:80]!r}")
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise HttpProtocolError(f"bad header line {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
-        return int(parts[1]), headers
 
 
 class HttpConnection(asyncio.Protocol):
     """One keep-alive connection; :meth:`request` one at a time. Open it with :func:`open_connection`."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.host_header = f"{host}:{port}".encode()
+        self.host_header = f"{host}:{port}"
         self.parser = ResponseParser()
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[HttpResponse] | None = None
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  (uvloop transports are not asyncio.Transport subclasses)
+        # uvloop transports are not asyncio.Transport subclasses, but have its methods
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         now = time.time_ns()
@@ -170,13 +146,16 @@ class HttpConnection(asyncio.Protocol):
             raise ConnectionError("connection closed")
         if self.waiter is not None:
             raise RuntimeError("one request at a time on an HttpConnection")
-        head = [f"{method} {target} HTTP/1.1".encode(), b"Host: " + self.host_header,
-                b"Content-Length: " + str(len(body)).encode()]
-        for name, value in (headers or {}).items():
-            head.append(f"{name}: {value}".encode())
+        fields = [("Host", self.host_header), ("Content-Length", str(len(body))), *(headers or {}).items()]
+        try:
+            data = self.parser.request(method, target, fields, body)
+        except HttpProtocolError as exc:  # bytes the server sent unasked: the connection is in no known state
+            self._fail(exc)
+            self.closed = True
+            raise ConnectionError(f"connection unusable: {exc}") from exc
         self.waiter = asyncio.get_running_loop().create_future()
         waiter = self.waiter
-        self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        self.transport.write(data)
         try:
             return await (waiter if timeout is None else asyncio.wait_for(waiter, timeout))
         except (asyncio.TimeoutError, asyncio.CancelledError):

@@ -78,7 +78,7 @@ def topic_cycle(rates: tuple[float, ...], length: int = 10_000) -> list[int]:
     evenly (topic i's k-th slot sits at (k + 0.5) / count_i of the cycle). Every topic with a rate > 0
     appears at least once."""
     total = sum(rates)
-    slots = []
+    slots: list[tuple[float, int]] = []
     for i, rate in enumerate(rates):
         if rate <= 0:
             continue

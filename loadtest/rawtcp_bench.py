@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -60,11 +60,15 @@ def serve_child(config_json: str) -> None:
         def answer() -> None:
             print(json.dumps(server.stats()), flush=True)
 
+        def finish() -> None:
+            if not done.done():
+                done.set_result(None)
+
         def read_stdin() -> None:  # a thread: stdin is a pipe the loop need not watch
             for line in sys.stdin:
                 if line.strip() == "stats":
                     loop.call_soon_threadsafe(answer)
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            loop.call_soon_threadsafe(finish)
 
         threading.Thread(target=read_stdin, daemon=True).start()
         await done
@@ -83,7 +87,9 @@ class _Child:
             [sys.executable, "-c", code, json.dumps(config)],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        line = self.stdout.readline()
         if not line:
             raise RuntimeError("the gateway child exited before listening")
         info = json.loads(line)
@@ -92,13 +98,13 @@ class _Child:
         self.loop_kind: str = info["loop"]
 
     def stats(self) -> dict[str, Any]:
-        self.proc.stdin.write("stats\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        return json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
+        self.stdin.write("stats\n")
+        self.stdin.flush()
+        return json.loads(self.stdout.readline())
 
     def close(self) -> None:
         try:
-            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.stdin.close()
             self.proc.wait(timeout=10)
         except Exception:
             self.proc.kill()
@@ -135,7 +141,7 @@ class _Sender(asyncio.Protocol):
         self.written = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
         self.transport.set_write_buffer_limits(high=4 * MIB)
         self.fill()
 

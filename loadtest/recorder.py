@@ -226,7 +226,7 @@ class Recorder:
         if len(self.error_samples) < ERROR_SAMPLES:
             self.error_samples.append(sample)
 
-    def dump(self, path: Path, clients: dict[int, dict[str, Any]]) -> None:
+    def dump(self, path: str | Path, clients: dict[int, dict[str, Any]]) -> None:
         """Write everything to ``path`` (pickle; read back with :func:`load`)."""
         usage = resource.getrusage(resource.RUSAGE_SELF)
         state = {

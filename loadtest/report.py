@@ -15,8 +15,8 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from loadtest import analysis, metrics  # noqa: E402
-from loadtest.metrics import DeliveryLog  # noqa: E402
+from loadtest import analysis, delivery_stats  # noqa: E402
+from loadtest.delivery_stats import DeliveryLog  # noqa: E402
 from loadtest.scenarios import Plan  # noqa: E402
 
 PLOTS = {
@@ -61,35 +61,35 @@ def light_log(log: DeliveryLog, plan: Plan) -> DeliveryLog:
 def write_plots(out: Path, log: DeliveryLog, plan: Plan, go_ns: int) -> dict[str, dict[str, float]]:
     """Write the PNGs of PLOTS into ``out``; returns the per-topic latency (ms) of the light clients."""
     light = light_log(log, plan)
-    lat_ms = metrics.latencies(light) / 1e6
+    lat_ms = delivery_stats.latencies(light) / 1e6
 
     fig, ax = plt.subplots(figsize=(7, 4))
     positive = lat_ms[lat_ms > 0]
     _cdf(ax, positive, "light clients")
     stalled = [i for i, c in enumerate(plan.clients) if c.role != "light"]
     if stalled:
-        other = metrics.latencies(log.select(np.isin(log.client, stalled))) / 1e6
+        other = delivery_stats.latencies(log.select(np.isin(log.client, stalled))) / 1e6
         _cdf(ax, other[other > 0], "stalled / dominator")
     ax.set_title(PLOTS["latency_cdf.png"])
     _finish(fig, ax, out / "latency_cdf.png", "latency (ms)", "fraction of deliveries", log_x=positive.size > 0)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    skew_ms = metrics.skews(light) / 1e6
+    skew_ms = delivery_stats.skews(light) / 1e6
     _cdf(ax, np.maximum(skew_ms, 1e-3), "messages seen by 2+ clients")
     ax.set_title(PLOTS["skew_cdf.png"])
     _finish(fig, ax, out / "skew_cdf.png", "max - min delivery time (ms)", "fraction of messages",
             log_x=skew_ms.size > 0)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    t, rate = metrics.rate_series(log.deliver_ns, go_ns, 0.1)
+    t, rate = delivery_stats.rate_series(log.deliver_ns, go_ns, 0.1)
     ax.plot(t, rate, label="all clients")
     if len(light) != len(log):
-        t2, rate2 = metrics.rate_series(light.deliver_ns, go_ns, 0.1)
+        t2, rate2 = delivery_stats.rate_series(light.deliver_ns, go_ns, 0.1)
         ax.plot(t2, rate2, label="light clients")
     ax.set_title(PLOTS["deliveries_rate.png"])
     _finish(fig, ax, out / "deliveries_rate.png", "seconds since start", "deliveries/s (100 ms bins)")
 
-    per_topic = {name: metrics.ms(stats) for name, stats in metrics.per_topic_latency(light).items()}
+    per_topic = {name: delivery_stats.ms(stats) for name, stats in delivery_stats.per_topic_latency(light).items()}
     fig, ax = plt.subplots(figsize=(max(7, min(20, len(plan.topics) * 0.08)), 4))
     classes = dict(zip(plan.topics, plan.classes))
     for cls, color in (("hot", "tab:red"), ("cold", "tab:blue"), ("busy", "tab:gray")):
@@ -112,7 +112,7 @@ def write_overlay(path: Path, logs: dict[str, Path]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, log_path in logs.items():
         if log_path.exists():
-            lat = metrics.latencies(deliverylog.read(log_path)) / 1e6
+            lat = delivery_stats.latencies(deliverylog.read(log_path)) / 1e6
             _cdf(ax, lat[lat > 0], label)
     ax.set_title("Publish to deliver latency, all clients")
     _finish(fig, ax, path, "latency (ms)", "fraction of deliveries", log_x=True)

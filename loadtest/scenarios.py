@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from core.config import MAX_LINGER
 
@@ -222,7 +224,11 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 #: flag name -> (Scenario field, type, help)
-_FLAGS: dict[str, tuple[str, object, str]] = {
+#: a flag's value parser: a type (int, float, str) or a function of ours that refuses with ArgumentTypeError
+_Parse = Callable[[str], Any]
+
+#: flag -> (Scenario field, parser or the name of one in _PARSERS, help)
+_FLAGS: dict[str, tuple[str, _Parse | str, str]] = {
     "--clients": ("clients", int, "number of (light) clients"),
     "--topics": ("topics", int, "number of base topics"),
     "--subs": ("subs", int, "subscriptions per client"),
@@ -270,14 +276,14 @@ def parse_depth(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"batch depth must be a positive integer or '{AUTO}', not {text!r}") from None
 
 
-_PARSERS = {"rate": parse_rate, "depth": parse_depth}
+_PARSERS: dict[str, _Parse] = {"rate": parse_rate, "depth": parse_depth}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the scenario positional and the override flags (all default to the scenario's values)."""
     parser.add_argument("scenario", choices=sorted(SCENARIOS), help="named scenario")
     for flag, (_field, kind, help_text) in _FLAGS.items():
-        parser.add_argument(flag, type=_PARSERS.get(kind, kind), default=argparse.SUPPRESS,
+        parser.add_argument(flag, type=_PARSERS[kind] if isinstance(kind, str) else kind, default=argparse.SUPPRESS,
                             help=help_text)
 
 

@@ -24,13 +24,18 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import httpx
 import websockets
 
 from loadtest.cluster_bench import Redis
 from loadtest.floodprobe import ADMIN_TOKEN, FloodGateway, delay_figures, rss_mib
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 #: the stall flood: ingest connections and data bytes of one record (512 records in flight per connection:
 #: 48 connections would hold 96 MiB of data without broker.max_pending_bytes)
@@ -64,7 +69,7 @@ class Probe(threading.Thread):
                 f" {worst * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, median {median * 1000:.1f} ms")
 
 
-def measure(gateway: FloodGateway, flood) -> None:
+def measure(gateway: FloodGateway, flood: Callable[[], str]) -> None:
     start = rss_mib(gateway.proc.pid)
     probe = Probe(gateway)
     probe.start()
@@ -106,7 +111,7 @@ def flood_topics(gateway: FloodGateway, seconds: float) -> str:
             f" accepted (creations), {counts['refused']} refused too_many_topics; topics held: {len(topics)}")
 
 
-def _stall_publishers(port: int, seconds: float, out) -> None:
+def _stall_publishers(port: int, seconds: float, out: Queue[tuple[int, int]]) -> None:
     """In a child process (the probe's thread must not share a GIL with the load): STALL_CONNECTIONS ingest
     connections written to as fast as the gateway reads, their answers read and counted."""
     import selectors
@@ -122,7 +127,7 @@ def _stall_publishers(port: int, seconds: float, out) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         for key, events in selector.select(0.05):
-            sock = key.fileobj
+            sock = cast(socket.socket, key.fileobj)  # the selector holds only these sockets
             if events & selectors.EVENT_WRITE:
                 try:
                     sock.send(chunk)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
+from typing import Protocol, cast
 
 from websockets.client import ClientProtocol
 from websockets.frames import Frame, Opcode
@@ -67,7 +67,8 @@ class WsClient(asyncio.Protocol):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  (uvloop transports are not asyncio.Transport subclasses)
+        # uvloop transports are not asyncio.Transport subclasses, but have its methods
+        self.transport = cast(asyncio.Transport, transport)
         self.protocol.send_request(self.protocol.connect())
         self._flush()
 
@@ -110,7 +111,7 @@ class WsClient(asyncio.Protocol):
                     close = protocol.close_rcvd
                     self._closing(f"close {close.code} {close.reason}" if close else "close")
                 else:
-                    self._data_frame(event.opcode, event.fin, event.data, messages)
+                    self._data_frame(event.opcode, event.fin, bytes(event.data), messages)  # bytes: no copy
             elif isinstance(event, Response):
                 self._handshake_done()
         return messages

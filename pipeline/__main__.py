@@ -6,11 +6,17 @@ import argparse
 import logging
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from pipeline import figures, ingest
 from pipeline.errors import one_line
 from pipeline.gatewayapi import DEFAULT_ADMIN_URL, TOKEN_VARIABLE
 from pipeline.retry import DEFAULT_RETRY, RetryPolicy
+
+if TYPE_CHECKING:  # both import Spark: loaded by the commands that run it
+    from pyspark.sql import SparkSession
+
+    from pipeline.feed import FeedOptions, FeedStats
 
 __all__ = ["build_parser", "main"]
 
@@ -154,7 +160,7 @@ def _fail(command: str, exc: BaseException, verbose: bool) -> int:
     return 1
 
 
-def _session(args: argparse.Namespace, app_name: str):
+def _session(args: argparse.Namespace, app_name: str) -> tuple[bool, SparkSession]:
     """(whether this call started the session, the session): a caller's running session (tests, a load
     tester calling :func:`main`) is used as is and left running."""
     from pyspark.sql import SparkSession
@@ -212,9 +218,9 @@ def _feed(args: argparse.Namespace) -> int:
     try:
         stats = run_feed(spark, opts)
     except Exception as exc:  # the query's failure: Spark wraps the task's error in a few layers
-        stats = getattr(exc, "stats", None)
-        if stats is not None and stats.batches:
-            print(f"feed: {stats.summary()}", file=sys.stderr)
+        so_far: FeedStats | None = getattr(exc, "stats", None)
+        if so_far is not None and so_far.batches:
+            print(f"feed: {so_far.summary()}", file=sys.stderr)
         return _fail("feed", exc, args.verbose)
     finally:
         if started_here:
@@ -223,7 +229,7 @@ def _feed(args: argparse.Namespace) -> int:
     return 1 if stats.lost and not opts.allow_loss else 0
 
 
-def _with_retry(opts, args: argparse.Namespace):
+def _with_retry(opts: FeedOptions, args: argparse.Namespace) -> FeedOptions:
     from dataclasses import replace
 
     return replace(opts, retry=RetryPolicy(args.retries, args.backoff, max(args.backoff, args.backoff_max)))

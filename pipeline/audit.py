@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Literal, overload
 
 import orjson
 from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Row, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipeline import figures
@@ -54,7 +55,22 @@ def _percentiles(column: Column, ps: tuple[float, ...], exact: bool, accuracy: i
     return F.percentile_approx(column, list(ps), accuracy)
 
 
-def _summaries(df: DataFrame, value: str, ps, count_key: str, exact: bool, accuracy: int, *, total: bool = False):
+#: one summary: ``{count_key: n (int), "p50": float, ..., "max": int}`` (None where there were no values)
+Summary = dict[str, Any]
+
+
+@overload
+def _summaries(df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *,
+               total: Literal[False] = False) -> dict[str, Summary]: ...
+
+
+@overload
+def _summaries(df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *,
+               total: Literal[True]) -> tuple[dict[str, Summary], Summary]: ...
+
+
+def _summaries(df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *,
+               total: bool = False) -> dict[str, Summary] | tuple[dict[str, Summary], Summary]:
     """Per-topic summaries ``{topic: {count_key, p.., max}}`` of column ``value``, and with ``total`` also the
     summary over all topics (one pass: ``rollup``)."""
     aggs = [
@@ -63,10 +79,10 @@ def _summaries(df: DataFrame, value: str, ps, count_key: str, exact: bool, accur
         _percentiles(F.col(value), ps, exact, accuracy).alias("ps"),
     ]
     grouped = df.rollup("topic").agg(F.grouping("topic").alias("all"), *aggs) if total else df.groupBy("topic").agg(*aggs)
-    by_topic: dict = {}
-    overall = {count_key: 0, **{f"p{round(p * 100)}": None for p in ps}, "max": None}
+    by_topic: dict[str, Summary] = {}
+    overall: Summary = {count_key: 0, **{f"p{round(p * 100)}": None for p in ps}, "max": None}
     for row in grouped.collect():
-        summary = {count_key: row["n"]}
+        summary: Summary = {count_key: row["n"]}
         for p, v in zip(ps, row["ps"] or [None] * len(ps)):
             summary[f"p{round(p * 100)}"] = None if v is None else float(v)
         summary["max"] = row["max"]
@@ -186,7 +202,7 @@ def audit(
     return report
 
 
-def _facts(row) -> PairFacts:
+def _facts(row: Row) -> PairFacts:
     return PairFacts(**{name: row[name] for name in PairFacts.__slots__})
 
 

@@ -18,9 +18,12 @@ import urllib.parse
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column
 
 __all__ = ["BadRecord", "CORRUPT", "MAX_SEQ", "bad_reason", "locate", "write_dead_letters"]
 
@@ -36,7 +39,7 @@ _MALFORMED = {
 }
 
 
-def bad_reason(fmt: str):
+def bad_reason(fmt: str) -> Column:
     """Spark column: why a row of the source is bad, or null for a good one."""
     from pyspark.sql import functions as F
 

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +26,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline import figures, ingest
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 __all__ = ["generate_log", "main"]
 
@@ -82,7 +86,7 @@ def _conf(pairs: list[str]) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in pairs)
 
 
-def _session(args: argparse.Namespace, name: str):
+def _session(args: argparse.Namespace, name: str) -> tuple[SparkSession, bool]:
     """(the session, whether this call started it): a caller's running session is used and left running."""
     from pyspark.sql import SparkSession
 

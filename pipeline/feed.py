@@ -29,23 +29,26 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
 
 from pyspark import BarrierTaskContext, StorageLevel, TaskContext
 from pyspark.errors import StreamingQueryException
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from pipeline import badrecords, ingest
 from pipeline.errors import BadInput, LossError, PipelineError, PlanError
+from pipeline.feed_metrics import FeedMetrics
 from pipeline.gatewayapi import DEFAULT_ADMIN_URL, AdminClient, TopicState
 from pipeline.ledger import BatchOutcome, Ledger, classify
 from pipeline.lockstep import RoundClient, RoundCoordinator
-from pipeline.metrics import FeedMetrics
 from pipeline.plan import TopicFacts, plan_problems
 from pipeline.retry import DEFAULT_RETRY, RetryPolicy
+from pipeline.spark import master_url
 
 __all__ = [
     "FEED_SCHEMA",
@@ -242,6 +245,9 @@ def build_source(spark: SparkSession, opts: FeedOptions) -> DataFrame:
     """The streaming DataFrame with the columns of :data:`FEED_SCHEMA` (the files source also has
     :data:`FILE_COLUMNS`: bad records are sorted out per micro-batch, with their file and line)."""
     if opts.source == "files":
+        path = opts.path
+        if not path:
+            raise ValueError("--source files needs --path")
         if opts.format == "parquet":
             reader = spark.readStream.schema(FEED_SCHEMA)
         else:
@@ -251,12 +257,12 @@ def build_source(spark: SparkSession, opts: FeedOptions) -> DataFrame:
         if opts.max_files_per_trigger:
             reader = reader.option("maxFilesPerTrigger", opts.max_files_per_trigger)
         if opts.format == "json":
-            df = reader.json(opts.path)
+            df = reader.json(path)
         elif opts.format == "csv":
             # RFC 4180 quoting (a quote inside a field is doubled), which is what a JSON `data` column needs.
-            df = reader.option("header", True).option("escape", '"').csv(opts.path)
+            df = reader.option("header", True).option("escape", '"').csv(path)
         else:
-            df = reader.parquet(opts.path).withColumn(badrecords.CORRUPT, F.lit(None).cast("string"))
+            df = reader.parquet(path).withColumn(badrecords.CORRUPT, F.lit(None).cast("string"))
         return df.select(*FEED_SCHEMA.fieldNames(), badrecords.CORRUPT, F.col("_metadata.file_path").alias("_file"))
     if opts.rows_per_batch is not None:
         df = (
@@ -334,10 +340,10 @@ def _sync_id(batch_id: int, partition_id: int) -> int:
     return batch_id * 1_000_000 + partition_id
 
 
-def _records(rows, outcome: ingest.PartitionOutcome) -> Iterator[ingest.Record]:
+def _records(rows: Iterable[Row], outcome: ingest.PartitionOutcome) -> Iterator[ingest.Record]:
     """The partition's rows as records; a row with the same (topic, seq) as the one before is dropped (and
     counted): the gateway would refuse it, and its refusal would read as loss or as landed."""
-    previous = None
+    previous: tuple[str, int | None] | None = None
     for row in rows:
         topic, seq = row[0], row[1]
         if seq is not None and (topic, seq) == previous:
@@ -347,7 +353,7 @@ def _records(rows, outcome: ingest.PartitionOutcome) -> Iterator[ingest.Record]:
         yield topic, seq, row[2]
 
 
-def send_partition(rows, *, batch_id: int, host: str, port: int, chunk_size: int, timeout: float,
+def send_partition(rows: Iterable[Row], *, batch_id: int, host: str, port: int, chunk_size: int, timeout: float,
                    retry: RetryPolicy, sync_every: int) -> Iterator[ingest.PartitionOutcome]:
     """Publish one partition (``mapPartitions`` body, runs in a Python worker): groups of ``sync_every``
     records, each written in chunks of ``chunk_size`` lines and synced, over one connection that is made
@@ -367,8 +373,8 @@ def send_partition(rows, *, batch_id: int, host: str, port: int, chunk_size: int
 
 
 def send_partition_lockstep(
-    rows, *, batch_id: int, host: str, port: int, chunk_size: int, timeout: float, retry: RetryPolicy,
-    coordinator: tuple[str, int],
+    rows: Iterable[Row], *, batch_id: int, host: str, port: int, chunk_size: int, timeout: float,
+    retry: RetryPolicy, coordinator: tuple[str, int],
 ) -> Iterator[ingest.PartitionOutcome]:
     """Barrier-stage body: publish one chunk per round, sync it, then wait for every partition's round.
 
@@ -422,22 +428,24 @@ def task_slots(spark: SparkSession, needed: int, wait: float) -> int:
 def publish_batch(batch_df: DataFrame, batch_id: int, opts: FeedOptions) -> list[ingest.PartitionOutcome]:
     """Publish one micro-batch, one connection per partition; the partitions' outcomes."""
     prepared = prepare_batch(batch_df, opts.num_partitions, opts.by_topic)
-    kwargs = dict(batch_id=batch_id, host=opts.host, port=opts.port, chunk_size=opts.chunk_size,
-                  timeout=opts.timeout, retry=opts.retry)
     if not opts.lockstep:
-        body = functools.partial(send_partition, sync_every=opts.sync_every, **kwargs)
+        body = functools.partial(send_partition, batch_id=batch_id, host=opts.host, port=opts.port,
+                                 chunk_size=opts.chunk_size, timeout=opts.timeout, retry=opts.retry,
+                                 sync_every=opts.sync_every)
         return prepared.rdd.mapPartitions(body).collect()
     sc = batch_df.sparkSession.sparkContext
     # A barrier stage runs all its tasks at once; the coordinator listens where executors reach the driver
     # (loopback in local mode).
     with RoundCoordinator(opts.num_partitions, sc.getConf().get("spark.driver.host", "127.0.0.1"), opts.timeout) as rc:
-        body = functools.partial(send_partition_lockstep, coordinator=rc.address, **kwargs)
-        return prepared.rdd.barrier().mapPartitions(body).collect()
+        barrier_body = functools.partial(send_partition_lockstep, batch_id=batch_id, host=opts.host, port=opts.port,
+                                         chunk_size=opts.chunk_size, timeout=opts.timeout, retry=opts.retry,
+                                         coordinator=rc.address)
+        return prepared.rdd.barrier().mapPartitions(barrier_body).collect()
 
 
 def merge_outcomes(parts: Iterable[ingest.PartitionOutcome]) -> dict:
     """The partitions' outcomes summed, seqs expanded (the driver's view of one attempt)."""
-    total = {"records": 0, "accepted": 0, "landed_on_resend": 0, "reconnects": 0, "input_duplicates": 0,
+    total: dict[str, Any] = {"records": 0, "accepted": 0, "landed_on_resend": 0, "reconnects": 0, "input_duplicates": 0,
              "unsequenced_resent": 0, "refusals": {}, "lost_on_resend": {}, "answers": {}}  # fmt: skip
     for part in parts:
         for key in ("records", "accepted", "landed_on_resend", "reconnects", "input_duplicates", "unsequenced_resent"):
@@ -457,7 +465,7 @@ def merge_outcomes(parts: Iterable[ingest.PartitionOutcome]) -> dict:
 # -- the driver's side of a micro-batch -------------------------------------------------------------------
 
 
-def batch_facts(batch: DataFrame, files: bool) -> tuple[list[TopicFacts], int, object]:
+def batch_facts(batch: DataFrame, files: bool) -> tuple[list[TopicFacts], int, datetime | None]:
     """(facts per topic of the good rows, number of bad rows, newest event_time) in one Spark job."""
     topic = F.when(F.col("_bad").isNull(), F.col("topic")) if files else F.col("topic")
     rows = (
@@ -466,7 +474,9 @@ def batch_facts(batch: DataFrame, files: bool) -> tuple[list[TopicFacts], int, o
              F.max("seq").alias("max_seq"), F.max("event_time").alias("newest"))
         .collect()
     )  # fmt: skip
-    facts, bad, newest = [], 0, None
+    facts: list[TopicFacts] = []
+    bad = 0
+    newest: datetime | None = None
     for row in rows:
         if row["topic"] is None:
             bad += row["records"]
@@ -654,7 +664,7 @@ class _Run:
                     bad[0].one_line())
 
 
-def make_batch_writer(run: _Run, gate: _Gate | None = None):
+def make_batch_writer(run: _Run, gate: _Gate | None = None) -> Callable[[DataFrame, int], None]:
     """The ``foreachBatch`` function of a run."""
     gate = gate or _Gate()
 
@@ -699,7 +709,7 @@ def run_feed(spark: SparkSession, opts: FeedOptions) -> FeedStats:
     opts.check()
     stats = FeedStats()
     if opts.lockstep:
-        local = spark.sparkContext.master.startswith("local")
+        local = master_url(spark).startswith("local")
         slots = task_slots(spark, opts.num_partitions, 0.0 if local else opts.slots_wait)
         if opts.num_partitions > slots:
             raise PlanError(
@@ -719,7 +729,8 @@ def run_feed(spark: SparkSession, opts: FeedOptions) -> FeedStats:
             checkpoint = tempfile.mkdtemp(prefix="pipeline-feed-checkpoint-")
             log.warning("no --checkpoint: progress will not survive this run")
         ledger = Ledger.in_checkpoint(checkpoint, spark)
-        run = _Run(opts, stats, ledger, admin, metrics, epochs=ledger.epochs)
+        epochs: dict[str, str | None] = dict(ledger.epochs)
+        run = _Run(opts, stats, ledger, admin, metrics, epochs=epochs)
         gate = _Gate()
         metrics.attach(spark, "pipeline-feed")
         writer = (
@@ -736,7 +747,8 @@ def run_feed(spark: SparkSession, opts: FeedOptions) -> FeedStats:
         try:
             if opts.max_seconds is None:
                 query.awaitTermination()
-            elif not query.awaitTermination(opts.max_seconds):
+            # seconds as a float are fine (pyspark waits int(timeout * 1000) ms); its annotation says int
+            elif not query.awaitTermination(opts.max_seconds):  # type: ignore[arg-type]
                 log.info("--max-seconds reached: stopping after the micro-batch in flight")
                 gate.close()
         except StreamingQueryException as exc:
@@ -749,9 +761,8 @@ def run_feed(spark: SparkSession, opts: FeedOptions) -> FeedStats:
     except BaseException as exc:
         failure = run.failure if run is not None and run.failure is not None else exc
         if isinstance(failure, (PipelineError, ValueError)) and failure is not exc:
-            failure.stats = stats  # type: ignore[attr-defined]
-            raise failure from None
-        exc.stats = stats  # type: ignore[attr-defined]
+            raise _carrying(failure, stats) from None
+        _carrying(exc, stats)
         raise
     finally:
         if run is not None:  # what batches before this run lost (committed with --allow-loss)
@@ -764,12 +775,18 @@ def run_feed(spark: SparkSession, opts: FeedOptions) -> FeedStats:
         metrics.close()
         if opts.checkpoint is None and checkpoint is not None:
             shutil.rmtree(checkpoint, ignore_errors=True)
-    failure = query.exception()
-    if failure is not None and STOP_REQUESTED not in str(failure):
+    query_failure = query.exception()
+    if query_failure is not None and STOP_REQUESTED not in str(query_failure):
         if run.failure is not None and isinstance(run.failure, PipelineError):
-            run.failure.stats = stats  # type: ignore[attr-defined]
-            raise run.failure
-        error = RuntimeError(f"feed query failed: {failure}")
-        error.stats = stats  # type: ignore[attr-defined]
-        raise error
+            raise _carrying(run.failure, stats)
+        raise _carrying(RuntimeError(f"feed query failed: {query_failure}"), stats)
     return stats
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _carrying(exc: _E, stats: FeedStats) -> _E:
+    """``exc`` with the run's figures as ``exc.stats`` (the CLI prints them after a failure)."""
+    exc.stats = stats  # type: ignore[attr-defined]  # any exception may carry them: set, not declared
+    return exc

@@ -100,7 +100,7 @@ class AdminClient:
     def __enter__(self) -> AdminClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- requests ------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Two layers, as in h11 / websockets:
 * :class:`IngestClient` is sans-I/O: it turns records into line-delimited JSON bytes, checks the gateway's
   answers (bytes fed to :meth:`IngestClient.receive_data`, decoded by the shared ``AnswerReader``), and
   decides whether the connection ended well. It never touches a socket or a clock.
-* :class:`IngestConnection` is the blocking adapter over the shared ``IngestSocket``: ``send`` a chunk,
+* :class:`PipelineIngestSender` is the blocking adapter over the shared ``IngestSocket``: ``send`` a chunk,
   ``sync`` and wait, with the answers read concurrently with the writes (the gateway may answer every record
   of a retried batch with an error line, so a writer that does not read could deadlock against a gateway
   blocked on writing to us), all bounded by timeouts. :func:`publish` is what a Spark task calls once per
@@ -71,12 +71,12 @@ __all__ = [
     "LOST",
     "ConnectionLost",
     "PartitionOutcome",
+    "PipelineIngestSender",
     "Publisher",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT",
     "IngestClient",
-    "IngestConnection",
     "IngestError",
     "IngestProtocolError",
     "IngestRefused",
@@ -306,7 +306,7 @@ class IngestClient:
         self.answered_line = max(self.answered_line, answer.line)
 
     def _synced(self, answer: Synced) -> None:
-        if self.state is not State.SYNC_SENT or answer.id != self._sync_id:
+        if self.state is not State.SYNC_SENT or self._sync_id is None or answer.id != self._sync_id:
             raise IngestProtocolError(f"unexpected synced answer {answer!r} (our sync id {self._sync_id!r})")
         accepted, refused = answer.accepted, answer.refused
         before = self.result or SyncResult(0, 0, 0, 0)
@@ -339,7 +339,7 @@ def chunks(records: Iterable[Record], size: int) -> Iterator[list[Record]]:
         yield chunk
 
 
-class IngestConnection:
+class PipelineIngestSender:
     """A blocking ingest connection (the shared ``IngestSocket`` feeding :class:`IngestClient`).
 
     ``send`` writes one chunk of records as one write (a "sendall" that keeps reading answers meanwhile, so
@@ -352,10 +352,10 @@ class IngestConnection:
         self.client = IngestClient()
         self._socket = IngestSocket(host, port, self.client.receive_data, timeout)
 
-    def __enter__(self) -> IngestConnection:
+    def __enter__(self) -> PipelineIngestSender:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -393,7 +393,7 @@ def publish(
     ``timeout`` seconds for the ``synced`` answer), ``OSError`` for a connection that cannot be made, and
     ``ValueError`` for a malformed record. Nothing is published for an empty ``records`` except the sync.
     """
-    with IngestConnection(host, port, timeout) as connection:
+    with PipelineIngestSender(host, port, timeout) as connection:
         for chunk in chunks(records, chunk_size):
             connection.send(chunk)
         return connection.sync(sync_id)
@@ -427,7 +427,7 @@ def compress(seqs: Iterable[int]) -> list[tuple[int, int, int]]:
                 runs[-1][2] += 1
                 continue
         runs.append([seq, 1, 1])
-    return [tuple(r) for r in runs]  # type: ignore[misc]
+    return [(start, step, count) for start, step, count in runs]
 
 
 def expand(runs: Iterable[tuple[int, int, int]]) -> Iterator[int]:
@@ -456,7 +456,7 @@ class PartitionOutcome:
     input_duplicates: int = 0
 
     def counts(self) -> dict[str, int]:
-        refused = {}
+        refused: dict[str, int] = {}
         for (_topic, code), runs in self.refusals.items():
             refused[code] = refused.get(code, 0) + sum(r[2] for r in runs)
         return {"records": self.records, "accepted": self.accepted, **refused}
@@ -478,14 +478,14 @@ class Publisher:
         self.outcome = PartitionOutcome()
         self._sync_id = sync_base
         self._settled_accepted = 0
-        self._connection: IngestConnection | None = None
+        self._connection: PipelineIngestSender | None = None
         self._refused: dict[tuple[str, str], list[int]] = {}
         self._lost_on_resend: dict[str, list[int]] = {}
 
     def __enter__(self) -> Publisher:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -504,7 +504,7 @@ class Publisher:
             handed = 0  # records given to this connection: a write that fails still holds its chunk
             try:
                 if self._connection is None:
-                    self._connection = IngestConnection(self.host, self.port, self.timeout)
+                    self._connection = PipelineIngestSender(self.host, self.port, self.timeout)
                 for chunk in chunks(records, self.chunk_size):
                     handed += len(chunk)
                     self._connection.send(chunk)

@@ -38,9 +38,12 @@ import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 __all__ = ["BatchOutcome", "CheckpointStore", "Ledger", "classify", "intervals"]
 
@@ -185,7 +188,7 @@ def classify(
 class CheckpointStore:
     """Small files under a directory that may be local or any Hadoop file system URI."""
 
-    def __init__(self, root: str, spark=None) -> None:
+    def __init__(self, root: str, spark: SparkSession | None = None) -> None:
         self.root = root
         scheme = root.split("://", 1)[0] if "://" in root else ""
         self.local = scheme in ("", "file")
@@ -196,6 +199,8 @@ class CheckpointStore:
             if spark is None:
                 raise ValueError(f"a non-local checkpoint ({root}) needs the Spark session")
             jvm = spark.sparkContext._jvm
+            if jvm is None:
+                raise ValueError(f"a non-local checkpoint ({root}) needs a running Spark session (it has no JVM)")
             self._jvm = jvm
             self._path = jvm.org.apache.hadoop.fs.Path(root)
             self._fs = self._path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
@@ -250,7 +255,7 @@ class Ledger:
         self.summary: dict[str, Any] = orjson.loads(raw) if raw else {"lossy": {}, "epochs": {}, "last_batch": None}
 
     @classmethod
-    def in_checkpoint(cls, checkpoint: str, spark=None) -> Ledger:
+    def in_checkpoint(cls, checkpoint: str, spark: SparkSession | None = None) -> Ledger:
         return cls(CheckpointStore(checkpoint.rstrip("/") + "/" + LEDGER_DIR, spark))
 
     @staticmethod

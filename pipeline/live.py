@@ -172,7 +172,8 @@ def follow(
         if max_seconds is None:
             query.awaitTermination()
         else:
-            query.awaitTermination(max_seconds)
+            # seconds as a float are fine (pyspark waits int(timeout * 1000) ms); its annotation says int
+            query.awaitTermination(max_seconds)  # type: ignore[arg-type]
     except StreamingQueryException as exc:
         if STOP_REQUESTED not in str(exc):
             raise

@@ -55,7 +55,7 @@ class RoundCoordinator:
 
         self._server = socketserver.ThreadingTCPServer((host, 0), Handler)
         self._server.daemon_threads = True
-        self.address = self._server.server_address[:2]
+        self.address: tuple[str, int] = self._server.socket.getsockname()[:2]
         threading.Thread(target=self._server.serve_forever, name="lockstep-coordinator", daemon=True).start()
 
     def _arrive(self, round_no: int, more: bool) -> bool | None:
@@ -79,7 +79,7 @@ class RoundCoordinator:
     def __enter__(self) -> RoundCoordinator:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
 

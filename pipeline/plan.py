@@ -77,10 +77,12 @@ def check_topic(state: TopicState, facts: TopicFacts, *, by_topic: bool, lockste
     return None
 
 
-def plan_problems(states: dict[str, TopicState], facts: list[TopicFacts], **mode) -> list[str]:
+def plan_problems(states: dict[str, TopicState], facts: list[TopicFacts], *, by_topic: bool, lockstep: bool,
+                  chunk_size: int, partitions: int) -> list[str]:
     problems = []
     for f in facts:
-        problem = check_topic(states[f.topic], f, **mode)
+        problem = check_topic(states[f.topic], f, by_topic=by_topic, lockstep=lockstep, chunk_size=chunk_size,
+                              partitions=partitions)
         if problem is not None:
             problems.append(problem)
     return problems

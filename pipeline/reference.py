@@ -29,7 +29,7 @@ def _as_tuple(row: Mapping | Sequence) -> tuple:
 
 def _summary(values: list[int], percentiles: Sequence[float], count_key: str) -> dict:
     values = sorted(values)
-    out = {count_key: len(values)}
+    out: dict[str, int | float | None] = {count_key: len(values)}
     for p in percentiles:
         out[f"p{round(p * 100)}"] = figures.percentile(values, p)
     out["max"] = values[-1] if values else None

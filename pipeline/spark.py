@@ -23,17 +23,26 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-__all__ = ["DEFAULT_MASTER", "LOG4J2_PROPERTIES", "get_session"]
+__all__ = ["DEFAULT_MASTER", "LOG4J2_PROPERTIES", "get_session", "master_url"]
 
 DEFAULT_MASTER = "local[*]"
 LOG4J2_PROPERTIES = Path(__file__).with_name("log4j2.properties")
 _PACKAGE_DIR = Path(__file__).parent
 
 log = logging.getLogger(__name__)
+
+
+def master_url(spark: SparkSession) -> str:
+    """The master a running session was started with (``local[*]``, ``spark://...``, ``yarn``)."""
+    master = spark.sparkContext.master
+    if master is None:  # a started context always has one (spark.master is required to start it)
+        raise RuntimeError("the Spark context has no master")
+    return master
 
 
 def _is_local(master: str | None) -> bool:
@@ -69,10 +78,10 @@ def _executors_can_import(spark: SparkSession, modules: tuple[str, ...]) -> dict
     """Whether an executor's Python finds each module (one task: what --py-files or the cluster's own
     installation already provide)."""
 
-    def probe(_):
+    def probe(_: Iterable[int]) -> Iterator[dict[str, bool]]:
         import importlib.util as util
 
-        found = {}
+        found: dict[str, bool] = {}
         for name in modules:
             try:
                 found[name] = util.find_spec(name) is not None
@@ -152,6 +161,6 @@ def get_session(
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    if not spark.sparkContext.master.startswith("local"):
+    if not master_url(spark).startswith("local"):
         _ship_package(spark)
     return spark

@@ -12,7 +12,6 @@ poll that does not acknowledge it gets the same batch again, so a lost response 
 from __future__ import annotations
 
 import asyncio
-import secrets
 from typing import Any
 
 import orjson
@@ -23,20 +22,12 @@ from core import Batch, RequestError
 
 from ..bodies import read_body
 from ..commands import handle_payload
-from ..errors import (
-    BadAck,
-    BadJson,
-    BadToken,
-    Closed,
-    TokenExpired,
-    TooManySessions,
-    TooManySessionsFromAddress,
-    TooManyTokenChecks,
-    UnknownSession,
-)
+from ..errors import BadAck, BadJson, Closed, UnknownSession
 from ..http_errors import error_response
 from ..hub import Hub
 from ..identity import ClientIdentity
+from .handshake import open_client
+from .sessions import new_secret
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
 UNKNOWN_SESSION = UnknownSession("no such long-poll session (expired or closed)")
@@ -48,17 +39,15 @@ class LongPollSession:
     def __init__(self, hub: Hub, identity: ClientIdentity, secret_prefix: str = "") -> None:
         self.hub = hub
         self.identity = identity
-        #: the session id of the URLs: 128 random bits (secrets), the only credential a poll carries; with
-        #: several workers after a public `w{index}.` naming the one that holds it (docs/cluster.md §5)
-        self.secret = secret_prefix + secrets.token_urlsafe(16)
-        hub.lp_sessions[self.secret] = self
+        #: the session id of the URLs, the only credential a poll carries (`new_secret`)
+        self.secret = new_secret(secret_prefix)
+        hub.sessions.longpoll.add(self)
         self.poll: asyncio.Future | None = None
         #: (batch id, response body) handed out and not yet acknowledged
         self.outstanding: tuple[int, bytes] | None = None
         self.batches = 0
         #: entries (messages, notices, replies) handed to this session: the stats stream's delivery rate
         self.entries_sent = 0
-        self.polls = 0
         self._expiry: asyncio.TimerHandle | None = None
         self.closed = False
         #: a poll's answer is a whole body handed over at once: a session is never write-blocked
@@ -77,7 +66,7 @@ class LongPollSession:
 
     def _expire(self) -> None:
         self.closed = True
-        self.hub.lp_sessions.pop(self.secret, None)
+        self.hub.sessions.longpoll.discard(self)
         self.hub.clients.unregister(self.identity.client_id, "expired")
 
     def deliver(self, batch: Batch, frame: bytes) -> bool:
@@ -95,14 +84,14 @@ class LongPollSession:
 
     def kick(self, code: int, reason: str) -> None:
         self.closed = True
-        self.hub.lp_sessions.pop(self.secret, None)
+        self.hub.sessions.longpoll.discard(self)
         self.cancel_expiry()
         entry = {"type": "error", "code": Closed.code, "message": reason, "close_code": code}
         body = orjson.dumps({"batch": None, "entries": [entry]})
         if self.poll is not None and not self.poll.done():
             self.poll.set_result(body)
         else:  # closed between two polls: the next one gets it (not 404 unknown_session)
-            self.hub.lp_closed.keep(self.secret, body)
+            self.hub.sessions.closed.keep(self.secret, body)
 
     def describe(self) -> dict[str, Any]:
         return {"transport": "longpoll", "peer": self.identity.peer, "batches": self.batches, "entries_sent": self.entries_sent,
@@ -111,7 +100,6 @@ class LongPollSession:
     async def wait(self, ack: int | None) -> bytes:
         hub = self.hub
         cid = self.identity.client_id
-        self.polls += 1
         if self.poll is not None and not self.poll.done():
             self.poll.set_result(EMPTY_BODY)  # a newer poll supersedes a waiting one
         if self.outstanding is not None:
@@ -136,34 +124,17 @@ class LongPollSession:
 
 def _session(request: Request) -> LongPollSession | None:
     hub: Hub = request.app.state.hub
-    return hub.lp_sessions.get(request.path_params["session"])
+    session = hub.sessions.longpoll.get(request.path_params["session"])
+    return session if isinstance(session, LongPollSession) else None
 
 
 async def create_session(request: Request) -> Response:
     """`Authorization: Bearer TOKEN` makes the session its user's (docs/security.md); none: anonymous."""
     hub: Hub = request.app.state.hub
-    config = hub.config.longpoll
-    host, port = request.client if request.client else ("", 0)
-    if hub.clients.by_transport["longpoll"] >= config.max_sessions:
-        return error_response(TooManySessions("the long-poll session limit is reached"), RETRY_LATER)
-    if config.max_sessions_per_ip and hub.clients.clients_by_ip[("longpoll", host)] >= config.max_sessions_per_ip:
-        hub.bad_input("longpoll", "%s holds its maximum of %d sessions", host, config.max_sessions_per_ip)
-        return error_response(TooManySessionsFromAddress(
-            f"at most {config.max_sessions_per_ip} sessions per address"), RETRY_LATER)
-    principal = None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme:
-        try:
-            if scheme.lower() != "bearer":
-                raise BadToken("the Authorization header must be `Bearer <token>`")
-            principal = hub.clients.tokens.verify(token.strip(), host)
-        except (BadToken, TokenExpired) as exc:
-            hub.bad_input("longpoll", "token refused: %s", exc)
-            return error_response(exc, {"WWW-Authenticate": "Bearer"})
-        except TooManyTokenChecks as exc:  # auth.rate_per_ip
-            hub.bad_input("longpoll", "token not checked: %s", exc)
-            return error_response(exc, RETRY_LATER)
-    identity = ClientIdentity(hub.clients.new_client_id("lp"), "longpoll", f"{host}:{port}", host, principal)
+    try:
+        identity = open_client(hub, "longpoll", request.client, authorization=request.headers.get("authorization", ""))
+    except RequestError as exc:  # 401 for a refused token, 429 / 503 (retry later) for the others
+        return error_response(exc, {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else RETRY_LATER)
     session = LongPollSession(hub, identity, request.app.state.session_prefix)
     hub.clients.register(session, ready=False)
     return JSONResponse({"session": session.secret, "client_id": identity.client_id}, status_code=201)
@@ -172,7 +143,7 @@ async def create_session(request: Request) -> Response:
 async def poll(request: Request) -> Response:
     session = _session(request)
     if session is None:
-        final = request.app.state.hub.lp_closed.take(request.path_params["session"])
+        final = request.app.state.hub.sessions.closed.take(request.path_params["session"])
         if final is not None:
             return Response(final, media_type="application/json")
         return error_response(UNKNOWN_SESSION)
@@ -218,6 +189,6 @@ async def delete_session(request: Request) -> Response:
     if session is None:
         return error_response(UNKNOWN_SESSION)
     session.kick(1000, "session deleted")
-    request.app.state.hub.lp_closed.take(session.secret)  # the client closed it: nothing to tell
+    request.app.state.hub.sessions.closed.take(session.secret)  # the client closed it: nothing to tell
     request.app.state.hub.clients.unregister(session.identity.client_id, "closed")
     return Response(status_code=204)

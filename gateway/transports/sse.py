@@ -21,7 +21,7 @@ import logging
 import re
 import secrets
 import time
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -33,23 +33,17 @@ from core.client import Client, Subscription
 from core.config import MAX_SEQ
 from core.errors import RequestError, TooManySubscriptions
 
-from .. import close_codes, schema
+from .. import schema
 from ..commands import run_command
-from ..errors import (
-    BadRequest,
-    BadToken,
-    NotFound,
-    TokenExpired,
-    TooManySessionsFromAddress,
-    TooManyTokenChecks,
-    UnknownSession,
-)
+from ..errors import BadRequest, UnknownSession
 from ..http_errors import error_response
 from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import SCOPE_KEY, GuardedHttpToolsProtocol
 from ..session_tables import Checkpoints
+from .handshake import open_client
 from .longpoll import accept_commands
+from .sessions import new_secret
 from .staging import StagedWriter, tune_stream
 
 log = logging.getLogger("gateway.sse")
@@ -233,14 +227,12 @@ class SseConnection(StagedWriter):
     """One stream: a `Connection` of the hub (gateway/hub.py) and the `StreamListener` of its HTTP protocol."""
 
     def __init__(self, hub: Hub, identity: ClientIdentity, proto: GuardedHttpToolsProtocol,
-                 sessions: dict[str, SseConnection], secret_prefix: str = "") -> None:
+                 secret_prefix: str = "") -> None:
         super().__init__(hub, identity)
         self.proto = proto
         self.transport = proto.transport
-        #: the session id of the URLs: 128 random bits (secrets), the only credential of POST and DELETE; with
-        #: several workers after a public `w{index}.` naming the one that holds it (docs/cluster.md §5)
-        self.secret = secret_prefix + secrets.token_urlsafe(16)
-        self.sessions = sessions
+        #: the session id of the URLs, the only credential of POST and DELETE (`new_secret`)
+        self.secret = new_secret(secret_prefix)
         #: the positions of the engine's client (read, never changed), after each cycle
         self.positions_of: IdLine | None = None
         #: the positions last written in an `id:` line (a browser starts with the empty one)
@@ -260,7 +252,7 @@ class SseConnection(StagedWriter):
         tune_stream(self.transport, ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes)
         session = orjson.dumps({"session": self.secret, "client_id": self.identity.client_id})
         self._write(b"event: session\ndata: " + session + b"\n\n")
-        self.sessions[self.secret] = self
+        self.hub.sessions.sse.add(self)
         if self.hub.config.sse.heartbeat_s > 0:
             self._arm_heartbeat(self.hub.config.sse.heartbeat_s)
 
@@ -341,8 +333,7 @@ class SseConnection(StagedWriter):
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             self._heartbeat = None
-        if self.sessions.get(self.secret) is self:
-            del self.sessions[self.secret]
+        self.hub.sessions.sse.discard(self)
 
     def _arm_heartbeat(self, delay: float) -> None:
         self._heartbeat = self.proto.loop.call_later(delay, self._beat)
@@ -371,14 +362,6 @@ class SseConnection(StagedWriter):
 
 # -- endpoints ---------------------------------------------------------------------------------------------
 
-def _sessions(request: Request) -> dict[str, SseConnection]:
-    return cast(dict[str, SseConnection], request.app.state.sse_sessions)
-
-
-def _disabled() -> Response:
-    return error_response(NotFound("the SSE transport is disabled (sse.enabled)"))
-
-
 def close_only(code: int, reason: str) -> Response:
     """A refusal an `EventSource` can read: a 200 stream whose only event is `close`."""
     return Response(close_event(code, reason), headers={k.decode(): v.decode() for k, v in STREAM_HEADERS})
@@ -388,13 +371,12 @@ class _Stream(Response):
     """The event stream of one connection; lives until the connection is lost."""
 
     def __init__(self, hub: Hub, proto: GuardedHttpToolsProtocol, identity: ClientIdentity,
-                 sessions: dict[str, SseConnection], topics: list[str], positions: dict[str, tuple[str, int]],
+                 topics: list[str], positions: dict[str, tuple[str, int]],
                  refusals: list[RequestError], secret_prefix: str = "") -> None:
         super().__init__()
         self.hub = hub
         self.proto = proto
         self.identity = identity
-        self.sessions = sessions
         self.topics = topics
         self.recovery = positions
         self.refusals = refusals
@@ -404,14 +386,14 @@ class _Stream(Response):
         hub = self.hub
         cid = self.identity.client_id
         await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
-        conn = SseConnection(hub, self.identity, self.proto, self.sessions, self.secret_prefix)
+        conn = SseConnection(hub, self.identity, self.proto, self.secret_prefix)
         reason = "closed"
         try:
             if not self.proto.transport.is_closing():  # else gone before the head: nothing to register
                 self.proto.stream = conn
                 conn.start()
                 hub.clients.register(conn, ready=True)
-                conn.positions_of = IdLine(Positions(hub.engine.client(cid)), hub.sse_checkpoints)
+                conn.positions_of = IdLine(Positions(hub.engine.client(cid)), hub.sessions.checkpoints)
                 self._subscribe()
             # The request has no body: what comes next is the disconnect (the connection was lost), also
             # after a kick (the close event written, the connection closed within KICK_GRACE_S).
@@ -446,26 +428,13 @@ class _Stream(Response):
 async def stream(request: Request) -> Response:
     """`GET /sse?topics=a,b[&token=JWT][&since=POSITIONS]` (docs/protocol.md `## SSE`)."""
     hub: Hub = request.app.state.hub
-    config = hub.config.sse
-    if not config.enabled:
-        return _disabled()
-    host, port = request.client if request.client else ("", 0)
-    if config.max_sessions_per_ip and hub.clients.clients_by_ip[("sse", host)] >= config.max_sessions_per_ip:
-        hub.bad_input("sse", "%s holds its maximum of %d streams", host, config.max_sessions_per_ip)
-        return error_response(TooManySessionsFromAddress(
-            f"at most {config.max_sessions_per_ip} SSE streams per address"), RETRY_LATER)
     query = request.query_params
-    if "id" in query:
-        # Names chosen by clients could be claimed by anyone; a private queue belongs to a token's `sub`.
-        return close_only(close_codes.BAD_CLIENT_ID, "?id= is not accepted: identity comes from ?token=")
-    principal = None
-    token = query.get("token")
-    if token is not None:
-        try:
-            principal = hub.clients.tokens.verify(token, host)
-        except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
-            hub.bad_input("sse", "token refused: %s", exc)
-            return close_only(exc.close_code, exc.message)
+    try:
+        identity = open_client(hub, "sse", request.client, token=query.get("token"), requested_id=query.get("id"))
+    except RequestError as exc:
+        if exc.close_code is None:  # too many streams from this address: before the stream, an HTTP error
+            return error_response(exc, RETRY_LATER)
+        return close_only(exc.close_code, exc.message)  # ?id=, the token: a stream an EventSource can read
     proto = request.scope.get("extensions", {}).get(SCOPE_KEY)
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
         raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.netguard.GuardedHttpToolsProtocol)")
@@ -480,23 +449,19 @@ async def stream(request: Request) -> Response:
     if recovery_text is None:
         recovery_text = query.get("since", "")
     try:
-        positions = recovery_point(recovery_text, max_subs, hub.sse_checkpoints)
+        positions = recovery_point(recovery_text, max_subs, hub.sessions.checkpoints)
     except BadRequest as exc:
-        hub.bad_input("sse", "%s: %s", host, exc.message)
+        hub.bad_input("sse", "%s: %s", identity.ip, exc.message)
         refusals.insert(0, exc)
         positions = {}
-    identity = ClientIdentity(hub.clients.new_client_id("sse"), "sse", f"{host}:{port}", host, principal)
-    return _Stream(hub, proto, identity, _sessions(request), topics, positions, refusals,
-                   request.app.state.session_prefix)
+    return _Stream(hub, proto, identity, topics, positions, refusals, request.app.state.session_prefix)
 
 
 def _session(request: Request) -> tuple[Hub, SseConnection] | Response:
-    """The hub and the session the path names, or the error response (SSE disabled, no such session)."""
+    """The hub and the session the path names, or the error response (no such session)."""
     hub: Hub = request.app.state.hub
-    if not hub.config.sse.enabled:
-        return _disabled()
-    conn = _sessions(request).get(request.path_params["session"])
-    if conn is None:
+    conn = hub.sessions.sse.get(request.path_params["session"])
+    if not isinstance(conn, SseConnection):
         return error_response(UNKNOWN_SESSION)
     return hub, conn
 

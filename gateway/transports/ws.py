@@ -7,8 +7,13 @@ connection, which is most of what an idle connection would otherwise hold (docs/
 clients). The scheduler writes each batch as one pre-built text frame straight to the transport, never
 awaiting: a client whose transport buffer is above the high-water mark is not ready until asyncio calls
 `resume_writing` (below a quarter of it). Per-message compression is off: it would force an encode per client.
-With `websocket.direct_write = false`, or under another ASGI server, `/ws` is the Starlette endpoint below
-and writes go through ASGI `send` from a writer task.
+With `websocket.direct_write = false` (a shipped setting, "for comparison": docs/benchmarks.md measures the
+two write paths) `/ws` is the Starlette endpoint below, `websocket_endpoint`, and writes go through ASGI
+`send` from a writer task. It is the only other way `/ws` is served (the gateway always runs this protocol,
+gateway/server.py, and so do the test gateways, gateway/testing.py), and it shares everything but the I/O
+with the protocol's: the handshake (`open_ws_client`, gateway/transports/handshake.py), the command path
+(`run_frame`) and the connection (`WSConnection`); the frame-level bounds (fragments, pongs, UTF-8,
+protocol errors) are this protocol's on both, the Origin check the app's middleware there (same 403).
 """
 
 from __future__ import annotations
@@ -18,31 +23,30 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 from urllib.parse import parse_qs
 
 from prometheus_client.core import CounterMetricFamily, Metric
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
 from websockets.protocol import Event, Protocol
 
-from core import Batch
+from core import Batch, RequestError
 
 from .. import close_codes
 from ..commands import handle_payload
-from ..errors import BadToken, TokenExpired, TooManyTokenChecks
 from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
 from ..origin import OriginPolicy
 from ..ratelog import BadInputLog
+from .handshake import close_reason, open_client
 from .staging import StagedWriter, tune_stream
 from .wsframes import text_frame_header
 
 log = logging.getLogger("gateway.ws")
-SCOPE_KEY = "fanout.ws"
 
 #: how long a kicked client's buffered data and close frame may take to drain before the cut
 KICK_GRACE_S = 2.0
@@ -140,7 +144,27 @@ framed = _FramedCache()
 
 
 class FanoutWSProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's websockets-sansio protocol, exposing itself and its flow control to the endpoint."""
+    """uvicorn's websockets-sansio protocol, serving `/ws` itself (`handle_connect`). What each override of
+    uvicorn's methods is for (the rest of uvicorn's protocol runs as it is; each override says more):
+
+    - `connection_made`: client sockets get the write high-water mark, SO_SNDBUF and TCP_NOTSENT_LOWAT.
+    - `pause_writing`, `resume_writing`: a connection is not ready while its writes are paused (the
+      scheduler and the slow-consumer watchdog see it); a pong held meanwhile goes out on resume.
+    - `handle_connect`: serves `/ws` without ASGI (Origin, handshake, registration); other paths, and `/ws`
+      disabled or with `direct_write` off, go to uvicorn's and the ASGI app.
+    - `data_received`, `handle_events`: input handled in turns (`_handle_input`, `InputTurn`), dropped while
+      lingering; websockets' own refusal of a request is answered (`_refused_by_websockets`).
+    - `handle_ping`: at most one pong waits while writes are paused (uvicorn's held every pong).
+    - `handle_cont`: `websocket.max_fragments`.
+    - `send_receive_event_to_app`: invalid UTF-8 is a 1007 close, not an ERROR traceback per frame; a served
+      connection's message goes to `run_frame`.
+    - `handle_parser_exception`: a peer's protocol error is counted and logged at a bounded rate; the close
+      lingers (`linger_close`).
+    - `keepalive_timeout`: close frame, then linger and cut (uvicorn's waited for a buffer that a peer that
+      does not read never drains).
+    - `handle_close`, `connection_lost`: a served client is unregistered (no ASGI task does it); the
+      connection's slot of the HTTP port's limits is released.
+    """
 
     write_high_water = 65536
     #: SO_SNDBUF of client sockets; 0 keeps the kernel's (auto-tuned, several MiB on loopback)
@@ -176,20 +200,18 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     turn: InputTurn | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
+        # uvicorn's, then our socket and flow-control settings (the SSE stream's are the same, sse.py)
         super().connection_made(transport)
         tune_stream(transport, self.write_high_water, self.socket_send_buffer, self.notsent_lowat)
 
-    async def run_asgi(self) -> None:
-        extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
-        extensions[SCOPE_KEY] = self  # the endpoint finds its protocol here (see the module docstring)
-        await super().run_asgi()
-
     def pause_writing(self) -> None:
+        # uvicorn's (its ASGI `send` waits), and the served connection is not ready until `resume_writing`
         super().pause_writing()
         if self.connection is not None:
             self.connection.on_pause()
 
     def resume_writing(self) -> None:
+        # uvicorn's, the pong held by `handle_ping` (reading resumes with it), and the connection is ready
         super().resume_writing()
         pong = self.held_pong
         if pong is not None:
@@ -218,6 +240,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.held_pong = pong
 
     def handle_cont(self, event: Any) -> None:
+        # a continuation frame: bounded by `websocket.max_fragments` (uvicorn takes any number)
         if self.lingering or self.close_sent:
             return
         limit = self.hub.config.websocket.max_fragments if self.hub is not None else self.max_fragments
@@ -260,6 +283,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.loop.call_later(grace, transport.abort)
 
     def data_received(self, data: bytes) -> None:
+        # uvicorn's parses and handles all of a read at once: once the handshake is done, a read is parsed and
+        # handled in turns (`_handle_input`); while lingering it is dropped; before, uvicorn's parses the request
         if self.lingering:
             # dropped; past `LINGER_READ` the peer is not read any more (it is cut at the grace): a kicked peer
             # that floods made the gateway read and drop ~2 GB/s for the grace
@@ -375,6 +400,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.linger_close(KICK_GRACE_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # uvicorn's (an ASGI endpoint gets its disconnect), the HTTP port's slot, and a served client is gone
         super().connection_lost(exc)
         if self.limiter is not None:
             self.limiter.release(self.transport)
@@ -385,6 +411,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     # -- serving /ws without ASGI ------------------------------------------------------------------------
 
     def handle_connect(self, event: Request) -> None:
+        # The handshake request. `/ws` is answered here; anything else goes to uvicorn's, which runs the ASGI
+        # app: other paths (404), `/ws` when disabled (`TransportOff`: 403) or with `direct_write` off.
         hub = self.hub
         path, _, query = event.path.partition("?")
         if hub is None or path != WS_PATH or not hub.config.websocket.enabled or not hub.config.websocket.direct_write:
@@ -440,6 +468,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             self.hub.clients.unregister(conn.identity.client_id, reason)
 
     def handle_close(self, event: Any) -> None:
+        # the peer's close frame: uvicorn's echo and close, and a served client is gone
         super().handle_close(event)
         self._unregister("closed")
 
@@ -462,12 +491,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         conn = self.connection
         if self.close_sent or conn is None or conn.closed or self.hub is None:
             return
-        client_id = conn.identity.client_id
-        try:
-            handle_payload(self.hub, client_id, data)
-        except Exception:  # our bug, not the peer's: this client is closed, nobody else is disturbed
-            log.exception("websocket %s failed", client_id)
-            self.hub.clients.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+        run_frame(self.hub, conn.identity.client_id, data)
 
     def handle_parser_exception(self) -> None:
         # a peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007): the close frame is
@@ -614,66 +638,64 @@ class WSConnection(StagedWriter):
         }
 
 
-async def websocket_endpoint(websocket: WebSocket) -> None:
-    hub: Hub = websocket.app.state.hub
-    config = hub.config.websocket
-    proto = websocket.scope.get("extensions", {}).get(SCOPE_KEY) if config.direct_write else None
-    await websocket.accept()
-    if "id" in websocket.query_params:
-        # Names chosen by clients could be claimed by anyone; a private queue belongs to a token's `sub`.
-        await websocket.close(close_codes.BAD_CLIENT_ID, "?id= is not accepted: identity comes from ?token=")
+# -- what both ways of serving /ws share ---------------------------------------------------------------------
+
+def open_ws_client(hub: Hub, query: str, peer: tuple[str, int] | None) -> ClientIdentity:
+    """The handshake of a `/ws` connection (its query string, `?token=`, `?id=`): gateway/transports/handshake.py.
+    Raises its `RequestError`, whose `close_code` and `close_reason` are the close frame the peer gets."""
+    params = parse_qs(query, keep_blank_values=True)
+    tokens, ids = params.get("token"), params.get("id")
+    return open_client(hub, "ws", peer, token=tokens[-1] if tokens else None, requested_id=ids[-1] if ids else None)
+
+
+def run_frame(hub: Hub, client_id: str, data: bytes | str) -> None:
+    """One command message of a registered client. A failure is our bug, not the peer's: this client is closed
+    with 1011, nobody else is disturbed."""
+    try:
+        handle_payload(hub, client_id, data)
+    except Exception:
+        log.exception("websocket %s failed", client_id)
+        hub.clients.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+
+
+def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
+    """After the handshake of a connection the protocol serves: open its client and register it."""
+    try:
+        identity = open_ws_client(hub, query, proto.client)
+    except RequestError as exc:
+        assert exc.close_code is not None  # every refusal of the handshake ends a WebSocket with a code
+        proto.close_with(exc.close_code, close_reason(exc))
         return
-    principal = None
-    token = websocket.query_params.get("token")
-    if token is not None:
-        try:
-            principal = hub.clients.tokens.verify(token, websocket.client.host if websocket.client else "")
-        except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
-            hub.bad_input("ws", "token refused: %s", exc)
-            await websocket.close(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
-            return
-    client_id = hub.clients.new_client_id("ws")
-    host, port = websocket.client if websocket.client else ("", 0)
-    identity = ClientIdentity(client_id, "ws", f"{host}:{port}", host, principal)
-    conn = WSConnection(hub, identity, websocket, proto)
+    hub.clients.register(WSConnection(hub, identity, None, proto), ready=True)
+
+
+async def websocket_endpoint(websocket: WebSocket) -> None:
+    """`/ws` through ASGI, with `websocket.direct_write = false` only (the protocol serves it otherwise,
+    `FanoutWSProtocol.handle_connect`): the same handshake, commands and connection object, but commands come
+    by ASGI `receive` and batches go by `send` from the connection's writer task (docs/benchmarks.md compares
+    the two write paths). The Origin check is the app's middleware (gateway/origin.py), same answer."""
+    hub: Hub = websocket.app.state.hub
+    await websocket.accept()
+    try:
+        identity = open_ws_client(hub, websocket.scope["query_string"].decode("latin-1"), websocket.client)
+    except RequestError as exc:
+        assert exc.close_code is not None
+        await websocket.close(exc.close_code, close_reason(exc))
+        return
+    client_id = identity.client_id
+    conn = WSConnection(hub, identity, websocket, None)
     hub.clients.register(conn, ready=True)
     reason = "closed"
     try:
-        while True:
+        while True:  # also after a kick: until its close is sent (the disconnect comes then)
             message = await websocket.receive()
             if message["type"] == "websocket.disconnect":
                 break
             payload = message.get("text")
-            if payload is None:
-                payload = message.get("bytes") or b""
-            handle_payload(hub, client_id, payload)
-    except WebSocketDisconnect:
-        pass
-    except Exception:
+            run_frame(hub, client_id, payload if payload is not None else message.get("bytes") or b"")
+    except Exception:  # the ASGI server's failure, not a command's (run_frame)
         log.exception("websocket %s failed", client_id)
         reason = "error"
     finally:
         conn.closed = True
         hub.clients.unregister(client_id, reason)
-
-
-def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
-    """After the handshake of a connection the protocol serves: check `?id=` and `?token=`, register it."""
-    params = parse_qs(query, keep_blank_values=True)
-    if "id" in params:
-        # Names chosen by clients could be claimed by anyone; a private queue belongs to a token's `sub`.
-        proto.close_with(close_codes.BAD_CLIENT_ID, "?id= is not accepted: identity comes from ?token=")
-        return
-    principal = None
-    tokens = params.get("token")
-    if tokens is not None:
-        try:
-            principal = hub.clients.tokens.verify(tokens[-1], proto.client[0] if proto.client else "")
-        except (BadToken, TokenExpired, TooManyTokenChecks) as exc:
-            hub.bad_input("ws", "token refused: %s", exc)
-            proto.close_with(exc.close_code, exc.message.encode()[:120].decode(errors="ignore"))  # <= 123 bytes
-            return
-    client_id = hub.clients.new_client_id("ws")
-    host, port = proto.client if proto.client else ("", 0)
-    identity = ClientIdentity(client_id, "ws", f"{host}:{port}", host, principal)
-    hub.clients.register(WSConnection(hub, identity, None, proto), ready=True)

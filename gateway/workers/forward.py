@@ -22,10 +22,15 @@ connection; forwards out of a worker are bounded by its client connections (`ser
 into it by the same number, so a worker holds at most 3 x `server.max_connections` sockets (the start-up
 descriptor check counts them, gateway/server.py).
 
-The forwarder is a small HTTP/1.1 client: one internal connection per forwarded request (`Connection:
-close`, so the end of the response is the end of the connection), the request body read here with the
-route's bound and sent with its length, the response streamed back as it comes (a long poll waits up to
-`longpoll.poll_timeout_s` on the owner), and the upstream connection closed as soon as the client goes.
+The forwarder is a small HTTP/1.1 client on h11 (which writes the request and parses the response: status
+line, headers, chunked / content-length / close framing): one internal connection per forwarded request
+(`Connection: close`, so the end of the response is the end of the connection), the request body read here
+with the route's bound and sent with its length, the response streamed back as it comes (a long poll waits
+up to `longpoll.poll_timeout_s` on the owner), and the upstream connection closed as soon as the client goes.
+A response h11 cannot parse (or a head over MAX_HEAD_BYTES, h11's `max_incomplete_event_size`) is a failure of
+the owner: `500 internal_error` while nothing was sent, else the response ended short. A request h11 will not
+write (it was parsed by httptools, which lets through what HTTP/1.1 forbids, such as two `Host` lines) gets
+`400 bad_request`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import h11
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -47,7 +53,7 @@ from core.errors import RequestError
 from ..addrcount import SharedCounts
 from ..bodies import read_body
 from ..config import GatewayConfig
-from ..errors import InternalError, TooManyConnections
+from ..errors import BadRequest, InternalError, TooManyConnections
 from ..http_errors import error_response
 from ..netguard import SCOPE_KEY
 
@@ -74,7 +80,8 @@ CONNECT_TIMEOUT_S = 2.0
 #: seconds the owner may take to answer beyond what the request itself waits (a long poll's timeout); also the
 #: longest wait between two pieces of a response body
 RESPONSE_TIMEOUT_S = 10.0
-#: bytes of the owner's status line and headers at most (ours are a few hundred)
+#: bytes of the owner's status line and headers at most (ours are a few hundred): h11's
+#: `max_incomplete_event_size`, and no more is read while a head is incomplete
 MAX_HEAD_BYTES = 64 * 1024
 #: bytes read from the owner at once
 READ_CHUNK = 64 * 1024
@@ -207,9 +214,13 @@ class SessionRouter:
             body = await read_body(Request(scope, receive), self.max_body[transport])
         except RequestError as exc:
             return await error_response(exc)(scope, receive, send)
-        head = self._request_head(scope, len(body))
+        upstream = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        try:
+            request = self._request(upstream, scope, body)
+        except h11.LocalProtocolError as exc:  # httptools let it through; HTTP/1.1 forbids it
+            return await error_response(BadRequest(f"this request cannot be forwarded: {exc}"))(scope, receive, send)
         wait = RESPONSE_TIMEOUT_S + (self.poll_timeout_s if transport == "lp" and scope["method"] == "GET" else 0)
-        exchange = asyncio.ensure_future(self._exchange(owner, head + body, wait, send))
+        exchange = asyncio.ensure_future(self._exchange(owner, upstream, request, wait, send))
         gone = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait((exchange, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -219,6 +230,7 @@ class SessionRouter:
                 exchange.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await gone
+            await asyncio.wait((exchange,))  # a cancelled one ends too (it closes the upstream on its way out)
         if exchange.cancelled():
             return
         failure = exchange.exception()
@@ -232,41 +244,64 @@ class SessionRouter:
             await error_response(InternalError(f"the worker holding this session did not answer ({reason})"))(
                 scope, receive, send)
 
-    def _request_head(self, scope: Scope, length: int) -> bytes:
+    def _request(self, upstream: h11.Connection, scope: Scope, body: bytes) -> bytes:
+        """The bytes of the request to the owner, written by `upstream`. Raises h11.LocalProtocolError."""
         target = scope.get("raw_path") or scope["path"].encode()
         if scope["query_string"]:
             target += b"?" + scope["query_string"]
-        lines = [b"%s %s HTTP/1.1" % (scope["method"].encode(), target)]
-        lines += [name + b": " + value for name, value in scope["headers"] if name not in _HOP_REQUEST]
+        # httptools keeps a value's trailing whitespace, which is no part of it (RFC 9110 §5.5) and h11 refuses
+        headers = [(name, value.strip(b" \t")) for name, value in scope["headers"] if name not in _HOP_REQUEST]
+        if not any(name == b"host" for name, _ in headers):
+            headers.append((b"host", b""))  # none (HTTP/1.0, services): an empty one, which HTTP/1.1 requires
         client = scope.get("client")
         if client:
-            lines.append(b"x-forwarded-for: " + str(client[0]).encode("latin-1"))
-        lines += [KEY_HEADER + b": " + self.key, b"content-length: %d" % length, b"connection: close"]
-        return b"\r\n".join(lines) + b"\r\n\r\n"
+            headers.append((b"x-forwarded-for", str(client[0]).encode("latin-1")))
+        headers += [(KEY_HEADER, self.key), (b"content-length", b"%d" % len(body)), (b"connection", b"close")]
+        data = upstream.send(h11.Request(method=scope["method"], target=target, headers=headers)) or b""
+        if body:
+            data += upstream.send(h11.Data(data=body)) or b""
+        return data + (upstream.send(h11.EndOfMessage()) or b"")
 
-    async def _exchange(self, owner: int, request: bytes, wait: float, send: Send) -> None:
+    async def _exchange(self, owner: int, upstream: h11.Connection, request: bytes, wait: float, send: Send) -> None:
         """Send the request to the owner and stream its response to `send`. Raises _Refused(reason, begun)."""
         begun = False
         writer: asyncio.StreamWriter | None = None
         try:
             outbox = self.links.outboxes[owner]
             assert outbox is not None  # not this worker's own
-            reader, upstream = await asyncio.wait_for(
-                asyncio.open_connection(sock=_connect(outbox), limit=MAX_HEAD_BYTES), CONNECT_TIMEOUT_S)
-            writer = upstream
-            upstream.write(request)
-            status = 100
-            while 100 <= status < 200:  # interim answers (none expected: no `Expect` is sent) are skipped
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait)
-                status, headers, chunked, length = _parse_head(head)
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            begun = True
-            if chunked:
-                await _relay_chunked(reader, send)
-            else:
-                await _relay_body(reader, send, length)
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ValueError) as exc:
+            reader, stream = await asyncio.wait_for(
+                asyncio.open_connection(sock=_connect(outbox), limit=READ_CHUNK), CONNECT_TIMEOUT_S)
+            writer = stream
+            stream.write(request)
+            loop = asyncio.get_running_loop()
+            head_by = loop.time() + wait  # the response's head (a long poll's answer comes with its timeout)
+            while True:
+                event = upstream.next_event()
+                if event is h11.NEED_DATA:
+                    if begun:  # a piece of the body
+                        data = await asyncio.wait_for(reader.read(READ_CHUNK), RESPONSE_TIMEOUT_S)
+                    else:  # no more than the head's bound is ever buffered (h11 checks it once a read is in)
+                        size = max(1, MAX_HEAD_BYTES - len(upstream.trailing_data[0]))
+                        data = await asyncio.wait_for(reader.read(size), head_by - loop.time())
+                    upstream.receive_data(data)  # b"": the owner closed (h11 says whether the response is whole)
+                elif isinstance(event, h11.Response):
+                    if not event.http_version.startswith(b"1."):  # h11 parses any HTTP/d.d status line
+                        raise h11.RemoteProtocolError(f"not an HTTP/1 response: HTTP/{event.http_version.decode()}")
+                    chunked = any(name == b"transfer-encoding" for name, _ in event.headers)
+                    headers = [(name, value) for name, value in event.headers
+                               if name not in _HOP_RESPONSE and not (chunked and name == b"content-length")]
+                    await send({"type": "http.response.start", "status": event.status_code, "headers": headers})
+                    begun = True
+                elif isinstance(event, h11.Data):  # as it comes: an SSE-like stream or a long poll's answer
+                    await send({"type": "http.response.body", "body": bytes(event.data), "more_body": True})
+                elif isinstance(event, h11.EndOfMessage):  # trailers, if any, are dropped
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+                elif isinstance(event, h11.InformationalResponse):
+                    continue  # interim answers (none expected: no `Expect` is sent) are skipped
+                else:  # ConnectionClosed or PAUSED: not before the end of the response
+                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} before the response's end")
+        except (OSError, asyncio.TimeoutError, h11.ProtocolError) as exc:
             if begun:  # the head is sent: all that can be done is to end the response short
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -280,64 +315,3 @@ async def _disconnected(receive: Receive) -> None:
     """Returns once the client's connection is gone (the request body was read before)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _parse_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], bool, int | None]:
-    """(status, headers to pass on, chunked, content length) of a response head. Raises ValueError."""
-    lines = head[:-4].split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    if not version.startswith(b"HTTP/1."):
-        raise ValueError(f"not an HTTP/1 response: {lines[0][:60]!r}")
-    if not re.fullmatch(rb"[1-9][0-9]{2}", rest[:3]) or rest[3:4] not in (b"", b" "):
-        raise ValueError(f"no status code in {lines[0][:60]!r}")
-    status = int(rest[:3])
-    headers: list[tuple[bytes, bytes]] = []
-    chunked = False
-    length: int | None = None
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon:
-            raise ValueError("a header line without a colon")
-        name, value = name.strip().lower(), value.strip()
-        if name == b"transfer-encoding":
-            chunked = value.lower().endswith(b"chunked")
-        elif name == b"content-length":
-            if not value.isdigit():
-                raise ValueError(f"Content-Length {value[:20]!r}")
-            length = int(value)
-        if name not in _HOP_RESPONSE:
-            headers.append((name, value))
-    if chunked:
-        headers = [(n, v) for n, v in headers if n != b"content-length"]
-    return status, headers, chunked, length
-
-
-async def _relay_body(reader: asyncio.StreamReader, send: Send, length: int | None) -> None:
-    """`length` bytes (None: until the owner closes), as they come."""
-    left = length
-    while left is None or left > 0:
-        data = await asyncio.wait_for(reader.read(READ_CHUNK if left is None else min(left, READ_CHUNK)),
-                                      RESPONSE_TIMEOUT_S)
-        if not data:
-            if left is not None:
-                raise asyncio.IncompleteReadError(b"", left)
-            break
-        if left is not None:
-            left -= len(data)
-        await send({"type": "http.response.body", "body": data, "more_body": left is None or left > 0})
-    if left is None or length == 0:  # else the last piece said more_body False
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _relay_chunked(reader: asyncio.StreamReader, send: Send) -> None:
-    """A chunked body (RFC 9112 §7.1), chunk by chunk as it comes (an SSE-like stream would)."""
-    while True:
-        size_line = await asyncio.wait_for(reader.readuntil(b"\r\n"), RESPONSE_TIMEOUT_S)
-        size = int(size_line.split(b";", 1)[0].strip(), 16)
-        if size == 0:  # the last chunk: trailer lines (ignored) up to an empty line
-            while await asyncio.wait_for(reader.readuntil(b"\r\n"), RESPONSE_TIMEOUT_S) != b"\r\n":
-                pass
-            break
-        data = await asyncio.wait_for(reader.readexactly(size + 2), RESPONSE_TIMEOUT_S)
-        await send({"type": "http.response.body", "body": data[:-2], "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,6 +1,6 @@
-"""A raw-socket SSE client for gateway tests: HTTP/1.1 head, chunked body, event-stream parsing as a browser's
-`EventSource` does it (fields, comments, `lastEventId`), and bounded waits. It reads only when asked, so a
-test can leave it unread (a slow consumer)."""
+"""A raw-socket SSE client for gateway tests: HTTP/1.1 through h11 (head, chunked or Content-Length body),
+event-stream parsing as a browser's `EventSource` does it (fields, comments, `lastEventId`), and bounded waits.
+It reads only when asked, so a test can leave it unread (a slow consumer)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+import h11
 import orjson
 
 
@@ -33,10 +34,11 @@ class SseClient:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.settimeout(5)
         self.sock.connect(("127.0.0.1", gw.http_port))
-        lines = [f"GET {path}{query} HTTP/1.1", f"Host: 127.0.0.1:{gw.http_port}", "Accept: text/event-stream"]
-        lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        self.raw = b""  # received, not yet decoded (HTTP framing)
+        self._http = h11.Connection(h11.CLIENT)
+        fields = [("Host", f"127.0.0.1:{gw.http_port}"), ("Accept", "text/event-stream")]
+        fields += [(name, value) for name, value in (headers or {}).items()]
+        request = self._http.send(h11.Request(method="GET", target=f"{path}{query}", headers=fields))
+        self.sock.sendall(request + self._http.send(h11.EndOfMessage()))
         self.body = b""  # decoded body, not yet parsed into events
         self.eof = False  # the peer closed
         self.ended = False  # the response is complete (last chunk, or Content-Length bytes)
@@ -44,11 +46,15 @@ class SseClient:
         self.headers: dict[str, str] = {}
         self.last_event_id = ""  # as a browser keeps it: the last id field seen
         self._pending = Event()
-        self._length: int | None = None
         if read_head:
             self.read_head()
 
     # -- transport ---------------------------------------------------------------------------------------
+
+    @property
+    def raw(self) -> bytes:
+        """Received, not yet decoded (HTTP framing)."""
+        return self._http.trailing_data[0]
 
     def _recv(self, deadline: float) -> None:
         remaining = deadline - time.monotonic()
@@ -60,41 +66,35 @@ class SseClient:
             raise AssertionError(f"timed out; body {self.body[-300:]!r}") from None
         if not data:
             self.eof = True
-        self.raw += data
+        self._http.receive_data(data)  # b"": the end of the stream
 
     def read_head(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
-        while b"\r\n\r\n" not in self.raw:
+        while not self.status:
+            self._decode()
+            if self.status:
+                break
             assert not self.eof, f"closed before the head: {self.raw!r}"
             self._recv(deadline)
-        head, self.raw = self.raw.split(b"\r\n\r\n", 1)
-        status_line, *header_lines = head.decode("latin-1").split("\r\n")
-        self.status = int(status_line.split()[1])
-        for line in header_lines:
-            name, _, value = line.partition(":")
-            self.headers[name.strip().lower()] = value.strip()
-        if self.headers.get("transfer-encoding") != "chunked":
-            self._length = int(self.headers.get("content-length", "0"))
-        self._decode()
 
     def _decode(self) -> None:
-        if self._length is not None:
-            take = self.raw[: self._length - len(self.body)]
-            self.body += take
-            self.raw = self.raw[len(take):]
-            self.ended = len(self.body) == self._length
-            return
+        """Hand over what h11 can make of the bytes received: the head, then body bytes, then the end."""
         while not self.ended:
-            size_line, sep, rest = self.raw.partition(b"\r\n")
-            if not sep:
+            try:
+                event = self._http.next_event()
+            except h11.RemoteProtocolError as exc:
+                if self.eof:
+                    return  # closed early: what came is kept, nothing more will (the callers say what was missing)
+                raise AssertionError(f"not HTTP/1.1 as h11 knows it: {exc}; undecoded {self.raw[:200]!r}") from None
+            if event is h11.NEED_DATA or event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
                 return
-            size = int(size_line, 16)
-            if len(rest) < size + 2:
-                return
-            assert rest[size:size + 2] == b"\r\n", rest[: size + 2]
-            self.body += rest[:size]
-            self.raw = rest[size + 2:]
-            if size == 0:
+            if isinstance(event, h11.Response):
+                self.status = event.status_code
+                for name, value in event.headers:
+                    self.headers[name.decode("latin-1")] = value.decode("latin-1")
+            elif isinstance(event, h11.Data):
+                self.body += event.data
+            elif isinstance(event, h11.EndOfMessage):
                 self.ended = True
 
     def json(self, timeout: float = 5.0):

@@ -1,5 +1,5 @@
 """State the transports keep beside a connection or the hub is declared on its owner, typed, made with it:
-no attribute is added at run time by name (`setattr(hub, "lp_closed", ...)`, read back with a `getattr`
+no attribute is added at run time by name (`setattr(hub, "sessions", ...)`, read back with a `getattr`
 fallback), which mypy cannot check and a typo would silently split."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from gateway.identity import ClientIdentity
 from gateway.ratelog import TokenBucket
 from gateway.session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 from gateway.testing import DEFAULTS
+from gateway.transports.sessions import SessionStore, SessionTable
 
 GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 
@@ -25,9 +26,13 @@ def test_the_hub_holds_the_session_transports_tables_from_the_start():
                                environ={}))
 
     hub = asyncio.run(make())
-    assert isinstance(hub.lp_closed, ClosedSessions)
-    assert (hub.lp_closed.ttl, hub.lp_closed.limit) == (7, 9)
-    assert isinstance(hub.sse_checkpoints, Checkpoints) and hub.sse_checkpoints.ttl == CHECKPOINT_TTL_S
+    sessions = hub.sessions
+    assert isinstance(sessions, SessionStore)
+    assert isinstance(sessions.longpoll, SessionTable) and sessions.longpoll.limit == 9 and len(sessions.longpoll) == 0
+    assert isinstance(sessions.sse, SessionTable) and sessions.sse.limit is None and len(sessions.sse) == 0
+    assert isinstance(sessions.closed, ClosedSessions)
+    assert (sessions.closed.ttl, sessions.closed.limit) == (7, 9)
+    assert isinstance(sessions.checkpoints, Checkpoints) and sessions.checkpoints.ttl == CHECKPOINT_TTL_S
 
 
 def test_a_connections_rate_buckets_are_fields_of_its_identity():
@@ -40,7 +45,7 @@ def test_a_connections_rate_buckets_are_fields_of_its_identity():
 
 def test_no_transport_adds_attributes_to_the_hub_or_an_identity_by_name():
     pattern = re.compile(r"\bsetattr\((hub|identity|self\.hub|self\.identity)\b"
-                         r"|\bgetattr\(\w+, \"(lp_closed|sse_checkpoints|costly_bucket)\"")
-    found = [f"{path.name}:{n}" for path in sorted(GATEWAY.glob("*.py"))
+                         r"|\bgetattr\(\w+, \"(sessions|closed|checkpoints|costly_bucket)\"")
+    found = [f"{path.name}:{n}" for path in sorted(GATEWAY.rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []

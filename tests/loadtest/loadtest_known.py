@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loadtest.metrics import DeliveryLog, Notices
+from loadtest.delivery_stats import DeliveryLog, Notices
 from loadtest.scenarios import ClientPlan, Plan
 
 MS = 1_000_000

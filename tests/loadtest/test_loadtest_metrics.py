@@ -6,8 +6,9 @@ import loadtest_known as known
 import numpy as np
 import pytest
 
-from loadtest import analysis, metrics
-from loadtest.metrics import DeliveryLog, Notices
+from loadtest import analysis
+from loadtest import delivery_stats as metrics
+from loadtest.delivery_stats import DeliveryLog, Notices
 
 
 def test_latency_percentiles_are_nearest_rank() -> None:

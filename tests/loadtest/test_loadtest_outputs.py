@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Console
 
-from loadtest import analysis, deliverylog, metrics, report
+from loadtest import analysis, deliverylog, report
+from loadtest import delivery_stats as metrics
 from loadtest.scenarios import Scenario
 
 EXPECTED_SCHEMA = [("topic", pa.string()), ("seq", pa.int64()), ("client", pa.string()),

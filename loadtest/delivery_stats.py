@@ -223,10 +223,10 @@ def loss_figures(log: DeliveryLog, notices: Notices, starts: dict[tuple[int, int
         expected[gstart] = np.where(promised >= 0, promised, seq[gstart])
         duplicates = int(np.count_nonzero(~is_first & (seq <= prev_max)))
         holes = np.flatnonzero(seq > expected)
-        for i in holes:
-            k = int(key[i])
+        for hole in holes:
+            k = int(key[hole])
             stream = (k // n_topics, k % n_topics)
-            a, b = int(expected[i]), int(seq[i])
+            a, b = int(expected[hole]), int(seq[hole])
             missing = b - a - _covered(a, b, ranges.get(stream, []))
             if missing > 0:
                 silent += missing

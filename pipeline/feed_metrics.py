@@ -13,6 +13,19 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming import StreamingQueryListener
+    from pyspark.sql.streaming.listener import (
+        QueryIdleEvent,
+        QueryProgressEvent,
+        QueryStartedEvent,
+        QueryTerminatedEvent,
+    )
+
+    from pipeline.ledger import BatchOutcome
 
 __all__ = ["FeedMetrics"]
 
@@ -41,10 +54,10 @@ class FeedMetrics:
         self.values: dict[str, float] = {name: 0.0 for name in _HELP if name != "fanout_feed_records_total"}
         self.records = {outcome: 0 for outcome in OUTCOMES}
         self.values["fanout_feed_up"] = 1.0
-        self._listener = None
-        self._spark = None
+        self._listener: StreamingQueryListener | None = None
+        self._spark: SparkSession | None = None
 
-    def batch(self, outcome, rows: int, event_lag: float | None, restarted: bool) -> None:
+    def batch(self, outcome: BatchOutcome, rows: int, event_lag: float | None, restarted: bool) -> None:
         with self._lock:
             v = self.values
             v["fanout_feed_batches_total"] += 1
@@ -97,7 +110,7 @@ class FeedMetrics:
         os.replace(tmp, self.path)
 
     # -- Spark's progress ----------------------------------------------------------------------------------
-    def attach(self, spark, query_name: str) -> None:
+    def attach(self, spark: SparkSession, query_name: str) -> None:
         """Listen to the progress of the query named ``query_name`` (no-op without a path)."""
         if not self.path:
             return
@@ -106,18 +119,18 @@ class FeedMetrics:
         metrics = self
 
         class Listener(StreamingQueryListener):
-            def onQueryStarted(self, event) -> None:
+            def onQueryStarted(self, event: QueryStartedEvent) -> None:
                 pass
 
-            def onQueryProgress(self, event) -> None:
+            def onQueryProgress(self, event: QueryProgressEvent) -> None:
                 p = event.progress
                 if p.name == query_name:
                     metrics.progress(p.inputRowsPerSecond, p.processedRowsPerSecond, p.batchDuration)
 
-            def onQueryIdle(self, event) -> None:
+            def onQueryIdle(self, event: QueryIdleEvent) -> None:
                 pass
 
-            def onQueryTerminated(self, event) -> None:
+            def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
                 pass
 
         self._listener = Listener()
