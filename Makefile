@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup java browser redis iproute netcat bench clean
+.PHONY: run test check lint setup java browser redis iproute netcat bench clean
 
 # Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never runs
 # (core/native.py falls back to the sources).
@@ -52,6 +52,11 @@ lint: $(STAMP)
 test: lint java browser redis iproute netcat
 	$(BIN)/python -m pytest -q
 	FANOUT_PURE_PYTHON=1 $(BIN)/python -m pytest -q tests/core
+
+# The fast lane: ruff, mypy and the unit tests (in-process only, tests/conftest.py), under a minute; no Java,
+# browser or Redis needed. `make test` still runs everything.
+check: lint
+	$(BIN)/python -m pytest -q -m unit -p no:cacheprovider
 
 bench: $(STAMP)
 	$(BIN)/python -m loadtest core

@@ -1,7 +1,8 @@
 """Who a connection is and what it may do: identity, topic permissions and per-client limits, in one place.
 
-Every transport builds a `ClientIdentity` and asks it before acting on a client's command, so the same
-request gets the same answer on WebSocket, long-poll and SSE.
+Every transport gets its client's `ClientIdentity` from the one handshake (`open_client`,
+gateway/transports/handshake.py) and asks it before acting on a client's command, so the same request gets
+the same answer on WebSocket, long-poll and SSE.
 
 Permissions (docs/security.md):
 

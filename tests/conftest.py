@@ -4,12 +4,74 @@ Hypothesis runs derandomized under CI (`CI` set, as `.ci/run` is run): each prop
 examples on every machine, so the run CI makes on a fresh clone is the run made here with `CI=true make test`,
 and a failure it finds is reproduced by rerunning. Locally, without CI, the draws stay random and keep
 exploring (and a failure found is kept in .hypothesis/ and replayed first).
+
+Two lanes. A *unit* test starts no server, subprocess, browser, Spark session or redis-server: it runs in
+this process only (the core, parsers, schemas and config, pipeline and load-tool parts fed directly). A
+module of unit tests says so with ``pytestmark = pytest.mark.unit``; a module that mixes both kinds names
+its unit tests in ``UNIT_TESTS`` below. Every other test is marked *integration* here. `make check` runs
+ruff, mypy and ``-m unit`` (under a minute); `make test` runs everything.
 """
 
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+#: modules with both kinds: their unit tests by function name (the others start a server, a process or Spark)
+UNIT_TESTS: dict[str, frozenset[str]] = {
+    # one test imports the ingest client in a fresh interpreter
+    "tests/client/test_stream.py": frozenset({
+        "test_duplicates_dropped_losses_passed_on_holes_reported_epochs_restart",
+        "test_snapshot_jumps_are_conflation_and_private_takeovers_drop_redeliveries",
+    }),
+    # one test forks a second worker
+    "tests/security/test_edge_addrcount.py": frozenset({
+        "test_counts_read_the_cluster_and_writes_stay_exact_per_worker",
+        "test_another_worker_changing_its_count_between_our_read_and_write_is_not_taken_for_ours",
+        "test_shared_token_buckets_count_every_workers_takes_and_refill_at_the_rate",
+    }),
+    # the sans-I/O client; publish() and Publisher run against a socket server (pipeline_ingest_double.py)
+    "tests/pipeline/test_pipeline_ingest.py": frozenset({
+        "test_encode_record_reencodes_data_as_json_value",
+        "test_encode_record_refuses_data_that_is_not_one_json_value",
+        "test_encode_record_refuses_missing_topic",
+        "test_client_counts_lines_and_accepts_already_landed",
+        "test_client_checks_each_sync_of_a_connection_separately",
+        "test_client_sums_the_syncs_of_a_connection",
+        "test_client_reassembles_answers_split_anywhere",
+        "test_client_raises_the_gateway_message_for_other_errors",
+        "test_client_rejects_inconsistent_answers",
+        "test_client_fails_when_the_connection_closes_before_synced",
+        "test_client_refuses_misuse",
+        "test_client_answer_parser_never_raises_anything_else",
+        "test_compress_expand_round_trip",
+    }),
+    # the ledger's classification and files; one test runs the feed on Spark
+    "tests/pipeline/test_pipeline_ledger.py": frozenset({
+        "test_intervals",
+        "test_first_attempt",
+        "test_replay_after_a_recorded_outcome_uses_it",
+        "test_replay_after_an_attempt_that_died_is_landed_but_unverified",
+        "test_replay_in_a_new_epoch_is_a_first_attempt_there",
+        "test_ledger_round_trip",
+    }),
+}
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("unit") is not None:
+            continue
+        module = os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/")
+        name = getattr(item, "originalname", item.name)
+        if name in UNIT_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.unit)
+        else:
+            item.add_marker(pytest.mark.integration)

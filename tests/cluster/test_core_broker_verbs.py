@@ -7,10 +7,13 @@ Invariant: for each subscriber, the `msg` seqs and `loss` ranges it receives til
 from __future__ import annotations
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import Engine, EngineConfig, TopicConfig
+
+pytestmark = pytest.mark.unit
 
 
 def drain(engine: Engine) -> dict[str, list[dict]]:

@@ -15,6 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from core import Engine, EngineConfig, TopicConfig, TopicKind, TopicRule, encode_reply
 from core.config import AUTO_DEPTH, AUTO_MAX_SLICE, AUTO_MAX_SPAN
 
+pytestmark = pytest.mark.unit
+
 BUDGET = 2000
 #: auto rings of three sizes: a small ring (a slice takes the whole backlog), one between the bound and the
 #: span cap (proportional), one past the cap (a quarter of the backlog); a depth-1 ring beside them

@@ -19,6 +19,8 @@ from core.byte_ring import (
     UnknownReceiver,
 )
 
+pytestmark = pytest.mark.unit
+
 MIB = 1024 * 1024
 MS = 1_000_000  # ns
 

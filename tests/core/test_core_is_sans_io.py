@@ -3,6 +3,10 @@
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 CORE = Path(__file__).resolve().parents[2] / "core"
 FORBIDDEN = {
     "asyncio", "anyio", "trio", "socket", "select", "selectors", "ssl", "threading", "multiprocessing",

@@ -9,6 +9,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from core import Engine, EngineConfig, TopicConfig, TopicKind, TopicRule
 from core.errors import DirectQueueFull
 
+pytestmark = pytest.mark.unit
+
 
 def engine(**config) -> Engine:
     rules = (TopicRule("s*", TopicConfig(kind=TopicKind.SNAPSHOT)), TopicRule("*", TopicConfig()))

@@ -17,6 +17,8 @@ from core import (
     encode_reply,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_message_is_encoded_once_and_shared_by_every_subscriber():
     engine = make_engine()

@@ -3,11 +3,14 @@
 import itertools
 
 import orjson
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from core import Engine, EngineConfig, QueueFull, TopicConfig, TopicKind, TopicRule
+
+pytestmark = pytest.mark.unit
 
 CLIENTS = ["c0", "c1", "c2"]
 RINGS = ["r0", "r1"]

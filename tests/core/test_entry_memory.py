@@ -2,8 +2,12 @@
 
 import tracemalloc
 
+import pytest
+
 from core import Engine
 from core.config import TopicConfig
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_ring_of_small_messages_holds_about_their_size():

@@ -12,6 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from core import Engine, EngineConfig, TopicConfig, TopicKind, TopicRule
 
+pytestmark = pytest.mark.unit
+
 LINGER = 0.05
 #: lingering rings: a small one (its linger ends early after 4 held messages), a default-sized auto one, one
 #: at depth 1 (a subscriber is left behind); a ring without linger beside them

@@ -9,6 +9,8 @@ from core_helpers import cycle, decode, make_engine, messages
 from core import RequestError, TopicConfig
 from core.errors import CoreUsageError
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_second_connection_of_the_owner_takes_the_private_queue_over():
     engine = make_engine(max_count=8, batch_depth=4)

@@ -8,6 +8,8 @@ from core_helpers import cycle
 from core import Engine, EngineConfig, SkippedSeq, StaleSeq, TopicConfig, TopicRule
 from core.errors import BadSeq
 
+pytestmark = pytest.mark.unit
+
 
 def engine(**config) -> Engine:
     return Engine(EngineConfig(rules=(TopicRule("*", TopicConfig(batch_depth=100, **config)),)), instance_id="h")

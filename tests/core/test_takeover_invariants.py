@@ -7,11 +7,14 @@ old holder was handed but did not commit, and never drops or reorders a message.
 """
 
 import orjson
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from core import Engine, EngineConfig, QueueFull, TopicConfig, TopicKind, TopicRule
+
+pytestmark = pytest.mark.unit
 
 TABS = ["tab0", "tab1", "tab2"]
 TOPIC = "p"

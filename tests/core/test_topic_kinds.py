@@ -14,6 +14,8 @@ from core import Engine, QueueFull, RequestError, TopicKind
 from core.errors import CoreUsageError
 from core.topics import Topic
 
+pytestmark = pytest.mark.unit
+
 #: a topic name per kind, as make_engine's rules create them
 NAMES = {TopicKind.RING: "t", TopicKind.SNAPSHOT: "snap.t", TopicKind.PRIVATE: "priv.t"}
 

@@ -12,6 +12,8 @@ import pytest
 from gateway import schema
 from gateway.errors import BadCommand
 
+pytestmark = pytest.mark.unit
+
 COMMANDS = [
     {"op": "subscribe", "topic": "t"}, {"op": "subscribe", "topic": "t", "since": {"epoch": "e", "seq": 3}, "id": 1},
     {"op": "unsubscribe", "topic": "t", "id": "a"}, {"op": "publish", "topic": "t", "data": [1, {"x": None}]},

@@ -19,6 +19,8 @@ from gateway.config import (
     load_config,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _default() -> dict:
     with open(DEFAULT_CONFIG, "rb") as f:

@@ -9,6 +9,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+import pytest
+
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
@@ -16,6 +18,8 @@ from gateway.ratelog import TokenBucket
 from gateway.session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 from gateway.testing import DEFAULTS
 from gateway.transports.sessions import SessionStore, SessionTable
+
+pytestmark = pytest.mark.unit
 
 GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 

@@ -3,6 +3,7 @@
 import asyncio
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,8 @@ from gateway.origin import OriginGuard, parse_allowed_origins
 from gateway.testing import DEFAULTS, make_token
 from gateway.transports.ingest import IngestProtocol
 from gateway.transports.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
+
+pytestmark = pytest.mark.unit
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),

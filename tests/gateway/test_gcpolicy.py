@@ -9,6 +9,8 @@ import pytest
 
 from gateway.gcpolicy import GcPolicy
 
+pytestmark = pytest.mark.unit
+
 
 class Node:
     pass

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from gateway.schema import PublishRecord
 from gateway.transports.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
 
+pytestmark = pytest.mark.unit
+
 TOKEN = "s3cret"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from starlette.types import Message, Scope
@@ -14,6 +15,8 @@ from starlette.types import Message, Scope
 from gateway import close_codes
 from gateway.errors import ForbiddenOrigin
 from gateway.origin import OriginGuard, parse_allowed_origins
+
+pytestmark = pytest.mark.unit
 
 ALLOWED = "https://app.example.com"
 HOST = b"gw.example:8080"

@@ -10,6 +10,8 @@ from loadtest import analysis
 from loadtest import delivery_stats as metrics
 from loadtest.delivery_stats import DeliveryLog, Notices
 
+pytestmark = pytest.mark.unit
+
 
 def test_latency_percentiles_are_nearest_rank() -> None:
     stats = metrics.ms(metrics.percentiles(metrics.latencies(known.log())))

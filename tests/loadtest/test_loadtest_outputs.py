@@ -9,11 +9,14 @@ import loadtest_known as known
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from rich.console import Console
 
 from loadtest import analysis, deliverylog, report
 from loadtest import delivery_stats as metrics
 from loadtest.scenarios import Scenario
+
+pytestmark = pytest.mark.unit
 
 EXPECTED_SCHEMA = [("topic", pa.string()), ("seq", pa.int64()), ("client", pa.string()),
                    ("publish_ns", pa.int64()), ("deliver_ns", pa.int64()), ("batch_id", pa.int64())]

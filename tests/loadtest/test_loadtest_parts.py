@@ -19,6 +19,8 @@ from loadtest.httpclient import HttpProtocolError, ResponseParser
 from loadtest.publisher import Messages, topic_cycle
 from loadtest.recorder import Recorder
 
+pytestmark = pytest.mark.unit
+
 
 def test_parser_content_length_split_anywhere() -> None:
     raw = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\nX-A: b\r\n\r\nhello world"
