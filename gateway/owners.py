@@ -2,7 +2,7 @@
 never collide.
 
 A private queue belongs to an owner: a token's `sub` (a user), or, for an anonymous connection, its client
-id (`ws-` / `sse-` / `lp-` and 16 hex digits, `Hub.new_client_id`). The admin API and the ingest name a queue
+id (`ws-` / `sse-` / `lp-` and 16 hex digits, `ClientRegistry.new_client_id`). The admin API and the ingest name a queue
 by that same string (`client`), in-process and in Redis keys (`P:{T}:qm:OWNER`). So the two sets must be
 disjoint: a `sub` of the client id form is refused with every token (`bad_token`), and client ids always
 have it. Then a token holder can never name, read or take over an anonymous client's queue.

@@ -9,7 +9,7 @@ Origin middleware adds its CORS headers), then the scheduler writes each batch a
 to the transport, never awaiting. uvicorn runs our httptools protocol (gateway/netguard.py), which exposes
 itself in the ASGI scope and tells the stream of `pause_writing` / `resume_writing` / `connection_lost`:
 a client whose write did not drain below the high-water mark is not ready, and one blocked longer than
-`websocket.blocked_timeout_s` is cut by the hub's watchdog with 4008. The batch bytes are the shared frame;
+`websocket.blocked_timeout_s` is cut by the client registry's watchdog with 4008. The batch bytes are the shared frame;
 the only per-client bytes are the chunk header and the `id:` line (the connection's positions, read from
 its subscription cursors after the cycle: O(its subscriptions), and only written when they changed).
 """
@@ -224,7 +224,7 @@ def recovery_point(text: str, max_items: int, table: Checkpoints) -> dict[str, t
 # -- the connection ------------------------------------------------------------------------------------------
 
 class SseConnection(StagedWriter):
-    """One stream: a `Connection` of the hub (gateway/hub.py) and the `StreamListener` of its HTTP protocol."""
+    """One stream: a `Connection` of the scheduler (gateway/scheduler.py) and the `StreamListener` of its HTTP protocol."""
 
     def __init__(self, hub: Hub, identity: ClientIdentity, proto: GuardedHttpToolsProtocol,
                  secret_prefix: str = "") -> None:
