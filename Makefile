@@ -39,13 +39,13 @@ netcat:
 run: $(STAMP)
 	$(BIN)/gateway serve
 
-# Lint and types first (pyproject.toml: ruff; mypy strict on the sans-I/O core and the Python client, typed definitions in
-# gateway/, loadtest/ and pipeline/).
+# Lint and types first (pyproject.toml: ruff; mypy strict on the sans-I/O core, the Python client and gateway/, typed
+# definitions in loadtest/ and pipeline/).
 lint: $(STAMP)
 	$(BIN)/ruff check core gateway fanout_client loadtest pipeline tests
 	$(BIN)/mypy --strict core
 	$(BIN)/mypy --strict fanout_client
-	$(BIN)/mypy gateway
+	$(BIN)/mypy --strict gateway
 	$(BIN)/mypy loadtest pipeline
 
 # Then the core's own tests once more on its pure-Python fallback (FANOUT_PURE_PYTHON, core/native.py).

@@ -37,6 +37,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar, cast
 
 #: counters per worker column (a power of two)
 SLOTS = 1 << 18
@@ -81,7 +82,7 @@ class SharedCounts:
     def add(self, slot: int, delta: int) -> None:
         self.columns[self.index][slot] += delta
 
-    def counter(self, namespace: str) -> "SharedCounter":
+    def counter(self, namespace: str) -> "SharedCounter[Any]":
         return SharedCounter(self, namespace)
 
     def rate(self, table: str, rate: float, burst: float, *,
@@ -134,7 +135,10 @@ class SharedRate:
         self._write(slot, min(x + 1, base + self.burst))
 
 
-class SharedCounter(Counter):
+_K = TypeVar("_K", bound=Hashable)
+
+
+class SharedCounter(Counter[_K], Generic[_K]):
     """A drop-in `Counter` for per-address counts whose reads answer the cluster's count.
 
     It stores this worker's own counts (and mirrors them into its shared column); `c[key]` is the own count
@@ -148,14 +152,14 @@ class SharedCounter(Counter):
         super().__init__()
         self.shared = shared
         self.namespace = namespace
-        self._last: tuple[Hashable, int] | None = None  # (key, cluster count read)
+        self._last: tuple[_K, int] | None = None  # (key, cluster count read)
 
-    def __getitem__(self, key: Hashable) -> int:
+    def __getitem__(self, key: _K) -> int:
         total = dict.get(self, key, 0) + self.shared.others(self.shared.slot(self.namespace, key))
         self._last = (key, total)
         return total
 
-    def __setitem__(self, key: Hashable, value: int) -> None:
+    def __setitem__(self, key: _K, value: int) -> None:
         last = self._last
         base = last[1] if last is not None and last[0] == key else self[key]
         self._last = None
@@ -169,12 +173,12 @@ class SharedCounter(Counter):
         else:
             dict.pop(self, key, None)
 
-    def __delitem__(self, key: Hashable) -> None:
-        own = dict.pop(self, key, 0)
+    def __delitem__(self, key: Hashable) -> None:  # Counter accepts any key here (an absent one is a no-op)
+        own = dict.pop(self, cast(_K, key), 0)
         if own:
             self.shared.add(self.shared.slot(self.namespace, key), -own)
         self._last = None
 
-    def own(self, key: Hashable) -> int:
+    def own(self, key: _K) -> int:
         """This worker's own count."""
         return dict.get(self, key, 0)

@@ -32,7 +32,8 @@ DISABLED = Disabled("the raw TCP broadcaster is disabled")
 
 
 def _hub(request: Request) -> Hub:
-    return request.app.state.hub
+    hub: Hub = request.app.state.hub
+    return hub
 
 
 def _authorized(request: Request) -> bool:

@@ -135,14 +135,14 @@ class TokenVerifier:
         return _principal(claims)
 
 
-def _patterns(claims: dict, name: str) -> tuple[str, ...]:
+def _patterns(claims: dict[str, Any], name: str) -> tuple[str, ...]:
     value = claims.get(name, [])
     if not isinstance(value, list) or not all(isinstance(p, str) for p in value) or len(value) > MAX_PATTERNS:
         raise BadToken(f"claim {name!r} must be a list of at most {MAX_PATTERNS} topic patterns (strings)")
     return tuple(value)
 
 
-def _principal(claims: dict) -> Principal:
+def _principal(claims: dict[str, Any]) -> Principal:
     user = claims["sub"]
     if not isinstance(user, str) or not 0 < len(user) <= MAX_USER_CHARS:
         raise BadToken(f"claim 'sub' must be a string of 1..{MAX_USER_CHARS} characters")

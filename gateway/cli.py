@@ -33,7 +33,7 @@ def _run(coro: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
     return asyncio.run(coro)
 
 
-def write_ready_file(path: str, info: dict) -> None:
+def write_ready_file(path: str, info: dict[str, Any]) -> None:
     """Write `info` as JSON, readable by the owner only (it may hold the admin token), atomically."""
     tmp = f"{path}.tmp"
     with contextlib.suppress(FileNotFoundError):
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return _token(args)
     if args.command == "check-config":
         return _check_config(args.file)
-    overrides: dict = {}
+    overrides: dict[str, Any] = {}
     if args.host:
         overrides.setdefault("server", {})["host"] = args.host
     if args.port is not None:

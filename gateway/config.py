@@ -279,7 +279,7 @@ def topic_config(values: Mapping[str, Any]) -> TopicConfig:
         raise ConfigError(f"bad topic setting: {exc}") from None
 
 
-def _merge(base: dict, override: Mapping, where: str) -> None:
+def _merge(base: dict[str, Any], override: Mapping[str, Any], where: str) -> None:
     for key, value in override.items():
         path = f"{where}.{key}" if where else key
         if key not in base:
@@ -323,7 +323,7 @@ def _env_section(rest: str, sections: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _env_overrides(environ: Mapping[str, str], sections: Mapping[str, Any]) -> dict:
+def _env_overrides(environ: Mapping[str, str], sections: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The overrides of GATEWAY_<SECTION>_<KEY> variables.
 
     A variable in a known section must name one of its keys (else ConfigError); other GATEWAY_* variables
@@ -331,7 +331,7 @@ def _env_overrides(environ: Mapping[str, str], sections: Mapping[str, Any]) -> d
     A string key takes the variable's text as is; any other key's text is parsed as a TOML value
     (9000, 2.5, true, ["https://a.example"]).
     """
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     ignored: list[str] = []
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX):
@@ -374,7 +374,7 @@ def _env_overrides(environ: Mapping[str, str], sections: Mapping[str, Any]) -> d
 
 
 def load_config(
-    path: str | Path | None = None, *, overrides: Mapping | None = None, environ: Mapping[str, str] | None = None
+    path: str | Path | None = None, *, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> GatewayConfig:
     with open(DEFAULT_CONFIG, "rb") as f:
         raw = tomllib.load(f)

@@ -62,7 +62,7 @@ class DeliveryLog:
         self.dropped_batches = 0
         self.written_rows = 0
         self._stopped = stopped
-        self._queue: collections.deque = collections.deque()
+        self._queue: collections.deque[tuple[int, Hashable, str, list[bytes]]] = collections.deque()
         self._sampled: dict[Hashable, str] = {}
         #: sampled batches staged in a round, by connection, until `written` (at most a round's worth)
         self._unwritten: dict[Any, list[tuple[Hashable, str, list[bytes]]]] = {}

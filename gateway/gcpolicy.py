@@ -25,6 +25,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
@@ -82,7 +83,7 @@ class GcPolicy:
         self._departures_at_tick = self._departures
         return settled and self._departures >= max(DEPARTURES_MIN, self._open_at_full // 2)
 
-    def _on_gc(self, phase: str, info: dict) -> None:
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._started_at = time.perf_counter()
         else:

@@ -8,6 +8,6 @@ from starlette.responses import JSONResponse
 from core.errors import RequestError
 
 
-def error_response(exc: RequestError, headers: dict | None = None) -> JSONResponse:
+def error_response(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=exc.http_status,
                         headers=headers)

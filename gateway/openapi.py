@@ -15,8 +15,8 @@ _CREATE, _PUBLISH, _PUBLISHED, _ERROR = _BODIES
 _OBJECT = {"type": "object"}
 
 
-def _op(summary: str, ok: str, *, body: dict | None = None, reply: dict = _OBJECT, errors: tuple[int, ...] = (401,),
-        params: tuple[str, ...] = ()) -> dict[str, Any]:
+def _op(summary: str, ok: str, *, body: dict[str, Any] | None = None, reply: dict[str, Any] = _OBJECT,
+        errors: tuple[int, ...] = (401,), params: tuple[str, ...] = ()) -> dict[str, Any]:
     op: dict[str, Any] = {
         "summary": summary,
         "security": [{"bearer": []}],

@@ -261,7 +261,8 @@ def command(value: Any) -> Command:
         raise BadCommand("a command is a JSON object")
     op = value.get("op")
     kind = COMMANDS_BY_OP.get(op) if isinstance(op, str) else None  # no or unknown `op`: the union says why
-    return _convert(value, Command if kind is None else kind, BadCommand)
+    parsed: Command = _convert(value, Command if kind is None else kind, BadCommand)
+    return parsed
 
 
 def record(value: Any) -> Record:
@@ -271,7 +272,8 @@ def record(value: Any) -> Record:
     kind = SyncRecord if "sync" in value else AuthRecord if "auth" in value else PublishRecord
     if kind is PublishRecord:
         _check_seq(value)
-    return _convert(value, kind, BadRecord)
+    parsed: Record = _convert(value, kind, BadRecord)
+    return parsed
 
 
 def body(value: Any, kind: type[Struct]) -> Any:

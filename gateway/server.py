@@ -11,6 +11,7 @@ import secrets
 import socket
 import ssl
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -74,7 +75,7 @@ class GatewayServer(uvicorn.Server):
             inbox, protocol = self.internal
             config, state = self.config, self.server_state
             loop = asyncio.get_running_loop()
-            opening: set[asyncio.Task] = set()
+            opening: set[asyncio.Task[tuple[asyncio.Transport, asyncio.Protocol]]] = set()
 
             def create_protocol() -> asyncio.Protocol:
                 return protocol(config=config, server_state=state, app_state=self.lifespan.state)  # type: ignore[call-arg]  # uvicorn's protocol signature
@@ -155,10 +156,10 @@ class RunningGateway:
     raw_sender_port: int = 0
     raw_receiver_port: int = 0
     server: uvicorn.Server | None = None
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
     ingest: IngestServer | None = None
 
-    def ports(self) -> dict:
+    def ports(self) -> dict[str, Any]:
         return {
             "http_port": self.http_port,
             "ingest_port": self.ingest_port,

@@ -80,7 +80,9 @@ class GatewayHandle:
 
     def client_of(self, user: str) -> str:
         """The client id of the (one) connection authenticated as `user`."""
-        return self.call(lambda: next(c for c, conn in self.hub.clients.conns.items() if conn.identity.user == user))
+        client: str = self.call(
+            lambda: next(c for c, conn in self.hub.clients.conns.items() if conn.identity.user == user))
+        return client
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the gateway's loop (the hub is not thread-safe) and return its result."""
@@ -90,7 +92,7 @@ class GatewayHandle:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
@@ -103,7 +105,7 @@ def _merge(base: dict, extra: dict) -> dict:
 @contextlib.contextmanager
 def run_gateway(**overrides: Any) -> Iterator[GatewayHandle]:
     config = load_config(overrides=_merge(DEFAULTS, overrides), environ={})
-    started: concurrent.futures.Future = concurrent.futures.Future()
+    started: concurrent.futures.Future[GatewayHandle] = concurrent.futures.Future()
     stop_event: list[asyncio.Event] = []
 
     async def main() -> None:

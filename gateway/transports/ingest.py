@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import orjson
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from core import QueueFull, RequestError
+from core import Published, QueueFull, RequestError
 
 from ..errors import BrokerUnavailable, InternalError, Unauthorized
 from ..hub import Hub
@@ -255,7 +255,7 @@ class IngestProtocol(asyncio.Protocol):
             self.transport.pause_reading()
             self.reading_paused = True
 
-    def _landed(self, line_no: int, future: asyncio.Future) -> None:
+    def _landed(self, line_no: int, future: asyncio.Future[Published]) -> None:
         """A publish sent to the broker was answered: count it, then go on if it held the connection."""
         self.landing -= 1
         exc = future.exception()
@@ -315,7 +315,7 @@ class IngestProtocol(asyncio.Protocol):
         future = self.hub.scheduler.space_freed(item.record.topic, item.record.client)
         future.add_done_callback(self._on_space)
 
-    def _on_space(self, _future: asyncio.Future) -> None:
+    def _on_space(self, _future: asyncio.Future[None]) -> None:
         if self.blocked is None or self.transport is None:
             return
         item = self.blocked
@@ -336,7 +336,7 @@ class IngestProtocol(asyncio.Protocol):
         self.broker_wait = self.hub.broker.when_accepting()
         self.broker_wait.add_done_callback(self._broker_accepting)
 
-    def _broker_accepting(self, future: asyncio.Future) -> None:
+    def _broker_accepting(self, future: asyncio.Future[None]) -> None:
         if future.cancelled() or self.transport is None:
             return
         self.broker_wait = None

@@ -42,7 +42,7 @@ class LongPollSession:
         #: the session id of the URLs, the only credential a poll carries (`new_secret`)
         self.secret = new_secret(secret_prefix)
         hub.sessions.longpoll.add(self)
-        self.poll: asyncio.Future | None = None
+        self.poll: asyncio.Future[bytes] | None = None
         #: (batch id, response body) handed out and not yet acknowledged
         self.outstanding: tuple[int, bytes] | None = None
         self.batches = 0
@@ -107,7 +107,7 @@ class LongPollSession:
                 return self.outstanding[1]  # not acknowledged: the same batch again
             self.outstanding = None
             hub.scheduler.commit(cid)
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.poll = future
         hub.scheduler.mark_ready(cid)
         try:

@@ -536,7 +536,7 @@ class WSConnection(StagedWriter):
         self.entries_sent = 0
         self.closed = False
         self._outbox: asyncio.Queue[bytes] | None = None
-        self._writer: asyncio.Task | None = None
+        self._writer: asyncio.Task[None] | None = None
         if proto is not None:
             proto.connection = self
         else:

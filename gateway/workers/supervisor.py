@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..addrcount import SharedCounts
 from ..config import GatewayConfig
@@ -46,7 +47,7 @@ def _reserve(host: str) -> socket.socket:
 
 def run_workers(
     config: GatewayConfig, ready_file: str | None,
-    serve: Callable[[GatewayConfig, str, int, WorkerLinks], int], write_ready_file: Callable[[str, dict], None],
+    serve: Callable[[GatewayConfig, str, int, WorkerLinks], int], write_ready_file: Callable[[str, dict[str, Any]], None],
 ) -> int:
     """Fork `config.server.workers` processes running `serve(config, worker_ready_file, index, links)`;
     return the exit status once they are gone."""
@@ -118,13 +119,13 @@ def run_workers(
     return code
 
 
-def _wait_ready(workdir: Path, pids: list[int]) -> dict | None:
+def _wait_ready(workdir: Path, pids: list[int]) -> dict[str, Any] | None:
     """Worker 0's ports once every worker listens; None if one ended first or the time ran out."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     paths = [workdir / f"worker-{i}.json" for i in range(len(pids))]
     while time.monotonic() < deadline:
         if all(p.exists() for p in paths):
-            info: dict = json.loads(paths[0].read_text())
+            info: dict[str, Any] = json.loads(paths[0].read_text())
             info.pop("admin_token", None)
             return info
         for pid in pids:
