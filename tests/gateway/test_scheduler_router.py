@@ -76,6 +76,14 @@ def connect(hub: Hub, client_id: str, **kwargs: Any) -> FakeConnection:
     return conn
 
 
+async def subscribed(hub: Hub, client_id: str, topic: str, **kwargs: Any) -> FakeConnection:
+    """A fake client subscribed to `topic`, its `subscribed` entry delivered."""
+    conn = connect(hub, client_id, **kwargs)
+    hub.router.subscribe(client_id, topic)
+    await settle(lambda: bool(conn.entries))
+    return conn
+
+
 def messages(conn: FakeConnection) -> list[Any]:
     return [e["data"] for e in conn.entries if e["type"] == "msg"]
 
@@ -125,9 +133,7 @@ def test_a_broken_connection_is_kicked_and_the_others_still_get_the_message():
 
 def test_a_client_that_does_not_drain_gets_nothing_until_it_does():
     async def test(hub: Hub) -> None:
-        slow = connect(hub, "slow", drains=False)
-        hub.router.subscribe("slow", "chat.s")
-        await settle(lambda: bool(slow.entries))
+        slow = await subscribed(hub, "slow", "chat.s", drains=False)
         hub.router.publish_nowait("chat.s", 1)
         await asyncio.sleep(0.05)
         assert messages(slow) == []  # its `subscribed` write has not drained: not ready
@@ -139,9 +145,7 @@ def test_a_client_that_does_not_drain_gets_nothing_until_it_does():
 
 def test_a_full_private_queue_holds_a_publish_with_a_timeout_until_it_has_room():
     async def test(hub: Hub) -> None:
-        reader = connect(hub, "reader", drains=False)
-        hub.router.subscribe("reader", "private.inbox")
-        await settle(lambda: bool(reader.entries))
+        reader = await subscribed(hub, "reader", "private.inbox", drains=False)
         for i in range(2):
             hub.router.publish_nowait("private.inbox", i, owner="reader")
         with pytest.raises(QueueFull):
