@@ -150,6 +150,11 @@ class RedisBroker:
         self.max_pending_bytes = config.max_pending_bytes
         #: publishes refused for that bound (`/metrics`: fanout_broker_backlog_refused_total)
         self.backlog_refused = 0
+        #: topics that started a new epoch because Redis was behind this node (`_rewind_behind`)
+        self.rewinds = 0
+        #: attempts to reconnect that failed (Redis still away, or a stale connection: `_connect`)
+        self.reconnect_failures = 0
+        self._rewinding: set[asyncio.Task[None]] = set()
         #: set when a publish met that bound, cleared once the pending bytes fall to half of it (hysteresis):
         #: meanwhile the ingest holds its records and stops reading (TCP back-pressure, `when_accepting`)
         #: instead of having each one refused
@@ -220,9 +225,12 @@ class RedisBroker:
 
     async def _connect(self) -> None:
         """Ping, load the scripts, open the channel connection (replacing a broken one)."""
+        # The pool's connections opened before Redis went away are dead: drop them all now, or the first
+        # command after the reconnect fails on one and the node loses Redis again (a second round, 0.5 s).
+        await self.redis.connection_pool.disconnect()
         await self.redis.ping()
-        for name in ("PUBLISH", "TOUCH", "DELETE", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
-                     "QUEUE_DELETE", "QUEUE_RESTORE"):
+        for name in ("PUBLISH", "TOUCH", "DELETE", "REWIND", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ",
+                     "QUEUE_ACK", "QUEUE_DELETE", "QUEUE_RESTORE"):
             self.shas[name] = await self.redis.script_load(getattr(scripts, name))
         if self._pubsub is not None:
             await self._pubsub.disconnect()
@@ -270,10 +278,12 @@ class RedisBroker:
             try:
                 await self._connect()
                 await self._resubscribe([self.keys.channel(name) for name in self.lines] + self.queues.channels())
+                await self._rewind_behind([line for line in self.lines.values() if line.epoch is not None])
                 self.available = True
                 self._wake_accepting()
             except (RedisError, OSError, asyncio.TimeoutError, RequestError) as exc:
                 self.available = False
+                self.reconnect_failures += 1
                 self.last_error = str(exc) or type(exc).__name__
                 log.debug("broker still unreachable: %s", self.last_error)
                 continue
@@ -337,6 +347,9 @@ class RedisBroker:
             if line is None:
                 return  # detached meanwhile
             payload: bytes = reply[2]
+            if payload == b"! epoch":  # Redis went back in time: the topic starts a new epoch (`_rewind_behind`)
+                self._resync(line)
+                return
             if payload.startswith(b"!"):
                 self._deleted(line)
                 return
@@ -357,6 +370,41 @@ class RedisBroker:
         if line.state is LineState.LIVE:
             line.state = LineState.SYNCING
             self._start_sync(line)
+
+    def _resync(self, line: Line) -> None:
+        if line.state is LineState.LIVE:
+            line.state = LineState.SYNCING
+        self._start_sync(line)
+
+    async def _rewind_behind(self, lines: list[Line]) -> None:
+        """Redis may have come back from an older snapshot: a topic whose next seq in Redis is below what this
+        node has delivered would give those seqs again to other messages, and this node would drop them as
+        already delivered (silent loss). Each such topic starts a new epoch (scripts.REWIND): every node
+        resyncs it and its subscribers get the `epoch` loss notice. One pipeline, before publishes resume."""
+        if not lines:
+            return
+        keys = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        for line in lines:
+            pipe.evalsha(self.shas["REWIND"], 2, keys.meta(line.name), keys.stream(line.name), secrets.token_hex(8),
+                         line.epoch or "", line.next, keys.channel(line.name))
+        for line, rewound in zip(lines, await pipe.execute()):
+            if rewound == 1:
+                log.warning("broker: Redis is behind this node on %r (it had delivered up to seq %d of epoch %s):"
+                            " Redis went back in time (an older snapshot?); the topic starts a new epoch",
+                            line.name, line.next - 1, line.epoch)
+                self.rewinds += 1
+
+    def _spawn_rewind(self, line: Line) -> None:
+        async def rewind() -> None:
+            try:
+                await self._rewind_behind([line])
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                self._lost(exc)  # the reconnect checks every topic again
+
+        task = asyncio.get_running_loop().create_task(rewind(), name=f"broker-rewind {line.name}")
+        self._rewinding.add(task)
+        task.add_done_callback(self._rewinding.discard)
 
     def _apply(self, line: Line, epoch: str, seq: int, data: bytes) -> bool:
         """Put one channel message into the engine. False: it needs a resync first (a gap, another epoch)."""
@@ -780,8 +828,16 @@ class RedisBroker:
             elif isinstance(result, Exception):
                 p.future.set_exception(BrokerUnavailable(f"broker refused the publish: {result}"))
             else:
-                status, _epoch, seq, created = result
-                if status == 0:
+                status, epoch, seq, created = result
+                line = self.lines.get(p.topic)
+                if status == 0 and line is not None and line.epoch == epoch.decode() and int(seq) < line.next:
+                    # Redis gave a seq this node has delivered already: it went back in time. The topic
+                    # starts a new epoch and the publisher retries (this message landed in the old one).
+                    self._spawn_rewind(line)
+                    p.future.set_exception(BrokerUnavailable(
+                        f"the broker is behind this node on {p.topic!r} (restored from an older state?): the"
+                        " topic starts a new epoch; retry"))
+                elif status == 0:
                     p.created = created == 1
                     p.future.set_result(int(seq))
                 elif status == -3:  # the topic is new, and this client may create none now
@@ -861,6 +917,10 @@ class RedisBroker:
                                 " (bounded by broker.max_pending_bytes)", value=self.pending_bytes)
         yield CounterMetricFamily("fanout_broker_backlog_refused", "publishes refused (broker_unavailable) because"
                                   " broker.max_pending_bytes wait for Redis", value=self.backlog_refused)
+        yield CounterMetricFamily("fanout_broker_reconnect_failures", "attempts to reconnect to Redis that failed",
+                                  value=self.reconnect_failures)
+        yield CounterMetricFamily("fanout_broker_rewinds", "topics that started a new epoch because Redis was"
+                                  " behind this node (restored from an older state)", value=self.rewinds)
 
 
 def _field(fields: list[bytes], name: bytes) -> bytes:

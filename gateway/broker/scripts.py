@@ -86,6 +86,22 @@ end
 return {created, epoch, tonumber(meta[1]), meta[3], meta[4], entries}
 """
 
+#: A Redis that went back in time (restored from an older snapshot, failed over to a replica that lagged):
+#: a node saw the topic at epoch ARGV[2] up to seq ARGV[3] - 1, and Redis's next seq is below that, so its
+#: seqs would be given again to other messages. KEYS: meta, stream. ARGV: 1 the new epoch, 2 the node's epoch,
+#: 3 the node's next seq, 4 channel. When Redis holds that epoch behind ARGV[3], the topic starts the new
+#: epoch at ARGV[3] (the old epoch's stream goes: its seqs are ambiguous) and every node is told on the
+#: channel (`! epoch`); returns 1. Otherwise (another epoch already, or not behind) 0.
+REWIND = r"""
+local meta = redis.call('HMGET', KEYS[1], 'e', 'n')
+if meta[1] ~= ARGV[2] or tonumber(meta[2]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[1], 'e', ARGV[1], 'n', ARGV[3])
+redis.call('HDEL', KEYS[1], 'v')
+redis.call('PUBLISH', ARGV[4], '! epoch')
+return 1
+"""
+
 #: KEYS: meta, stream, topics. ARGV: 1 channel, 2 topic name. Returns 1 when the topic existed.
 DELETE = r"""
 local existed = redis.call('DEL', KEYS[1], KEYS[2])
