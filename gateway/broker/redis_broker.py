@@ -803,6 +803,10 @@ class RedisBroker:
         now = time.time()
         try:
             pipe = self.redis.pipeline(transaction=False)
+            # What this node had delivered of each topic when the publish left: Redis gives a seq at or above
+            # it, unless Redis went back in time (the channel may deliver this very publish before its answer,
+            # so the end at answer time proves nothing).
+            floors = {p.topic: (line.epoch, line.next) for p in batch if (line := self.lines.get(p.topic)) is not None}
             for p in batch:
                 name = p.topic
                 pipe.evalsha(
@@ -830,7 +834,9 @@ class RedisBroker:
             else:
                 status, epoch, seq, created = result
                 line = self.lines.get(p.topic)
-                if status == 0 and line is not None and line.epoch == epoch.decode() and int(seq) < line.next:
+                floor = floors.get(p.topic)
+                if status == 0 and line is not None and floor is not None and floor[0] == epoch.decode() \
+                        and int(seq) < floor[1]:
                     # Redis gave a seq this node has delivered already: it went back in time. The topic
                     # starts a new epoch and the publisher retries (this message landed in the old one).
                     self._spawn_rewind(line)

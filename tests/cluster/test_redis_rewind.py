@@ -55,3 +55,26 @@ def test_redis_restored_from_an_older_snapshot_starts_a_new_epoch_and_reuses_no_
         assert len(re.findall(r"broker \S+ lost", node.log())) == 1, node.log()[-2000:]
     rewinds = [httpx.get(f"{node.http_url}/metrics").text for node in (a, b)]
     assert sum("fanout_broker_rewinds_total 1.0" in text for text in rewinds) >= 1  # the first to see it rewound
+
+
+def test_a_publish_answered_with_a_seq_already_delivered_is_refused_and_the_topic_starts_a_new_epoch(
+        nodes, redis_server):
+    # Redis's counter goes back while the nodes stay connected (what a failover to a lagging replica does).
+    a = nodes.start("a")
+    with a.ws() as ws:
+        old = subscribe(ws, "fo")["epoch"]
+        for i in range(4):
+            a.publish("fo", i)
+        assert seqs(messages(ws, "fo", lambda g: 3 in seqs(g))) == [0, 1, 2, 3]
+        assert redis_server.command("HSET", "fanout:{fo}:m", "n", "1") == ":0"  # back to the state after seq 0:
+        assert redis_server.command("XTRIM", "fanout:{fo}:s", "MAXLEN", "0").startswith(":")  # its stream too,
+        assert redis_server.command("XSETID", "fanout:{fo}:s", "0-1") == "+OK"  # down to seq 0's id
+        refused = a.publish("fo", "would reuse seq 1")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "broker_unavailable"
+        got = messages(ws, "fo", lambda g: any(e["type"] == "subscribed" for e in g), timeout=15)
+        assert got[0] == {"type": "loss", "topic": "fo", "from": 4, "to": None, "reason": "epoch"}
+        assert got[1]["epoch"] != old and got[1]["seq"] == 4
+        retried = a.publish("fo", "retried")
+        assert retried.json()["seqs"] == [4]
+        assert [(e["seq"], e["data"]) for e in messages(ws, "fo", lambda g: bool(seqs(g))) if e["type"] == "msg"] \
+            == [(4, "retried")]
