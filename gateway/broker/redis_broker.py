@@ -636,8 +636,7 @@ class RedisBroker:
                 lambda ready: self._attached(ready, client_id, topic, since, request_id))
             return
         self.hold(topic)
-        self.events.engine.subscribe(client_id, topic, since=since, request_id=request_id)
-        self.events.wake()
+        self.events.subscribe(client_id, topic, since=since, request_id=request_id)
 
     def _attached(self, ready: asyncio.Future[None], client_id: str, topic: str, since: tuple[str, int] | None,
                   request_id: Any) -> None:
