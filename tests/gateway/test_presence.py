@@ -101,8 +101,9 @@ def test_who_may_ask_and_topics_without_presence():
 
 
 def test_counts_only_and_no_join_leave_above_the_bound():
+    carol = "?token=" + make_token("carol")
     with run(limits={"presence_max_members": 2}) as gw, ws_connect(gw) as a, ws_connect(gw) as b, \
-            ws_connect(gw, query="?token=" + make_token("carol")) as c, ws_connect(gw, query="?token=" + make_token("carol")) as d, \
+            ws_connect(gw, query=carol) as c, ws_connect(gw, query=carol) as d, \
             httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         for ws in (a, b, c):
             subscribed(ws, "room.big")
