@@ -23,6 +23,8 @@ from typing import Any, Protocol
 from core import Engine
 from core.entries import encode_join, encode_leave
 
+from .identity import ClientIdentity
+
 
 @dataclass(frozen=True, slots=True)
 class Member:
@@ -189,7 +191,7 @@ class Presence:
 
 
 def _member(engine: Engine, client_id: Hashable) -> Member:
-    identity = engine.client(client_id).info
-    user = getattr(identity, "user", None)
-    info = getattr(identity, "info", None)
-    return Member(str(client_id), user, info)
+    identity = engine.client(client_id).info  # the registry connects every client with its ClientIdentity
+    if not isinstance(identity, ClientIdentity):
+        return Member(str(client_id), None, None)
+    return Member(str(client_id), identity.user, identity.info)

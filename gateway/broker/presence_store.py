@@ -79,7 +79,8 @@ class RedisPresence:
         keys, node_id = self.node.keys, self.node.node_id
         try:
             pipe = self.node.redis.pipeline(transaction=False)
-            for topic in self.local:
+            # the topics still held, and those left during the shutdown whose steps were not written
+            for topic in {*self.local, *(op[1] for op in self._ops if op[0] == "t")}:
                 pipe.delete(*keys.presence_members(topic, node_id))
                 pipe.srem(keys.presence_nodes(topic), node_id)
             pipe.delete(keys.presence_alive(node_id))
