@@ -75,6 +75,11 @@ class TopicConfig:
     #: whether clients without a token may subscribe (and publish, with client_publish): the gateway
     #: decides who may do what; the core only carries the setting. Secure default: no.
     anonymous: bool = False
+    #: whether clients may ask who is subscribed (`presence`, `presence_stats`, docs/integration-presence.md):
+    #: the gateway tracks the topic's subscribers as members; the core only carries the setting.
+    presence: bool = False
+    #: whether subscribers get `join` / `leave` entries as others subscribe and leave (needs `presence`).
+    join_leave: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TopicKind(self.kind))
@@ -97,9 +102,13 @@ class TopicConfig:
             raise ValueError(f"linger must be a number of seconds in [0, {MAX_LINGER:g}], not {linger!r}")
         if linger and self.kind is TopicKind.PRIVATE:
             raise ValueError("linger is for shared topics (ring, snapshot), not private")
-        for name in ("client_publish", "anonymous"):
+        for name in ("client_publish", "anonymous", "presence", "join_leave"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        if self.presence and self.kind is TopicKind.PRIVATE:
+            raise ValueError("presence is for shared topics (ring, snapshot), not private: each user reads its own queue")
+        if self.join_leave and not self.presence:
+            raise ValueError("join_leave needs presence = true")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +122,8 @@ class TopicConfig:
             "max_bytes": self.max_bytes,
             "client_publish": self.client_publish,
             "anonymous": self.anonymous,
+            "presence": self.presence,
+            "join_leave": self.join_leave,
         }
 
 

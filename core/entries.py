@@ -49,6 +49,16 @@ def encode_closed(topic: str, reason: str) -> bytes:
     return _dumps({"type": "closed", "topic": topic, "reason": reason})
 
 
+def encode_join(topic: str, user: str | None, client: str) -> bytes:
+    """Another client subscribed to a topic with `join_leave` (a direct entry: no seq, never replayed)."""
+    return _dumps({"type": "join", "topic": topic, "user": user, "client": client})
+
+
+def encode_leave(topic: str, user: str | None, client: str) -> bytes:
+    """A subscriber of a topic with `join_leave` unsubscribed, disconnected or was kicked."""
+    return _dumps({"type": "leave", "topic": topic, "user": user, "client": client})
+
+
 def frame_batch(entries: Iterable[bytes]) -> bytes:
     """One JSON array spliced from pre-encoded entries: no per-client serialisation."""
     return b"[" + b",".join(entries) + b"]"

@@ -96,6 +96,21 @@ async def get_topic(request: Request) -> Response:
 
 
 @guarded
+async def topic_presence(request: Request) -> Response:
+    """A topic's presence: {"topic", "clients", "users", "members": [...] or null above
+    limits.presence_max_members} (cluster-wide with a broker)."""
+    hub = _hub(request)
+    name = request.path_params["name"]
+    config = hub.engine.topic_config(name)
+    if config is None:
+        raise UnknownTopic(f"no topic {name[:256]!r} and no rule creates it")
+    if not config.presence:
+        raise BadRequest(f"topic {name[:256]!r} has no presence (topic setting `presence`)")
+    view = await hub.broker.presence.view(name, hub.config.limits.presence_max_members)
+    return JSONResponse(view.as_dict())
+
+
+@guarded
 async def delete_topic(request: Request) -> Response:
     name = request.path_params["name"]
     return JSONResponse({"deleted": name, "subscribers_notified": await _hub(request).router.delete_topic(name)})
@@ -210,6 +225,7 @@ routes = [
     Route("/topics", list_topics, methods=["GET"]),
     Route("/topics", create_topic, methods=["POST"]),
     Route("/topics/{name:path}/publish", publish, methods=["POST"]),
+    Route("/topics/{name:path}/presence", topic_presence, methods=["GET"]),
     Route("/topics/{name:path}", get_topic, methods=["GET"]),
     Route("/topics/{name:path}", delete_topic, methods=["DELETE"]),
     Route("/clients", list_clients, methods=["GET"]),

@@ -9,7 +9,7 @@ used as an HMAC secret (the classic algorithm-confusion attack).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,8 @@ class Principal:
     expires_at: float
     subscribe: tuple[str, ...] = ()
     publish: tuple[str, ...] = ()
+    #: the token's `info` claim (a JSON object), shown as the connection's presence `info`; None when absent
+    info: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
 class CheckLimiter:
@@ -150,4 +152,7 @@ def _principal(claims: dict[str, Any]) -> Principal:
     if reserved is not None:
         raise BadToken(reserved)
     exp = claims["exp"]
-    return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"))
+    info = claims.get("info")
+    if info is not None and not isinstance(info, dict):
+        raise BadToken("claim 'info' must be a JSON object")
+    return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"), info)

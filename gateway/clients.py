@@ -100,7 +100,9 @@ class ClientRegistry:
         client = engine.client(client_id)
         names, owner = list(client.subs), client.owner
         engine.disconnect(client_id)
+        presence = self.scheduler.presence
         for name in names:
+            presence.left(client_id, name)
             self.broker.left(name, owner, unsubscribed=False)
         self.by_transport[identity.transport] -= 1
         self.disconnects[(identity.transport, reason)] += 1
@@ -136,6 +138,8 @@ class ClientRegistry:
             except CoreUsageError:
                 raise BadToken("this connection holds private queues of its own: reconnect with the token") from None
         identity.principal = principal
+        if principal.info is not None:
+            identity.info = principal.info
         self._arm_token_expiry(client_id, principal)
         return principal
 

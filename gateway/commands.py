@@ -8,6 +8,7 @@ asked of its `ClientIdentity` (gateway/identity.py), the one place permissions l
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +20,9 @@ from core.entries import encode_reply
 from core.errors import DirectQueueFull, RequestError, UnknownTopic
 
 from . import close_codes, schema
-from .errors import BadCommand, BadJson, Forbidden, RateLimited, UnknownMethod
+from .errors import BadCommand, BadJson, Forbidden, InternalError, RateLimited, UnknownMethod
 from .identity import ClientIdentity
+from .presence import PresenceView
 from .ratelog import TokenBucket
 
 if TYPE_CHECKING:
@@ -95,6 +97,43 @@ def _costly(hub: "Hub", identity: ClientIdentity, what: str) -> None:
                           " (auth.rate_per_connection)")
 
 
+def _presence_topic(hub: "Hub", identity: ClientIdentity, name: str) -> None:
+    """Who may ask a topic's presence: whoever may subscribe to it, on a topic with `presence`."""
+    config = _topic_config(hub, name)
+    if not identity.may_subscribe(name, config):
+        raise Forbidden(f"not allowed to subscribe to {name!r}")
+    if not config.presence:
+        raise Forbidden(f"topic {name!r} has no presence (topic setting `presence`)")
+
+
+def _presence(hub: "Hub", identity: ClientIdentity, command: schema.Presence | schema.PresenceStats) -> None:
+    """`presence` (members, counts only above limits.presence_max_members) or `presence_stats` (counts): the
+    reply comes now (one process) or once the broker has read Redis."""
+    name = command.topic
+    _presence_topic(hub, identity, name)
+    with_members = isinstance(command, schema.Presence)
+    if with_members:
+        _costly(hub, identity, "presence")
+    client_id, request_id = identity.client_id, command.id
+    future = hub.broker.presence.view(name, hub.config.limits.presence_max_members)
+
+    def answer(done: asyncio.Future[PresenceView]) -> None:
+        if client_id not in hub.clients.conns:
+            return
+        exc = done.exception()
+        if isinstance(exc, RequestError):
+            hub.clients.send_error(client_id, exc, request_id)
+        elif exc is not None:
+            hub.clients.send_error(client_id, InternalError(f"presence failed: {exc}"), request_id)
+        else:
+            hub.clients.send_direct(client_id, encode_reply(request_id, done.result().as_dict(with_members=with_members)))
+
+    if future.done():
+        answer(future)
+    else:
+        future.add_done_callback(answer)
+
+
 def _rpc(hub: "Hub", identity: ClientIdentity, method: str, params: Any) -> Any:
     if method == "echo":
         try:
@@ -132,6 +171,8 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
         principal = hub.clients.authenticate(client_id, command.token)
         hub.clients.send_direct(client_id, encode_reply(command.id, {"user": principal.user,
                                                              "expires_at": principal.expires_at}))
+    elif isinstance(command, (schema.Presence, schema.PresenceStats)):
+        _presence(hub, identity, command)
     elif isinstance(command, schema.Rpc):
         hub.clients.send_direct(client_id, encode_reply(command.id, _rpc(hub, identity, command.method, command.params)))
     else:  # schema.Ping: the union is closed

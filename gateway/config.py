@@ -152,6 +152,7 @@ class LimitsConfig(_Section, frozen=True, forbid_unknown_fields=True):
     topic_history_ttl_s: float
     idle_timeout_s: float
     bad_input_log_per_s: float
+    presence_max_members: int
 
 
 class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -405,6 +406,8 @@ def load_config(
                        ("broker.max_pending_bytes", config.broker.max_pending_bytes)):
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, not {value}")
+    if config.limits.presence_max_members < 0:
+        raise ConfigError(f"limits.presence_max_members must be >= 0, not {config.limits.presence_max_members}")
     if config.admin.max_publish_messages < 1:
         raise ConfigError(f"admin.max_publish_messages must be >= 1, not {config.admin.max_publish_messages}")
     if config.server.workers > 1 and not config.broker.url:

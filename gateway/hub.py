@@ -47,6 +47,7 @@ class Hub:
         self.creations = CreationBudget(config.limits, lambda: self.engine.topic_count)
         self.broker: Broker = make_broker(config, self.scheduler, self.creations, self.instance_id)
         self.scheduler.report_commits = self.broker.committed
+        self.scheduler.presence.store = self.broker.presence
         self.clients = ClientRegistry(config, self.scheduler, self.broker, conns)
         self.clients.on_arrival, self.clients.on_departure = self.gc.arrived, self.gc.departed
         self.router = TopicRouter(self.scheduler, self.clients, self.broker, self.creations)

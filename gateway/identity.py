@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from core import TopicConfig, TopicKind
 
@@ -50,6 +51,13 @@ class ClientIdentity:
     costly_bucket: TokenBucket | None = None
     #: monotonic time of the last command, for the idle timeout
     last_command: float = field(default_factory=time.monotonic)
+    #: what presence shows of the connection (`presence` members' `info`): a JWT's `info` claim, or a
+    #: backend's answer; None: nothing
+    info: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.info is None and self.principal is not None:
+            self.info = self.principal.info
 
     @property
     def user(self) -> str | None:

@@ -56,6 +56,11 @@ OPENAPI: dict[str, Any] = {
             "post": _op("Publish one or many messages (private topics wait for space, then 503)", "200",
                         body=_PUBLISH, reply=_PUBLISHED, errors=(400, 401, 404, 409, 413, 503), params=("name",)),
         },
+        "/api/topics/{name}/presence": {
+            "get": _op("A presence topic's members ({topic, clients, users, members}; members null above "
+                       "limits.presence_max_members: counts only); 400 when the topic has no presence", "200",
+                       errors=(400, 401, 404), params=("name",)),
+        },
         "/api/clients": {"get": _op("List connected clients", "200")},
         "/api/clients/{client_id}": {
             "delete": _op("Disconnect a client (close code 4000)", "200", errors=(401, 404), params=("client_id",)),

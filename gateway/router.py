@@ -62,6 +62,7 @@ class TopicRouter:
     def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
         owner = self.engine.client(client_id).owner
         self.engine.unsubscribe(client_id, topic, request_id=request_id)
+        self.scheduler.presence.left(client_id, topic)
         self.broker.left(topic, owner, unsubscribed=True)
         self.scheduler.wake()
 

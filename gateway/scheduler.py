@@ -27,6 +27,7 @@ from .config import GatewayConfig
 from .deliverylog import DeliveryLog
 from .identity import ClientIdentity
 from .metrics import BATCH_BUCKETS, CYCLE_BUCKETS, BucketHistogram
+from .presence import Member, Presence
 
 log = logging.getLogger("gateway")
 
@@ -93,6 +94,8 @@ class Scheduler:
         self.staged_writes = 0
         self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
         self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
+        #: presence members of topics with `presence` (gateway/presence.py); the hub gives it the broker's store
+        self.presence = Presence(engine, self.send_direct, config.limits.presence_max_members)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -214,6 +217,7 @@ class Scheduler:
 
     def deleted(self, topic: str) -> int:
         count = self.engine.delete_topic(topic)
+        self.presence.topic_gone(topic)
         self.wake()
         return count
 
@@ -224,15 +228,26 @@ class Scheduler:
         self.wake()
         return True
 
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
+                  queue_start: tuple[str, int] | None = None) -> None:
+        """The engine's subscribe (raises its errors), then the client joins the topic's presence: the one
+        place a shared-topic subscription is made."""
+        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
+        self.presence.joined(client_id, topic)
+        self.wake()
+
     def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
                queue_start: tuple[str, int] | None = None) -> None:
         if client_id not in self.conns:
             return
         try:
-            self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
+            self.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
         except RequestError as err:
             self.send_error(client_id, err, request_id)
         self.wake()
+
+    def presence_changed(self, topic: str, kind: str, member: Member) -> None:
+        self.presence.announce(topic, kind, member)
 
     def refused(self, client_id: str, error: RequestError, request_id: Any = None) -> None:
         if client_id in self.conns:

@@ -86,8 +86,18 @@ class Ping(_Wire, frozen=True, tag_field="op", tag="ping"):
     id: RequestId = None
 
 
-Command = Union[Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping]
-COMMANDS: tuple[type[Struct], ...] = (Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping)
+class Presence(_Wire, frozen=True, tag_field="op", tag="presence"):
+    topic: TopicName
+    id: RequestId = None
+
+
+class PresenceStats(_Wire, frozen=True, tag_field="op", tag="presence_stats"):
+    topic: TopicName
+    id: RequestId = None
+
+
+Command = Union[Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping, Presence, PresenceStats]
+COMMANDS: tuple[type[Struct], ...] = (Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping, Presence, PresenceStats)
 #: A frame is one command or an array of at most this many.
 MAX_COMMANDS_PER_FRAME = 100
 
@@ -141,6 +151,8 @@ class CreateTopic(_Wire, frozen=True):
     max_bytes: MaxBytes | UnsetType = UNSET
     client_publish: bool | UnsetType = UNSET
     anonymous: bool | UnsetType = UNSET
+    presence: bool | UnsetType = UNSET
+    join_leave: bool | UnsetType = UNSET
 
     def settings(self) -> dict[str, Any]:
         """The topic settings given, by name."""
@@ -236,9 +248,22 @@ class ClosedEntry(_Entry, frozen=True, tag="closed"):
     reason: Literal["deleted", "taken_over"]
 
 
-Entry = Union[MsgEntry, LossEntry, SubscribedEntry, UnsubscribedEntry, ReplyEntry, ErrorEntry, ClosedEntry]
+class JoinEntry(_Entry, frozen=True, tag="join"):
+    topic: str
+    user: str | None
+    client: str
+
+
+class LeaveEntry(_Entry, frozen=True, tag="leave"):
+    topic: str
+    user: str | None
+    client: str
+
+
+Entry = Union[MsgEntry, LossEntry, SubscribedEntry, UnsubscribedEntry, ReplyEntry, ErrorEntry, ClosedEntry, JoinEntry,
+              LeaveEntry]
 ENTRIES: tuple[type[Struct], ...] = (MsgEntry, LossEntry, SubscribedEntry, UnsubscribedEntry, ReplyEntry, ErrorEntry,
-                                     ClosedEntry)
+                                     ClosedEntry, JoinEntry, LeaveEntry)
 
 
 # -- conversion -----------------------------------------------------------------------------------------

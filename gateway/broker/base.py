@@ -23,6 +23,7 @@ from prometheus_client.core import Metric
 from core import Engine, Published, RequestError, TopicConfig
 
 from ..identity import ClientIdentity
+from ..presence import Member, PresenceStore
 
 
 class BrokerEvents(Protocol):
@@ -43,6 +44,13 @@ class BrokerEvents(Protocol):
 
     def evicted(self, topic: str, owner: Hashable, reason: str) -> bool:
         """A private queue's local handle is closed (taken over elsewhere, or lost)."""
+
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
+                  queue_start: tuple[str, int] | None = None) -> None:
+        """Subscribe a local client now (raises the engine's errors); it joins the topic's presence."""
+
+    def presence_changed(self, topic: str, kind: str, member: Member) -> None:
+        """A client of another node joined or left `topic` ("join" / "leave"): local subscribers are told."""
 
     def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
                queue_start: tuple[str, int] | None = None) -> None:
@@ -74,6 +82,8 @@ class Broker(Protocol):
     #: bytes of publishes waiting for the broker, and publishes refused for their bound (`/metrics`)
     pending_bytes: int
     backlog_refused: int
+    #: where presence members are kept (gateway/presence.py): this process's memory, or Redis
+    presence: PresenceStore
 
     def when_accepting(self) -> asyncio.Future[None]:
         """A future done once the broker takes publishes again (at once when it does). Cancel it to stop

@@ -16,6 +16,7 @@ from prometheus_client.core import Metric
 from core import Published, QueueFull, RequestError, TopicConfig
 
 from ..identity import ClientIdentity
+from ..presence import MemoryPresence, PresenceStore
 from .base import BrokerEvents
 
 
@@ -26,6 +27,7 @@ class InProcessBroker:
 
     def __init__(self, events: BrokerEvents) -> None:
         self.events = events
+        self.presence: PresenceStore = MemoryPresence()
         self._held: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -79,8 +81,7 @@ class InProcessBroker:
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
                   creator: ClientIdentity) -> None:
-        self.events.engine.subscribe(client_id, topic, since=since, request_id=request_id)
-        self.events.wake()
+        self.events.subscribe(client_id, topic, since=since, request_id=request_id)
 
     def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
         pass

@@ -49,6 +49,20 @@ class Keys:
         return (f"{self.prefix}:{{{topic}}}:qm:{owner}", f"{self.prefix}:{{{topic}}}:ql:{owner}",
                 f"{self.prefix}:{{{topic}}}:qc:{owner}")
 
+    def presence_nodes(self, topic: str) -> str:
+        """Set: the nodes holding presence members of the topic (gateway/broker/presence_store.py)."""
+        return f"{self.prefix}:{{{_topic(topic)}}}:pn"
+
+    def presence_members(self, topic: str, node_id: str) -> tuple[str, str]:
+        """A node's presence members of the topic: hash client id -> member (JSON), and hash owner -> its
+        member count there. Written by that node only."""
+        topic = _topic(topic)
+        return f"{self.prefix}:{{{topic}}}:pm:{node_id}", f"{self.prefix}:{{{topic}}}:pu:{node_id}"
+
+    def presence_alive(self, node_id: str) -> str:
+        """String with a short TTL, refreshed every second: the node's presence members count while it exists."""
+        return f"{self.prefix}:palive:{node_id}"
+
     def node(self, node_id: str) -> str:
         """String with a TTL: a node's counters (JSON), refreshed every second."""
         return f"{self.prefix}:node:{node_id}"

@@ -43,11 +43,13 @@ from core.errors import BadSeq, StaleSeq, TooManyTopics, TopicExists, UnknownTop
 from ..config import BrokerConfig, ConfigError, topic_config
 from ..errors import BrokerUnavailable, InternalError
 from ..identity import ClientIdentity
+from ..presence import PresenceStore
 from ..topic_budget import CreationBudget
 from . import scripts
 from .base import BrokerEvents, BrokerUnreachable
 from .cluster_info import ClusterInfo
 from .keys import Keys, seq_of, stream_id
+from .presence_store import RedisPresence
 from .private_queues import PrivateQueues
 from .validate import PENDING_OVERHEAD, check_ready, encode_message
 
@@ -169,6 +171,9 @@ class RedisBroker:
         self.queues = PrivateQueues(self)
         #: the cluster-wide listings and this node's stats refresher (cluster_info.py)
         self.cluster = ClusterInfo(self)
+        #: presence members in Redis, this node's heartbeat, join/leave announcements (presence_store.py)
+        self.presence_store = RedisPresence(self)
+        self.presence: PresenceStore = self.presence_store
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -191,6 +196,7 @@ class RedisBroker:
                 await asyncio.sleep(RETRY_S)
         self.available = True
         log.info("broker %s: node %s", _redacted(self.url), self.node_id)
+        await self.presence_store.start()
         self._queued = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_loop(), name="broker-reader"),
@@ -214,6 +220,7 @@ class RedisBroker:
         for pending in self._queue:
             if not pending.future.done():
                 pending.future.set_exception(BrokerUnavailable("the gateway is stopping"))
+        await self.presence_store.stop()
         if self.available:
             try:
                 await self.redis.delete(self.keys.node(self.node_id))
@@ -292,6 +299,7 @@ class RedisBroker:
                 line.state = LineState.SYNCING
                 self._start_sync(line)
             self.queues.resync()
+            self.presence_store.resync()
             return
 
     async def _resubscribe(self, channels: list[str]) -> None:
@@ -349,6 +357,9 @@ class RedisBroker:
             payload: bytes = reply[2]
             if payload == b"! epoch":  # Redis went back in time: the topic starts a new epoch (`_rewind_behind`)
                 self._resync(line)
+                return
+            if payload.startswith(b"!p "):
+                self.presence_store.on_message(line.name, payload)
                 return
             if payload.startswith(b"!"):
                 self._deleted(line)
@@ -684,8 +695,7 @@ class RedisBroker:
                 lambda ready: self._attached(ready, client_id, topic, since, request_id))
             return
         self.hold(topic)
-        self.events.engine.subscribe(client_id, topic, since=since, request_id=request_id)
-        self.events.wake()
+        self.events.subscribe(client_id, topic, since=since, request_id=request_id)
 
     def _attached(self, ready: asyncio.Future[None], client_id: str, topic: str, since: tuple[str, int] | None,
                   request_id: Any) -> None:

@@ -92,13 +92,15 @@ class Node:
             "broker": {"url": self.redis_url, "connect_timeout_s": 5.0},
         }
         for name, values in self.sections.items():
-            sections.setdefault(name, {}).update(values)
+            if name != "rule":  # `rule`: settings added to the one topic rule below
+                sections.setdefault(name, {}).update(values)
         lines = []
         for name, values in sections.items():
             lines.append(f"[{name}]")
             lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
         lines += ['[[topics.rules]]', 'pattern = "*"', 'kind = "ring"', 'capacity = 16', 'anonymous = true',
                   'client_publish = true']
+        lines += [f"{key} = {json.dumps(value)}" for key, value in self.sections.get("rule", {}).items()]
         return "\n".join(lines) + "\n"
 
     def start(self, wait: bool = True) -> "Node":

@@ -1,0 +1,266 @@
+"""Presence members held in Redis, cluster-wide (docs/integration-presence.md, "Cluster").
+
+Each node writes only its own members, mirrored from its memory (`local`), so no write races another node's:
+
+* `P:{T}:pm:NODE`: hash client id -> member JSON (`{"u", "c", "i"}`), `P:{T}:pu:NODE`: hash owner -> its
+  member count on that node, `P:{T}:pn`: set of the nodes holding members of T;
+* `P:palive:NODE`: the node's heartbeat, set every `HEARTBEAT_S` with a TTL of `ALIVE_TTL_MS`.
+
+A read (`view`) takes the topic's nodes, drops (and deletes) those whose heartbeat is gone, counts the rest
+(HLEN each, O(nodes)) and reads the members only when there are at most `limits.presence_max_members`.
+So a killed node's members leave every answer within `ALIVE_TTL_MS` (3 s) of its last heartbeat.
+
+Joins and leaves are announced on the topic's channel (`P:{T}:c`) as `!p NODE JSON`; the nodes serving the
+topic (those with local subscribers) hand them to `BrokerEvents.presence_changed`, the origin ignores its own.
+
+Writes go through one task in order, as idempotent "make Redis match memory" steps; when a write fails, or
+the heartbeat finds its key had expired (Redis restarted, or this node stalled past the TTL and a reader
+dropped its members), the whole local state is written again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from redis.exceptions import RedisError
+
+from ..errors import BrokerUnavailable
+from ..presence import Member, PresenceView, TopicMembers
+
+if TYPE_CHECKING:
+    from .node import RedisNode
+
+log = logging.getLogger("gateway.broker")
+
+#: the node's presence heartbeat period, and its key's TTL: a dead node's members leave within the TTL
+HEARTBEAT_S = 1.0
+ALIVE_TTL_MS = 3000
+#: pause after a failed write before the state is written again
+RETRY_S = 0.5
+
+#: write steps: ("m", topic, client) member, ("u", topic, owner) owner count, ("t", topic, "") the topic's
+#: keys of this node (gone once it has no member here), ("p", topic, payload) an announcement
+_Op = tuple[str, str, Any]
+
+
+class RedisPresence:
+    def __init__(self, node: "RedisNode") -> None:
+        self.node = node
+        #: this node's members per topic (what its Redis hashes mirror)
+        self.local: dict[str, TopicMembers] = {}
+        self._ops: list[_Op] = []
+        self._dirty = False
+        self._queued: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.node.redis.set(self.node.keys.presence_alive(self.node.node_id), "1", px=ALIVE_TTL_MS)
+        self._queued = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._write_loop(), name="presence-writer"),
+                       loop.create_task(self._heartbeat_loop(), name="presence-heartbeat")]
+
+    async def stop(self) -> None:
+        """Cancel the tasks; this node's members leave Redis (a graceful stop does not wait for the TTL)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if not self.node.available:
+            return
+        keys, node_id = self.node.keys, self.node.node_id
+        try:
+            pipe = self.node.redis.pipeline(transaction=False)
+            # the topics still held, and those left during the shutdown whose steps were not written
+            for topic in {*self.local, *(op[1] for op in self._ops if op[0] == "t")}:
+                pipe.delete(*keys.presence_members(topic, node_id))
+                pipe.srem(keys.presence_nodes(topic), node_id)
+            pipe.delete(keys.presence_alive(node_id))
+            await pipe.execute()
+        except (RedisError, OSError):
+            pass
+
+    def resync(self) -> None:
+        """Redis is back (maybe empty): write the whole local state again."""
+        self._dirty = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._queued is not None:
+            self._queued.set()
+
+    # -- the store (gateway/presence.py PresenceStore) ---------------------------------------------------
+
+    def join(self, topic: str, member: Member) -> None:
+        members = self.local.get(topic)
+        if members is None:
+            members = self.local[topic] = TopicMembers()
+        if members.add(member):
+            self._ops += [("m", topic, member.client), ("u", topic, member.owner),
+                          ("p", topic, self._announcement("join", member))]
+            self._wake()
+
+    def leave(self, topic: str, client: str) -> Member | None:
+        members = self.local.get(topic)
+        if members is None:
+            return None
+        member = members.remove(client)
+        if member is None:
+            return None
+        self._ops += [("m", topic, client), ("u", topic, member.owner), ("p", topic, self._announcement("leave", member))]
+        if not members.clients:
+            del self.local[topic]
+            self._ops.append(("t", topic, ""))
+        self._wake()
+        return member
+
+    def topic_gone(self, topic: str) -> None:
+        if self.local.pop(topic, None) is not None:
+            self._ops.append(("t", topic, ""))
+            self._wake()
+
+    def view(self, topic: str, limit: int) -> asyncio.Future[PresenceView]:
+        return asyncio.ensure_future(self._view(topic, limit))
+
+    # -- announcements -----------------------------------------------------------------------------------
+
+    def _announcement(self, kind: str, member: Member) -> bytes:
+        return b"!p " + self.node.node_id.encode() + b" " + orjson.dumps({"k": kind, "u": member.user, "c": member.client})
+
+    def on_message(self, topic: str, payload: bytes) -> None:
+        """A `!p NODE JSON` message of a topic's channel: another node's join or leave."""
+        try:
+            _, node_id, body = payload.split(b" ", 2)
+            if node_id.decode() == self.node.node_id:
+                return
+            doc = orjson.loads(body)
+            kind, user, client = doc["k"], doc["u"], doc["c"]
+        except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+            log.warning("broker: bad presence message on %r", topic)
+            return
+        if kind in ("join", "leave") and isinstance(client, str) and (user is None or isinstance(user, str)):
+            self.node.events.presence_changed(topic, kind, Member(client, user))
+
+    # -- writing -----------------------------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        assert self._queued is not None
+        while True:
+            await self._queued.wait()
+            self._queued.clear()
+            if not self._ops and not self._dirty:
+                continue
+            ops, self._ops = self._ops, []
+            dirty, self._dirty = self._dirty, False
+            try:
+                await self._write(ops, dirty)
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                log.debug("broker: presence write failed: %s", exc)
+                self._dirty = True  # memory is the truth: write all of it once Redis answers
+                self._ops = [op for op in ops if op[0] == "t"] + self._ops  # keys of topics left here
+                await asyncio.sleep(RETRY_S)
+                self._wake()
+
+    async def _write(self, ops: list[_Op], everything: bool) -> None:
+        keys, node_id = self.node.keys, self.node.node_id
+        pipe = self.node.redis.pipeline(transaction=False)
+        if everything:
+            pipe.set(keys.presence_alive(node_id), "1", px=ALIVE_TTL_MS)
+            for topic, members in self.local.items():
+                member_key, owner_key = keys.presence_members(topic, node_id)
+                pipe.delete(member_key, owner_key)
+                pipe.hset(member_key, mapping={c: _encode(m) for c, m in members.clients.items()})
+                pipe.hset(owner_key, mapping={o: n for o, n in members.owners.items()})
+                pipe.sadd(keys.presence_nodes(topic), node_id)
+        for kind, topic, arg in ops:
+            held = self.local.get(topic)
+            member_key, owner_key = keys.presence_members(topic, node_id)
+            if kind == "p":
+                pipe.publish(keys.channel(topic), arg)
+            elif everything or kind == "t":
+                if kind == "t" and held is None:
+                    pipe.delete(member_key, owner_key)
+                    pipe.srem(keys.presence_nodes(topic), node_id)
+            elif kind == "m":
+                member = held.clients.get(arg) if held is not None else None
+                if member is not None:
+                    pipe.hset(member_key, arg, _encode(member))
+                    pipe.sadd(keys.presence_nodes(topic), node_id)
+                else:
+                    pipe.hdel(member_key, arg)
+            else:  # "u"
+                count = held.owners.get(arg, 0) if held is not None else 0
+                if count > 0:
+                    pipe.hset(owner_key, arg, count)
+                else:
+                    pipe.hdel(owner_key, arg)
+        await pipe.execute()
+
+    async def _heartbeat_loop(self) -> None:
+        key = self.node.keys.presence_alive(self.node.node_id)
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                previous = await self.node.redis.set(key, "1", px=ALIVE_TTL_MS, get=True)
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                log.debug("broker: presence heartbeat failed: %s", exc)
+                continue
+            if previous is None and self.local:  # expired meanwhile: readers may have dropped our members
+                self.resync()
+
+    # -- reading -----------------------------------------------------------------------------------------
+
+    async def _view(self, topic: str, limit: int) -> PresenceView:
+        try:
+            return await self._read(topic, limit)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
+
+    async def _read(self, topic: str, limit: int) -> PresenceView:
+        redis, keys = self.node.redis, self.node.keys
+        nodes_key = keys.presence_nodes(topic)
+        nodes = sorted(n.decode() if isinstance(n, bytes) else n for n in await redis.smembers(nodes_key))
+        if not nodes:
+            return PresenceView(topic, 0, 0, [])
+        pipe = redis.pipeline(transaction=False)
+        for node_id in nodes:
+            pipe.exists(keys.presence_alive(node_id))
+        alive_flags = await pipe.execute()
+        alive = [n for n, flag in zip(nodes, alive_flags) if flag]
+        pipe = redis.pipeline(transaction=False)
+        for node_id in nodes:
+            if node_id not in alive:  # a dead node's members: dropped from the answer and from Redis
+                pipe.delete(*keys.presence_members(topic, node_id))
+                pipe.srem(nodes_key, node_id)
+        for node_id in alive:
+            member_key, owner_key = keys.presence_members(topic, node_id)
+            pipe.hlen(member_key)
+            pipe.hlen(owner_key)
+        counts = (await pipe.execute())[-2 * len(alive):] if alive else []
+        clients, users = sum(counts[0::2]), sum(counts[1::2])
+        if clients > limit:
+            # counts only: `users` sums each node's distinct owners (a user on two nodes counts twice)
+            return PresenceView(topic, clients, users, None)
+        pipe = redis.pipeline(transaction=False)
+        for node_id in alive:
+            pipe.hvals(keys.presence_members(topic, node_id)[0])
+        members = [_decode(raw) for values in await pipe.execute() for raw in values]
+        members.sort(key=lambda m: m.client)
+        return PresenceView(topic, len(members), len({m.owner for m in members}), members)
+
+
+def _encode(member: Member) -> bytes:
+    return orjson.dumps({"u": member.user, "c": member.client, "i": member.info})
+
+
+def _decode(raw: bytes) -> Member:
+    doc = orjson.loads(raw)
+    return Member(doc["c"], doc["u"], doc["i"])

@@ -1,0 +1,197 @@
+"""Presence: who is subscribed to a topic with `presence = true` (docs/integration-presence.md).
+
+A topic's members are its current subscribers: a client joins on a successful subscribe and leaves on
+unsubscribe, disconnect, kick or topic delete. The scheduler reports each join and leave (`Presence.joined`,
+`Presence.left`, `Presence.topic_gone`), from the one place each happens: `Scheduler.subscribe` (every
+shared-topic subscribe, at once or once the broker has the topic), `TopicRouter.unsubscribe`,
+`ClientRegistry.unregister` (disconnect and kick) and `Scheduler.deleted`. Each costs O(1) (a dict and a
+counter), plus, on a topic with `join_leave`, one direct entry per local subscriber (skipped above
+`limits.presence_max_members` subscribers).
+
+Where members are kept is the broker's business (`Broker.presence`, a `PresenceStore`): `MemoryPresence`
+here for one process, `RedisPresence` (gateway/broker/presence_store.py) for a cluster. Nobody asks which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from core import Engine
+from core.entries import encode_join, encode_leave
+
+from .identity import ClientIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One subscriber of a presence topic."""
+
+    client: str
+    #: the token's user, None while anonymous
+    user: str | None
+    #: the connection's `ClientIdentity.info` (a JWT's `info` claim, or a backend's answer), None if none
+    info: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def owner(self) -> str:
+        """Who the member counts as in `users`: its user, or itself when anonymous."""
+        return self.user if self.user is not None else self.client
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"user": self.user, "client": self.client, "info": self.info}
+
+
+@dataclass(frozen=True, slots=True)
+class PresenceView:
+    """What `presence` answers: the counts, and the members unless there are more than the bound."""
+
+    topic: str
+    clients: int
+    users: int
+    #: None: counts only (more than `limits.presence_max_members` members)
+    members: list[Member] | None
+
+    def as_dict(self, *, with_members: bool = True) -> dict[str, Any]:
+        answer: dict[str, Any] = {"topic": self.topic, "clients": self.clients, "users": self.users}
+        if with_members:
+            answer["members"] = None if self.members is None else [m.as_dict() for m in self.members]
+        return answer
+
+
+@dataclass(slots=True)
+class TopicMembers:
+    """One topic's members (on this node, or in this process): O(1) per join and leave."""
+
+    clients: dict[str, Member] = field(default_factory=dict)
+    #: members per owner (`Member.owner`): its length is the `users` count
+    owners: Counter[str] = field(default_factory=Counter)
+
+    def add(self, member: Member) -> bool:
+        if member.client in self.clients:
+            return False
+        self.clients[member.client] = member
+        self.owners[member.owner] += 1
+        return True
+
+    def remove(self, client: str) -> Member | None:
+        member = self.clients.pop(client, None)
+        if member is not None:
+            owner = member.owner
+            self.owners[owner] -= 1
+            if self.owners[owner] <= 0:
+                del self.owners[owner]
+        return member
+
+    def view(self, topic: str, limit: int) -> PresenceView:
+        count = len(self.clients)
+        return PresenceView(topic, count, len(self.owners), list(self.clients.values()) if count <= limit else None)
+
+
+class PresenceStore(Protocol):
+    """Where a broker keeps presence members (broker/base.py `Broker.presence`)."""
+
+    def join(self, topic: str, member: Member) -> None:
+        """A local client joined `topic` (other nodes are told, with a cluster)."""
+
+    def leave(self, topic: str, client: str) -> Member | None:
+        """A local client left `topic`: its member, None when it was none."""
+
+    def topic_gone(self, topic: str) -> None:
+        """The topic was deleted: this node's members of it are forgotten (no leave entries: nobody is left)."""
+
+    def view(self, topic: str, limit: int) -> asyncio.Future[PresenceView]:
+        """The topic's members (cluster-wide with a cluster), or counts only above `limit` members."""
+
+
+class MemoryPresence:
+    """The in-process store: every member is a local one."""
+
+    def __init__(self) -> None:
+        self.topics: dict[str, TopicMembers] = {}
+
+    def join(self, topic: str, member: Member) -> None:
+        members = self.topics.get(topic)
+        if members is None:
+            members = self.topics[topic] = TopicMembers()
+        members.add(member)
+
+    def leave(self, topic: str, client: str) -> Member | None:
+        members = self.topics.get(topic)
+        if members is None:
+            return None
+        member = members.remove(client)
+        if not members.clients:
+            del self.topics[topic]
+        return member
+
+    def topic_gone(self, topic: str) -> None:
+        self.topics.pop(topic, None)
+
+    def view(self, topic: str, limit: int) -> asyncio.Future[PresenceView]:
+        future: asyncio.Future[PresenceView] = asyncio.get_running_loop().create_future()
+        members = self.topics.get(topic)
+        future.set_result(members.view(topic, limit) if members is not None else PresenceView(topic, 0, 0, []))
+        return future
+
+
+class Presence:
+    """The scheduler's presence tracking: joins and leaves to the broker's store, join/leave entries to the
+    topic's local subscribers."""
+
+    def __init__(self, engine: Engine, send_direct: Callable[[Hashable, bytes], None], max_members: int) -> None:
+        self.engine = engine
+        self.send_direct = send_direct
+        #: limits.presence_max_members: above it answers are counts only and join/leave entries are not sent
+        self.max_members = max_members
+        #: set by the hub: the broker's store
+        self.store: PresenceStore = MemoryPresence()
+
+    def joined(self, client_id: Hashable, topic: str) -> None:
+        """`client_id` subscribed to `topic` (after the engine's subscribe succeeded)."""
+        engine = self.engine
+        if not engine.has_topic(topic):
+            return
+        config = engine.topic(topic).config
+        if not config.presence:
+            return
+        member = _member(engine, client_id)
+        self.store.join(topic, member)
+        if config.join_leave:
+            self.announce(topic, "join", member)
+
+    def left(self, client_id: Hashable, topic: str) -> None:
+        """`client_id` no longer subscribes to `topic` (unsubscribed, disconnected, kicked)."""
+        member = self.store.leave(topic, str(client_id))
+        if member is None:
+            return
+        engine = self.engine
+        if engine.has_topic(topic) and engine.topic(topic).config.join_leave:
+            self.announce(topic, "leave", member)
+
+    def topic_gone(self, topic: str) -> None:
+        self.store.topic_gone(topic)
+
+    def announce(self, topic: str, kind: str, member: Member) -> None:
+        """One `join` / `leave` direct entry per local subscriber of `topic` but the member itself: O(local
+        subscribers), none above `max_members` of them (docs/integration-presence.md)."""
+        engine = self.engine
+        if not engine.has_topic(topic):
+            return
+        t = engine.topic(topic)
+        if not t.config.join_leave or len(t.subs) > self.max_members:
+            return
+        entry = (encode_join if kind == "join" else encode_leave)(topic, member.user, member.client)
+        for client_id in [sub.client.id for sub in t.subs]:
+            if client_id != member.client:
+                self.send_direct(client_id, entry)
+
+
+def _member(engine: Engine, client_id: Hashable) -> Member:
+    identity = engine.client(client_id).info  # the registry connects every client with its ClientIdentity
+    if not isinstance(identity, ClientIdentity):
+        return Member(str(client_id), None, None)
+    return Member(str(client_id), identity.user, identity.info)
