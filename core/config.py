@@ -75,6 +75,10 @@ class TopicConfig:
     #: whether clients without a token may subscribe (and publish, with client_publish): the gateway
     #: decides who may do what; the core only carries the setting. Secure default: no.
     anonymous: bool = False
+    #: whether a client's subscribe / publish is also asked of the backend ([proxy] subscribe_url /
+    #: publish_url, docs/integration.md), after the gateway's own checks.
+    proxy_subscribe: bool = False
+    proxy_publish: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TopicKind(self.kind))
@@ -97,7 +101,7 @@ class TopicConfig:
             raise ValueError(f"linger must be a number of seconds in [0, {MAX_LINGER:g}], not {linger!r}")
         if linger and self.kind is TopicKind.PRIVATE:
             raise ValueError("linger is for shared topics (ring, snapshot), not private")
-        for name in ("client_publish", "anonymous"):
+        for name in ("client_publish", "anonymous", "proxy_subscribe", "proxy_publish"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
 
@@ -113,6 +117,8 @@ class TopicConfig:
             "max_bytes": self.max_bytes,
             "client_publish": self.client_publish,
             "anonymous": self.anonymous,
+            "proxy_subscribe": self.proxy_subscribe,
+            "proxy_publish": self.proxy_publish,
         }
 
 

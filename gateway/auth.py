@@ -9,7 +9,7 @@ used as an HMAC secret (the classic algorithm-confusion attack).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,11 @@ class Principal:
     expires_at: float
     subscribe: tuple[str, ...] = ()
     publish: tuple[str, ...] = ()
+    #: the token's `info` claim (an object), or the connect hook's `info`: kept on the connection's identity
+    info: dict[str, Any] | None = field(default=None, compare=False)
+    #: granted by the backend's connect hook (gateway/proxy.py), not by a token: its expiry is extended by
+    #: the refresh hook when one is configured
+    proxied: bool = False
 
 
 class CheckLimiter:
@@ -150,4 +155,7 @@ def _principal(claims: dict[str, Any]) -> Principal:
     if reserved is not None:
         raise BadToken(reserved)
     exp = claims["exp"]
-    return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"))
+    info = claims.get("info")
+    if info is not None and not isinstance(info, dict):
+        raise BadToken("claim 'info' must be an object")
+    return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"), info)

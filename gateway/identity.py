@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from core import TopicConfig, TopicKind
 
@@ -50,6 +51,11 @@ class ClientIdentity:
     costly_bucket: TokenBucket | None = None
     #: monotonic time of the last command, for the idle timeout
     last_command: float = field(default_factory=time.monotonic)
+    #: what the application says about the client: a token's `info` claim, or the connect hook's `info`
+    #: (gateway/proxy.py); None when neither gave one
+    info: dict[str, Any] | None = None
+    #: server-side subscriptions granted by the connect hook, made when the connection registers
+    proxy_topics: tuple[str, ...] = ()
 
     @property
     def user(self) -> str | None:

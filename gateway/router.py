@@ -64,6 +64,9 @@ class TopicRouter:
         self.engine.unsubscribe(client_id, topic, request_id=request_id)
         self.broker.left(topic, owner, unsubscribed=True)
         self.scheduler.wake()
+        proxy = self.clients.proxy
+        if proxy is not None:  # the unsubscribe hook's event (gateway/proxy.py)
+            proxy.unsubscribed(self.clients.conns[client_id].identity, topic)
 
     # -- publishing ----------------------------------------------------------------------------------------
 

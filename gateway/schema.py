@@ -141,6 +141,8 @@ class CreateTopic(_Wire, frozen=True):
     max_bytes: MaxBytes | UnsetType = UNSET
     client_publish: bool | UnsetType = UNSET
     anonymous: bool | UnsetType = UNSET
+    proxy_subscribe: bool | UnsetType = UNSET
+    proxy_publish: bool | UnsetType = UNSET
 
     def settings(self) -> dict[str, Any]:
         """The topic settings given, by name."""
