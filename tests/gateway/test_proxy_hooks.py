@@ -242,12 +242,12 @@ def test_disconnect_and_unsubscribe_events_arrive_once_each_with_the_reason(app)
             send(ws, op="unsubscribe", topic="t.a", id=2)
             collect(ws, lambda got: len(got) >= 2)
             first = gw.call(lambda: next(iter(gw.hub.clients.conns)))
-        kicked_ws = ws_connect(gw)
-        send(kicked_ws, op="subscribe", topic="t.b", id=1)
-        recv_entries(kicked_ws)
-        kicked = gw.call(lambda: next(iter(gw.hub.clients.conns)))
-        assert httpx.delete(f"{gw.http_url}/api/clients/{kicked}", headers=auth(gw)).status_code == 200
-        kicked_ws.close()
+        with ws_connect(gw) as kicked_ws:
+            send(kicked_ws, op="subscribe", topic="t.b", id=1)
+            recv_entries(kicked_ws)
+            kicked = gw.call(lambda: next(iter(gw.hub.clients.conns)))
+            assert httpx.delete(f"{gw.http_url}/api/clients/{kicked}", headers=auth(gw)).status_code == 200
+            assert closed_with(kicked_ws)[0] == 4000
         session = httpx.post(gw.http_url + "/lp").json()
         httpx.delete(f"{gw.http_url}/lp/{session['session']}")
         wait_for(lambda: len(app.received["disconnect"]) >= 3, "three disconnect events")
