@@ -197,7 +197,7 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
         hub.clients.send_direct(client_id, encode_reply(command.id, {"user": principal.user,
                                                              "expires_at": principal.expires_at}))
     elif isinstance(command, schema.Rpc):
-        if command.method not in BUILTIN_METHODS and hub.proxy is not None and hub.proxy.rpc_url:
+        if hub.proxy is not None and hub.proxy.rpc_url and command.method not in BUILTIN_METHODS:
             def reply(answer: RpcAnswer) -> None:
                 hub.clients.send_direct(client_id, encode_reply(command.id, answer.result))
             _ask_backend(hub, identity, "rpc", {"method": command.method, "params": command.params}, RpcAnswer,

@@ -429,6 +429,11 @@ def load_config(
     proxy = config.proxy
     if proxy.timeout_s <= 0 or proxy.max_concurrent < 1 or proxy.event_queue_max < 1 or proxy.event_retries < 0:
         raise ConfigError("proxy: timeout_s must be > 0, max_concurrent and event_queue_max >= 1, event_retries >= 0")
+    for name in ("connect_url", "subscribe_url", "publish_url", "rpc_url", "refresh_url", "disconnect_url",
+                 "unsubscribe_url"):
+        url = getattr(proxy, name)
+        if url and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"proxy.{name} must be an http:// or https:// URL (or empty: hook off), not {url!r}")
     if proxy.refresh_before_s < 0 or proxy.event_backoff_s < 0 or proxy.retry_after_s < 0:
         raise ConfigError("proxy: refresh_before_s, event_backoff_s and retry_after_s must be >= 0")
     if config.admin.max_publish_messages < 1:
