@@ -130,6 +130,13 @@ def test_a_grant_makes_the_connection_the_backends_user_with_its_topics_info_and
         (call,) = app.received["connect"]
         assert call["headers"] == {"Cookie": "sid=42"}  # only forward_headers, only those sent
         assert call["transport"] == "ws" and call["address"] == "127.0.0.1" and call["user"] is None
+        # long-poll: the same grant, the server-side topic in the first poll
+        session = httpx.post(gw.http_url + "/lp", headers={"Cookie": "sid=7"}, timeout=5)
+        assert session.status_code == 201
+        polled = httpx.get(f"{gw.http_url}/lp/{session.json()['session']}", timeout=5).json()
+        assert [(e["type"], e["topic"]) for e in polled["entries"]] == [("subscribed", "news.a")]
+        assert app.received["connect"][1]["headers"] == {"Cookie": "sid=7"}
+        app.received["connect"].pop()
         # a client with a token does not go through the hook (no connect_always); a token's `info` is kept
         token = make_token("bob", info={"plan": "pro"})
         with ws_connect(gw, query=f"?token={token}") as ws:
@@ -138,8 +145,8 @@ def test_a_grant_makes_the_connection_the_backends_user_with_its_topics_info_and
             assert info_of(gw, "bob") == {"plan": "pro"}
         assert len(app.received["connect"]) == 1
         metrics = httpx.get(gw.http_url + "/metrics").text
-        assert 'fanout_proxy_requests_total{hook="connect",outcome="ok"} 1.0' in metrics
-        assert 'fanout_proxy_duration_seconds_count{hook="connect"} 1.0' in metrics
+        assert 'fanout_proxy_requests_total{hook="connect",outcome="ok"} 2.0' in metrics
+        assert 'fanout_proxy_duration_seconds_count{hook="connect"} 2.0' in metrics
 
 
 def test_a_refusal_is_4003_on_websocket_and_403_on_long_poll_and_sse(app):
