@@ -80,6 +80,10 @@ class TopicConfig:
     presence: bool = False
     #: whether subscribers get `join` / `leave` entries as others subscribe and leave (needs `presence`).
     join_leave: bool = False
+    #: whether a client's subscribe / publish is also asked of the backend ([proxy] subscribe_url /
+    #: publish_url, docs/integration.md), after the gateway's own checks.
+    proxy_subscribe: bool = False
+    proxy_publish: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TopicKind(self.kind))
@@ -102,7 +106,7 @@ class TopicConfig:
             raise ValueError(f"linger must be a number of seconds in [0, {MAX_LINGER:g}], not {linger!r}")
         if linger and self.kind is TopicKind.PRIVATE:
             raise ValueError("linger is for shared topics (ring, snapshot), not private")
-        for name in ("client_publish", "anonymous", "presence", "join_leave"):
+        for name in ("client_publish", "anonymous", "presence", "join_leave", "proxy_subscribe", "proxy_publish"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
         if self.presence and self.kind is TopicKind.PRIVATE:
@@ -124,6 +128,8 @@ class TopicConfig:
             "anonymous": self.anonymous,
             "presence": self.presence,
             "join_leave": self.join_leave,
+            "proxy_subscribe": self.proxy_subscribe,
+            "proxy_publish": self.proxy_publish,
         }
 
 

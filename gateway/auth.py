@@ -50,8 +50,12 @@ class Principal:
     expires_at: float
     subscribe: tuple[str, ...] = ()
     publish: tuple[str, ...] = ()
-    #: the token's `info` claim (a JSON object), shown as the connection's presence `info`; None when absent
+    #: the token's `info` claim (a JSON object) or the connect hook's `info`: the connection's presence `info`;
+    #: None when absent
     info: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    #: granted by the backend's connect hook (gateway/proxy.py), not by a token: its expiry is extended by
+    #: the refresh hook when one is configured
+    proxied: bool = False
 
 
 class CheckLimiter:

@@ -9,7 +9,9 @@ clients. `kick` is the one way a connection is closed by the gateway.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import secrets
 import time
 from collections import Counter
@@ -23,7 +25,8 @@ from . import close_codes
 from .auth import Principal, TokenVerifier
 from .broker import Broker
 from .config import GatewayConfig
-from .errors import BadToken, TokenExpired
+from .errors import BackendUnavailable, BadToken, TokenExpired
+from .proxy import Proxy, Refused
 from .scheduler import Connection, Scheduler
 
 log = logging.getLogger("gateway")
@@ -49,6 +52,8 @@ class ClientRegistry:
         self._token_timers: dict[Hashable, asyncio.TimerHandle] = {}
         self._idle_timers: dict[Hashable, asyncio.TimerHandle] = {}
         self._watchdog: asyncio.TimerHandle | None = None
+        #: the backend hooks (gateway/proxy.py), set by the hub; None without any
+        self.proxy: Proxy | None = None
         scheduler.kick = self.kick
 
     def start(self) -> None:
@@ -81,6 +86,14 @@ class ClientRegistry:
             self._arm_token_expiry(cid, identity.principal)
         if self.config.limits.idle_timeout_s > 0:
             self._arm_idle(cid, self.config.limits.idle_timeout_s)
+        if identity.proxy_topics:  # the connect hook's server-side subscriptions: no command, no permission check
+            for name in identity.proxy_topics:
+                if cid not in self.conns:
+                    break  # cut by an earlier one (direct queue)
+                try:
+                    self.broker.subscribe(cid, name, since=None, request_id=None, creator=identity)
+                except RequestError as exc:
+                    self.send_error(cid, exc)
 
     def unregister(self, client_id: Hashable, reason: str) -> None:
         conn = self.conns.pop(client_id, None)
@@ -106,6 +119,8 @@ class ClientRegistry:
             self.broker.left(name, owner, unsubscribed=False)
         self.by_transport[identity.transport] -= 1
         self.disconnects[(identity.transport, reason)] += 1
+        if self.proxy is not None:
+            self.proxy.disconnected(identity, reason)
         self.on_departure()
         self.scheduler.space()
 
@@ -147,8 +162,18 @@ class ClientRegistry:
         old = self._token_timers.pop(client_id, None)
         if old is not None:
             old.cancel()
-        delay = max(0.0, principal.expires_at + self.config.auth.leeway_s - time.time())
+        if principal.expires_at == math.inf:  # granted by the connect hook without an expiry
+            return
         loop = asyncio.get_running_loop()
+        proxy = self.proxy
+        if principal.proxied and proxy is not None and proxy.refresh_url:
+            now = time.time()
+            delay = principal.expires_at - proxy.config.refresh_before_s - now
+            if delay <= 0:  # within refresh_before_s already: half way to the expiry
+                delay = max(0.0, (principal.expires_at - now) / 2)
+            self._token_timers[client_id] = loop.call_later(delay, self._refresh, client_id, principal, 0)
+            return
+        delay = max(0.0, principal.expires_at + self.config.auth.leeway_s - time.time())
         self._token_timers[client_id] = loop.call_later(delay, self._token_expired, client_id, principal)
 
     def _token_expired(self, client_id: str, principal: Principal) -> None:
@@ -162,6 +187,49 @@ class ClientRegistry:
         if conn is not None and conn.identity.principal is principal:  # not refreshed meanwhile
             self._token_timers.pop(client_id, None)
             self.kick(client_id, close_codes.TOKEN_EXPIRED, "token expired", "token_expired")
+
+    def _refresh(self, client_id: str, principal: Principal, attempt: int) -> None:
+        assert self.proxy is not None
+        self.proxy.spawn(self._refreshing(self.proxy, client_id, principal, attempt))
+
+    async def _refreshing(self, proxy: Proxy, client_id: str, principal: Principal, attempt: int) -> None:
+        """Ask the refresh hook to extend a proxy-granted expiry: a new `expires_at` re-arms the timer; a
+        refusal closes the connection with 4011; no answer is tried once more, half way to the expiry, and
+        past the expiry the connection is closed with 4011 (docs/integration.md)."""
+        conn = self.conns.get(client_id)
+        if conn is None or conn.identity.principal is not principal:
+            return
+        try:
+            expires_at = await proxy.refresh(conn.identity)
+        except Refused as exc:
+            if self._still(client_id, principal):
+                self.kick(client_id, close_codes.TOKEN_EXPIRED, f"refresh refused: {exc.message}"[:120], "token_expired")
+            return
+        except BackendUnavailable:
+            if not self._still(client_id, principal):
+                return
+            left = principal.expires_at - time.time()
+            loop = asyncio.get_running_loop()
+            if left <= 0:
+                self.kick(client_id, close_codes.TOKEN_EXPIRED, "expired: the backend did not refresh it", "token_expired")
+            elif attempt == 0:
+                self._token_timers[client_id] = loop.call_later(left / 2, self._refresh, client_id, principal, 1)
+            else:
+                self._token_timers[client_id] = loop.call_later(left, self._refresh, client_id, principal, 1)
+            return
+        if not self._still(client_id, principal):
+            return
+        if expires_at <= time.time():
+            self.kick(client_id, close_codes.TOKEN_EXPIRED, "expired: the backend did not extend it", "token_expired")
+            return
+        renewed = dataclasses.replace(principal, expires_at=expires_at)
+        self.conns[client_id].identity.principal = renewed
+        self._arm_token_expiry(client_id, renewed)
+
+    def _still(self, client_id: str, principal: Principal) -> bool:
+        """Whether the client is connected with that principal still (no `auth` replaced it meanwhile)."""
+        conn = self.conns.get(client_id)
+        return conn is not None and conn.identity.principal is principal
 
     # -- timers --------------------------------------------------------------------------------------------
 

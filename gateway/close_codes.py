@@ -7,9 +7,11 @@ SLOW_CONSUMER = 4008  # write-blocked longer than websocket.blocked_timeout_s
 DIRECT_OVERFLOW = 4009  # the direct queue (replies, acks) hit scheduler.direct_queue_max
 TOO_MANY_TOKEN_CHECKS = 4029  # ?token= not checked: this address is past auth.rate_per_ip
 TOKEN_EXPIRED = 4011  # the token expired and no fresh one came within auth.expired_grace_s
+CONNECT_REFUSED = 4003  # the backend's connect hook refused the connection ([proxy] connect_url); the reason is its message
 IDLE = 4012  # no subscription and no command for limits.idle_timeout_s
 GOING_AWAY = 1001  # server shutting down
 INTERNAL_ERROR = 1011
+TRY_AGAIN_LATER = 1013  # the backend's connect hook did not answer (down, timed out): "backend unavailable"
 # Sent by the WebSocket protocol layer (websockets, through gateway.transports.ws.FanoutWSProtocol) on a peer's error:
 PROTOCOL_ERROR = 1002  # a malformed frame (e.g. an unmasked client frame)
 POLICY_VIOLATION = 1008  # a message in more than websocket.max_fragments frames

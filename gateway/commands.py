@@ -9,9 +9,12 @@ asked of its `ClientIdentity` (gateway/identity.py), the one place permissions l
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import orjson
 
 from core import TopicConfig
@@ -20,17 +23,25 @@ from core.entries import encode_reply
 from core.errors import DirectQueueFull, RequestError, UnknownTopic
 
 from . import close_codes, schema
-from .errors import BadCommand, BadJson, Forbidden, InternalError, RateLimited, UnknownMethod
+from .errors import BadCommand, BadJson, Forbidden, InternalError, RateLimited, RpcError, UnknownMethod
 from .identity import ClientIdentity
 from .presence import PresenceView
+from .proxy import Allowed as ProxyAllowed
+from .proxy import PublishAnswer, Refused, RpcAnswer
 from .ratelog import TokenBucket
 
 if TYPE_CHECKING:
     from .hub import Hub
 
+log = logging.getLogger("gateway.commands")
+
 #: `rpc topics` lists at most this many topics (the first created the caller may subscribe to): its reply,
 #: and the work of one call, stay bounded however many topics there are (the admin API lists them all)
 RPC_TOPICS_MAX = 1000
+#: the rpc methods the gateway answers itself; others go to the backend's rpc hook when one is set
+BUILTIN_METHODS = frozenset(("echo", "time", "whoami", "topics"))
+
+T = TypeVar("T")
 
 
 def parse_commands(payload: bytes | str) -> list[Any]:
@@ -59,17 +70,28 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
         if not 0 <= command.since.seq < MAX_SEQ:
             raise BadCommand("`since.seq` must be in [0, 2**53)")
         since = (command.since.epoch, command.since.seq)
-    if not identity.may_subscribe(name, _topic_config(hub, name)):
+    config = _topic_config(hub, name)
+    if not identity.may_subscribe(name, config):
         raise Forbidden(f"not allowed to subscribe to {name!r}")
+    if config.proxy_subscribe and hub.proxy is not None and hub.proxy.subscribe_url:
+        _ask_backend(hub, identity, "subscribe", {"topic": name}, ProxyAllowed, command.id,
+                     lambda _: _subscribe_now(hub, identity, name, since, command.id))
+        return
+    _subscribe_now(hub, identity, name, since, command.id)
+
+
+def _subscribe_now(hub: "Hub", identity: ClientIdentity, name: str, since: tuple[str, int] | None,
+                   request_id: Any) -> None:
     creating = hub.router.creating(identity, name)  # raises when this client may create no more
-    hub.router.subscribe(identity.client_id, name, since=since, request_id=command.id)
+    hub.router.subscribe(identity.client_id, name, since=since, request_id=request_id)
     if creating:
         hub.creations.charge(identity)
 
 
 def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> None:
     name = command.topic
-    if not identity.may_publish(name, _topic_config(hub, name)):
+    config = _topic_config(hub, name)
+    if not identity.may_publish(name, config):
         raise Forbidden(f"not allowed to publish to {name!r}")
     bucket = identity.publish_bucket
     if bucket is None:
@@ -77,10 +99,52 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
         bucket = identity.publish_bucket = TokenBucket(limits.publish_rate, limits.publish_burst)
     if not bucket.take():
         raise RateLimited(f"publish rate above {hub.config.limits.publish_rate:g}/s")
+    if config.proxy_publish and hub.proxy is not None and hub.proxy.publish_url:
+        def publish(answer: PublishAnswer) -> None:
+            data = command.data if answer.data is msgspec.UNSET else answer.data
+            _publish_now(hub, identity, name, data, command.id)
+        _ask_backend(hub, identity, "publish", {"topic": name, "data": command.data}, PublishAnswer, command.id,
+                     publish)
+        return
+    _publish_now(hub, identity, name, command.data, command.id)
+
+
+def _publish_now(hub: "Hub", identity: ClientIdentity, name: str, data: Any, request_id: Any) -> None:
     creating = hub.router.creating(identity, name)  # raises when this client may create no more
-    hub.router.publish_reply(identity.client_id, name, command.data, command.id)  # the reply, now or from the broker
+    hub.router.publish_reply(identity.client_id, name, data, request_id)  # the reply, now or from the broker
     if creating:
         hub.creations.charge(identity)
+
+
+def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[str, Any], answer: type[T],
+                 request_id: Any, then: Callable[[T], None]) -> None:
+    """A command that waits for a backend hook (gateway/proxy.py): `then(answer)` runs once the backend
+    allowed it, if the client is still connected. A refusal is the command's `forbidden` error entry (rpc:
+    `rpc_error`), no answer `backend_unavailable`. Answers of later commands may come first (match the ids)."""
+    proxy = hub.proxy
+    assert proxy is not None
+    client_id = identity.client_id
+
+    async def ask() -> None:
+        try:
+            try:
+                got = await proxy.call(hook, proxy.body(identity, **extra), answer)
+            except Refused as exc:
+                if hook == "rpc":
+                    code = "" if exc.code is None else f"{exc.code}: "
+                    raise RpcError(f"{code}{exc.message}") from None
+                raise Forbidden(exc.message or f"{hook} refused by the backend") from None
+            if client_id in hub.clients.conns:
+                then(got)
+        except RequestError as exc:
+            if client_id in hub.clients.conns:
+                _refused(hub, client_id, exc, request_id)
+        except Exception:
+            log.exception("%s of %s through the backend failed", hook, client_id)
+            if client_id in hub.clients.conns:
+                hub.clients.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+
+    proxy.spawn(ask())
 
 
 def _costly(hub: "Hub", identity: ClientIdentity, what: str) -> None:
@@ -174,6 +238,12 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
     elif isinstance(command, (schema.Presence, schema.PresenceStats)):
         _presence(hub, identity, command)
     elif isinstance(command, schema.Rpc):
+        if hub.proxy is not None and hub.proxy.rpc_url and command.method not in BUILTIN_METHODS:
+            def reply(answer: RpcAnswer) -> None:
+                hub.clients.send_direct(client_id, encode_reply(command.id, answer.result))
+            _ask_backend(hub, identity, "rpc", {"method": command.method, "params": command.params}, RpcAnswer,
+                         command.id, reply)
+            return
         hub.clients.send_direct(client_id, encode_reply(command.id, _rpc(hub, identity, command.method, command.params)))
     else:  # schema.Ping: the union is closed
         hub.clients.send_direct(client_id, encode_reply(command.id, "pong"))
@@ -187,10 +257,14 @@ def run_command(hub: "Hub", client_id: str, value: Any) -> None:
     try:
         _run(hub, identity, schema.command(value))
     except RequestError as exc:
-        if isinstance(exc, DirectQueueFull):  # the client does not read its replies
-            hub.clients.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", exc.code)
-        else:
-            hub.clients.send_error(client_id, exc, request_id)
+        _refused(hub, client_id, exc, request_id)
+
+
+def _refused(hub: "Hub", client_id: str, exc: RequestError, request_id: Any) -> None:
+    if isinstance(exc, DirectQueueFull):  # the client does not read its replies
+        hub.clients.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", exc.code)
+    else:
+        hub.clients.send_error(client_id, exc, request_id)
 
 
 def handle_payload(hub: "Hub", client_id: str, payload: bytes | str) -> int:

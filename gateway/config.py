@@ -184,6 +184,25 @@ class BrokerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_pending_bytes: int
 
 
+class ProxyConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    connect_url: str
+    connect_always: bool
+    forward_headers: list[str]
+    subscribe_url: str
+    publish_url: str
+    rpc_url: str
+    refresh_url: str
+    refresh_before_s: float
+    disconnect_url: str
+    unsubscribe_url: str
+    timeout_s: float
+    max_concurrent: int
+    event_queue_max: int
+    event_retries: int
+    event_backoff_s: float
+    retry_after_s: int
+
+
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
 #: whose tables are checked by `topic_config`.
 SECTIONS: dict[str, type[_Section]] = {
@@ -199,6 +218,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "admin": AdminConfig,
     "deliverylog": DeliveryLogConfig,
     "broker": BrokerConfig,
+    "proxy": ProxyConfig,
 }
 TOPICS = "topics"
 
@@ -229,6 +249,7 @@ class GatewayConfig:
     admin: AdminConfig = field(init=False, repr=False)
     deliverylog: DeliveryLogConfig = field(init=False, repr=False)
     broker: BrokerConfig = field(init=False, repr=False)
+    proxy: ProxyConfig = field(init=False, repr=False)
     #: the topic rules as in the TOML: {"rules": [{"pattern": ..., ...}, ...]}
     topics: dict[str, list[dict[str, Any]]] = field(init=False, repr=False)
 
@@ -408,6 +429,16 @@ def load_config(
             raise ConfigError(f"{key} must be >= 0, not {value}")
     if config.limits.presence_max_members < 0:
         raise ConfigError(f"limits.presence_max_members must be >= 0, not {config.limits.presence_max_members}")
+    proxy = config.proxy
+    if proxy.timeout_s <= 0 or proxy.max_concurrent < 1 or proxy.event_queue_max < 1 or proxy.event_retries < 0:
+        raise ConfigError("proxy: timeout_s must be > 0, max_concurrent and event_queue_max >= 1, event_retries >= 0")
+    for name in ("connect_url", "subscribe_url", "publish_url", "rpc_url", "refresh_url", "disconnect_url",
+                 "unsubscribe_url"):
+        url = getattr(proxy, name)
+        if url and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"proxy.{name} must be an http:// or https:// URL (or empty: hook off), not {url!r}")
+    if proxy.refresh_before_s < 0 or proxy.event_backoff_s < 0 or proxy.retry_after_s < 0:
+        raise ConfigError("proxy: refresh_before_s, event_backoff_s and retry_after_s must be >= 0")
     if config.admin.max_publish_messages < 1:
         raise ConfigError(f"admin.max_publish_messages must be >= 1, not {config.admin.max_publish_messages}")
     if config.server.workers > 1 and not config.broker.url:

@@ -181,3 +181,27 @@ class BrokerUnavailable(RequestError):
 
     code = "broker_unavailable"
     http_status = 503
+
+
+class ConnectRefused(Forbidden):
+    """The backend's connect hook refused the connection ([proxy] connect_url, gateway/proxy.py): close 4003
+    with its message on WebSocket, HTTP 403 `forbidden` on long-poll and SSE."""
+
+    close_code = close_codes.CONNECT_REFUSED
+
+
+class BackendUnavailable(RequestError):
+    """A backend hook ([proxy], gateway/proxy.py) did not answer in time, could not be reached or answered
+    something that is not a hook answer: a new connection is refused (close 1013, HTTP 503 with Retry-After),
+    a command gets this error entry."""
+
+    code = "backend_unavailable"
+    http_status = 503
+    close_code = close_codes.TRY_AGAIN_LATER
+
+
+class RpcError(RequestError):
+    """The backend's rpc hook ([proxy] rpc_url) answered an `error`: its code and message, as this entry's
+    message."""
+
+    code = "rpc_error"

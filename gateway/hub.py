@@ -26,6 +26,7 @@ from .deliverylog import DeliveryLog
 from .gcpolicy import GcPolicy
 from .metrics import Metrics, engine_families, stats_families
 from .netguard import ConnectionLimiter
+from .proxy import Proxy
 from .ratelog import BadInputLog
 from .router import TopicRouter
 from .scheduler import Connection, Scheduler
@@ -50,6 +51,9 @@ class Hub:
         self.scheduler.presence.store = self.broker.presence
         self.clients = ClientRegistry(config, self.scheduler, self.broker, conns)
         self.clients.on_arrival, self.clients.on_departure = self.gc.arrived, self.gc.departed
+        #: the backend hooks ([proxy], gateway/proxy.py); None when no hook URL is set
+        self.proxy = Proxy.from_config(config.proxy, config.scheduler.max_subscriptions)
+        self.clients.proxy = self.proxy
         self.router = TopicRouter(self.scheduler, self.clients, self.broker, self.creations)
         #: long-poll sessions and SSE streams by their secret, and what outlives them (transports/sessions.py)
         self.sessions = SessionStore(config)
@@ -64,6 +68,8 @@ class Hub:
         for collect in (lambda: engine_families(self.engine), self.scheduler.collect, self.clients.collect,
                         self.creations.collect, self.broker.collect, self.gc.collect, self.bad_input.collect):
             self.metrics.add(collect)
+        if self.proxy is not None:
+            self.metrics.add(self.proxy.collect)
 
     def _scheduler_ended(self) -> bool:
         task = self.scheduler.task
@@ -95,6 +101,8 @@ class Hub:
         self.clients.stop()
         await self.scheduler.stop()
         self.close_all_clients()
+        if self.proxy is not None:
+            await self.proxy.aclose()  # after the clients' disconnect events were queued
         await self.broker.stop()
 
     def close_all_clients(self) -> None:

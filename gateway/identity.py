@@ -51,9 +51,11 @@ class ClientIdentity:
     costly_bucket: TokenBucket | None = None
     #: monotonic time of the last command, for the idle timeout
     last_command: float = field(default_factory=time.monotonic)
-    #: what presence shows of the connection (`presence` members' `info`): a JWT's `info` claim, or a
-    #: backend's answer; None: nothing
+    #: what the application says about the client (presence members' `info`): a token's `info` claim, or the
+    #: connect hook's `info` (gateway/proxy.py); None when neither gave one
     info: dict[str, Any] | None = None
+    #: server-side subscriptions granted by the connect hook, made when the connection registers
+    proxy_topics: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.info is None and self.principal is not None:

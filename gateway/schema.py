@@ -153,6 +153,8 @@ class CreateTopic(_Wire, frozen=True):
     anonymous: bool | UnsetType = UNSET
     presence: bool | UnsetType = UNSET
     join_leave: bool | UnsetType = UNSET
+    proxy_subscribe: bool | UnsetType = UNSET
+    proxy_publish: bool | UnsetType = UNSET
 
     def settings(self) -> dict[str, Any]:
         """The topic settings given, by name."""

@@ -10,6 +10,11 @@ address's token-check rate, and the `ClientIdentity` the transport registers. A 
 | `ClientIdRefused` (`?id=`) | close 4006 | `close` event 4006 | - (not read) |
 | `BadToken`, `TokenExpired` | close 4001, 4011 | `close` event 4001, 4011 | 401, `WWW-Authenticate: Bearer` |
 | `TooManyTokenChecks` (`auth.rate_per_ip`) | close 4029 | `close` event 4029 | 429, `Retry-After: 5` |
+| `ConnectRefused` (the connect hook said no) | close 4003 | 403 | 403 |
+| `BackendUnavailable` (the connect hook did not answer) | close 1013 | 503, `Retry-After` | 503, `Retry-After` |
+
+The last two come after `open_client`, from the backend's connect hook (`[proxy] connect_url`,
+gateway/proxy.py), which the transport awaits when `backend_for` names it (docs/integration.md).
 
 The TCP ingest and the raw TCP broadcaster do not open clients: their peers are publishers and byte
 receivers checked against one shared secret (`ingest.token`, `rawtcp.token`, a line compared in constant
@@ -32,6 +37,7 @@ from .. import close_codes
 from ..errors import BadToken, NotFound, TokenExpired, TooManySessions, TooManySessionsFromAddress, TooManyTokenChecks
 from ..http_errors import error_response
 from ..identity import ClientIdentity
+from ..proxy import Proxy
 
 if TYPE_CHECKING:
     from ..hub import Hub
@@ -125,7 +131,17 @@ def open_client(
     except (BadToken, TokenExpired) as exc:
         hub.bad_input(transport, "token refused: %s", exc)
         raise
-    return ClientIdentity(hub.clients.new_client_id(door.id_prefix), transport, f"{host}:{port}", host, principal)
+    identity = ClientIdentity(hub.clients.new_client_id(door.id_prefix), transport, f"{host}:{port}", host, principal)
+    if principal is not None and principal.info is not None:
+        identity.info = principal.info
+    return identity
+
+
+def backend_for(hub: Hub, identity: ClientIdentity) -> Proxy | None:
+    """The proxy whose connect hook this new client must pass (`Proxy.connect`, to await before it is
+    registered), or None: no connect hook, or a client with a token without `connect_always`."""
+    proxy = hub.proxy
+    return proxy if proxy is not None and proxy.wants_connect(identity) else None
 
 
 def close_reason(exc: RequestError) -> str:

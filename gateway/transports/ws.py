@@ -41,8 +41,9 @@ from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
 from ..origin import OriginPolicy
+from ..proxy import Proxy
 from ..ratelog import BadInputLog
-from .handshake import close_reason, open_client
+from .handshake import backend_for, close_reason, open_client
 from .staging import StagedWriter, tune_stream
 from .wsframes import text_frame_header
 
@@ -430,6 +431,24 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         if response.status_code != 101:  # not a valid upgrade: websockets says why
             self._answer_and_close(response)
             return
+        try:
+            identity = open_ws_client(hub, query, self.client)
+        except RequestError as exc:
+            self._upgrade(response)
+            assert exc.close_code is not None  # every refusal of the handshake ends a WebSocket with a code
+            self.close_with(exc.close_code, close_reason(exc))
+            return
+        proxy = backend_for(hub, identity)
+        if proxy is not None:
+            # the 101 waits for the backend's connect hook; the peer is not read meanwhile
+            self.transport.pause_reading()
+            proxy.spawn(self._connect_via_backend(hub, proxy, identity, event, response))
+            return
+        self._upgrade(response)
+        hub.clients.register(WSConnection(hub, identity, None, self), ready=True)
+
+    def _upgrade(self, response: Response) -> None:
+        """Write the 101 answer: the connection is a WebSocket from here on."""
         conn = self.conn
         conn.send_response(response)
         self.transport.write(b"".join(conn.data_to_send()))
@@ -441,7 +460,25 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             next(conn.parser)
         self.handshake_complete = True
         self.start_keepalive()
-        _open_served(hub, self, query)
+
+    async def _connect_via_backend(self, hub: Hub, proxy: Proxy, identity: ClientIdentity, event: Request,
+                                   response: Response) -> None:
+        """The connect hook (gateway/proxy.py), then the 101 and the registration; a refusal is the 101 and
+        at once a close with 4003 (the backend's message as the reason), no answer 1013 "backend unavailable"."""
+        refusal: RequestError | None = None
+        try:
+            await proxy.connect(identity, event.headers.get_all)
+        except RequestError as exc:
+            refusal = exc
+        if self.transport.is_closing() or self.lingering:
+            return  # the peer left while the backend was asked
+        self._upgrade(response)
+        self.transport.resume_reading()
+        if refusal is not None:
+            assert refusal.close_code is not None
+            self.close_with(refusal.close_code, close_reason(refusal))
+            return
+        hub.clients.register(WSConnection(hub, identity, None, self), ready=True)
 
     def _answer_and_close(self, response: Response) -> None:
         self.handshake_complete = self.close_sent = True
@@ -658,17 +695,6 @@ def run_frame(hub: Hub, client_id: str, data: bytes | str) -> None:
         hub.clients.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
 
 
-def _open_served(hub: Hub, proto: FanoutWSProtocol, query: str) -> None:
-    """After the handshake of a connection the protocol serves: open its client and register it."""
-    try:
-        identity = open_ws_client(hub, query, proto.client)
-    except RequestError as exc:
-        assert exc.close_code is not None  # every refusal of the handshake ends a WebSocket with a code
-        proto.close_with(exc.close_code, close_reason(exc))
-        return
-    hub.clients.register(WSConnection(hub, identity, None, proto), ready=True)
-
-
 async def websocket_endpoint(websocket: WebSocket) -> None:
     """`/ws` through ASGI, with `websocket.direct_write = false` only (the protocol serves it otherwise,
     `FanoutWSProtocol.handle_connect`): the same handshake, commands and connection object, but commands come
@@ -682,6 +708,14 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
         assert exc.close_code is not None
         await websocket.close(exc.close_code, close_reason(exc))
         return
+    proxy = backend_for(hub, identity)
+    if proxy is not None:
+        try:
+            await proxy.connect(identity, websocket.headers.getlist)
+        except RequestError as exc:  # 4003 refused, 1013 backend unavailable
+            assert exc.close_code is not None
+            await websocket.close(exc.close_code, close_reason(exc))
+            return
     client_id = identity.client_id
     conn = WSConnection(hub, identity, websocket, None)
     hub.clients.register(conn, ready=True)

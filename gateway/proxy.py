@@ -1,0 +1,334 @@
+"""Backend hooks over HTTP (`[proxy]`, docs/integration.md "Backend hooks"): the gateway POSTs JSON to the
+application and obeys its answer.
+
+One `Proxy` per process (the hub's `proxy`, None when no hook URL is set, so every call site costs one
+attribute check without hooks). It holds one pooled `httpx.AsyncClient`, made on the first call and closed
+at shutdown, a bound of calls in flight per hook (`max_concurrent`), the counts and latencies /metrics shows,
+and the queue of fire-and-forget events (disconnect, unsubscribe) with the tasks that send them.
+
+What a hook answers is one of: a grant / an allowance (a JSON object), a refusal (`{"error": {"code",
+"message"}}`: `Refused`), or nothing usable (timeout, connection refused, a status other than 200, a body
+that is not the hook's answer: `BackendUnavailable`). The callers (gateway/transports/*, commands.py,
+clients.py, router.py) turn those into the client's answer; this module knows no connection and no hub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+import orjson
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+
+from .auth import MAX_PATTERNS, MAX_USER_CHARS, Principal
+from .config import ProxyConfig
+from .errors import BackendUnavailable, ConnectRefused
+from .identity import ClientIdentity
+from .metrics import BucketHistogram
+from .owners import check_user_id
+
+log = logging.getLogger("gateway.proxy")
+
+HOOKS = ("connect", "subscribe", "publish", "rpc", "refresh", "disconnect", "unsubscribe")
+#: hooks whose calls are events: queued, sent in the background, retried (they carry an id)
+EVENT_HOOKS = ("disconnect", "unsubscribe")
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: tasks that send events (each sends one event at a time, with its retries)
+EVENT_SENDERS = 4
+#: longest message of a backend's refusal kept (it becomes an error entry's message or a close reason)
+MAX_MESSAGE_CHARS = 200
+
+T = TypeVar("T")
+
+
+class Refused(Exception):
+    """The backend answered `{"error": {"code": C, "message": M}}`."""
+
+    def __init__(self, code: object, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Grant(msgspec.Struct, frozen=True):
+    """The connect hook's answer (unknown keys are ignored, so a backend may answer more)."""
+
+    user: str
+    subscribe: list[str] = []
+    publish: list[str] = []
+    topics: list[str] = []
+    info: dict[str, Any] | None = None
+    expires_at: float | None = None
+
+
+class Allowed(msgspec.Struct, frozen=True):
+    """The subscribe hook's allowance: `{}`."""
+
+
+class PublishAnswer(msgspec.Struct, frozen=True):
+    """The publish hook's answer: `{}` keeps the data, `{"data": NEW}` replaces it."""
+
+    data: Any = msgspec.UNSET
+
+
+class RpcAnswer(msgspec.Struct, frozen=True):
+    result: Any = None
+
+
+class RefreshAnswer(msgspec.Struct, frozen=True):
+    expires_at: float
+
+
+def _refusal(error: object) -> Refused:
+    if isinstance(error, dict):
+        code, message = error.get("code"), error.get("message")
+    else:
+        code, message = None, error
+    text = message if isinstance(message, str) else "" if message is None else str(message)
+    return Refused(code, text[:MAX_MESSAGE_CHARS])
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig, max_subscriptions: int) -> None:
+        self.config = config
+        self.max_subscriptions = max_subscriptions
+        self.urls = {"connect": config.connect_url, "subscribe": config.subscribe_url,
+                     "publish": config.publish_url, "rpc": config.rpc_url, "refresh": config.refresh_url,
+                     "disconnect": config.disconnect_url, "unsubscribe": config.unsubscribe_url}
+        # one flag per hook, read by the call sites
+        self.connect_url = bool(config.connect_url)
+        self.subscribe_url = bool(config.subscribe_url)
+        self.publish_url = bool(config.publish_url)
+        self.rpc_url = bool(config.rpc_url)
+        self.refresh_url = bool(config.refresh_url)
+        self.disconnect_url = bool(config.disconnect_url)
+        self.unsubscribe_url = bool(config.unsubscribe_url)
+        self.forward_headers = tuple(config.forward_headers)
+        #: `Retry-After` of the HTTP 503 answers of POST /lp and GET /sse
+        self.retry_after = {"Retry-After": str(config.retry_after_s)}
+        self._client: httpx.AsyncClient | None = None
+        self._slots = {hook: asyncio.Semaphore(config.max_concurrent) for hook in HOOKS}
+        #: calls by (hook, outcome): ok, refused, timeout, unavailable, error (HTTP status), bad_answer, dropped
+        self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.durations = {hook: BucketHistogram(DURATION_BUCKETS) for hook in HOOKS}
+        self._events: asyncio.Queue[tuple[str, dict[str, Any]]] | None = None
+        self._senders: list[asyncio.Task[None]] = []
+        #: calls in flight for connections and commands (kept so they are not collected, cancelled at close)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @staticmethod
+    def from_config(config: ProxyConfig, max_subscriptions: int) -> Proxy | None:
+        """The process's proxy, or None when no hook URL is set."""
+        urls = (config.connect_url, config.subscribe_url, config.publish_url, config.rpc_url, config.refresh_url,
+                config.disconnect_url, config.unsubscribe_url)
+        return Proxy(config, max_subscriptions) if any(urls) else None
+
+    # -- calls ---------------------------------------------------------------------------------------------
+
+    def client(self) -> httpx.AsyncClient:
+        client = self._client
+        if client is None:
+            limits = httpx.Limits(max_connections=self.config.max_concurrent * len(HOOKS),
+                                  max_keepalive_connections=self.config.max_concurrent)
+            client = self._client = httpx.AsyncClient(timeout=self.config.timeout_s, limits=limits,
+                                                      follow_redirects=False, trust_env=False)
+        return client
+
+    async def call(self, hook: str, body: dict[str, Any], answer: type[T]) -> T:
+        """POST `body` to the hook's URL and return its answer as `answer`. Raises `Refused` (the backend's
+        `error`) or `BackendUnavailable` (no answer within `timeout_s`, waiting for a slot included; not
+        reachable; a status other than 200; a body that is not the hook's answer)."""
+        started = time.perf_counter()
+        outcome = "error"
+        timeout = self.config.timeout_s
+        try:
+            try:
+                async with asyncio.timeout(timeout):
+                    async with self._slots[hook]:
+                        response = await self.client().post(
+                            self.urls[hook], content=orjson.dumps(body),
+                            headers={"content-type": "application/json"})
+            except (TimeoutError, httpx.TimeoutException):
+                outcome = "timeout"
+                raise BackendUnavailable(f"backend unavailable: the {hook} hook did not answer within {timeout:g} s"
+                                         " (proxy.timeout_s)") from None
+            except httpx.HTTPError as exc:
+                outcome = "unavailable"
+                raise BackendUnavailable(f"backend unavailable: the {hook} hook could not be reached"
+                                         f" ({type(exc).__name__})") from None
+            if response.status_code != 200:
+                raise BackendUnavailable(f"backend unavailable: the {hook} hook answered HTTP {response.status_code}")
+            try:
+                doc = orjson.loads(response.content)
+            except orjson.JSONDecodeError:
+                doc = None
+            if not isinstance(doc, dict):
+                outcome = "bad_answer"
+                raise BackendUnavailable(f"backend unavailable: the {hook} hook's answer is not a JSON object")
+            if "error" in doc:
+                outcome = "refused"
+                raise _refusal(doc["error"])
+            try:
+                converted = msgspec.convert(doc, answer)
+            except msgspec.ValidationError as exc:
+                outcome = "bad_answer"
+                raise BackendUnavailable(f"backend unavailable: the {hook} hook's answer is malformed: {exc}") from None
+            outcome = "ok"
+            return converted
+        finally:
+            self.outcomes[(hook, outcome)] += 1
+            self.durations[hook].observe(time.perf_counter() - started)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        """Run a call for a connection or a command in the background (cancelled at close)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def body(identity: ClientIdentity, **more: Any) -> dict[str, Any]:
+        """What every per-client call says of the client: its id, user (null: anonymous) and transport."""
+        return {"client": identity.client_id, "user": identity.user, "transport": identity.transport, **more}
+
+    # -- connect -------------------------------------------------------------------------------------------
+
+    def wants_connect(self, identity: ClientIdentity) -> bool:
+        """Whether this new client goes through the connect hook: one without a token, or every one with
+        `connect_always`."""
+        return self.connect_url and (identity.principal is None or self.config.connect_always)
+
+    async def connect(self, identity: ClientIdentity, header_values: Callable[[str], list[str]]) -> None:
+        """Ask the connect hook about a new client and apply its grant to `identity` (user, patterns, expiry
+        as its `Principal`; `info`; server-side `topics`). Raises ConnectRefused or BackendUnavailable."""
+        headers = {}
+        for name in self.forward_headers:
+            values = header_values(name)
+            if values:
+                headers[name] = ("; " if name.lower() == "cookie" else ", ").join(values)
+        body = self.body(identity, address=identity.ip, headers=headers)
+        try:
+            grant = await self.call("connect", body, Grant)
+        except Refused as exc:
+            raise ConnectRefused(exc.message or "connection refused by the backend") from None
+        problem = self._check(grant)
+        if problem is not None:
+            self.outcomes[("connect", "ok")] -= 1
+            self.outcomes[("connect", "bad_answer")] += 1
+            raise BackendUnavailable(f"backend unavailable: the connect hook's answer is malformed: {problem}")
+        if grant.user:
+            identity.principal = Principal(
+                grant.user, grant.expires_at if grant.expires_at is not None else math.inf,
+                tuple(grant.subscribe), tuple(grant.publish), grant.info, proxied=True)
+        if grant.info is not None:
+            identity.info = grant.info
+        identity.proxy_topics = tuple(grant.topics)
+
+    def _check(self, grant: Grant) -> str | None:
+        if len(grant.user) > MAX_USER_CHARS:
+            return f"user is longer than {MAX_USER_CHARS} characters"
+        if grant.user:
+            reserved = check_user_id(grant.user)
+            if reserved is not None:
+                return reserved
+        if len(grant.subscribe) > MAX_PATTERNS or len(grant.publish) > MAX_PATTERNS:
+            return f"more than {MAX_PATTERNS} patterns"
+        if len(grant.topics) > self.max_subscriptions:
+            return f"more than {self.max_subscriptions} topics (scheduler.max_subscriptions)"
+        if grant.expires_at is not None and not math.isfinite(grant.expires_at):
+            return "expires_at is not a finite number"
+        return None
+
+    # -- refresh -------------------------------------------------------------------------------------------
+
+    async def refresh(self, identity: ClientIdentity) -> float:
+        """The new expiry the refresh hook gives a proxy-granted connection. Raises Refused, BackendUnavailable."""
+        answer = await self.call("refresh", self.body(identity), RefreshAnswer)
+        return answer.expires_at
+
+    # -- events --------------------------------------------------------------------------------------------
+
+    def disconnected(self, identity: ClientIdentity, reason: str) -> None:
+        """A registered client is gone (`reason`: the /metrics disconnect reason)."""
+        if self.disconnect_url:
+            self._event("disconnect", self.body(identity, reason=reason))
+
+    def unsubscribed(self, identity: ClientIdentity, topic: str) -> None:
+        """An explicit `unsubscribe` (not the subscriptions a disconnect ends: `disconnected` covers them)."""
+        if self.unsubscribe_url:
+            self._event("unsubscribe", self.body(identity, topic=topic))
+
+    def _event(self, hook: str, body: dict[str, Any]) -> None:
+        queue = self._events
+        if queue is None:
+            queue = self._events = asyncio.Queue(self.config.event_queue_max)
+            loop = asyncio.get_running_loop()
+            self._senders = [loop.create_task(self._send_events(queue)) for _ in range(EVENT_SENDERS)]
+        body["id"] = secrets.token_hex(16)  # the same on every attempt: the backend drops a duplicate by it
+        body["time"] = time.time()
+        try:
+            queue.put_nowait((hook, body))
+        except asyncio.QueueFull:
+            self.outcomes[(hook, "dropped")] += 1
+
+    async def _send_events(self, queue: asyncio.Queue[tuple[str, dict[str, Any]]]) -> None:
+        retries, backoff = self.config.event_retries, self.config.event_backoff_s
+        while True:
+            hook, body = await queue.get()
+            try:
+                for attempt in range(retries + 1):
+                    try:
+                        await self.call(hook, body, Allowed)
+                        break
+                    except Refused:
+                        break  # the backend answered: nothing to retry
+                    except BackendUnavailable:
+                        if attempt < retries:
+                            await asyncio.sleep(backoff * 2 ** attempt)
+                        else:
+                            log.warning("%s event %s not delivered after %d attempts", hook, body["id"], retries + 1)
+            finally:
+                queue.task_done()
+
+    # -- lifecycle, metrics --------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """At shutdown: the events queued (the clients' disconnects among them) get at most `timeout_s` to
+        go, then every call is cancelled and the pooled client closed."""
+        if self._events is not None and self._events.qsize():
+            try:
+                await asyncio.wait_for(self._events.join(), min(self.config.timeout_s, 5.0))
+            except TimeoutError:
+                pass
+        for task in (*self._senders, *self._tasks):
+            task.cancel()
+        for task in (*self._senders, *self._tasks):
+            try:
+                await task
+            except BaseException:  # cancelled, or a failure already answered
+                pass
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("fanout_proxy_requests", "backend hook calls ([proxy]) by hook and outcome:"
+                                       " ok, refused, timeout, unavailable, error (HTTP status), bad_answer,"
+                                       " dropped (event queue full)", labels=["hook", "outcome"])
+        for (hook, outcome), count in sorted(self.outcomes.items()):
+            requests.add_metric([hook, outcome], count)
+        yield requests
+        durations = HistogramMetricFamily("fanout_proxy_duration_seconds", "backend hook call durations, waiting"
+                                          " for a slot included", labels=["hook"])
+        for hook in HOOKS:
+            if self.urls[hook]:
+                histogram = self.durations[hook]
+                durations.add_metric([hook], histogram.cumulative(), histogram.total)
+        yield durations

@@ -1,0 +1,267 @@
+"""Backend hooks over HTTP ([proxy], gateway/proxy.py, docs/integration.md): a real backend (a Starlette app
+served by uvicorn on loopback, recording what it receives, with switchable answers), a real gateway and real
+clients."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+from gw_helpers import auth, collect, recv_entries, send, wait_for, ws_connect
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from gateway.testing import make_token, run_gateway
+
+RULES = [
+    {"pattern": "secret.*", "kind": "ring"},
+    {"pattern": "guarded.*", "kind": "ring", "anonymous": True, "client_publish": True,
+     "proxy_subscribe": True, "proxy_publish": True},
+    {"pattern": "*", "kind": "ring", "anonymous": True, "client_publish": True},
+]
+
+
+class Backend:
+    """The application: POST /HOOK records the body and answers `answers[HOOK]` (a dict, or a function of the
+    body), after `delays[HOOK]` seconds."""
+
+    def __init__(self) -> None:
+        self.received: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.answers: dict[str, Any] = {}
+        self.delays: dict[str, float] = {}
+        self.port = 0
+        app = Starlette(routes=[Route("/{hook}", self.handle, methods=["POST"])])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    async def handle(self, request: Request) -> JSONResponse:
+        hook = request.path_params["hook"]
+        body = orjson.loads(await request.body())
+        self.received[hook].append(body)
+        delay = self.delays.get(hook, 0)
+        if delay:
+            await asyncio.sleep(delay)
+        answer = self.answers.get(hook, {})
+        return JSONResponse(answer(body) if callable(answer) else answer)
+
+    def url(self, hook: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{hook}"
+
+    def reset(self) -> None:
+        self.received.clear()
+        self.answers.clear()
+        self.delays.clear()
+
+    def start(self) -> None:
+        self.thread.start()
+        wait_for(lambda: self.server.started, "the backend to start")
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    server = Backend()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def app(backend):
+    backend.reset()
+    return backend
+
+
+def proxy_config(backend: Backend, **more: Any) -> dict[str, Any]:
+    hooks = ("connect", "subscribe", "publish", "rpc", "refresh", "disconnect", "unsubscribe")
+    return {**{f"{hook}_url": backend.url(hook) for hook in hooks}, "timeout_s": 1.0,
+            "forward_headers": ["Cookie", "Authorization"], **more}
+
+
+def closed_with(ws) -> tuple[int, str]:
+    with pytest.raises(ConnectionClosed) as info:
+        while True:
+            ws.recv(timeout=5)
+    return info.value.rcvd.code, info.value.rcvd.reason
+
+
+def info_of(gw, user: str) -> Any:
+    client = gw.client_of(user)
+    return gw.call(lambda: gw.hub.clients.conns[client].identity.info)
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then closed): connections to it are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_grant_makes_the_connection_the_backends_user_with_its_topics_info_and_patterns(app):
+    app.answers["connect"] = {"user": "alice", "subscribe": ["secret.*"], "topics": ["news.a"],
+                              "info": {"name": "Alice"}, "expires_at": time.time() + 600}
+    with run_gateway(proxy=proxy_config(app), topics={"rules": RULES}) as gw:
+        with connect(gw.ws_url, additional_headers={"Cookie": "sid=42", "X-Other": "no"}, open_timeout=5) as ws:
+            # the server-side subscription arrives without a command
+            assert collect(ws, lambda got: got)[0] | {"epoch": None} == {
+                "type": "subscribed", "topic": "news.a", "kind": "ring", "epoch": None, "seq": 0, "id": None}
+            send(ws, op="subscribe", topic="secret.x", id=1)  # not anonymous: the granted pattern lets it
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+            send(ws, op="rpc", method="whoami", id=2)
+            assert recv_entries(ws)[0]["result"]["user"] == "alice"
+            assert info_of(gw, "alice") == {"name": "Alice"}
+        (call,) = app.received["connect"]
+        assert call["headers"] == {"Cookie": "sid=42"}  # only forward_headers, only those sent
+        assert call["transport"] == "ws" and call["address"] == "127.0.0.1" and call["user"] is None
+        # long-poll: the same grant, the server-side topic in the first poll
+        session = httpx.post(gw.http_url + "/lp", headers={"Cookie": "sid=7"}, timeout=5)
+        assert session.status_code == 201
+        polled = httpx.get(f"{gw.http_url}/lp/{session.json()['session']}", timeout=5).json()
+        assert [(e["type"], e["topic"]) for e in polled["entries"]] == [("subscribed", "news.a")]
+        assert app.received["connect"][1]["headers"] == {"Cookie": "sid=7"}
+        app.received["connect"].pop()
+        # a client with a token does not go through the hook (no connect_always); a token's `info` is kept
+        token = make_token("bob", info={"plan": "pro"})
+        with ws_connect(gw, query=f"?token={token}") as ws:
+            send(ws, op="ping", id=1)
+            recv_entries(ws)
+            assert info_of(gw, "bob") == {"plan": "pro"}
+        assert len(app.received["connect"]) == 1
+        metrics = httpx.get(gw.http_url + "/metrics").text
+        assert 'fanout_proxy_requests_total{hook="connect",outcome="ok"} 2.0' in metrics
+        assert 'fanout_proxy_duration_seconds_count{hook="connect"} 2.0' in metrics
+
+
+def test_a_refusal_is_4003_on_websocket_and_403_on_long_poll_and_sse(app):
+    app.answers["connect"] = {"error": {"code": 1, "message": "who are you?"}}
+    with run_gateway(proxy=proxy_config(app)) as gw:
+        with connect(gw.ws_url, open_timeout=5) as ws:
+            assert closed_with(ws) == (4003, "who are you?")
+        r = httpx.post(gw.http_url + "/lp", timeout=5)
+        assert r.status_code == 403 and r.json()["error"] == {"code": "forbidden", "message": "who are you?"}
+        r = httpx.get(gw.http_url + "/sse?topics=a", timeout=5)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+        assert [c["transport"] for c in app.received["connect"]] == ["ws", "longpoll", "sse"]
+        assert gw.call(lambda: len(gw.hub.clients.conns)) == 0
+
+
+def test_a_slow_backend_is_1013_and_503_and_connected_clients_stay(app):
+    app.answers["connect"] = {"user": "carol"}
+    with run_gateway(proxy=proxy_config(app, timeout_s=0.3)) as gw:
+        with connect(gw.ws_url, open_timeout=5) as old:
+            app.delays["connect"] = 1.5  # from now on the backend does not answer in time
+            with connect(gw.ws_url, open_timeout=5) as ws:
+                assert closed_with(ws)[0] == 1013
+            r = httpx.post(gw.http_url + "/lp", timeout=5)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
+            assert r.headers["retry-after"] == "5"
+            assert httpx.get(gw.http_url + "/sse", timeout=5).status_code == 503
+            send(old, op="ping", id=7)
+            assert recv_entries(old) == [{"type": "reply", "id": 7, "result": "pong"}]
+        metrics = httpx.get(gw.http_url + "/metrics").text
+        assert 'fanout_proxy_requests_total{hook="connect",outcome="timeout"} 3.0' in metrics
+
+
+def test_a_backend_that_is_down_refuses_new_clients_and_commands_but_keeps_connections():
+    down = f"http://127.0.0.1:{free_port()}"
+    hooks = {f"{hook}_url": f"{down}/{hook}" for hook in ("connect", "subscribe", "rpc")}
+    with run_gateway(proxy={**hooks, "timeout_s": 1.0}, topics={"rules": RULES}) as gw:
+        with ws_connect(gw, query=f"?token={make_token('dave')}") as ws:  # a token: no connect hook
+            with connect(gw.ws_url, open_timeout=5) as refused:
+                code, reason = closed_with(refused)
+                assert code == 1013 and reason.startswith("backend unavailable")
+            send(ws, op="subscribe", topic="guarded.a", id=1)
+            send(ws, op="rpc", method="custom", params={}, id=2)
+            send(ws, op="subscribe", topic="plain", id=3)  # not proxied: answered at once
+            entries = collect(ws, lambda got: len(got) >= 3)
+            codes = {e["id"]: e.get("code", e["type"]) for e in entries}
+            assert codes == {1: "backend_unavailable", 2: "backend_unavailable", 3: "subscribed"}
+
+
+def test_subscribe_and_publish_hooks_allow_refuse_and_replace_the_data(app):
+    app.answers["subscribe"] = lambda body: {"error": {"message": "not you"}} if body["topic"] == "guarded.no" else {}
+    app.answers["publish"] = lambda body: {"data": {"wrapped": body["data"], "by": body["user"]}}
+    with run_gateway(proxy=proxy_config(app, connect_url=""), topics={"rules": RULES}) as gw:
+        with ws_connect(gw, query=f"?token={make_token('erin')}") as ws:
+            send(ws, op="subscribe", topic="guarded.no", id=1)
+            assert recv_entries(ws) == [{"type": "error", "code": "forbidden", "message": "not you", "id": 1}]
+            send(ws, op="subscribe", topic="guarded.yes", id=2)
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+            send(ws, op="publish", topic="guarded.yes", data=5, id=3)
+            got = collect(ws, lambda got: any(e["type"] == "msg" for e in got))
+            assert [e["data"] for e in got if e["type"] == "msg"] == [{"wrapped": 5, "by": "erin"}]
+            send(ws, op="subscribe", topic="open.topic", id=4)  # a rule without proxy_subscribe: not asked
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+        assert [c["topic"] for c in app.received["subscribe"]] == ["guarded.no", "guarded.yes"]
+        (call,) = app.received["publish"]
+        assert call == {"client": call["client"], "user": "erin", "transport": "ws", "topic": "guarded.yes", "data": 5}
+
+
+def test_rpc_goes_to_the_backend_for_methods_the_gateway_does_not_know(app):
+    app.answers["rpc"] = lambda body: ({"result": sum(body["params"])} if body["method"] == "sum"
+                                       else {"error": {"code": "nope", "message": "no such thing"}})
+    with run_gateway(proxy=proxy_config(app, connect_url="")) as gw, ws_connect(gw) as ws:
+        send(ws, op="rpc", method="sum", params=[1, 2, 3], id=1)
+        assert recv_entries(ws) == [{"type": "reply", "id": 1, "result": 6}]
+        send(ws, op="rpc", method="other", params=None, id=2)
+        assert recv_entries(ws) == [{"type": "error", "code": "rpc_error", "message": "nope: no such thing", "id": 2}]
+        send(ws, op="rpc", method="echo", params="x", id=3)  # built in: answered here
+        assert recv_entries(ws) == [{"type": "reply", "id": 3, "result": "x"}]
+        assert [(c["method"], c["params"], c["user"]) for c in app.received["rpc"]] == [
+            ("sum", [1, 2, 3], None), ("other", None, None)]
+
+
+def test_refresh_extends_a_granted_expiry_and_a_refusal_closes_4011(app):
+    app.answers["connect"] = {"user": "frank", "expires_at": time.time() + 1.0}
+    app.answers["refresh"] = lambda body: {"expires_at": time.time() + 1.0}
+    with run_gateway(proxy=proxy_config(app, refresh_before_s=0.6), limits={"idle_timeout_s": 0}) as gw:
+        with connect(gw.ws_url, open_timeout=5) as ws:
+            wait_for(lambda: len(app.received["refresh"]) >= 2, "two refreshes", timeout=5)
+            send(ws, op="ping", id=1)  # still open past the first expiry
+            assert recv_entries(ws)[0]["result"] == "pong"
+            app.answers["refresh"] = {"error": {"message": "logged out"}}
+            assert closed_with(ws) == (4011, "refresh refused: logged out")
+        assert app.received["refresh"][0] == {"client": app.received["connect"][0]["client"], "user": "frank",
+                                              "transport": "ws"}
+
+
+def test_disconnect_and_unsubscribe_events_arrive_once_each_with_the_reason(app):
+    with run_gateway(proxy=proxy_config(app, connect_url="")) as gw:
+        with ws_connect(gw) as ws:
+            send(ws, op="subscribe", topic="t.a", id=1)
+            send(ws, op="unsubscribe", topic="t.a", id=2)
+            collect(ws, lambda got: len(got) >= 2)
+            first = gw.call(lambda: next(iter(gw.hub.clients.conns)))
+        with ws_connect(gw) as kicked_ws:
+            send(kicked_ws, op="subscribe", topic="t.b", id=1)
+            recv_entries(kicked_ws)
+            kicked = gw.call(lambda: next(iter(gw.hub.clients.conns)))
+            assert httpx.delete(f"{gw.http_url}/api/clients/{kicked}", headers=auth(gw)).status_code == 200
+            assert closed_with(kicked_ws)[0] == 4000
+        session = httpx.post(gw.http_url + "/lp").json()
+        httpx.delete(f"{gw.http_url}/lp/{session['session']}")
+        wait_for(lambda: len(app.received["disconnect"]) >= 3, "three disconnect events")
+        time.sleep(0.3)  # nothing more comes
+        events = app.received["disconnect"]
+        assert sorted((e["client"], e["reason"], e["transport"]) for e in events) == sorted(
+            [(first, "closed", "ws"), (kicked, "kicked", "ws"), (session["client_id"], "closed", "longpoll")])
+        assert len({e["id"] for e in events}) == 3
+        # an explicit unsubscribe only, not the subscription the kick ended
+        assert [(e["client"], e["topic"]) for e in app.received["unsubscribe"]] == [(first, "t.a")]
