@@ -19,12 +19,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .errors import BadRequest, TooManyRevocations
 
-if TYPE_CHECKING:
-    from .auth import Principal
+
+class Principal(Protocol):
+    """What a revocation reads of a verified token (gateway/auth.py's Principal, which imports this)."""
+
+    @property
+    def user(self) -> str: ...
+
+    @property
+    def jti(self) -> str | None: ...
+
+    @property
+    def issued_at(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
