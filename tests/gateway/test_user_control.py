@@ -49,7 +49,7 @@ def test_disconnect_user_closes_all_its_connections_with_4005_and_no_other():
 
 
 def test_revocations_refuse_at_connect_close_holders_and_expire():
-    config = {"auth": {"leeway_s": 0.0, "revocation_ttl_s": 3.0}}
+    config = {"auth": {"leeway_s": 0.0, "revocation_ttl_s": 3.0, "max_revocations": 2}}
     with run_gateway(**config) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         one, two = make_token("dave", jti="j1"), make_token("dave", jti="j2")
         with ws_connect(gw, query=f"?token={one}") as w1, ws_connect(gw, query=f"?token={two}") as w2:
@@ -78,6 +78,8 @@ def test_revocations_refuse_at_connect_close_holders_and_expire():
         with ws_connect(gw, query=f"?token={make_token('erin', iat=int(time.time()))}") as fresh:
             assert alive(fresh)
         assert http.post("/api/revocations", json={"user": "erin", "jti": "x"}).status_code == 400
+        r = http.post("/api/revocations", json={"jti": "j3"})  # auth.max_revocations live entries: refused
+        assert (r.status_code, r.json()["error"]["code"]) == (507, "too_many_revocations")
 
         # both expire: the jti one with the `expires_at` given, the user's revocation_ttl_s after issued_before
         def accepted(token: str) -> bool:
@@ -89,6 +91,7 @@ def test_revocations_refuse_at_connect_close_holders_and_expire():
 
         wait_for(lambda: accepted(one), "the jti revocation to expire", timeout=5)
         wait_for(lambda: accepted(old), "the user revocation to expire", timeout=5)
+        assert http.post("/api/revocations", json={"jti": "j3"}).status_code == 201  # room again
 
 
 def test_per_user_limit_the_oldest_gives_way_with_4013():
