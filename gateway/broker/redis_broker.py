@@ -230,6 +230,10 @@ class RedisBroker:
 
     async def _connect(self) -> None:
         """Ping, load the scripts, open the channel connection (replacing a broken one)."""
+        if self._pubsub is not None:
+            # Reconnecting: the pool's idle connections are to the Redis that went away; drop them all, so no
+            # command (a publish, the control channel's) meets one of them and fails once more.
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
         await self.redis.ping()
         for name in ("PUBLISH", "TOUCH", "DELETE", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
                      "QUEUE_DELETE", "QUEUE_RESTORE"):
