@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 import orjson
+from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -24,6 +25,7 @@ from .errors import BadJson, BadRequest, BrokerUnavailable, Disabled, Unauthoriz
 from .http_errors import error_response
 from .hub import Hub
 from .openapi import OPENAPI
+from .revocations import Revocation
 from .stats_feed import SnapshotStream, StatsFeed
 from .transports.ingest import ingest_counters
 
@@ -154,30 +156,82 @@ async def publish(request: Request) -> Response:
     return Response(msgspec.json.encode(schema.PublishReply(name, seqs)), media_type="application/json")
 
 
+#: `GET /api/clients` lists at most this many clients (each node sends at most this many of its own).
+CLIENTS_LIST_MAX = 1000
+
+
+async def _control(hub: Hub, command: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run an operator's command on every node (gateway/broker/control.py); Redis lost: 503."""
+    return await hub.broker.control(command)
+
+
 @guarded
 async def list_clients(request: Request) -> Response:
-    hub = _hub(request)
+    """Every node's clients (with a broker), at most CLIENTS_LIST_MAX, each with its `node`."""
+    try:
+        answers = await _control(_hub(request), {"op": "list", "limit": CLIENTS_LIST_MAX})
+    except BrokerUnavailable as exc:
+        return error_response(exc, {"Retry-After": "1"})
     clients = []
-    for client in hub.engine.clients():
-        conn = hub.clients.conns.get(client.id)
-        clients.append({
-            "id": client.id,
-            "user": conn.identity.user if conn is not None else None,
-            "state": client.state.value,
-            "subscriptions": sorted(client.subs),
-            "direct_queued": len(client.direct),
-            "active_handles": len(client.active),
-            **(conn.describe() if conn is not None else {}),
-        })
-    return JSONResponse({"clients": clients})
+    for answer in answers:
+        clients += [{**client, "node": answer["node"]} for client in answer.get("clients", ())]
+    total = sum(answer.get("total", 0) for answer in answers)
+    return JSONResponse({"clients": clients[:CLIENTS_LIST_MAX], "total": total, "nodes": len(answers),
+                         "truncated": total > CLIENTS_LIST_MAX})
 
 
 @guarded
 async def kick_client(request: Request) -> Response:
+    """The client is closed (4000) wherever it is connected."""
     client_id = request.path_params["client_id"]
-    if not _hub(request).clients.kick(client_id, close_codes.KICKED, "kicked by admin", "kicked"):
+    hub = _hub(request)
+    if hub.clients.kick(client_id, close_codes.KICKED, "kicked by admin", "kicked"):
+        return JSONResponse({"kicked": client_id})  # on this node: nobody else to ask
+    try:
+        answers = await _control(hub, {"op": "kick", "client": client_id})
+    except BrokerUnavailable as exc:
+        return error_response(exc, {"Retry-After": "1"})
+    if not any(answer.get("kicked") for answer in answers):
         return error_response(UnknownClient(f"no client {client_id[:128]!r}"))
     return JSONResponse({"kicked": client_id})
+
+
+@guarded
+async def disconnect_user(request: Request) -> Response:
+    """Every connection of the user, on every node, is closed with 4005."""
+    user = request.path_params["user"]
+    try:
+        answers = await _control(_hub(request), {"op": "disconnect", "user": user})
+    except BrokerUnavailable as exc:
+        return error_response(exc, {"Retry-After": "1"})
+    reply = schema.UserDisconnected(user, sum(a.get("disconnected", 0) for a in answers), len(answers))
+    return Response(msgspec.json.encode(reply), media_type="application/json")
+
+
+@guarded
+async def revoke(request: Request) -> Response:
+    """Revoke one token (`jti`) or a user's tokens issued before a time; holders are closed with 4010."""
+    hub = _hub(request)
+    body: schema.RevokeBody = schema.body(await _json_body(request), schema.RevokeBody)
+    body.check()
+    auth = hub.config.auth
+    now = time.time()
+    if isinstance(body.jti, str):
+        expires_at = float(body.expires_at) if body.expires_at is not UNSET else now + auth.revocation_ttl_s
+        entry = Revocation(expires_at + auth.leeway_s, jti=body.jti)
+    else:
+        assert isinstance(body.user, str)
+        issued_before = float(body.issued_before) if body.issued_before is not UNSET else now
+        entry = Revocation(issued_before + auth.revocation_ttl_s + auth.leeway_s, user=body.user,
+                           issued_before=issued_before)
+    if entry.expires_at <= now:
+        raise BadRequest("the tokens this names have all expired: nothing to revoke")
+    try:
+        answers = await _control(hub, {"op": "revoke", "entry": entry.as_dict()})
+    except BrokerUnavailable as exc:
+        return error_response(exc, {"Retry-After": "1"})
+    return JSONResponse({"revoked": answers[0]["entry"], "disconnected": sum(a.get("disconnected", 0) for a in answers),
+                         "nodes": len(answers)}, status_code=201)
 
 
 @guarded
@@ -230,6 +284,8 @@ routes = [
     Route("/topics/{name:path}", delete_topic, methods=["DELETE"]),
     Route("/clients", list_clients, methods=["GET"]),
     Route("/clients/{client_id}", kick_client, methods=["DELETE"]),
+    Route("/users/{user}", disconnect_user, methods=["DELETE"]),
+    Route("/revocations", revoke, methods=["POST"]),
     Route("/raw/receivers", raw_receivers, methods=["GET"]),
     Route("/raw/stats", raw_stats, methods=["GET"]),
     Route("/stats", stats, methods=["GET"]),

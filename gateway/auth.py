@@ -19,9 +19,10 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from .config import AuthConfig, ConfigError
-from .errors import BadToken, TokenExpired, TooManyTokenChecks
+from .errors import BadToken, TokenExpired, TokenRevoked, TooManyTokenChecks
 from .owners import check_user_id
 from .ratelog import AddressRates
+from .revocations import RevocationTable
 
 if TYPE_CHECKING:
     from .addrcount import SharedRate
@@ -37,6 +38,8 @@ MAX_TRACKED_ADDRESSES = 65536
 MAX_TOKEN_BYTES = 8192
 #: Longest user id (`sub`): it names private queues and appears in logs and the admin API.
 MAX_USER_CHARS = 128
+#: Longest token id (`jti`): a revocation names it.
+MAX_JTI_CHARS = 256
 #: Patterns per claim: each command checks them in turn.
 MAX_PATTERNS = 256
 
@@ -56,6 +59,9 @@ class Principal:
     #: granted by the backend's connect hook (gateway/proxy.py), not by a token: its expiry is extended by
     #: the refresh hook when one is configured
     proxied: bool = False
+    #: the token's `jti` and `iat` (Unix seconds), when it has them: what a revocation names (revocations.py)
+    jti: str | None = None
+    issued_at: float | None = None
 
 
 class CheckLimiter:
@@ -97,6 +103,8 @@ class TokenVerifier:
         self.audience = auth.jwt_audience or None
         self.issuer = auth.jwt_issuer or None
         self.leeway = auth.leeway_s
+        #: revoked tokens (`POST /api/revocations`): refused by `verify`, wherever the token comes from
+        self.revocations = RevocationTable(auth.max_revocations)
 
     @property
     def enabled(self) -> bool:
@@ -138,7 +146,11 @@ class TokenVerifier:
             raise BadToken(f"invalid token: {exc}") from None
         except (ValueError, TypeError) as exc:  # anything else a malformed token makes a library raise
             raise BadToken(f"invalid token: {type(exc).__name__}") from None
-        return _principal(claims)
+        principal = _principal(claims)
+        if self.revocations.revoked(principal) is not None:
+            self.revocations.refused += 1
+            raise TokenRevoked("the token was revoked")
+        return principal
 
 
 def _patterns(claims: dict[str, Any], name: str) -> tuple[str, ...]:
@@ -159,4 +171,9 @@ def _principal(claims: dict[str, Any]) -> Principal:
     info = claims.get("info")
     if info is not None and not isinstance(info, dict):
         raise BadToken("claim 'info' must be a JSON object")
-    return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"), info)
+    jti = claims.get("jti")
+    if jti is not None and (not isinstance(jti, str) or not 0 < len(jti) <= MAX_JTI_CHARS):
+        raise BadToken(f"claim 'jti' must be a string of 1..{MAX_JTI_CHARS} characters")
+    iat = claims.get("iat")  # PyJWT checked it is a number when present
+    return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"), info=info,
+                     jti=jti, issued_at=float(iat) if iat is not None else None)

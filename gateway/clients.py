@@ -4,6 +4,10 @@ It registers and unregisters the transports' connections (with the engine, throu
 and with the broker for the topics they leave), verifies tokens for connected clients, and owns the timers
 that end a connection: the token's expiry and its grace, the idle check, and the watchdog of write-blocked
 clients. `kick` is the one way a connection is closed by the gateway.
+
+It also answers the operators' control commands (`on_control`, docs/integration-users.md): kick a client,
+disconnect a user, revoke tokens, list clients. The admin API sends them through the broker
+(`Broker.control`), which runs them here and, with Redis, on every node (gateway/broker/control.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -25,8 +30,9 @@ from . import close_codes
 from .auth import Principal, TokenVerifier
 from .broker import Broker
 from .config import GatewayConfig
-from .errors import BackendUnavailable, BadToken, TokenExpired
+from .errors import BackendUnavailable, BadRequest, BadToken, TokenExpired
 from .proxy import Proxy, Refused
+from .revocations import Revocation
 from .scheduler import Connection, Scheduler
 
 log = logging.getLogger("gateway")
@@ -54,7 +60,10 @@ class ClientRegistry:
         self._watchdog: asyncio.TimerHandle | None = None
         #: the backend hooks (gateway/proxy.py), set by the hub; None without any
         self.proxy: Proxy | None = None
+        #: each user's connections on this node, oldest first (dict order): O(1) per register / unregister
+        self.by_user: dict[str, dict[Hashable, None]] = {}
         scheduler.kick = self.kick
+        broker.control_handler = self.on_control
 
     def start(self) -> None:
         self._schedule_watchdog()
@@ -84,6 +93,7 @@ class ClientRegistry:
         self.on_arrival()
         if identity.principal is not None:
             self._arm_token_expiry(cid, identity.principal)
+            self._add_user_connection(identity.principal.user, cid)
         if self.config.limits.idle_timeout_s > 0:
             self._arm_idle(cid, self.config.limits.idle_timeout_s)
         if identity.proxy_topics:  # the connect hook's server-side subscriptions: no command, no permission check
@@ -104,6 +114,12 @@ class ClientRegistry:
         self.clients_by_ip[key] -= 1
         if not self.clients_by_ip[key]:
             del self.clients_by_ip[key]
+        if identity.principal is not None:
+            mine = self.by_user.get(identity.principal.user)
+            if mine is not None:
+                mine.pop(client_id, None)
+                if not mine:
+                    del self.by_user[identity.principal.user]
         for timers in (self._token_timers, self._idle_timers):
             timer = timers.pop(client_id, None)
             if timer is not None:
@@ -152,11 +168,90 @@ class ClientRegistry:
                 self.scheduler.engine.set_owner(client_id, principal.user)
             except CoreUsageError:
                 raise BadToken("this connection holds private queues of its own: reconnect with the token") from None
+        anonymous = identity.principal is None
         identity.principal = principal
         if principal.info is not None:
             identity.info = principal.info
         self._arm_token_expiry(client_id, principal)
+        if anonymous:
+            self._add_user_connection(principal.user, client_id)
         return principal
+
+    def _add_user_connection(self, user: str, client_id: Hashable) -> None:
+        """Index the connection under its user; past `limits.max_connections_per_user` on this node the
+        user's oldest connections give way (4013): a client reconnecting after a network change is never
+        locked out by its own half-open connection, which would hold its place until a ping timed out."""
+        mine = self.by_user.setdefault(user, {})
+        mine[client_id] = None
+        limit = self.config.limits.max_connections_per_user
+        while 0 < limit < len(mine):
+            oldest = next(iter(mine))
+            if not self.kick(oldest, close_codes.REPLACED, "replaced by a newer connection", "replaced"):
+                mine.pop(oldest, None)  # not registered (cannot happen): never loop
+
+    # -- operators' control commands (the admin API, through Broker.control) -------------------------------
+
+    def on_control(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Run one control command on this node: `kick` (`client`), `disconnect` (`user`), `revoke`
+        (`entry`, a `Revocation.as_dict`), `list` (`limit`). Returns this node's answer. Raises a
+        RequestError for a malformed command (and TooManyRevocations)."""
+        op = command.get("op")
+        if op == "kick":
+            return {"kicked": self.kick(str(command.get("client")), close_codes.KICKED, "kicked by admin", "kicked")}
+        if op == "disconnect":
+            return {"disconnected": self.disconnect_user(str(command.get("user")))}
+        if op == "revoke":
+            entry, closed = self.revoke(Revocation.from_dict(command.get("entry")))
+            return {"disconnected": closed, "entry": entry.as_dict()}
+        if op == "list":
+            limit = command.get("limit")
+            if not isinstance(limit, int) or limit < 0:
+                raise BadRequest("`limit` must be a non-negative integer")
+            return {"clients": self.describe(limit), "total": len(self.conns)}
+        raise BadRequest(f"unknown control command {str(op)[:32]!r}")
+
+    def disconnect_user(self, user: str) -> int:
+        """Close every connection of `user` on this node (4005). Returns how many."""
+        closed = 0
+        for client_id in list(self.by_user.get(user, ())):
+            closed += self.kick(client_id, close_codes.DISCONNECTED, "disconnected by admin", "disconnected")
+        return closed
+
+    def revoke(self, entry: Revocation) -> tuple[Revocation, int]:
+        """Add `entry` to the revocation table and close the connections on this node that hold a token it
+        names (4010). Returns the entry in force (an earlier one may be wider) and how many were closed. A
+        `jti` entry looks at every authenticated connection (revocations are rare; a user entry only at the
+        user's)."""
+        entry = self.tokens.revocations.add(entry)
+        if entry.user is not None:
+            candidates = list(self.by_user.get(entry.user, ()))
+        else:
+            candidates = [cid for ids in self.by_user.values() for cid in ids]
+        closed = 0
+        for client_id in candidates:
+            conn = self.conns.get(client_id)
+            principal = conn.identity.principal if conn is not None else None
+            if principal is not None and entry.names(principal):
+                closed += self.kick(client_id, close_codes.TOKEN_REVOKED, "token revoked", "token_revoked")
+        return entry, closed
+
+    def describe(self, limit: int) -> list[dict[str, Any]]:
+        """At most `limit` of this node's clients as `GET /api/clients` lists them."""
+        clients: list[dict[str, Any]] = []
+        for client_id, conn in self.conns.items():
+            if len(clients) >= limit:
+                break
+            client = self.scheduler.engine.client(client_id)
+            clients.append({
+                "id": client.id,
+                "user": conn.identity.user,
+                "state": client.state.value,
+                "subscriptions": sorted(client.subs),
+                "direct_queued": len(client.direct),
+                "active_handles": len(client.active),
+                **conn.describe(),
+            })
+        return clients
 
     def _arm_token_expiry(self, client_id: str, principal: Principal) -> None:
         old = self._token_timers.pop(client_id, None)

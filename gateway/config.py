@@ -139,6 +139,8 @@ class AuthConfig(_Section, frozen=True, forbid_unknown_fields=True):
     burst_per_connection: int
     rate_per_ip: float
     burst_per_ip: int
+    revocation_ttl_s: float
+    max_revocations: int
 
 
 class LimitsConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -153,6 +155,7 @@ class LimitsConfig(_Section, frozen=True, forbid_unknown_fields=True):
     idle_timeout_s: float
     bad_input_log_per_s: float
     presence_max_members: int
+    max_connections_per_user: int
 
 
 class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -423,6 +426,8 @@ def load_config(
                        ("limits.topic_create_burst", config.limits.topic_create_burst),
                        ("limits.max_client_topics", config.limits.max_client_topics),
                        ("limits.topic_history_ttl_s", config.limits.topic_history_ttl_s),
+                       ("limits.max_connections_per_user", config.limits.max_connections_per_user),
+                       ("auth.revocation_ttl_s", config.auth.revocation_ttl_s),
                        ("broker.max_topics", config.broker.max_topics),
                        ("broker.max_pending_bytes", config.broker.max_pending_bytes)):
         if value < 0:

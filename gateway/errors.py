@@ -64,6 +64,21 @@ class BadToken(RequestError):
     close_code = close_codes.BAD_TOKEN
 
 
+class TokenRevoked(BadToken):
+    """A token an operator revoked (`POST /api/revocations`, by its `jti` or its user's tokens issued before a
+    time): refused as a bad token is, with its own code (close 4010)."""
+
+    code = "token_revoked"
+    close_code = close_codes.TOKEN_REVOKED
+
+
+class TooManyRevocations(RequestError):
+    """Admin API: the revocation table holds `auth.max_revocations` live entries."""
+
+    code = "too_many_revocations"
+    http_status = 507
+
+
 class TokenExpired(RequestError):
     code = "token_expired"
     http_status = 401

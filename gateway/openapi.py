@@ -7,11 +7,12 @@ from typing import Any
 
 import msgspec
 
-from .schema import CreateTopic, ErrorBody, PublishBody, PublishReply
+from .schema import CreateTopic, ErrorBody, PublishBody, PublishReply, RevokeBody, UserDisconnected
 
 _REF = "#/components/schemas/{name}"
-_BODIES, _SCHEMAS = msgspec.json.schema_components([CreateTopic, PublishBody, PublishReply, ErrorBody], ref_template=_REF)
-_CREATE, _PUBLISH, _PUBLISHED, _ERROR = _BODIES
+_BODIES, _SCHEMAS = msgspec.json.schema_components(
+    [CreateTopic, PublishBody, PublishReply, ErrorBody, RevokeBody, UserDisconnected], ref_template=_REF)
+_CREATE, _PUBLISH, _PUBLISHED, _ERROR, _REVOKE, _DISCONNECTED = _BODIES
 _OBJECT = {"type": "object"}
 
 
@@ -61,9 +62,20 @@ OPENAPI: dict[str, Any] = {
                        "limits.presence_max_members: counts only); 400 when the topic has no presence", "200",
                        errors=(400, 401, 404), params=("name",)),
         },
-        "/api/clients": {"get": _op("List connected clients", "200")},
+        "/api/clients": {"get": _op("List connected clients (with a broker: every node's, at most 1000)", "200",
+                                    errors=(401, 503))},
         "/api/clients/{client_id}": {
-            "delete": _op("Disconnect a client (close code 4000)", "200", errors=(401, 404), params=("client_id",)),
+            "delete": _op("Disconnect a client, on whichever node holds it (close code 4000)", "200",
+                          errors=(401, 404, 503), params=("client_id",)),
+        },
+        "/api/users/{user}": {
+            "delete": _op("Disconnect every connection of a user, on every node (close code 4005)", "200",
+                          reply=_DISCONNECTED, errors=(401, 503), params=("user",)),
+        },
+        "/api/revocations": {
+            "post": _op("Revoke a token (`jti`) or a user's tokens issued before a time: refused from now on "
+                        "(`token_revoked`), holders closed with 4010, on every node", "201", body=_REVOKE,
+                        errors=(400, 401, 413, 503, 507)),
         },
         "/api/raw/receivers": {"get": _op("Raw TCP receivers", "200", errors=(401, 404))},
         "/api/raw/stats": {"get": _op("Raw TCP broadcaster metrics", "200", errors=(401, 404))},

@@ -186,6 +186,39 @@ class PublishReply(_Wire, frozen=True):
     seqs: list[int]
 
 
+#: Unix seconds, as JWT claims are (finite, 0 .. year 10000)
+UnixTime = Annotated[float, Meta(ge=0, le=253402300800)]
+
+
+class RevokeBody(_Wire, frozen=True):
+    """`POST /api/revocations`: exactly one of `jti` (one token; `expires_at`: its `exp`, else the
+    revocation lasts `auth.revocation_ttl_s`) or `user` (every token of the user issued before
+    `issued_before`, default now)."""
+
+    jti: Annotated[str, Meta(min_length=1, max_length=256)] | UnsetType = UNSET
+    user: Annotated[str, Meta(min_length=1, max_length=128)] | UnsetType = UNSET
+    issued_before: UnixTime | UnsetType = UNSET
+    expires_at: UnixTime | UnsetType = UNSET
+
+    def check(self) -> None:
+        if (self.jti is UNSET) == (self.user is UNSET):
+            raise BadRequest("the body must have exactly one of `jti` or `user`")
+        if self.jti is not UNSET and self.issued_before is not UNSET:
+            raise BadRequest("`issued_before` goes with `user`")
+        if self.user is not UNSET and self.expires_at is not UNSET:
+            raise BadRequest("`expires_at` goes with `jti` (a user's revocation lasts auth.revocation_ttl_s"
+                             " after `issued_before`)")
+
+
+class UserDisconnected(_Wire, frozen=True):
+    """Answer of `DELETE /api/users/{user}`."""
+
+    user: str
+    #: connections closed, summed over the nodes that answered (`nodes`)
+    disconnected: int
+    nodes: int
+
+
 class ErrorDetail(_Wire, frozen=True):
     code: str
     message: str

@@ -13,7 +13,7 @@ __all__ = ["Broker", "BrokerEvents", "BrokerUnreachable", "InProcessBroker", "ma
 
 def make_broker(config: GatewayConfig, events: BrokerEvents, creations: CreationBudget, instance_id: str) -> Broker:
     if not config.broker.url:
-        return InProcessBroker(events)
+        return InProcessBroker(events, instance_id)
     from .redis_broker import RedisBroker  # redis is imported only when a broker is configured
 
     return RedisBroker(config.broker, events, creations, instance_id)

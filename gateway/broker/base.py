@@ -15,7 +15,7 @@ forget a wake.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client.core import Metric
@@ -144,6 +144,18 @@ class Broker(Protocol):
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         """Every node's counters and their sums (`GET /api/stats`), or None for a single process."""
+
+    # -- operators' control commands (admin API; gateway/broker/control.py) --------------------------------
+
+    #: runs a control command on this node and returns its answer (set by the client registry,
+    #: `ClientRegistry.on_control`: kick, disconnect, revoke, list)
+    control_handler: Callable[[dict[str, Any]], dict[str, Any]]
+
+    async def control(self, command: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run `command` on every node: this one first (at once; what it raises is raised), then, with Redis,
+        every other node through the control channel. Returns the answers that came within the bound
+        (control.py: `CONTROL_REPLY_TIMEOUT_S`), this node's first, each with its `node`. With Redis
+        unreachable: `BrokerUnavailable` after this node ran it."""
 
     def collect(self) -> Iterator[Metric]:
         """The broker's families for /metrics."""

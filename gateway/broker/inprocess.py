@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -25,9 +25,11 @@ class InProcessBroker:
     pending_bytes = 0
     backlog_refused = 0
 
-    def __init__(self, events: BrokerEvents) -> None:
+    def __init__(self, events: BrokerEvents, node_id: str = "") -> None:
         self.events = events
         self.presence: PresenceStore = MemoryPresence()
+        self.node_id = node_id
+        self.control_handler: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {}
         self._held: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -104,6 +106,9 @@ class InProcessBroker:
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         return None
+
+    async def control(self, command: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"node": self.node_id, **self.control_handler(command)}]  # this process is the whole
 
     def collect(self) -> Iterator[Metric]:
         return iter(())

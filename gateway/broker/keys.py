@@ -24,6 +24,14 @@ class Keys:
         self.topics = f"{prefix}:topics"
         #: pattern of the per-node stats keys (`node`)
         self.nodes = f"{prefix}:node:*"
+        #: pub/sub channel of the operators' control commands, which every node subscribes (control.py)
+        self.control = f"{prefix}:control"
+        #: hash: revocation key (`jti:J`, `user:U`) -> the entry (JSON), reread by a node that (re)connects
+        self.revocations = f"{prefix}:revocations"
+
+    def reply(self, request: str) -> str:
+        """List with a short TTL: the other nodes' answers to one control command (JSON each)."""
+        return f"{self.prefix}:reply:{request}"
 
     def meta(self, topic: str) -> str:
         """Hash: `e` epoch, `n` next seq, `k` kind, `cap` capacity, `c` settings (JSON), `v` last value (snapshot)."""

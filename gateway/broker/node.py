@@ -3,8 +3,8 @@ connection and keys, its identity and the state of the link. `RedisBroker` (redi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
@@ -27,6 +27,8 @@ class RedisNode(Protocol):
     #: the loaded scripts' SHA-1s by name (scripts.py)
     shas: dict[str, str]
     events: BrokerEvents
+    #: runs an operator's control command on this node (control.py)
+    control_handler: Callable[[dict[str, Any]], dict[str, Any]]
 
     @property
     def lines(self) -> Mapping[str, object]:

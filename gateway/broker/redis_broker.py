@@ -23,7 +23,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -48,6 +48,7 @@ from ..topic_budget import CreationBudget
 from . import scripts
 from .base import BrokerEvents, BrokerUnreachable
 from .cluster_info import ClusterInfo
+from .control import ControlChannel
 from .keys import Keys, seq_of, stream_id
 from .presence_store import RedisPresence
 from .private_queues import PrivateQueues
@@ -174,6 +175,9 @@ class RedisBroker:
         #: presence members in Redis, this node's heartbeat, join/leave announcements (presence_store.py)
         self.presence_store = RedisPresence(self)
         self.presence: PresenceStore = self.presence_store
+        #: the operators' commands on every node (control.py); the handler is the client registry's
+        self.control_handler: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {}
+        self.controls = ControlChannel(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -202,9 +206,15 @@ class RedisBroker:
         self._tasks = [loop.create_task(self._read_loop(), name="broker-reader"),
                        loop.create_task(self._publish_loop(), name="broker-publisher"),
                        loop.create_task(self.cluster._stats_loop(), name="broker-stats")]
+        try:
+            await self.subscribe_channels([self.keys.control])
+            await self.controls.load_revocations()
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            raise BrokerUnreachable(f"broker {_redacted(self.url)}: control channel: {exc}") from None
 
     async def stop(self) -> None:
         self.queues.stop()
+        self.controls.stop()
         for task in self._tasks:
             task.cancel()
         for line in self.lines.values():
@@ -284,7 +294,8 @@ class RedisBroker:
             await asyncio.sleep(RETRY_S)
             try:
                 await self._connect()
-                await self._resubscribe([self.keys.channel(name) for name in self.lines] + self.queues.channels())
+                await self._resubscribe([self.keys.control] + [self.keys.channel(name) for name in self.lines]
+                                        + self.queues.channels())
                 await self._rewind_behind([line for line in self.lines.values() if line.epoch is not None])
                 self.available = True
                 self._wake_accepting()
@@ -300,6 +311,7 @@ class RedisBroker:
                 self._start_sync(line)
             self.queues.resync()
             self.presence_store.resync()
+            self.controls.resync()
             return
 
     async def _resubscribe(self, channels: list[str]) -> None:
@@ -349,7 +361,8 @@ class RedisBroker:
     def _on_channel(self, reply: Any) -> None:
         kind = reply[0]
         if kind == b"message":
-            if self.queues.on_message(reply[1].decode(), reply[2]):
+            channel = reply[1].decode()
+            if self.queues.on_message(channel, reply[2]) or self.controls.on_message(channel, reply[2]):
                 return
             line = self.lines.get(self.keys.topic_of(reply[1].decode()))
             if line is None:
@@ -924,6 +937,9 @@ class RedisBroker:
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         return await self.cluster.cluster_stats()
+
+    async def control(self, command: dict[str, Any]) -> list[dict[str, Any]]:
+        return await self.controls.control(command)
 
     async def refresh_queues(self) -> None:
         await self.queues.refresh()

@@ -9,6 +9,7 @@ address's token-check rate, and the `ClientIdentity` the transport registers. A 
 | `TooManySessionsFromAddress` (`*.max_sessions_per_ip`) | - | 429, `Retry-After: 5` | 429, `Retry-After: 5` |
 | `ClientIdRefused` (`?id=`) | close 4006 | `close` event 4006 | - (not read) |
 | `BadToken`, `TokenExpired` | close 4001, 4011 | `close` event 4001, 4011 | 401, `WWW-Authenticate: Bearer` |
+| `TokenRevoked` (a `BadToken`, gateway/revocations.py) | close 4010 | `close` event 4010 | 401, `WWW-Authenticate: Bearer` |
 | `TooManyTokenChecks` (`auth.rate_per_ip`) | close 4029 | `close` event 4029 | 429, `Retry-After: 5` |
 | `ConnectRefused` (the connect hook said no) | close 4003 | 403 | 403 |
 | `BackendUnavailable` (the connect hook did not answer) | close 1013 | 503, `Retry-After` | 503, `Retry-After` |

@@ -113,8 +113,9 @@ def test_messages_missed_on_a_dropped_channel_are_filled_from_the_stream_or_anno
         os.kill(a.proc.pid, signal.SIGSTOP)
         try:
             assert redis_server.command("CLIENT", "KILL", "TYPE", "pubsub").startswith(":")
-            for i in range(3, 43):
-                b.publish("g", i)
+            for i in range(3, 43):  # B's channel connection (the control channel's) is cut too: B refuses
+                # publishes (503, not landed) until it has reconnected, half a second later
+                wait_for(lambda i=i: b.publish("g", i).status_code == 200, what="B to take publishes again")
         finally:
             os.kill(a.proc.pid, signal.SIGCONT)
         got = messages(ws, "g", lambda g: 42 in seqs(g), timeout=15)

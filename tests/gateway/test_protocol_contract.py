@@ -81,6 +81,7 @@ def test_admin_table_names_every_body_field():
     rows = {row[0]: set(ticked(row[1])) for row in table_rows(section("Admin API")) if "POST" in row[0]}
     assert rows["`POST /api/topics`"] == fields(schema.CreateTopic)
     assert rows["`POST /api/topics/NAME/publish`"] == fields(schema.PublishBody)
+    assert rows["`POST /api/revocations`"] == fields(schema.RevokeBody)
 
 
 # -- the same bad field, the same answer --------------------------------------------------------------
@@ -115,3 +116,4 @@ def test_the_openapi_bodies_are_the_schemas():
     assert set(create["properties"]) == fields(schema.CreateTopic) and create["additionalProperties"] is False
     assert create["properties"]["capacity"]["maximum"] == 1 << 20
     assert set(spec["components"]["schemas"]["PublishBody"]["properties"]) == fields(schema.PublishBody)
+    assert set(spec["components"]["schemas"]["RevokeBody"]["properties"]) == fields(schema.RevokeBody)
