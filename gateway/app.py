@@ -18,6 +18,7 @@ from .hub import Hub
 from .origin import OriginGuard, OriginPolicy, parse_allowed_origins
 from .page_headers import SecurityHeaders
 from .pages import Pages
+from .stats_feed import StatsFeed
 from .transports import longpoll, sse
 from .transports.handshake import TransportOff
 from .transports.ws import websocket_endpoint
@@ -81,5 +82,7 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
     )
     app.state.hub = hub
     app.state.admin_token = admin_token
+    # now, not at the first viewer: with a broker, another node's viewer may ask this node for its summary
+    app.state.stats_feed = StatsFeed(hub)
     app.state.session_prefix = links.secret_prefix if links is not None else ""  # names the owning worker
     return app

@@ -1,11 +1,18 @@
 """The live stats stream (`GET /api/stats/stream`, read by the dashboard at /admin/): one sampler shared by
-every viewer, running only while one is connected, and the server-sent-events answer of each viewer."""
+every viewer, running only while one is connected, and the server-sent-events answer of each viewer.
+
+With a broker, the stream shows the whole cluster (`cluster`): a node with a viewer marks the cluster watched
+in Redis; while it is, every node runs its own sampler and its stats refresher (broker/cluster_info.py) puts
+a compact summary of the latest sample (`node_summary`: its totals, rates, fairness sums and its
+`NODE_TOP` busiest clients) into its `P:node:ID` key, refreshed every second; the viewer's sampler reads
+every node's key once per interval and merges them."""
 
 from __future__ import annotations
 
 import asyncio
 import heapq
 import logging
+import os
 import time
 from operator import itemgetter
 from typing import Any, Hashable
@@ -17,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from core.client import Client
 from core.topics import Topic
 
-from .errors import TooManyViewers
+from .errors import BrokerUnavailable, TooManyViewers
 from .http_errors import error_response
 from .hub import Hub
 
@@ -32,6 +39,9 @@ MIN_STATS_INTERVAL_S = 0.1
 #: topics or clients a sample reads between two yields to the loop: at ~0.5 µs each, ~1 ms, so a sample of
 #: 100,000 topics (scheduler.max_topics) never holds up the fan-out for its whole ~50-100 ms
 SAMPLE_CHUNK = 2048
+#: clients a node lists in its summary for the cluster's dashboards (the cluster's busiest STREAM_TOP are
+#: among the union of every node's busiest STREAM_TOP): at ~300 bytes each, ~15 KB per node per second
+NODE_TOP = STREAM_TOP
 
 
 def _lag(client: Client) -> int:
@@ -76,7 +86,12 @@ class StatsFeed:
         self.task: asyncio.Task[None] | None = None
         #: the server is shutting down: every stream ends
         self.closed = False
+        #: another node's stream has a viewer (the stats refresher says so every second): sample for it
+        self.remote = False
+        #: this node's compact summary of its latest sample, for the other nodes' streams
+        self.summary: dict[str, Any] | None = None
         hub.closing_hooks.append(self.close)
+        hub.broker.node_summary = self.node_summary
         self._forget()
 
     def close(self) -> None:
@@ -96,19 +111,39 @@ class StatsFeed:
         if self.viewers >= self.max_viewers:
             return False
         self.viewers += 1
+        self._start()
+        return True
+
+    def leave(self) -> None:
+        """Count a viewer out; the last one stops the sampler (unless another node's stream is watching)."""
+        self.viewers -= 1
+        if self.viewers == 0:
+            self.latest = None  # sampled for another node's stream only, no longer encoded: never stale
+        self._stop_unwatched()
+
+    def node_summary(self, watched: bool) -> dict[str, Any] | None:
+        """The broker's stats refresher, every second: whether some node's stream has a viewer. While one
+        has, the sampler runs here too and this gives its latest summary (None before the first sample)."""
+        if watched != self.remote:
+            self.remote = watched
+            if watched:
+                self._start()
+            else:
+                self._stop_unwatched()
+        return self.summary if watched else None
+
+    def _start(self) -> None:
         if self.task is None:
             loop = asyncio.get_running_loop()
             self.next = loop.create_future()
             self.task = loop.create_task(self._run(), name="admin-stats-feed")
-        return True
 
-    def leave(self) -> None:
-        """Count a viewer out; the last one stops the sampler."""
-        self.viewers -= 1
-        if self.viewers == 0 and self.task is not None:
+    def _stop_unwatched(self) -> None:
+        if self.viewers == 0 and not self.remote and self.task is not None:
             self.task.cancel()
             self.task = None
             self.latest = self.next = None
+            self.summary = None
             self._forget()
 
     async def _run(self) -> None:
@@ -117,7 +152,8 @@ class StatsFeed:
         while True:
             try:
                 snapshot = await self.sample(time.monotonic())
-                self.latest = b"data: " + orjson.dumps(snapshot) + b"\n\n"
+                if self.viewers:  # else sampled for another node's stream only (its summary)
+                    self.latest = b"data: " + orjson.dumps(snapshot) + b"\n\n"
             except Exception:  # a bug here must not freeze the viewers: log it, try again next interval
                 log.exception("stats sample failed")
             done, self.next = self.next, loop.create_future()
@@ -203,24 +239,39 @@ class StatsFeed:
             histograms[name] = snap
 
         raw = hub.raw
+        node_id = hub.broker.node_id
+        if node_id:  # with a broker: which node each listed client is on
+            for row in clients:
+                row["node"] = node_id
+        totals = {
+            "topics": engine.topic_count,
+            "clients": len(hub.clients.conns),
+            "clients_by_transport": dict(hub.clients.by_transport),
+            "write_blocked": len(hub.scheduler.blocked),
+            "published_per_s": counter_rate("messages_published"),
+            "delivered_per_s": counter_rate("messages_delivered"),
+            "entries_per_s": counter_rate("entries_emitted"),
+            "lost_per_s": counter_rate("messages_lost"),
+            "cycles_per_s": counter_rate("cycles"),
+            "client_delivery_per_s": round(total_rate, 3) if dt else None,
+        }
+        now_s = time.time()
+        if node_id:
+            self.summary = {
+                "time": now_s, "dt": round(dt, 4) if dt is not None else None, "totals": totals,
+                "fairness": {"receiving": len(receiving), "sum": total_rate, "sum_sq": sum(r * r for r in receiving),
+                             "min": min(receiving) if receiving else None, "max": max(receiving) if receiving else None},
+                "clients": clients[:NODE_TOP],
+            }
+        cluster = await self._cluster(now_s) if node_id and self.viewers else None
         return {
-            "time": time.time(),
+            "time": now_s,
             "interval_s": self.interval,
             "dt": round(dt, 4) if dt is not None else None,
             "instance": hub.instance_id,
+            "node": node_id or None,
             "viewers": self.viewers,
-            "totals": {
-                "topics": engine.topic_count,
-                "clients": len(hub.clients.conns),
-                "clients_by_transport": dict(hub.clients.by_transport),
-                "write_blocked": len(hub.scheduler.blocked),
-                "published_per_s": counter_rate("messages_published"),
-                "delivered_per_s": counter_rate("messages_delivered"),
-                "entries_per_s": counter_rate("entries_emitted"),
-                "lost_per_s": counter_rate("messages_lost"),
-                "cycles_per_s": counter_rate("cycles"),
-                "client_delivery_per_s": round(total_rate, 3) if dt else None,
-            },
+            "totals": totals,
             # Jain's index over the clients that received anything: 1.0 when they all got the same rate
             # (clients of different topics may differ for good reason: compare clients of one topic)
             "fairness": {
@@ -236,6 +287,73 @@ class StatsFeed:
                        "rate": round(total_rate - listed_rate, 3) if dt else None},
             "histograms": histograms,
             "raw": {"stats": raw.stats(), "receivers": raw.receivers()} if raw is not None else None,
+            "cluster": cluster,
+        }
+
+    async def _cluster(self, now: float) -> dict[str, Any]:
+        """Every node's summary merged: this node's from the sample just taken, the others' from Redis (one
+        read of the node index and one MGET, O(nodes x NODE_TOP)); the cluster stays watched meanwhile."""
+        hub = self.hub
+        own = hub.broker.node_id
+        error: str | None = None
+        try:
+            stored = await hub.broker.cluster_nodes(max(3.0, 2 * self.interval + 1))
+        except BrokerUnavailable as exc:  # this node's part still shows
+            stored, error = [], exc.message
+        nodes: list[dict[str, Any]] = []
+        rows: list[dict[str, Any]] = []
+        fair_n, fair_sum, fair_sq, fair_min, fair_max = 0, 0.0, 0.0, [], []
+        by_transport: dict[str, int] = {}
+        clients = blocked = 0
+        delivered: float | None = None
+        client_rate: float | None = None
+        for entry in [{"node": own, "pid": os.getpid(), "dash": self.summary}] + [
+                n for n in stored or () if n.get("node") != own]:
+            dash = entry.get("dash")
+            node_id = entry.get("node")
+            if isinstance(dash, dict):
+                totals = dash["totals"]
+                fair = dash["fairness"]
+                node = {"node": node_id, "pid": entry.get("pid"), "age_s": round(max(0.0, now - dash["time"]), 3),
+                        "listed": len(dash["clients"]), **{k: totals[k] for k in (
+                            "clients", "topics", "write_blocked", "published_per_s", "delivered_per_s",
+                            "lost_per_s", "client_delivery_per_s")}}
+                for k, v in totals["clients_by_transport"].items():
+                    by_transport[k] = by_transport.get(k, 0) + v
+                blocked += totals["write_blocked"]
+                if totals["delivered_per_s"] is not None:
+                    delivered = (delivered or 0.0) + totals["delivered_per_s"]
+                if totals["client_delivery_per_s"] is not None:
+                    client_rate = (client_rate or 0.0) + totals["client_delivery_per_s"]
+                if fair["receiving"]:
+                    fair_n += fair["receiving"]
+                    fair_sum += fair["sum"]
+                    fair_sq += fair["sum_sq"]
+                    fair_min.append(fair["min"])
+                    fair_max.append(fair["max"])
+                for row in dash["clients"]:
+                    rows.append({**row, "node": node_id})
+            else:  # no summary yet (its refresher has not seen the cluster watched), or an older version
+                node = {"node": node_id, "pid": entry.get("pid"), "age_s": None, "listed": None,
+                        "clients": entry.get("clients", 0), "topics": entry.get("topics"), "write_blocked": None,
+                        "published_per_s": None, "delivered_per_s": None, "lost_per_s": None,
+                        "client_delivery_per_s": None}
+            clients += node["clients"] or 0
+            nodes.append(node)
+        listed = heapq.nlargest(STREAM_TOP, rows, key=lambda row: row.get("rate") or 0.0)
+        shown_rate = sum(row.get("rate") or 0.0 for row in listed)
+        return {
+            "nodes": sorted(nodes, key=lambda n: str(n["node"])),
+            "error": error,
+            "totals": {"nodes": len(nodes), "clients": clients, "clients_by_transport": by_transport,
+                       "write_blocked": blocked, "delivered_per_s": round(delivered, 3) if delivered is not None else None,
+                       "client_delivery_per_s": round(client_rate, 3) if client_rate is not None else None},
+            "fairness": {"receiving": fair_n, "min": round(min(fair_min), 3) if fair_min else None,
+                         "max": round(max(fair_max), 3) if fair_max else None,
+                         "jain": round(fair_sum ** 2 / (fair_n * fair_sq), 4) if fair_n and fair_sq else None},
+            "clients": listed,
+            "others": {"clients": clients - len(listed),
+                       "rate": round(client_rate - shown_rate, 3) if client_rate is not None else None},
         }
 
 

@@ -145,6 +145,18 @@ class Broker(Protocol):
     async def cluster_stats(self) -> dict[str, Any] | None:
         """Every node's counters and their sums (`GET /api/stats`), or None for a single process."""
 
+    #: this process in the cluster ("" in-process)
+    node_id: str
+    #: this node's client summary for the other nodes' stats streams, or None; called every second by the
+    #: stats refresher with whether some node's stream has a viewer (set by the stats feed,
+    #: gateway/stats_feed.py; never called in-process)
+    node_summary: Callable[[bool], dict[str, Any] | None]
+
+    async def cluster_nodes(self, watch_s: float) -> list[dict[str, Any]] | None:
+        """Every live node's stats with its summary (`dash`) when it has one, for the stats stream, and the
+        cluster marked watched for `watch_s` seconds; None for a single process. Raises
+        `BrokerUnavailable`."""
+
     # -- operators' control commands (admin API; gateway/broker/control.py) --------------------------------
 
     #: runs a control command on this node and returns its answer (set by the client registry,

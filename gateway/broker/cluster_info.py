@@ -1,12 +1,14 @@
 """The cluster-wide listings of a Redis node (docs/cluster.md §5, "The admin API answers for the cluster"):
 every topic in Redis for `GET /api/topics` and `GET /api/topics/NAME`, and every node's counters for
 `GET /api/stats`, which this node writes to `P:node:ID` every second (the stats refresher, which also keeps
-this node's private queues alive in Redis)."""
+this node's private queues alive in Redis), with, while some node's stats stream has a viewer
+(`P:stats:watched`), this node's client summary for that dashboard (`dash`, gateway/stats_feed.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,9 @@ STATS_PERIOD_S = 1.0
 STATS_TTL_S = 5
 #: `GET /api/topics` lists at most this many topics, the most recently published first.
 ADMIN_LIST_MAX = 1000
+#: a node missing from the node index this long is dropped from it by the next reader (its stats key has
+#: long expired; generous, so clocks a little apart never drop a live node)
+NODE_INDEX_STALE_S = 60
 
 
 class ClusterInfo:
@@ -38,6 +43,8 @@ class ClusterInfo:
     def __init__(self, broker: "RedisNode") -> None:
         self.broker = broker
         self._queues_refreshed = time.monotonic()
+        #: some node's stats stream had a viewer at the last refresh (`P:stats:watched` existed)
+        self._watched = False
 
     def _info(self, name: str, meta: list[Any]) -> dict[str, Any] | None:
         epoch, top, settings = meta
@@ -91,11 +98,24 @@ class ClusterInfo:
         broker = self.broker
         while True:
             if broker.available:
+                keys = broker.keys
+                stats = self._node_stats()
+                summary = broker.node_summary(self._watched)  # the stats feed's latest, while watched
+                if summary is not None:
+                    stats["dash"] = summary
                 try:
-                    await broker.redis.set(broker.keys.node(broker.node_id), orjson.dumps(self._node_stats()),
-                                           ex=STATS_TTL_S)
+                    pipe = broker.redis.pipeline(transaction=False)
+                    pipe.set(keys.node(broker.node_id), orjson.dumps(stats), ex=STATS_TTL_S)
+                    pipe.zadd(keys.node_index, {broker.node_id: time.time()})
+                    pipe.expire(keys.node_index, NODE_INDEX_STALE_S)
+                    pipe.exists(keys.stats_watched)
+                    written = await pipe.execute()
+                    self._watched = bool(written[-1])
                 except (RedisError, OSError) as exc:
                     log.debug("broker: stats not written: %s", exc)
+            elif self._watched:  # cut off: nobody can read a summary
+                self._watched = False
+                broker.node_summary(False)
                 refreshed = time.monotonic()
                 if refreshed - self._queues_refreshed > min(broker.ttl / 2, 600):
                     self._queues_refreshed = refreshed
@@ -118,3 +138,22 @@ class ClusterInfo:
             for key, value in node["core"].items():
                 totals[key] = totals.get(key, 0) + value
         return {"nodes": nodes, "clients": sum(n["clients"] for n in nodes), "core": totals}
+
+    async def nodes(self, watch_s: float) -> list[dict[str, Any]]:
+        """Every live node's stats (`P:node:ID`, with `dash` from the nodes that saw the cluster watched), for
+        the stats stream; marks the cluster watched for `watch_s` seconds. Two round trips, O(nodes): the
+        node index, then one MGET."""
+        broker = self.broker
+        if not broker.available:
+            raise BrokerUnavailable(f"broker unreachable: {broker.last_error}")
+        keys = broker.keys
+        try:
+            pipe = broker.redis.pipeline(transaction=False)
+            pipe.set(keys.stats_watched, broker.node_id, ex=max(1, math.ceil(watch_s)))
+            pipe.zremrangebyscore(keys.node_index, "-inf", time.time() - NODE_INDEX_STALE_S)
+            pipe.zrange(keys.node_index, 0, -1)
+            names: list[bytes] = (await pipe.execute())[-1]
+            values = await broker.redis.mget([keys.node(n.decode()) for n in names]) if names else []
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(f"broker unreachable: {exc}") from None
+        return [orjson.loads(v) for v in values if v is not None]

@@ -30,6 +30,7 @@ class InProcessBroker:
         self.presence: PresenceStore = MemoryPresence()
         self.node_id = node_id
         self.control_handler: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {}
+        self.node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None  # never asked
         self._held: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -105,6 +106,9 @@ class InProcessBroker:
         return None
 
     async def cluster_stats(self) -> dict[str, Any] | None:
+        return None
+
+    async def cluster_nodes(self, watch_s: float) -> list[dict[str, Any]] | None:
         return None
 
     async def control(self, command: dict[str, Any]) -> list[dict[str, Any]]:

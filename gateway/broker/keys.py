@@ -24,6 +24,12 @@ class Keys:
         self.topics = f"{prefix}:topics"
         #: pattern of the per-node stats keys (`node`)
         self.nodes = f"{prefix}:node:*"
+        #: sorted set: node id -> when it last wrote its stats (Unix seconds); the stats stream reads the live
+        #: nodes' keys from it (O(nodes), no SCAN of the keyspace). Readers drop stale members.
+        self.node_index = f"{prefix}:nodes"
+        #: string with a short TTL, set by a node whose stats stream has a viewer: while it exists every node
+        #: puts its client summary into its `node` key (cluster_info.py)
+        self.stats_watched = f"{prefix}:stats:watched"
         #: pub/sub channel of the operators' control commands, which every node subscribes (control.py)
         self.control = f"{prefix}:control"
         #: hash: revocation key (`jti:J`, `user:U`) -> the entry (JSON), reread by a node that (re)connects

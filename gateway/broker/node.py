@@ -29,6 +29,8 @@ class RedisNode(Protocol):
     events: BrokerEvents
     #: runs an operator's control command on this node (control.py)
     control_handler: Callable[[dict[str, Any]], dict[str, Any]]
+    #: this node's client summary for the stats stream (cluster_info.py; the stats feed's `node_summary`)
+    node_summary: Callable[[bool], dict[str, Any] | None]
 
     @property
     def lines(self) -> Mapping[str, object]:

@@ -178,6 +178,8 @@ class RedisBroker:
         #: the operators' commands on every node (control.py); the handler is the client registry's
         self.control_handler: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {}
         self.controls = ControlChannel(self)
+        #: this node's summary for the dashboards of the cluster (set by the stats feed, gateway/stats_feed.py)
+        self.node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -937,6 +939,9 @@ class RedisBroker:
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         return await self.cluster.cluster_stats()
+
+    async def cluster_nodes(self, watch_s: float) -> list[dict[str, Any]] | None:
+        return await self.cluster.nodes(watch_s)
 
     async def control(self, command: dict[str, Any]) -> list[dict[str, Any]]:
         return await self.controls.control(command)
