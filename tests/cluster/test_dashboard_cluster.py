@@ -1,0 +1,115 @@
+"""The stats stream shows the whole cluster (docs/architecture.md, "The stats stream and the dashboard"): two
+gateway processes on a real Redis; node A's `GET /api/stats/stream` lists node B's clients (with their node
+and rate), every node's counts and the cluster's totals; a kick of one of B's clients asked of A takes it
+out of A's stream; once nobody watches, B stops putting its summary into Redis."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import redis
+from cluster_helpers import TOKEN, subscribe
+from websockets.exceptions import ConnectionClosed
+
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+FAST = {"stats_interval_s": 0.3}
+
+
+def snapshots(response: httpx.Response) -> Iterator[dict]:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield json.loads(line[len("data: "):])
+
+
+def first(stream: Iterator[dict], condition, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    last = None
+    for snap in stream:
+        if condition(snap):
+            return snap
+        last = snap
+        assert time.monotonic() < deadline, f"timed out; last cluster view: {last and last.get('cluster')}"
+    raise AssertionError("the stream ended")
+
+
+def drain(ws, stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            try:
+                ws.recv(timeout=0.2)
+            except TimeoutError:
+                pass
+    except ConnectionClosed:
+        pass
+
+
+def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
+    a = nodes.start("a", admin=FAST)
+    b = nodes.start("b", admin=FAST)
+    stop = threading.Event()
+    with a.ws() as on_a, b.ws() as b1, b.ws() as b2:
+        for ws in (on_a, b1, b2):
+            subscribe(ws, "ticks")
+        readers = [threading.Thread(target=drain, args=(ws, stop), daemon=True) for ws in (on_a, b1, b2)]
+        for reader in readers:
+            reader.start()
+        listed = httpx.get(f"{a.http_url}/api/clients", headers=ADMIN, timeout=10).json()["clients"]
+        node_of = {c["id"]: c["node"] for c in listed}
+        assert len(node_of) == 3 and len(set(node_of.values())) == 2
+        per_node = Counter(node_of.values())
+        a_node, b_node = min(per_node, key=per_node.__getitem__), max(per_node, key=per_node.__getitem__)
+        b_ids = {i for i, n in node_of.items() if n == b_node}
+
+        def publish() -> None:
+            while not stop.wait(0.05):
+                a.publish("ticks", {"t": time.time()})
+
+        publisher = threading.Thread(target=publish, daemon=True)
+        publisher.start()
+        try:
+            with httpx.stream("GET", f"{a.http_url}/api/stats/stream", headers=ADMIN, timeout=30) as response:
+                assert response.status_code == 200
+                stream = snapshots(response)
+
+                def sees_b(snap: dict) -> bool:
+                    cluster = snap["cluster"]
+                    rows = {c["id"]: c for c in cluster["clients"]}
+                    return (b_ids <= rows.keys() and all(rows[i]["node"] == b_node and (rows[i]["rate"] or 0) > 0
+                                                         for i in b_ids)
+                            and all(n["listed"] is not None for n in cluster["nodes"]))
+
+                snap = first(stream, sees_b)
+                assert snap["node"] == a_node
+                assert [c["id"] for c in snap["clients"]] == [i for i, n in node_of.items() if n == a_node]
+                cluster = snap["cluster"]
+                assert cluster["error"] is None
+                assert cluster["totals"]["nodes"] == 2 and cluster["totals"]["clients"] == 3
+                assert sum(cluster["totals"]["clients_by_transport"].values()) == 3
+                assert {n["node"]: n["clients"] for n in cluster["nodes"]} == {a_node: 1, b_node: 2}
+                assert len(cluster["clients"]) == 3 and cluster["others"]["clients"] == 0
+                assert cluster["fairness"]["receiving"] == 3 and cluster["fairness"]["jain"] is not None
+                assert cluster["totals"]["client_delivery_per_s"] > 0
+
+                victim = sorted(b_ids)[0]
+                kicked = httpx.delete(f"{a.http_url}/api/clients/{victim}", headers=ADMIN, timeout=10)
+                assert kicked.json() == {"kicked": victim}  # held by B, asked of A
+                snap = first(stream, lambda s: victim not in {c["id"] for c in s["cluster"]["clients"]})
+                assert {n["node"]: n["clients"] for n in snap["cluster"]["nodes"]} == {a_node: 1, b_node: 1}
+        finally:
+            stop.set()
+            publisher.join(5)
+    # nobody watches now: the flag expires (at most 3 s) and B's next refresh drops its summary
+    deadline = time.monotonic() + 10
+    while True:
+        raw = redis.Redis.from_url(redis_server.url).get(f"fanout:node:{b_node}")
+        if raw is not None and "dash" not in orjson.loads(raw):
+            break
+        assert time.monotonic() < deadline, "B still writes its summary with nobody watching"
+        time.sleep(0.2)
+
