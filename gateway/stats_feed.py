@@ -239,7 +239,7 @@ class StatsFeed:
             histograms[name] = snap
 
         raw = hub.raw
-        node_id = hub.broker.node_id
+        node_id = hub.broker.node_id if hub.broker.clustered else None
         if node_id:  # with a broker: which node each listed client is on
             for row in clients:
                 row["node"] = node_id
@@ -269,7 +269,7 @@ class StatsFeed:
             "interval_s": self.interval,
             "dt": round(dt, 4) if dt is not None else None,
             "instance": hub.instance_id,
-            "node": node_id or None,
+            "node": node_id,
             "viewers": self.viewers,
             "totals": totals,
             # Jain's index over the clients that received anything: 1.0 when they all got the same rate

@@ -145,8 +145,10 @@ class Broker(Protocol):
     async def cluster_stats(self) -> dict[str, Any] | None:
         """Every node's counters and their sums (`GET /api/stats`), or None for a single process."""
 
-    #: this process in the cluster ("" in-process)
+    #: this process in the cluster (the instance id in-process), and whether other nodes may share the topic
+    #: space (False in-process: this process is the whole)
     node_id: str
+    clustered: bool
     #: this node's client summary for the other nodes' stats streams, or None; called every second by the
     #: stats refresher with whether some node's stream has a viewer (set by the stats feed,
     #: gateway/stats_feed.py; never called in-process)

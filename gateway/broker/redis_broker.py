@@ -125,6 +125,8 @@ class _Pending:
 
 
 class RedisBroker:
+    clustered = True
+
     def __init__(self, config: BrokerConfig, events: BrokerEvents, creations: CreationBudget, instance_id: str) -> None:
         self.events = events
         #: pays for the topics clients' subscribes and publishes create in Redis (gateway/topic_budget.py)

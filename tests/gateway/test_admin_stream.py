@@ -90,6 +90,8 @@ def test_snapshots_come_at_the_interval_with_rates_of_real_traffic():
             assert sum(histograms["cycle_seconds"]["counts"]) >= 1
             assert len(histograms["cycle_seconds"]["counts"]) == len(histograms["cycle_seconds"]["bounds"]) + 1
             assert snap["raw"] is None  # rawtcp disabled in test gateways
+            assert snap["cluster"] is None and snap["node"] is None  # no broker: this process is the whole
+            assert all("node" not in c for c in snap["clients"])
 
 
 def test_the_snapshot_lists_the_busiest_and_sums_the_rest():
