@@ -193,26 +193,44 @@ function button(text, cls, onclick) {
 
 // -- rendering ------------------------------------------------------------------------------------------
 
+// With a broker the snapshot has `cluster`: every node's clients, counts and rates merged (the busiest
+// clients of the whole cluster, each with its node). The cards, the chart and the clients table show the
+// cluster then; the topics, histograms and raw panels stay this node's.
+function view(s) {
+  const c = s.cluster;
+  if (!c) return { clients: s.clients, others: s.others, fairness: s.fairness, totals: s.totals, nodes: null };
+  const totals = Object.assign({}, s.totals, {
+    clients: c.totals.clients, clients_by_transport: c.totals.clients_by_transport,
+    write_blocked: c.totals.write_blocked, delivered_per_s: c.totals.delivered_per_s,
+    client_delivery_per_s: c.totals.client_delivery_per_s,
+  });
+  return { clients: c.clients, others: c.others, fairness: c.fairness, totals, nodes: c.totals.nodes };
+}
+
 function render(s) {
   lastSnapshot = s;
   $("instance").textContent = s.instance;
+  $("node-meta").hidden = !s.node;
+  $("node").textContent = s.node || "—";
   $("updated").textContent = new Date(s.time * 1000).toLocaleTimeString();
   $("viewers").textContent = s.viewers;
-  renderCards(s);
-  remember(s);
+  const v = view(s);
+  renderCards(v);
+  renderNodes(s.cluster);
+  remember(s, v);
   drawChart();
   renderHistogram("h-cycle", s.histograms.cycle_seconds, seconds);
   renderHistogram("h-batch", s.histograms.entries_per_batch, (b) => String(b));
   renderTopics(s);
-  renderClients(s);
+  renderClients(v);
   renderRaw(s.raw);
 }
 
 function renderCards(s) {
   const t = s.totals;
   $("c-clients").textContent = count(t.clients);
-  $("c-transports").textContent = Object.entries(t.clients_by_transport)
-    .filter(([, n]) => n > 0).map(([k, n]) => k + " " + n).join(" · ");
+  $("c-transports").textContent = (s.nodes ? s.nodes + " node" + (s.nodes === 1 ? "" : "s") + " · " : "")
+    + Object.entries(t.clients_by_transport).filter(([, n]) => n > 0).map(([k, n]) => k + " " + n).join(" · ");
   $("c-topics").textContent = count(t.topics);
   $("c-published").textContent = rate(t.published_per_s);
   $("c-delivered").textContent = rate(t.delivered_per_s);
@@ -283,7 +301,28 @@ function renderTopics(s) {
     + " busiest shown, " + more + " more" : "");
 }
 
+function renderNodes(cluster) {
+  $("nodes-panel").hidden = !cluster;
+  if (!cluster) return;
+  const rows = cluster.nodes.map((n) => {
+    const tr = document.createElement("tr");
+    tr.dataset.node = n.node;
+    if (n.node === lastSnapshot.node) tr.className = "self";
+    tr.append(cell(n.node, "mono"), cell(n.pid, "num"), cell(count(n.clients), "num"), cell(count(n.topics), "num"),
+      cell(rate(n.published_per_s), "num"), cell(rate(n.delivered_per_s), "num"),
+      cell(rate(n.client_delivery_per_s), "num"), cell(n.write_blocked, "num"),
+      cell(n.age_s === null ? null : n.age_s.toFixed(1), "num"));
+    return tr;
+  });
+  $("nodes").tBodies[0].replaceChildren(...rows);
+  const waiting = cluster.nodes.filter((n) => n.listed === null).length;
+  $("nodes-note").textContent = cluster.error ? "other nodes unreadable: " + cluster.error
+    : cluster.nodes.length + " live" + (waiting ? ", " + waiting + " without a client summary yet" : "");
+  $("nodes-note").className = cluster.error ? "error" : "dim";
+}
+
 function renderClients(s) {
+  for (const th of document.querySelectorAll("#clients .node-col")) th.hidden = !s.nodes;
   const rows = [...s.clients].sort((a, b) => a.id < b.id ? -1 : a.id > b.id ? 1 : 0).map((c) => {
     const tr = document.createElement("tr");
     tr.dataset.client = c.id;
@@ -291,7 +330,12 @@ function renderClients(s) {
     if (blocked) tr.className = "blocked";
     const state = blocked ? "blocked" : c.state;
     const batches = c.frames_sent ?? c.batches;
-    tr.append(cell(c.id), cell(c.transport), cell(c.user), cell(state, "state-" + state), cell(c.lag, "num"),
+    tr.append(cell(c.id));
+    if (s.nodes) {
+      tr.dataset.node = c.node;
+      tr.append(cell(c.node, "node-col mono"));
+    }
+    tr.append(cell(c.transport), cell(c.user), cell(state, "state-" + state), cell(c.lag, "num"),
       cell(c.subscription_count, "num"), cell(count(batches), "num"), cell(count(c.entries_sent), "num"),
       cell(rate(c.rate), "num rate"));
     const actions = document.createElement("td");
@@ -328,11 +372,11 @@ function renderRaw(raw) {
 
 // -- the fairness chart: one line per busy client, the others as a band -------------------------------------
 
-function remember(s) {
+function remember(s, v) {
   if (s.dt === null) return;  // the first snapshot has no rates yet
   const rates = new Map();
-  for (const c of s.clients) if (c.rate !== null) rates.set(c.id, c.rate);
-  samples.push({ t: s.time, rates, total: s.totals.client_delivery_per_s || 0 });
+  for (const c of v.clients) if (c.rate !== null) rates.set(c.id, c.rate);
+  samples.push({ t: s.time, rates, total: v.totals.client_delivery_per_s || 0 });
   if (samples.length > HISTORY) samples.shift();
 }
 

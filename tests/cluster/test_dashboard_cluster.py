@@ -1,21 +1,28 @@
 """The stats stream shows the whole cluster (docs/architecture.md, "The stats stream and the dashboard"): two
 gateway processes on a real Redis; node A's `GET /api/stats/stream` lists node B's clients (with their node
 and rate), every node's counts and the cluster's totals; a kick of one of B's clients asked of A takes it
-out of A's stream; once nobody watches, B stops putting its summary into Redis."""
+out of A's stream; once nobody watches, B stops putting its summary into Redis. In headless Chromium, A's
+dashboard shows both nodes and B's clients, and its kick button closes a client held by B."""
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 import redis
 from cluster_helpers import TOKEN, subscribe
 from websockets.exceptions import ConnectionClosed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))  # the e2e suite's browser driver
+from browser_cdp import CHROMIUM, Chromium, guarded  # noqa: E402
 
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 FAST = {"stats_interval_s": 0.3}
@@ -38,15 +45,16 @@ def first(stream: Iterator[dict], condition, timeout: float = 15.0) -> dict:
     raise AssertionError("the stream ended")
 
 
-def drain(ws, stop: threading.Event) -> None:
+def drain(ws, stop: threading.Event, closes: dict | None = None) -> None:
     try:
         while not stop.is_set():
             try:
                 ws.recv(timeout=0.2)
             except TimeoutError:
                 pass
-    except ConnectionClosed:
-        pass
+    except ConnectionClosed as exc:
+        if closes is not None:
+            closes[ws] = exc.rcvd.code if exc.rcvd else None
 
 
 def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
@@ -113,3 +121,55 @@ def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
         assert time.monotonic() < deadline, "B still writes its summary with nobody watching"
         time.sleep(0.2)
 
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
+@pytest.mark.timeout(120)
+def test_node_a_dashboard_shows_node_b_and_kicks_its_client(nodes, tmp_path):
+    a = nodes.start("a", admin=FAST)
+    b = nodes.start("b", admin=FAST)
+    stop = threading.Event()
+    closes: dict = {}
+    with a.ws() as on_a, b.ws() as b1, b.ws() as b2:
+        for ws in (on_a, b1, b2):
+            subscribe(ws, "ticks")
+        readers = [threading.Thread(target=drain, args=(ws, stop, closes), daemon=True) for ws in (on_a, b1, b2)]
+        for reader in readers:
+            reader.start()
+        listed = httpx.get(f"{a.http_url}/api/clients", headers=ADMIN, timeout=10).json()["clients"]
+        per_node = Counter(c["node"] for c in listed)
+        b_node = max(per_node, key=per_node.__getitem__)
+        b_ids = sorted(c["id"] for c in listed if c["node"] == b_node)
+
+        def publish() -> None:
+            while not stop.wait(0.1):
+                a.publish("ticks", {"t": time.time()})
+
+        publisher = threading.Thread(target=publish, daemon=True)
+        publisher.start()
+        try:
+            with Chromium(tmp_path / "profile", window=(1400, 1000)) as browser:
+                browser.call("Page.navigate", url=f"{a.http_url}/admin/#token={TOKEN}")
+                b_rows = f"document.querySelectorAll('#clients tr[data-node=\"{b_node}\"]')"
+                browser.wait_for(guarded(
+                    "document.querySelectorAll('#nodes tbody tr').length === 2"
+                    f" && {b_rows}.length === 2 && document.querySelectorAll('#clients tbody tr').length === 3"
+                    " && !document.getElementById('nodes-panel').hidden"
+                    " && document.getElementById('c-clients').textContent === '3'"),
+                    30, what="both nodes and B's two clients in A's dashboard",
+                    dump="document.querySelector('main').innerText")
+                assert browser.evaluate(f"{b_rows}[0].querySelector('td.node-col').textContent") == b_node
+                assert browser.evaluate("document.getElementById('c-transports').textContent").startswith("2 nodes")
+                victim = b_ids[0]
+                browser.evaluate("window.confirm = () => true; document.querySelector("
+                                 f"'#clients tr[data-client=\"{victim}\"] button').click()")
+                browser.wait_for(guarded(f"!document.querySelector('#clients tr[data-client=\"{victim}\"]')"
+                                         f" && {b_rows}.length === 1"),
+                                 what="the kicked client of B to leave A's table")
+                assert browser.errors == []
+        finally:
+            stop.set()
+            publisher.join(5)
+        for reader in readers:
+            reader.join(5)
+    assert sorted(closes.values()) == [4000]  # B's client, closed with the admin's code
