@@ -98,6 +98,8 @@ class StatsFeed:
         self.closed = True
         if self.next is not None and not self.next.done():
             self.next.set_result(None)
+        self.remote = False  # a sampler kept for another node's stream only stops now (viewers' at their end)
+        self._stop_unwatched()
 
     def _forget(self) -> None:
         self._prev_at: float | None = None
@@ -124,6 +126,8 @@ class StatsFeed:
     def node_summary(self, watched: bool) -> dict[str, Any] | None:
         """The broker's stats refresher, every second: whether some node's stream has a viewer. While one
         has, the sampler runs here too and this gives its latest summary (None before the first sample)."""
+        if self.closed:
+            return None
         if watched != self.remote:
             self.remote = watched
             if watched:
