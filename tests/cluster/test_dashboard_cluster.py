@@ -6,6 +6,7 @@ dashboard shows both nodes and B's clients, and its kick button closes a client 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -173,3 +174,22 @@ def test_node_a_dashboard_shows_node_b_and_kicks_its_client(nodes, tmp_path):
         for reader in readers:
             reader.join(5)
     assert sorted(closes.values()) == [4000]  # B's client, closed with the admin's code
+
+
+def test_with_two_workers_one_stream_shows_both(nodes):
+    """`server.workers = 2`: the kernel spreads the connections over both workers; whichever serves the
+    stream lists every one of them."""
+    w = nodes.start("w", server={"workers": 2}, admin=FAST)
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(w.ws()) for _ in range(16)]  # all on one worker: a 2**-15 chance
+        for ws in clients:
+            subscribe(ws, "ticks")
+        listed = httpx.get(f"{w.http_url}/api/clients", headers=ADMIN, timeout=10).json()
+        assert listed["total"] == 16 and listed["nodes"] == 2
+        with httpx.stream("GET", f"{w.http_url}/api/stats/stream", headers=ADMIN, timeout=30) as response:
+            snap = first(snapshots(response), lambda s: len(s["cluster"]["clients"]) == 16
+                         and all(n["listed"] is not None for n in s["cluster"]["nodes"]))
+        cluster = snap["cluster"]
+        assert cluster["totals"]["nodes"] == 2 and cluster["totals"]["clients"] == 16
+        assert {c["id"] for c in cluster["clients"]} == {c["id"] for c in listed["clients"]}
+        assert {c["node"] for c in cluster["clients"]} == {n["node"] for n in cluster["nodes"]}
