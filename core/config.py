@@ -75,7 +75,7 @@ class TopicConfig:
     #: whether clients without a token may subscribe (and publish, with client_publish): the gateway
     #: decides who may do what; the core only carries the setting. Secure default: no.
     anonymous: bool = False
-    #: whether clients may ask who is subscribed (`presence`, `presence_stats`, docs/integration-presence.md):
+    #: whether clients may ask who is subscribed (`presence`, `presence_stats`, docs/integration.md, "Presence"):
     #: the gateway tracks the topic's subscribers as members; the core only carries the setting.
     presence: bool = False
     #: whether subscribers get `join` / `leave` entries as others subscribe and leave (needs `presence`).

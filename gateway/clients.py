@@ -5,7 +5,7 @@ and with the broker for the topics they leave), verifies tokens for connected cl
 that end a connection: the token's expiry and its grace, the idle check, and the watchdog of write-blocked
 clients. `kick` is the one way a connection is closed by the gateway.
 
-It also answers the operators' control commands (`on_control`, docs/integration-users.md): kick a client,
+It also answers the operators' control commands (`on_control`, docs/integration.md, "User control"): kick a client,
 disconnect a user, revoke tokens, list clients. The admin API sends them through the broker
 (`Broker.control`), which runs them here and, with Redis, on every node (gateway/broker/control.py).
 """

@@ -1,4 +1,4 @@
-"""Presence: who is subscribed to a topic with `presence = true` (docs/integration-presence.md).
+"""Presence: who is subscribed to a topic with `presence = true` (docs/integration.md, "Presence").
 
 A topic's members are its current subscribers: a client joins on a successful subscribe and leaves on
 unsubscribe, disconnect, kick or topic delete. The scheduler reports each join and leave (`Presence.joined`,
@@ -177,7 +177,7 @@ class Presence:
 
     def announce(self, topic: str, kind: str, member: Member) -> None:
         """One `join` / `leave` direct entry per local subscriber of `topic` but the member itself: O(local
-        subscribers), none above `max_members` of them (docs/integration-presence.md)."""
+        subscribers), none above `max_members` of them (docs/integration.md, "Presence")."""
         engine = self.engine
         if not engine.has_topic(topic):
             return

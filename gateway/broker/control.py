@@ -1,4 +1,4 @@
-"""The operators' control commands across the cluster (docs/integration-users.md): kick a client, disconnect
+"""The operators' control commands across the cluster (docs/integration.md, "User control"): kick a client, disconnect
 a user, revoke tokens, list clients, run on every node of one Redis.
 
 * One pub/sub channel, `P:control`, which every node's channel connection subscribes (beside its topics').

@@ -1,4 +1,4 @@
-"""Presence members held in Redis, cluster-wide (docs/integration-presence.md, "Cluster").
+"""Presence members held in Redis, cluster-wide (docs/integration.md, "Presence", "Cluster").
 
 Each node writes only its own members, mirrored from its memory (`local`), so no write races another node's:
 

@@ -1,4 +1,4 @@
-"""Presence across two nodes on one real Redis (docs/integration-presence.md, "Cluster"): members seen from
+"""Presence across two nodes on one real Redis (docs/integration.md, "Presence", "Cluster"): members seen from
 either node, join/leave entries across nodes, and a node killed with -9 whose members leave within the
 heartbeat's TTL (gateway/broker/presence_store.py: 3 s)."""
 

@@ -1,4 +1,4 @@
-"""User control across the cluster (docs/integration-users.md): two gateway processes on a real Redis. An
+"""User control across the cluster (docs/integration.md, "User control"): two gateway processes on a real Redis. An
 operator on node A lists node B's clients, kicks one of them, disconnects a user on both nodes, and revokes
 a token held on B; a node started later refuses the revoked token too (it rereads the revocations)."""
 

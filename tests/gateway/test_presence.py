@@ -1,4 +1,4 @@
-"""Presence on one node (docs/integration-presence.md): `presence` / `presence_stats` answers, join/leave
+"""Presence on one node (docs/integration.md, "Presence"): `presence` / `presence_stats` answers, join/leave
 entries, who may ask, counts only above limits.presence_max_members, and the admin endpoint. Real gateway,
 real WebSocket clients."""
 

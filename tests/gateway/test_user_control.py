@@ -1,4 +1,4 @@
-"""User control on one node (docs/integration-users.md): disconnect a user (4005), revoke tokens by `jti` or
+"""User control on one node (docs/integration.md, "User control"): disconnect a user (4005), revoke tokens by `jti` or
 by user and `issued_before` (refused at connect and by `auth`, holders closed with 4010, entries expire),
 and `limits.max_connections_per_user` (the oldest gives way, 4013). Real gateway, real clients."""
 
