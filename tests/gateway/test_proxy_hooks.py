@@ -351,3 +351,14 @@ def test_connect_always_asks_about_a_client_with_a_token_too(app):
         with connect(gw.ws_url + "?token=not.a.token", open_timeout=5) as ws:
             assert closed_with(ws)[0] == 4001
         assert len(app.received["connect"]) == before
+
+
+def test_connect_always_keeps_the_tokens_jti_so_revoking_the_token_closes_the_connection(app):
+    app.answers["connect"] = lambda body: {"user": body["user"], "subscribe": ["secret.*"]}  # the same user
+    with run_gateway(proxy=proxy_config(app, connect_always=True), topics={"rules": RULES}) as gw:
+        with ws_connect(gw, query=f"?token={make_token('judy', jti='t-1')}") as ws:
+            send(ws, op="subscribe", topic="secret.j", id=1)  # the grant's pattern
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+            r = httpx.post(f"{gw.http_url}/api/revocations", json={"jti": "t-1"}, headers=auth(gw), timeout=5)
+            assert r.status_code == 201 and r.json()["disconnected"] == 1, r.text
+            assert closed_with(ws)[0] == 4010
