@@ -5,6 +5,7 @@ other node's subscribers within the TTL and a sweep period (4 s)."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import redis
@@ -103,3 +104,27 @@ def test_a_killed_nodes_members_leave_with_one_leave_entry_each_on_every_other_n
         finally:
             client.close()
         assert c.api("/topics/room/presence")["clients"] == a.api("/topics/room/presence")["clients"] == 2
+
+
+def test_a_node_stalled_past_the_ttl_is_swept_then_announces_its_members_again(nodes):
+    """B stops (SIGSTOP) for longer than the heartbeat's TTL: A's subscriber gets a `leave` for B's member;
+    once B runs again it finds its heartbeat key gone, writes its members again and announces them: one
+    `join`, and the member is listed again."""
+    a, b = nodes.start("a", **RULE), nodes.start("b", **RULE)
+    with a.ws() as on_a, b.ws() as on_b:
+        b_id = client_id(on_b)
+        subscribe(on_a, "room")
+        subscribe(on_b, "room")
+        collect(on_a, lambda g: any(e["type"] == "join" for e in g))
+        assert b.proc is not None
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            got = collect(on_a, lambda g: any(e["type"] == "leave" for e in g), timeout=10)
+            assert [e["client"] for e in got if e["type"] == "leave"] == [b_id]
+            assert a.api("/topics/room/presence")["clients"] == 1
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        got = collect(on_a, lambda g: any(e["type"] == "join" for e in g), timeout=10)
+        got += drain(on_a, 2 * HEARTBEAT_S)
+        assert [(e["type"], e["client"]) for e in got] == [("join", b_id)]
+        assert sorted(m["client"] for m in a.api("/topics/room/presence")["members"]) == sorted([b_id, client_id(on_a)])
