@@ -1,4 +1,4 @@
-"""Presence members held in Redis, cluster-wide (docs/integration-presence.md, "Cluster").
+"""Presence members held in Redis, cluster-wide (docs/integration.md, "Presence", "Cluster").
 
 Each node writes only its own members, mirrored from its memory (`local`), so no write races another node's:
 
@@ -74,7 +74,7 @@ class RedisPresence:
         self._loading: dict[str, list[tuple[str, str, Member]]] = {}
         #: topics of `loaded` to read again (after a reconnect)
         self._stale: set[str] = set()
-        #: members a sweep reported gone (`leave` entries), counted for /metrics-free inspection and tests
+        #: members a sweep found gone (each a `leave` to the local subscribers), since the start
         self.swept = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -211,9 +211,9 @@ class RedisPresence:
         self._stale.discard(topic)
 
     async def _load(self, topics: list[str]) -> None:
-        """Read the other nodes' members of `topics` (every node in `P:{T}:pn`, alive or not: the sweep then
-        finds the dead ones). On a reload (after a reconnect, when announcements may have been missed) the
-        difference with what was known is announced. O(members) once per topic served."""
+        """Read the other nodes' members of `topics`: those of live nodes (a node already dead then is not
+        this node's to announce: its keys are deleted). On a reload (after a reconnect, when announcements
+        may have been missed) the difference with what was known is announced. O(members) once per topic."""
         redis, keys, own = self.node.redis, self.node.keys, self.node.node_id
         for topic in topics:
             self._loading[topic] = []
@@ -225,12 +225,18 @@ class RedisPresence:
             pipe = redis.pipeline(transaction=False)
             for topic, nodes in zip(topics, node_sets):
                 for node_id in nodes:
+                    pipe.exists(keys.presence_alive(node_id))
                     pipe.hvals(keys.presence_members(topic, node_id)[0])
             values = iter(await pipe.execute())
+            long_dead: list[tuple[str, str]] = []
             for topic, nodes in zip(topics, node_sets):
                 read: dict[str, dict[str, Member]] = {}
                 for node_id in nodes:
-                    members = {m.client: m for m in map(_decode, next(values))}
+                    alive, raw = next(values), next(values)
+                    if not alive:  # dead before this node served the topic: nobody here was told of them
+                        long_dead.append((topic, node_id))
+                        continue
+                    members = {m.client: m for m in map(_decode, raw)}
                     if members:
                         read[node_id] = members
                 for kind, node_id, member in self._loading.pop(topic):  # what came after the read began
@@ -246,6 +252,8 @@ class RedisPresence:
                     self._announce_difference(topic, known, read)
                 self.remote[topic] = {n: m for n, m in read.items() if m}
                 self.loaded.add(topic)
+            if long_dead:
+                await self._delete(long_dead)
         finally:
             for topic in topics:
                 self._loading.pop(topic, None)
@@ -283,7 +291,7 @@ class RedisPresence:
             await self._dead(dead)
 
     async def _dead(self, dead: Iterable[str]) -> None:
-        keys, redis = self.node.keys, self.node.redis
+        """`leave` entries for the members known of the `dead` nodes, then their keys deleted."""
         gone: list[tuple[str, str]] = []
         for node_id in dead:
             for topic, held in self.remote.items():
@@ -295,7 +303,12 @@ class RedisPresence:
                 for member in members.values():
                     self.swept += 1
                     self.node.events.presence_changed(topic, "leave", member)
-        # the keys: deleted by the one node whose SREM took the dead node out of the topic's node set
+        await self._delete(gone)
+
+    async def _delete(self, gone: list[tuple[str, str]]) -> None:
+        """Delete dead nodes' keys of topics: done by the one node whose SREM took the dead node out of the
+        topic's node set."""
+        keys, redis = self.node.keys, self.node.redis
         pipe = redis.pipeline(transaction=False)
         for topic, node_id in gone:
             pipe.srem(keys.presence_nodes(topic), node_id)
