@@ -224,9 +224,14 @@ class Proxy:
             self.outcomes[("connect", "bad_answer")] += 1
             raise BackendUnavailable(f"backend unavailable: the connect hook's answer is malformed: {problem}")
         if grant.user:
+            # with `connect_always` the client may hold a token: its jti and iat stay the connection's, so
+            # revoking that token (by jti, or its user's tokens issued before T) still closes it
+            token = identity.principal
             identity.principal = Principal(
                 grant.user, grant.expires_at if grant.expires_at is not None else math.inf,
-                tuple(grant.subscribe), tuple(grant.publish), grant.info, proxied=True)
+                tuple(grant.subscribe), tuple(grant.publish), grant.info, proxied=True,
+                jti=token.jti if token is not None else None,
+                issued_at=token.issued_at if token is not None else None)
         if grant.info is not None:
             identity.info = grant.info
         identity.proxy_topics = tuple(grant.topics)

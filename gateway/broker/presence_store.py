@@ -13,6 +13,15 @@ So a killed node's members leave every answer within `ALIVE_TTL_MS` (3 s) of its
 Joins and leaves are announced on the topic's channel (`P:{T}:c`) as `!p NODE JSON`; the nodes serving the
 topic (those with local subscribers) hand them to `BrokerEvents.presence_changed`, the origin ignores its own.
 
+The sweep: for the `join_leave` topics it serves, a node keeps the other nodes' members (`remote`: read once
+from Redis when it starts serving the topic, then kept by the announcements). After each heartbeat it checks
+the heartbeat keys of the nodes found there (one pipeline of EXISTS: O(distinct nodes), nothing per member);
+for a node whose key is gone it hands a `leave` per member it knew of that node to `presence_changed` (its
+own local subscribers only: each node tells its own, so each subscriber gets one leave per member whatever
+the number of nodes), then deletes the dead node's keys of the topic, done by whichever node's SREM removed
+the node from `P:{T}:pn` (one per topic). So a killed node's members leave with `leave` entries within
+`ALIVE_TTL_MS` + `HEARTBEAT_S` (4 s) of its last heartbeat, plus a round trip.
+
 Writes go through one task in order, as idempotent "make Redis match memory" steps; when a write fails, or
 the heartbeat finds its key had expired (Redis restarted, or this node stalled past the TTL and a reader
 dropped its members), the whole local state is written again.
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -55,6 +65,17 @@ class RedisPresence:
         self._dirty = False
         self._queued: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        #: the other nodes' members of the `join_leave` topics this node serves: topic -> node -> client ->
+        #: member (what this node's subscribers were told, or could read with `presence`); kept for the sweep
+        self.remote: dict[str, dict[str, dict[str, Member]]] = {}
+        #: topics of `remote` read from Redis (their announcements since then are all in it)
+        self.loaded: set[str] = set()
+        #: topics being read: the announcements that came meanwhile, applied once the read is in
+        self._loading: dict[str, list[tuple[str, str, Member]]] = {}
+        #: topics of `loaded` to read again (after a reconnect)
+        self._stale: set[str] = set()
+        #: members a sweep found gone (each a `leave` to the local subscribers), since the start
+        self.swept = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -89,8 +110,11 @@ class RedisPresence:
             pass
 
     def resync(self) -> None:
-        """Redis is back (maybe empty): write the whole local state again."""
+        """Redis is back (maybe empty): write the whole local state again (announcing it: other nodes that
+        swept this node's members while it was away learn them again), and read the other nodes' members
+        again at the next sweep (announcements may have been missed)."""
         self._dirty = True
+        self._stale.update(self.loaded)
         self._wake()
 
     def _wake(self) -> None:
@@ -147,7 +171,154 @@ class RedisPresence:
             log.warning("broker: bad presence message on %r", topic)
             return
         if kind in ("join", "leave") and isinstance(client, str) and (user is None or isinstance(user, str)):
-            self.node.events.presence_changed(topic, kind, Member(client, user))
+            self._remote_event(topic, kind, node_id.decode(), Member(client, user))
+
+    # -- the other nodes' members, and the sweep ----------------------------------------------------------
+
+    def _tracks(self, topic: str) -> bool:
+        """Whether this node keeps `topic`'s other members: it serves it and it has `join_leave`."""
+        engine = self.node.events.engine
+        return topic in self.node.lines and engine.has_topic(topic) and engine.topic(topic).config.join_leave
+
+    def _remote_event(self, topic: str, kind: str, node_id: str, member: Member) -> None:
+        """Another node's announcement: local `join` / `leave` entries, each member announced once (a join
+        of a member already known, or a leave of one not known once the topic was read, is not)."""
+        if not self._tracks(topic):
+            self.forget(topic)
+            self.node.events.presence_changed(topic, kind, member)
+            return
+        events = self._loading.get(topic)
+        if events is not None:
+            events.append((kind, node_id, member))
+        nodes = self.remote.setdefault(topic, {})
+        if kind == "join":
+            members = nodes.setdefault(node_id, {})
+            if member.client in members:
+                return
+            members[member.client] = member
+        else:
+            members = nodes.get(node_id, {})
+            if members.pop(member.client, None) is None and topic in self.loaded:
+                return
+            if not members:
+                nodes.pop(node_id, None)
+        self.node.events.presence_changed(topic, kind, member)
+
+    def forget(self, topic: str) -> None:
+        """This node no longer serves `topic` (detached, deleted)."""
+        self.remote.pop(topic, None)
+        self.loaded.discard(topic)
+        self._stale.discard(topic)
+
+    async def _load(self, topics: list[str]) -> None:
+        """Read the other nodes' members of `topics`: those of live nodes (a node already dead then is not
+        this node's to announce: its keys are deleted). On a reload (after a reconnect, when announcements
+        may have been missed) the difference with what was known is announced. O(members) once per topic."""
+        redis, keys, own = self.node.redis, self.node.keys, self.node.node_id
+        for topic in topics:
+            self._loading[topic] = []
+        try:
+            pipe = redis.pipeline(transaction=False)
+            for topic in topics:
+                pipe.smembers(keys.presence_nodes(topic))
+            node_sets = [sorted(_str(n) for n in raw if _str(n) != own) for raw in await pipe.execute()]
+            pipe = redis.pipeline(transaction=False)
+            for topic, nodes in zip(topics, node_sets):
+                for node_id in nodes:
+                    pipe.exists(keys.presence_alive(node_id))
+                    pipe.hvals(keys.presence_members(topic, node_id)[0])
+            values = iter(await pipe.execute())
+            long_dead: list[tuple[str, str]] = []
+            for topic, nodes in zip(topics, node_sets):
+                read: dict[str, dict[str, Member]] = {}
+                for node_id in nodes:
+                    alive, raw = next(values), next(values)
+                    if not alive:  # dead before this node served the topic: nobody here was told of them
+                        long_dead.append((topic, node_id))
+                        continue
+                    members = {m.client: m for m in map(_decode, raw)}
+                    if members:
+                        read[node_id] = members
+                for kind, node_id, member in self._loading.pop(topic):  # what came after the read began
+                    if kind == "join":
+                        read.setdefault(node_id, {})[member.client] = member
+                    else:
+                        read.get(node_id, {}).pop(member.client, None)
+                self._stale.discard(topic)
+                if not self._tracks(topic):
+                    continue
+                known = self.remote.get(topic, {})
+                if topic in self.loaded:  # a reload: tell what changed meanwhile
+                    self._announce_difference(topic, known, read)
+                self.remote[topic] = {n: m for n, m in read.items() if m}
+                self.loaded.add(topic)
+            if long_dead:
+                await self._delete(long_dead)
+        finally:
+            for topic in topics:
+                self._loading.pop(topic, None)
+
+    def _announce_difference(self, topic: str, known: dict[str, dict[str, Member]],
+                             read: dict[str, dict[str, Member]]) -> None:
+        events = self.node.events
+        for node_id, members in known.items():
+            for client, member in members.items():
+                if client not in read.get(node_id, {}):
+                    events.presence_changed(topic, "leave", member)
+        for node_id, members in read.items():
+            for client, member in members.items():
+                if client not in known.get(node_id, {}):
+                    events.presence_changed(topic, "join", member)
+
+    async def sweep(self) -> None:
+        """One round after a heartbeat: read the served `join_leave` topics not read yet, then drop the
+        members of nodes whose heartbeat key is gone, with a `leave` for each (to local subscribers)."""
+        for topic in [t for t in self.remote if not self._tracks(t)]:
+            self.forget(topic)
+        unread = [t for t in self.node.lines
+                  if (t not in self.loaded or t in self._stale) and t not in self._loading and self._tracks(t)]
+        if unread:
+            await self._load(unread)
+        nodes = sorted({n for held in self.remote.values() for n in held})
+        if not nodes:
+            return
+        keys, redis = self.node.keys, self.node.redis
+        pipe = redis.pipeline(transaction=False)
+        for node_id in nodes:
+            pipe.exists(keys.presence_alive(node_id))
+        dead = [n for n, flag in zip(nodes, await pipe.execute()) if not flag]
+        if dead:
+            await self._dead(dead)
+
+    async def _dead(self, dead: Iterable[str]) -> None:
+        """`leave` entries for the members known of the `dead` nodes, then their keys deleted."""
+        gone: list[tuple[str, str]] = []
+        for node_id in dead:
+            for topic, held in self.remote.items():
+                members = held.pop(node_id, None)
+                if members is None:
+                    continue
+                gone.append((topic, node_id))
+                log.info("broker: presence: node %s is gone: %d members of %r leave", node_id, len(members), topic)
+                for member in members.values():
+                    self.swept += 1
+                    self.node.events.presence_changed(topic, "leave", member)
+        await self._delete(gone)
+
+    async def _delete(self, gone: list[tuple[str, str]]) -> None:
+        """Delete dead nodes' keys of topics: done by the one node whose SREM took the dead node out of the
+        topic's node set."""
+        keys, redis = self.node.keys, self.node.redis
+        pipe = redis.pipeline(transaction=False)
+        for topic, node_id in gone:
+            pipe.srem(keys.presence_nodes(topic), node_id)
+        removed = await pipe.execute()
+        mine = [(topic, node_id) for (topic, node_id), n in zip(gone, removed) if n]
+        if mine:
+            pipe = redis.pipeline(transaction=False)
+            for topic, node_id in mine:
+                pipe.delete(*keys.presence_members(topic, node_id))
+            await pipe.execute()
 
     # -- writing -----------------------------------------------------------------------------------------
 
@@ -180,6 +351,10 @@ class RedisPresence:
                 pipe.hset(member_key, mapping={c: _encode(m) for c, m in members.clients.items()})
                 pipe.hset(owner_key, mapping={o: n for o, n in members.owners.items()})
                 pipe.sadd(keys.presence_nodes(topic), node_id)
+                # announced again: a node that swept them (this node's heartbeat had expired) learns them
+                # again; one that still knows them sends no entry (`_remote_event`)
+                for held_member in members.clients.values():
+                    pipe.publish(keys.channel(topic), self._announcement("join", held_member))
         for kind, topic, arg in ops:
             held = self.local.get(topic)
             member_key, owner_key = keys.presence_members(topic, node_id)
@@ -215,6 +390,10 @@ class RedisPresence:
                 continue
             if previous is None and self.local:  # expired meanwhile: readers may have dropped our members
                 self.resync()
+            try:
+                await self.sweep()
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                log.debug("broker: presence sweep failed: %s", exc)
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -264,3 +443,7 @@ def _encode(member: Member) -> bytes:
 def _decode(raw: bytes) -> Member:
     doc = orjson.loads(raw)
     return Member(doc["c"], doc["u"], doc["i"])
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

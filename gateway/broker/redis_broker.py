@@ -463,6 +463,7 @@ class RedisBroker:
 
     def _drop(self, line: Line) -> None:
         self.lines.pop(line.name, None)
+        self.presence_store.forget(line.name)
         if line.task is not None and line.task is not asyncio.current_task():
             line.task.cancel()
         if line.release_timer is not None:

@@ -1,15 +1,18 @@
-"""Presence across two nodes on one real Redis (docs/integration.md, "Presence", "Cluster"): members seen from
-either node, join/leave entries across nodes, and a node killed with -9 whose members leave within the
-heartbeat's TTL (gateway/broker/presence_store.py: 3 s)."""
+"""Presence across nodes on one real Redis (docs/integration.md, "Presence", "Cluster"): members seen from
+either node, join/leave entries across nodes, and a node killed with -9 whose members leave every answer
+within the heartbeat's TTL (gateway/broker/presence_store.py: 3 s), with one `leave` entry each to every
+other node's subscribers within the TTL and a sweep period (4 s)."""
 
 from __future__ import annotations
 
+import signal
 import time
 
+import redis
 from cluster_helpers import collect, send, subscribe
-from gw_helpers import wait_for
+from gw_helpers import recv_entries, wait_for
 
-from gateway.broker.presence_store import ALIVE_TTL_MS
+from gateway.broker.presence_store import ALIVE_TTL_MS, HEARTBEAT_S
 
 RULE = {"rule": {"presence": True, "join_leave": True}}
 
@@ -51,3 +54,77 @@ def test_members_and_join_leave_across_nodes_and_a_killed_node_leaves(nodes):
         assert time.monotonic() - killed < ALIVE_TTL_MS / 1000 + 1.5
         assert a.api("/topics/room/presence")["members"] == [{"user": None, "client": a_id, "info": None}]
         assert b2_id
+
+
+def drain(ws, seconds: float) -> list[dict]:
+    """Every entry that comes within `seconds`."""
+    got: list[dict] = []
+    deadline = time.monotonic() + seconds
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            got += recv_entries(ws, remaining)
+        except TimeoutError:
+            break
+    return got
+
+
+def test_a_killed_nodes_members_leave_with_one_leave_entry_each_on_every_other_node(nodes):
+    """B holds two members, then is killed with -9: A's subscriber (there before B's members, so told of
+    their joins) and C's (subscribed after them: C read them from Redis) each get one `leave` per member of
+    B within the bound (heartbeat TTL + sweep period), and no more; A and C both sweep, one of them deletes
+    B's keys."""
+    a, b, c = nodes.start("a", **RULE), nodes.start("b", **RULE), nodes.start("c", **RULE)
+    with a.ws() as on_a, b.ws() as on_b, b.ws() as on_b2, c.ws() as on_c:
+        b_ids = {client_id(on_b), client_id(on_b2)}
+        c_id = client_id(on_c)
+        subscribe(on_a, "room")
+        subscribe(on_b, "room")
+        subscribe(on_b2, "room")
+        collect(on_a, lambda g: {e["client"] for e in g if e["type"] == "join"} >= b_ids)
+        subscribe(on_c, "room")  # C serves the topic only now: B's members are read from Redis
+        collect(on_a, lambda g: any(e["type"] == "join" and e["client"] == c_id for e in g))
+        time.sleep(2 * HEARTBEAT_S)  # C's next sweep has read the topic
+        b.kill9()
+        killed = time.monotonic()
+        bound = ALIVE_TTL_MS / 1000 + HEARTBEAT_S + 1.0  # + a margin for two busy cores
+        seen = {}
+        for name, ws in (("a", on_a), ("c", on_c)):
+            seen[name] = collect(ws, lambda g: {e["client"] for e in g if e["type"] == "leave"} >= b_ids, timeout=10)
+            assert time.monotonic() - killed < bound, (name, time.monotonic() - killed)
+        time.sleep(2 * HEARTBEAT_S)  # more sweeps on both nodes: no second leave
+        for name, ws in (("a", on_a), ("c", on_c)):
+            entries = seen[name] + drain(ws, 0.3)
+            assert sorted(e["client"] for e in entries if e["type"] == "leave") == sorted(b_ids), (name, entries)
+            assert all(e["type"] in ("leave", "join") for e in entries), entries
+        # B's keys are gone (deleted by a sweep: no `presence` read was made), A's and C's are left
+        client = redis.Redis.from_url(nodes.redis.url)
+        try:
+            assert len(client.keys("*:pm:*")) == len(client.keys("*:pu:*")) == 2
+            assert client.scard(next(iter(client.keys("*:pn")))) == 2
+        finally:
+            client.close()
+        assert c.api("/topics/room/presence")["clients"] == a.api("/topics/room/presence")["clients"] == 2
+
+
+def test_a_node_stalled_past_the_ttl_is_swept_then_announces_its_members_again(nodes):
+    """B stops (SIGSTOP) for longer than the heartbeat's TTL: A's subscriber gets a `leave` for B's member;
+    once B runs again it finds its heartbeat key gone, writes its members again and announces them: one
+    `join`, and the member is listed again."""
+    a, b = nodes.start("a", **RULE), nodes.start("b", **RULE)
+    with a.ws() as on_a, b.ws() as on_b:
+        b_id = client_id(on_b)
+        subscribe(on_a, "room")
+        subscribe(on_b, "room")
+        collect(on_a, lambda g: any(e["type"] == "join" for e in g))
+        assert b.proc is not None
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            got = collect(on_a, lambda g: any(e["type"] == "leave" for e in g), timeout=10)
+            assert [e["client"] for e in got if e["type"] == "leave"] == [b_id]
+            assert a.api("/topics/room/presence")["clients"] == 1
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        got = collect(on_a, lambda g: any(e["type"] == "join" for e in g), timeout=10)
+        got += drain(on_a, 2 * HEARTBEAT_S)
+        assert [(e["type"], e["client"]) for e in got] == [("join", b_id)]
+        assert sorted(m["client"] for m in a.api("/topics/room/presence")["members"]) == sorted([b_id, client_id(on_a)])

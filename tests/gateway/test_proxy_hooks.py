@@ -16,6 +16,7 @@ import orjson
 import pytest
 import uvicorn
 from gw_helpers import auth, collect, recv_entries, send, wait_for, ws_connect
+from sse_client import SseClient
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -265,3 +266,99 @@ def test_disconnect_and_unsubscribe_events_arrive_once_each_with_the_reason(app)
         assert len({e["id"] for e in events}) == 3
         # an explicit unsubscribe only, not the subscription the kick ended
         assert [(e["client"], e["topic"]) for e in app.received["unsubscribe"]] == [(first, "t.a")]
+
+
+def publish(gw, topic: str, data: Any) -> None:
+    r = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"data": data}, headers=auth(gw), timeout=5)
+    assert r.status_code in (200, 201, 202), r.text
+
+
+def test_sse_with_a_grant_opens_as_the_granted_user_and_its_server_side_topic_delivers(app):
+    app.answers["connect"] = {"user": "gina", "subscribe": ["secret.*"], "topics": ["news.s"],
+                              "info": {"team": "red"}}
+    with run_gateway(proxy=proxy_config(app), topics={"rules": RULES}) as gw:
+        with SseClient(gw, "?topics=secret.x", headers={"Cookie": "sid=9"}) as sse:
+            assert sse.status == 200
+            client_id = sse.session()["client_id"]
+            first = sse.collect(lambda got: len([e for e in got if e["type"] == "subscribed"]) >= 2)
+            # the granted topic unasked (id null), the query's topic allowed by the granted pattern
+            assert sorted((e["topic"], e.get("id")) for e in first if e["type"] == "subscribed") == [
+                ("news.s", None), ("secret.x", None)]
+            assert not [e for e in first if e["type"] == "error"]
+            publish(gw, "news.s", {"n": 1})
+            got = sse.collect(lambda got: any(e["type"] == "msg" for e in got))
+            assert [(e["topic"], e["data"]) for e in got if e["type"] == "msg"] == [("news.s", {"n": 1})]
+            assert gw.client_of("gina") == client_id
+            assert info_of(gw, "gina") == {"team": "red"}
+        (call,) = app.received["connect"]
+        assert (call["transport"], call["user"], call["headers"]) == ("sse", None, {"Cookie": "sid=9"})
+        assert call["client"] == client_id
+
+
+def test_the_asgi_websocket_endpoint_passes_the_connect_hook_grant_and_refusal(app):
+    app.answers["connect"] = lambda body: ({"error": {"code": "no", "message": "go away"}}
+                                           if body["headers"].get("Cookie") == "sid=bad"
+                                           else {"user": "ivan", "subscribe": ["secret.*"], "topics": ["news.w"]})
+    with run_gateway(proxy=proxy_config(app), topics={"rules": RULES}, websocket={"direct_write": False}) as gw:
+        assert gw.call(lambda: gw.hub.config.websocket.direct_write) is False
+        with connect(gw.ws_url, additional_headers={"Cookie": "sid=1"}, open_timeout=5) as ws:
+            entries = collect(ws, lambda got: got)
+            assert [(e["type"], e["topic"], e["id"]) for e in entries] == [("subscribed", "news.w", None)]
+            send(ws, op="subscribe", topic="secret.w", id=1)
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+            send(ws, op="rpc", method="whoami", id=2)
+            assert recv_entries(ws)[0]["result"]["user"] == "ivan"
+            publish(gw, "news.w", "hello")
+            got = collect(ws, lambda got: any(e["type"] == "msg" for e in got))
+            assert [(e["topic"], e["data"]) for e in got if e["type"] == "msg"] == [("news.w", "hello")]
+        with connect(gw.ws_url, additional_headers={"Cookie": "sid=bad"}, open_timeout=5) as ws:
+            assert closed_with(ws) == (4003, "go away")
+        wait_for(lambda: gw.call(lambda: len(gw.hub.clients.conns)) == 0, "no client left")
+        assert [(c["transport"], c["headers"]) for c in app.received["connect"]] == [
+            ("ws", {"Cookie": "sid=1"}), ("ws", {"Cookie": "sid=bad"})]
+        # only the granted connection was registered: one disconnect event
+        wait_for(lambda: len(app.received["disconnect"]) == 1, "one disconnect event")
+        assert app.received["disconnect"][0]["user"] == "ivan"
+
+
+def test_connect_always_asks_about_a_client_with_a_token_too(app):
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        if body["user"] == "mallory":
+            return {"error": {"message": "banned"}}
+        return {"user": "", "topics": ["news.t"], "info": {"seen": True}}  # "": keep the token's identity
+
+    app.answers["connect"] = answer
+    with run_gateway(proxy=proxy_config(app, connect_always=True), topics={"rules": RULES}) as gw:
+        token = make_token("henry", subscribe=["secret.*"], info={"plan": "free"})
+        with ws_connect(gw, query=f"?token={token}") as ws:
+            assert [(e["type"], e["topic"]) for e in collect(ws, lambda got: got)] == [("subscribed", "news.t")]
+            send(ws, op="rpc", method="whoami", id=1)
+            assert recv_entries(ws)[0]["result"]["user"] == "henry"
+            send(ws, op="subscribe", topic="secret.h", id=2)  # the token's patterns still hold
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+            assert info_of(gw, "henry") == {"seen": True}  # the backend's info replaces the token's
+        with ws_connect(gw, query=f"?token={make_token('mallory')}") as ws:
+            assert closed_with(ws) == (4003, "banned")
+        r = httpx.post(gw.http_url + "/lp", headers={"Authorization": f"Bearer {make_token('mallory')}"}, timeout=5)
+        assert r.status_code == 403 and r.json()["error"] == {"code": "forbidden", "message": "banned"}
+        with ws_connect(gw) as anonymous:  # and a client without a token, as always
+            assert [e["topic"] for e in collect(anonymous, lambda got: got)] == ["news.t"]
+        assert [(c["user"], c["transport"]) for c in app.received["connect"]] == [
+            ("henry", "ws"), ("mallory", "ws"), ("mallory", "longpoll"), (None, "ws")]
+        calls = app.received["connect"]
+        # a bad token is refused before any call
+        before = len(calls)
+        with connect(gw.ws_url + "?token=not.a.token", open_timeout=5) as ws:
+            assert closed_with(ws)[0] == 4001
+        assert len(app.received["connect"]) == before
+
+
+def test_connect_always_keeps_the_tokens_jti_so_revoking_the_token_closes_the_connection(app):
+    app.answers["connect"] = lambda body: {"user": body["user"], "subscribe": ["secret.*"]}  # the same user
+    with run_gateway(proxy=proxy_config(app, connect_always=True), topics={"rules": RULES}) as gw:
+        with ws_connect(gw, query=f"?token={make_token('judy', jti='t-1')}") as ws:
+            send(ws, op="subscribe", topic="secret.j", id=1)  # the grant's pattern
+            assert recv_entries(ws)[0]["type"] == "subscribed"
+            r = httpx.post(f"{gw.http_url}/api/revocations", json={"jti": "t-1"}, headers=auth(gw), timeout=5)
+            assert r.status_code == 201 and r.json()["disconnected"] == 1, r.text
+            assert closed_with(ws)[0] == 4010
