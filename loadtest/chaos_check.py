@@ -108,6 +108,8 @@ def check_stream(client: str, topic: str, kind: str, events: Sequence[Mapping[st
                     epoch_loss_seen = True
                 continue
             a, b = int(a), int(b)
+            if reason == "gap":  # fanout_client's own notice of a hole the gateway did not announce
+                violation("gap", a, b, "seen by the client library (no loss notice from the gateway)")
             stats.lost_seqs += max(0, b - a)
             if nxt is None:
                 nxt = b
