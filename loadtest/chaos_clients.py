@@ -490,7 +490,10 @@ class FaultyProxy:
             return
         self.conns |= {writer, up_w}
         tasks = [asyncio.create_task(self._pipe(reader, up_w)), asyncio.create_task(self._pipe(up_r, writer))]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            pass
         for t in tasks:
             t.cancel()
         for w in (writer, up_w):
