@@ -252,6 +252,8 @@ class Chaos:
         self.samples: list[dict[str, Any]] = []
         self.wipes: list[float] = []
         self.t0 = 0.0
+        #: the records of the streams a violation names (written to violating-records.json)
+        self.violating: dict[str, list[dict[str, Any]]] = {}
 
     def say(self, text: str) -> None:
         print(f"[{time.time() - self.t0:7.1f}s] {text}", flush=True)
@@ -418,6 +420,12 @@ class Chaos:
         users = {c.name: c.rec.user for c in self.clients if c.rec.user}
         result = check_all(records, kinds, users, dict(self.acc.private), rings,
                            {t: dict(v) for t, v in self.acc.ring.items()}, self.wipes)
+        bad = {(v.client, v.topic) for v in result.violations}
+        bad_users = {v.client for v in result.violations if v.kind.startswith("private")}
+        self.violating = {f"{c}/{t}": ev for c, ts in records.items() for t, ev in ts.items()
+                          if (c, t) in bad or (users.get(c) in bad_users and kinds.get(t) == "private")}
+        self.violating["accepted"] = [{"user": u, "topic": t, "accepted": v} for (u, t), v in self.acc.private.items()
+                                      if u in bad_users]
         return {
             "duration_s": self.duration, "faults": [f.__dict__ for f in self.fault_log],
             "check": result.as_json(),
@@ -594,6 +602,8 @@ def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_
     result["seed"] = seed
     if out is not None:
         (out / "chaos.json").write_text(json.dumps(result, indent=1, default=str))
+        if result["check"]["violations"]:
+            (out / "violating-records.json").write_text(json.dumps(chaos.violating, default=str))
     return result
 
 
