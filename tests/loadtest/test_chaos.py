@@ -37,4 +37,4 @@ def test_chaos_short_form_no_violation_every_client_served_again_bounded_growth(
     for process, g in result["growth"].items():
         if process.startswith("node") and g["span_s"] >= 40:
             assert g["rss"]["growth_pct"] <= 10.0, (process, g)
-            assert g["fds"]["end"] <= g["fds"]["start"] * 1.1 + 10, (process, g)
+            assert g["fds"]["end"] <= g["fds"]["start"] * 1.1 + 15, (process, g)
