@@ -10,6 +10,7 @@
     python -m loadtest core | rawtcp [...]       the core and raw-TCP benchmarks (their own flags)
     python -m loadtest cluster [--clients N]     in-process vs Redis vs 2 workers; cross-node latency; kill -9 recovery
     python -m loadtest idle-memory [--clients N] [--crowds K]  memory per idle WebSocket client, and after K crowds leave
+    python -m loadtest chaos [--duration S] [--faults a,b] [--seed N]  faults on 2 nodes, then the invariant
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ if TYPE_CHECKING:  # imported when a command needs them (the CLI starts without 
 
 #: subcommands owned by other modules, imported only when asked for
 DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "wsbench": "loadtest.wsbench",
-             "idle-memory": "loadtest.idle_memory", "cluster": "loadtest.cluster_bench"}
+             "idle-memory": "loadtest.idle_memory", "cluster": "loadtest.cluster_bench",
+             "chaos": "loadtest.chaos"}
 #: exit status when a run saw silent loss: the one figure that is a broken promise, not a slow one
 EXIT_SILENT_LOSS = 3
 

@@ -1,0 +1,632 @@
+"""``fanout-loadtest chaos``: faults on a two-node cluster under load, then the invariant (docs/reliability.md).
+
+Starts redis-server (append-only file, fsync always: a restart keeps what it accepted) and two gateway nodes
+on it, a faulty TCP proxy in front of each node, clients on every transport (raw WebSocket, SSE, long-poll,
+fanout_client) on ring, snapshot and private topics, publishers on the TCP ingest and the admin API; runs
+the fault schedule for ``--duration`` seconds; samples RSS and open files of every process and Redis's
+memory every ``--sample`` seconds; then reads every ring once more and checks (loadtest/chaos_check.py).
+Exit status 0 when nothing was violated, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from websockets.asyncio.client import connect as ws_connect
+
+from loadtest.chaos_check import check_all
+from loadtest.chaos_clients import (
+    Accepted,
+    AdminPublisher,
+    FaultyProxy,
+    IngestPublisher,
+    LibClient,
+    LpClient,
+    SseClient,
+    WsClient,
+    ws_burst,
+)
+
+ADMIN = "chaos-admin-token"
+SECRET = "chaos-jwt-secret-0123456789abcdef0123456789"
+FAULTS = ("node-kill", "redis-restart", "redis-wipe", "path-delay", "path-cut", "path-stall", "slow-reader",
+          "storm", "burst", "takeover", "crowd")
+RING = ["chaos.ring.0", "chaos.ring.1"]
+SNAP = "chaos.snap"
+PRIVATE = "private.chaos"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Redis:
+    """redis-server with an append-only file; restartable on the same port, with or without its data."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir / "redis"
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
+                                     stdout=open(self.dir.parent / "redis.log", "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                if self.command("PING").startswith("+PONG"):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def command(self, *args: str) -> str:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
+            sock.sendall(("*%d\r\n" % len(args) + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)).encode())
+            data = b""
+            while True:
+                chunk = sock.recv(65536)
+                data += chunk
+                if not chunk or data.endswith(b"\r\n") and (not data.startswith(b"$") or data.count(b"\r\n") >= 2):
+                    return data.decode(errors="replace")
+
+    def used_memory(self) -> int | None:
+        try:
+            for line in self.command("INFO", "memory").splitlines():
+                if line.startswith("used_memory:"):
+                    return int(line.split(":")[1])
+        except OSError:
+            return None
+        return None
+
+    def kill(self, wipe: bool = False) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(5)
+        if wipe:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Node:
+    """One `python -m gateway serve` on fixed ports (a restart comes back where clients look for it)."""
+
+    def __init__(self, name: str, workdir: Path, redis_url: str) -> None:
+        self.name = name
+        self.dir = workdir / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port, self.ingest_port = free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        (self.dir / "gateway.toml").write_text(f"""[server]
+host = "127.0.0.1"
+port = {self.port}
+admin_token = "{ADMIN}"
+log_level = "warning"
+max_connections_per_ip = 0
+[websocket]
+blocked_timeout_s = 4.0
+[longpoll]
+max_sessions_per_ip = 0
+poll_timeout_s = 5.0
+[sse]
+max_sessions_per_ip = 0
+heartbeat_s = 2.0
+[ingest]
+port = {self.ingest_port}
+[rawtcp]
+enabled = false
+[auth]
+jwt_secret = "{SECRET}"
+rate_per_ip = 1000.0
+burst_per_ip = 1000
+[limits]
+publish_rate = 20.0
+publish_burst = 20
+topic_create_rate = 100.0
+[broker]
+url = "{redis_url}"
+connect_timeout_s = 20.0
+[[topics.rules]]
+pattern = "private.*"
+kind = "private"
+max_count = 256
+[[topics.rules]]
+pattern = "chaos.snap*"
+kind = "snapshot"
+anonymous = true
+[[topics.rules]]
+pattern = "*"
+kind = "ring"
+capacity = 256
+anonymous = true
+client_publish = true
+""")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        ready = self.dir / "ready.json"
+        ready.unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(self.dir / "gateway.toml"),
+                                      "--ready-file", str(ready)], env={**env, "PYTHONSAFEPATH": "1"},
+                                     stdout=open(self.dir / "gateway.log", "ab"), stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 40
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"node {self.name} did not start: {self.log()[-2000:]}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        path = self.dir / "gateway.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def proc_sample(pid: int) -> tuple[int, int] | None:
+    """(RSS bytes, open file descriptors) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, StopIteration):
+        return None
+
+
+@dataclass
+class FaultRecord:
+    name: str
+    start: float
+    healed: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def token_for(user: str) -> str:
+    from gateway.config import load_config
+    from gateway.operator_tools import mint_token
+
+    path = Path(tempfile.mkdtemp(prefix="chaos-tok-")) / "c.toml"
+    path.write_text(f'[auth]\njwt_secret = "{SECRET}"\n')
+    try:
+        return mint_token(load_config(str(path)), user, subscribe=["*"], publish=["*"], ttl=86400)
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+class Chaos:
+    def __init__(self, workdir: Path, duration: float, faults: list[str], seed: int, sample_s: float,
+                 warmup: float) -> None:
+        self.workdir = workdir
+        self.duration = duration
+        self.faults = faults
+        self.rng = random.Random(seed)
+        self.sample_s = sample_s
+        self.warmup = warmup
+        self.redis = Redis(workdir)
+        self.nodes: list[Node] = []
+        self.proxies: list[FaultyProxy] = []
+        self.acc = Accepted()
+        self.fault_log: list[FaultRecord] = []
+        self.samples: list[dict[str, Any]] = []
+        self.wipes: list[float] = []
+        self.t0 = 0.0
+        #: the records of the streams a violation names (written to violating-records.json)
+        self.violating: dict[str, list[dict[str, Any]]] = {}
+
+    def say(self, text: str) -> None:
+        print(f"[{time.time() - self.t0:7.1f}s] {text}", flush=True)
+
+    async def run(self) -> dict[str, Any]:
+        self.t0 = time.time()
+        self.redis.start()
+        self.nodes = [Node("a", self.workdir, self.redis.url), Node("b", self.workdir, self.redis.url)]
+        for node in self.nodes:
+            await asyncio.to_thread(node.start)
+        self.proxies = [FaultyProxy(n.port) for n in self.nodes]
+        for p in self.proxies:
+            await p.start()
+        pa, pb = self.proxies[0].url, self.proxies[1].url
+        shared = [*RING, SNAP]
+        tok = {u: token_for(u) for u in ("u0", "u1")}
+        self.clients: list[Any] = [
+            WsClient("ws-a1", [pa, pb], shared), WsClient("ws-b1", [pb, pa], shared),
+            WsClient("ws-slow", [pa, pb], shared),
+            WsClient("priv-u0-a", [pa, pb], [*shared, PRIVATE], token=tok["u0"], user="u0", private=(PRIVATE,)),
+            WsClient("priv-u0-b", [pb, pa], [*shared, PRIVATE], token=tok["u0"], user="u0", private=(PRIVATE,)),
+            SseClient("sse-a", [pa, pb], shared), SseClient("sse-b", [pb, pa], shared),
+            LpClient("lp-a", [pa, pb], shared), LpClient("lp-b", [pb, pa], shared),
+            LibClient("lib-a", pa, [*shared, PRIVATE], token=tok["u1"], user="u1"),
+        ]
+        self.clients[4].holds.clear()  # u0's second connection waits for its turn (the takeover fault)
+        tasks = [asyncio.create_task(c.run()) for c in self.clients]
+        await asyncio.sleep(2.0)  # subscriptions (and private queues) exist before the publishers start
+        ingest = IngestPublisher("ingest", [n.ingest_port for n in self.nodes], RING, 60.0, self.acc)
+        admin = AdminPublisher("admin", [n.url for n in self.nodes], ADMIN, RING[:1], [SNAP],
+                               [("u0", PRIVATE), ("u1", PRIVATE)], 5.0, self.acc)
+        publishers: list[Any] = [ingest, admin]
+        ptasks = [asyncio.create_task(p.run()) for p in publishers]
+        sampler = asyncio.create_task(self.sample_loop())
+        end = time.monotonic() + self.duration
+        self.say(f"warm-up {self.warmup:g} s; {len(self.clients)} clients, faults: {', '.join(self.faults)}")
+        await asyncio.sleep(self.warmup)
+        i = 0
+        while self.faults and time.monotonic() < end - 20:
+            name = self.faults[i % len(self.faults)]
+            i += 1
+            start = time.time()
+            self.say(f"fault {name}")
+            detail = await self.inject(name) or {}
+            self.fault_log.append(FaultRecord(name, start, time.time(), detail))
+            await asyncio.sleep(min(max(0.0, end - 20 - time.monotonic()), self.rng.uniform(6.0, 9.0)))
+        await asyncio.sleep(max(0.0, end - 6 - time.monotonic()))
+        for p in publishers:
+            p.stop_event.set()
+        await asyncio.gather(*ptasks, return_exceptions=True)
+        await asyncio.sleep(5.0)  # the last deliveries, long-polls included
+        rings = {t: await self.read_ring(t) for t in RING}
+        for c in self.clients:
+            c.stop_event.set()
+            if isinstance(c, WsClient) and c.ws is not None:
+                await c.ws.close()
+        await asyncio.wait(tasks, timeout=20)
+        sampler.cancel()
+        for p in self.proxies:
+            await p.close()
+        return self.finish(rings)
+
+    async def sample_loop(self) -> None:
+        while True:
+            row: dict[str, Any] = {"t": time.time()}
+            for node in self.nodes:
+                if node.proc is not None and node.proc.poll() is None:
+                    got = proc_sample(node.proc.pid)
+                    if got:
+                        row[f"node-{node.name}"] = {"pid": node.proc.pid, "rss": got[0], "fds": got[1]}
+            if self.redis.proc is not None and self.redis.proc.poll() is None:
+                got = proc_sample(self.redis.proc.pid)
+                mem = await asyncio.to_thread(self.redis.used_memory)
+                if got:
+                    row["redis"] = {"pid": self.redis.proc.pid, "rss": got[0], "fds": got[1], "used_memory": mem}
+            self.samples.append(row)
+            await asyncio.sleep(self.sample_s)
+
+    async def inject(self, name: str) -> dict[str, Any] | None:
+        b = self.nodes[1]
+        pa = self.proxies[0]
+        if name == "node-kill":
+            b.kill9()
+            await asyncio.sleep(1.5)
+            await asyncio.to_thread(b.start)
+        elif name in ("redis-restart", "redis-wipe"):
+            wipe = name == "redis-wipe"
+            if wipe:
+                self.wipes.append(time.time())
+            self.redis.kill(wipe=wipe)
+            await asyncio.sleep(2.0)
+            await asyncio.to_thread(self.redis.start)
+        elif name == "path-delay":
+            pa.delay = 0.3
+            await asyncio.sleep(6.0)
+            pa.delay = 0.0
+        elif name == "path-cut":
+            pa.cut(2.0)
+            await asyncio.sleep(2.0)
+        elif name == "path-stall":
+            pa.stalled = True
+            await asyncio.sleep(5.0)
+            pa.stalled = False
+        elif name == "slow-reader":
+            slow = next(c for c in self.clients if c.name == "ws-slow")
+            slow.stall_until = time.monotonic() + 8.0
+            await asyncio.sleep(8.0)
+        elif name == "storm":
+            for c in self.clients:
+                if isinstance(c, LibClient):
+                    if c.client is not None and c.client._ws is not None:
+                        await c.client._ws.close()
+                else:
+                    c.kick.set()
+                    if isinstance(c, WsClient) and c.ws is not None:
+                        await c.ws.close()
+        elif name == "burst":
+            answers = await ws_burst(self.nodes[0].url, RING[1], 300, self.acc)
+            async with httpx.AsyncClient(timeout=15, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+                base = 1_000_000 + len(self.fault_log) * 1000
+                msgs = [{"p": "burst-admin", "n": base + k, "t": time.time()} for k in range(200)]
+                reply = await http.post(f"{self.nodes[0].url}/api/topics/{RING[1]}/publish",
+                                        content=orjson.dumps({"messages": msgs}))
+                if reply.status_code == 200:
+                    self.acc.ring[RING[1]]["burst-admin"].extend(base + k for k in range(200))
+            return {"ws_answers": answers, "admin_status": reply.status_code}
+        elif name == "takeover":
+            a, b2 = (c for c in self.clients if c.name.startswith("priv-u0"))
+            taker = b2 if PRIVATE in a.holds else a
+            taker.take_over()
+            return {"taker": taker.name}
+        elif name == "crowd":
+            async def one() -> None:
+                try:
+                    async with ws_connect(self.nodes[0].url.replace("http", "ws") + "/ws", compression=None,
+                                          open_timeout=5) as ws:
+                        await ws.send(orjson.dumps({"op": "subscribe", "topic": RING[0]}).decode())
+                        await asyncio.sleep(3.0)
+                except OSError:
+                    pass
+            await asyncio.gather(*(one() for _ in range(100)))
+        return None
+
+    async def read_ring(self, topic: str) -> list[dict[str, Any]]:
+        """The topic's retained messages now: its range from the admin API, then a subscribe from its start."""
+        node = self.nodes[0]
+        async with httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+            info = (await http.get(f"{node.url}/api/topics/{topic}")).json()
+        epoch, end = info["epoch"], int(info["end"])
+        got: list[dict[str, Any]] = []
+        async with ws_connect(node.url.replace("http", "ws") + "/ws", max_size=None, compression=None) as ws:
+            await ws.send(orjson.dumps({"op": "subscribe", "topic": topic,
+                                        "since": {"epoch": epoch, "seq": 0}}).decode())
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and (not got or got[-1]["seq"] < end - 1):
+                for e in orjson.loads(await asyncio.wait_for(ws.recv(), 15)):
+                    if e.get("type") == "msg" and e.get("topic") == topic:
+                        got.append({"ev": "msg", "seq": e["seq"], "data": e["data"]})
+        return got
+
+    def finish(self, rings: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        kinds = {t: "ring" for t in RING} | {SNAP: "snapshot", PRIVATE: "private"}
+        records = {c.name: dict(c.rec.events) for c in self.clients}
+        users = {c.name: c.rec.user for c in self.clients if c.rec.user}
+        result = check_all(records, kinds, users, dict(self.acc.private), rings,
+                           {t: dict(v) for t, v in self.acc.ring.items()}, self.wipes)
+        bad = {(v.client, v.topic) for v in result.violations}
+        bad_users = {v.client for v in result.violations if v.kind.startswith("private")}
+        self.violating = {f"{c}/{t}": ev for c, ts in records.items() for t, ev in ts.items()
+                          if (c, t) in bad or (users.get(c) in bad_users and kinds.get(t) == "private")}
+        self.violating["accepted"] = [{"user": u, "topic": t, "accepted": v} for (u, t), v in self.acc.private.items()
+                                      if u in bad_users]
+        return {
+            "duration_s": self.duration, "faults": [f.__dict__ for f in self.fault_log],
+            "check": result.as_json(),
+            "recovery": recovery(self.fault_log, self.clients),
+            "clients": {c.name: {"transport": c.rec.transport, "connects": c.rec.connects,
+                                 "closes": close_counts(c.rec.closes)} for c in self.clients},
+            "published": {"ring_accepted": {t: {p: len(ns) for p, ns in v.items()} for t, v in self.acc.ring.items()},
+                          "private_accepted": {f"{u}/{t}": len(v) for (u, t), v in self.acc.private.items()},
+                          "refused": dict(self.acc.refused), "uncertain": dict(self.acc.uncertain)},
+            "growth": growth(self.samples, self.warmup),
+            "samples": self.samples,
+            "logs": scan_logs([n.dir / "gateway.log" for n in self.nodes]),
+            "ring_sizes": {t: len(r) for t, r in rings.items()},
+        }
+
+
+def close_counts(closes: list[tuple[float, int, str]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for _, code, reason in closes:
+        key = f"{code} {reason}".strip()
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def recovery(faults: list[FaultRecord], clients: list[Any]) -> dict[str, Any]:
+    """Per fault: for each client, the time from the fault's end to the first message published after it
+    that reached the client; loss notices and closes in the fault's window (until the next fault)."""
+    per: dict[str, dict[str, Any]] = {}
+    for i, f in enumerate(faults):
+        window_end = faults[i + 1].start if i + 1 < len(faults) else float("inf")
+        entry = per.setdefault(f.name, {"times": [], "unserved": 0, "losses": {}, "lost_seqs": 0, "closes": {},
+                                        "count": 0, "duration_s": []})
+        entry["count"] += 1
+        entry["duration_s"].append(f.healed - f.start)
+        for c in clients:
+            first = None
+            for topic, events in c.rec.events.items():
+                for e in events:
+                    t = e.get("t", 0.0)
+                    if not (f.start <= t < window_end):
+                        continue
+                    if e["ev"] == "msg" and topic != PRIVATE and isinstance(e["data"], dict) and \
+                            e["data"].get("t", 0) >= f.healed:
+                        first = t if first is None else min(first, t)
+                        break
+                    if e["ev"] == "loss":
+                        entry["losses"][e["reason"]] = entry["losses"].get(e["reason"], 0) + 1
+                        if e["to"] is not None:
+                            entry["lost_seqs"] += e["to"] - e["from"]
+            if first is None:
+                entry["unserved"] += 1
+            else:
+                entry["times"].append(max(0.0, first - f.healed))
+            for t, code, reason in c.rec.closes:
+                if f.start <= t < window_end:
+                    key = f"{code} {reason}".strip()
+                    entry["closes"][key] = entry["closes"].get(key, 0) + 1
+    out = {}
+    for name, e in per.items():
+        times = e.pop("times")
+        e["duration_s"] = round(statistics.mean(e["duration_s"]), 2)
+        e["recovery_s"] = ({"p50": round(_pct(times, 0.5), 3), "p99": round(_pct(times, 0.99), 3),
+                            "max": round(max(times), 3), "n": len(times)} if times else None)
+        out[name] = e
+    return out
+
+
+def growth(samples: list[dict[str, Any]], warmup: float) -> dict[str, Any]:
+    """Per process (name and pid: a restarted node is another process): RSS and descriptors at the first
+    samples after the warm-up and at the last ones (means of 3), and the change in percent."""
+    if not samples:
+        return {}
+    t_start = samples[0]["t"] + warmup
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row in samples:
+        if row["t"] < t_start:
+            continue
+        for key, val in row.items():
+            if key != "t":
+                series.setdefault(f"{key} pid {val['pid']}", []).append({**val, "t": row["t"]})
+    out = {}
+    for key, rows in series.items():
+        if len(rows) < 6:
+            continue
+        first, last = rows[:3], rows[-3:]
+        entry: dict[str, Any] = {"samples": len(rows), "span_s": round(rows[-1]["t"] - rows[0]["t"], 1)}
+        for metric in ("rss", "fds", "used_memory"):
+            a = [r[metric] for r in first if r.get(metric) is not None]
+            b = [r[metric] for r in last if r.get(metric) is not None]
+            if a and b:
+                ma, mb = statistics.mean(a), statistics.mean(b)
+                entry[metric] = {"start": round(ma), "end": round(mb), "growth_pct": round((mb - ma) / ma * 100, 1)}
+        out[key] = entry
+    return out
+
+
+def scan_logs(paths: list[Path]) -> dict[str, Any]:
+    """Tracebacks and ERROR lines in the gateways' logs (CRITICAL too)."""
+    found: list[str] = []
+    for path in paths:
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if "Traceback" in line or " ERROR " in line or " CRITICAL " in line:
+                found.append(f"{path.parent.name}: {line[:300]}")
+    return {"bad_lines": len(found), "first": found[:20]}
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = []
+    check = result["check"]
+    lines.append(f"violations: {len(check['violations'])}")
+    for v in check["violations"][:50]:
+        lines.append(f"  {v['kind']}: client {v['client']} topic {v['topic']} [{v['from_seq']}, {v['to_seq']}) "
+                     f"{v['detail']}")
+    if check["expected_losses"]:
+        lines.append(f"expected (documented) losses: {len(check['expected_losses'])}")
+    lines.append("recovery per fault (s from the fault's end to a message published after it, per client):")
+    lines.append(f"  {'fault':14} {'n':>2} {'lasts':>6} {'p50':>7} {'p99':>7} {'max':>7} {'unserved':>8}  "
+                 "loss notices (seqs)  closes")
+    for name, e in result["recovery"].items():
+        r = e["recovery_s"] or {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+        losses = ", ".join(f"{k} {v}" for k, v in sorted(e["losses"].items())) or "-"
+        closes = ", ".join(f"{k}: {v}" for k, v in sorted(e["closes"].items())) or "-"
+        lines.append(f"  {name:14} {e['count']:>2} {e['duration_s']:>6.1f} {r['p50']:>7.3f} {r['p99']:>7.3f} "
+                     f"{r['max']:>7.3f} {e['unserved']:>8}  {losses} ({e['lost_seqs']})  {closes}")
+    lines.append("growth after warm-up (first vs last samples):")
+    for key, g in result["growth"].items():
+        parts = [f"{m} {g[m]['start']}->{g[m]['end']} ({g[m]['growth_pct']:+.1f}%)" for m in ("rss", "fds", "used_memory")
+                 if m in g]
+        lines.append(f"  {key:24} {g['span_s']:>6.0f} s  " + ", ".join(parts))
+    lines.append(f"log lines with a traceback or ERROR: {result['logs']['bad_lines']}")
+    for line in result["logs"]["first"][:10]:
+        lines.append(f"  {line}")
+    pub = result["published"]
+    lines.append(f"published: ring {pub['ring_accepted']}, private {pub['private_accepted']}, refused "
+                 f"{pub['refused']}, uncertain {pub['uncertain']}")
+    return "\n".join(lines)
+
+
+def parse_faults(text: str) -> list[str]:
+    if text in ("all", ""):
+        return list(FAULTS) if text == "all" else []
+    names = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    return names
+
+
+def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_s: float = 5.0,
+        warmup: float | None = None, keep: bool = False) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
+    warm = warmup if warmup is not None else min(60.0, max(10.0, duration * 0.15))
+    chaos = Chaos(workdir, duration, faults, seed, sample_s, warm)
+    try:
+        result = asyncio.run(chaos.run())
+    finally:
+        for node in chaos.nodes:
+            node.stop()
+        chaos.redis.kill()
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            for node in chaos.nodes:
+                if (node.dir / "gateway.log").exists():
+                    shutil.copy(node.dir / "gateway.log", out / f"gateway-{node.name}.log")
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result["seed"] = seed
+    if out is not None:
+        (out / "chaos.json").write_text(json.dumps(result, indent=1, default=str))
+        if result["check"]["violations"]:
+            (out / "violating-records.json").write_text(json.dumps(chaos.violating, default=str))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fanout-loadtest chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=1800.0, help="seconds (default 1800: the soak)")
+    parser.add_argument("--faults", type=parse_faults, default=list(FAULTS),
+                        help=f"comma-separated, in turn (default all: {','.join(FAULTS)}); '' for none")
+    parser.add_argument("--out", type=Path, help="results directory (default results/chaos-TIME)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the pauses between faults")
+    parser.add_argument("--sample", type=float, default=5.0, help="seconds between RSS / fd / Redis samples")
+    parser.add_argument("--warmup", type=float, help="seconds before faults and growth counting "
+                        "(default 15%% of the duration, 10 to 60)")
+    args = parser.parse_args(argv)
+    if not (shutil.which("redis-server") or os.path.exists("/usr/bin/redis-server")):
+        print("redis-server is missing (make redis installs it)", file=sys.stderr)
+        return 2
+    out = args.out or Path("results") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = run(args.duration, args.faults, out, args.seed, args.sample, args.warmup)
+    print(report(result))
+    print(f"written: {out / 'chaos.json'}")
+    return 1 if result["check"]["violations"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
