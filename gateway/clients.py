@@ -20,22 +20,25 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from core import CoreUsageError, RequestError
+from core.entries import encode_reply
 
 from . import close_codes
 from .auth import Principal, TokenVerifier
 from .broker import Broker
 from .config import GatewayConfig
-from .errors import BackendUnavailable, BadRequest, BadToken, TokenExpired
+from .errors import BackendUnavailable, BadRequest, BadToken, InternalError, TokenExpired
 from .proxy import Proxy, Refused
 from .revocations import Revocation
 from .scheduler import Connection, Scheduler
 
 log = logging.getLogger("gateway")
+
+T = TypeVar("T")
 
 
 class ClientRegistry:
@@ -153,6 +156,27 @@ class ClientRegistry:
 
     def send_error(self, client_id: Hashable, exc: RequestError, request_id: object = None) -> None:
         self.scheduler.send_error(client_id, exc, request_id)
+
+    def reply_when_done(self, client_id: Hashable, request_id: Any, future: asyncio.Future[T],
+                        result: Callable[[T], Any], what: str) -> None:
+        """Answer a command whose outcome is `future` (now, or when the broker answers): its `reply` with
+        `result(value)`, or its error entry; nothing once the client is gone."""
+
+        def answer(done: asyncio.Future[T]) -> None:
+            if client_id not in self.conns:
+                return
+            exc = done.exception()
+            if isinstance(exc, RequestError):
+                self.send_error(client_id, exc, request_id)
+            elif exc is not None:
+                self.send_error(client_id, InternalError(f"{what} failed: {exc}"), request_id)
+            else:
+                self.send_direct(client_id, encode_reply(request_id, result(done.result())))
+
+        if future.done():
+            answer(future)
+        else:
+            future.add_done_callback(answer)
 
     # -- identity ------------------------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ asked of its `ClientIdentity` (gateway/identity.py), the one place permissions l
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -23,9 +22,8 @@ from core.entries import encode_reply
 from core.errors import DirectQueueFull, RequestError, UnknownTopic
 
 from . import close_codes, schema
-from .errors import BadCommand, BadJson, Forbidden, InternalError, RateLimited, RpcError, UnknownMethod
+from .errors import BadCommand, BadJson, Forbidden, RateLimited, RpcError, UnknownMethod
 from .identity import ClientIdentity
-from .presence import PresenceView
 from .proxy import Allowed as ProxyAllowed
 from .proxy import PublishAnswer, Refused, RpcAnswer
 from .ratelog import TokenBucket
@@ -181,21 +179,8 @@ def _presence(hub: "Hub", identity: ClientIdentity, command: schema.Presence | s
     client_id, request_id = identity.client_id, command.id
     future = hub.broker.presence.view(name, hub.config.limits.presence_max_members)
 
-    def answer(done: asyncio.Future[PresenceView]) -> None:
-        if client_id not in hub.clients.conns:
-            return
-        exc = done.exception()
-        if isinstance(exc, RequestError):
-            hub.clients.send_error(client_id, exc, request_id)
-        elif exc is not None:
-            hub.clients.send_error(client_id, InternalError(f"presence failed: {exc}"), request_id)
-        else:
-            hub.clients.send_direct(client_id, encode_reply(request_id, done.result().as_dict(with_members=with_members)))
-
-    if future.done():
-        answer(future)
-    else:
-        future.add_done_callback(answer)
+    hub.clients.reply_when_done(client_id, request_id, future,
+                                lambda view: view.as_dict(with_members=with_members), "presence")
 
 
 def _rpc(hub: "Hub", identity: ClientIdentity, method: str, params: Any) -> Any:

@@ -12,13 +12,11 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
-from core import Published, RequestError, TopicConfig
-from core.entries import encode_reply
+from core import Published, TopicConfig
 from core.topics import Topic
 
 from .broker import Broker
 from .clients import ClientRegistry
-from .errors import InternalError
 from .identity import ClientIdentity
 from .scheduler import Scheduler
 from .topic_budget import CreationBudget
@@ -88,21 +86,7 @@ class TopicRouter:
         conn = self.clients.conns.get(client_id)
         future = self.publish(topic, data, creator=conn.identity if conn is not None else None)
 
-        def answer(done: asyncio.Future[Published]) -> None:
-            if client_id not in self.clients.conns:
-                return
-            exc = done.exception()
-            if isinstance(exc, RequestError):
-                self.scheduler.send_error(client_id, exc, request_id)
-            elif exc is not None:
-                self.scheduler.send_error(client_id, InternalError(f"publish failed: {exc}"), request_id)
-            else:
-                self.scheduler.send_direct(client_id, encode_reply(request_id, {"seq": done.result().seq}))
-
-        if future.done():
-            answer(future)
-        else:
-            future.add_done_callback(answer)
+        self.clients.reply_when_done(client_id, request_id, future, lambda published: {"seq": published.seq}, "publish")
 
     # -- topics (admin API) ----------------------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from core.errors import RequestError
@@ -143,6 +145,20 @@ def backend_for(hub: Hub, identity: ClientIdentity) -> Proxy | None:
     registered), or None: no connect hook, or a client with a token without `connect_always`."""
     proxy = hub.proxy
     return proxy if proxy is not None and proxy.wants_connect(identity) else None
+
+
+async def http_backend_refusal(hub: Hub, identity: ClientIdentity, request: Request) -> Response | None:
+    """The connect hook for an HTTP transport (long-poll, SSE), when this client must pass it: None once the
+    backend admitted it, else the answer: 403 `forbidden` (refused), 503 `backend_unavailable` with
+    `Retry-After` (no answer in time)."""
+    proxy = backend_for(hub, identity)
+    if proxy is None:
+        return None
+    try:
+        await proxy.connect(identity, request.headers.getlist)
+    except RequestError as exc:
+        return error_response(exc, proxy.retry_after if exc.http_status == 503 else None)
+    return None
 
 
 def close_reason(exc: RequestError) -> str:

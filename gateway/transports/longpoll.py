@@ -26,7 +26,7 @@ from ..errors import BadAck, BadJson, Closed, UnknownSession
 from ..http_errors import error_response
 from ..hub import Hub
 from ..identity import ClientIdentity
-from .handshake import backend_for, open_client
+from .handshake import http_backend_refusal, open_client
 from .sessions import new_secret
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
@@ -135,12 +135,9 @@ async def create_session(request: Request) -> Response:
         identity = open_client(hub, "longpoll", request.client, authorization=request.headers.get("authorization", ""))
     except RequestError as exc:  # 401 for a refused token, 429 / 503 (retry later) for the others
         return error_response(exc, {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else RETRY_LATER)
-    proxy = backend_for(hub, identity)
-    if proxy is not None:
-        try:
-            await proxy.connect(identity, request.headers.getlist)
-        except RequestError as exc:  # 403 forbidden (refused), 503 backend_unavailable
-            return error_response(exc, proxy.retry_after if exc.http_status == 503 else None)
+    refusal = await http_backend_refusal(hub, identity, request)
+    if refusal is not None:
+        return refusal
     session = LongPollSession(hub, identity, request.app.state.session_prefix)
     hub.clients.register(session, ready=False)
     return JSONResponse({"session": session.secret, "client_id": identity.client_id}, status_code=201)

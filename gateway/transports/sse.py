@@ -41,7 +41,7 @@ from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import SCOPE_KEY, GuardedHttpToolsProtocol
 from ..session_tables import Checkpoints
-from .handshake import backend_for, open_client
+from .handshake import http_backend_refusal, open_client
 from .longpoll import accept_commands
 from .sessions import new_secret
 from .staging import StagedWriter, tune_stream
@@ -435,12 +435,9 @@ async def stream(request: Request) -> Response:
         if exc.close_code is None:  # too many streams from this address: before the stream, an HTTP error
             return error_response(exc, RETRY_LATER)
         return close_only(exc.close_code, exc.message)  # ?id=, the token: a stream an EventSource can read
-    proxy = backend_for(hub, identity)
-    if proxy is not None:
-        try:
-            await proxy.connect(identity, request.headers.getlist)
-        except RequestError as exc:  # 403 forbidden (refused), 503 backend_unavailable
-            return error_response(exc, proxy.retry_after if exc.http_status == 503 else None)
+    refusal = await http_backend_refusal(hub, identity, request)
+    if refusal is not None:
+        return refusal
     proto = request.scope.get("extensions", {}).get(SCOPE_KEY)
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
         raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.netguard.GuardedHttpToolsProtocol)")
