@@ -71,11 +71,9 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
             raise BadCommand("`since.seq` must be in [0, 2**53)")
         since = (command.since.epoch, command.since.seq)
     config = _topic_config(hub, name)
-    if command.ack and config.kind is not TopicKind.PRIVATE:
-        raise BadCommand(f"`ack` is for private topics; {name!r} is a {config.kind.value} topic")
     if not identity.may_subscribe(name, config):
         raise Forbidden(f"not allowed to subscribe to {name!r}")
-    ack = command.ack
+    ack = command.ack and config.kind is TopicKind.PRIVATE  # shared kinds have no queue to keep: ignored
     if config.proxy_subscribe and hub.proxy is not None and hub.proxy.subscribe_url:
         _ask_backend(hub, identity, "subscribe", {"topic": name}, ProxyAllowed, command.id,
                      lambda _: _subscribe_now(hub, identity, name, since, command.id, ack))
