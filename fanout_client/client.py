@@ -902,6 +902,7 @@ def connect(
     start_timeout: float | None = 30.0,
     on_state: Callable[[ClientState, CloseInfo | None], None] | None = None,
     on_error: Callable[[FanoutError], None] | None = None,
+    private_ack: bool = True,
 ) -> Client:
     """A `Client` of the gateway at ``url`` (its base ``http(s)://`` URL, or the ``ws(s)://.../ws`` URL), to use
     as ``async with connect(...) as client``. Options (docs/client.md, "The Python client: fanout_client"):
@@ -918,11 +919,14 @@ def connect(
     * ``max_frame_bytes``: the largest frame accepted from the gateway (a larger one drops the connection);
     * ``start_timeout``: how long ``async with`` waits for the first connection (None: it does not wait);
     * ``on_state(state, close)``, ``on_error(error)``: callbacks (state changes; errors no request owns).
+    * ``private_ack``: subscribe private topics with ``ack`` and acknowledge each message once handed to the
+      application (cumulative, one ack per topic and loop turn): what a dying connection had in flight comes
+      again on the next one, duplicates dropped by seq. False: entries leave the queue once written.
     """
     return Client(
         url, token=token, get_token=get_token, connect_timeout=connect_timeout, ping_interval=ping_interval,
         ping_timeout=ping_timeout, backoff_base=backoff_base, backoff_max=backoff_max, request_timeout=request_timeout,
         max_pending_requests=max_pending_requests, max_queued_events=max_queued_events, max_frame_bytes=max_frame_bytes,
-        start_timeout=start_timeout, on_state=on_state, on_error=on_error,
+        start_timeout=start_timeout, on_state=on_state, on_error=on_error, private_ack=private_ack,
     )
 
