@@ -22,7 +22,7 @@ class ClientState(Enum):
 class Subscription:
     """One client's handle on one topic. Ring and snapshot handles hold a cursor only (docs/design/shared-rings.md §2)."""
 
-    __slots__ = ("client", "topic", "cursor", "active", "queue", "queued_bytes", "peeked", "waiting")
+    __slots__ = ("client", "topic", "cursor", "active", "queue", "queued_bytes", "peeked", "waiting", "ack")
 
     def __init__(self, client: "Client", topic: "Topic") -> None:
         self.client = client
@@ -39,6 +39,9 @@ class Subscription:
         self.peeked = 0
         #: a publisher was refused for lack of space and wants to hear when space frees
         self.waiting = False
+        #: private queues: entries leave only when the client acknowledges them (`Engine.ack`), not when the
+        #: batch is written; un-acknowledged ones stay peeked (docs/design/private-queues.md §9)
+        self.ack = False
 
 
 class Client:

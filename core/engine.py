@@ -5,6 +5,7 @@ The I/O layer drives it with verbs and writes what `run_cycle` returns:
 * `connect` / `disconnect`, `subscribe` / `unsubscribe`, `publish` / `reserve`, `send_direct`;
 * `mark_ready` when a client can take a batch (WebSocket: its last write drained; long-poll: a poll waits),
   `mark_idle` when it cannot (a long-poll returned empty);
+* `ack` when a client acknowledges private entries of a subscription made with `ack` (their commit);
 * `run_cycle()` returns one `Batch` per eligible client; each such client is then WRITING and gets nothing
   more until the I/O layer calls `write_done` (commit + ready) or `commit` and later `mark_ready`;
 * `release(now)` ends the lingers that are due (topics with `linger`: `lingering`, `next_release`);
@@ -35,6 +36,7 @@ from .counters import Counters
 from .entries import encode_closed, encode_loss, encode_subscribed, encode_unsubscribed, frame_batch
 from .errors import (
     AlreadySubscribed,
+    BadAck,
     BadSeq,
     CoreUsageError,
     DirectQueueFull,
@@ -333,10 +335,12 @@ class Engine:
 
     def subscribe(
         self, client_id: Hashable, name: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-        queue_start: tuple[str, int] | None = None,
+        queue_start: tuple[str, int] | None = None, ack: bool = False,
     ) -> Subscribed:
         """`queue_start` (private topics, a broker's queue, docs/cluster.md §8): the queue's (epoch, first
-        seq) held outside; a new local queue starts at that seq and `subscribed` carries that epoch."""
+        seq) held outside; a new local queue starts at that seq and `subscribed` carries that epoch.
+        `ack` (private topics; ignored by shared kinds): entries leave the queue when the client acknowledges
+        them (`ack`), not when their batch is written (docs/design/private-queues.md §9)."""
         client = self.client(client_id)
         if name in client.subs:
             raise AlreadySubscribed(f"already subscribed to {name!r}")
@@ -347,6 +351,7 @@ class Engine:
         self._check_direct_bytes(client, 0)  # `subscribed` and a notice: small, they may pass the bound
         topic = self.resolve(name)
         sub = Subscription(client, topic)
+        sub.ack = ack and topic.keyed_by_owner
         held = topic.claim(sub)  # private: another connection of the same owner holds the queue
         if held is not None:
             self._take_over(held)
@@ -518,6 +523,8 @@ class Engine:
         Cost: O(handles with peeked entries + entries dropped)."""
         client = self.client(client_id)
         for sub in client.peeked_subs:
+            if sub.ack:
+                continue  # its entries leave when the client acknowledges them (`ack`), not when written
             if sub.topic.commit(sub):
                 self._space_freed.append((sub.topic.name, client.owner))
             if self.report_commits:
@@ -525,6 +532,29 @@ class Engine:
                 if head is not None:
                     self._committed.append((sub.topic.name, client.owner, head))
         client.peeked_subs.clear()
+
+    def ack(self, client_id: Hashable, name: str, seq: int) -> int:
+        """The client acknowledged every entry of its subscription `name` (made with `ack`) up to `seq`: they
+        leave the queue (and are reported as committed, `take_committed`). An ack below the head does
+        nothing. Returns the first seq still queued (everything below it is acknowledged).
+
+        Raises `NotSubscribed`; `BadAck` when the subscription was made without `ack` or `seq` was not
+        handed out to it. Cost: O(entries removed)."""
+        client = self.client(client_id)
+        sub = client.subs.get(name)
+        if sub is None:
+            raise NotSubscribed(f"not subscribed to {name!r}")
+        if not sub.ack:
+            raise BadAck(f"the subscription to {name!r} was made without `ack`: its entries need no ack")
+        topic = sub.topic
+        before = topic.head(sub)
+        if topic.ack(sub, seq):
+            self._space_freed.append((name, client.owner))
+        head = topic.head(sub)
+        assert head is not None  # a handle with `ack` holds its queue while subscribed
+        if self.report_commits and head != before:
+            self._committed.append((name, client.owner, head))
+        return head
 
     def take_committed(self) -> list[tuple[str, Hashable, int]]:
         """With `report_commits` (a broker holds the queues, docs/cluster.md §8): (topic, owner, first seq
@@ -553,6 +583,9 @@ class Engine:
             if sub.topic.rollback(sub):
                 self._activate(sub)
         client.peeked_subs.clear()
+        for sub in client.subs.values():  # O(subscriptions): `_fill` lists a handle with `ack` only once
+            if sub.ack and sub.peeked and sub.topic.rollback(sub):
+                self._activate(sub)
 
     def write_done(self, client_id: Hashable) -> None:
         self.commit(client_id)

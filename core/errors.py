@@ -107,6 +107,14 @@ class SkippedSeq(RequestError):
     http_status = 409
 
 
+class BadAck(RequestError):
+    """An acknowledgement that cannot be taken: long-poll's `ack` is not an integer; an `ack` command on a
+    subscription made without `ack: true`, or for a seq the subscription was not handed
+    (docs/design/private-queues.md §9)."""
+
+    code = "bad_ack"
+
+
 class QueueFull(RequestError):
     """Back-pressure (docs/design/private-queues.md §3): a private queue is full. The publisher waits for `take_space_freed`."""
 

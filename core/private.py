@@ -4,6 +4,7 @@ A queue is bounded in count and bytes. A publish into a full queue raises `Queue
 publisher waits, and the engine reports the queue in `take_space_freed` the moment a commit frees space.
 Reading is split in two (docs/design/private-queues.md §4): `read_into` hands entries out (Next) without removing them, counted
 in `sub.peeked`; the engine's `commit` removes them once written (Shift), `rollback` hands them out again.
+A handle subscribed with `ack` (§9) is committed by the client's acknowledgement (`ack`) instead of the write.
 A queue belongs to an owner (the user); a new handle of the same owner takes it over (`claim`).
 """
 
@@ -16,7 +17,7 @@ from typing import Any, ClassVar
 from .client import Subscription
 from .config import TopicConfig
 from .counters import Counters
-from .errors import BadSeq, NoTarget, NotSubscribed, QueueFull, StaleSeq
+from .errors import BadAck, BadSeq, NoTarget, NotSubscribed, QueueFull, StaleSeq
 from .topics import Topic
 
 
@@ -142,6 +143,28 @@ class PrivateTopic(Topic):
         for _ in range(sub.peeked):
             sub.queued_bytes -= len(queue.popleft())
         sub.peeked = 0
+        if sub.waiting and len(queue) < self.config.max_count:
+            sub.waiting = False
+            return True
+        return False
+
+    def ack(self, sub: Subscription, seq: int) -> bool:
+        """Remove the entries up to `seq` the client acknowledged (a handle with `sub.ack`, whose commits remove
+        nothing). Below the head: nothing to do; past what was handed out: `BadAck`. Returns whether a
+        waiting publisher should be woken."""
+        queue = sub.queue
+        if queue is None:
+            return False
+        head = sub.cursor - len(queue)
+        count = seq - head + 1
+        if count <= 0:
+            return False  # acknowledged already (cumulative acks)
+        if count > sub.peeked:
+            raise BadAck(f"seq {seq} of private {self.name!r} was not delivered"
+                         f" (delivered up to {head + sub.peeked - 1})")
+        for _ in range(count):
+            sub.queued_bytes -= len(queue.popleft())
+        sub.peeked -= count
         if sub.waiting and len(queue) < self.config.max_count:
             sub.waiting = False
             return True

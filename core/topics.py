@@ -190,6 +190,11 @@ class Topic:
         for lack of space should hear that there is space now. Shared kinds: nothing to do."""
         return False
 
+    def ack(self, sub: Subscription, seq: int) -> bool:
+        """The client acknowledged every entry of `sub` up to `seq` (a handle with `sub.ack`: private queues
+        only). Returns whether a publisher refused for lack of space should hear that there is space now."""
+        raise CoreUsageError(f"topic {self.name!r} ({self.kind}) has no acknowledged handles")
+
     def rollback(self, sub: Subscription) -> bool:
         """The batch holding `sub`'s peeked entries was not written: hand them out again. Returns whether the
         handle has entries to read again (the engine activates it). Shared kinds: nothing to do."""

@@ -34,7 +34,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from .events import Event, FanoutError, Position, Stream, TopicKind
+from .events import Event, FanoutError, Message, Position, Stream, TopicKind
 
 __all__ = ["Client", "ClientState", "CloseInfo", "Subscription", "TokenSource", "connect"]
 
@@ -148,6 +148,11 @@ class Subscription:
         self.subscribed_count = 0
         #: times the queue was full and a ring or snapshot topic was paused (see the class docstring)
         self.pauses = 0
+        #: private topics (acknowledged subscriptions): the highest seq of the current epoch handed to the
+        #: application, the highest the current gateway subscription was handed, and the last ack sent on it
+        self._handled = -1
+        self._received = -1
+        self._acked = -1
 
     # -- state --------------------------------------------------------------------------------------------
 
@@ -190,6 +195,9 @@ class Subscription:
             await self._readable.wait()
         event = self._queue.popleft()
         self._space.set()
+        if isinstance(event, Message) and self._stream.kind == "private" and event.epoch == self._stream.epoch:
+            self._handled = max(self._handled, event.seq)
+            self._ack()
         if self._paused and len(self._queue) <= self._max // 2:
             self._paused = False
             self.client._resume(self)
@@ -212,13 +220,32 @@ class Subscription:
 
     def _command(self, request_id: int) -> dict[str, Any]:
         command: dict[str, Any] = {"op": "subscribe", "topic": self.topic, "id": request_id}
+        if self.client.private_ack:
+            command["ack"] = True  # private topics: entries leave the queue on our ack (ignored by other kinds)
         position = self._stream.position
         if position is not None:
             command["since"] = {"epoch": position.epoch, "seq": position.seq}
         return command
 
+    def _ack(self) -> None:
+        """Acknowledge (cumulatively) what the application was handed, as far as this gateway subscription
+        was handed it too (an ack past that is refused): once per loop turn and topic (`Client._ack_soon`)."""
+        upto = min(self._handled, self._received)
+        if upto > self._acked and self.client.private_ack and self._stream.subscribed:
+            self._acked = upto
+            self.client._ack_soon(self.topic, upto)
+
+    def _on_received(self, seq: int) -> None:
+        """A private message of the current subscription (a redelivery too): it may be acknowledged now."""
+        if self._stream.kind == "private" and self._stream.subscribed:
+            self._received = max(self._received, seq)
+            self._ack()
+
     def _on_subscribed(self, kind: str, epoch: str, seq: int) -> None:
         self.subscribed_count += 1
+        if epoch != self._stream.epoch:
+            self._handled = -1  # a new queue: seqs start again
+        self._received = self._acked = seq - 1  # a new gateway subscription: everything below `seq` left
         if not self._ready.done():
             self._ready.set_result(None)
         self._push(self._stream.on_subscribed(kind, epoch, seq))
@@ -286,6 +313,7 @@ class Client:
         start_timeout: float | None = 30.0,
         on_state: Callable[[ClientState, CloseInfo | None], None] | None = None,
         on_error: Callable[[FanoutError], None] | None = None,
+        private_ack: bool = True,
     ) -> None:
         if max_queued_events < 2:
             raise ValueError("max_queued_events must be at least 2 (a message and the loss before it)")
@@ -303,6 +331,9 @@ class Client:
         self.max_queued_events = max_queued_events
         self.max_frame_bytes = max_frame_bytes
         self.start_timeout = start_timeout
+        #: subscribe with ``ack`` and acknowledge private messages once handed to the application, so that
+        #: those written to a connection that died come again (at-least-once, duplicates dropped by seq)
+        self.private_ack = private_ack
         self._on_state = on_state
         self._on_error = on_error
         self.state: ClientState = "connecting"
@@ -504,6 +535,14 @@ class Client:
             self._send_subscribe(sub)
 
     # -- writing ----------------------------------------------------------------------------------------------
+
+    def _ack_soon(self, topic: str, seq: int) -> None:
+        """Acknowledge a private topic up to ``seq``: the acks of one loop turn go in one frame, one per topic."""
+        for command in self._wire:
+            if command.get("op") == "ack" and command.get("topic") == topic:
+                command["seq"] = max(command["seq"], seq)
+                return
+        self._send_soon({"op": "ack", "topic": topic, "seq": seq})
 
     def _send_soon(self, command: dict[str, Any]) -> None:
         """Queue a command for the current connection: the commands of one loop turn share one frame."""
@@ -739,6 +778,7 @@ class Client:
                 seq = _int(entry.get("seq"))
                 if sub is not None and seq is not None:
                     await sub._deliver(partial(sub._stream.on_msg, seq, entry.get("data")))
+                    sub._on_received(seq)
             elif kind == "loss":
                 start, end, reason = _int(entry.get("from")), entry.get("to"), entry.get("reason")
                 if sub is not None and start is not None and (end is None or _int(end) is not None):
@@ -862,6 +902,7 @@ def connect(
     start_timeout: float | None = 30.0,
     on_state: Callable[[ClientState, CloseInfo | None], None] | None = None,
     on_error: Callable[[FanoutError], None] | None = None,
+    private_ack: bool = True,
 ) -> Client:
     """A `Client` of the gateway at ``url`` (its base ``http(s)://`` URL, or the ``ws(s)://.../ws`` URL), to use
     as ``async with connect(...) as client``. Options (docs/client.md, "The Python client: fanout_client"):
@@ -878,11 +919,14 @@ def connect(
     * ``max_frame_bytes``: the largest frame accepted from the gateway (a larger one drops the connection);
     * ``start_timeout``: how long ``async with`` waits for the first connection (None: it does not wait);
     * ``on_state(state, close)``, ``on_error(error)``: callbacks (state changes; errors no request owns).
+    * ``private_ack``: subscribe private topics with ``ack`` and acknowledge each message once handed to the
+      application (cumulative, one ack per topic and loop turn): what a dying connection had in flight comes
+      again on the next one, duplicates dropped by seq. False: entries leave the queue once written.
     """
     return Client(
         url, token=token, get_token=get_token, connect_timeout=connect_timeout, ping_interval=ping_interval,
         ping_timeout=ping_timeout, backoff_base=backoff_base, backoff_max=backoff_max, request_timeout=request_timeout,
         max_pending_requests=max_pending_requests, max_queued_events=max_queued_events, max_frame_bytes=max_frame_bytes,
-        start_timeout=start_timeout, on_state=on_state, on_error=on_error,
+        start_timeout=start_timeout, on_state=on_state, on_error=on_error, private_ack=private_ack,
     )
 

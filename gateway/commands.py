@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 import orjson
 
-from core import TopicConfig
+from core import TopicConfig, TopicKind
 from core.config import MAX_SEQ
 from core.entries import encode_reply
 from core.errors import DirectQueueFull, RequestError, UnknownTopic
@@ -71,19 +71,31 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
     config = _topic_config(hub, name)
     if not identity.may_subscribe(name, config):
         raise Forbidden(f"not allowed to subscribe to {name!r}")
+    ack = command.ack and config.kind is TopicKind.PRIVATE  # shared kinds have no queue to keep: ignored
     if config.proxy_subscribe and hub.proxy is not None and hub.proxy.subscribe_url:
         _ask_backend(hub, identity, "subscribe", {"topic": name}, ProxyAllowed, command.id,
-                     lambda _: _subscribe_now(hub, identity, name, since, command.id))
+                     lambda _: _subscribe_now(hub, identity, name, since, command.id, ack))
         return
-    _subscribe_now(hub, identity, name, since, command.id)
+    _subscribe_now(hub, identity, name, since, command.id, ack)
 
 
 def _subscribe_now(hub: "Hub", identity: ClientIdentity, name: str, since: tuple[str, int] | None,
-                   request_id: Any) -> None:
+                   request_id: Any, ack: bool = False) -> None:
     creating = hub.router.creating(identity, name)  # raises when this client may create no more
-    hub.router.subscribe(identity.client_id, name, since=since, request_id=request_id)
+    hub.router.subscribe(identity.client_id, name, since=since, request_id=request_id, ack=ack)
     if creating:
         hub.creations.charge(identity)
+
+
+def _ack(hub: "Hub", identity: ClientIdentity, command: schema.Ack) -> None:
+    """Commit the entries of an acknowledged private subscription up to `seq` (docs/design/private-queues.md
+    §9). No answer unless the command has an `id`: then a reply with the first seq still queued."""
+    if not 0 <= command.seq < MAX_SEQ:
+        raise BadCommand("`seq` must be in [0, 2**53)")
+    head = hub.engine.ack(identity.client_id, command.topic, command.seq)
+    hub.scheduler.space()  # publishers waiting for room retry; with a broker, the commit goes to Redis
+    if command.id is not None:
+        hub.clients.send_direct(identity.client_id, encode_reply(command.id, {"topic": command.topic, "head": head}))
 
 
 def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> None:
@@ -210,6 +222,8 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
     client_id = identity.client_id
     if isinstance(command, schema.Subscribe):
         _subscribe(hub, identity, command)
+    elif isinstance(command, schema.Ack):
+        _ack(hub, identity, command)
     elif isinstance(command, schema.Unsubscribe):
         hub.router.unsubscribe(client_id, command.topic, request_id=command.id)
     elif isinstance(command, schema.Publish):

@@ -6,6 +6,7 @@ answer (an `error` entry or an ingest error line carries the same code).
 
 from __future__ import annotations
 
+from core.errors import BadAck as BadAck  # the core's: an `ack` command refused there has the same code
 from core.errors import RequestError
 
 from . import close_codes
@@ -92,10 +93,6 @@ class UnknownMethod(RequestError):
 class UnknownSession(RequestError):
     code = "unknown_session"
     http_status = 404
-
-
-class BadAck(RequestError):
-    code = "bad_ack"
 
 
 class TooManySessions(RequestError):

@@ -51,11 +51,12 @@ class TopicRouter:
 
     # -- subscribing ---------------------------------------------------------------------------------------
 
-    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None) -> None:
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
+                  ack: bool = False) -> None:
         """Subscribe now, or once the broker has the topic (the answer, `subscribed` or an error entry, then
-        comes from there)."""
+        comes from there). `ack`: a private queue's entries leave on the client's `ack` (`Engine.subscribe`)."""
         self.broker.subscribe(client_id, topic, since=since, request_id=request_id,
-                              creator=self.clients.conns[client_id].identity)
+                              creator=self.clients.conns[client_id].identity, ack=ack)
 
     def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
         owner = self.engine.client(client_id).owner

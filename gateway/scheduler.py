@@ -229,10 +229,10 @@ class Scheduler:
         return True
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  queue_start: tuple[str, int] | None = None) -> None:
+                  queue_start: tuple[str, int] | None = None, ack: bool = False) -> None:
         """The engine's subscribe (raises its errors), then the client joins the topic's presence: the one
         place a shared-topic subscription is made."""
-        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
+        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start, ack=ack)
         self.presence.joined(client_id, topic)
         self.wake()
 

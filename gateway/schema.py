@@ -57,6 +57,16 @@ class Since(_Wire, frozen=True):
 class Subscribe(_Wire, frozen=True, tag_field="op", tag="subscribe"):
     topic: TopicName
     since: Since | None = None
+    #: private topics: entries leave the queue on the client's `ack`, not when written (at-least-once)
+    ack: bool = False
+    id: RequestId = None
+
+
+class Ack(_Wire, frozen=True, tag_field="op", tag="ack"):
+    """Every entry of an acknowledged private subscription up to `seq` was handled (cumulative)."""
+
+    topic: TopicName
+    seq: int
     id: RequestId = None
 
 
@@ -96,8 +106,8 @@ class PresenceStats(_Wire, frozen=True, tag_field="op", tag="presence_stats"):
     id: RequestId = None
 
 
-Command = Union[Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping, Presence, PresenceStats]
-COMMANDS: tuple[type[Struct], ...] = (Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping, Presence, PresenceStats)
+Command = Union[Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping, Presence, PresenceStats, Ack]
+COMMANDS: tuple[type[Struct], ...] = (Subscribe, Unsubscribe, Publish, Auth, Rpc, Ping, Presence, PresenceStats, Ack)
 #: A frame is one command or an array of at most this many.
 MAX_COMMANDS_PER_FRAME = 100
 

@@ -46,7 +46,7 @@ class BrokerEvents(Protocol):
         """A private queue's local handle is closed (taken over elsewhere, or lost)."""
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  queue_start: tuple[str, int] | None = None) -> None:
+                  queue_start: tuple[str, int] | None = None, ack: bool = False) -> None:
         """Subscribe a local client now (raises the engine's errors); it joins the topic's presence."""
 
     def presence_changed(self, topic: str, kind: str, member: Member) -> None:
@@ -116,9 +116,10 @@ class Broker(Protocol):
         creation budget); False when the broker creates it (and charges the budget itself)."""
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity) -> None:
+                  creator: ClientIdentity, ack: bool = False) -> None:
         """Subscribe now, or once the broker has brought the topic in (the answer then comes through
-        `BrokerEvents.joined` / `refused`). Raises what can be told at once."""
+        `BrokerEvents.joined` / `refused`). Raises what can be told at once. `ack`: private topics, entries
+        leave the queue on the client's `ack` (docs/design/private-queues.md §9)."""
 
     def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
         """A local subscriber of `topic` left (after the engine's unsubscribe or disconnect); `unsubscribed`:

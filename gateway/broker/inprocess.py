@@ -84,8 +84,8 @@ class InProcessBroker:
         return not self.events.engine.has_topic(topic)
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity) -> None:
-        self.events.subscribe(client_id, topic, since=since, request_id=request_id)
+                  creator: ClientIdentity, ack: bool = False) -> None:
+        self.events.subscribe(client_id, topic, since=since, request_id=request_id, ack=ack)
 
     def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
         pass

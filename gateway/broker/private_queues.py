@@ -65,8 +65,8 @@ class Held:
     owner: Hashable
     keys: tuple[str, str, str]
     epoch: str | None = None
-    #: subscribes waiting for the attach: (client id, request id)
-    waiting: list[tuple[str, Any]] = field(default_factory=list)
+    #: subscribes waiting for the attach: (client id, request id, ack)
+    waiting: list[tuple[str, Any, bool]] = field(default_factory=list)
     pulling: bool = False
     again: bool = False
     #: the highest next seq Redis announced (`n NEXT`, reads): past the local end, messages not pulled yet
@@ -127,7 +127,7 @@ class PrivateQueues:
 
     # -- subscribing -------------------------------------------------------------------------------------
 
-    def subscribe(self, client_id: str, topic: str, request_id: Any) -> None:
+    def subscribe(self, client_id: str, topic: str, request_id: Any, ack: bool = False) -> None:
         """Subscribe `client_id` to its owner's queue: at once when this node holds it, else after the attach."""
         events = self.events
         owner = events.engine.client(client_id).owner
@@ -135,16 +135,16 @@ class PrivateQueues:
         held = self.held.get(key)
         if held is not None:
             if held.epoch is None:
-                held.waiting.append((client_id, request_id))
+                held.waiting.append((client_id, request_id, ack))
             else:
-                events.engine.subscribe(client_id, topic, request_id=request_id, queue_start=(held.epoch, 0))
+                events.engine.subscribe(client_id, topic, request_id=request_id, queue_start=(held.epoch, 0), ack=ack)
                 events.wake()
             return
         if not self.broker.available:
             raise BrokerUnavailable(f"broker unreachable: {self.broker.last_error}; retry later")
         events.engine.resolve(topic)  # the rule's errors (unknown topic) now, before any Redis work
         keys = self.broker.keys.queue(topic, str(owner))
-        held = self.held[key] = Held(topic, owner, keys, waiting=[(client_id, request_id)])
+        held = self.held[key] = Held(topic, owner, keys, waiting=[(client_id, request_id, ack)])
         self.by_channel[keys[2]] = held
         self._spawn(self._attach(held))
 
@@ -159,18 +159,18 @@ class PrivateQueues:
             waiting, held.waiting = held.waiting, []
             self._forget(held)
             error = exc if isinstance(exc, RequestError) else BrokerUnavailable(f"broker unreachable: {exc}")
-            for client_id, request_id in waiting:
+            for client_id, request_id, _ in waiting:
                 events.refused(client_id, error, request_id)
             return
         held.epoch = epoch.decode()
         waiting, held.waiting = held.waiting, []
         subscribed = False
-        for client_id, request_id in waiting:
+        for client_id, request_id, ack in waiting:
             if not events.connected(client_id):
                 continue
             try:
                 events.engine.subscribe(client_id, held.topic, request_id=request_id,
-                                        queue_start=(held.epoch, int(head)))
+                                        queue_start=(held.epoch, int(head)), ack=ack)
                 subscribed = True
             except RequestError as err:
                 events.refused(client_id, err, request_id)

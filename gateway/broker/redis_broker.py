@@ -704,9 +704,9 @@ class RedisBroker:
         return self._private(topic) and not self.events.engine.has_topic(topic)
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity) -> None:
+                  creator: ClientIdentity, ack: bool = False) -> None:
         if self._private(topic):
-            self.queues.subscribe(client_id, topic, request_id)
+            self.queues.subscribe(client_id, topic, request_id, ack)
             return
         if not self.attached(topic):
             self.attach(topic, creator=creator).add_done_callback(

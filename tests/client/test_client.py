@@ -316,6 +316,41 @@ def test_a_full_queue_holds_a_private_topic_back_without_loss() -> None:
     run(main())
 
 
+@pytest.mark.parametrize("private_ack", [True, False], ids=["ack", "no-ack"])
+def test_private_entries_written_to_a_stalled_connection_come_again_with_acks(private_ack: bool) -> None:
+    """The chaos run's case: a proxy stalls with a private queue's entries written to it; the client finds
+    the connection dead (pings), reconnects and takes its queue over. With acks (the default) the entries
+    it never got come again; without, the gateway committed them when written: the client can only tell the
+    loss (`gone`)."""
+    async def main() -> None:
+        async with gateway() as gw:
+            with TcpProxy(gw.http_port) as proxy:
+                async with fanout_client.connect(proxy.url, token=make_token("alice"), **FAST, ping_interval=0.2,
+                                                 ping_timeout=0.3, private_ack=private_ack) as client:
+                    sub = await client.subscribe("private.inbox")
+                    await publish(gw, "private.inbox", [0, 1], client="alice")
+                    assert seqs(await take(sub, 2)) == [0, 1]
+
+                    async def queued() -> int:
+                        return int((await admin(gw, "GET", "/api/topics/private.inbox"))["queued"])
+
+                    deadline = time.monotonic() + 5
+                    while await queued():  # acknowledged (or written), so gone from the queue
+                        assert time.monotonic() < deadline, "the first two were never acknowledged"
+                        await asyncio.sleep(0.02)
+                    proxy.freeze(hold_open=True)  # the gateway keeps the old connection: the new one takes over
+                    await publish(gw, "private.inbox", [2, 3], client="alice")
+                    events = await take(sub, 2 if private_ack else 1, timeout=8)
+                    if private_ack:
+                        assert seqs(events) == [2, 3]  # over the next connection, which took the queue over
+                    else:
+                        assert events == [Loss("private.inbox", 2, 4, "gone", sub.epoch or "")]
+                    await nothing_more(sub)
+                    assert client.reconnects == 1
+
+    run(main())
+
+
 # -- tokens and close codes -----------------------------------------------------------------------------------
 
 def test_an_expiring_token_is_refreshed_on_the_live_connection() -> None:

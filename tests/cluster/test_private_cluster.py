@@ -155,3 +155,44 @@ def test_a_commit_reports_the_first_seq_still_queued_and_it_only_grows(ops):
             assert last <= upto <= published
             assert set(range(last, upto)) <= set(handed)  # only what was handed out leaves
             last = upto
+
+
+def _subscribe_acked(ws, topic: str) -> dict:
+    ws.send(orjson.dumps({"op": "subscribe", "topic": topic, "ack": True, "id": topic}).decode())
+    got: list[dict] = []
+    deadline = time.monotonic() + 10
+    while not any(e.get("id") == topic for e in got):
+        got += orjson.loads(ws.recv(timeout=deadline - time.monotonic()))
+    ws.pending = [e for e in got if e.get("id") != topic]  # type: ignore[attr-defined]  # read by `messages`
+    return next(e for e in got if e.get("id") == topic)
+
+
+def _ack(ws, topic: str, seq: int) -> dict:
+    ws.send(orjson.dumps({"op": "ack", "topic": topic, "seq": seq, "id": "ack"}).decode())
+    deadline = time.monotonic() + 10
+    while True:
+        for e in orjson.loads(ws.recv(timeout=deadline - time.monotonic())):
+            if e.get("id") == "ack":
+                return e
+
+
+def test_acknowledged_entries_leave_redis_and_unacknowledged_ones_come_again_after_a_disconnect(nodes):
+    """`ack: true` (docs/design/private-queues.md §9): entries written to a connection that then ends stay
+    in Redis until acknowledged; the user's next connection, on any node, gets them again with their seqs."""
+    a, b = start(nodes, "a"), start(nodes, "b")
+    with ws_as(a, "erin") as ws:
+        first = _subscribe_acked(ws, TOPIC)
+        assert first["seq"] == 0
+        for i in range(5):
+            assert b.publish(TOPIC, i, client="erin").json()["seqs"] == [i]
+        assert msgs(messages(ws, TOPIC, lambda g: len(msgs(g)) >= 5)) == [(i, i) for i in range(5)]
+        assert _ack(ws, TOPIC, 1)["result"] == {"topic": TOPIC, "head": 2}
+        time.sleep(0.3)  # the node's commit report reaches Redis (QUEUE_ACK)
+    with ws_as(b, "erin") as ws:  # the connection ended with 2..4 written, never acknowledged
+        again = _subscribe_acked(ws, TOPIC)
+        assert (again["epoch"], again["seq"]) == (first["epoch"], 2)
+        assert msgs(messages(ws, TOPIC, lambda g: len(msgs(g)) >= 3)) == [(2, 2), (3, 3), (4, 4)]
+        assert _ack(ws, TOPIC, 4)["result"] == {"topic": TOPIC, "head": 5}
+        time.sleep(0.3)
+    with ws_as(a, "erin") as ws:  # nothing acknowledged comes again
+        assert _subscribe_acked(ws, TOPIC)["seq"] == 5

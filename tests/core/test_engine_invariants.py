@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from core import Engine, EngineConfig, QueueFull, TopicConfig, TopicKind, TopicRule
+from core.errors import BadAck
 
 pytestmark = pytest.mark.unit
 
@@ -39,6 +40,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.handed: dict[str, int] = {}
         self.committed: dict[str, list[int]] = {}
         self.private_next: dict[str, int] = {}
+        #: clients whose private subscription was made with `ack`: entries leave on `ack`, not on the write
+        self.acking: set[str] = set()
         self.ticks = itertools.count()
 
     # -- clients -----------------------------------------------------------------------------------------
@@ -61,14 +64,18 @@ class EngineMachine(RuleBasedStateMachine):
         self.queue.pop(c, None)
         self.writing.pop(c, None)
 
-    @rule(c=st.sampled_from(CLIENTS), t=st.sampled_from(RINGS + [SNAP, PRIV]))
-    def subscribe(self, c, t):
+    @rule(c=st.sampled_from(CLIENTS), t=st.sampled_from(RINGS + [SNAP, PRIV]), ack=st.booleans())
+    def subscribe(self, c, t, ack):
         if c not in self.connected or t in self.connected[c]:
             return
-        result = self.engine.subscribe(c, t)
+        result = self.engine.subscribe(c, t, ack=ack)
         self.connected[c].add(t)
         if t == PRIV:
             self.queue[c], self.handed[c], self.committed[c], self.private_next[c] = [], 0, [], 0
+            if ack:
+                self.acking.add(c)
+            else:
+                self.acking.discard(c)
         elif t != SNAP:
             self.expect[(c, t)] = result.seq
 
@@ -124,17 +131,52 @@ class EngineMachine(RuleBasedStateMachine):
             return
         del self.writing[c]
         if c in self.queue:
-            if ok:
+            if c in self.acking:  # a write commits nothing: only `ack` does; a failed one hands all again
+                if not ok:
+                    self.handed[c] = 0
+            elif ok:
                 k = self.handed[c]
                 self.committed[c] += self.queue[c][:k]
                 del self.queue[c][:k]
-            self.handed[c] = 0
+                self.handed[c] = 0
+            else:
+                self.handed[c] = 0
         if ok:
             self.engine.write_done(c)
         else:
             self.engine.rollback(c)
             self.engine.mark_ready(c)
         self.ready[c] = True
+
+    @rule(c=st.sampled_from(CLIENTS), back=st.integers(-2, 4))
+    def ack(self, c, back):
+        """A cumulative ack of the private queue: `back` below the last seq handed out (negative: past it)."""
+        if c not in self.queue:
+            return
+        head = self.private_next[c] - len(self.queue[c])
+        seq = head + self.handed[c] - 1 - back
+        if c not in self.acking:
+            with pytest.raises(BadAck):
+                self.engine.ack(c, PRIV, seq)
+            return
+        count = seq - head + 1
+        if count > self.handed[c]:
+            with pytest.raises(BadAck):
+                self.engine.ack(c, PRIV, seq)
+            return
+        first_queued = self.engine.ack(c, PRIV, seq)
+        if count > 0:
+            self.committed[c] += self.queue[c][:count]
+            del self.queue[c][:count]
+            self.handed[c] -= count
+        assert first_queued == self.private_next[c] - len(self.queue[c])
+
+    @invariant()
+    def private_queues_hold_exactly_the_unacknowledged_rest(self):
+        for c, queued in self.queue.items():
+            sub = self.engine.client(c).subs[PRIV]
+            assert [orjson.loads(e)["seq"] for e in sub.queue] == queued
+            assert len(queued) <= PRIV_MAX and sub.peeked == self.handed[c]
 
     @rule()
     def run_cycle(self):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from core import Engine, EngineConfig, QueueFull, TopicConfig, TopicKind, TopicRule
+from core.errors import BadAck, NotSubscribed
 
 pytestmark = pytest.mark.unit
 
@@ -98,3 +99,146 @@ class TakeoverMachine(RuleBasedStateMachine):
 
 TestTakeover = TakeoverMachine.TestCase
 TestTakeover.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+class AckTakeoverMachine(RuleBasedStateMachine):
+    """The same user's tabs with acknowledged subscriptions (`ack`, docs/design/private-queues.md §9), some
+    tabs subscribing without it: a written batch commits nothing of an acknowledged handle; `ack` removes the
+    acknowledged prefix; a takeover (or a write that failed) hands every un-acknowledged entry out again.
+
+    Checked: nothing acknowledged is delivered again, nothing un-acknowledged leaves the queue (across
+    takeovers and failed writes), each tab receives consecutive seqs starting at the queue's head, and the
+    queue stays within its bounds (count and bytes) however far the client is from acknowledging."""
+
+    MAX_COUNT = 4
+    MAX_BYTES = 120
+
+    def __init__(self):
+        super().__init__()
+        config = TopicConfig(kind=TopicKind.PRIVATE, max_count=self.MAX_COUNT, max_bytes=self.MAX_BYTES,
+                             batch_depth=2)
+        self.engine = Engine(EngineConfig(rules=(TopicRule("p", config),)), instance_id="h")
+        self.connected: set[str] = set()
+        self.holder: str | None = None
+        self.holder_acks = False
+        self.published = 0
+        #: first seq still queued: everything below it was committed (acknowledged, or written without ack)
+        self.head = 0
+        #: per tab in its current holding: the next seq it should be handed
+        self.next: dict[str, int] = {}
+        self.writing: dict[str, tuple[list[int], int]] = {}
+        self.holding = 0
+        self.connect("tab0")
+        self.subscribe("tab0", True)
+
+    @rule(tab=st.sampled_from(TABS))
+    def connect(self, tab):
+        if tab not in self.connected:
+            self.engine.connect(tab, owner="alice")
+            self.connected.add(tab)
+
+    @rule(tab=st.sampled_from(TABS), ack=st.booleans())
+    def subscribe(self, tab, ack):
+        if tab in self.connected and tab != self.holder:
+            result = self.engine.subscribe(tab, TOPIC, ack=ack)
+            if self.holder is not None:
+                assert result.seq == self.head, "a takeover starts elsewhere than the first un-acknowledged entry"
+            else:  # a new queue starts at the next seq
+                self.head = self.published
+                assert result.seq == self.head
+            if self.holder is not None:
+                self.next.pop(self.holder, None)
+            self.holder, self.holder_acks = tab, ack
+            self.next[tab] = self.head
+            self.holding += 1
+
+    @rule(tab=st.sampled_from(TABS))
+    def leave(self, tab):
+        if tab in self.connected and tab != self.holder:  # the holder leaving frees the queue (no broker)
+            self.engine.disconnect(tab)
+            self.connected.discard(tab)
+            self.writing.pop(tab, None)
+
+    @rule(size=st.integers(1, 60))
+    def publish(self, size):
+        if self.holder is None:
+            return
+        try:
+            self.engine.publish(TOPIC, "x" * size, owner="alice")
+        except QueueFull:
+            return
+        self.published += 1
+
+    @rule()
+    def cycle(self):
+        for batch in self.engine.run_cycle():
+            seqs = [e["seq"] for e in map(orjson.loads, batch.entries) if e["type"] == "msg"]
+            if seqs:
+                assert batch.client_id == self.holder  # only the holder reads the queue
+                for seq in seqs:
+                    assert seq >= self.head, f"seq {seq} was acknowledged (head {self.head}) and came again"
+                    assert seq == self.next[self.holder], "out of order, skipped or doubled within a holding"
+                    self.next[self.holder] += 1
+            self.writing[batch.client_id] = (seqs, self.holding)
+
+    @rule(tab=st.sampled_from(TABS), written=st.booleans())
+    def finish_write(self, tab, written):
+        handed = self.writing.pop(tab, None)
+        if handed is None:
+            return
+        seqs, holding = handed
+        current = tab == self.holder and holding == self.holding
+        if written:
+            self.engine.write_done(tab)
+            if current and not self.holder_acks and seqs:
+                self.head = seqs[-1] + 1
+        else:
+            self.engine.rollback(tab)
+            self.engine.mark_ready(tab)
+            if current:
+                self.next[tab] = self.head  # everything not committed is handed out again
+
+    @rule(n=st.integers(1, 4))
+    def flow(self, n):
+        """Publish, deliver and write a few in one step (the common path, so that acks have much to do)."""
+        for _ in range(n):
+            self.publish(20)
+        self.cycle()
+        for tab in list(self.writing):
+            self.finish_write(tab, True)
+
+    @rule(tab=st.sampled_from(TABS))
+    def ack_elsewhere(self, tab):
+        """A tab that lost the queue (or never had it) has no subscription to acknowledge."""
+        if tab in self.connected and tab != self.holder:
+            with pytest.raises(NotSubscribed):
+                self.engine.ack(tab, TOPIC, 0)
+
+    @rule(back=st.integers(-2, 5))
+    def ack(self, back):
+        """The holder acknowledges up to `back` below the last seq it was handed (negative: past it)."""
+        if self.holder is None:
+            return
+        delivered = self.next[self.holder]  # seqs below it were handed out in this holding
+        seq = delivered - 1 - back
+        if not self.holder_acks or seq >= delivered:
+            with pytest.raises(BadAck):
+                self.engine.ack(self.holder, TOPIC, seq)
+            return
+        assert self.engine.ack(self.holder, TOPIC, seq) == max(self.head, seq + 1)
+        self.head = max(self.head, seq + 1)
+
+    @invariant()
+    def queue_is_the_unacknowledged_rest_within_bounds(self):
+        if self.holder is None:
+            return
+        sub = self.engine.client(self.holder).subs[TOPIC]
+        queued = [orjson.loads(entry)["seq"] for entry in sub.queue]
+        assert queued == list(range(self.head, self.published))
+        assert len(queued) <= self.MAX_COUNT
+        assert len(queued) <= 1 or sub.queued_bytes <= self.MAX_BYTES
+        assert sub.queued_bytes == sum(map(len, sub.queue))
+
+
+TestAckTakeover = AckTakeoverMachine.TestCase
+TestAckTakeover.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

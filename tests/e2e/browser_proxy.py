@@ -28,6 +28,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._frozen: set[socket.socket] = set()
+        self._held: set[socket.socket] = set()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="tcp-proxy", daemon=True)
 
@@ -56,10 +57,14 @@ class TcpProxy:
             except OSError:
                 pass
 
-    def freeze(self) -> None:
-        """Stop forwarding on every connection now open; they stay open (see the module docstring)."""
+    def freeze(self, *, hold_open: bool = False) -> None:
+        """Stop forwarding on every connection now open; they stay open (see the module docstring).
+        ``hold_open``: an end closed meanwhile is not passed on either (a stalled middlebox: the other end
+        keeps a connection that carries nothing, until the proxy exits)."""
         with self._lock:
             self._frozen |= self._socks
+            if hold_open:
+                self._held |= self._socks
 
     def _accept(self) -> None:
         while not self._closed:
@@ -110,6 +115,8 @@ class TcpProxy:
             while True:
                 data = src.recv(65536)
                 if not data:
+                    if src in self._held:
+                        return  # the other end is kept open (`freeze(hold_open=True)`)
                     break
                 if src in self._frozen:
                     continue  # swallowed
