@@ -415,6 +415,10 @@ export class Subscription extends Emitter {
     this.nextSeq = since ? since.seq : null;
     /** @type {"subscribing" | "subscribed" | "closed"} */
     this.state = "subscribing";
+    /** whether this subscription acknowledges its private entries (made over ws or sse with `ack: true`) */
+    this.acking = false;
+    /** the highest seq this subscription (since its last `subscribed`) was handed: never acknowledged past it */
+    this.receivedTop = -1;
   }
 
   /** Where to resume: pass it as `since` to a later `subscribe` (another page load) for an exact recovery. */
@@ -431,11 +435,17 @@ export class Subscription extends Emitter {
   _command(id) {
     const command = { op: "subscribe", topic: this.topic, id };
     if (this.position) command.since = this.position;
+    // A private queue keeps its entries until acknowledged, so what a dying connection had in flight comes
+    // again on the next one (the gateway ignores `ack` on other kinds). Long-poll acknowledges every batch
+    // with its next poll already.
+    this.acking = this.client.transport !== "lp";
+    if (this.acking) command.ack = true;
     return command;
   }
 
   _onSubscribed(entry) {
     const resumed = this.epoch !== null && this.nextSeq !== null;
+    this.receivedTop = -1;
     this.kind = entry.kind;
     this.state = "subscribed";
     if (!resumed || entry.epoch !== this.epoch) {
@@ -458,6 +468,11 @@ export class Subscription extends Emitter {
 
   _onMsg(entry) {
     if (this.state !== "subscribed") return;
+    if (this.acking && this.kind === "private") {
+      // acknowledged once this turn is over: what the application was handed, redeliveries dropped included
+      this.receivedTop = Math.max(this.receivedTop, entry.seq);
+      this.client._ackLater(this);
+    }
     if (this.nextSeq !== null) {
       if (entry.seq < this.nextSeq) return; // had it already: redelivery, or an older snapshot value
       if (entry.seq > this.nextSeq && this.kind !== "snapshot") this._loss(this.nextSeq, entry.seq, "gap");
@@ -533,6 +548,8 @@ export class Client extends Emitter {
     /** requests waiting for a connection, in order */
     this._outbox = [];
     this._wire = [];
+    /** private subscriptions with entries to acknowledge at the end of this turn */
+    this._acksDue = new Set();
     this._attempt = 0;
     this._probe = 0;
     this._sticky = null;
@@ -637,6 +654,23 @@ export class Client extends Emitter {
     this._wire = [];
     if (!this._conn || this.state !== "connected") return;
     for (let i = 0; i < commands.length; i += MAX_COMMANDS) this._conn.send(commands.slice(i, i + MAX_COMMANDS));
+  }
+
+  _ackLater(sub) {
+    this._acksDue.add(sub);
+    if (this._acksDue.size === 1) queueMicrotask(() => this._sendAcks());
+  }
+
+  _sendAcks() {
+    const due = this._acksDue;
+    this._acksDue = new Set();
+    for (const sub of due) {
+      // cumulative, never past what this subscription received nor what was handed to the application
+      const seq = Math.min(sub.nextSeq - 1, sub.receivedTop);
+      if (sub.state === "subscribed" && this.state === "connected" && seq >= 0) {
+        this._send({ op: "ack", topic: sub.topic, seq });
+      }
+    }
   }
 
   _sendSubscribe(sub) {

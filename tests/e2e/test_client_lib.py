@@ -363,3 +363,29 @@ def test_the_transport_that_worked_is_kept_then_the_better_one_tried_again(site:
         msgs = wait_msgs(browser, topic, 2)
         assert browser.evaluate("rec.transports") == ["sse", "sse", "ws"]
     assert [m[1] for m in msgs] == [0, 1]
+
+
+@pytest.mark.parametrize("transport", ["ws", "sse"])
+def test_private_messages_are_acknowledged_so_a_takeover_gets_none_again(
+        site: Path, browser: Chromium, transport: str) -> None:
+    """The library subscribes private queues with `ack: true` and acknowledges what it handed to the page: the
+    user's next connection takes the queue over at its head, nothing comes twice."""
+    import orjson
+    from websockets.sync.client import connect
+
+    topic = f"private.ack-{transport}"
+    token = make_token("carol")
+    with gateway(site) as gw:
+        start(browser, gw.http_url, topic, transports=[transport], token=token)
+        r = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"messages": [0, 1, 2], "client": "carol"},
+                       headers={"Authorization": f"Bearer {gw.admin_token}"}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert [m[1] for m in wait_msgs(browser, topic, 3)] == [0, 1, 2]
+        time.sleep(1.0)  # the acks go at the end of the turn that handed the messages over
+        with connect(f"ws://127.0.0.1:{gw.http_port}/ws?token={token}") as ws:
+            ws.send(orjson.dumps({"op": "subscribe", "topic": topic, "ack": True, "id": 1}).decode())
+            entries = orjson.loads(ws.recv(timeout=10))
+            subscribed = next(e for e in entries if e["type"] == "subscribed")
+            assert subscribed["seq"] == 3  # the queue's head: 0-2 were acknowledged
+            assert not [e for e in entries if e["type"] == "msg"]
+        assert browser.evaluate("rec.errors") == []
