@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -46,8 +47,8 @@ from loadtest.chaos_clients import (
 
 ADMIN = "chaos-admin-token"
 SECRET = "chaos-jwt-secret-0123456789abcdef0123456789"
-FAULTS = ("node-kill", "redis-restart", "redis-wipe", "path-delay", "path-cut", "path-stall", "slow-reader",
-          "storm", "burst", "takeover", "crowd")
+FAULTS = ("node-kill", "redis-restart", "redis-wipe", "redis-stall", "path-delay", "path-cut", "path-stall",
+          "path-lossy", "slow-reader", "storm", "burst", "takeover", "crowd")
 RING = ["chaos.ring.0", "chaos.ring.1"]
 SNAP = "chaos.snap"
 PRIVATE = "private.chaos"
@@ -106,6 +107,11 @@ class Redis:
             return None
         return None
 
+    def stall(self, stopped: bool) -> None:
+        """SIGSTOP (``stopped``) or SIGCONT: the process keeps its sockets and data but answers nothing."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP if stopped else signal.SIGCONT)
+
     def kill(self, wipe: bool = False) -> None:
         if self.proc is not None:
             self.proc.kill()
@@ -117,8 +123,9 @@ class Redis:
 class Node:
     """One `python -m gateway serve` on fixed ports (a restart comes back where clients look for it)."""
 
-    def __init__(self, name: str, workdir: Path, redis_url: str) -> None:
+    def __init__(self, name: str, workdir: Path, redis_url: str, workers: int = 1) -> None:
         self.name = name
+        self.workers = workers
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port, self.ingest_port = free_port(), free_port()
@@ -129,6 +136,7 @@ port = {self.port}
 admin_token = "{ADMIN}"
 log_level = "warning"
 max_connections_per_ip = 0
+workers = {workers}
 [websocket]
 blocked_timeout_s = 4.0
 [longpoll]
@@ -191,9 +199,23 @@ client_publish = true
         return path.read_text(errors="replace") if path.exists() else ""
 
     def kill9(self) -> None:
+        workers = self.worker_pids()  # they outlive a -9 of their supervisor
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(5)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def worker_pids(self) -> list[int]:
+        """The supervisor's worker processes (``server.workers`` > 1), or none."""
+        if self.proc is None or self.workers < 2:
+            return []
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                return [int(x) for x in f.read().split()]
+        except OSError:
+            return []
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -237,8 +259,9 @@ def token_for(user: str) -> str:
 
 class Chaos:
     def __init__(self, workdir: Path, duration: float, faults: list[str], seed: int, sample_s: float,
-                 warmup: float) -> None:
+                 warmup: float, workers: int = 1) -> None:
         self.workdir = workdir
+        self.workers = workers
         self.duration = duration
         self.faults = faults
         self.rng = random.Random(seed)
@@ -261,15 +284,18 @@ class Chaos:
     async def run(self) -> dict[str, Any]:
         self.t0 = time.time()
         self.redis.start()
-        self.nodes = [Node("a", self.workdir, self.redis.url), Node("b", self.workdir, self.redis.url)]
+        if self.workers > 1:  # one node, its supervisor and workers; every client through it
+            self.nodes = [Node("a", self.workdir, self.redis.url, self.workers)]
+        else:
+            self.nodes = [Node("a", self.workdir, self.redis.url), Node("b", self.workdir, self.redis.url)]
         for node in self.nodes:
             await asyncio.to_thread(node.start)
         self.proxies = [FaultyProxy(n.port) for n in self.nodes]
         for p in self.proxies:
             await p.start()
-        pa, pb = self.proxies[0].url, self.proxies[1].url
+        pa, pb = self.proxies[0].url, self.proxies[-1].url
         shared = [*RING, SNAP]
-        tok = {u: token_for(u) for u in ("u0", "u1")}
+        tok = {u: token_for(u) for u in ("u0", "u1", "u2", "u3")}
         self.clients: list[Any] = [
             WsClient("ws-a1", [pa, pb], shared), WsClient("ws-b1", [pb, pa], shared),
             WsClient("ws-slow", [pa, pb], shared),
@@ -278,13 +304,16 @@ class Chaos:
             SseClient("sse-a", [pa, pb], shared), SseClient("sse-b", [pb, pa], shared),
             LpClient("lp-a", [pa, pb], shared), LpClient("lp-b", [pb, pa], shared),
             LibClient("lib-a", pa, [*shared, PRIVATE], token=tok["u1"], user="u1"),
+            # private queues over SSE (acks POSTed) and long-poll (acknowledged by the next poll)
+            SseClient("sse-priv-u2", [pb, pa], shared, token=tok["u2"], user="u2", private=(PRIVATE,)),
+            LpClient("lp-priv-u3", [pa, pb], [*shared, PRIVATE], token=tok["u3"], user="u3", private=(PRIVATE,)),
         ]
         self.clients[4].holds.clear()  # u0's second connection waits for its turn (the takeover fault)
         tasks = [asyncio.create_task(c.run()) for c in self.clients]
         await asyncio.sleep(2.0)  # subscriptions (and private queues) exist before the publishers start
         ingest = IngestPublisher("ingest", [n.ingest_port for n in self.nodes], RING, 60.0, self.acc)
         admin = AdminPublisher("admin", [n.url for n in self.nodes], ADMIN, RING[:1], [SNAP],
-                               [("u0", PRIVATE), ("u1", PRIVATE)], 5.0, self.acc)
+                               [(u, PRIVATE) for u in ("u0", "u1", "u2", "u3")], 5.0, self.acc)
         publishers: list[Any] = [ingest, admin]
         ptasks = [asyncio.create_task(p.run()) for p in publishers]
         sampler = asyncio.create_task(self.sample_loop())
@@ -324,6 +353,10 @@ class Chaos:
                     got = proc_sample(node.proc.pid)
                     if got:
                         row[f"node-{node.name}"] = {"pid": node.proc.pid, "rss": got[0], "fds": got[1]}
+                    for i, pid in enumerate(sorted(node.worker_pids())):
+                        got = proc_sample(pid)
+                        if got:
+                            row[f"node-{node.name}-w{i}"] = {"pid": pid, "rss": got[0], "fds": got[1]}
             if self.redis.proc is not None and self.redis.proc.poll() is None:
                 got = proc_sample(self.redis.proc.pid)
                 mem = await asyncio.to_thread(self.redis.used_memory)
@@ -333,12 +366,24 @@ class Chaos:
             await asyncio.sleep(self.sample_s)
 
     async def inject(self, name: str) -> dict[str, Any] | None:
-        b = self.nodes[1]
+        b = self.nodes[-1]
         pa = self.proxies[0]
+        if name == "node-kill" and self.workers > 1:
+            return await self.kill_worker(b)
         if name == "node-kill":
             b.kill9()
             await asyncio.sleep(1.5)
             await asyncio.to_thread(b.start)
+        elif name == "redis-stall":
+            self.redis.stall(True)
+            await asyncio.sleep(3.0)
+            self.redis.stall(False)
+        elif name == "path-lossy":
+            resets = 0
+            for _ in range(6):  # every second, a quarter of the path's connections reset
+                resets += pa.reset_share(0.25, self.rng)
+                await asyncio.sleep(1.0)
+            return {"resets": resets}
         elif name in ("redis-restart", "redis-wipe"):
             wipe = name == "redis-wipe"
             if wipe:
@@ -396,6 +441,25 @@ class Chaos:
                     pass
             await asyncio.gather(*(one() for _ in range(100)))
         return None
+
+    async def kill_worker(self, node: Node) -> dict[str, Any]:
+        """``--workers``: one worker -9. The supervisor then stops the other workers and exits non-zero
+        (docs/cluster.md §5); as a supervisor above it would, the fault starts the node again."""
+        workers = node.worker_pids()
+        if not workers or node.proc is None:
+            return {"error": "no worker"}
+        victim = self.rng.choice(workers)
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            code = await asyncio.to_thread(node.proc.wait, 15)
+        except subprocess.TimeoutExpired:
+            node.kill9()
+            code = None
+        gone = time.monotonic() - t0
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(node.start)
+        return {"killed": victim, "of": len(workers), "supervisor_exit": code, "supervisor_gone_s": round(gone, 2)}
 
     async def read_ring(self, topic: str) -> list[dict[str, Any]]:
         """The topic's retained messages now: its range from the admin API, then a subscribe from its start."""
@@ -582,10 +646,10 @@ def parse_faults(text: str) -> list[str]:
 
 
 def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_s: float = 5.0,
-        warmup: float | None = None, keep: bool = False) -> dict[str, Any]:
+        warmup: float | None = None, keep: bool = False, workers: int = 1) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     warm = warmup if warmup is not None else min(60.0, max(10.0, duration * 0.15))
-    chaos = Chaos(workdir, duration, faults, seed, sample_s, warm)
+    chaos = Chaos(workdir, duration, faults, seed, sample_s, warm, workers)
     try:
         result = asyncio.run(chaos.run())
     finally:
@@ -600,6 +664,7 @@ def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
     result["seed"] = seed
+    result["workers"] = workers
     if out is not None:
         (out / "chaos.json").write_text(json.dumps(result, indent=1, default=str))
         if result["check"]["violations"]:
@@ -617,12 +682,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=float, default=5.0, help="seconds between RSS / fd / Redis samples")
     parser.add_argument("--warmup", type=float, help="seconds before faults and growth counting "
                         "(default 15%% of the duration, 10 to 60)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="N > 1: one node with server.workers = N instead of two nodes (node-kill: one worker -9)")
     args = parser.parse_args(argv)
     if not (shutil.which("redis-server") or os.path.exists("/usr/bin/redis-server")):
         print("redis-server is missing (make redis installs it)", file=sys.stderr)
         return 2
     out = args.out or Path("results") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = run(args.duration, args.faults, out, args.seed, args.sample, args.warmup)
+    result = run(args.duration, args.faults, out, args.seed, args.sample, args.warmup, workers=args.workers)
     print(report(result))
     print(f"written: {out / 'chaos.json'}")
     return 1 if result["check"]["violations"] else 0

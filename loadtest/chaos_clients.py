@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import itertools
 import random
+import socket
+import struct
 import time
 from collections import defaultdict
 from typing import Any
@@ -167,19 +169,34 @@ class WsClient(BaseClient):
 
 
 class SseClient(BaseClient):
+    """SSE, recovering by its last ``id:`` as ``since=``. ``private``: topics subscribed by a POST after the
+    ``session`` event, with ``ack: true``; every batch's highest private seq is acknowledged by a POST once
+    the batch is recorded (docs/protocol.md, "Acknowledged private subscriptions")."""
+
     transport = "sse"
 
-    def __init__(self, name: str, urls: list[str], topics: list[str]) -> None:
-        super().__init__(name, urls, topics)
+    def __init__(self, name: str, urls: list[str], topics: list[str], token: str | None = None,
+                 user: str | None = None, private: tuple[str, ...] = ()) -> None:
+        super().__init__(name, urls, topics, user)
+        self.token = token
+        self.private = private
         self.last_id: str | None = None
+        self.acks_sent = 0
+
+    async def _post(self, http: httpx.AsyncClient, url: str, cmds: list[dict[str, Any]]) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await http.post(url, content=orjson.dumps(cmds))
 
     async def session(self, url: str) -> None:
         params = {"topics": ",".join(self.topics)}
         if self.last_id:
             params["since"] = self.last_id
+        if self.token:
+            params["token"] = self.token
         for s in self.streams.values():
             s.resubscribing()
         timeout = httpx.Timeout(5.0, read=SILENCE_S)
+        posts: list[asyncio.Task[None]] = []
         async with httpx.AsyncClient(timeout=timeout) as http, http.stream("GET", url + "/sse", params=params) as resp:
             if resp.status_code != 200:
                 self.rec.closed(resp.status_code, "http")
@@ -187,36 +204,66 @@ class SseClient(BaseClient):
                 return
             self.rec.connects += 1
             event, data, ident = "message", "", None
+            sid: str | None = None
             lines = resp.aiter_lines()
-            while not self.stop_event.is_set() and not self.kick.is_set():
-                await self.stalled()
-                line = await anext(lines)
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data = line[5:].strip()
-                elif line.startswith("id:"):
-                    ident = line[3:].strip()
-                elif line == "":
-                    if event == "close":
-                        info = orjson.loads(data)
-                        self.rec.closed(int(info.get("code", 0)), str(info.get("reason", "")))
-                        return
-                    if event == "message" and data:
-                        self.rec.entries(orjson.loads(data), self.streams)
-                        if ident is not None:
-                            self.last_id = ident
-                    event, data, ident = "message", "", None
+            try:
+                while not self.stop_event.is_set() and not self.kick.is_set():
+                    await self.stalled()
+                    line = await anext(lines)
+                    if line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data = line[5:].strip()
+                    elif line.startswith("id:"):
+                        ident = line[3:].strip()
+                    elif line == "":
+                        if event == "close":
+                            info = orjson.loads(data)
+                            self.rec.closed(int(info.get("code", 0)), str(info.get("reason", "")))
+                            return
+                        if event == "session" and data:
+                            sid = orjson.loads(data)["session"]
+                            if self.private:
+                                cmds = [{"op": "subscribe", "topic": t, "ack": True} for t in self.private]
+                                posts.append(asyncio.create_task(self._post(http, f"{url}/sse/{sid}", cmds)))
+                        elif event == "message" and data:
+                            entries = orjson.loads(data)
+                            self.rec.entries(entries, self.streams)
+                            if ident is not None:
+                                self.last_id = ident
+                            acks: dict[str, int] = {}
+                            for e in entries:
+                                if e.get("type") == "msg" and e.get("topic") in self.private:
+                                    acks[e["topic"]] = max(acks.get(e["topic"], -1), int(e["seq"]))
+                            if acks and sid is not None:
+                                self.acks_sent += 1
+                                cmds = [{"op": "ack", "topic": t, "seq": n} for t, n in acks.items()]
+                                posts.append(asyncio.create_task(self._post(http, f"{url}/sse/{sid}", cmds)))
+                                posts = [p for p in posts if not p.done()]
+                        event, data, ident = "message", "", None
+            finally:
+                for p in posts:
+                    p.cancel()
             if self.kick.is_set():
                 self.rec.closed(0, "storm")
 
 
 class LpClient(BaseClient):
+    """Long-poll. ``private``: topics subscribed without ``since`` (a new session takes the queue over from
+    its head); each poll's ``?ack=`` commits the batch before (no ``ack`` command needed)."""
+
     transport = "lp"
 
+    def __init__(self, name: str, urls: list[str], topics: list[str], token: str | None = None,
+                 user: str | None = None, private: tuple[str, ...] = ()) -> None:
+        super().__init__(name, urls, topics, user)
+        self.token = token
+        self.private = set(private)
+
     async def session(self, url: str) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=15.0)) as http:
-            made = await http.post(url + "/lp")
+            made = await http.post(url + "/lp", headers=headers)
             if made.status_code != 201:
                 self.rec.closed(made.status_code, "http")
                 await asyncio.sleep(0.5)
@@ -226,7 +273,7 @@ class LpClient(BaseClient):
             cmds = []
             for t in self.topics:
                 cmd: dict[str, Any] = {"op": "subscribe", "topic": t}
-                since = self.since(t)
+                since = None if t in self.private else self.since(t)
                 if since is not None:
                     cmd["since"] = since
                 self.streams[t].resubscribing()
@@ -455,7 +502,8 @@ async def ws_burst(url: str, topic: str, count: int, acc: Accepted, name: str = 
 
 class FaultyProxy:
     """A TCP proxy between clients and one node: ``delay`` seconds added to every chunk each way, ``stall``
-    (forward nothing, keep the connections), ``cut`` (close every connection, refuse new ones a while)."""
+    (forward nothing, keep the connections), ``cut`` (close every connection, refuse new ones a while),
+    ``reset_share`` (reset that share of the connections, chosen at random: a lossy path)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
@@ -464,6 +512,8 @@ class FaultyProxy:
         self.stalled = False
         self.refuse_until = 0.0
         self.conns: set[asyncio.StreamWriter] = set()
+        #: client side -> node side of each connection (a reset aborts both)
+        self.pairs: dict[asyncio.StreamWriter, asyncio.StreamWriter] = {}
         self.server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -479,6 +529,19 @@ class FaultyProxy:
         for w in list(self.conns):
             w.transport.abort()
 
+    def reset_share(self, share: float, rng: random.Random) -> int:
+        """Reset (RST both ways) ``share`` of the current connections, chosen at random; returns how many."""
+        pairs = list(self.pairs.items())
+        chosen = [p for p in pairs if rng.random() < share]
+        for client_side, node_side in chosen:
+            for w in (client_side, node_side):
+                sock = w.get_extra_info("socket")
+                if sock is not None:  # SO_LINGER 0: close() sends RST, as a middlebox dropping the flow
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                w.transport.abort()
+        return len(chosen)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if time.monotonic() < self.refuse_until:
             writer.transport.abort()
@@ -489,6 +552,7 @@ class FaultyProxy:
             writer.transport.abort()
             return
         self.conns |= {writer, up_w}
+        self.pairs[writer] = up_w
         tasks = [asyncio.create_task(self._pipe(reader, up_w)), asyncio.create_task(self._pipe(up_r, writer))]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -496,6 +560,7 @@ class FaultyProxy:
             pass
         for t in tasks:
             t.cancel()
+        self.pairs.pop(writer, None)
         for w in (writer, up_w):
             self.conns.discard(w)
             w.transport.abort()
