@@ -380,8 +380,8 @@ class Chaos:
             self.redis.stall(False)
         elif name == "path-lossy":
             resets = 0
-            for _ in range(6):  # every second, a quarter of the path's connections reset
-                resets += pa.reset_share(0.25, self.rng)
+            for _ in range(6):  # every second, 30% of the connections on every path reset
+                resets += sum(p.reset_share(0.3, self.rng) for p in self.proxies)
                 await asyncio.sleep(1.0)
             return {"resets": resets}
         elif name in ("redis-restart", "redis-wipe"):

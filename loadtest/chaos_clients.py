@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import orjson
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from fanout_client.events import Stream
 
@@ -94,7 +94,8 @@ class BaseClient:
             self.kick.clear()
             try:
                 await self.session(self.next_url())
-            except (OSError, ConnectionClosed, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
+            except (OSError, WebSocketException, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
+                # WebSocketException: ConnectionClosed, and a handshake the proxy cut (its node is down)
                 self.rec.closed(1006, type(exc).__name__)
             if not self.stop_event.is_set():
                 await asyncio.sleep(random.uniform(0.05, 0.3))
