@@ -1,10 +1,11 @@
 """``fanout-loadtest chaos``: faults on a two-node cluster under load, then the invariant (docs/reliability.md).
 
 Starts redis-server (append-only file, fsync always: a restart keeps what it accepted) and two gateway nodes
-on it, a faulty TCP proxy in front of each node, clients on every transport (raw WebSocket, SSE, long-poll,
-fanout_client) on ring, snapshot and private topics, publishers on the TCP ingest and the admin API; runs
-the fault schedule for ``--duration`` seconds; samples RSS and open files of every process and Redis's
-memory every ``--sample`` seconds; then reads every ring once more and checks (loadtest/chaos_check.py).
+on it (``--workers N``: one node with N worker processes), a faulty TCP proxy in front of each node, clients
+on every transport (raw WebSocket, SSE, long-poll, fanout_client) on ring, snapshot and private topics (the
+private ones on every transport, acknowledged over SSE and fanout_client), publishers on the TCP ingest and
+the admin API; runs the fault schedule for ``--duration`` seconds; samples RSS and open files of every process
+and Redis's memory every ``--sample`` seconds; then reads every ring once more and checks (loadtest/chaos_check.py).
 Exit status 0 when nothing was violated, 1 otherwise.
 """
 
