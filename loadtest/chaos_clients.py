@@ -460,9 +460,13 @@ class AdminPublisher:
                     if user is not None:
                         body["client"] = user
                     url = self.urls[turn % len(self.urls)]
+                    why = self.name  # refused: counted per publisher, and per error code the gateway gave
                     try:
                         reply = await http.post(f"{url}/api/topics/{topic}/publish", content=orjson.dumps(body))
                         ok = reply.status_code == 200
+                        if not ok:
+                            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                                why = f"{self.name} {reply.status_code} {reply.json()['error']['code']}"
                     except httpx.HTTPError:
                         ok = False
                         self.acc.uncertain[self.name] += 1
@@ -472,6 +476,8 @@ class AdminPublisher:
                         self.acc.ring[topic][self.name].append(n)
                     else:
                         self.acc.refused[self.name] += 1
+                        if why != self.name:
+                            self.acc.refused[why] += 1
                 await asyncio.sleep(1 / self.rate)
 
 
