@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from loadtest.chaos_clients import (
     WsClient,
     ws_burst,
 )
+from loadtest.redisproc import RedisProcess, free_port
 
 ADMIN = "chaos-admin-token"
 SECRET = "chaos-jwt-secret-0123456789abcdef0123456789"
@@ -55,70 +55,6 @@ SNAP = "chaos.snap"
 PRIVATE = "private.chaos"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Redis:
-    """redis-server with an append-only file; restartable on the same port, with or without its data."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.dir = workdir / "redis"
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
-                                     stdout=open(self.dir.parent / "redis.log", "ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                if self.command("PING").startswith("+PONG"):
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def command(self, *args: str) -> str:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
-            sock.sendall(("*%d\r\n" % len(args) + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)).encode())
-            data = b""
-            while True:
-                chunk = sock.recv(65536)
-                data += chunk
-                if not chunk or data.endswith(b"\r\n") and (not data.startswith(b"$") or data.count(b"\r\n") >= 2):
-                    return data.decode(errors="replace")
-
-    def used_memory(self) -> int | None:
-        try:
-            for line in self.command("INFO", "memory").splitlines():
-                if line.startswith("used_memory:"):
-                    return int(line.split(":")[1])
-        except OSError:
-            return None
-        return None
-
-    def stall(self, stopped: bool) -> None:
-        """SIGSTOP (``stopped``) or SIGCONT: the process keeps its sockets and data but answers nothing."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGSTOP if stopped else signal.SIGCONT)
-
-    def kill(self, wipe: bool = False) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(5)
-        if wipe:
-            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Node:
@@ -268,7 +204,7 @@ class Chaos:
         self.rng = random.Random(seed)
         self.sample_s = sample_s
         self.warmup = warmup
-        self.redis = Redis(workdir)
+        self.redis = RedisProcess(workdir / "redis", appendonly=True)
         self.nodes: list[Node] = []
         self.proxies: list[FaultyProxy] = []
         self.acc = Accepted()
@@ -389,7 +325,7 @@ class Chaos:
             wipe = name == "redis-wipe"
             if wipe:
                 self.wipes.append(time.time())
-            self.redis.kill(wipe=wipe)
+            self.redis.stop(wipe=wipe)
             await asyncio.sleep(2.0)
             await asyncio.to_thread(self.redis.start)
         elif name == "path-delay":
@@ -656,7 +592,7 @@ def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_
     finally:
         for node in chaos.nodes:
             node.stop()
-        chaos.redis.kill()
+        chaos.redis.stop()
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             for node in chaos.nodes:

@@ -28,6 +28,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from loadtest.procstat import read_stat, tree
+from loadtest.redisproc import RedisProcess
 
 TOKEN = "cluster-bench"
 
@@ -45,31 +46,6 @@ def _cpu(pid: int) -> float:
         if stat is not None:
             total += stat[1]
     return total
-
-
-class Redis:
-    def __init__(self, workdir: Path) -> None:
-        self.port = _free_port()
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise SystemExit("redis-server did not start")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 class Gateway:
@@ -234,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0)
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="cluster-bench-"))
-    redis = Redis(workdir)
+    redis = RedisProcess(workdir / "redis")
+    redis.start()
+    assert redis.proc is not None  # started
+    redis_pid = redis.proc.pid
     load = (args.clients, args.topics, args.per_client, args.rate, args.duration)
     print(f"load: {args.clients} clients x {args.per_client} of {args.topics} topics, {args.rate:g} publishes/s"
           f" for {args.duration:g} s (TCP ingest), ring capacity 1024")
@@ -243,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                                        ("2 workers, Redis", redis.url, 2)):
             gw = Gateway(workdir / label.replace(" ", "").replace(",", "-"), broker, workers)
             try:
-                redis_cpu0 = _cpu(redis.proc.pid)
+                redis_cpu0 = _cpu(redis_pid)
                 figures = asyncio.run(_load([gw.port], gw.ingest_port, [gw.proc.pid], *load))
-                figures["redis_cpu_s"] = _cpu(redis.proc.pid) - redis_cpu0
+                figures["redis_cpu_s"] = _cpu(redis_pid) - redis_cpu0
                 print(f"{label:24} " + json.dumps({k: round(v, 2) if isinstance(v, float) else v
                                                    for k, v in figures.items()}))
             finally:

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -31,8 +30,8 @@ from typing import TYPE_CHECKING, cast
 import httpx
 import websockets
 
-from loadtest.cluster_bench import Redis
 from loadtest.floodprobe import ADMIN_TOKEN, FloodGateway, delay_figures, rss_mib
+from loadtest.redisproc import RedisProcess
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -142,10 +141,10 @@ def _stall_publishers(port: int, seconds: float, out: Queue[tuple[int, int]]) ->
     out.put((sent, answers))
 
 
-def flood_stall(gateway: FloodGateway, redis: Redis, seconds: float) -> str:
+def flood_stall(gateway: FloodGateway, redis: RedisProcess, seconds: float) -> str:
     import multiprocessing
 
-    os.kill(redis.proc.pid, signal.SIGSTOP)
+    redis.stall(True)
     try:
         results: multiprocessing.Queue = multiprocessing.Queue()
         child = multiprocessing.Process(target=_stall_publishers, args=(gateway.info["ingest_port"], seconds, results))
@@ -154,7 +153,7 @@ def flood_stall(gateway: FloodGateway, redis: Redis, seconds: float) -> str:
         child.join()
         metrics = httpx.get(f"{gateway.url}/metrics", timeout=30).text
     finally:
-        os.kill(redis.proc.pid, signal.SIGCONT)
+        redis.stall(False)
     pending = [line for line in metrics.splitlines() if line.startswith("fanout_broker_")]
     return (f"stall flood, {seconds:g} s with Redis stopped: {sent} records sent, {answers} answer lines; "
             + "; ".join(pending))
@@ -188,7 +187,8 @@ def main() -> None:
     sections: dict[str, dict] = {}
     try:
         if args.flood == "stall":
-            redis = Redis(workdir)
+            redis = RedisProcess(workdir / "redis")
+            redis.start()
             sections["broker"] = {"url": redis.url}
             # each ingest connection's read buffer is its own bound (4 MiB by default: 48 connections could
             # hold 192 MiB there); kept small so the figures show what waits for Redis

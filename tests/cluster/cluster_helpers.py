@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,58 +17,15 @@ from gw_helpers import collect as gw_collect
 from gw_helpers import send
 from websockets.sync.client import connect
 
+from loadtest.redisproc import RedisProcess
+
 ROOT = Path(__file__).resolve().parents[2]
-REDIS_SERVER = "/usr/bin/redis-server"
 TOKEN = "cluster-test-token"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RedisServer:
-    """redis-server on a free loopback port, no persistence unless asked; restartable on the same port."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        binary = REDIS_SERVER if os.path.exists(REDIS_SERVER) else shutil.which("redis-server")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
-            stdout=open(self.workdir / "redis.log", "ab"), stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if self.command("PING") == "+PONG":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def command(self, *args: str) -> str:
-        """One command, its first reply line (enough for PING, CLIENT KILL, FLUSHALL)."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
-            sock.sendall(("*%d\r\n" % len(args) + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)).encode())
-            return sock.recv(65536).split(b"\r\n")[0].decode()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.proc = None
+class RedisServer(RedisProcess):
+    """redis-server on a free loopback port, no persistence unless asked; restartable on the same port
+    (loadtest/redisproc.py, which the chaos run and the cluster benchmark use too)."""
 
 
 class Node:
