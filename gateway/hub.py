@@ -24,7 +24,7 @@ from .clients import ClientRegistry
 from .config import GatewayConfig
 from .deliverylog import DeliveryLog
 from .gcpolicy import GcPolicy
-from .metrics import Metrics, engine_families, stats_families
+from .metrics import Metrics, engine_families, loop_families, stats_families
 from .netguard import ConnectionLimiter
 from .proxy import Proxy
 from .ratelog import BadInputLog
@@ -65,7 +65,7 @@ class Hub:
         if config.deliverylog.enabled:
             self.scheduler.delivery_log = DeliveryLog(config.deliverylog, self.instance_id, self._scheduler_ended)
         self.metrics = Metrics()
-        for collect in (lambda: engine_families(self.engine), self.scheduler.collect, self.clients.collect,
+        for collect in (lambda: engine_families(self.engine), loop_families, self.scheduler.collect, self.clients.collect,
                         self.creations.collect, self.broker.collect, self.gc.collect, self.bad_input.collect):
             self.metrics.add(collect)
         if self.proxy is not None:

@@ -164,6 +164,18 @@ client_publish = true
                 self.proc.wait(5)
 
 
+async def event_loop_tasks(http: httpx.AsyncClient, port: int) -> int | None:
+    """`fanout_event_loop_tasks` of the gateway on `port` (with workers: of the one that answers)."""
+    try:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("fanout_event_loop_tasks "):
+            return int(float(line.split()[1]))
+    return None
+
+
 def proc_sample(pid: int) -> tuple[int, int] | None:
     """(RSS bytes, open file descriptors) of a process, or None when it is gone."""
     try:
@@ -283,24 +295,30 @@ class Chaos:
         return self.finish(rings)
 
     async def sample_loop(self) -> None:
-        while True:
-            row: dict[str, Any] = {"t": time.time()}
-            for node in self.nodes:
-                if node.proc is not None and node.proc.poll() is None:
-                    got = proc_sample(node.proc.pid)
-                    if got:
-                        row[f"node-{node.name}"] = {"pid": node.proc.pid, "rss": got[0], "fds": got[1]}
-                    for i, pid in enumerate(sorted(node.worker_pids())):
-                        got = proc_sample(pid)
-                        if got:
-                            row[f"node-{node.name}-w{i}"] = {"pid": pid, "rss": got[0], "fds": got[1]}
-            if self.redis.proc is not None and self.redis.proc.poll() is None:
-                got = proc_sample(self.redis.proc.pid)
-                mem = await asyncio.to_thread(self.redis.used_memory)
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while True:
+                await self.sample(http)
+                await asyncio.sleep(self.sample_s)
+
+    async def sample(self, http: httpx.AsyncClient) -> None:
+        """One row: RSS and descriptors of every process, each node's asyncio tasks (its /metrics), Redis's memory."""
+        row: dict[str, Any] = {"t": time.time()}
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                got = proc_sample(node.proc.pid)
                 if got:
-                    row["redis"] = {"pid": self.redis.proc.pid, "rss": got[0], "fds": got[1], "used_memory": mem}
-            self.samples.append(row)
-            await asyncio.sleep(self.sample_s)
+                    row[f"node-{node.name}"] = {"pid": node.proc.pid, "rss": got[0], "fds": got[1],
+                                                "tasks": await event_loop_tasks(http, node.port)}
+                for i, pid in enumerate(sorted(node.worker_pids())):
+                    got = proc_sample(pid)
+                    if got:
+                        row[f"node-{node.name}-w{i}"] = {"pid": pid, "rss": got[0], "fds": got[1]}
+        if self.redis.proc is not None and self.redis.proc.poll() is None:
+            got = proc_sample(self.redis.proc.pid)
+            mem = await asyncio.to_thread(self.redis.used_memory)
+            if got:
+                row["redis"] = {"pid": self.redis.proc.pid, "rss": got[0], "fds": got[1], "used_memory": mem}
+        self.samples.append(row)
 
     async def inject(self, name: str) -> dict[str, Any] | None:
         b = self.nodes[-1]
@@ -518,7 +536,7 @@ def growth(samples: list[dict[str, Any]], warmup: float) -> dict[str, Any]:
             continue
         first, last = rows[:3], rows[-3:]
         entry: dict[str, Any] = {"samples": len(rows), "span_s": round(rows[-1]["t"] - rows[0]["t"], 1)}
-        for metric in ("rss", "fds", "used_memory"):
+        for metric in ("rss", "fds", "tasks", "used_memory"):
             a = [r[metric] for r in first if r.get(metric) is not None]
             b = [r[metric] for r in last if r.get(metric) is not None]
             if a and b:
@@ -560,8 +578,8 @@ def report(result: dict[str, Any]) -> str:
                      f"{r['max']:>7.3f} {e['unserved']:>8}  {losses} ({e['lost_seqs']})  {closes}")
     lines.append("growth after warm-up (first vs last samples):")
     for key, g in result["growth"].items():
-        parts = [f"{m} {g[m]['start']}->{g[m]['end']} ({g[m]['growth_pct']:+.1f}%)" for m in ("rss", "fds", "used_memory")
-                 if m in g]
+        parts = [f"{m} {g[m]['start']}->{g[m]['end']} ({g[m]['growth_pct']:+.1f}%)"
+                 for m in ("rss", "fds", "tasks", "used_memory") if m in g]
         lines.append(f"  {key:24} {g['span_s']:>6.0f} s  " + ", ".join(parts))
     lines.append(f"log lines with a traceback or ERROR: {result['logs']['bad_lines']}")
     for line in result["logs"]["first"][:10]:
