@@ -197,3 +197,38 @@ def test_drain_timeout_0_closes_at_once_with_1001_and_exits_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+def test_a_long_poll_session_between_polls_gets_its_1012_and_an_abandoned_one_holds_the_drain_to_its_end(tmp_path):
+    proc, info = start(tmp_path, drain_timeout_s=2.0)
+    base = f"http://127.0.0.1:{info['http_port']}"
+
+    async def main() -> tuple[dict, float, bool]:
+        async with httpx.AsyncClient(base_url=base, timeout=10) as polling, \
+                httpx.AsyncClient(base_url=base, timeout=10) as abandoning:
+            sid = (await polling.post("/lp")).json()["session"]
+            await abandoning.post("/lp")  # never polled again
+            sent_at = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            # the next poll, on the keep-alive connection already open, fetches the session's last body
+            body = (await polling.get(f"/lp/{sid}")).json()
+            await asyncio.sleep(0.5)
+            still_running = proc.poll() is None  # waiting for the other session's next poll
+            code = await asyncio.to_thread(proc.wait, 10)
+            assert code == 0
+            return body, time.monotonic() - sent_at, still_running
+
+    try:
+        body, took, still_running = asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert body["batch"] is None and len(body["entries"]) == 1
+    entry = body["entries"][0]
+    assert (entry["code"], entry["close_code"]) == ("closed", 1012)
+    assert entry["message"] == f"restarting: reconnect in {entry['retry_ms']} ms"
+    assert still_running
+    assert 1.9 <= took < 2.0 + 3, took
+    assert "1 long-poll bodies not fetched" in (tmp_path / "gateway.log").read_text()
