@@ -149,7 +149,7 @@ class GatewayServer(uvicorn.Server):
             await ingest
         self.drain_report = {"seconds": time.monotonic() - started, "clients": clients,
                              "connections_left": len(connections), "longpoll_unfetched": len(pending)}
-        log.info("drained in %.2f s: %d connections left (closed now, 1001), %d long-poll bodies not fetched",
+        log.info("drained in %.2f s: %d connections left (closed now), %d long-poll bodies not fetched",
                  self.drain_report["seconds"], len(connections), len(pending))
 
 
