@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -146,7 +147,11 @@ class GatewayServer(uvicorn.Server):
                 if not isinstance(conn, WebSocketsSansIOProtocol):
                     conn.shutdown()  # a keep-alive connection that became idle since
         if ingest is not None:
-            await ingest
+            while not ingest.done() and not self.force_exit:  # a second SIGINT: no more waiting
+                await asyncio.wait({ingest}, timeout=0.05)
+            ingest.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ingest
         self.drain_report = {"seconds": time.monotonic() - started, "clients": clients,
                              "connections_left": len(connections), "longpoll_unfetched": len(pending)}
         log.info("drained in %.2f s: %d connections left (closed now), %d long-poll bodies not fetched",

@@ -232,3 +232,28 @@ def test_a_long_poll_session_between_polls_gets_its_1012_and_an_abandoned_one_ho
     assert still_running
     assert 1.9 <= took < 2.0 + 3, took
     assert "1 long-poll bodies not fetched" in (tmp_path / "gateway.log").read_text()
+
+
+def test_the_ingest_answers_what_it_received_then_closes(tmp_path):
+    proc, info = start(tmp_path, drain_timeout_s=3.0)
+
+    async def main() -> tuple[list[dict], bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", info["ingest_port"])
+        writer.write(b"".join(orjson.dumps({"topic": "load", "data": i}) + b"\n" for i in range(2000))
+                     + b'{"sync": 1}\n')
+        await writer.drain()
+        proc.send_signal(signal.SIGTERM)
+        lines = [orjson.loads(await asyncio.wait_for(reader.readline(), 5))]
+        rest = await asyncio.wait_for(reader.read(), 5)  # then the end of the connection
+        writer.close()
+        return lines, rest
+
+    try:
+        lines, rest = asyncio.run(main())
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert lines == [{"type": "synced", "id": 1, "accepted": 2000, "refused": 0}]
+    assert rest == b""
