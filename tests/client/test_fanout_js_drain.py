@@ -55,3 +55,47 @@ def test_a_1012_hint_delays_the_reconnect_and_is_capped_by_backoff_max() -> None
     assert 600 <= result["gap"] < 1500, result  # 20 ms open + the 600 ms hint; without it: at most 10 ms
     capped = run_node("restarting: reconnect in 60000 ms", 300)
     assert 300 <= capped["gap"] < 1200, capped
+
+
+LP_SCRIPT = """
+const { connect } = await import(process.argv[1]);
+const sessions = [];
+let polls = 0;
+globalThis.fetch = async (url, init = {}) => {
+  const path = new URL(url).pathname;
+  const answer = (status, body) => ({ status, ok: status < 300, json: async () => body });
+  if (init.method === "POST" && path === "/lp") {
+    sessions.push(Date.now());
+    return answer(201, { session: `s${sessions.length}`, client_id: `lp-${sessions.length}` });
+  }
+  if (init.method === "POST") return answer(202, { accepted: 1 });
+  if (init.method === "DELETE") return answer(204, null);
+  polls++;
+  if (path === "/lp/s1" && polls === 1) {
+    await new Promise((r) => setTimeout(r, 20));
+    return answer(200, { batch: null, entries: [{ type: "error", code: "closed", close_code: 1012,
+      message: "restarting: reconnect in 1 ms", retry_ms: Number(process.argv[2]) }] });
+  }
+  await new Promise((r, reject) => {
+    const t = setTimeout(r, 5000);
+    init.signal?.addEventListener("abort", () => { clearTimeout(t); reject(new Error("aborted")); });
+  });
+  return answer(200, { batch: null, entries: [] });
+};
+const client = connect("http://gw.invalid", { transports: ["lp"], backoffBaseMs: 10, backoffMaxMs: 15000 });
+await new Promise((resolve) => {
+  const t = setInterval(() => { if (sessions.length >= 2) { clearInterval(t); resolve(); } }, 5);
+});
+client.close();
+console.log(JSON.stringify({ gap: sessions[1] - sessions[0] }));
+process.exit(0);
+"""
+
+
+def test_a_long_poll_closed_entry_with_retry_ms_delays_the_reconnect() -> None:
+    """`retry_ms` of the entry wins over the reason's text (which says 1 ms here)."""
+    out = subprocess.run(["node", "--input-type=module", "-e", LP_SCRIPT, (ROOT / "static" / "fanout.js").as_uri(),
+                          "500"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    gap = json.loads(out.stdout.strip().splitlines()[-1])["gap"]
+    assert 500 <= gap < 1500, gap
