@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import logging
 import random
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
@@ -52,6 +53,19 @@ STABLE_S = 10.0
 TERMINAL = frozenset({4000, 4006})
 #: how long `close` waits for the closing handshake before dropping the connection
 CLOSE_TIMEOUT_S = 2.0
+#: close 1012 (service restart): the gateway drains (SIGTERM) and says when to reconnect, each client its own
+#: delay so that a restart does not make a thundering herd (docs/protocol.md)
+SERVICE_RESTART = 1012
+_RESTART_HINT = re.compile(r"reconnect in (\d{1,9}) ms")
+
+
+def restart_hint_s(code: int, reason: str) -> float | None:
+    """The reconnect delay (seconds) a draining gateway hinted: close 1012 with "restarting: reconnect in N
+    ms" (an SSE close event or long-poll entry carries N as `retry_ms`); None for any other close."""
+    if code != SERVICE_RESTART:
+        return None
+    match = _RESTART_HINT.search(reason)
+    return int(match.group(1)) / 1000 if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -686,11 +700,16 @@ class Client:
         return True
 
     async def _backoff(self, close: CloseInfo) -> None:
-        """Full jitter: a delay uniform in [0, min(backoff_max, backoff_base * 2^attempt))."""
+        """Full jitter: a delay uniform in [0, min(backoff_max, backoff_base * 2^attempt)); after a drain's
+        1012, the delay the gateway hinted instead (at most `backoff_max`)."""
         if self.state == "closed":
             return
         self.last_close = close
         self._set_state("disconnected", close)
+        hint = restart_hint_s(close.code, close.reason)
+        if hint is not None:  # the gateway spread its clients' reconnects: keep its choice
+            await asyncio.sleep(min(self.backoff_max, hint))
+            return
         cap = min(self.backoff_max, self.backoff_base * 2 ** min(self._attempt, 30))
         self._attempt += 1
         await asyncio.sleep(random.uniform(0, cap))

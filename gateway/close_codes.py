@@ -13,6 +13,7 @@ CONNECT_REFUSED = 4003  # the backend's connect hook refused the connection ([pr
 IDLE = 4012  # no subscription and no command for limits.idle_timeout_s
 REPLACED = 4013  # the user opened more than limits.max_connections_per_user: the oldest gives way
 GOING_AWAY = 1001  # server shutting down
+SERVICE_RESTART = 1012  # draining (SIGTERM): reconnect elsewhere after the reason's hint, "restarting: reconnect in N ms"
 INTERNAL_ERROR = 1011
 TRY_AGAIN_LATER = 1013  # the backend's connect hook did not answer (down, timed out): "backend unavailable"
 # Sent by the WebSocket protocol layer (websockets, through gateway.transports.ws.FanoutWSProtocol) on a peer's error:

@@ -56,6 +56,8 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     allowed_hosts: list[str]
     gc_full_interval_s: float
     workers: int
+    drain_timeout_s: float
+    drain_spread_s: float
 
 
 class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -416,6 +418,9 @@ def load_config(
     config.engine_config()  # validates the topic rules
     if config.server.workers < 1:
         raise ConfigError(f"server.workers must be >= 1, not {config.server.workers}")
+    for key in ("drain_timeout_s", "drain_spread_s"):
+        if getattr(config.server, key) < 0:
+            raise ConfigError(f"server.{key} must be >= 0, not {getattr(config.server, key)}")
     if config.server.max_header_bytes < 1024 or config.server.max_headers < 1:
         raise ConfigError("server.max_header_bytes must be >= 1024 and server.max_headers >= 1")
     if config.scheduler.write_coalesce_cycles < 1:

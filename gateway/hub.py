@@ -105,6 +105,15 @@ class Hub:
             await self.proxy.aclose()  # after the clients' disconnect events were queued
         await self.broker.stop()
 
+    def drain(self, spread_s: float) -> list[str]:
+        """Graceful drain: every client closed with 1012 and its own reconnect hint (ClientRegistry.drain), the
+        stats streams ended. Returns the long-poll sessions whose last body waits for their next poll."""
+        polling = self.sessions.longpoll.secrets()
+        self.clients.drain(spread_s)
+        for hook in self.closing_hooks:
+            hook()
+        return [secret for secret in polling if secret in self.sessions.closed]
+
     def close_all_clients(self) -> None:
         self.clients.close_all()
         for hook in self.closing_hooks:

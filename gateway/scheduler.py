@@ -51,8 +51,9 @@ class Connection(Protocol):
     def flush(self) -> bool:
         """Write what was staged this round; True when it drained (the client stays ready)."""
 
-    def kick(self, code: int, reason: str) -> None:
-        """Close the connection with a protocol close code and reason."""
+    def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
+        """Close the connection with a protocol close code and reason; `retry_ms`: the reconnect hint of a
+        drain (1012), carried by the SSE close event and the long-poll entry (the WebSocket: in the reason)."""
 
     def describe(self) -> dict[str, Any]:
         """State for the admin API."""

@@ -286,6 +286,8 @@ class ErrorEntry(_Entry, frozen=True, tag="error"):
     id: RequestId = None
     #: long-poll `closed` only: the WebSocket close code it stands for
     close_code: int | UnsetType = UNSET
+    #: long-poll `closed` with close_code 1012 (draining): milliseconds to wait before reconnecting
+    retry_ms: int | UnsetType = UNSET
 
 
 class ClosedEntry(_Entry, frozen=True, tag="closed"):

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
 import resource
 import secrets
+import signal
 import socket
 import ssl
+import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from .app import build_app
 from .config import ConfigError, GatewayConfig
@@ -61,9 +66,17 @@ def check_listener_tokens(config: GatewayConfig) -> None:
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn's server, closing the gateway's clients first on shutdown so it never waits on them."""
+    """uvicorn's server, closing the gateway's clients first on shutdown so it never waits on them; on SIGTERM
+    or SIGINT, a graceful drain first (`drain`, `server.drain_timeout_s`), and the process then ends with
+    status 0 (uvicorn would raise the signal again once stopped)."""
 
     hub: Hub
+    #: the TCP ingest, drained with the rest
+    ingest: IngestServer | None = None
+    #: a signal asked to stop: shut down with a drain (`RunningGateway.stop` alone closes at once, with 1001)
+    drain_requested = False
+    #: what the last drain measured (seconds, clients closed, connections left), for the log and tests
+    drain_report: dict[str, float] | None = None
     #: with `server.workers` > 1: this worker's inbox and the HTTP protocol serving the connections the other
     #: workers pass through it (plain HTTP even under TLS: a socketpair between workers; no per-address
     #: limit: every peer is a worker; at most `server.max_connections` at once), docs/cluster.md §5
@@ -87,9 +100,62 @@ class GatewayServer(uvicorn.Server):
 
             serve_inbox(inbox, serve)
 
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # not recorded in `_captured_signals`: uvicorn would raise it again once stopped, ending the process by
+        # the signal instead of with status 0 after the drain. A second SIGINT still forces the exit.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+            self.drain_requested = True
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.hub.close_all_clients()
+        if self.drain_requested and self.hub.config.server.drain_timeout_s > 0:
+            await self.drain()
+        self.hub.close_all_clients()  # what is left (1001)
         await super().shutdown(sockets)
+
+    async def drain(self) -> None:
+        """Stop accepting (the HTTP and ingest ports close), close every client with 1012 and a reconnect hint,
+        then wait up to `server.drain_timeout_s` for the long-poll sessions to fetch their last body and for
+        the connections to be gone (docs/reliability.md, "Graceful drain")."""
+        cfg = self.hub.config.server
+        started = time.monotonic()
+        deadline = started + cfg.drain_timeout_s
+        for server in self.servers:
+            server.close()  # new connections are refused from now on
+        ingest = None
+        if self.ingest is not None:
+            ingest = asyncio.get_running_loop().create_task(self.ingest.drain(cfg.drain_timeout_s))
+        clients = len(self.hub.clients.conns)
+        pending = self.hub.drain(cfg.drain_spread_s)
+        log.info("draining: %d clients told to reconnect (1012) within %g s; waiting up to %g s",
+                 clients, cfg.drain_spread_s, cfg.drain_timeout_s)
+        closed = self.hub.sessions.closed
+        while pending and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+            pending = [secret for secret in pending if secret in closed]
+        # every long-poll session has its last body (or the time is up): idle keep-alive connections can go
+        # (a request in progress finishes first); a WebSocket lingers on its close frame (KICK_GRACE_S)
+        connections = self.server_state.connections
+        for conn in list(connections):
+            if not isinstance(conn, WebSocketsSansIOProtocol):
+                conn.shutdown()
+        while connections and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+            for conn in list(connections):
+                if not isinstance(conn, WebSocketsSansIOProtocol):
+                    conn.shutdown()  # a keep-alive connection that became idle since
+        if ingest is not None:
+            while not ingest.done() and not self.force_exit:  # a second SIGINT: no more waiting
+                await asyncio.wait({ingest}, timeout=0.05)
+            ingest.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ingest
+        self.drain_report = {"seconds": time.monotonic() - started, "clients": clients,
+                             "connections_left": len(connections), "longpoll_unfetched": len(pending)}
+        log.info("drained in %.2f s: %d connections left (closed now), %d long-poll bodies not fetched",
+                 self.drain_report["seconds"], len(connections), len(pending))
 
 
 def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -259,6 +325,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     )
     running.server = GatewayServer(uv_config)
     running.server.hub = hub
+    running.server.ingest = running.ingest
     if links is not None:
         internal_limiter = ConnectionLimiter(server_cfg.max_connections or MAX_FORWARDS_UNLIMITED, 0, hub.bad_input)
         running.server.internal = (links.inbox, http_protocol_class(

@@ -40,6 +40,11 @@ class ClosedSessions:
     def __len__(self) -> int:
         return len(self._bodies)
 
+    def __contains__(self, secret: object) -> bool:
+        """A body is kept for `secret` and not yet taken (nor expired)."""
+        kept = self._bodies.get(secret)  # type: ignore[call-overload]
+        return kept is not None and kept[0] >= time.monotonic()
+
 
 class Checkpoints:
     """Full recovery points kept by the gateway for the compact `id:` form (`IdLine`): per stream key its

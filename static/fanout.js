@@ -81,6 +81,19 @@ const STICKY_FAILURES = 3;
 const STABLE_MS = 10000;
 /** close codes after which the client does not reconnect (4001 and 4011 depend on getToken) */
 const TERMINAL = new Set([4000, 4006]);
+/** close 1012 (service restart): a draining gateway says when to reconnect, each client its own delay */
+const SERVICE_RESTART = 1012;
+
+/**
+ * The reconnect delay (ms) a draining gateway hinted: close 1012 with "restarting: reconnect in N ms" (the SSE
+ * close event and the long-poll entry also carry N as `retry_ms`); null for any other close.
+ */
+export function restartHintMs(code, reason, retryMs) {
+  if (code !== SERVICE_RESTART) return null;
+  if (Number.isFinite(retryMs) && retryMs >= 0) return retryMs;
+  const match = /reconnect in (\d{1,9}) ms/.exec(reason || "");
+  return match ? Number(match[1]) : null;
+}
 
 /** An error of the gateway (its `code`: docs/protocol.md error codes) or of this library. */
 export class FanoutError extends Error {
@@ -252,12 +265,12 @@ class SessionTransport {
     return sessionUrl;
   }
 
-  _end(code, reason) {
+  _end(code, reason, retryMs) {
     if (this.dead) return;
     this.dead = true;
     this._stop();
     if (this.poster) this.poster.dead = true;
-    this.cb.close({ code, reason, opened: this.opened });
+    this.cb.close({ code, reason, opened: this.opened, retryMs });
   }
 
   send(commands) {
@@ -303,7 +316,7 @@ class SseTransport extends SessionTransport {
         // keep 1006
       }
       this.opened = true;
-      this._end(info.code, info.reason);
+      this._end(info.code, info.reason, info.retry_ms);
     });
     es.onerror = () => this._end(1006, "event stream failed");
   }
@@ -376,7 +389,7 @@ class LpTransport extends SessionTransport {
         else entries.push(entry);
       }
       if (entries.length) this.cb.batch(entries);
-      if (closing) return this._end(closing.close_code, closing.message);
+      if (closing) return this._end(closing.close_code, closing.message, closing.retry_ms);
     }
   }
 
@@ -894,7 +907,7 @@ export class Client extends Emitter {
     this.clientId = null;
   }
 
-  async _onClose(conn, { code, reason, opened }) {
+  async _onClose(conn, { code, reason, opened, retryMs }) {
     if (conn !== this._conn) return;
     this._conn = null;
     const lived = this._openedAt ? Date.now() - this._openedAt : 0;
@@ -924,7 +937,7 @@ export class Client extends Emitter {
       if (!token || (code === 4001 && token === previous)) return this._terminate(code, reason, true);
       this.token = token;
     }
-    this._retry({ code, reason });
+    this._retry({ code, reason }, restartHintMs(code, reason, retryMs));
   }
 
   /** The transport tried could not reach the gateway: the next in the list at once; all failed: back off. */
@@ -942,12 +955,18 @@ export class Client extends Emitter {
     return this._retry({ code, reason });
   }
 
-  _retry(detail = {}) {
+  /** Back off: full jitter, or after a drain's 1012 the delay the gateway hinted (`hintMs`, at most backoffMaxMs). */
+  _retry(detail = {}, hintMs = null) {
     if (this.state === "closed") return;
     this._setState("disconnected", detail);
-    const cap = Math.min(this.options.backoffMaxMs, this.options.backoffBaseMs * 2 ** Math.min(this._attempt, 30));
-    this._attempt++;
-    const delay = Math.random() * cap; // full jitter
+    let delay;
+    if (hintMs !== null) {
+      delay = Math.min(this.options.backoffMaxMs, hintMs); // the gateway spread its clients' reconnects
+    } else {
+      const cap = Math.min(this.options.backoffMaxMs, this.options.backoffBaseMs * 2 ** Math.min(this._attempt, 30));
+      this._attempt++;
+      delay = Math.random() * cap; // full jitter
+    }
     clearTimeout(this._retryTimer);
     this._retryTimer = setTimeout(() => this._connect(), delay);
   }

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import orjson
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -128,6 +129,24 @@ class IngestProtocol(asyncio.Protocol):
         #: with a broker (docs/cluster.md): publishes sent and not yet answered, and a `sync` waiting on them
         self.landing = 0
         self.sync_waiting: Sync | None = None
+        #: a graceful drain: nothing more is read; what was received is answered, then the connection closes
+        self.draining = False
+        self.on_lost: Callable[[IngestProtocol], None] = lambda conn: None
+
+    def drain(self) -> None:
+        """Stop reading: the records already received are still answered (`drained` tells when)."""
+        self.draining = True
+        if self.transport is not None and not self.reading_paused:
+            self.transport.pause_reading()
+            self.reading_paused = True
+
+    @property
+    def drained(self) -> bool:
+        """Nothing left to answer: every complete record received was processed (`_process` stops only when
+        none is left, or held, or paused, or yielding the turn) and has landed; a partial last line is dropped."""
+        return (self.transport is None or self.transport.is_closing()
+                or (not self.held and self.landing == 0 and self.continuation is None and not self.write_paused
+                    and self.sync_waiting is None))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream protocol is given a Transport
@@ -138,6 +157,7 @@ class IngestProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self.on_lost(self)
         if self.broker_wait is not None:
             self.broker_wait.cancel()
         if self.auth_timer is not None:
@@ -201,7 +221,7 @@ class IngestProtocol(asyncio.Protocol):
             except Exception as exc:
                 # The parser consumed the line before failing on it: that line is lost, the next ones go on.
                 self._internal_error(self.parser.lines, exc)
-        if (self.reading_paused and not self.held and not self.write_paused
+        if (self.reading_paused and not self.held and not self.write_paused and not self.draining
                 and self.parser.buffered <= self.max_buffer and self.transport):
             self.transport.resume_reading()
             self.reading_paused = False
@@ -350,15 +370,44 @@ class IngestServer:
         self.hub = hub
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
+        #: the connections open now (a drain stops them reading and closes them once answered)
+        self.connections: set[IngestProtocol] = set()
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> None:
         """`reuse_port`: several worker processes serve the port (server.workers, docs/cluster.md §5)."""
         loop = asyncio.get_running_loop()
         turn = LoopTurn(self.hub.config.ingest.max_records_per_turn)
-        self.server = await loop.create_server(lambda: IngestProtocol(self.hub, turn), host, port,
+        def protocol() -> IngestProtocol:
+            conn = IngestProtocol(self.hub, turn)
+            conn.on_lost = self.connections.discard
+            self.connections.add(conn)
+            return conn
+
+        self.server = await loop.create_server(protocol, host, port,
                                                reuse_port=reuse_port or None)
         self.port = self.server.sockets[0].getsockname()[1]
         log.info("TCP ingest on %s:%d", host, self.port)
+
+    def stop_accepting(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful drain: no new connection, nothing more read; each connection is closed once what it sent
+        was answered (at the latest after `timeout` seconds)."""
+        self.stop_accepting()
+        for conn in list(self.connections):
+            conn.drain()
+        deadline = time.monotonic() + timeout
+        while True:
+            for conn in list(self.connections):
+                if conn.drained or time.monotonic() >= deadline:
+                    if conn.transport is not None:
+                        conn.transport.close()  # after the buffered answers are written
+                    self.connections.discard(conn)
+            if not self.connections:
+                return
+            await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -82,11 +82,13 @@ class LongPollSession:
     def flush(self) -> bool:
         return True  # nothing is staged: `deliver` hands the batch to the poll
 
-    def kick(self, code: int, reason: str) -> None:
+    def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         self.closed = True
         self.hub.sessions.longpoll.discard(self)
         self.cancel_expiry()
-        entry = {"type": "error", "code": Closed.code, "message": reason, "close_code": code}
+        entry: dict[str, Any] = {"type": "error", "code": Closed.code, "message": reason, "close_code": code}
+        if retry_ms is not None:  # a drain (1012): the reconnect hint
+            entry["retry_ms"] = retry_ms
         body = orjson.dumps({"batch": None, "entries": [entry]})
         if self.poll is not None and not self.poll.done():
             self.poll.set_result(body)

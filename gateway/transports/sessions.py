@@ -69,6 +69,9 @@ class SessionTable(Generic[S]):
     def __len__(self) -> int:
         return len(self._by_secret)
 
+    def secrets(self) -> list[str]:
+        return list(self._by_secret)
+
     def __contains__(self, secret: object) -> bool:
         return secret in self._by_secret
 

@@ -73,8 +73,11 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def close_event(code: int, reason: str) -> bytes:
-    return b"event: close\ndata: " + orjson.dumps({"code": code, "reason": reason[:120]}) + b"\n\n"
+def close_event(code: int, reason: str, retry_ms: int | None = None) -> bytes:
+    data: dict[str, object] = {"code": code, "reason": reason[:120]}
+    if retry_ms is not None:  # a drain (1012): the reconnect hint
+        data["retry_ms"] = retry_ms
+    return b"event: close\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 # -- positions: the `id:` line and the recovery point ------------------------------------------------------
@@ -310,7 +313,7 @@ class SseConnection(StagedWriter):
 
     # -- control -------------------------------------------------------------------------------------------
 
-    def kick(self, code: int, reason: str) -> None:
+    def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         """Write the close event behind what is buffered, end the response, and close: a reader that wakes up
         gets the code; one that never reads is cut after the grace (its buffer will not drain)."""
         if self.closed:
@@ -321,7 +324,7 @@ class SseConnection(StagedWriter):
         transport = self.transport
         if transport.is_closing():
             return
-        transport.write(chunk(close_event(code, reason)) + LAST_CHUNK)
+        transport.write(chunk(close_event(code, reason, retry_ms)) + LAST_CHUNK)
         # not close(): with the peer's input unread the kernel could answer RST and destroy the close event
         if transport.can_write_eof():
             transport.write_eof()

@@ -67,7 +67,7 @@ class StagedWriter:
     def deliver(self, batch: Batch, frame: bytes) -> bool:
         raise NotImplementedError
 
-    def kick(self, code: int, reason: str) -> None:
+    def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:

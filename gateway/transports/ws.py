@@ -641,7 +641,7 @@ class WSConnection(StagedWriter):
 
     # -- control -------------------------------------------------------------------------------------------
 
-    def kick(self, code: int, reason: str) -> None:
+    def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         if self.closed:
             return
         if self.proto is not None:

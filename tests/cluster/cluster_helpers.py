@@ -40,8 +40,10 @@ class Node:
 
     def config_text(self) -> str:
         sections: dict[str, dict[str, Any]] = {
+            # drain_timeout_s: a SIGTERM (`stop`) drains for at most 3 s, not the default 10, for the clients a
+            # test leaves open (an abandoned long-poll session would hold the drain to its end)
             "server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN, "log_level": "warning",
-                       "max_connections_per_ip": 0},
+                       "max_connections_per_ip": 0, "drain_timeout_s": 3.0},
             "ingest": {"port": 0},
             "rawtcp": {"enabled": False},
             "broker": {"url": self.redis_url, "connect_timeout_s": 5.0},

@@ -64,7 +64,7 @@ class RecordingConnection:
         self.frames.append(frame)
         return True
 
-    def kick(self, code, reason):
+    def kick(self, code, reason, retry_ms=None):
         self.kicked = (code, reason)
 
     def describe(self):

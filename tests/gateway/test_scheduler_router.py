@@ -43,7 +43,7 @@ class FakeConnection:
     def flush(self) -> bool:
         return True
 
-    def kick(self, code: int, reason: str) -> None:
+    def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         self.kicked = (code, reason)
 
     def describe(self) -> dict[str, Any]:

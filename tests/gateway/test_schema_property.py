@@ -58,7 +58,7 @@ class Recording:
     def deliver(self, batch, frame):
         return True
 
-    def kick(self, code, reason):
+    def kick(self, code, reason, retry_ms=None):
         pass
 
     def describe(self):
