@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check lint setup java browser redis iproute netcat bench clean
+.PHONY: run test check lint setup java browser redis iproute netcat node bench clean
 
 # Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never runs
 # (core/native.py falls back to the sources).
@@ -36,6 +36,10 @@ iproute:
 netcat:
 	@command -v nc >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q netcat-openbsd)
 
+# The browser library's reconnect logic is also tested under Node.js (tests/client/test_fanout_js_drain.py).
+node:
+	@command -v node >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs)
+
 run: $(STAMP)
 	$(BIN)/gateway serve
 
@@ -49,7 +53,7 @@ lint: $(STAMP)
 	$(BIN)/mypy loadtest pipeline
 
 # Then the core's own tests once more on its pure-Python fallback (FANOUT_PURE_PYTHON, core/native.py).
-test: lint java browser redis iproute netcat
+test: lint java browser redis iproute netcat node
 	$(BIN)/python -m pytest -q
 	FANOUT_PURE_PYTHON=1 $(BIN)/python -m pytest -q tests/core
 

@@ -74,6 +74,7 @@ admin_token = "{ADMIN}"
 log_level = "warning"
 max_connections_per_ip = 0
 workers = {workers}
+drain_timeout_s = 2.0  # a run's end: no client waits to be handed over
 [websocket]
 blocked_timeout_s = 4.0
 [longpoll]

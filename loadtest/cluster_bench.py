@@ -59,6 +59,7 @@ admin_token = "{TOKEN}"
 log_level = "warning"
 max_connections_per_ip = 0
 workers = {workers}
+drain_timeout_s = 2.0  # a run's end: no client waits to be handed over
 [ingest]
 port = 0
 [rawtcp]
