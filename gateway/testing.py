@@ -30,9 +30,9 @@ DEFAULTS = {
 }
 
 
-def make_token(sub: str, *, ttl: float = 600.0, secret: str = TEST_JWT_SECRET, **claims: Any) -> str:
+def make_token(sub: str, *, ttl: float = 3600.0, secret: str = TEST_JWT_SECRET, **claims: Any) -> str:
     """An HS256 subscriber token for `sub`, expiring in `ttl` seconds (at least: `exp` is whole seconds,
-    rounded up), with extra claims."""
+    rounded up), with extra claims. The default hour outlasts the suite, for tokens made at collection."""
     import math
     import time
 
