@@ -137,12 +137,18 @@ class PrivateTopic(Topic):
 
     def commit(self, sub: Subscription) -> bool:
         """Remove the handed-out entries. Returns whether a waiting publisher should be woken."""
-        queue = sub.queue
-        if queue is None:
+        if sub.queue is None:
             return False
-        for _ in range(sub.peeked):
+        return self._shift(sub, sub.peeked)
+
+    def _shift(self, sub: Subscription, count: int) -> bool:
+        """Remove the first `count` handed-out entries of `sub`'s queue. Returns whether a waiting publisher
+        should be woken (the queue is below its bound again)."""
+        queue = sub.queue
+        assert queue is not None
+        for _ in range(count):
             sub.queued_bytes -= len(queue.popleft())
-        sub.peeked = 0
+        sub.peeked -= count
         if sub.waiting and len(queue) < self.config.max_count:
             sub.waiting = False
             return True
@@ -162,13 +168,7 @@ class PrivateTopic(Topic):
         if count > sub.peeked:
             raise BadAck(f"seq {seq} of private {self.name!r} was not delivered"
                          f" (delivered up to {head + sub.peeked - 1})")
-        for _ in range(count):
-            sub.queued_bytes -= len(queue.popleft())
-        sub.peeked -= count
-        if sub.waiting and len(queue) < self.config.max_count:
-            sub.waiting = False
-            return True
-        return False
+        return self._shift(sub, count)
 
     def rollback(self, sub: Subscription) -> bool:
         """Hand the peeked entries out again (the engine activates the handle)."""
