@@ -21,7 +21,30 @@ TABS = ["tab0", "tab1", "tab2"]
 TOPIC = "p"
 
 
-class TakeoverMachine(RuleBasedStateMachine):
+class Tabs(RuleBasedStateMachine):
+    """Tabs of one user connecting and leaving; the one holding the queue stays (its leaving frees the queue
+    by design, without a broker). Subclasses keep `engine`, `connected`, `holder` and `writing`."""
+
+    engine: Engine
+    connected: set[str]
+    holder: str | None
+    writing: dict[str, tuple[list[int], int]]
+
+    @rule(tab=st.sampled_from(TABS))
+    def connect(self, tab):
+        if tab not in self.connected:
+            self.engine.connect(tab, owner="alice")
+            self.connected.add(tab)
+
+    @rule(tab=st.sampled_from(TABS))
+    def leave(self, tab):
+        if tab in self.connected and tab != self.holder:
+            self.engine.disconnect(tab)
+            self.connected.discard(tab)
+            self.writing.pop(tab, None)
+
+
+class TakeoverMachine(Tabs):
     def __init__(self):
         super().__init__()
         rules = (TopicRule("p", TopicConfig(kind=TopicKind.PRIVATE, max_count=4, batch_depth=2)),)
@@ -36,24 +59,11 @@ class TakeoverMachine(RuleBasedStateMachine):
         self.holding = 0
 
     @rule(tab=st.sampled_from(TABS))
-    def connect(self, tab):
-        if tab not in self.connected:
-            self.engine.connect(tab, owner="alice")
-            self.connected.add(tab)
-
-    @rule(tab=st.sampled_from(TABS))
     def subscribe(self, tab):
         if tab in self.connected and tab != self.holder:
             self.engine.subscribe(tab, TOPIC)
             self.holder = tab
             self.holding += 1
-
-    @rule(tab=st.sampled_from(TABS))
-    def leave(self, tab):
-        if tab in self.connected and tab != self.holder:  # the holder leaving frees the queue by design
-            self.engine.disconnect(tab)
-            self.connected.discard(tab)
-            self.writing.pop(tab, None)
 
     @rule()
     def publish(self):
@@ -101,7 +111,7 @@ TestTakeover = TakeoverMachine.TestCase
 TestTakeover.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
-class AckTakeoverMachine(RuleBasedStateMachine):
+class AckTakeoverMachine(Tabs):
     """The same user's tabs with acknowledged subscriptions (`ack`, docs/design/private-queues.md §9), some
     tabs subscribing without it: a written batch commits nothing of an acknowledged handle; `ack` removes the
     acknowledged prefix; a takeover (or a write that failed) hands every un-acknowledged entry out again.
@@ -131,12 +141,6 @@ class AckTakeoverMachine(RuleBasedStateMachine):
         self.connect("tab0")
         self.subscribe("tab0", True)
 
-    @rule(tab=st.sampled_from(TABS))
-    def connect(self, tab):
-        if tab not in self.connected:
-            self.engine.connect(tab, owner="alice")
-            self.connected.add(tab)
-
     @rule(tab=st.sampled_from(TABS), ack=st.booleans())
     def subscribe(self, tab, ack):
         if tab in self.connected and tab != self.holder:
@@ -151,13 +155,6 @@ class AckTakeoverMachine(RuleBasedStateMachine):
             self.holder, self.holder_acks = tab, ack
             self.next[tab] = self.head
             self.holding += 1
-
-    @rule(tab=st.sampled_from(TABS))
-    def leave(self, tab):
-        if tab in self.connected and tab != self.holder:  # the holder leaving frees the queue (no broker)
-            self.engine.disconnect(tab)
-            self.connected.discard(tab)
-            self.writing.pop(tab, None)
 
     @rule(size=st.integers(1, 60))
     def publish(self, size):
