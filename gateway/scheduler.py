@@ -243,9 +243,8 @@ class Scheduler:
             return
         try:
             self.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
-        except RequestError as err:
+        except RequestError as err:  # its error entry wakes the scheduler, as the subscribe does
             self.send_error(client_id, err, request_id)
-        self.wake()
 
     def presence_changed(self, topic: str, kind: str, member: Member) -> None:
         self.presence.announce(topic, kind, member)

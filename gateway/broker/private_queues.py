@@ -137,8 +137,7 @@ class PrivateQueues:
             if held.epoch is None:
                 held.waiting.append((client_id, request_id, ack))
             else:
-                events.engine.subscribe(client_id, topic, request_id=request_id, queue_start=(held.epoch, 0), ack=ack)
-                events.wake()
+                events.subscribe(client_id, topic, request_id=request_id, queue_start=(held.epoch, 0), ack=ack)
             return
         if not self.broker.available:
             raise BrokerUnavailable(f"broker unreachable: {self.broker.last_error}; retry later")
@@ -169,12 +168,11 @@ class PrivateQueues:
             if not events.connected(client_id):
                 continue
             try:
-                events.engine.subscribe(client_id, held.topic, request_id=request_id,
-                                        queue_start=(held.epoch, int(head)), ack=ack)
+                events.subscribe(client_id, held.topic, request_id=request_id, queue_start=(held.epoch, int(head)),
+                                 ack=ack)
                 subscribed = True
             except RequestError as err:
                 events.refused(client_id, err, request_id)
-        events.wake()
         if not subscribed:
             self._forget(held)
             return
