@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # imported when a command needs them (the CLI starts without 
 
 #: subcommands owned by other modules, imported only when asked for
 DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "wsbench": "loadtest.wsbench",
-             "idle-memory": "loadtest.idle_memory", "cluster": "loadtest.cluster_bench",
+             "idle-memory": "loadtest.idle_memory", "conn-objects": "loadtest.conn_objects",
+             "cluster": "loadtest.cluster_bench",
              "chaos": "loadtest.chaos"}
 #: exit status when a run saw silent loss: the one figure that is a broken promise, not a slow one
 EXIT_SILENT_LOSS = 3
