@@ -36,10 +36,16 @@ from .errors import BackendUnavailable, BadRequest, BadToken, InternalError, Tok
 from .proxy import Proxy, Refused
 from .revocations import Revocation
 from .scheduler import Connection, Scheduler
+from .timerwheel import TimerWheel
 
 log = logging.getLogger("gateway")
 
 T = TypeVar("T")
+
+#: the token timers' tick (gateway/timerwheel.py): an expiry, its grace or a refresh is at most this late
+TOKEN_RESOLUTION_S = 0.25
+#: what a client's token deadline does (the value of its entry on the wheel, with the principal and the try)
+REFRESH, EXPIRED, GRACE_OVER = 0, 1, 2
 
 
 class ClientRegistry:
@@ -58,9 +64,13 @@ class ClientRegistry:
         #: called on every arrival and departure (the GC policy counts them)
         self.on_arrival: Callable[[], None] = lambda: None
         self.on_departure: Callable[[], None] = lambda: None
-        #: per client: the timer of its token's expiry (or of the grace after it), and of its idle check
-        self._token_timers: dict[Hashable, asyncio.TimerHandle] = {}
-        self._idle_timers: dict[Hashable, asyncio.TimerHandle] = {}
+        #: per client: the deadline of its token's expiry (or of the grace after it, or of a refresh), and of its
+        #: idle check, each on one wheel for all clients (a loop timer per connection held ~0.6 KiB)
+        self._token_timers: TimerWheel[Hashable, tuple[int, Principal, int]] = TimerWheel(
+            self._token_due, TOKEN_RESOLUTION_S)
+        idle = config.limits.idle_timeout_s
+        self._idle_timers: TimerWheel[Hashable, None] = TimerWheel(
+            self._idle_due, min(1.0, idle / 10) if idle > 0 else 1.0)
         self._watchdog: asyncio.TimerHandle | None = None
         #: the backend hooks (gateway/proxy.py), set by the hub; None without any
         self.proxy: Proxy | None = None
@@ -73,9 +83,10 @@ class ClientRegistry:
         self._schedule_watchdog()
 
     def stop(self) -> None:
-        for timer in (self._watchdog, *self._token_timers.values(), *self._idle_timers.values()):
-            if timer is not None:
-                timer.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._token_timers.close()
+        self._idle_timers.close()
 
     def close_all(self) -> None:
         for client_id in list(self.conns):
@@ -134,10 +145,8 @@ class ClientRegistry:
                 mine.pop(client_id, None)
                 if not mine:
                     del self.by_user[identity.principal.user]
-        for timers in (self._token_timers, self._idle_timers):
-            timer = timers.pop(client_id, None)
-            if timer is not None:
-                timer.cancel()
+        self._token_timers.cancel(client_id)
+        self._idle_timers.cancel(client_id)
         self.scheduler.write_unwatched(client_id)
         engine = self.scheduler.engine
         client = engine.client(client_id)
@@ -290,33 +299,38 @@ class ClientRegistry:
         return clients
 
     def _arm_token_expiry(self, client_id: str, principal: Principal) -> None:
-        old = self._token_timers.pop(client_id, None)
-        if old is not None:
-            old.cancel()
+        self._token_timers.cancel(client_id)
         if principal.expires_at == math.inf:  # granted by the connect hook without an expiry
             return
-        loop = asyncio.get_running_loop()
         proxy = self.proxy
         if principal.proxied and proxy is not None and proxy.refresh_url:
             now = time.time()
             delay = principal.expires_at - proxy.config.refresh_before_s - now
             if delay <= 0:  # within refresh_before_s already: half way to the expiry
                 delay = max(0.0, (principal.expires_at - now) / 2)
-            self._token_timers[client_id] = loop.call_later(delay, self._refresh, client_id, principal, 0)
+            self._token_timers.schedule(client_id, delay, (REFRESH, principal, 0))
             return
         delay = max(0.0, principal.expires_at + self.config.auth.leeway_s - time.time())
-        self._token_timers[client_id] = loop.call_later(delay, self._token_expired, client_id, principal)
+        self._token_timers.schedule(client_id, delay, (EXPIRED, principal, 0))
+
+    def _token_due(self, client_id: Hashable, due: tuple[int, Principal, int]) -> None:
+        action, principal, attempt = due
+        assert isinstance(client_id, str)
+        if action == REFRESH:
+            self._refresh(client_id, principal, attempt)
+        elif action == EXPIRED:
+            self._token_expired(client_id, principal)
+        else:
+            self._grace_over(client_id, principal)
 
     def _token_expired(self, client_id: str, principal: Principal) -> None:
         grace = self.config.auth.expired_grace_s
         self.send_error(client_id, TokenExpired(f"the token has expired: send auth with a fresh token within {grace:g} s"))
-        loop = asyncio.get_running_loop()
-        self._token_timers[client_id] = loop.call_later(grace, self._grace_over, client_id, principal)
+        self._token_timers.schedule(client_id, grace, (GRACE_OVER, principal, 0))
 
     def _grace_over(self, client_id: str, principal: Principal) -> None:
         conn = self.conns.get(client_id)
         if conn is not None and conn.identity.principal is principal:  # not refreshed meanwhile
-            self._token_timers.pop(client_id, None)
             self.kick(client_id, close_codes.TOKEN_EXPIRED, "token expired", "token_expired")
 
     def _refresh(self, client_id: str, principal: Principal, attempt: int) -> None:
@@ -340,13 +354,12 @@ class ClientRegistry:
             if not self._still(client_id, principal):
                 return
             left = principal.expires_at - time.time()
-            loop = asyncio.get_running_loop()
             if left <= 0:
                 self.kick(client_id, close_codes.TOKEN_EXPIRED, "expired: the backend did not refresh it", "token_expired")
             elif attempt == 0:
-                self._token_timers[client_id] = loop.call_later(left / 2, self._refresh, client_id, principal, 1)
+                self._token_timers.schedule(client_id, left / 2, (REFRESH, principal, 1))
             else:
-                self._token_timers[client_id] = loop.call_later(left, self._refresh, client_id, principal, 1)
+                self._token_timers.schedule(client_id, left, (REFRESH, principal, 1))
             return
         if not self._still(client_id, principal):
             return
@@ -365,10 +378,14 @@ class ClientRegistry:
     # -- timers --------------------------------------------------------------------------------------------
 
     def _arm_idle(self, client_id: str, delay: float) -> None:
-        self._idle_timers[client_id] = asyncio.get_running_loop().call_later(delay, self._check_idle, client_id)
+        self._idle_timers.schedule(client_id, delay, None)
+
+    def _idle_due(self, client_id: Hashable, _: None) -> None:
+        assert isinstance(client_id, str)
+        self._check_idle(client_id)
 
     def _check_idle(self, client_id: str) -> None:
-        # One timer per connection, re-armed lazily: commands only stamp `last_command`.
+        # One deadline per connection, re-armed lazily: commands only stamp `last_command`.
         conn = self.conns.get(client_id)
         if conn is None:
             return
@@ -379,7 +396,6 @@ class ClientRegistry:
         elif quiet < limit:
             self._arm_idle(client_id, limit - quiet)
         else:
-            self._idle_timers.pop(client_id, None)
             self.kick(client_id, close_codes.IDLE, "idle: no subscription and no command", "idle")
 
     def _schedule_watchdog(self) -> None:

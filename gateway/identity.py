@@ -29,7 +29,7 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
-@dataclass
+@dataclass(slots=True)
 class ClientIdentity:
     """A connection's identity and its per-client counters (the core sees it as opaque `info`)."""
 

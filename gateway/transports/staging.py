@@ -48,6 +48,8 @@ class StagedWriter:
     """The write side of a streaming connection (WebSocket, SSE): staging and flow control; the class names
     its transport."""
 
+    __slots__ = ("hub", "scheduler", "identity", "paused", "blocked_since", "_staged", "_staged_bytes")
+
     def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
         self.hub = hub
         self.scheduler = hub.scheduler

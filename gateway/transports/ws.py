@@ -20,18 +20,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import struct
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import parse_qs
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.websockets import WebSocket
+from uvicorn._types import ASGIReceiveEvent
+from uvicorn.config import Config
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from uvicorn.server import ServerState
+from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
 from websockets.protocol import Event, Protocol
+from websockets.server import ServerProtocol
+from websockets.streams import StreamReader
 
 from core import Batch, RequestError
 
@@ -43,6 +51,7 @@ from ..netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
 from ..origin import OriginPolicy
 from ..proxy import Proxy
 from ..ratelog import BadInputLog
+from ..timerwheel import TimerWheel
 from .handshake import backend_for, close_reason, open_client
 from .staging import StagedWriter, tune_stream
 from .wsframes import text_frame_header
@@ -125,6 +134,53 @@ class _Discard:
 DISCARD = _Discard()
 
 
+class _WriteState(asyncio.Event):
+    """`writable` of a connection that no ASGI `send` awaits: which of the two shared instances it is says
+    whether its writes are paused (`pause_writing` swaps them), so a served connection holds no event, no
+    waiters; uvicorn's own `set` and `clear` of it do nothing. The ASGI path gets a real event."""
+
+    def __init__(self, state: bool) -> None:  # no waiters: nobody awaits it
+        self.state = state
+
+    def is_set(self) -> bool:
+        return self.state
+
+    def set(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    async def wait(self) -> Literal[True]:
+        raise RuntimeError("a served WebSocket has no ASGI send")
+
+
+WRITABLE = _WriteState(True)
+PAUSED = _WriteState(False)
+#: a served connection's `frames` between messages (uvicorn's handlers make a list when a message starts)
+NO_FRAMES: tuple[bytes, ...] = ()
+UVICORN_ERROR = logging.getLogger("uvicorn.error")
+#: the frame parser waits for the next frame here, nothing of one read yet (`_park_parser`)
+_AT_EOF = StreamReader.at_eof.__code__
+
+#: what a connection's deadline on the keepalive wheel is: the next ping, or the pong of the last one
+PING, PONG = 0, 1
+
+
+def keepalive_due(proto: FanoutWSProtocol, due: int) -> None:
+    if due == PING:
+        proto.send_keepalive_ping()
+    else:
+        proto.keepalive_timeout()
+
+
+def keepalive_resolution(interval: float | None, timeout: float | None) -> float:
+    """The keepalive wheel's tick: a second, or a twentieth of the shorter of the ping interval and timeout
+    (a ping or its timeout is then at most 5% late)."""
+    periods = [p for p in (interval, timeout) if p is not None and p > 0]
+    return min([1.0, *(p / 20 for p in periods)])
+
+
 class _FramedCache:
     """The WebSocket frame of the last payload: the clients of one cycle mostly get the same payload object
     in a row, so header and payload are joined once for all of them and each write is one buffer."""
@@ -167,38 +223,116 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
       connection's slot of the HTTP port's limits is released.
     """
 
+    # What one connection holds is in `__slots__` (an idle subscriber's memory, docs/benchmarks.md): uvicorn's
+    # per-connection state that a served connection writes, and ours. What every connection of one server
+    # shares alike (uvicorn's constructor copies it into each) is on the class (`_share`); uvicorn's state that
+    # only the ASGI path writes (its queue, timers of a close, scope) has a class default and goes to the
+    # instance's dict on that path only; the keepalive deadlines are on one timer wheel per server.
+    __slots__ = (
+        # uvicorn's
+        "transport", "server", "client", "scheme", "conn", "writable", "handshake_initiated", "handshake_complete",
+        "close_sent", "disconnected", "frames", "curr_msg_data_type", "pending_ping_payload", "ping_sent_at",
+        "last_ping_rtt",
+        # ours
+        "connection", "served", "held_pong", "lingering", "dropped", "unparsed", "unhandled", "deferred",
+    )
+
     write_high_water = 65536
     #: SO_SNDBUF of client sockets; 0 keeps the kernel's (auto-tuned, several MiB on loopback)
     socket_send_buffer = 0
     #: TCP_NOTSENT_LOWAT of client sockets: unsent bytes the kernel takes per connection; 0 keeps the kernel's
     notsent_lowat = 0
-    connection: "WSConnection | None" = None
     #: the HTTP port's connection accounting: an upgraded connection holds its slot until it is lost here
     limiter: ConnectionLimiter | None = None
     #: where a peer's protocol errors are counted, and logged at a bounded rate (the hub's)
     bad_input: BadInputLog = FALLBACK_BAD_INPUT
-    #: our close frame is sent: what the peer still sends is read and dropped until it closes
-    lingering = False
     #: the hub, when the protocol serves `/ws` itself (set by `protocol_class`); None: every path goes to ASGI
     hub: Hub | None = None
     origins: OriginPolicy | None = None
-    #: this connection is served here, not by an ASGI task
-    served = False
     #: frames one message may take without a hub (with one: `websocket.max_fragments`); more: close 1008
     max_fragments = 64
-    #: the pong answering the peer's latest ping, held while our writes are paused (at most one waits,
-    #: RFC 6455 §5.5.3); reading is paused with it, so a peer that pings and never reads is not read either
-    held_pong: bytes | None = None
-    #: bytes read and dropped while lingering
-    dropped = 0
-    #: the part of the last read not fed to the parser yet, and the parsed events not handled yet: what is
-    #: left when a turn's `TURN_BUDGET_S` is spent (at most one read; the peer is not read while they wait)
-    unparsed: memoryview | None = None
-    unhandled: deque[Event] | None = None
-    #: `_handle_input` is scheduled for the next turn (reading is paused until it is done)
-    deferred = False
     #: the turn's budget shared by this server's connections (`protocol_class` makes one per server)
     turn: InputTurn | None = None
+    #: the keepalive deadlines of this class's connections (ping due, pong due): made by its first connection
+    keepalive: TimerWheel[FanoutWSProtocol, int]
+    #: the server whose shared state is on the class (`_share`)
+    shared_by: ServerState | None = None
+
+    # uvicorn's state that a served connection never writes (the ASGI path does: then in the instance's dict)
+    queue: asyncio.Queue[ASGIReceiveEvent] = DISCARD  # type: ignore[assignment]  # only ASGI's queue is read
+    close_timer = None
+    close_timeout = 10.0
+    initial_response = None
+    read_paused = False
+    ping_timer = None  # keepalive deadlines are on `keepalive`
+    pong_timer = None
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # uvicorn's constructor, less what the connections share (`_share`) and the ASGI path's state
+        if not config.loaded:
+            config.load()  # pragma: no cover
+        self._share(config, server_state, app_state, _loop or asyncio.get_event_loop())
+        self.transport = None  # type: ignore[assignment]  # set by connection_made, as uvicorn's
+        self.server = self.client = None
+        self.scheme = "ws"
+        self.writable = WRITABLE
+        self.handshake_initiated = self.handshake_complete = self.close_sent = self.disconnected = False
+        extensions = []
+        if config.ws_per_message_deflate:
+            extensions = [ServerPerMessageDeflateFactory(server_max_window_bits=12, client_max_window_bits=12,
+                                                         compress_settings={"memLevel": 5})]
+        self.conn = ServerProtocol(extensions=extensions, max_size=config.ws_max_size, logger=self.logger)
+        self.frames = NO_FRAMES  # type: ignore[assignment]  # a message's list is made when one comes
+        self.curr_msg_data_type = "bytes"
+        self.pending_ping_payload = None
+        self.ping_sent_at = self.last_ping_rtt = 0.0
+        self.connection: WSConnection | None = None
+        #: this connection is served here, not by an ASGI task
+        self.served = False
+        #: the pong answering the peer's latest ping, held while our writes are paused (at most one waits,
+        #: RFC 6455 §5.5.3); reading is paused with it, so a peer that pings and never reads is not read either
+        self.held_pong: bytes | None = None
+        #: our close frame is sent: what the peer still sends is read and dropped until it closes
+        self.lingering = False
+        #: bytes read and dropped while lingering
+        self.dropped = 0
+        #: the part of the last read not fed to the parser yet, and the parsed events not handled yet: what is
+        #: left when a turn's `TURN_BUDGET_S` is spent (at most one read; the peer is not read while they wait)
+        self.unparsed: memoryview | None = None
+        self.unhandled: deque[Event] | None = None
+        #: `_handle_input` is scheduled for the next turn (reading is paused until it is done)
+        self.deferred = False
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:  # type: ignore[override]
+        """The server's current headers (uvicorn's server replaces them each second, for their `date`)."""
+        assert self.shared_by is not None
+        return self.shared_by.default_headers
+
+    def _share(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+               loop: asyncio.AbstractEventLoop) -> None:
+        """What uvicorn's constructor gives each connection alike goes on the class, once, with the server's
+        keepalive wheel; a connection of another server using the class (none in the gateway) gets it on its
+        instance, as uvicorn's, and a wheel of its own."""
+        shared = {"config": config, "app": config.loaded_app, "loop": loop, "logger": UVICORN_ERROR,
+                  "root_path": config.root_path, "asgi_version": config.asgi_version, "app_state": app_state,
+                  "connections": server_state.connections, "tasks": server_state.tasks,
+                  "ping_interval": config.ws_ping_interval,
+                  "ping_timeout": config.ws_ping_timeout}
+        cls = type(self)
+        if "shared_by" not in cls.__dict__:
+            for name, value in shared.items():
+                setattr(cls, name, value)
+            cls.shared_by = server_state
+            cls.keepalive = TimerWheel(keepalive_due, keepalive_resolution(config.ws_ping_interval,
+                                                                          config.ws_ping_timeout))
+        if any(getattr(cls, name) is not value for name, value in shared.items()) or cls.shared_by is not server_state:
+            for name, value in shared.items():
+                setattr(self, name, value)
+            self.shared_by = server_state
+            self.keepalive = TimerWheel(keepalive_due, keepalive_resolution(config.ws_ping_interval,
+                                                                           config.ws_ping_timeout))
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         # uvicorn's, then our socket and flow-control settings (the SSE stream's are the same, sse.py)
@@ -206,14 +340,21 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         tune_stream(transport, self.write_high_water, self.socket_send_buffer, self.notsent_lowat)
 
     def pause_writing(self) -> None:
-        # uvicorn's (its ASGI `send` waits), and the served connection is not ready until `resume_writing`
-        super().pause_writing()
+        # uvicorn's (its ASGI `send` waits on the event), and the served connection is not ready until
+        # `resume_writing`
+        if self.writable is WRITABLE:
+            self.writable = PAUSED
+        else:
+            super().pause_writing()
         if self.connection is not None:
             self.connection.on_pause()
 
     def resume_writing(self) -> None:
         # uvicorn's, the pong held by `handle_ping` (reading resumes with it), and the connection is ready
-        super().resume_writing()
+        if self.writable is PAUSED:
+            self.writable = WRITABLE
+        else:
+            super().resume_writing()
         pong = self.held_pong
         if pong is not None:
             self.held_pong = None
@@ -247,7 +388,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         limit = self.hub.config.websocket.max_fragments if self.hub is not None else self.max_fragments
         if len(self.frames) >= limit:
             # each frame costs a parse: one-byte fragments cost ~500 ns of CPU per byte (issue 24)
-            self.frames = []
+            self.frames = NO_FRAMES  # type: ignore[assignment]
             ws_counters.fragment_closes += 1
             self.conn.fail(close_codes.POLICY_VIOLATION,
                            f"more than {limit} fragments in one message (websocket.max_fragments)")
@@ -255,10 +396,42 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             return
         super().handle_cont(event)
 
+    # -- keepalive: uvicorn's pings and pong deadlines, on the server's wheel (one loop timer for all) -----
+
+    def schedule_ping(self) -> None:
+        assert self.ping_interval is not None
+        self.keepalive.schedule(self, max(0.0, self.ping_interval - self.last_ping_rtt), PING)
+
+    def send_keepalive_ping(self) -> None:
+        # uvicorn's, the pong's deadline on the wheel
+        if self.close_sent or self.transport.is_closing():
+            return
+        # a random payload identifies this ping: `handle_pong` ignores stale or unsolicited pongs
+        self.pending_ping_payload = struct.pack("!I", random.getrandbits(32))
+        self.ping_sent_at = self.loop.time()
+        self.conn.send_ping(self.pending_ping_payload)
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        if self.ping_timeout is not None:
+            self.keepalive.schedule(self, self.ping_timeout, PONG)
+        else:
+            self.schedule_ping()
+
+    def handle_pong(self, event: Frame) -> None:
+        # uvicorn's: the pong of the ping in flight ends its deadline, and the next ping is scheduled
+        if self.pending_ping_payload is None or bytes(event.data) != self.pending_ping_payload:
+            return
+        self.last_ping_rtt = self.loop.time() - self.ping_sent_at
+        self.pending_ping_payload = None
+        if self.keepalive.get(self) == PONG:  # without a ping timeout the next ping is scheduled already
+            self.schedule_ping()
+
+    def stop_keepalive(self) -> None:
+        self.keepalive.cancel(self)
+        self.pending_ping_payload = None
+
     def keepalive_timeout(self) -> None:
         # uvicorn's closes the transport, which waits for the buffer to drain: a peer that never reads was
         # never closed. Close frame, then linger and cut (`linger_close`).
-        self.pong_timer = None
         self.pending_ping_payload = None
         if self.close_sent or self.lingering or self.transport.is_closing():
             return
@@ -338,6 +511,9 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             elif self.unparsed is not None:
                 view = self.unparsed
                 self.unparsed = view[PARSE_SLICE:] if len(view) > PARSE_SLICE else None
+                if conn.parser is None:  # parked between frames (`_park_parser`): a fresh one
+                    conn.parser = Protocol.parse(conn)
+                    next(conn.parser)
                 conn.receive_data(view[:PARSE_SLICE])  # type: ignore[arg-type]  # a buffer does
                 if conn.parser_exc is not None:  # a protocol error: its close frame is queued
                     self.unhandled = self.unparsed = None
@@ -348,6 +524,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
                     self.unhandled = deque(events)
             else:
                 self.unhandled = None
+                self._park_parser()
                 if paused and not self.read_paused and self.held_pong is None:  # not paused for another reason
                     self.transport.resume_reading()                            # (uvicorn's, a held pong)
                 return
@@ -362,6 +539,20 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             # read (and drop, up to LINGER_READ) what the peer still sends: its end of the stream closes the
             # connection cleanly, where a cut at the grace could reset it
             self.transport.resume_reading()
+
+    def _park_parser(self) -> None:
+        """Between two frames, nothing of the next one read, websockets' frame parser is dropped: two suspended
+        generators and the last frame parsed (a local of the outer one), ~0.6 KiB an idle connection would
+        hold for nothing; the next read starts a fresh one (`_handle_input`). Mid-frame, it stays."""
+        conn = self.conn
+        parser = conn.parser
+        if parser is None or not self.handshake_complete or conn.reader.buffer or conn.parser_exc is not None:
+            return
+        inner: Any = parser  # a generator
+        while inner.gi_yieldfrom is not None:
+            inner = inner.gi_yieldfrom
+        if inner.gi_code is _AT_EOF:  # websockets' parser waits for the first byte of the next frame
+            conn.parser = None  # type: ignore[assignment]
 
     def _dispatch(self, event: Event) -> None:
         """One event, as uvicorn's `handle_events` does it."""
@@ -417,10 +608,16 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         hub = self.hub
         path, _, query = event.path.partition("?")
         if hub is None or path != WS_PATH or not hub.config.websocket.enabled or not hub.config.websocket.direct_write:
+            # the ASGI app's: uvicorn's receive queue, and an event its `send` awaits
+            self.queue = asyncio.Queue()
+            writable = self.writable
+            self.writable = asyncio.Event()
+            if writable.is_set():
+                self.writable.set()
             super().handle_connect(event)
             return
-        self.served = True
-        self.queue = DISCARD  # type: ignore[assignment]  # uvicorn's handlers still put events; nobody reads them
+        self.served = True  # uvicorn's handlers put events in `queue` (DISCARD); nobody reads them
+        self.server = None  # the local address, for an ASGI scope only
         self.handshake_initiated = True
         origin = event.headers.get("Origin")
         if origin is not None and self.origins is not None and not self.origins.allows(origin, event.headers.get("Host")):
@@ -452,13 +649,12 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         conn = self.conn
         conn.send_response(response)
         self.transport.write(b"".join(conn.data_to_send()))
-        if not conn.reader.buffer:
-            # websockets' request parser goes on parsing frames with the handshake request still a local of
-            # its generator (~2 KiB for the connection's life): with nothing read past the request, the frame
-            # parser starts afresh and the request is freed
-            conn.parser = Protocol.parse(conn)
-            next(conn.parser)
+        conn.id = None  # type: ignore[assignment]  # a UUID for websockets' users' logs; ours name the peer
         self.handshake_complete = True
+        # websockets' request parser goes on parsing frames with the handshake request still a local of its
+        # generator (~2 KiB for the connection's life): with nothing read past the request it is dropped, and
+        # the first frame starts a frame parser
+        self._park_parser()
         self.start_keepalive()
 
     async def _connect_via_backend(self, hub: Hub, proxy: Proxy, identity: ClientIdentity, event: Request,
@@ -516,7 +712,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             try:
                 b"".join(self.frames).decode()
             except UnicodeDecodeError as exc:
-                self.frames = []
+                self.frames = NO_FRAMES  # type: ignore[assignment]
                 self.conn.fail(close_codes.INVALID_DATA, f"invalid UTF-8 in a text message at byte {exc.start}")
                 self.handle_parser_exception()
                 return
@@ -524,7 +720,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             super().send_receive_event_to_app()
             return
         data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
-        self.frames = []
+        self.frames = NO_FRAMES  # type: ignore[assignment]
         conn = self.connection
         if self.close_sent or conn is None or conn.closed or self.hub is None:
             return
@@ -562,6 +758,8 @@ def protocol_class(
 
 
 class WSConnection(StagedWriter):
+    __slots__ = ("websocket", "proto", "frames_sent", "bytes_sent", "entries_sent", "closed", "_outbox", "_writer")
+
     def __init__(self, hub: Hub, identity: ClientIdentity, websocket: WebSocket | None,
                  proto: FanoutWSProtocol | None) -> None:
         super().__init__(hub, identity)
