@@ -1,0 +1,110 @@
+"""Keepalive pings (`websocket.ping_interval_s`, `ping_timeout_s`; uvicorn's semantics, the deadlines on the
+server's timer wheel, gateway/timerwheel.py): a peer that answers is pinged again and again and stays; one
+that does not answer is closed with 1011 "keepalive ping timeout". And what an idle connection holds: no
+loop timer and no attribute dict of its own (docs/benchmarks.md, idle clients)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import struct
+import time
+
+import pytest
+from bytes_helpers import CLOSE, PING, RawWs, ws_frame
+from gw_helpers import collect, send, wait_for, ws_connect
+
+from gateway.testing import run_gateway
+
+pytestmark = pytest.mark.timeout(60)
+
+PONG = 0xA
+INTERVAL, TIMEOUT = 0.3, 0.3
+KEEPALIVE = {"websocket": {"ping_interval_s": INTERVAL, "ping_timeout_s": TIMEOUT}}
+
+
+def connected(gw) -> int:
+    return gw.call(lambda: len(gw.hub.clients.conns))
+
+
+def test_a_peer_that_answers_is_pinged_again_and_stays():
+    with run_gateway(**KEEPALIVE) as gw:
+        peer = RawWs(gw.http_port)
+        try:
+            started = time.monotonic()
+            pings = []
+            for opcode, payload in peer.frames(timeout=3):
+                if opcode == PING:
+                    pings.append(time.monotonic() - started)
+                    assert peer.send(ws_frame(PONG, payload))
+                    if len(pings) == 4:
+                        break
+            assert len(pings) == 4, pings
+            # the first after the interval, each next one the interval after the pong (less the round trip),
+            # never early and at most a tick of the wheel (a twentieth of the interval) and the loop's lag late
+            assert pings[0] >= INTERVAL - 0.01
+            for before, after in zip(pings, pings[1:]):
+                assert INTERVAL - 0.05 <= after - before <= INTERVAL + 0.25, pings
+            assert connected(gw) == 1
+        finally:
+            peer.close()
+
+
+def test_a_peer_that_does_not_answer_is_closed_with_1011():
+    with run_gateway(**KEEPALIVE) as gw:
+        peer = RawWs(gw.http_port)
+        try:
+            started = time.monotonic()
+            seen = []
+            close = None
+            for opcode, payload in peer.frames(timeout=5):
+                seen.append(opcode)
+                if opcode == CLOSE:
+                    close = (struct.unpack("!H", payload[:2])[0], payload[2:].decode())
+                    break
+            assert seen[0] == PING and close == (1011, "keepalive ping timeout"), (seen, close)
+            assert INTERVAL + TIMEOUT - 0.02 <= time.monotonic() - started <= INTERVAL + TIMEOUT + 1.0
+            wait_for(lambda: connected(gw) == 0, "the connection unregistered")
+        finally:
+            peer.close()
+
+
+def test_unsolicited_and_stale_pongs_change_nothing():
+    with run_gateway(**KEEPALIVE) as gw:
+        peer = RawWs(gw.http_port)
+        try:
+            assert peer.send(ws_frame(PONG, b"nope"))  # no ping in flight: ignored
+            for opcode, payload in peer.frames(timeout=3):
+                if opcode == PING:
+                    assert peer.send(ws_frame(PONG, payload + b"x"))  # not this ping's payload: ignored
+                    break
+            close = peer.close_code(timeout=3)  # so its deadline passes: closed as if it never answered
+            assert close == 1011
+        finally:
+            peer.close()
+
+
+def test_an_idle_connection_holds_no_timer_and_no_attribute_dict():
+    def timers() -> int:
+        return sum(type(o).__name__ == "TimerHandle" for o in gc.get_objects())
+
+    with run_gateway() as gw, contextlib.ExitStack() as stack:
+        gw.call(gc.unfreeze)
+        before = gw.call(timers)
+        clients = [stack.enter_context(ws_connect(gw)) for _ in range(30)]
+        for i, ws in enumerate(clients):
+            send(ws, op="subscribe", topic=f"idle.{i % 3}", id=1)
+            collect(ws, lambda got: any(e.get("type") == "subscribed" for e in got))
+
+        def census() -> tuple[int, int, int, int]:
+            gc.unfreeze()
+            protos = [p for p in gw.running.server.server_state.connections if getattr(p, "served", False)]
+            keepalive = type(protos[0]).keepalive
+            with_dict = sum(bool(p.__dict__) for p in protos)
+            return len(protos), with_dict, len(keepalive), timers()
+
+        served, with_dict, deadlines, after = gw.call(census)
+        assert served == 30
+        assert with_dict == 0  # every attribute of a served connection is in a slot (uvicorn's dict held ~1.6 KiB)
+        assert deadlines == 30  # each has its ping deadline on the server's wheel...
+        assert after - before < 10  # ... not a loop timer of its own (uvicorn's ping, the hub's idle check)
