@@ -52,7 +52,9 @@ class Client:
         #: whose private queues this client reads (the authenticated user); by default the client itself
         self.owner = client_id if owner is None else owner
         self.state = ClientState.READY if ready else ClientState.IDLE
-        self.direct: deque[bytes] = deque()
+        #: made by the first entry queued, dropped once drained (an empty deque holds ~0.6 KiB: an idle
+        #: subscriber would hold it for nothing, docs/benchmarks.md)
+        self.direct: deque[bytes] | None = None
         #: bytes of the entries in `direct` (bounded by `EngineConfig.direct_queue_max_bytes`)
         self.direct_bytes = 0
         #: ordered, coalesced active-handle set (a dict keeps insertion order, a key appears once)
@@ -63,6 +65,11 @@ class Client:
         self.peeked_subs: list[Subscription] = []
         #: opaque to the core: identity, transport, permissions live with the gateway
         self.info = info
+
+    def queued(self) -> int:
+        """Entries in the direct queue."""
+        direct = self.direct
+        return 0 if direct is None else len(direct)
 
     def has_work(self) -> bool:
         return bool(self.direct) or bool(self.active)

@@ -26,6 +26,7 @@ the hot paths read as attributes (`shared`, `pending`).
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -308,7 +309,7 @@ class Engine:
         client.subs.clear()
         self.direct_bytes -= client.direct_bytes
         client.direct_bytes = 0
-        client.direct.clear()
+        client.direct = None
         client.active.clear()
         client.peeked_subs.clear()
         self._active.pop(client, None)
@@ -346,7 +347,7 @@ class Engine:
             raise AlreadySubscribed(f"already subscribed to {name!r}")
         if len(client.subs) >= self.config.max_subscriptions:
             raise TooManySubscriptions(f"at most {self.config.max_subscriptions} subscriptions per client")
-        if len(client.direct) + 2 > self.config.direct_queue_max:
+        if client.queued() + 2 > self.config.direct_queue_max:
             raise DirectQueueFull("direct queue full")
         self._check_direct_bytes(client, 0)  # `subscribed` and a notice: small, they may pass the bound
         topic = self.resolve(name)
@@ -366,7 +367,7 @@ class Engine:
         self._unused.pop(topic, None)
         self._retained.pop(topic, None)
         topic.subs[sub] = None
-        client.subs[name] = sub
+        client.subs[topic.name] = sub  # the topic's own string, not one more per subscriber (`name` is equal)
         self._queue(client, encode_subscribed(name, topic.kind, epoch, start, request_id))
         if extra is not None:
             self._queue(client, extra)
@@ -388,7 +389,7 @@ class Engine:
     def send_direct(self, client_id: Hashable, entry: bytes) -> None:
         """Queue a priority entry (reply, ack, error); it goes first in the client's next batch."""
         client = self.client(client_id)
-        if len(client.direct) >= self.config.direct_queue_max:
+        if client.queued() >= self.config.direct_queue_max:
             raise DirectQueueFull(f"direct queue of {client_id!r} holds {self.config.direct_queue_max} entries")
         self._check_direct_bytes(client, len(entry))
         self._queue(client, entry)
@@ -408,7 +409,10 @@ class Engine:
 
     def _queue(self, client: Client, entry: bytes) -> None:
         """Append to the client's direct queue, counting its bytes (every append goes through here)."""
-        client.direct.append(entry)
+        direct = client.direct
+        if direct is None:
+            direct = client.direct = deque()
+        direct.append(entry)
         size = len(entry)
         client.direct_bytes += size
         self.direct_bytes += size
@@ -642,6 +646,8 @@ class Engine:
                 entry = direct.popleft()
                 out.append(entry)
                 size += len(entry)
+            if not direct:  # drained: an idle client holds no queue (`Client.direct`)
+                client.direct = None
             client.direct_bytes -= size
             self.direct_bytes -= size
             self.counters.direct_entries += len(out)

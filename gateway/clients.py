@@ -292,7 +292,7 @@ class ClientRegistry:
                 "user": conn.identity.user,
                 "state": client.state.value,
                 "subscriptions": sorted(client.subs),
-                "direct_queued": len(client.direct),
+                "direct_queued": client.queued(),
                 "active_handles": len(client.active),
                 **conn.describe(),
             })

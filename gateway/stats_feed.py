@@ -217,7 +217,7 @@ class StatsFeed:
                 "state": client.state.value if client is not None else None,
                 "subscription_count": len(client.subs) if client is not None else 0,
                 "active_handles": len(client.active) if client is not None else 0,
-                "direct_queued": len(client.direct) if client is not None else 0,
+                "direct_queued": client.queued() if client is not None else 0,
                 "lag": _lag(client) if client is not None else 0,
                 "rate": _per_s(delta, dt) if conn in prev_clients and conn in sent_now else None,
                 **conn.describe(),

@@ -34,6 +34,7 @@ from uvicorn._types import ASGIReceiveEvent
 from uvicorn.config import Config
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from uvicorn.server import ServerState
+from websockets.extensions import Extension
 from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
@@ -159,6 +160,8 @@ WRITABLE = _WriteState(True)
 PAUSED = _WriteState(False)
 #: a served connection's `frames` between messages (uvicorn's handlers make a list when a message starts)
 NO_FRAMES: tuple[bytes, ...] = ()
+#: websockets' negotiated extensions of a connection that has none
+NO_EXTENSIONS: tuple[Extension, ...] = ()
 UVICORN_ERROR = logging.getLogger("uvicorn.error")
 #: the frame parser waits for the next frame here, nothing of one read yet (`_park_parser`)
 _AT_EOF = StreamReader.at_eof.__code__
@@ -278,7 +281,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.scheme = "ws"
         self.writable = WRITABLE
         self.handshake_initiated = self.handshake_complete = self.close_sent = self.disconnected = False
-        extensions = []
+        extensions = None  # websockets takes None for none (uvicorn's empty list was one more per connection)
         if config.ws_per_message_deflate:
             extensions = [ServerPerMessageDeflateFactory(server_max_window_bits=12, client_max_window_bits=12,
                                                          compress_settings={"memLevel": 5})]
@@ -650,6 +653,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         conn.send_response(response)
         self.transport.write(b"".join(conn.data_to_send()))
         conn.id = None  # type: ignore[assignment]  # a UUID for websockets' users' logs; ours name the peer
+        if not conn.extensions:  # none negotiated: read only (frames are parsed and sent through them), shared
+            conn.extensions = NO_EXTENSIONS  # type: ignore[assignment]
         self.handshake_complete = True
         # websockets' request parser goes on parsing frames with the handshake request still a local of its
         # generator (~2 KiB for the connection's life): with nothing read past the request it is dropped, and

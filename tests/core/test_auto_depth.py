@@ -159,7 +159,7 @@ class AutoDepthMachine(RuleBasedStateMachine):
     def _state_of(self, c: str) -> dict:
         """What the client holds before a cycle: its active handles in order, and per topic the backlog."""
         client = self.engine.client(c)
-        state: dict = {"order": [sub.topic.name for sub in client.active], "direct": len(client.direct),
+        state: dict = {"order": [sub.topic.name for sub in client.active], "direct": len(client.direct or ()),
                        "topics": {}}
         for t in self.connected[c]:
             ring = self.engine.topic(t)

@@ -125,7 +125,7 @@ class DirectBytesMachine(RuleBasedStateMachine):
     def bytes_add_up(self):
         total = 0
         for client in self.engine.clients():
-            assert client.direct_bytes == sum(len(entry) for entry in client.direct)
+            assert client.direct_bytes == sum(len(entry) for entry in client.direct or ())
             assert client.direct_bytes <= 2_000 + self.SLACK
             total += client.direct_bytes
         assert self.engine.direct_bytes == total

@@ -59,7 +59,7 @@ def test_replies_to_a_client_that_never_reads_are_bounded_in_bytes():
             for _ in range(40):  # 2.4 MB of replies asked for
                 if not attacker.send(ws_frame(TEXT, echo), timeout=2):
                     break
-                queued = gw.call(lambda: sum(len(e) for e in gw.hub.engine.client(cid).direct)
+                queued = gw.call(lambda: sum(len(e) for e in gw.hub.engine.client(cid).direct or ())
                                  if gw.hub.engine.has_client(cid) else 0)
                 most = max(most, queued)
             wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns), "the 4009 cut")
