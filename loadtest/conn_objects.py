@@ -219,9 +219,10 @@ async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
         tracemalloc.start(frames)
         _collect()
         types_before = Counter(type(o).__qualname__ for o in gc.get_objects())
-        before = {id(o) for o in gc.get_objects()}
-        for obj in gc.get_objects():
-            before.update(id(r) for r in gc.get_referents(obj))
+        # what is there before, by id: kept alive meanwhile, so that no new object gets the id of a dead one
+        shared = gc.get_objects()
+        shared += [r for obj in shared for r in gc.get_referents(obj)]
+        before = {id(o) for o in shared}
         snap_before = tracemalloc.take_snapshot()
         await arrive(clients)
         _collect()
@@ -258,6 +259,7 @@ async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
         total, sizes, counts = walk(roots, before, stop)
         result["walk_bytes"] = total
         result["walk"] = [(name, counts[name], size) for name, size in sizes.most_common(top)]
+        del shared
         tracemalloc.stop()
         await leave()
     finally:
@@ -299,17 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients-of-port", type=int, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     raise_nofile_limit()
-    try:
-        import uvloop
-        run = uvloop.run
-    except ImportError:  # pragma: no cover
-        run = asyncio.run
+    import uvloop  # the gateway's loop (uvicorn[standard])
+
     if args.clients_of_port is not None:
-        run(_clients(args.clients_of_port))
+        uvloop.run(_clients(args.clients_of_port))
         return 0
     if args.clients < 1:
         parser.error("--clients must be at least 1")
-    report(run(measure(args.clients, args.frames, args.top)))
+    report(uvloop.run(measure(args.clients, args.frames, args.top)))
     return 0
 
 

@@ -108,9 +108,9 @@ async def crowd(target: Target, clients: int, hold_s: float, settle_s: float) ->
 
 
 async def measure(clients: int, settle_s: float, crowds: int = 1, hold_s: float = 5.0,
-                  warm_s: float = 5.0) -> dict[str, Any]:
+                  warm_s: float = 5.0, gateway_cmd: str | None = None) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="idle-memory-"))
-    with GatewayProcess(workdir, env={"GATEWAY_SERVER_MAX_CONNECTIONS": str(clients + 1000)}) as target:
+    with GatewayProcess(workdir, gateway_cmd, env={"GATEWAY_SERVER_MAX_CONNECTIONS": str(clients + 1000)}) as target:
         assert target.pid is not None
         await asyncio.sleep(1.0)
         before = await settle(target.pid, warm_s)
@@ -137,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=10_000)
     parser.add_argument("--settle", type=float, default=10.0, help="seconds to wait after the last client left")
     parser.add_argument("--crowds", type=int, default=1, help="crowds in turn, each N clients that come and leave")
+    parser.add_argument("--gateway-cmd", help="command that starts the gateway instead of 'python -m gateway', e.g."
+                        " another checkout: 'env PYTHONPATH=/path/to/checkout .venv/bin/python -m gateway'")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.crowds < 1:
         parser.error("--clients and --crowds must be at least 1")
     raise_nofile_limit()
-    result = asyncio.run(measure(args.clients, args.settle, args.crowds))
+    result = asyncio.run(measure(args.clients, args.settle, args.crowds, gateway_cmd=args.gateway_cmd))
     print(f"{result['clients']} idle WebSocket clients (connected in {result['connect_s']:.1f} s)")
     print(f"  RSS before {result['rss_before_mb']:.1f} MiB, with clients {result['rss_with_clients_mb']:.1f} MiB,"
           f" after they left {result['rss_after_mb']:.1f} MiB ({result['settle_s']:g} s after the last left,"

@@ -177,6 +177,19 @@ def test_idle_memory_measures_each_crowd_in_turn() -> None:
         assert run["rss_with_clients_mb"] > result["rss_before_mb"] > 0 and run["rss_after_mb"] > 0
 
 
+def test_conn_objects_counts_what_one_idle_connection_holds() -> None:
+    from loadtest import conn_objects
+
+    result = asyncio.run(conn_objects.measure(60, frames=5, top=40))
+    assert result["clients"] == 60 and result["traced_per_conn"] > 0 and result["sites"] and result["files"]
+    walked = {name for name, _, _ in result["walk"]}
+    assert {"WSConnection", "ClientIdentity", "Client", "Subscription"} <= walked
+    # what an idle subscriber no longer holds (issue 27): a dict of uvicorn's protocol state, an asyncio Event
+    # or Queue (deques), a loop timer, websockets' suspended frame parser
+    assert not walked & {"deque", "TimerHandle", "Event", "Queue", "generator"}, walked
+    assert result["walk_bytes"] < 4096
+
+
 def test_comparison_warns_of_a_saturated_load_process() -> None:
     from rich.console import Console
 
