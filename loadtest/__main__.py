@@ -10,6 +10,7 @@
     python -m loadtest core | rawtcp [...]       the core and raw-TCP benchmarks (their own flags)
     python -m loadtest cluster [--clients N]     in-process vs Redis vs 2 workers; cross-node latency; kill -9 recovery
     python -m loadtest idle-memory [--clients N] [--crowds K]  memory per idle WebSocket client, and after K crowds leave
+    python -m loadtest conn-objects [--clients N]  what one idle WebSocket client holds, object by object
     python -m loadtest chaos [--duration S] [--faults a,b] [--seed N]  faults on 2 nodes, then the invariant
 """
 
