@@ -37,6 +37,7 @@ from core import Batch, RequestError
 
 from .. import close_codes
 from ..commands import handle_payload
+from ..fanwrite import raw_fd
 from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
@@ -199,11 +200,14 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
     deferred = False
     #: the turn's budget shared by this server's connections (`protocol_class` makes one per server)
     turn: InputTurn | None = None
+    #: the socket's descriptor when the fan-out writer may write it directly (plain TCP), else -1
+    raw_fd = -1
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # always a stream
         # uvicorn's, then our socket and flow-control settings (the SSE stream's are the same, sse.py)
         super().connection_made(transport)
         tune_stream(transport, self.write_high_water, self.socket_send_buffer, self.notsent_lowat)
+        self.raw_fd = raw_fd(transport)
 
     def pause_writing(self) -> None:
         # uvicorn's (its ASGI `send` waits), and the served connection is not ready until `resume_writing`
@@ -601,6 +605,31 @@ class WSConnection(StagedWriter):
             cache.update(frame)
         data = cache.frame
         return self.write_batch((data,), len(data), batch.more)
+
+    def direct_fd(self, batch: Batch, frame: bytes) -> int:
+        # Caught up, nothing staged or buffered before it, writable: the frame may go straight to the
+        # socket (gateway/fanwrite.py); counted as delivered here, like `deliver` does.
+        proto = self.proto
+        if proto is None or batch.more or self._staged or self.paused or self.closed:
+            return -1
+        fd = proto.raw_fd
+        transport = proto.transport
+        if fd < 0 or proto.lingering or transport.is_closing() or transport.get_write_buffer_size():
+            return -1
+        self.frames_sent += 1
+        self.bytes_sent += len(frame)
+        self.entries_sent += len(batch.entries)
+        return fd
+
+    def wire(self, frame: bytes) -> bytes:
+        cache = framed
+        if frame is not cache.payload:
+            cache.update(frame)
+        return cache.frame
+
+    def write_rest(self, data: bytes, sent: int) -> bool:
+        # a send error (sent < 0) is met again by the transport's own write, which then closes as usual
+        return self._write_parts((data[sent:] if sent > 0 else data,))
 
     def _stream(self) -> asyncio.Transport | None:
         proto = self.proto
