@@ -109,6 +109,8 @@ class Scheduler:
         #: frames written straight to a socket with others (`_write_crowd`), and those a socket did not take whole
         self.direct_writes = 0
         self.direct_shortfalls = 0
+        #: entries of this cycle's batches of more than one entry, for `_observe`
+        self.batch_sizes: list[int] = []
         self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
         self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
         #: presence members of topics with `presence` (gateway/presence.py); the hub gives it the broker's store
@@ -331,9 +333,11 @@ class Scheduler:
 
     def _observe(self, seconds: float, batches: list[Batch]) -> None:
         self.cycle_seconds.observe(seconds)
+        # batches of one entry (a crowd's) are counted by `_deliver`, in one call per cycle
         observe = self.entries_per_batch.observe
-        for batch in batches:
-            observe(len(batch.entries))
+        for size in self.batch_sizes:
+            observe(size)
+        self.batch_sizes.clear()
 
     def _flush_staged(self) -> None:
         """The round's end: write each connection's staged frames."""
@@ -370,6 +374,8 @@ class Scheduler:
         conns = self.conns
         delivery_log = self.delivery_log
         direct = send_each is not None
+        sizes = self.batch_sizes
+        singles = 0
         done = []
         for batch in batches:
             conn = conns.get(batch.client_id)
@@ -379,7 +385,12 @@ class Scheduler:
             # (a bytes object caches its hash, and a lookup compares identity first; one entry, the common
             # case, is its own key, never equal to a tuple key).
             entries = batch.entries
-            key = entries[0] if len(entries) == 1 else tuple(entries)
+            if len(entries) == 1:
+                key: bytes | tuple[bytes, ...] = entries[0]
+                singles += 1
+            else:
+                key = tuple(entries)
+                sizes.append(len(entries))
             frame = frames.get(key)
             if frame is None:
                 frame = frames[key] = batch.frame()
@@ -403,6 +414,7 @@ class Scheduler:
                 delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
             if finished:
                 done.append(batch.client_id)
+        self.entries_per_batch.observe_many(1, singles)
         for frame, (fds, group, client_ids) in crowds.items():
             done.extend(self._write_crowd(frame, fds, group, client_ids))
         if done:

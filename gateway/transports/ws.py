@@ -578,8 +578,11 @@ class WSConnection(StagedWriter):
         self.closed = False
         self._outbox: asyncio.Queue[bytes] | None = None
         self._writer: asyncio.Task[None] | None = None
+        #: the socket `direct_fd` hands out (plain TCP, direct write path), -1 once closed
+        self.fd = -1
         if proto is not None:
             proto.connection = self
+            self.fd = proto.raw_fd
         else:
             self._outbox = asyncio.Queue(maxsize=1)
             self._writer = asyncio.get_running_loop().create_task(self._write_via_asgi())
@@ -609,12 +612,13 @@ class WSConnection(StagedWriter):
     def direct_fd(self, batch: Batch, frame: bytes) -> int:
         # Caught up, nothing staged or buffered before it, writable: the frame may go straight to the
         # socket (gateway/fanwrite.py); counted as delivered here, like `deliver` does.
-        proto = self.proto
-        if proto is None or batch.more or self._staged or self.paused or self.closed:
+        fd = self.fd
+        if fd < 0 or batch.more or self._staged or self.paused:
             return -1
-        fd = proto.raw_fd
+        proto = self.proto
+        assert proto is not None  # `fd` is -1 on the ASGI path
         transport = proto.transport
-        if fd < 0 or proto.lingering or transport.is_closing() or transport.get_write_buffer_size():
+        if proto.lingering or transport.is_closing() or transport.get_write_buffer_size():
             return -1
         self.frames_sent += 1
         self.bytes_sent += len(frame)
@@ -654,6 +658,7 @@ class WSConnection(StagedWriter):
 
     def on_lost(self) -> None:
         self.closed = True
+        self.fd = -1
         self.hub.scheduler.write_unwatched(self.identity.client_id)
 
     async def _write_via_asgi(self) -> None:
@@ -676,6 +681,7 @@ class WSConnection(StagedWriter):
         if self.proto is not None:
             self.flush()  # the round's staged frames go before the close frame
         self.closed = True  # the hub unregisters it, which also forgets it as blocked
+        self.fd = -1
         if self._writer is not None:
             self._writer.cancel()
         proto = self.proto
