@@ -293,6 +293,9 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "latency p90 ms": summary["latency_ms"]["p90"],
         "latency p99 ms": summary["latency_ms"]["p99"],
         "latency max ms": summary["latency_ms"]["max"],
+        # one publish until the last of its subscribers had it: median and worst over the publishes
+        "time to last p50 ms": summary.get("time_to_last_ms", {}).get("p50", 0.0),
+        "time to last max ms": summary.get("time_to_last_ms", {}).get("max", 0.0),
         "skew p50 ms": summary["skew_ms"]["p50"],
         "skew p99 ms": summary["skew_ms"]["p99"],
         "announced loss": summary["loss"]["announced"],
@@ -303,6 +306,8 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "entries/batch mean": summary["batch_entries"]["mean"],
         "server cpu %": cpu.get("server", {}).get("cpu_pct", 0.0),
         "server rss MB": cpu.get("server", {}).get("rss_max_mb", 0.0),
+        "server rss KB/conn": cpu.get("server", {}).get("rss_per_conn_kb", 0.0),
+        "server rss KB/conn (run max)": cpu.get("server", {}).get("rss_per_conn_run_kb", 0.0),
         "loadgen cpu %": cpu.get("loadgen", {}).get("cpu_pct", 0.0),
         "loadgen busiest proc %": cpu.get("loadgen", {}).get("busiest_pct", 0.0),
         "publisher cpu %": cpu.get("loadgen", {}).get("by_role_pct", {}).get("publisher", 0.0),
@@ -311,10 +316,6 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         # CPU seconds over the measured window (start of publishing to the end of the drain) per delivery
         "server cpu us/delivery": round(1e6 * cpu.get("server", {}).get("cpu_s", 0.0) / delivered, 3)
         if delivered else 0.0,
-        "time to last p50 ms": summary.get("time_to_last_ms", {}).get("p50", 0.0),
-        "time to last max ms": summary.get("time_to_last_ms", {}).get("max", 0.0),
-        "server rss KB/conn": cpu.get("server", {}).get("rss_per_conn_kb", 0.0),
-        "server rss KB/conn (run max)": cpu.get("server", {}).get("rss_per_conn_run_kb", 0.0),
         "loadgen cpu us/delivery": round(1e6 * cpu.get("loadgen", {}).get("cpu_s", 0.0) / delivered, 3)
         if delivered else 0.0,
     }

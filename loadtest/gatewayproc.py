@@ -50,8 +50,7 @@ def _workers_text(workers: int, broker_url: str) -> tuple[str, str]:
     """The ``[server]`` lines and the ``[broker]`` section of a gateway with ``workers`` processes."""
     if workers <= 1:
         return "", ""
-    return (f"workers = {int(workers)}\ndrain_timeout_s = 2.0  # a run's end: no client waits to be handed over\n",
-            f'[broker]\nurl = "{broker_url}"\n')
+    return f"workers = {int(workers)}\n", f'[broker]\nurl = "{broker_url}"\n'
 
 
 def shipped_config_text(admin_token: str, max_connections: int | None = None, workers: int = 1,
