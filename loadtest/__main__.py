@@ -49,7 +49,8 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--gateway-pid", type=int, help="pid of the running gateway, to measure its CPU")
     parser.add_argument("--gateway-cmd", help="command that starts the gateway instead of "
                         "'python -m gateway' (it gets: serve --config FILE --ready-file PATH)")
-    parser.add_argument("--connect-timeout", type=float, default=20.0, help="seconds for all clients to subscribe")
+    parser.add_argument("--connect-timeout", type=float, help="seconds for all clients to subscribe (default 20, "
+                        "or 1 s per 250 clients when more)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help="before each run, wait up to S seconds until the machine is idle (other "
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
 
         batch = args.bare_batch
         factory = lambda workdir: BareServer(workdir, batch)  # noqa: E731
-    options = {"connect_timeout": args.connect_timeout, "wait_quiet": args.wait_quiet}
+    connect_timeout = args.connect_timeout or max(20.0, scenario.clients / 250)
+    options = {"connect_timeout": connect_timeout, "wait_quiet": args.wait_quiet}
     if comparing:
         from loadtest.bare_server import BareServer
         from loadtest.compare import compare
@@ -308,10 +310,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_storm(console: Any, storm: dict[str, Any]) -> None:
     accepts = storm["accept_per_s"]
+    offered = "all at once" if accepts["offered"] is None else accepts["offered"]
     verdict = "[green]every client recovered, no gap, no duplicate" if storm["ok"] else "[bold red]FAILED"
     console.print(f"reconnect storm: {storm['back']:,}/{storm['clients']:,} clients back (spread {storm['spread_s']:g} s); "
                   f"last caught up {storm['last_caught_up_s']} s after the storm (last subscribed again "
-                  f"{storm['last_back_s']} s); accepts/s offered {accepts['offered']}, mean {accepts['mean']}, "
+                  f"{storm['last_back_s']} s); accepts/s offered {offered}, mean {accepts['mean']}, "
                   f"peak over 1 s {accepts['peak_1s']:,}; reconnect p50/p99/max {storm['reconnect_ms']['p50']} / "
                   f"{storm['reconnect_ms']['p99']} / {storm['reconnect_ms']['max']} ms; "
                   f"{storm['failed_attempts']} failed attempts; replayed {storm['replayed']:,}; gaps {storm['gaps']}, "
