@@ -159,10 +159,11 @@ class Scenario:
             raise ValueError(f"a shipped gateway's topics follow the shipped '*' rule (capacity {SHIPPED_CAPACITY}, "
                              "batch_depth 1, no linger): use --no-shipped to set --capacity, --batch-depth or --linger")
         if self.storm_at is not None:
-            if not 0 <= self.storm_at < self.duration:
-                raise ValueError("storm_at must be in [0, duration)")
-            if self.storm_spread < 0:
-                raise ValueError("storm_spread must be >= 0")
+            if self.storm_at < 0 or self.storm_spread < 0:
+                raise ValueError("storm_at and storm_spread must be >= 0")
+            if self.storm_at + self.storm_spread >= self.duration:
+                raise ValueError("storm_at + storm_spread must be below the duration: publishing goes on while the "
+                                 "clients come back")
             if self.transport != "ws":
                 raise ValueError("a reconnect storm needs WebSocket clients: transport ws")
             if self.stall_frac or self.dominator_topics or self.coldhot:

@@ -46,7 +46,7 @@ def test_source_addresses_are_distinct_loopback_addresses() -> None:
 @pytest.mark.parametrize(("changes", "message"), [
     ({"capacity": 128}, "no-shipped"),
     ({"batch_depth": 8}, "no-shipped"),
-    ({"storm_at": 30.0}, "storm_at"),
+    ({"storm_at": 16.0}, "storm_spread must be below"),
     ({"storm_at": 1.0, "transport": "longpoll"}, "WebSocket"),
     ({"storm_at": 1.0, "stall_frac": 0.1}, "stalls"),
     ({"source_addrs": scenarios.MAX_SOURCE_ADDRS + 1}, "source_addrs"),
