@@ -3,12 +3,12 @@
 Past the HTTP layer (connection limits, header deadline: gateway/netguard.py) the protocol answers the
 handshake of `/ws` itself (Origin, `?id=`, `?token=`), registers the connection with the hub, and hands each
 command frame to `gateway/commands.py` as it is parsed: no ASGI task, receive queue or scope per
-connection, which is most of what an idle connection would otherwise hold (docs/benchmarks.md, idle
-clients). The scheduler writes each batch as one pre-built text frame straight to the transport, never
+connection, which is most of what an idle connection would otherwise hold (docs/benchmarks-history.md,
+"Idle clients"). The scheduler writes each batch as one pre-built text frame straight to the transport, never
 awaiting: a client whose transport buffer is above the high-water mark is not ready until asyncio calls
 `resume_writing` (below a quarter of it). Per-message compression is off: it would force an encode per client.
-With `websocket.direct_write = false` (a shipped setting, "for comparison": docs/benchmarks.md measures the
-two write paths) `/ws` is the Starlette endpoint below, `websocket_endpoint`, and writes go through ASGI
+With `websocket.direct_write = false` (a shipped setting, "for comparison": docs/benchmarks-history.md measures
+the two write paths) `/ws` is the Starlette endpoint below, `websocket_endpoint`, and writes go through ASGI
 `send` from a writer task. It is the only other way `/ws` is served (the gateway always runs this protocol,
 gateway/server.py, and so do the test gateways, gateway/testing.py), and it shares everything but the I/O
 with the protocol's: the handshake (`open_ws_client`, gateway/transports/handshake.py), the command path
@@ -733,8 +733,8 @@ def run_frame(hub: Hub, client_id: str, data: bytes | str) -> None:
 async def websocket_endpoint(websocket: WebSocket) -> None:
     """`/ws` through ASGI, with `websocket.direct_write = false` only (the protocol serves it otherwise,
     `FanoutWSProtocol.handle_connect`): the same handshake, commands and connection object, but commands come
-    by ASGI `receive` and batches go by `send` from the connection's writer task (docs/benchmarks.md compares
-    the two write paths). The Origin check is the app's middleware (gateway/origin.py), same answer."""
+    by ASGI `receive` and batches go by `send` from the connection's writer task (docs/benchmarks-history.md
+    compares the two write paths). The Origin check is the app's middleware (gateway/origin.py), same answer."""
     hub: Hub = websocket.app.state.hub
     await websocket.accept()
     try:
