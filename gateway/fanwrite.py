@@ -26,6 +26,9 @@ except ImportError:  # built without a compiler (a warning at install): the tran
 else:
     send_each = compiled_send_each
 
+#: printed by `gateway serve` at start (`fan-out writer: ...`)
+BUILD = "compiled" if send_each is not None else "not built (every frame goes through its transport)"
+
 
 def raw_fd(transport: asyncio.BaseTransport) -> int:
     """The descriptor to write the transport's socket directly, or -1: no compiled writer, no socket, or
