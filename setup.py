@@ -10,6 +10,9 @@ and the Python headers are there. Without them (a warning), or with FANOUT_PURE_
 modules run as plain Python (docs/architecture.md, "The compiled core"). Beside the extensions the build
 records a digest of each source it compiled (core/_compiled.json): core/native.py runs the compiled modules
 only while every source still has that digest, whatever the files' times say.
+
+The fan-out writer (gateway/_fanwrite.c, used by gateway/fanwrite.py) is built the same way, optional too:
+without it every frame goes through its connection's transport.
 """
 
 import hashlib
@@ -17,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
@@ -74,6 +77,8 @@ def extensions() -> list:
     from mypyc.build import mypycify
 
     modules = mypycify(COMPILED, opt_level="3")
+    # the fan-out writer (gateway/fanwrite.py): one frame to many sockets in one call
+    modules.append(Extension("gateway._fanwrite", ["gateway/_fanwrite.c"], extra_compile_args=["-O2"]))
     for module in modules:
         module.optional = True  # a failed compile warns; the modules then run as Python
     return modules

@@ -48,6 +48,7 @@ memory itself as a scratch buffer: all of it is free.
 from __future__ import annotations
 
 import enum
+import mmap
 from collections.abc import Hashable
 from dataclasses import asdict, dataclass
 
@@ -232,8 +233,10 @@ class ByteRing:
     def __init__(self, config: ByteRingConfig | None = None) -> None:
         self._cfg = config if config is not None else ByteRingConfig()
         cap = self._cfg.capacity_bytes
-        # Allocated once; every view handed out is a slice of this one memoryview.
-        self._buf = bytearray(cap)
+        # Allocated once; every view handed out is a slice of this one memoryview. Anonymous memory, not a
+        # bytearray: its pages are zero until written, so an unused ring costs no RSS (a bytearray of the
+        # default 256 MiB was resident from start-up); a ring that has wrapped once holds all of it.
+        self._buf = mmap.mmap(-1, cap)
         self._view = memoryview(self._buf)
         self._cap = cap
         self._write_pos = 0

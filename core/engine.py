@@ -62,15 +62,23 @@ _TOPIC_CLASSES: dict[TopicKind, type[Topic]] = {
 }
 
 
-@dataclass(slots=True)  # not frozen: a frozen __init__ costs 3x (~0.2 us), once per client per cycle
 class Batch:
-    """Entries for one client, to be written as one frame / response / write. Read-only by contract."""
+    """Entries for one client, to be written as one frame / response / write. Read-only by contract.
 
-    client_id: Hashable
-    entries: list[bytes]
-    size: int
-    #: the client has more for the next cycle (a backlog, replies past the budget): false when caught up
-    more: bool = False
+    A plain class, not a dataclass: compiled, its `__init__` is C (a dataclass's generated one stays
+    Python, ~0.3 us, once per client per cycle)."""
+
+    __slots__ = ("client_id", "entries", "size", "more")
+
+    def __init__(self, client_id: Hashable, entries: list[bytes], size: int, more: bool = False) -> None:
+        self.client_id = client_id
+        self.entries = entries
+        self.size = size
+        #: the client has more for the next cycle (a backlog, replies past the budget): false when caught up
+        self.more = more
+
+    def __repr__(self) -> str:
+        return f"Batch({self.client_id!r}, {len(self.entries)} entries, {self.size} bytes, more={self.more})"
 
     def frame(self) -> bytes:
         return frame_batch(self.entries)

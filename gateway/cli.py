@@ -15,6 +15,7 @@ from typing import Any
 
 import core
 
+from . import fanwrite
 from .broker import BrokerUnreachable
 from .config import ConfigError, GatewayConfig, load_config
 from .operator_tools import check, mint_token
@@ -56,6 +57,7 @@ async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0,
         print(f"admin token (development, loopback only): {running.admin_token}", flush=True)
     scheme = "https" if config.server.ssl_certfile else "http"
     print(f"core: {core.BUILD}", flush=True)
+    print(f"fan-out writer: {fanwrite.BUILD}", flush=True)
     print(f"gateway listening on {scheme}://{config.server.host}:{running.http_port}", flush=True)
     try:
         await running.wait()

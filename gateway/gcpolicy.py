@@ -2,10 +2,10 @@
 
 At 1,000 WebSocket clients the gateway holds a few hundred thousand long-lived objects (connections,
 protocol state, subscriptions). CPython's automatic full collection walks all of them every few seconds and
-stalled every client for ~100 ms each time (docs/benchmarks.md). So every second whatever survived is
-frozen out of the collector's reach (`gc.freeze`, O(1): it splices lists), young collections stay automatic
-and cheap, and a full collection of everything (unfreeze, collect, freeze) runs every
-`server.gc_full_interval_s`, so cyclic garbage left by closed connections is still reclaimed and memory
+stalled every client for ~100 ms each time (docs/benchmarks-history.md, "Targets at a glance"). So every
+second whatever survived is frozen out of the collector's reach (`gc.freeze`, O(1): it splices lists), young
+collections stay automatic and cheap, and a full collection of everything (unfreeze, collect, freeze) runs
+every `server.gc_full_interval_s`, so cyclic garbage left by closed connections is still reclaimed and memory
 stays bounded by what one interval leaves behind.
 
 Memory given back: after a full collection the C allocator is asked to return its free pages to the

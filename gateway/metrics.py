@@ -37,6 +37,11 @@ class BucketHistogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
 
+    def observe_many(self, value: float, count: int) -> None:
+        """`count` observations of the same value in one call."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
+
     def cumulative(self) -> list[tuple[str, int]]:
         buckets, running = [], 0
         for bound, count in zip(self.bounds, self.counts):

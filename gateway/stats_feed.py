@@ -44,19 +44,37 @@ SAMPLE_CHUNK = 2048
 NODE_TOP = STREAM_TOP
 
 
-def _lag(client: Client) -> int:
+def _lag(client: Client, *, unread: bool = False) -> int:
     """Messages waiting for a client in the gateway. Only handles in its active set hold any (caught-up ones
-    are parked), so this costs O(its active handles), the pending work."""
+    are parked), so this costs O(its active handles), the pending work. `unread`: not counting entries of
+    private queues already handed out and not yet committed or acknowledged."""
     lag = 0
     for sub in client.active:
         end = getattr(sub.topic, "end", None)
         if isinstance(end, int):
             lag += max(0, end - sub.cursor)  # ring: seqs behind, lost ones included
         elif sub.queue is not None:
-            lag += len(sub.queue)  # private: queued
+            lag += len(sub.queue) - sub.peeked if unread else len(sub.queue)  # private: queued
         else:
             lag += 1  # snapshot: the latest value
     return lag
+
+
+def delivery_share(delivered: int, waiting: int) -> float | None:
+    """A client's share of what it asked for in a stats window: the entries it was handed during the window
+    over those plus the ones still waiting for it at the window's end (= what waited at the start plus what
+    arrived for it, direct entries included, less any lost on the way). 1.0 for a client that is caught up,
+    0.0 for one that took nothing while entries waited; None when it asked for nothing (left out)."""
+    owed = delivered + waiting
+    return delivered / owed if owed > 0 else None
+
+
+def jain(count: int, total: float, total_sq: float) -> float | None:
+    """Jain's index (sum x)^2 / (n * sum x^2) from n, sum x and sum x^2 (so a cluster's is exact from its
+    nodes' sums): 1.0 when all are equal (all 0 included), 1/n when one has everything; None for n = 0."""
+    if not count:
+        return None
+    return round(total * total / (count * total_sq), 4) if total_sq else 1.0
 
 
 def _per_s(delta: float, dt: float | None) -> float | None:
@@ -69,7 +87,8 @@ class StatsFeed:
     While at least one viewer is connected, a task takes a snapshot every `admin.stats_interval_s`: one pass
     over the topics and one over the connections, O(topics + clients) per interval whatever the number of
     viewers, read in chunks of `SAMPLE_CHUNK` between which the loop runs (fan-out is never held up for a
-    whole sample), plus, for the listed clients only, O(their active handles) for their lag. Rates are deltas
+    whole sample), plus O(active handles) for the clients' lags (the listed ones' and, for the fairness
+    index, every client's that has work waiting: caught-up clients have no active handle). Rates are deltas
     between two samples computed here (topic positions, entries each connection was handed, core counters,
     histogram buckets), so the feed keeps the previous sample's numbers; when the last viewer leaves it
     stops the task and forgets them: an unwatched gateway pays nothing.
@@ -193,9 +212,13 @@ class StatsFeed:
         topics = [{**topic.info(), "rate": _per_s(delta, dt) if topic in prev_topics and topic in positions else None}
                   for delta, topic in heapq.nlargest(STREAM_TOP, moved, key=itemgetter(0))]
 
-        # clients: O(clients), the same way; describe() and the lag only for the listed ones
+        # clients: O(clients), the same way; describe() only for the listed ones, the lag for them and for
+        # the fairness index (O(active handles): none for a caught-up client)
         prev_clients, sent_now = self._prev_clients, {}
         deliveries: list[tuple[int, Hashable, Any]] = []
+        # the fairness index: each client's delivery_share over the window, for the clients that asked for
+        # something in it, in this same pass (once per interval)
+        shares: list[float] = []
         for count, (client_id, conn) in enumerate(list(hub.clients.conns.items()), 1):
             if not count % SAMPLE_CHUNK:
                 await asyncio.sleep(0)
@@ -205,7 +228,17 @@ class StatsFeed:
                 continue
             sent_now[conn] = sent
             before = prev_clients.get(conn)
-            deliveries.append((sent - before if before is not None else 0, client_id, conn))
+            delta = sent - before if before is not None else 0
+            deliveries.append((delta, client_id, conn))
+            if before is None:  # connected during the window: what it was handed in it is not known
+                continue
+            waiting = 0
+            client = engine.client(client_id) if engine.has_client(client_id) else None
+            if client is not None and (client.active or client.direct):
+                waiting = _lag(client, unread=True) + client.queued()
+            share = delivery_share(delta, waiting)
+            if share is not None:
+                shares.append(share)
         self._prev_clients = sent_now
         listed = heapq.nlargest(STREAM_TOP, deliveries, key=itemgetter(0))
         clients = []
@@ -259,11 +292,13 @@ class StatsFeed:
             "cycles_per_s": counter_rate("cycles"),
             "client_delivery_per_s": round(total_rate, 3) if dt else None,
         }
+        share_sum, share_sq = sum(shares), sum(x * x for x in shares)
         now_s = time.time()
         if node_id:
             self.summary = {
                 "time": now_s, "dt": round(dt, 4) if dt is not None else None, "totals": totals,
-                "fairness": {"receiving": len(receiving), "sum": total_rate, "sum_sq": sum(r * r for r in receiving),
+                "fairness": {"clients": len(shares), "share_sum": share_sum, "share_sq": share_sq,
+                             "share_min": min(shares) if shares else None, "receiving": len(receiving),
                              "min": min(receiving) if receiving else None, "max": max(receiving) if receiving else None},
                 "clients": clients[:NODE_TOP],
             }
@@ -276,14 +311,16 @@ class StatsFeed:
             "node": node_id,
             "viewers": self.viewers,
             "totals": totals,
-            # Jain's index over the clients that received anything: 1.0 when they all got the same rate
-            # (clients of different topics may differ for good reason: compare clients of one topic)
+            # Jain's index of the clients' shares of what they asked for (delivery_share), not of their raw
+            # rates (clients of busier topics get more, rightly): 1.0 when every client is caught up; beside
+            # it the spread of the raw rates of the clients that received anything
             "fairness": {
+                "clients": len(shares),
+                "jain": jain(len(shares), share_sum, share_sq),
+                "share_min": round(min(shares), 4) if shares else None,
                 "receiving": len(receiving),
                 "min": round(min(receiving), 3) if receiving else None,
                 "max": round(max(receiving), 3) if receiving else None,
-                "jain": (round(total_rate ** 2 / (len(receiving) * sum(r * r for r in receiving)), 4)
-                         if receiving else None),
             },
             "topics": topics,
             "clients": clients,
@@ -306,7 +343,8 @@ class StatsFeed:
             stored, error = [], exc.message
         nodes: list[dict[str, Any]] = []
         rows: list[dict[str, Any]] = []
-        fair_n, fair_sum, fair_sq, fair_min, fair_max = 0, 0.0, 0.0, [], []
+        share_n, share_sum, share_sq, share_min = 0, 0.0, 0.0, []
+        receiving, fair_min, fair_max = 0, [], []
         by_transport: dict[str, int] = {}
         clients = blocked = 0
         delivered: float | None = None
@@ -329,10 +367,13 @@ class StatsFeed:
                     delivered = (delivered or 0.0) + totals["delivered_per_s"]
                 if totals["client_delivery_per_s"] is not None:
                     client_rate = (client_rate or 0.0) + totals["client_delivery_per_s"]
+                if fair.get("clients"):  # (an older node's summary has no shares: left out)
+                    share_n += fair["clients"]
+                    share_sum += fair["share_sum"]
+                    share_sq += fair["share_sq"]
+                    share_min.append(fair["share_min"])
                 if fair["receiving"]:
-                    fair_n += fair["receiving"]
-                    fair_sum += fair["sum"]
-                    fair_sq += fair["sum_sq"]
+                    receiving += fair["receiving"]
                     fair_min.append(fair["min"])
                     fair_max.append(fair["max"])
                 for row in dash["clients"]:
@@ -352,9 +393,10 @@ class StatsFeed:
             "totals": {"nodes": len(nodes), "clients": clients, "clients_by_transport": by_transport,
                        "write_blocked": blocked, "delivered_per_s": round(delivered, 3) if delivered is not None else None,
                        "client_delivery_per_s": round(client_rate, 3) if client_rate is not None else None},
-            "fairness": {"receiving": fair_n, "min": round(min(fair_min), 3) if fair_min else None,
-                         "max": round(max(fair_max), 3) if fair_max else None,
-                         "jain": round(fair_sum ** 2 / (fair_n * fair_sq), 4) if fair_n and fair_sq else None},
+            "fairness": {"clients": share_n, "jain": jain(share_n, share_sum, share_sq),
+                         "share_min": round(min(share_min), 4) if share_min else None,
+                         "receiving": receiving, "min": round(min(fair_min), 3) if fair_min else None,
+                         "max": round(max(fair_max), 3) if fair_max else None},
             "clients": listed,
             "others": {"clients": clients - len(listed),
                        "rate": round(client_rate - shown_rate, 3) if client_rate is not None else None},

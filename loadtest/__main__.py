@@ -1,7 +1,7 @@
 """``fanout-loadtest`` (or ``python -m loadtest``): load runs against the gateway (or nginx + nchan), and the micro-benchmarks.
 
     python -m loadtest SCENARIO [flags]          one run (starts its own gateway unless --url)
-    python -m loadtest compare SCENARIO [flags]  gateway vs nginx + nchan, alternating
+    python -m loadtest compare SCENARIO [flags]  gateway vs nginx + nchan (--targets: + bare, gateway-w2), alternating
     python -m loadtest depths SCENARIO [flags]   the gateway at several batch depths (--depths 1,8,auto)
     python -m loadtest baseline SCENARIO [flags] the gateway vs the bare reference server (--bare-batches 1,8)
     python -m loadtest SCENARIO --target bare    one run against the bare reference server (--bare-batch N)
@@ -23,7 +23,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:  # imported when a command needs them (the CLI starts without numpy and friends)
@@ -51,7 +51,8 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--gateway-pid", type=int, help="pid of the running gateway, to measure its CPU")
     parser.add_argument("--gateway-cmd", help="command that starts the gateway instead of "
                         "'python -m gateway' (it gets: serve --config FILE --ready-file PATH)")
-    parser.add_argument("--connect-timeout", type=float, default=20.0, help="seconds for all clients to subscribe")
+    parser.add_argument("--connect-timeout", type=float, help="seconds for all clients to subscribe (default 20, "
+                        "or 1 s per 250 clients when more)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help="before each run, wait up to S seconds until the machine is idle (other "
@@ -60,12 +61,18 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int | str = 1,
-                     linger: float = 0.0) -> runner.TargetFactory:
-    from loadtest.gatewayproc import GatewayProcess
+                     linger: float = 0.0, *, shipped: bool = False, clients: int = 0,
+                     workers: int = 1) -> runner.TargetFactory:
+    from loadtest.gatewayproc import GatewayProcess, shipped_max_connections
     from loadtest.target import Target
 
     if not args.url:
-        return lambda workdir: GatewayProcess(workdir, args.gateway_cmd, capacity, batch_depth, linger)
+        limit = shipped_max_connections(clients) if shipped else None
+        return lambda workdir: GatewayProcess(workdir, args.gateway_cmd, capacity, batch_depth, linger,
+                                              shipped=shipped, max_connections=limit, workers=workers)
+    if shipped or workers > 1:
+        print("note: --shipped / --workers are not applied to a running gateway (--url): its own config decides",
+              file=sys.stderr)
     if batch_depth != 1 or linger:
         print(f"note: --batch-depth {batch_depth} / --linger {linger} are not applied to a running gateway "
               "(--url): its own topic rules decide", file=sys.stderr)
@@ -105,6 +112,59 @@ def _bare_problem(args: argparse.Namespace, scenario: Scenario) -> str:
     if args.url:
         return "the bare server is started by the load tool: --url cannot be used"
     return ""
+
+
+#: ``compare --targets``: the gateway (with --workers), nginx + nchan, the bare server, the gateway with N workers
+TARGET_NAMES = ("gateway", "nchan", "bare", "gateway-wN")
+
+
+def _targets(text: str) -> list[str]:
+    """``--targets``: comma-separated names of TARGET_NAMES, ``gateway`` first (``gateway-w2``: 2 workers)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    for name in names:
+        if name not in TARGET_NAMES[:3] and not (name.startswith("gateway-w") and name[9:].isdigit()
+                                                 and int(name[9:]) >= 1):
+            raise argparse.ArgumentTypeError(f"unknown target {name!r}: one of gateway, nchan, bare, gateway-wN")
+    if not names or names[0] != "gateway" or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError("targets: gateway first, each at most once (e.g. gateway,nchan,bare)")
+    return names
+
+
+def _header(console: Any, scenario: Scenario, labels: list[str], url: bool) -> None:
+    """What a run needs said before it starts: the shipped config's overrides, the source addresses, and
+    where the open-files limit caps the clients."""
+    import resource
+
+    from loadtest.gatewayproc import CONNECTION_MARGIN, SHIPPED_MAX_CONNECTIONS, shipped_max_connections
+    from loadtest.scenarios import source_addr
+
+    n = scenario.clients
+    gateways = [label for label in labels if label.startswith("gateway")]
+    if gateways and scenario.shipped and not url:
+        limit = shipped_max_connections(n)
+        raised = (f"server.max_connections {SHIPPED_MAX_CONNECTIONS:,} -> {limit:,} (N={n:,} + {CONNECTION_MARGIN})"
+                  if limit else f"server.max_connections as shipped ({SHIPPED_MAX_CONNECTIONS:,} >= N={n:,} + "
+                  f"{CONNECTION_MARGIN})")
+        console.print(f"gateway as shipped (config/default.toml); overridden: server.port, ingest.port, "
+                      f"rawtcp.sender_port / receiver_port = 0, server.admin_token; {raised}; per-address limits "
+                      "and topic rules as shipped")
+    workers = {label: int(label[9:]) if label.startswith("gateway-w") else scenario.workers for label in gateways}
+    if any(w > 1 for w in workers.values()) and not url:
+        console.print("gateway workers: " + ", ".join(f"{label} server.workers={w}" + (" on a Redis broker started "
+                      "for the run (its CPU reported apart: broker cpu us/delivery)" if w > 1 else "")
+                      for label, w in workers.items()))
+    if scenario.source_addrs:
+        k = scenario.source_addrs
+        console.print(f"clients connect from {k:,} loopback addresses ({source_addr(0)} .. {source_addr(k - 1)}), "
+                      f"at most {-(-n // k):,} each (the shipped server.max_connections_per_ip is 256)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if n >= 1000 or n + 100 > soft:
+        procs = min(scenario.procs, n)
+        cap = hard - 100  # the server's reserve: the gateway keeps 64 descriptors, nginx 100
+        note = (f"open files: hard limit {hard:,} per process (each process's own; soft {soft:,} raised to it): "
+                f"the server holds one per client, so N={n:,} of at most {cap:,} (hard - 100: the server's other "
+                f"descriptors); each of the {procs} client processes holds {-(-n // procs):,}")
+        console.print(note if n <= cap else f"[bold red]{note}: N={n:,} is above what the server can hold")
 
 
 def _out(args: argparse.Namespace, label: str) -> Path:
@@ -149,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                             "per frame (default 1)")
     if comparing:
         parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of gateway and nchan")
+        parser.add_argument("--targets", type=_targets, help="comma-separated targets, gateway first: gateway, "
+                            "nchan, bare (the bare server, batch 1), gateway-wN (the gateway with N workers on "
+                            "Redis); ratios are to nchan (default gateway,nchan; crowd and rooms: gateway,nchan,bare)")
         argv = argv[1:]
     if depths:
         parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the depths")
@@ -162,24 +225,55 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     console = Console()
-    bare = baseline or getattr(args, "target", "gateway") == "bare"
+    from loadtest.scenarios import CROWD_SCENARIOS
+
+    labels = ["gateway"]
+    if comparing:
+        labels = args.targets or ["gateway", "nchan", *(["bare"] if scenario.name in CROWD_SCENARIOS else [])]
+    elif baseline:
+        labels = ["gateway", "bare"]
+    elif getattr(args, "target", "gateway") == "bare":
+        labels = ["bare"]
+    bare = "bare" in labels
     if bare:
         problem = _bare_problem(args, scenario)
         if problem:
             parser.error(problem)
-    factory = _gateway_factory(args, scenario.capacity, scenario.batch_depth, scenario.linger)
-    if bare and not baseline:
+    if scenario.storm_at is not None and labels != ["gateway"]:
+        parser.error("a reconnect storm (--storm-at) runs against the gateway only: nchan and the bare server have "
+                     "no resume from a seq (single runs, --target gateway)")
+    if scenario.storm_at is not None and args.url:
+        parser.error("a reconnect storm needs a gateway the load tool starts: --url cannot be used")
+    if args.url and any(label.startswith("gateway-w") for label in labels):
+        parser.error("gateway-wN targets are started by the load tool: --url cannot be used")
+    _header(console, scenario, labels, bool(args.url))
+
+    def gateway_at(workers: int, depth: int | str = scenario.batch_depth) -> runner.TargetFactory:
+        return _gateway_factory(args, scenario.capacity, depth, scenario.linger, shipped=scenario.shipped,
+                                clients=scenario.clients, workers=workers)
+
+    factory = gateway_at(scenario.workers)
+    if labels == ["bare"]:
         from loadtest.bare_server import BareServer
 
         batch = args.bare_batch
         factory = lambda workdir: BareServer(workdir, batch)  # noqa: E731
-    options = {"connect_timeout": args.connect_timeout, "wait_quiet": args.wait_quiet}
+    connect_timeout = args.connect_timeout or max(20.0, scenario.clients / 250)
+    options = {"connect_timeout": connect_timeout, "wait_quiet": args.wait_quiet}
     if comparing:
+        from loadtest.bare_server import BareServer
         from loadtest.compare import compare
 
+        others: dict[str, runner.TargetFactory] = {}
+        for label in labels[1:]:
+            if label == "bare":
+                others[label] = lambda workdir: BareServer(workdir, 1)
+            elif label.startswith("gateway-w"):
+                others[label] = gateway_at(int(label[9:]))
         result = compare(scenario, factory, _out(args, f"compare-{scenario.name}"), args.rounds, console,
-                         not args.no_progress, **options)
-        silent = max(r["silent loss"] for r in result["runs"]["gateway"])
+                         not args.no_progress, others=others, with_nchan="nchan" in labels, **options)
+        silent = max(r["silent loss"] for label, figures in result["runs"].items() if label.startswith("gateway")
+                     for r in figures)
     elif baseline:
         from loadtest.compare import compare_baseline
 
@@ -197,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 parser.error(f"--depths: {exc}")
         def factory_at(depth: int | str) -> runner.TargetFactory:
-            return _gateway_factory(args, scenario.capacity, depth, scenario.linger)
+            return gateway_at(scenario.workers, depth)
 
         result = compare_depths(scenario, args.depths, factory_at,
                                 _out(args, f"depths-{scenario.name}"), args.rounds, console, not args.no_progress,
@@ -208,7 +302,27 @@ def main(argv: list[str] | None = None) -> int:
                              **options)
         parts = [summary[k] for k in runner.PAIRS if k in summary] or [summary]
         silent = max(p["loss"]["silent"] for p in parts)
+        storm = summary.get("storm")
+        if storm:
+            _print_storm(console, storm)
+            if not storm["ok"]:
+                silent = max(silent, 1)
     return EXIT_SILENT_LOSS if silent else 0
+
+
+def _print_storm(console: Any, storm: dict[str, Any]) -> None:
+    accepts = storm["accept_per_s"]
+    offered = "all at once" if accepts["offered"] is None else accepts["offered"]
+    verdict = "[green]every client recovered, no gap, no duplicate" if storm["ok"] else "[bold red]FAILED"
+    console.print(f"reconnect storm: {storm['back']:,}/{storm['clients']:,} clients back (spread {storm['spread_s']:g} s); "
+                  f"last caught up {storm['last_caught_up_s']} s after the storm (last subscribed again "
+                  f"{storm['last_back_s']} s); accepts/s offered {offered}, mean {accepts['mean']}, "
+                  f"peak over 1 s {accepts['peak_1s']:,}; reconnect p50/p99/max {storm['reconnect_ms']['p50']} / "
+                  f"{storm['reconnect_ms']['p99']} / {storm['reconnect_ms']['max']} ms; "
+                  f"{storm['failed_attempts']} failed attempts; replayed {storm['replayed']:,}; gaps {storm['gaps']}, "
+                  f"duplicates {storm['duplicates']}, since mismatches {storm['since_mismatch']}: {verdict}")
+    if storm["first_errors"]:
+        console.print(f"[yellow]storm connect errors: {storm['first_errors']}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ class RunData:
     clients: dict[int, dict[str, Any]]
     published: dict[str, Any]
     workers: list[dict[str, Any]]
+    #: (client, topic, since seq, subscribed seq, receive ns) per answered resubscribe (a reconnect storm)
+    resumes: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
 def merge(dumps: list[dict[str, Any]], plan: Plan, published: dict[str, Any]) -> RunData:
@@ -49,7 +51,8 @@ def merge(dumps: list[dict[str, Any]], plan: Plan, published: dict[str, Any]) ->
     for d in dumps:
         starts.update(d["starts"])
         clients.update(d["clients"])
-    return RunData(log, notices, starts, clients, published, dumps)
+    resumes = tuple(r for d in dumps for r in d.get("resumes", ()))
+    return RunData(log, notices, starts, clients, published, dumps, resumes)
 
 
 def _role_codes(plan: Plan, role: str) -> np.ndarray:
@@ -148,6 +151,8 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
             delivery_stats.latencies(log.select(np.isin(log.client, stalled_codes)))))
         if stalled_codes.size else {},
         "skew_ms": delivery_stats.ms(delivery_stats.percentiles(skew)),
+        # per publish: until the last of its subscribers (light clients) had it
+        "time_to_last_ms": delivery_stats.ms(delivery_stats.percentiles(delivery_stats.time_to_last(light_log))),
         "loss": dataclasses.asdict(loss),
         "loss_by_role": loss_by_role,
         "fairness": {"jain_rate": round(delivery_stats.jain(counts), 4),
@@ -160,11 +165,73 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
         "client_errors": _sum_counters(w["errors"] for w in data.workers),
         "client_error_samples": [s for w in data.workers for s in w["error_samples"]][:10],
     }
+    if scenario.storm_at is not None:
+        summary["storm"] = storm_figures(data, scenario, loss)
     if "dominator" in {c.role for c in plan.clients}:
         dom = _role_codes(plan, "dominator")
         summary["latency_ms_dominator"] = delivery_stats.ms(delivery_stats.percentiles(
             delivery_stats.latencies(log.select(np.isin(log.client, dom)))))
     return summary
+
+
+def storm_figures(data: RunData, scenario: Scenario, loss: delivery_stats.LossFigures) -> dict[str, Any]:
+    """A reconnect storm's figures from the clients' storm states and the delivery log.
+
+    A client is *back* when every topic is subscribed again (its resubscribes' ``subscribed`` entries came),
+    and *caught up* once it also received the last of the messages published before its resubscribe left
+    (the replay from ``since``). ``ok`` holds when every stormed client came back, every resubscribe was
+    answered at the seq it named, and the whole run has no gap (silent, announced, epoch reset or
+    undelivered) and no duplicate.
+    """
+    stormed = {c: st["storm"] for c, st in data.clients.items() if st.get("storm")}
+    if not stormed:
+        return {"clients": 0, "back": 0, "not_back": 0, "ok": False, "error": "no client was stormed"}
+    n = max(max(stormed) + 1, len(data.clients))
+    storm_ns = min(st["storm_ns"] for st in stormed.values())
+    back = {c: st for c, st in stormed.items() if st["back_ns"]}
+    open_ns, resub_ns = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for c, st in back.items():
+        open_ns[c], resub_ns[c] = st["open_ns"], st["resub_ns"]
+    log = data.log
+    client = log.client.astype(np.int64)
+    replay = (open_ns[client] > 0) & (log.deliver_ns >= open_ns[client]) & (log.publish_ns >= 0) & (
+        log.publish_ns < resub_ns[client])
+    caught = np.zeros(n, np.int64)
+    np.maximum.at(caught, client[replay], log.deliver_ns[replay])
+    for c, st in back.items():
+        caught[c] = max(int(caught[c]), st["back_ns"])
+    back_codes = np.array(sorted(back), np.int64)
+    opens = np.array([st["open_ns"] for st in back.values()], np.int64)
+    first_try = min(st["retry_ns"] for st in stormed.values() if st["retry_ns"]) if any(
+        st["retry_ns"] for st in stormed.values()) else storm_ns
+    accept_s = (int(opens.max()) - first_try) / 1e9 if opens.size else 0.0
+    attempts = sum(st["attempts"] for st in stormed.values())
+    mismatched = sum(1 for _c, _t, since, seq, _ns in data.resumes if seq != since)
+    gaps = loss.silent + loss.announced + loss.epoch_resets + loss.undelivered
+    reconnect = np.array([st["back_ns"] - st["retry_ns"] for st in back.values()], np.int64)
+    out: dict[str, Any] = {
+        "clients": len(stormed), "back": len(back), "not_back": len(stormed) - len(back),
+        "spread_s": scenario.storm_spread,
+        # the headline: from the storm until the last client was back and had its replay
+        "last_caught_up_s": round((int(caught[back_codes].max()) - storm_ns) / 1e9, 3) if back else None,
+        "last_back_s": round((max(st["back_ns"] for st in back.values()) - storm_ns) / 1e9, 3) if back else None,
+        "caught_up_s": {k: (v if k == "n" else round(v / 1e9, 3)) for k, v in
+                        delivery_stats.percentiles(caught[back_codes] - storm_ns).items()} if back else {},
+        # one client's comeback, from its first attempt until every topic was subscribed again
+        "reconnect_ms": delivery_stats.ms(delivery_stats.percentiles(reconnect)),
+        "accept_per_s": {
+            "offered": round(len(stormed) / scenario.storm_spread, 1) if scenario.storm_spread else None,
+            "mean": round(opens.size / accept_s, 1) if accept_s > 0 else None,
+            "peak_1s": delivery_stats.window_peak(opens, 1_000_000_000),
+        },
+        "attempts": attempts, "failed_attempts": attempts - len(back),
+        "first_errors": sorted({st["error"] for st in stormed.values() if st["error"]})[:5],
+        "resubscribes": len(data.resumes), "since_mismatch": mismatched,
+        "replayed": int(np.count_nonzero(replay)),
+        "gaps": gaps, "duplicates": loss.duplicates,
+    }
+    out["ok"] = bool(out["not_back"] == 0 and mismatched == 0 and gaps == 0 and loss.duplicates == 0)
+    return out
 
 
 def _expected_end(starts: dict[tuple[int, int], int], accepted: dict[int, int], target: str) -> dict[int, int]:
@@ -226,6 +293,9 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "latency p90 ms": summary["latency_ms"]["p90"],
         "latency p99 ms": summary["latency_ms"]["p99"],
         "latency max ms": summary["latency_ms"]["max"],
+        # one publish until the last of its subscribers had it: median and worst over the publishes
+        "time to last p50 ms": summary.get("time_to_last_ms", {}).get("p50", 0.0),
+        "time to last max ms": summary.get("time_to_last_ms", {}).get("max", 0.0),
         "skew p50 ms": summary["skew_ms"]["p50"],
         "skew p99 ms": summary["skew_ms"]["p99"],
         "announced loss": summary["loss"]["announced"],
@@ -236,6 +306,8 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "entries/batch mean": summary["batch_entries"]["mean"],
         "server cpu %": cpu.get("server", {}).get("cpu_pct", 0.0),
         "server rss MB": cpu.get("server", {}).get("rss_max_mb", 0.0),
+        "server rss KB/conn": cpu.get("server", {}).get("rss_per_conn_kb", 0.0),
+        "server rss KB/conn (run max)": cpu.get("server", {}).get("rss_per_conn_run_kb", 0.0),
         "loadgen cpu %": cpu.get("loadgen", {}).get("cpu_pct", 0.0),
         "loadgen busiest proc %": cpu.get("loadgen", {}).get("busiest_pct", 0.0),
         "publisher cpu %": cpu.get("loadgen", {}).get("by_role_pct", {}).get("publisher", 0.0),
@@ -252,6 +324,16 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
     sent = summary.get("server_segments") or 0
     out["server segments/delivery"] = round(sent / delivered, 3) if delivered else 0.0
     out["server cpu us/segment"] = round(1e6 * cpu.get("server", {}).get("cpu_s", 0.0) / sent, 3) if sent else 0.0
+    if "broker" in cpu:  # server.workers > 1: Redis, beside (not in) the server's figures
+        out["broker cpu us/delivery"] = round(1e6 * cpu["broker"].get("cpu_s", 0.0) / delivered, 3) if delivered else 0.0
+    storm = summary.get("storm")
+    if storm:
+        out["storm last caught up s"] = storm["last_caught_up_s"] or 0.0
+        out["storm not back"] = storm["not_back"]
+        out["storm accepts/s mean"] = storm["accept_per_s"]["mean"] or 0.0
+        out["storm accepts/s peak 1s"] = storm["accept_per_s"]["peak_1s"]
+        out["storm gaps"] = storm["gaps"]
+        out["storm duplicates"] = storm["duplicates"]
     for name, stats in summary.get("topic_classes_ms", {}).items():
         if len(summary["topic_classes_ms"]) > 1:
             out[f"{name} topics p99 ms"] = stats["p99"]

@@ -1,7 +1,8 @@
-"""``python -m loadtest compare SCENARIO``: the same scenario against the gateway and nginx + nchan.
+"""``python -m loadtest compare SCENARIO``: the same scenario against the gateway and nginx + nchan (and,
+with ``--targets``, the bare reference server or the gateway with more workers).
 
-Runs alternate (gateway, nchan, gateway, nchan, ...) so that drift of the machine hits both alike; each
-figure is the median over the rounds, printed for both with the ratio gateway / nchan.
+Runs alternate (gateway, nchan, gateway, nchan, ...) so that drift of the machine hits all alike; each
+figure is the median over the rounds, printed for every target with each one's ratio to nchan.
 
 ``python -m loadtest depths SCENARIO --depths 1,8,auto``: the same scenario against the gateway at several
 ring batch depths (``batch_depth``), alternating in the same way (1, 8, auto, 1, 8, auto, ...).
@@ -27,29 +28,44 @@ from loadtest.scenarios import Scenario
 
 
 def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds: int = 1,
-            console: Console | None = None, progress: bool = True, **options: Any) -> dict[str, Any]:
+            console: Console | None = None, progress: bool = True,
+            others: dict[str, runner.TargetFactory] | None = None, with_nchan: bool = True,
+            **options: Any) -> dict[str, Any]:
+    """Run ``scenario`` against the gateway, nginx + nchan (unless not ``with_nchan``) and ``others`` (label ->
+    factory: the bare server, the gateway with more workers), alternating, and print each figure's median per
+    target with the ratio of every other target to nchan (to the gateway without nchan)."""
     console = console or Console()
-    nchan.ensure_installed(console)
+    if with_nchan:
+        nchan.ensure_installed(console)
     if scenario.batch_depth != 1 or scenario.linger:
         console.print(f"gateway: batch_depth {scenario.batch_depth}, linger {scenario.linger} s; nchan has no "
                       "equivalent (one message per WebSocket frame, sent at once)")
-    factories = {"gateway": gateway,
-                 "nchan": lambda workdir: nchan.NchanServer(workdir, scenario.capacity)}
-    runs: dict[str, list[dict[str, float]]] = {"gateway": [], "nchan": []}
+    factories: dict[str, runner.TargetFactory] = {"gateway": gateway}
+    if with_nchan:
+        factories["nchan"] = lambda workdir: nchan.NchanServer(workdir, scenario.capacity)
+    factories.update(others or {})
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in factories}
     for r in range(rounds):
         for label, factory in factories.items():
             console.rule(f"round {r + 1}/{rounds}: {label}")
             summary = runner.run(scenario, factory, out / f"{label}-{r + 1}", console, progress, **options)
             runs[label].append(analysis.figures(summary))
     medians = _medians(runs, console)
+    base = "nchan" if with_nchan else "gateway"
+    columns: dict[str, dict[str, float | None]] = dict(medians)  # type: ignore[arg-type]
+    for label in medians:
+        if label != base:
+            columns[f"{label}/{base}"] = ratios(medians[label], medians[base])
     depth = f", gateway batch depth {scenario.batch_depth}" if scenario.batch_depth != 1 else ""
     depth += f", linger {scenario.linger} s" if scenario.linger else ""
-    report.print_comparison(console, medians, f"{scenario.name}: gateway vs nginx + nchan "
-                                              f"(median of {rounds} round{'s' * (rounds > 1)}{depth})")
+    report.print_comparison(console, columns, f"{scenario.name}: {' vs '.join(factories)} "
+                                              f"(median of {rounds} round{'s' * (rounds > 1)}{depth})",
+                            ratio_columns=len(columns) - len(medians))
     report.write_overlay(out / "compare_latency_cdf.png",
                          {label: out / f"{label}-1" / "deliveries.parquet" for label in factories})
     result = {"scenario": scenario.name, "rounds": rounds, "batch_depth": scenario.batch_depth,
-              "settings": dataclasses.asdict(scenario), "median": medians, "runs": runs}
+              "settings": dataclasses.asdict(scenario), "targets": list(factories), "median": medians,
+              "ratios": {label: columns[label] for label in columns if label not in medians}, "runs": runs}
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
     return result
@@ -125,6 +141,11 @@ def compare_baseline(scenario: Scenario, gateway: runner.TargetFactory, batches:
     (out / "baseline.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
     return result
+
+
+def ratios(values: dict[str, float], base: dict[str, float]) -> dict[str, float | None]:
+    """Each figure of ``values`` divided by the same figure of ``base`` (None where that one is 0 or missing)."""
+    return {name: (round(value / base[name], 3) if base.get(name) else None) for name, value in values.items()}
 
 
 #: A load process this busy (% of one core) is reading as fast as it can: what it measures is partly itself.

@@ -119,6 +119,28 @@ def skews(log: DeliveryLog) -> np.ndarray:
     return spread[counts >= 2]
 
 
+def time_to_last(log: DeliveryLog) -> np.ndarray:
+    """Per message (topic, seq) that carried a publish timestamp: its latest delivery over the clients that
+    got it minus its publish time (ns), i.e. how long one publish took to reach the last of its subscribers.
+    A client that never got it does not count (that is loss, counted apart)."""
+    ok = log.publish_ns >= 0
+    if not ok.any():
+        return np.zeros(0, np.int64)
+    topic, seq, t, pub = log.topic[ok], log.seq[ok], log.deliver_ns[ok], log.publish_ns[ok]
+    order = np.lexsort((seq, topic))
+    topic, seq, t, pub = topic[order], seq[order], t[order], pub[order]
+    starts = np.flatnonzero(np.r_[True, (topic[1:] != topic[:-1]) | (seq[1:] != seq[:-1])])
+    return np.maximum.reduceat(t, starts) - pub[starts]
+
+
+def window_peak(times_ns: np.ndarray, window_ns: int) -> int:
+    """The most of ``times_ns`` (any order) inside any window of ``window_ns`` (a peak rate over that window)."""
+    if times_ns.size == 0:
+        return 0
+    t = np.sort(times_ns)
+    return int((np.searchsorted(t, t + window_ns, side="left") - np.arange(t.size)).max())
+
+
 def jain(values: np.ndarray) -> float:
     """Jain's fairness index (sum x)^2 / (n * sum x^2): 1 when all equal, 1/n when one takes all."""
     x = np.asarray(values, dtype=np.float64)

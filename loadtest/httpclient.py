@@ -170,8 +170,10 @@ class HttpConnection(asyncio.Protocol):
             self.transport.close()
 
 
-async def open_connection(host: str, port: int, timeout: float = 10.0) -> HttpConnection:
+async def open_connection(host: str, port: int, timeout: float = 10.0, source: str | None = None) -> HttpConnection:
+    """A keep-alive connection; ``source``: the local address to connect from (any port)."""
     loop = asyncio.get_running_loop()
     _transport, conn = await asyncio.wait_for(
-        loop.create_connection(lambda: HttpConnection(host, port), host, port), timeout)
+        loop.create_connection(lambda: HttpConnection(host, port), host, port,
+                               local_addr=(source, 0) if source else None), timeout)
     return conn

@@ -47,8 +47,9 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def tree(root: int, exclude: int | None = None) -> list[int]:
-    """``root`` and all its live descendants, less the subtree of ``exclude``."""
+def tree(root: int, exclude: int | tuple[int, ...] | None = None) -> list[int]:
+    """``root`` and all its live descendants, less the subtree of ``exclude`` (a pid or several)."""
+    skip = set(exclude) if isinstance(exclude, tuple) else {exclude}
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -59,7 +60,7 @@ def tree(root: int, exclude: int | None = None) -> list[int]:
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
-        if pid == exclude:
+        if pid in skip:
             continue
         out.append(pid)
         todo.extend(children.get(pid, ()))
@@ -74,8 +75,8 @@ class TreeSampler:
     """
 
     root: int
-    #: a subtree not to count (the server, when it is our child)
-    exclude: int | None = None
+    #: subtrees not to count (the server and its broker, when they are our children)
+    exclude: int | tuple[int, ...] | None = None
     cpu_by_pid: dict[int, float] = field(default_factory=dict)
     samples: list[tuple[float, float, int]] = field(default_factory=list)  # (wall, cpu s, rss bytes)
     #: per sample: CPU seconds of each pid seen so far
@@ -120,6 +121,12 @@ class TreeSampler:
                 "rss_max_mb": round(max(self.samples[i][2] for i in inside) / 2**20, 1),
                 # one process near 100% is a bottleneck whatever the total says
                 "busiest_pct": round(100 * busiest / wall, 1)}
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes of ``root`` and its live descendants (a gateway's supervisor and workers; nginx's
+    master and worker)."""
+    return sum(stat[2] for pid in tree(root) if (stat := read_stat(pid)) is not None)
 
 
 def machine_cpu() -> float:

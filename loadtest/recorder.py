@@ -65,6 +65,13 @@ class Recorder:
         self.losses: list[tuple[int, int, int, int, str, int]] = []
         #: (client, topic) -> first seq the stream promises
         self.starts: dict[tuple[int, int], int] = {}
+        #: (client, topic) -> the epoch of its first ``subscribed`` entry (a reconnect's ``since`` names it)
+        self.epochs: dict[tuple[int, int], str] = {}
+        #: (client, topic) -> the ``since`` seq of a resubscribe whose ``subscribed`` entry is awaited: that
+        #: entry does not move the stream's start (a gap across the reconnect must show as a gap)
+        self.resuming: dict[tuple[int, int], int] = {}
+        #: (client, topic, since seq, subscribed seq, receive ns) per answered resubscribe
+        self.resumes: list[tuple[int, int, int, int, int]] = []
         self.errors: Counter[str] = Counter()
         self.error_samples: list[Any] = []
         self.frames = 0
@@ -130,7 +137,16 @@ class Recorder:
                 t = topic_index.get(e.get("topic"))
                 if t is not None:
                     subscribed += 1
-                    self._starts_at(client, t, e.get("seq", 0))
+                    key = (client, t)
+                    since = self.resuming.pop(key, None)
+                    seq = e.get("seq", 0)
+                    if since is not None:
+                        self.resumes.append((client, t, since, seq if type(seq) is int else -1, now))
+                        continue
+                    self._starts_at(client, t, seq)
+                    epoch = e.get("epoch")
+                    if isinstance(epoch, str):
+                        self.epochs.setdefault(key, epoch)
             elif kind == "error":
                 self._error(str(e.get("code")), e)
             elif kind not in ("reply", "unsubscribed", "closed"):
@@ -216,6 +232,30 @@ class Recorder:
         self.deliver_ns.append(now)
         self.batch_id.append(batch_id)
 
+    def next_seqs(self, clients: set[int]) -> dict[tuple[int, int], int]:
+        """(client, topic) -> the next seq each stream of ``clients`` needs: one past the last seq received
+        (in arrival order), or the stream's promised start when nothing came yet (a reconnect's ``since``)."""
+        import numpy as np  # the storm's one call: workers start without numpy
+
+        out = {key: seq for key, seq in self.starts.items() if key[0] in clients}
+        for c, t, _start, end, _reason, _ns in self.losses:  # a loss notice moves the stream past its range
+            if c in clients and end >= 0:
+                out[(c, t)] = max(out.get((c, t), 0), end)
+        if not self.seq:
+            return out
+        client = np.frombuffer(self.client, np.int32)
+        topic = np.frombuffer(self.topic, np.int32)
+        seq = np.frombuffer(self.seq, np.int64)
+        ours = np.flatnonzero(np.isin(client, np.fromiter(clients, np.int32, len(clients))))
+        key = client[ours].astype(np.int64) * (int(topic.max()) + 1) + topic[ours]
+        # the last row of each stream: unique over the reversed keys finds each key's last occurrence
+        _, last_rev = np.unique(key[::-1], return_index=True)
+        last = ours[ours.size - 1 - last_rev]
+        for row in last.tolist():
+            stream = (int(client[row]), int(topic[row]))
+            out[stream] = max(out.get(stream, 0), int(seq[row]) + 1)
+        return out
+
     def _starts_at(self, client: int, topic: int, seq: int) -> None:
         """The client's stream of the topic starts at ``seq`` or later (a priming message, a subscribe ack)."""
         key = (client, topic)
@@ -232,7 +272,7 @@ class Recorder:
         state = {
             "arrays": {name: getattr(self, name).tobytes()
                        for name in ("topic", "client", "seq", "publish_ns", "deliver_ns", "batch_id")},
-            "losses": self.losses, "starts": self.starts, "errors": dict(self.errors),
+            "losses": self.losses, "starts": self.starts, "resumes": self.resumes, "errors": dict(self.errors),
             "error_samples": [repr(s)[:300] for s in self.error_samples],
             "frames": self.frames, "foreign": self.foreign, "dropped_rows": self.dropped_rows,
             "clients": clients, "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss,

@@ -178,22 +178,27 @@ def print_summary(console: Console, summary: dict[str, Any], title: str) -> None
         console.print(f"[yellow]client errors: {summary['client_errors']}")
 
 
-def print_comparison(console: Console, columns: dict[str, dict[str, float]], title: str,
-                     ratio: tuple[str, str] | None = None) -> None:
-    """Figures side by side; with exactly two columns, also their ratio (``ratio`` = (numerator,
-    denominator) labels, default first / second)."""
+def print_comparison(console: Console, columns: dict[str, dict[str, float]] | dict[str, dict[str, float | None]],
+                     title: str, ratio: tuple[str, str] | None = None, ratio_columns: int = 0) -> None:
+    """Figures side by side (every figure any column has, in first-seen order); with exactly two columns,
+    also their ratio (``ratio`` = (numerator, denominator) labels, default first / second). The last
+    ``ratio_columns`` columns are ratios already (printed to two decimals, "-" where undefined)."""
     labels = list(columns)
     table = Table(title=title)
     table.add_column("figure")
     for label in labels:
         table.add_column(label, justify="right")
     num, den = ratio or (labels[0], labels[-1])
-    if len(labels) == 2:
+    pair = len(labels) == 2 and not ratio_columns
+    if pair:
         table.add_column(f"{num}/{den}", justify="right")
-    for name in columns[labels[0]]:
+    names = list(dict.fromkeys(name for label in labels for name in columns[label]))
+    first_ratio = len(labels) - ratio_columns
+    for name in names:
         values = [columns[label].get(name) for label in labels]
-        row = [name, *(_fmt(v) if v is not None else "-" for v in values)]
-        if len(labels) == 2:
+        row = [name, *(("-" if v is None else (f"{v:.2f}" if i >= first_ratio else _fmt(v)))
+                       for i, v in enumerate(values))]
+        if pair:
             a, b = columns[num].get(name), columns[den].get(name)
             row.append(f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-")
         table.add_row(*row)

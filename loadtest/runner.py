@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from loadtest import analysis, deliverylog, publisher, recorder, report, segments, worker
-from loadtest.procstat import MachineSampler, TreeSampler, peak_rss, raise_nofile_limit, wait_quiet
+from loadtest.procstat import MachineSampler, TreeSampler, peak_rss, raise_nofile_limit, tree_rss, wait_quiet
 from loadtest.scenarios import Plan, Scenario, plan
 from loadtest.target import Target
 
@@ -129,11 +129,13 @@ class LoadRun:
         for slot, part in enumerate(_split(indexed, procs)):
             spec = worker.WorkerSpec(slot, target, p.topics, part, len(p.clients), stall_at, stall_for,
                                      str(self.out / f"worker{slot}.pickle"), self.connect_timeout, self.max_rows,
-                                     period)
+                                     period, s.source_addrs, s.storm_at, s.storm_spread, s.seed)
             workers.append(self._start(worker.main, spec, counters, name=f"loadtest-clients{slot}"))
         _, error = _recv(pub, PRIME_TIMEOUT, "publisher")
         if error:
             raise RuntimeError(f"publisher could not start: {error}")
+        # the server's memory before the clients and with them connected and subscribed: RSS per connection
+        rss_before = tree_rss(target.pid) if target.pid else 0
         for conn in workers:
             conn.send(("connect",))
         ready = failed = 0
@@ -147,8 +149,10 @@ class LoadRun:
         if failed:
             self.console.print(f"[yellow]{failed} of {ready + failed} clients not subscribed: {first_error}")
 
+        rss_connected = tree_rss(target.pid) if target.pid else 0
         server = TreeSampler(target.pid) if target.pid else None
-        loadgen = TreeSampler(os.getpid(), exclude=target.pid)
+        broker = TreeSampler(target.broker_pid) if target.broker_pid else None
+        loadgen = TreeSampler(os.getpid(), exclude=tuple(pid for pid in (target.pid, target.broker_pid) if pid))
         machine = MachineSampler()
         segments_before = segments.read(target.http_port)
         go_ns = time.time_ns() + int(GO_DELAY * 1e9)
@@ -159,6 +163,8 @@ class LoadRun:
         def sample() -> None:
             if server is not None:
                 server.sample()
+            if broker is not None:
+                broker.sample()
             loadgen.sample()
             machine.sample()
 
@@ -226,6 +232,15 @@ class LoadRun:
         data = analysis.merge(dumps, p, published)
         summary = analysis.summarize(data, s, p, target.kind, go_ns, stall_for > 0)
         summary["cpu"] = self._cpu(server, loadgen, machine, t_go, t_end, dumps, published)
+        if broker is not None:
+            summary["cpu"]["broker"] = broker.window(t_go, t_end)
+        if "server" in summary["cpu"] and ready:
+            run_max = max((rss for _t, _c, rss in server.samples), default=0) if server is not None else 0
+            summary["cpu"]["server"].update(
+                rss_before_mb=round(rss_before / 2**20, 1), rss_connected_mb=round(rss_connected / 2**20, 1),
+                # KB of server memory per client connected and subscribed; and at the run's largest
+                rss_per_conn_kb=round((rss_connected - rss_before) / 1024 / ready, 2),
+                rss_per_conn_run_kb=round((max(run_max, rss_connected) - rss_before) / 1024 / ready, 2))
         # TCP data segments the server sent to its WebSocket clients (None: `ss` unavailable)
         summary["server_segments"] = segments.sent_between(segments_before, segments_after)
         summary["timing"] = {"go_ns": go_ns, "publish_s": round(

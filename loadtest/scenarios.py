@@ -25,6 +25,20 @@ AUTO = "auto"
 #: is 57 bytes (a hot topic's name is one byte longer, a low message number a few digits shorter)
 PAYLOAD_100 = 43
 
+#: scenarios whose ``compare`` runs the bare server too by default
+CROWD_SCENARIOS = ("crowd", "rooms")
+#: ``--source-addrs`` at most: 127.0.X.Y with X and Y in 1..254
+MAX_SOURCE_ADDRS = 254 * 254
+#: the ring capacity of the shipped catch-all topic rule (config/default.toml, pattern "*")
+SHIPPED_CAPACITY = 64
+
+
+def source_addr(k: int) -> str:
+    """The k-th client source address (k from 0): 127.0.1.1, 127.0.1.2, ... 127.0.1.254, 127.0.2.1, ...
+    (all of 127.0.0.0/8 is the loopback interface's on Linux: nothing to configure)."""
+    return f"127.0.{1 + k // 254}.{1 + k % 254}"
+
+
 #: In ``max`` mode the topic mix keeps the proportions the fixed rates would have, with the base rate
 #: counted as this many messages per second.
 NOMINAL_MAX_RATE = 1000.0
@@ -86,6 +100,20 @@ class Scenario:
     #: announced lost, by the clients that read), on average; 0 publishes open loop, as fast as the target
     #: accepts the bytes (the gateway's ingest then takes far more than it can fan out)
     window: int = 0
+    #: client i connects from loopback address ``source_addr(i % source_addrs)`` (127.0.1.1, 127.0.1.2, ...):
+    #: so many clients per address that the gateway's shipped ``server.max_connections_per_ip`` holds; 0: the
+    #: kernel's choice (127.0.0.1 for every client)
+    source_addrs: int = 0
+    #: the gateway runs its shipped config (config/default.toml) with only what a run needs overridden
+    #: (loopback ports 0, the admin token, ``server.max_connections`` when the clients need more); topic rules
+    #: as shipped, so ``capacity``, ``batch_depth`` and ``linger`` must be their shipped values
+    shipped: bool = False
+    #: gateway processes (``server.workers``); above 1 on a Redis broker the load tool starts
+    workers: int = 1
+    #: reconnect storm: seconds after publishing starts when every WebSocket client drops its connection and
+    #: comes back (resubscribing with ``since``) at a random moment within ``storm_spread`` seconds; None: none
+    storm_at: float | None = None
+    storm_spread: float = 5.0
 
     def resolved_stall(self) -> tuple[float, float]:
         """(stall_at, stall_for) with the defaults applied; stall_for 0 means never resume."""
@@ -123,6 +151,23 @@ class Scenario:
             raise ValueError("coldhot needs hot_topics and 0 < hot_share < 1")
         if self.coldhot and self.dominator_topics:
             raise ValueError("coldhot and dominator runs cannot be combined")
+        if not 0 <= self.source_addrs <= MAX_SOURCE_ADDRS:
+            raise ValueError(f"source_addrs must be in [0, {MAX_SOURCE_ADDRS}]")
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        if self.shipped and (self.capacity != SHIPPED_CAPACITY or self.batch_depth != 1 or self.linger):
+            raise ValueError(f"a shipped gateway's topics follow the shipped '*' rule (capacity {SHIPPED_CAPACITY}, "
+                             "batch_depth 1, no linger): use --no-shipped to set --capacity, --batch-depth or --linger")
+        if self.storm_at is not None:
+            if self.storm_at < 0 or self.storm_spread < 0:
+                raise ValueError("storm_at and storm_spread must be >= 0")
+            if self.storm_at + self.storm_spread >= self.duration:
+                raise ValueError("storm_at + storm_spread must be below the duration: publishing goes on while the "
+                                 "clients come back")
+            if self.transport != "ws":
+                raise ValueError("a reconnect storm needs WebSocket clients: transport ws")
+            if self.stall_frac or self.dominator_topics or self.coldhot:
+                raise ValueError("a reconnect storm cannot be combined with stalls, a dominator or coldhot")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +220,8 @@ def plan(s: Scenario) -> Plan:
         if s.hot_topics:
             cold = rng.sample(range(s.hot_topics, s.topics), s.subs - 1)
             subs = (i % s.hot_topics, *sorted(cold))
+        elif s.subs == 1:  # one topic each: dealt in turn, so the topics (rooms) are of equal size
+            subs = (i % s.topics,)
         else:
             subs = tuple(sorted(rng.sample(range(s.topics), s.subs)))
         if s.transport == "mixed":
@@ -217,6 +264,14 @@ SCENARIOS: dict[str, Scenario] = {
                  clients=1000, topics=100, subs=4, rate=None, window=32, payload=PAYLOAD_100, duration=5, drain=3),
         Scenario("steady200", "1000 clients on one topic at a fixed 200 msgs/s (200k deliveries/s offered)",
                  clients=1000, topics=1, subs=1, rate=200, payload=PAYLOAD_100, duration=5, drain=3),
+        # the crowd targets (docs/benchmarks.md): the gateway as shipped, clients over 250 source addresses
+        # (40 each, the shipped per-address limit is 256), 100-byte messages, 50,000 deliveries/s in both
+        Scenario("crowd", "10,000 clients on one topic at 5 msgs/s, the gateway as shipped", clients=10_000,
+                 topics=1, subs=1, rate=5, payload=PAYLOAD_100, duration=20, procs=2, source_addrs=250,
+                 shipped=True, drain=5),
+        Scenario("rooms", "10,000 clients over 1,000 topics (rooms of 10), 5 msgs/s per topic, the gateway as "
+                 "shipped", clients=10_000, topics=1000, subs=1, rate=5000, payload=PAYLOAD_100, duration=20,
+                 procs=2, source_addrs=250, shipped=True, drain=5),
         Scenario("coldhot", "cold topics' latency alone (hot topic silent) and beside a hot topic (run twice)",
                  clients=500, topics=11, subs=2, rate=100, hot_topics=1, hot_share=0.5, coldhot=True,
                  payload=PAYLOAD_100, duration=8, drain=3),
@@ -254,6 +309,14 @@ _FLAGS: dict[str, tuple[str, _Parse | str, str]] = {
                       "(gateway topic rule batch_depth; nchan has no equivalent)"),
     "--linger": ("linger", float, "seconds the gateway's topics hold caught-up subscribers back after a publish "
                  "(gateway topic rule linger; nchan has no equivalent)"),
+    "--source-addrs": ("source_addrs", int, "client i connects from loopback address number i %% K (127.0.1.1, "
+                       "127.0.1.2, ...); 0: all from 127.0.0.1"),
+    "--workers": ("workers", int, "gateway processes (server.workers); above 1 on a Redis broker the load tool "
+                  "starts"),
+    "--storm-at": ("storm_at", float, "reconnect storm: seconds after publishing starts when every client drops "
+                   "its connection and comes back with since (gateway only)"),
+    "--storm-spread": ("storm_spread", float, "reconnect storm: clients come back at random moments within this "
+                       "many seconds (default 5)"),
 }
 
 
@@ -285,12 +348,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (_field, kind, help_text) in _FLAGS.items():
         parser.add_argument(flag, type=_PARSERS[kind] if isinstance(kind, str) else kind, default=argparse.SUPPRESS,
                             help=help_text)
+    parser.add_argument("--shipped", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                        help="the gateway runs its shipped config, only ports, admin token and (when the clients "
+                             "need more) server.max_connections overridden (default: on for crowd and rooms)")
 
 
 def from_args(args: argparse.Namespace) -> Scenario:
     """The named scenario with the flags given on the command line applied, validated."""
     scenario = SCENARIOS[args.scenario]
     changes = {field: getattr(args, field) for (field, _k, _h) in _FLAGS.values() if hasattr(args, field)}
+    if hasattr(args, "shipped"):
+        changes["shipped"] = args.shipped
     scenario = dataclasses.replace(scenario, **changes)
     scenario.validate()
     return scenario

@@ -4,7 +4,7 @@ On loopback the process whose call sends a segment pays for both ends of it (the
 softirq, the reader's wake-up), so segments per delivery explain much of a server's CPU per delivery: a
 server that puts several messages in a segment pays that cost once. A segment Nagle's algorithm held back
 leaves when an ACK arrives, and on loopback that is in the reader's call: charged to the load, not to the
-server (docs/benchmarks.md, "Segments per delivery").
+server (docs/benchmarks.md, "Where a delivery's CPU goes").
 """
 
 from __future__ import annotations

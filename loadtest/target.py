@@ -18,6 +18,8 @@ class Target:
     admin_token: str | None = None
     #: root of the server's process tree, for its CPU and RSS (None: unknown, not measured)
     pid: int | None = None
+    #: the gateway's Redis broker (``server.workers`` > 1), measured beside the server (None: none)
+    broker_pid: int | None = None
 
     def ws_path(self, topics: list[str]) -> str:
         """Request path of a WebSocket subscriber to ``topics``."""

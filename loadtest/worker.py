@@ -9,11 +9,17 @@ Conversation with the runner (tuples over a ``multiprocessing`` pipe)::
     worker -> ("done", path)                               the pickled recorder state (see recorder.dump)
 
 Live totals go to a shared int64 array at ``COUNTERS`` offsets, for the progress bar and the drain test.
+
+A reconnect storm (``storm_at``): at that many seconds after the go time every WebSocket client drops its
+connection (an abort: what the server sees when a network path dies) and comes back at a random moment within
+``storm_spread`` seconds, resubscribing each topic with ``since`` = its epoch and the next seq it needs; its
+state (``Subscriber.state``) says when it tried, when it was open, when every topic was subscribed again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -25,7 +31,7 @@ from loadtest.aio import run_loop
 from loadtest.httpclient import HttpConnection, open_connection
 from loadtest.procstat import raise_nofile_limit
 from loadtest.recorder import DEFAULT_MAX_ROWS, Recorder
-from loadtest.scenarios import ClientPlan
+from loadtest.scenarios import ClientPlan, source_addr
 from loadtest.target import Target
 from loadtest.wsclient import WsClient, connect
 
@@ -37,6 +43,9 @@ CONNECT_ATTEMPTS = 3
 COUNTER_PERIOD = 0.1
 #: ... when the publisher paces itself on the delivery counts (closed-loop max rate)
 FAST_COUNTER_PERIOD = 0.002
+#: a storm's reconnect that fails waits this long times its attempt number (at most STORM_BACKOFF_MAX), jittered
+STORM_BACKOFF = 0.2
+STORM_BACKOFF_MAX = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,12 @@ class WorkerSpec:
     max_rows: int = DEFAULT_MAX_ROWS
     #: seconds between refreshes of the shared counters (short when the publisher paces on them)
     counter_period: float = COUNTER_PERIOD
+    #: client i connects from loopback address ``source_addr(i % source_addrs)``; 0: the kernel's choice
+    source_addrs: int = 0
+    #: reconnect storm: seconds after the go time (None: no storm), and the spread of the comebacks
+    storm_at: float | None = None
+    storm_spread: float = 5.0
+    seed: int = 1
 
 
 class Subscriber:
@@ -72,11 +87,21 @@ class Subscriber:
         self.closed_ns = 0
         self.closed_reason = ""
         self.error = ""
+        k = worker.spec.source_addrs
+        #: the local address this client connects from (None: the kernel's choice)
+        self.source = source_addr(index % k) if k else None
+        #: reconnect storm (time.time_ns() values, 0 until they happen): the storm, this client's first
+        #: reconnect attempt, its open connection, its resubscribe sent, every topic subscribed again
+        self.storm_ns = self.retry_ns = self.open_ns = self.resub_ns = self.back_ns = 0
+        self.attempts = 0
+        self.storm_error = ""
 
     def _got(self, entries: Any, batch_id: int, now: int) -> None:
         self.subscribed += self.recorder.entries(self.index, entries, batch_id, now)
         if self.subscribed >= len(self.plan.topics) and not self.ready.done():
             self.ready.set_result(None)
+        if self.resub_ns and not self.back_ns and self.subscribed >= 2 * len(self.plan.topics):
+            self.back_ns = now
 
     def _mark_closed(self, reason: str) -> None:
         if not self.closed_ns and not self.worker.stopping:
@@ -85,9 +110,30 @@ class Subscriber:
             self.worker.closed += 1
 
     def state(self) -> dict[str, Any]:
-        return {"name": self.plan.name, "ready": self.ready.done() and not self.ready.cancelled(),
-                "connected_ns": self.connected_ns, "closed_ns": self.closed_ns,
-                "closed_reason": self.closed_reason, "error": self.error}
+        out = {"name": self.plan.name, "ready": self.ready.done() and not self.ready.cancelled(),
+               "connected_ns": self.connected_ns, "closed_ns": self.closed_ns,
+               "closed_reason": self.closed_reason, "error": self.error}
+        if self.storm_ns:
+            out["storm"] = {"storm_ns": self.storm_ns, "retry_ns": self.retry_ns, "open_ns": self.open_ns,
+                            "resub_ns": self.resub_ns, "back_ns": self.back_ns, "attempts": self.attempts,
+                            "error": self.storm_error}
+        return out
+
+
+class _Detached:
+    """The listener of a connection its client dropped: what still arrives on it is ignored."""
+
+    def ws_open(self) -> None:
+        pass
+
+    def ws_messages(self, messages: list[bytes], now_ns: int) -> None:
+        pass
+
+    def ws_closed(self, reason: str) -> None:
+        pass
+
+
+DETACHED = _Detached()
 
 
 class WsSubscriber(Subscriber):
@@ -99,10 +145,10 @@ class WsSubscriber(Subscriber):
         target = self.worker.spec.target
         topics = [self.worker.spec.topics[t] for t in self.plan.topics]
         self.ws = await connect(target.host, target.http_port, target.ws_path(topics), self,
-                                timeout=self.worker.spec.connect_timeout)
+                                timeout=self.worker.spec.connect_timeout, source=self.source)
 
     def ws_open(self) -> None:
-        self.connected_ns = time.time_ns()
+        self.connected_ns = self.connected_ns or time.time_ns()  # the first connection's (a storm's: open_ns)
         if self.worker.spec.target.kind == "nchan" and not self.ready.done():
             # nchan has no subscribe acknowledgement: the handshake is the subscription, and the
             # publisher's numbering of each topic starts at 0 once everyone is connected
@@ -143,6 +189,45 @@ class WsSubscriber(Subscriber):
             commands = [{"op": "subscribe", "topic": self.worker.spec.topics[t]} for t in self.plan.topics]
             self.ws.send_text(orjson.dumps(commands))
 
+    def drop(self, storm_ns: int) -> None:
+        """The storm: abort the connection (RST, nothing more read from it)."""
+        ws, self.ws = self.ws, None
+        self.storm_ns = storm_ns
+        if ws is not None and ws.transport is not None:
+            ws.listener = DETACHED
+            ws.transport.abort()
+
+    async def come_back(self, since: dict[int, int]) -> None:
+        """Reconnect (retrying with a growing pause) and resubscribe every topic from ``since[topic]`` seq of
+        the epoch its first ``subscribed`` named."""
+        worker, spec = self.worker, self.worker.spec
+        target = spec.target
+        self.retry_ns = time.time_ns()
+        while not worker.stopping:
+            self.attempts += 1
+            try:
+                ws = await connect(target.host, target.http_port, target.ws_path([]), self,
+                                   timeout=spec.connect_timeout, source=self.source)
+            except Exception as exc:
+                self.storm_error = self.storm_error or f"{type(exc).__name__}: {exc}"[:300]
+                pause = min(STORM_BACKOFF_MAX, STORM_BACKOFF * self.attempts)
+                await asyncio.sleep(pause * random.uniform(0.5, 1.0))
+                continue
+            if worker.stopping:
+                ws.close()
+                return
+            self.ws = ws
+            self.open_ns = time.time_ns()
+            commands = []
+            for t in self.plan.topics:
+                seq = since[t]
+                self.recorder.resuming[(self.index, t)] = seq
+                commands.append({"op": "subscribe", "topic": spec.topics[t],
+                                 "since": {"epoch": self.recorder.epochs.get((self.index, t), ""), "seq": seq}})
+            self.resub_ns = time.time_ns()
+            ws.send_text(orjson.dumps(commands))
+            return
+
     def pause(self) -> None:
         if self.ws is not None:
             self.ws.pause()
@@ -165,7 +250,7 @@ class LpSubscriber(Subscriber):
     async def start(self) -> None:
         target = self.worker.spec.target
         timeout = self.worker.spec.connect_timeout
-        self.conn = await open_connection(target.host, target.http_port, timeout)
+        self.conn = await open_connection(target.host, target.http_port, timeout, self.source)
         try:
             response = await self.conn.request("POST", "/lp", b"", timeout=timeout)
             if not 200 <= response.status < 300:
@@ -238,6 +323,8 @@ class Worker:
         self.stopping = False
         self.subscribers: list[WsSubscriber | LpSubscriber] = []
         self.inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        #: the storm's reconnects under way
+        self.comebacks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -257,8 +344,11 @@ class Worker:
         message = await self.inbox.get()
         if message[0] == "go":
             self._schedule_stall(message[1])
+            self._schedule_storm(message[1])
             message = await self.inbox.get()
         self.stopping = True
+        for task in self.comebacks:
+            task.cancel()
         for s in self.subscribers:
             s.close()
         await asyncio.sleep(0.05)  # let the close frames go out
@@ -296,6 +386,35 @@ class Worker:
         loop.call_at(start, lambda: [s.pause() for s in stalled])
         if self.spec.stall_for > 0:
             loop.call_at(start + self.spec.stall_for, lambda: [s.resume() for s in stalled])
+
+    def _schedule_storm(self, go_ns: int) -> None:
+        if self.spec.storm_at is None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_at(loop.time() + (go_ns - time.time_ns()) / 1e9 + self.spec.storm_at, self._storm)
+
+    def _storm(self) -> None:
+        """Every WebSocket client still connected drops its connection now and comes back at a random moment
+        within the spread (the same moments for the same seed), from the next seq it needs."""
+        if self.stopping:
+            return
+        loop = asyncio.get_running_loop()
+        storm_ns = time.time_ns()
+        stormed = [s for s in self.subscribers
+                   if isinstance(s, WsSubscriber) and s.ws is not None and not s.closed_ns and s.ready.done()]
+        for s in stormed:
+            s.drop(storm_ns)
+        since = self.recorder.next_seqs({s.index for s in stormed})
+        for s in stormed:
+            delay = random.Random(self.spec.seed * 1_000_003 + s.index).uniform(0, self.spec.storm_spread)
+            loop.call_later(delay, self._come_back, s, {t: since.get((s.index, t), 0) for t in s.plan.topics})
+
+    def _come_back(self, s: WsSubscriber, since: dict[int, int]) -> None:
+        if self.stopping:
+            return
+        task = asyncio.get_running_loop().create_task(s.come_back(since))
+        self.comebacks.add(task)
+        task.add_done_callback(self.comebacks.discard)
 
     def _copy_counters(self, full: bool = True) -> None:
         r = self.recorder

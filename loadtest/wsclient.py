@@ -243,12 +243,15 @@ class WsClient(asyncio.Protocol):
             self.listener.ws_closed(reason)
 
 
-async def connect(host: str, port: int, path: str, listener: Listener, timeout: float = 10.0) -> WsClient:
-    """Open a connection to ``ws://host:port/path`` and wait for the handshake; raises on failure."""
+async def connect(host: str, port: int, path: str, listener: Listener, timeout: float = 10.0,
+                  source: str | None = None) -> WsClient:
+    """Open a connection to ``ws://host:port/path`` and wait for the handshake; raises on failure.
+    ``source``: the local address to connect from (any port)."""
     loop = asyncio.get_running_loop()
     url = f"ws://{host}:{port}{path}"
     _transport, client = await asyncio.wait_for(
-        loop.create_connection(lambda: WsClient(url, listener), host, port), timeout)
+        loop.create_connection(lambda: WsClient(url, listener), host, port,
+                               local_addr=(source, 0) if source else None), timeout)
     try:
         await asyncio.wait_for(asyncio.shield(client.opened), timeout)
     except BaseException:

@@ -82,6 +82,15 @@ class LongPollSession:
     def flush(self) -> bool:
         return True  # nothing is staged: `deliver` hands the batch to the poll
 
+    def direct_fd(self, batch: Batch, frame: bytes) -> int:
+        return -1  # a poll's response carries it
+
+    def wire(self, frame: bytes) -> bytes:
+        raise NotImplementedError
+
+    def write_rest(self, data: bytes, sent: int) -> bool:
+        raise NotImplementedError
+
     def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         self.closed = True
         self.hub.sessions.longpoll.discard(self)

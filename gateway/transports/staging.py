@@ -69,6 +69,15 @@ class StagedWriter:
     def deliver(self, batch: Batch, frame: bytes) -> bool:
         raise NotImplementedError
 
+    def direct_fd(self, batch: Batch, frame: bytes) -> int:
+        return -1  # written through the transport (the WebSocket's may be written directly: ws.py)
+
+    def wire(self, frame: bytes) -> bytes:
+        raise NotImplementedError
+
+    def write_rest(self, data: bytes, sent: int) -> bool:
+        raise NotImplementedError
+
     def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         raise NotImplementedError
 

@@ -3,12 +3,12 @@
 Past the HTTP layer (connection limits, header deadline: gateway/netguard.py) the protocol answers the
 handshake of `/ws` itself (Origin, `?id=`, `?token=`), registers the connection with the hub, and hands each
 command frame to `gateway/commands.py` as it is parsed: no ASGI task, receive queue or scope per
-connection, which is most of what an idle connection would otherwise hold (docs/benchmarks.md, idle
-clients). The scheduler writes each batch as one pre-built text frame straight to the transport, never
+connection, which is most of what an idle connection would otherwise hold (docs/benchmarks-history.md,
+"Idle clients"). The scheduler writes each batch as one pre-built text frame straight to the transport, never
 awaiting: a client whose transport buffer is above the high-water mark is not ready until asyncio calls
 `resume_writing` (below a quarter of it). Per-message compression is off: it would force an encode per client.
-With `websocket.direct_write = false` (a shipped setting, "for comparison": docs/benchmarks.md measures the
-two write paths) `/ws` is the Starlette endpoint below, `websocket_endpoint`, and writes go through ASGI
+With `websocket.direct_write = false` (a shipped setting, "for comparison": docs/benchmarks-history.md measures
+the two write paths) `/ws` is the Starlette endpoint below, `websocket_endpoint`, and writes go through ASGI
 `send` from a writer task. It is the only other way `/ws` is served (the gateway always runs this protocol,
 gateway/server.py, and so do the test gateways, gateway/testing.py), and it shares everything but the I/O
 with the protocol's: the handshake (`open_ws_client`, gateway/transports/handshake.py), the command path
@@ -46,6 +46,7 @@ from core import Batch, RequestError
 
 from .. import close_codes
 from ..commands import handle_payload
+from ..fanwrite import raw_fd
 from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
@@ -237,7 +238,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         "close_sent", "disconnected", "frames", "curr_msg_data_type", "pending_ping_payload", "ping_sent_at",
         "last_ping_rtt",
         # ours
-        "connection", "served", "held_pong", "lingering", "dropped", "unparsed", "unhandled", "deferred",
+        "connection", "served", "held_pong", "lingering", "dropped", "unparsed", "unhandled", "deferred", "raw_fd",
     )
 
     write_high_water = 65536
@@ -306,6 +307,8 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.unhandled: deque[Event] | None = None
         #: `_handle_input` is scheduled for the next turn (reading is paused until it is done)
         self.deferred = False
+        #: the socket's descriptor when the fan-out writer may write it directly (plain TCP), else -1
+        self.raw_fd = -1
 
     @property
     def default_headers(self) -> list[tuple[bytes, bytes]]:  # type: ignore[override]
@@ -341,6 +344,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         # uvicorn's, then our socket and flow-control settings (the SSE stream's are the same, sse.py)
         super().connection_made(transport)
         tune_stream(transport, self.write_high_water, self.socket_send_buffer, self.notsent_lowat)
+        self.raw_fd = raw_fd(transport)
 
     def pause_writing(self) -> None:
         # uvicorn's (its ASGI `send` waits on the event), and the served connection is not ready until
@@ -763,7 +767,8 @@ def protocol_class(
 
 
 class WSConnection(StagedWriter):
-    __slots__ = ("websocket", "proto", "frames_sent", "bytes_sent", "entries_sent", "closed", "_outbox", "_writer")
+    __slots__ = ("websocket", "proto", "frames_sent", "bytes_sent", "entries_sent", "closed", "_outbox", "_writer",
+                 "fd")
 
     def __init__(self, hub: Hub, identity: ClientIdentity, websocket: WebSocket | None,
                  proto: FanoutWSProtocol | None) -> None:
@@ -777,8 +782,11 @@ class WSConnection(StagedWriter):
         self.closed = False
         self._outbox: asyncio.Queue[bytes] | None = None
         self._writer: asyncio.Task[None] | None = None
+        #: the socket `direct_fd` hands out (plain TCP, direct write path), -1 once closed
+        self.fd = -1
         if proto is not None:
             proto.connection = self
+            self.fd = proto.raw_fd
         else:
             self._outbox = asyncio.Queue(maxsize=1)
             self._writer = asyncio.get_running_loop().create_task(self._write_via_asgi())
@@ -805,6 +813,32 @@ class WSConnection(StagedWriter):
         data = cache.frame
         return self.write_batch((data,), len(data), batch.more)
 
+    def direct_fd(self, batch: Batch, frame: bytes) -> int:
+        # Caught up, nothing staged or buffered before it, writable: the frame may go straight to the
+        # socket (gateway/fanwrite.py); counted as delivered here, like `deliver` does.
+        fd = self.fd
+        if fd < 0 or batch.more or self._staged or self.paused:
+            return -1
+        proto = self.proto
+        assert proto is not None  # `fd` is -1 on the ASGI path
+        transport = proto.transport
+        if proto.lingering or transport.is_closing() or transport.get_write_buffer_size():
+            return -1
+        self.frames_sent += 1
+        self.bytes_sent += len(frame)
+        self.entries_sent += len(batch.entries)
+        return fd
+
+    def wire(self, frame: bytes) -> bytes:
+        cache = framed
+        if frame is not cache.payload:
+            cache.update(frame)
+        return cache.frame
+
+    def write_rest(self, data: bytes, sent: int) -> bool:
+        # a send error (sent < 0) is met again by the transport's own write, which then closes as usual
+        return self._write_parts((data[sent:] if sent > 0 else data,))
+
     def _stream(self) -> asyncio.Transport | None:
         proto = self.proto
         assert proto is not None  # only the direct write path stages
@@ -828,6 +862,7 @@ class WSConnection(StagedWriter):
 
     def on_lost(self) -> None:
         self.closed = True
+        self.fd = -1
         self.hub.scheduler.write_unwatched(self.identity.client_id)
 
     async def _write_via_asgi(self) -> None:
@@ -850,6 +885,7 @@ class WSConnection(StagedWriter):
         if self.proto is not None:
             self.flush()  # the round's staged frames go before the close frame
         self.closed = True  # the hub unregisters it, which also forgets it as blocked
+        self.fd = -1
         if self._writer is not None:
             self._writer.cancel()
         proto = self.proto
@@ -901,8 +937,8 @@ def run_frame(hub: Hub, client_id: str, data: bytes | str) -> None:
 async def websocket_endpoint(websocket: WebSocket) -> None:
     """`/ws` through ASGI, with `websocket.direct_write = false` only (the protocol serves it otherwise,
     `FanoutWSProtocol.handle_connect`): the same handshake, commands and connection object, but commands come
-    by ASGI `receive` and batches go by `send` from the connection's writer task (docs/benchmarks.md compares
-    the two write paths). The Origin check is the app's middleware (gateway/origin.py), same answer."""
+    by ASGI `receive` and batches go by `send` from the connection's writer task (docs/benchmarks-history.md
+    compares the two write paths). The Origin check is the app's middleware (gateway/origin.py), same answer."""
     hub: Hub = websocket.app.state.hub
     await websocket.accept()
     try:

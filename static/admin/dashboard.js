@@ -239,7 +239,8 @@ function renderCards(s) {
   $("c-blocked").textContent = count(t.write_blocked);
   const f = s.fairness;
   $("c-jain").textContent = f.jain === null ? "—" : f.jain.toFixed(3);
-  $("c-spread").textContent = f.receiving ? f.receiving + " receiving, " + rate(f.min) + " – " + rate(f.max) + "/s" : "";
+  $("c-spread").textContent = (f.clients ? f.clients + " clients, lowest share " + f.share_min.toFixed(2) : "")
+    + (f.receiving ? (f.clients ? " · " : "") + rate(f.min) + " – " + rate(f.max) + "/s" : "");
 }
 
 function renderHistogram(id, h, label) {

@@ -102,7 +102,8 @@ def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
                 assert sum(cluster["totals"]["clients_by_transport"].values()) == 3
                 assert {n["node"]: n["clients"] for n in cluster["nodes"]} == {a_node: 1, b_node: 2}
                 assert len(cluster["clients"]) == 3 and cluster["others"]["clients"] == 0
-                assert cluster["fairness"]["receiving"] == 3 and cluster["fairness"]["jain"] is not None
+                assert cluster["fairness"]["receiving"] == 3 and cluster["fairness"]["clients"] == 3
+                assert 0 < cluster["fairness"]["jain"] <= 1 and cluster["fairness"]["share_min"] is not None
                 assert cluster["totals"]["client_delivery_per_s"] > 0
 
                 victim = sorted(b_ids)[0]

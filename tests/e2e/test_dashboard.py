@@ -132,6 +132,13 @@ def test_the_dashboard_shows_live_topics_clients_rates_and_the_chart(tmp_path):
                 # the DOM as a dump shows it (a sample may fall between two publishes: poll, bounded)
                 browser.until(dom_is_live, 30, what="the tables with every topic, every client and a rate above 0")
 
+                def fairness_card() -> bool:  # the share index (0.000-1.000), the clients counted, the lowest share
+                    jain = browser.evaluate("document.getElementById('c-jain').textContent")
+                    spread = browser.evaluate("document.getElementById('c-spread').textContent")
+                    return bool(re.fullmatch(r"[01]\.\d{3}", jain) and re.match(r"\d+ clients, lowest share [01]\.\d\d", spread))
+
+                browser.until(fairness_card, 30, what="the fairness card")
+
                 # publish through the form, then kick the client of one topic with its button
                 browser.evaluate("""(() => {
                   document.getElementById('pub-topic').value = 'state.scores';

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -165,8 +166,6 @@ def test_the_stream_ends_when_the_viewer_disconnects():
 
 
 def test_a_shutdown_ends_the_stream_instead_of_waiting_for_it():
-    import threading
-
     ended = threading.Event()
     with run_gateway(admin={"stats_interval_s": INTERVAL}) as gw:
         http = httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10)
@@ -184,3 +183,84 @@ def test_a_shutdown_ends_the_stream_instead_of_waiting_for_it():
     # uvicorn would otherwise wait its graceful timeout (5 s) for the open stream, then cut it
     assert ended.wait(10) and time.monotonic() - stopping < 4.5
     http.close()
+
+
+def test_fairness_is_the_share_index_one_while_all_keep_up_and_drops_when_one_stalls():
+    """Clients of topics published at different rates (1, 3 and 8 messages per 20 ms), all reading: each
+    got all it asked for, the index is 1.0 (the raw rates' index would be ~0.7). One client of the fast
+    topic stops reading: once its kernel buffers are full, entries wait for it and the index drops to about
+    3 caught up and 1 at 0: (1+1+1+0)^2 / (4 * 3) = 0.75. A client whose topic gets nothing is left out.
+    Reading again, the staller catches up: 1.0 again."""
+    config = {
+        "admin": {"stats_interval_s": 0.25},
+        "websocket": {"write_high_water": 16384, "blocked_timeout_s": 30},
+        "topics": {"rules": [{"pattern": "*", "anonymous": True, "capacity": 16384}]},
+    }
+    per_tick = {"t.slow": 1, "t.mid": 3, "t.fast": 8}
+    payload = "x" * 2000
+    stop, stalled, published = threading.Event(), threading.Event(), threading.Event()
+
+    def read(ws, may_stall: bool) -> None:
+        while not stop.is_set():
+            if may_stall and stalled.is_set():
+                stop.wait(0.05)
+                continue
+            try:
+                ws.recv(timeout=0.1)
+            except TimeoutError:
+                pass
+
+    def publish(gw) -> None:
+        router = gw.hub.router
+        while not published.wait(0.02):
+            gw.call(lambda: [router.publish_nowait(topic, payload) for topic, n in per_tick.items() for _ in range(n)])
+
+    with (run_gateway(**config) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+          ws_connect(gw) as slow, ws_connect(gw) as mid, ws_connect(gw) as fast, ws_connect(gw) as idle,
+          ws_connect(gw, rcvbuf=4096, max_queue=1) as staller):
+        clients = [(slow, "t.slow", False), (mid, "t.mid", False), (fast, "t.fast", False),
+                   (idle, "t.idle", False), (staller, "t.fast", True)]
+        for ws, topic, _ in clients:
+            send(ws, op="subscribe", topic=topic)
+            assert collect(ws, lambda got: any(e["type"] == "subscribed" for e in got))
+        threads = [threading.Thread(target=read, args=(ws, may_stall), daemon=True) for ws, _, may_stall in clients]
+        threads.append(threading.Thread(target=publish, args=(gw,), daemon=True))
+        for thread in threads:
+            thread.start()
+        try:
+            with http.stream("GET", "/api/stats/stream") as r:
+                events = snapshots(r)
+                assert next(events)["fairness"]["jain"] is None  # no window yet
+                keeping_up = [next(events)["fairness"] for _ in range(5)][1:]  # the first window: publisher starting
+                for fairness in keeping_up:
+                    assert fairness["clients"] == 4  # the idle client asked for nothing: left out
+                    assert fairness["jain"] >= 0.99 and fairness["share_min"] >= 0.8, keeping_up
+                    assert fairness["receiving"] == 4 and fairness["max"] > 5 * fairness["min"], keeping_up
+
+                stalled.set()
+                deadline = time.monotonic() + 8
+                for snap in events:
+                    fairness = snap["fairness"]
+                    if fairness["jain"] <= 0.8:
+                        break
+                    assert time.monotonic() < deadline, f"the index did not drop: {fairness}"
+                snap = next(events)  # a whole window stalled: the staller took nothing, the others all
+                fairness = snap["fairness"]
+                assert fairness["clients"] == 4 and fairness["jain"] <= 0.76 and fairness["share_min"] == 0, fairness
+                stuck = max(snap["clients"], key=lambda c: c["lag"])
+                assert stuck["rate"] == 0 and stuck["lag"] > 100 and stuck["write_blocked"], stuck
+
+                stalled.clear()
+                deadline = time.monotonic() + 8
+                for snap in events:
+                    if snap["fairness"]["jain"] >= 0.99 and max(c["lag"] for c in snap["clients"]) < 10:
+                        break
+                    assert time.monotonic() < deadline, f"no recovery: {snap['fairness']}"
+        finally:
+            stalled.clear()
+            published.set()  # the staller drains all before its close handshake (a full queue would hold it)
+            wait_for(lambda: gw.call(lambda: not any(c.has_work() for c in gw.hub.engine.clients())
+                                     and not gw.hub.scheduler.blocked), "every client drained")
+            stop.set()
+            for thread in threads:
+                thread.join(5)

@@ -64,6 +64,9 @@ class RecordingConnection:
         self.frames.append(frame)
         return True
 
+    def direct_fd(self, batch, frame):
+        return -1
+
     def kick(self, code, reason, retry_ms=None):
         self.kicked = (code, reason)
 

@@ -7,6 +7,9 @@ Each test runs the real hub (in-process broker) on an event loop of its own and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,7 +17,7 @@ import orjson
 import pytest
 
 from core import QueueFull
-from gateway import close_codes
+from gateway import close_codes, fanwrite
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
@@ -42,6 +45,9 @@ class FakeConnection:
 
     def flush(self) -> bool:
         return True
+
+    def direct_fd(self, batch: Any, frame: bytes) -> int:
+        return -1
 
     def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         self.kicked = (code, reason)
@@ -139,6 +145,85 @@ def test_a_client_that_does_not_drain_gets_nothing_until_it_does():
         assert messages(slow) == []  # its `subscribed` write has not drained: not ready
         hub.scheduler.write_drained("slow")
         await settle(lambda: messages(slow) == [1])
+
+    run(test)
+
+
+class SocketConnection(FakeConnection):
+    """A connection the fan-out writer may write directly: one end of a socketpair; what the writer's
+    socket did not take is kept as the transport's buffer (`rest`) until `write_drained`."""
+
+    def __init__(self, client_id: str) -> None:
+        super().__init__(client_id)
+        self.sock, self.peer = socket.socketpair()
+        self.sock.setblocking(False)
+        self.rest: list[tuple[bytes, int]] = []
+
+    def direct_fd(self, batch: Any, frame: bytes) -> int:
+        return -1 if self.rest or batch.more else self.sock.fileno()
+
+    def wire(self, frame: bytes) -> bytes:
+        return b"%08d" % len(frame) + frame  # length-prefixed, so `received` can split the stream
+
+    def write_rest(self, data: bytes, sent: int) -> bool:
+        self.rest.append((data, sent))
+        return False
+
+    def received(self) -> list[Any]:
+        chunks = []
+        with contextlib.suppress(BlockingIOError):
+            while chunk := self.peer.recv(1 << 20, socket.MSG_DONTWAIT):
+                chunks.append(chunk)
+        stream, entries = b"".join(chunks), []
+        while stream:
+            size = int(stream[:8])
+            entries += orjson.loads(stream[8:8 + size])
+            stream = stream[8 + size:]
+        return entries
+
+
+@pytest.mark.skipif(fanwrite.send_each is None, reason="the fan-out writer is not built")
+def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_call():
+    async def test(hub: Hub) -> None:
+        crowd = [SocketConnection(f"s{i}") for i in range(5)]
+        for conn in crowd:
+            hub.clients.register(conn, ready=True)
+            hub.router.subscribe(conn.identity.client_id, "chat.crowd")
+        other = await subscribed(hub, "f", "chat.crowd")  # a transport the writer may not write
+        await settle(lambda: hub.scheduler.direct_writes == 5)  # their `subscribed` entries
+        hub.router.publish_nowait("chat.crowd", "m1")
+        await settle(lambda: hub.scheduler.direct_writes == 10 and messages(other) == ["m1"])
+        for conn in crowd:
+            got = conn.received()
+            assert [e["type"] for e in got] == ["subscribed", "msg"] and got[1]["data"] == "m1"
+
+    run(test)
+
+
+@pytest.mark.skipif(fanwrite.send_each is None, reason="the fan-out writer is not built")
+def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_it_to_drain():
+    async def test(hub: Hub) -> None:
+        full, fine = SocketConnection("full"), SocketConnection("fine")
+        for conn in (full, fine):
+            hub.clients.register(conn, ready=True)
+            hub.router.subscribe(conn.identity.client_id, "chat.full")
+        await settle(lambda: hub.scheduler.direct_writes == 2)
+        assert [e["type"] for e in full.received()] == ["subscribed"]
+        full.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        with contextlib.suppress(BlockingIOError):  # the peer reads nothing: its buffers fill up
+            while True:
+                full.sock.send(b"x" * 4096)
+        hub.router.publish_nowait("chat.full", "m1")
+        await settle(lambda: bool(full.rest) and any(e["type"] == "msg" for e in fine.received()))
+        (data, sent), = full.rest
+        assert sent == -errno.EAGAIN and b'"m1"' in data and len(data) == int(data[:8]) + 8  # all of it
+        assert hub.scheduler.direct_shortfalls == 1
+        hub.router.publish_nowait("chat.full", "m2")  # not ready until its transport drains
+        await settle(lambda: any(e.get("data") == "m2" for e in fine.received()))
+        assert len(full.rest) == 1
+        full.rest.clear()
+        hub.scheduler.write_drained("full")
+        await settle(lambda: hub.scheduler.direct_writes == 5)
 
     run(test)
 

@@ -58,6 +58,9 @@ class Recording:
     def deliver(self, batch, frame):
         return True
 
+    def direct_fd(self, batch, frame):
+        return -1
+
     def kick(self, code, reason, retry_ms=None):
         pass
 
