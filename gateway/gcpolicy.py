@@ -5,8 +5,9 @@ protocol state, subscriptions). CPython's automatic full collection walks all of
 stalled every client for ~100 ms each time (docs/benchmarks-history.md, "Targets at a glance"). So every
 second whatever survived is frozen out of the collector's reach (`gc.freeze`, O(1): it splices lists), young
 collections stay automatic and cheap, and a full collection of everything (unfreeze, collect, freeze) runs
-every `server.gc_full_interval_s`, so cyclic garbage left by closed connections is still reclaimed and memory
-stays bounded by what one interval leaves behind.
+every `server.gc_full_interval_s` in which a connection closed, so cyclic garbage left by closed connections
+is still reclaimed and memory stays bounded by what one interval leaves behind; with none closed it runs every
+`QUIET_INTERVALS` intervals (there is little to reclaim, and it stalls every client: ~100 ms at 10,000).
 
 Memory given back: after a full collection the C allocator is asked to return its free pages to the
 system (`malloc_trim`, glibc), and when many connections have closed since the last full collection (at
@@ -36,6 +37,10 @@ GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 FREEZE_PERIOD_S = 1.0
 #: departures that make a full collection worth running early: below this, the interval's one is soon enough
 DEPARTURES_MIN = 1000
+#: with no connection gone since the last full collection, the interval's one waits up to this many intervals:
+#: what it reclaims comes mostly from closed connections, and it stalls every client for as long as it walks
+#: everything alive (~100 ms at 10,000 WebSocket clients)
+QUIET_INTERVALS = 10
 
 log = logging.getLogger("gateway")
 
@@ -103,11 +108,18 @@ class GcPolicy:
         self._timer = loop.call_later(min(FREEZE_PERIOD_S, self.full_interval_s), self._on_timer)
 
     def _on_timer(self) -> None:
-        if self._crowd_left() or time.monotonic() >= self._next_full:
+        if self._crowd_left() or self._interval_due(time.monotonic()):
             self.full_collection()
         else:
             gc.freeze()
         self._schedule()
+
+    def _interval_due(self, now: float) -> bool:
+        """The interval's full collection: once an interval has passed with a departure since the last one,
+        or `QUIET_INTERVALS` intervals without."""
+        if now < self._next_full:
+            return False
+        return self._departures > 0 or now >= self._next_full + (QUIET_INTERVALS - 1) * self.full_interval_s
 
     def full_collection(self) -> None:
         # CPython 3.11's attribute-lookup cache (4,096 entries) keeps a reference to the name string of each

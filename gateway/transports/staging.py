@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
 
     from ..hub import Hub
     from ..identity import ClientIdentity
+
+
+#: `struct tcp_info` (linux/tcp.h): eight one-byte fields, then u32 rto, ato, snd_mss, rcv_mss, unacked, ...
+TCP_INFO_UNACKED = 24
+TCP_INFO_HEAD = 28
 
 
 def tune_stream(transport: asyncio.Transport, high_water: int, send_buffer: int, notsent_lowat: int) -> None:
@@ -42,6 +48,19 @@ def tune_stream(transport: asyncio.Transport, high_water: int, send_buffer: int,
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     if notsent_lowat and hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux, macOS
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, notsent_lowat)
+
+
+def peer_acknowledged_all(transport: asyncio.BaseTransport) -> bool:
+    """The peer's TCP has acknowledged every byte sent on the transport's socket (TCP_INFO `tcpi_unacked` is
+    0: Linux); False when the kernel cannot say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return False
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_HEAD)
+    except OSError:
+        return False
+    return len(info) >= TCP_INFO_HEAD and struct.unpack_from("=I", info, TCP_INFO_UNACKED)[0] == 0
 
 
 class StagedWriter:

@@ -55,7 +55,7 @@ from ..proxy import Proxy
 from ..ratelog import BadInputLog
 from ..timerwheel import TimerWheel
 from .handshake import backend_for, close_reason, open_client
-from .staging import StagedWriter, tune_stream
+from .staging import StagedWriter, peer_acknowledged_all, tune_stream
 from .wsframes import text_frame_header
 
 log = logging.getLogger("gateway.ws")
@@ -112,12 +112,16 @@ class WSCounters:
     fragment_closes = 0
     #: times a connection's input was left for the next turn of the loop (its budget, or the turn's, spent)
     input_deferrals = 0
+    #: keepalive pings not sent: frames flowed since the last one and the peer acknowledged them all
+    pings_skipped = 0
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily("fanout_ws_pongs_coalesced", "pongs not written: a later ping came while the"
                                   " client's writes were paused (one pong waits)", value=self.pongs_coalesced)
         yield CounterMetricFamily("fanout_ws_fragment_closes", "connections closed (1008) for a message in more"
                                   " than websocket.max_fragments frames", value=self.fragment_closes)
+        yield CounterMetricFamily("fanout_ws_pings_skipped", "keepalive pings not sent: frames flowed since the last"
+                                  " one and the peer's TCP acknowledged them all", value=self.pings_skipped)
         yield CounterMetricFamily("fanout_ws_input_deferrals", "times a WebSocket client's input was left for the"
                                   " next turn of the event loop (its share of the turn spent)",
                                   value=self.input_deferrals)
@@ -245,6 +249,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         "last_ping_rtt",
         # ours
         "connection", "served", "held_pong", "lingering", "dropped", "unparsed", "unhandled", "deferred", "raw_fd",
+        "frames_at_ping",
     )
 
     write_high_water = 65536
@@ -351,6 +356,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         super().connection_made(transport)
         tune_stream(transport, self.write_high_water, self.socket_send_buffer, self.notsent_lowat)
         self.raw_fd = raw_fd(transport)
+        self.frames_at_ping = 0
 
     def pause_writing(self) -> None:
         # uvicorn's (its ASGI `send` waits on the event), and the served connection is not ready until
@@ -416,9 +422,18 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.keepalive.schedule(self, max(0.0, self.ping_interval - self.last_ping_rtt), PING)
 
     def send_keepalive_ping(self) -> None:
-        # uvicorn's, the pong's deadline on the wheel
+        # uvicorn's, the pong's deadline on the wheel; not sent while frames flow and the peer's TCP has
+        # acknowledged all of them: those acknowledgements prove the peer and the path alive, as a pong would
+        # (a ping costs a write and a pong's parse, ~3% of the CPU of 10,000 clients at 5 messages a second)
         if self.close_sent or self.transport.is_closing():
             return
+        conn = self.connection
+        if conn is not None and conn.frames_sent != self.frames_at_ping:
+            self.frames_at_ping = conn.frames_sent
+            if peer_acknowledged_all(self.transport):
+                ws_counters.pings_skipped += 1
+                self.schedule_ping()
+                return
         # a random payload identifies this ping: `handle_pong` ignores stale or unsolicited pongs
         self.pending_ping_payload = struct.pack("!I", random.getrandbits(32))
         self.ping_sent_at = self.loop.time()

@@ -76,6 +76,19 @@ def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval():
     asyncio.run(scenario())
 
 
+def test_the_interval_collection_waits_while_no_connection_closes():
+    from gateway import gcpolicy
+
+    policy = GcPolicy(full_interval_s=60)
+    policy._next_full = 1000.0  # the last full collection ran at 940
+    assert not policy._interval_due(999.0)
+    assert not policy._interval_due(1000.0)  # an interval without a departure: nothing to reclaim
+    assert policy._interval_due(1000.0 + (gcpolicy.QUIET_INTERVALS - 1) * 60)  # ... but at most this long
+    policy.arrived()
+    policy.departed()
+    assert policy._interval_due(1000.0) and not policy._interval_due(999.0)
+
+
 def test_a_full_collection_lets_go_of_the_names_the_type_cache_kept():
     # CPython 3.11 keeps a reference to each looked-up attribute name in its type cache, even a name made at
     # run time (as C code's lookups by C string are): a crowd's worth of those pinned arenas after it left

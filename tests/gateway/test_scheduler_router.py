@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from core import QueueFull
-from gateway import close_codes, fanwrite
+from gateway import close_codes, fanwrite, scheduler
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
@@ -183,7 +183,11 @@ class SocketConnection(FakeConnection):
 
 
 @pytest.mark.skipif(fanwrite.send_each is None, reason="the fan-out writer is not built")
-def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_call():
+@pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: a crowd written in slices of two sockets
+def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_call(
+        crowd_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler, "CROWD_SLICE", crowd_slice)
+
     async def test(hub: Hub) -> None:
         crowd = [SocketConnection(f"s{i}") for i in range(5)]
         for conn in crowd:

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import struct
+import threading
 import time
 
 import pytest
-from bytes_helpers import CLOSE, PING, RawWs, ws_frame
+from bytes_helpers import CLOSE, PING, TEXT, RawWs, ws_frame
 from gw_helpers import collect, send, wait_for, ws_connect
 
 from gateway.testing import run_gateway
+from gateway.transports.ws import ws_counters
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,6 +50,45 @@ def test_a_peer_that_answers_is_pinged_again_and_stays():
                 assert INTERVAL - 0.05 <= after - before <= INTERVAL + 0.25, pings
             assert connected(gw) == 1
         finally:
+            peer.close()
+
+
+def test_a_peer_that_takes_frames_and_acknowledges_them_is_not_pinged_until_they_stop():
+    with run_gateway(**KEEPALIVE) as gw:
+        peer = RawWs(gw.http_port, rcvbuf=65536)
+        publishing = threading.Event()
+        publishing.set()
+
+        def publisher() -> None:
+            n = 0
+            while publishing.is_set():
+                gw.call(gw.hub.router.publish_nowait, "ka.flow", n)
+                n += 1
+                time.sleep(0.03)
+
+        thread = threading.Thread(target=publisher, daemon=True)
+        try:
+            assert peer.send(ws_frame(TEXT, json.dumps({"op": "subscribe", "topic": "ka.flow", "id": 1}).encode()))
+            thread.start()
+            started, kinds = time.monotonic(), []
+            for opcode, payload in peer.frames(timeout=3):
+                kinds.append(opcode)
+                if opcode == PING:
+                    assert peer.send(ws_frame(PONG, payload))
+                if time.monotonic() - started > 4 * INTERVAL:
+                    break
+            assert kinds.count(TEXT) > 20 and PING not in kinds, kinds  # the acknowledgements do a pong's work
+            assert gw.call(lambda: ws_counters.pings_skipped) >= 3
+            publishing.clear()
+            thread.join()
+            for opcode, payload in peer.frames(timeout=3):  # nothing flows: pinged again, and it answers
+                if opcode == PING:
+                    break
+            else:
+                raise AssertionError("no ping once the frames stopped")
+            assert connected(gw) == 1
+        finally:
+            publishing.clear()
             peer.close()
 
 
