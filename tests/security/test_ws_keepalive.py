@@ -81,7 +81,7 @@ def test_a_peer_that_takes_frames_and_acknowledges_them_is_not_pinged_until_they
             assert gw.call(lambda: ws_counters.pings_skipped) >= 3
             publishing.clear()
             thread.join()
-            for opcode, payload in peer.frames(timeout=3):  # nothing flows: pinged again, and it answers
+            for opcode, _payload in peer.frames(timeout=3):  # nothing flows: pinged again
                 if opcode == PING:
                     break
             else:
