@@ -32,9 +32,11 @@ if TYPE_CHECKING:
     from ..identity import ClientIdentity
 
 
-#: `struct tcp_info` (linux/tcp.h): eight one-byte fields, then u32 rto, ato, snd_mss, rcv_mss, unacked, ...
-TCP_INFO_UNACKED = 24
-TCP_INFO_HEAD = 28
+#: `struct tcp_info` (linux/tcp.h): eight one-byte fields, then u32 fields: rto, ato, snd_mss, rcv_mss,
+#: unacked, sacked, lost, retrans, fackets, last_data_sent, last_ack_sent, last_data_recv, last_ack_recv (ms
+#: since the peer's last ACK arrived), ...
+TCP_INFO_LAST_ACK_RECV = 56
+TCP_INFO_HEAD = 60
 
 
 def tune_stream(transport: asyncio.Transport, high_water: int, send_buffer: int, notsent_lowat: int) -> None:
@@ -50,9 +52,9 @@ def tune_stream(transport: asyncio.Transport, high_water: int, send_buffer: int,
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, notsent_lowat)
 
 
-def peer_acknowledged_all(transport: asyncio.BaseTransport) -> bool:
-    """The peer's TCP has acknowledged every byte sent on the transport's socket (TCP_INFO `tcpi_unacked` is
-    0: Linux); False when the kernel cannot say."""
+def peer_acked_within(transport: asyncio.BaseTransport, seconds: float) -> bool:
+    """The peer's TCP sent an ACK within the last `seconds` on the transport's socket (TCP_INFO
+    `tcpi_last_ack_recv`: Linux); False when the kernel cannot say."""
     sock = transport.get_extra_info("socket")
     if sock is None or not hasattr(socket, "TCP_INFO"):
         return False
@@ -60,7 +62,9 @@ def peer_acknowledged_all(transport: asyncio.BaseTransport) -> bool:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_HEAD)
     except OSError:
         return False
-    return len(info) >= TCP_INFO_HEAD and struct.unpack_from("=I", info, TCP_INFO_UNACKED)[0] == 0
+    if len(info) < TCP_INFO_HEAD:
+        return False
+    return bool(struct.unpack_from("=I", info, TCP_INFO_LAST_ACK_RECV)[0] < seconds * 1000)
 
 
 class StagedWriter:
