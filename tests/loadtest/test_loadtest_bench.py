@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -178,9 +181,12 @@ def test_idle_memory_measures_each_crowd_in_turn() -> None:
 
 
 def test_conn_objects_counts_what_one_idle_connection_holds() -> None:
-    from loadtest import conn_objects
-
-    result = asyncio.run(conn_objects.measure(60, frames=5, top=40))
+    # in a fresh interpreter, as the command runs: in this one its walk of every object (all of pytest's
+    # too) took three times as long
+    code = ("import asyncio, json; from loadtest import conn_objects; "
+            "print(json.dumps(asyncio.run(conn_objects.measure(60, frames=5, top=40))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True)
+    result = json.loads(done.stdout.splitlines()[-1])
     assert result["clients"] == 60 and result["traced_per_conn"] > 0 and result["sites"] and result["files"]
     walked = {name for name, _, _ in result["walk"]}
     assert {"WSConnection", "ClientIdentity", "Client", "Subscription"} <= walked
