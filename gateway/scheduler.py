@@ -113,8 +113,6 @@ class Scheduler:
         #: frames written straight to a socket with others (`_write_crowd`), and those a socket did not take whole
         self.direct_writes = 0
         self.direct_shortfalls = 0
-        #: entries of this cycle's batches of more than one entry, for `_observe`
-        self.batch_sizes: list[int] = []
         self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
         self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
         #: presence members of topics with `presence` (gateway/presence.py); the hub gives it the broker's store
@@ -320,7 +318,7 @@ class Scheduler:
                         if collecting:
                             gc.enable()
                     now = time.perf_counter()
-                    self._observe(now - started, batches)
+                    self.cycle_seconds.observe(now - started)
                     del batches  # not held while the loop sleeps: the last cycle's entries can be a lot
                     if cycle == self.coalesce_cycles or not engine.has_work or now - round_started >= self.coalesce_s:
                         break
@@ -334,14 +332,6 @@ class Scheduler:
                 # What the round committed is written now: a broker may drop it, and held publishers retry.
                 self.space()
                 await asyncio.sleep(0)
-
-    def _observe(self, seconds: float, batches: list[Batch]) -> None:
-        self.cycle_seconds.observe(seconds)
-        # batches of one entry (a crowd's) are counted by `_deliver`, in one call per cycle
-        observe = self.entries_per_batch.observe
-        for size in self.batch_sizes:
-            observe(size)
-        self.batch_sizes.clear()
 
     def _flush_staged(self) -> None:
         """The round's end: write each connection's staged frames."""
@@ -378,7 +368,7 @@ class Scheduler:
         conns = self.conns
         delivery_log = self.delivery_log
         direct = send_each is not None
-        sizes = self.batch_sizes
+        observe_size = self.entries_per_batch.observe
         singles = 0
         done = []
         for batch in batches:
@@ -394,7 +384,7 @@ class Scheduler:
                 singles += 1
             else:
                 key = tuple(entries)
-                sizes.append(len(entries))
+                observe_size(len(entries))
             frame = frames.get(key)
             if frame is None:
                 frame = frames[key] = batch.frame()
