@@ -4,15 +4,23 @@
  * GIL, and returns only the exceptions: a list of (index, sent) for each socket that did not take the
  * whole frame, where `sent` is the bytes it took (0 up to len(data) - 1) or -errno when send failed. The
  * caller hands the rest to that connection's transport, which buffers it or reports the error as it would
- * for its own write. Nothing here owns a socket or keeps state between calls. */
+ * for its own write. Nothing here owns a socket.
+ *
+ * Sender does the same in the background: `submit(fds, data)` queues the sends and returns at once, one
+ * thread of its own sends them while the caller prepares the next ones, and `wait()` sends what is still
+ * queued on the calling thread too, waits for the rest and returns the exceptions of everything submitted
+ * since the last wait, indexed in the order of submission. The caller must not write to a submitted socket
+ * any other way before `wait` returns. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #ifndef MSG_NOSIGNAL /* macOS: SO_NOSIGPIPE is set per socket instead; the gateway ignores SIGPIPE anyway */
 #define MSG_NOSIGNAL 0
@@ -22,6 +30,56 @@ typedef struct {
     Py_ssize_t index;
     Py_ssize_t sent; /* bytes taken, or -errno */
 } Shortfall;
+
+/* Send buf to each descriptor; record each that took less in short_of (index + base). Runs without the GIL. */
+static Py_ssize_t send_all(const int *fds, Py_ssize_t count, const char *buf, size_t len, Shortfall *short_of,
+                           Py_ssize_t base) {
+    Py_ssize_t shortfalls = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        ssize_t n;
+        do {
+            n = send(fds[i], buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        } while (n < 0 && errno == EINTR);
+        if (n != (ssize_t)len) {
+            short_of[shortfalls].index = base + i;
+            short_of[shortfalls].sent = n < 0 ? -(Py_ssize_t)errno : (Py_ssize_t)n;
+            shortfalls++;
+        }
+    }
+    return shortfalls;
+}
+
+/* The list's descriptors into fds (as many as the list holds); -1 with an exception set on a bad one. */
+static int read_fds(PyObject *fd_list, int *fds) {
+    Py_ssize_t count = PyList_GET_SIZE(fd_list);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long fd = PyLong_AsLong(PyList_GET_ITEM(fd_list, i));
+        if (fd == -1 && PyErr_Occurred())
+            return -1;
+        if (fd < 0 || fd > 0x7fffffffL) {
+            PyErr_SetString(PyExc_ValueError, "a descriptor is out of range");
+            return -1;
+        }
+        fds[i] = (int)fd;
+    }
+    return 0;
+}
+
+/* (index, sent) tuples of the shortfalls, as a new list. */
+static PyObject *shortfall_list(const Shortfall *short_of, Py_ssize_t shortfalls) {
+    PyObject *result = PyList_New(shortfalls);
+    if (result == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < shortfalls; k++) {
+        PyObject *item = Py_BuildValue("(nn)", short_of[k].index, short_of[k].sent);
+        if (item == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, k, item);
+    }
+    return result;
+}
 
 static PyObject *send_each(PyObject *self, PyObject *args) {
     PyObject *fd_list;
@@ -40,49 +98,214 @@ static PyObject *send_each(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        long fd = PyLong_AsLong(PyList_GET_ITEM(fd_list, i));
-        if (fd == -1 && PyErr_Occurred())
-            goto done;
-        if (fd < 0 || fd > 0x7fffffffL) {
-            PyErr_SetString(PyExc_ValueError, "send_each: a descriptor is out of range");
-            goto done;
-        }
-        fds[i] = (int)fd;
-    }
-    Py_ssize_t shortfalls = 0;
-    const char *buf = data.buf;
-    size_t len = (size_t)data.len;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        ssize_t n;
-        do {
-            n = send(fds[i], buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
-        } while (n < 0 && errno == EINTR);
-        if (n != (ssize_t)len) {
-            short_of[shortfalls].index = i;
-            short_of[shortfalls].sent = n < 0 ? -(Py_ssize_t)errno : (Py_ssize_t)n;
-            shortfalls++;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    result = PyList_New(shortfalls);
-    if (result == NULL)
+    if (read_fds(fd_list, fds) < 0)
         goto done;
-    for (Py_ssize_t k = 0; k < shortfalls; k++) {
-        PyObject *item = Py_BuildValue("(nn)", short_of[k].index, short_of[k].sent);
-        if (item == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, k, item);
-    }
+    Py_ssize_t shortfalls;
+    Py_BEGIN_ALLOW_THREADS
+    shortfalls = send_all(fds, count, data.buf, (size_t)data.len, short_of, 0);
+    Py_END_ALLOW_THREADS
+    result = shortfall_list(short_of, shortfalls);
 done:
     PyMem_RawFree(fds);
     PyMem_RawFree(short_of);
     PyBuffer_Release(&data);
     return result;
 }
+
+/* -- Sender: the same sends on a thread of its own ------------------------------------------------------ */
+
+typedef struct Job {
+    struct Job *next;
+    int *fds;
+    Py_ssize_t count;
+    Py_ssize_t base;     /* index of its first socket among those submitted since the last wait */
+    Py_buffer data;      /* released by `wait`, under the GIL */
+    Shortfall *short_of; /* room for `count`: allocated at submit, so no thread allocates */
+    Py_ssize_t shortfalls;
+} Job;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t lock;
+    pthread_cond_t queued;  /* a job was queued, or the thread is told to stop */
+    pthread_cond_t drained; /* the last job taken finished */
+    Job *head, *tail;       /* queued, not yet taken */
+    Job *taken;             /* taken (sent or being sent), newest first: `wait` reports and frees them */
+    int sending;            /* jobs taken and not finished */
+    Py_ssize_t submitted;   /* sockets submitted since the last wait */
+    int started, stop;
+    pid_t pid; /* the process that started the thread: a forked child has none and starts its own */
+    pthread_t thread;
+} Sender;
+
+static void free_jobs(Job *job) {
+    while (job != NULL) {
+        Job *next = job->next;
+        PyBuffer_Release(&job->data);
+        PyMem_RawFree(job->fds);
+        PyMem_RawFree(job->short_of);
+        PyMem_RawFree(job);
+        job = next;
+    }
+}
+
+/* Take the next queued job and send it, the lock held on entry and on return; 0 when none was queued. */
+static int send_next(Sender *self) {
+    Job *job = self->head;
+    if (job == NULL)
+        return 0;
+    self->head = job->next;
+    if (self->head == NULL)
+        self->tail = NULL;
+    job->next = self->taken;
+    self->taken = job;
+    self->sending++;
+    pthread_mutex_unlock(&self->lock);
+    job->shortfalls = send_all(job->fds, job->count, job->data.buf, (size_t)job->data.len, job->short_of, job->base);
+    pthread_mutex_lock(&self->lock);
+    if (--self->sending == 0)
+        pthread_cond_broadcast(&self->drained);
+    return 1;
+}
+
+static void *sender_thread(void *arg) {
+    Sender *self = arg;
+    pthread_mutex_lock(&self->lock);
+    while (!self->stop) {
+        if (!send_next(self))
+            pthread_cond_wait(&self->queued, &self->lock);
+    }
+    pthread_mutex_unlock(&self->lock);
+    return NULL;
+}
+
+static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":Sender", kwlist))
+        return NULL;
+    Sender *self = (Sender *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    pthread_mutex_init(&self->lock, NULL);
+    pthread_cond_init(&self->queued, NULL);
+    pthread_cond_init(&self->drained, NULL);
+    return (PyObject *)self;
+}
+
+static PyObject *sender_submit(Sender *self, PyObject *args) {
+    PyObject *fd_list;
+    Job *job = PyMem_RawCalloc(1, sizeof(Job));
+    if (job == NULL)
+        return PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "O!y*:submit", &PyList_Type, &fd_list, &job->data)) {
+        PyMem_RawFree(job);
+        return NULL;
+    }
+    job->count = PyList_GET_SIZE(fd_list);
+    size_t room = (size_t)(job->count > 0 ? job->count : 1);
+    job->fds = PyMem_RawMalloc(room * sizeof(int));
+    job->short_of = PyMem_RawMalloc(room * sizeof(Shortfall));
+    if (job->fds == NULL || job->short_of == NULL || read_fds(fd_list, job->fds) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        free_jobs(job);
+        return NULL;
+    }
+    if (self->started && self->pid != getpid()) { /* forked: the thread and the lock's state stayed behind */
+        self->started = 0;
+        pthread_mutex_init(&self->lock, NULL);
+        pthread_cond_init(&self->queued, NULL);
+        pthread_cond_init(&self->drained, NULL);
+    }
+    if (!self->started && pthread_create(&self->thread, NULL, sender_thread, self) == 0) {
+        self->started = 1; /* else `wait` sends everything on the caller's thread */
+        self->pid = getpid();
+    }
+    job->base = self->submitted;
+    self->submitted += job->count;
+    pthread_mutex_lock(&self->lock);
+    if (self->tail == NULL)
+        self->head = job;
+    else
+        self->tail->next = job;
+    self->tail = job;
+    pthread_cond_signal(&self->queued);
+    pthread_mutex_unlock(&self->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *sender_wait(Sender *self, PyObject *Py_UNUSED(ignored)) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->lock);
+    while (send_next(self)) /* what is still queued goes out from this thread too */
+        ;
+    while (self->sending > 0)
+        pthread_cond_wait(&self->drained, &self->lock);
+    pthread_mutex_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    Job *taken = self->taken;
+    self->taken = NULL;
+    self->submitted = 0;
+    Py_ssize_t shortfalls = 0;
+    for (Job *job = taken; job != NULL; job = job->next)
+        shortfalls += job->shortfalls;
+    PyObject *result = PyList_New(shortfalls);
+    if (result != NULL) { /* in the order of submission: the list of taken jobs is newest first */
+        Py_ssize_t k = shortfalls;
+        for (Job *job = taken; job != NULL; job = job->next) {
+            for (Py_ssize_t i = job->shortfalls - 1; i >= 0; i--) {
+                PyObject *item = Py_BuildValue("(nn)", job->short_of[i].index, job->short_of[i].sent);
+                if (item == NULL) {
+                    Py_CLEAR(result);
+                    break;
+                }
+                PyList_SET_ITEM(result, --k, item);
+            }
+            if (result == NULL)
+                break;
+        }
+    }
+    free_jobs(taken);
+    return result;
+}
+
+static void sender_dealloc(Sender *self) {
+    if (self->started && self->pid == getpid()) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->lock);
+        self->stop = 1;
+        pthread_cond_signal(&self->queued);
+        pthread_mutex_unlock(&self->lock);
+        pthread_join(self->thread, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    free_jobs(self->head); /* never waited for: only their memory is freed */
+    free_jobs(self->taken);
+    pthread_cond_destroy(&self->drained);
+    pthread_cond_destroy(&self->queued);
+    pthread_mutex_destroy(&self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef sender_methods[] = {
+    {"submit", (PyCFunction)sender_submit, METH_VARARGS,
+     "submit(fds: list[int], data: bytes) -> None\n\nQueue data for each socket; the sender's thread sends it."},
+    {"wait", (PyCFunction)sender_wait, METH_NOARGS,
+     "wait() -> list[tuple[int, int]]\n\nSend what is queued, wait for the rest; return (index, sent or -errno)\n"
+     "for each socket submitted since the last wait that took less, indexed in the order of submission."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SenderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gateway._fanwrite.Sender",
+    .tp_basicsize = sizeof(Sender),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Sends submitted frames on a thread of its own; `wait` joins it.",
+    .tp_new = sender_new,
+    .tp_dealloc = (destructor)sender_dealloc,
+    .tp_methods = sender_methods,
+};
 
 static PyMethodDef methods[] = {
     {"send_each", send_each, METH_VARARGS,
@@ -95,4 +318,17 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_fanwrite", "One frame written to many sockets in one call.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__fanwrite(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fanwrite(void) {
+    if (PyType_Ready(&SenderType) < 0)
+        return NULL;
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL)
+        return NULL;
+    Py_INCREF(&SenderType);
+    if (PyModule_AddObject(mod, "Sender", (PyObject *)&SenderType) < 0) {
+        Py_DECREF(&SenderType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}

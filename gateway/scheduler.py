@@ -12,6 +12,7 @@ remains, then each connection writes its staged frames once (gateway/transports/
 from __future__ import annotations
 
 import asyncio
+import bisect
 import gc
 import logging
 import time
@@ -26,7 +27,7 @@ from core.entries import encode_error
 from . import close_codes
 from .config import GatewayConfig
 from .deliverylog import DeliveryLog
-from .fanwrite import send_each
+from .fanwrite import Sender
 from .identity import ClientIdentity
 from .metrics import BATCH_BUCKETS, CYCLE_BUCKETS, BucketHistogram
 from .presence import Member, Presence
@@ -76,6 +77,19 @@ class Connection(Protocol):
         """State for the admin API."""
 
 
+class CrowdsSent:
+    """What a cycle handed to the sender, in the order submitted: each socket's connection and client, and
+    each frame's bytes with the index of its first socket (a shortfall's index names the socket)."""
+
+    __slots__ = ("conns", "client_ids", "starts", "wires")
+
+    def __init__(self) -> None:
+        self.conns: list[Connection] = []
+        self.client_ids: list[Hashable] = []
+        self.starts: list[int] = []
+        self.wires: list[bytes] = []
+
+
 class Scheduler:
     def __init__(self, config: GatewayConfig, engine: Engine, conns: Mapping[Hashable, Connection]) -> None:
         self.config = config
@@ -113,6 +127,9 @@ class Scheduler:
         #: frames written straight to a socket with others (`_write_crowd`), and those a socket did not take whole
         self.direct_writes = 0
         self.direct_shortfalls = 0
+        #: the fan-out writer's sender thread (gateway/fanwrite.py), None when it is not built
+        self.sender = Sender() if Sender is not None else None
+        self._sent = CrowdsSent()
         self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
         self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
         #: presence members of topics with `presence` (gateway/presence.py); the hub gives it the broker's store
@@ -363,83 +380,101 @@ class Scheduler:
 
     def _deliver(self, batches: list[Batch]) -> None:
         frames: dict[bytes | tuple[bytes, ...], bytes] = {}
-        # caught-up clients whose frame may go straight to their socket, by frame: written together below
+        # caught-up clients whose frame may go straight to their socket, by frame: handed to the sender in
+        # slices (`_write_crowd`), sent while the rest are handed out
         crowds: dict[bytes, tuple[list[int], list[Connection], list[Hashable]]] = {}
+        sent = self._sent
         conns = self.conns
         delivery_log = self.delivery_log
-        direct = send_each is not None
+        direct = self.sender is not None
         observe_size = self.entries_per_batch.observe
         singles = 0
         done = []
-        for batch in batches:
-            conn = conns.get(batch.client_id)
-            if conn is None:
-                continue
-            # Clients of one topic usually get identical batches: frame them once. The entries are the key
-            # (a bytes object caches its hash, and a lookup compares identity first; one entry, the common
-            # case, is its own key, never equal to a tuple key).
-            entries = batch.entries
-            if len(entries) == 1:
-                key: bytes | tuple[bytes, ...] = entries[0]
-                singles += 1
-            else:
-                key = tuple(entries)
-                observe_size(len(entries))
-            frame = frames.get(key)
-            if frame is None:
-                frame = frames[key] = batch.frame()
-            try:
-                fd = conn.direct_fd(batch, frame) if direct else -1
-                if fd >= 0:
-                    crowd = crowds.get(frame)
-                    if crowd is None:
-                        crowd = crowds[frame] = ([], [], [])
-                    fds = crowd[0]
-                    fds.append(fd)
-                    crowd[1].append(conn)
-                    crowd[2].append(batch.client_id)
-                    finished = False  # done once written, below
-                    if len(fds) == CROWD_SLICE:  # the first ones need not wait for the whole cycle's hand-off
-                        done.extend(self._write_crowd(frame, fds, crowd[1], crowd[2]))
-                        del crowds[frame]
+        try:
+            for batch in batches:
+                conn = conns.get(batch.client_id)
+                if conn is None:
+                    continue
+                # Clients of one topic usually get identical batches: frame them once. The entries are the
+                # key (a bytes object caches its hash, and a lookup compares identity first; one entry, the
+                # common case, is its own key, never equal to a tuple key).
+                entries = batch.entries
+                if len(entries) == 1:
+                    key: bytes | tuple[bytes, ...] = entries[0]
+                    singles += 1
                 else:
-                    finished = conn.deliver(batch, frame)
-            except Exception:  # a transport that broke mid-write: drop it, never the others
-                log.exception("delivery to %s failed", batch.client_id)
-                self.kick(batch.client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
-                continue
-            if delivery_log is not None:
-                delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
-            if finished:
-                done.append(batch.client_id)
+                    key = tuple(entries)
+                    observe_size(len(entries))
+                frame = frames.get(key)
+                if frame is None:
+                    frame = frames[key] = batch.frame()
+                try:
+                    fd = conn.direct_fd(batch, frame) if direct else -1
+                    if fd >= 0:
+                        crowd = crowds.get(frame)
+                        if crowd is None:
+                            crowd = crowds[frame] = ([], [], [])
+                        fds = crowd[0]
+                        fds.append(fd)
+                        crowd[1].append(conn)
+                        crowd[2].append(batch.client_id)
+                        finished = False  # done once sent, below
+                        if len(fds) == CROWD_SLICE:  # the first ones need not wait for the whole cycle's hand-off
+                            self._write_crowd(frame, crowd)
+                            del crowds[frame]
+                    else:
+                        finished = conn.deliver(batch, frame)
+                except Exception:  # a transport that broke mid-write: drop it, never the others
+                    log.exception("delivery to %s failed", batch.client_id)
+                    self.kick(batch.client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+                    continue
+                if delivery_log is not None:
+                    delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
+                if finished:
+                    done.append(batch.client_id)
+            for frame, crowd in crowds.items():
+                self._write_crowd(frame, crowd)
+        finally:
+            if sent.conns:
+                done.extend(self._crowds_sent())
         self.entries_per_batch.observe_many(1, singles)
-        for frame, (fds, group, client_ids) in crowds.items():
-            done.extend(self._write_crowd(frame, fds, group, client_ids))
         if done:
             self.engine.writes_done(done)
 
-    def _write_crowd(self, frame: bytes, fds: list[int], crowd: list[Connection],
-                     client_ids: list[Hashable]) -> list[Hashable]:
-        """One frame to many sockets in one call; the transports take what a socket did not. Returns the
-        clients ready again (one whose rest left its transport above the high-water mark is not)."""
-        assert send_each is not None
-        data = crowd[0].wire(frame)
+    def _write_crowd(self, frame: bytes, crowd: tuple[list[int], list[Connection], list[Hashable]]) -> None:
+        """Hand one frame for many sockets to the sender, which sends it while the scheduler goes on."""
+        assert self.sender is not None
+        fds, group, client_ids = crowd
+        data = group[0].wire(frame)
+        sent = self._sent
+        sent.starts.append(len(sent.conns))
+        sent.wires.append(data)
+        sent.conns += group
+        sent.client_ids += client_ids
         self.staged_writes += len(fds)
         self.direct_writes += len(fds)
-        short = send_each(fds, data)
+        self.sender.submit(fds, data)
+
+    def _crowds_sent(self) -> list[Hashable]:
+        """Wait for the sender; the transports take what a socket did not. Returns the clients ready again
+        (one whose rest left its transport above the high-water mark is not)."""
+        assert self.sender is not None
+        sent, self._sent = self._sent, CrowdsSent()
+        short = self.sender.wait()
         if not short:
-            return client_ids
+            return sent.client_ids
         self.direct_shortfalls += len(short)
-        ready = [True] * len(crowd)
-        for index, sent in short:
-            conn = crowd[index]
+        ready = [True] * len(sent.conns)
+        for index, taken in short:
+            conn = sent.conns[index]
+            data = sent.wires[bisect.bisect_right(sent.starts, index) - 1]
             try:
-                ready[index] = conn.write_rest(data, sent)
+                ready[index] = conn.write_rest(data, taken)
             except Exception:  # a transport that broke mid-write: drop it, never the others
                 ready[index] = False
-                log.exception("delivery to %s failed", client_ids[index])
-                self.kick(client_ids[index], close_codes.INTERNAL_ERROR, "internal error", "error")
-        return [client_id for client_id, ok in zip(client_ids, ready) if ok]
+                log.exception("delivery to %s failed", sent.client_ids[index])
+                self.kick(sent.client_ids[index], close_codes.INTERNAL_ERROR, "internal error", "error")
+        return [client_id for client_id, ok in zip(sent.client_ids, ready) if ok]
 
     # -- metrics -------------------------------------------------------------------------------------------
 

@@ -182,7 +182,7 @@ class SocketConnection(FakeConnection):
         return entries
 
 
-@pytest.mark.skipif(fanwrite.send_each is None, reason="the fan-out writer is not built")
+@pytest.mark.skipif(fanwrite.Sender is None, reason="the fan-out writer is not built")
 @pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: a crowd written in slices of two sockets
 def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_call(
         crowd_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,30 +204,43 @@ def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_cal
     run(test)
 
 
-@pytest.mark.skipif(fanwrite.send_each is None, reason="the fan-out writer is not built")
-def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_it_to_drain():
+@pytest.mark.skipif(fanwrite.Sender is None, reason="the fan-out writer is not built")
+@pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: the full socket is the first of the second slice
+def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_it_to_drain(
+        crowd_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler, "CROWD_SLICE", crowd_slice)
+
     async def test(hub: Hub) -> None:
-        full, fine = SocketConnection("full"), SocketConnection("fine")
-        for conn in (full, fine):
+        fine = [SocketConnection("fine0"), SocketConnection("fine1")]
+        full = SocketConnection("full")
+        fine.append(SocketConnection("fine2"))
+        for conn in (*fine[:2], full, fine[2]):
             hub.clients.register(conn, ready=True)
             hub.router.subscribe(conn.identity.client_id, "chat.full")
-        await settle(lambda: hub.scheduler.direct_writes == 2)
+        await settle(lambda: hub.scheduler.direct_writes == 4)
         assert [e["type"] for e in full.received()] == ["subscribed"]
         full.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         with contextlib.suppress(BlockingIOError):  # the peer reads nothing: its buffers fill up
             while True:
                 full.sock.send(b"x" * 4096)
         hub.router.publish_nowait("chat.full", "m1")
-        await settle(lambda: bool(full.rest) and any(e["type"] == "msg" for e in fine.received()))
+        got: list[list[Any]] = [[] for _ in fine]
+
+        def all_got(data: str) -> bool:
+            for mine, conn in zip(got, fine):
+                mine += conn.received()
+            return all(any(e.get("data") == data for e in mine) for mine in got)
+
+        await settle(lambda: bool(full.rest) and all_got("m1"))
         (data, sent), = full.rest
         assert sent == -errno.EAGAIN and b'"m1"' in data and len(data) == int(data[:8]) + 8  # all of it
         assert hub.scheduler.direct_shortfalls == 1
         hub.router.publish_nowait("chat.full", "m2")  # not ready until its transport drains
-        await settle(lambda: any(e.get("data") == "m2" for e in fine.received()))
+        await settle(lambda: all_got("m2"))
         assert len(full.rest) == 1
         full.rest.clear()
         hub.scheduler.write_drained("full")
-        await settle(lambda: hub.scheduler.direct_writes == 5)
+        await settle(lambda: hub.scheduler.direct_writes == 4 + 3 + 3 + 1)
 
     run(test)
 
