@@ -790,7 +790,7 @@ def protocol_class(
 
 class WSConnection(StagedWriter):
     __slots__ = ("websocket", "proto", "frames_sent", "bytes_sent", "entries_sent", "closed", "_outbox", "_writer",
-                 "fd")
+                 "fd", "transport")
 
     def __init__(self, hub: Hub, identity: ClientIdentity, websocket: WebSocket | None,
                  proto: FanoutWSProtocol | None) -> None:
@@ -806,9 +806,12 @@ class WSConnection(StagedWriter):
         self._writer: asyncio.Task[None] | None = None
         #: the socket `direct_fd` hands out (plain TCP, direct write path), -1 once closed
         self.fd = -1
+        #: the protocol's transport (direct write path), read once per direct write
+        self.transport: asyncio.Transport | None = None
         if proto is not None:
             proto.connection = self
             self.fd = proto.raw_fd
+            self.transport = proto.transport
         else:
             self._outbox = asyncio.Queue(maxsize=1)
             self._writer = asyncio.get_running_loop().create_task(self._write_via_asgi())
@@ -841,10 +844,9 @@ class WSConnection(StagedWriter):
         fd = self.fd
         if fd < 0 or batch.more or self._staged or self.paused:
             return -1
-        proto = self.proto
-        assert proto is not None  # `fd` is -1 on the ASGI path
-        transport = proto.transport
-        if proto.lingering or transport.is_closing() or transport.get_write_buffer_size():
+        transport = self.transport
+        assert transport is not None and self.proto is not None  # `fd` is -1 on the ASGI path
+        if self.proto.lingering or transport.is_closing() or transport.get_write_buffer_size():
             return -1
         self.frames_sent += 1
         self.bytes_sent += len(frame)
