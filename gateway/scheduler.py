@@ -392,7 +392,8 @@ class Scheduler:
         done = []
         try:
             for batch in batches:
-                conn = conns.get(batch.client_id)
+                client_id = batch.client_id
+                conn = conns.get(client_id)
                 if conn is None:
                     continue
                 # Clients of one topic usually get identical batches: frame them once. The entries are the
@@ -417,7 +418,7 @@ class Scheduler:
                         fds = crowd[0]
                         fds.append(fd)
                         crowd[1].append(conn)
-                        crowd[2].append(batch.client_id)
+                        crowd[2].append(client_id)
                         finished = False  # done once sent, below
                         if len(fds) == CROWD_SLICE:  # the first ones need not wait for the whole cycle's hand-off
                             self._write_crowd(frame, crowd)
@@ -425,13 +426,13 @@ class Scheduler:
                     else:
                         finished = conn.deliver(batch, frame)
                 except Exception:  # a transport that broke mid-write: drop it, never the others
-                    log.exception("delivery to %s failed", batch.client_id)
-                    self.kick(batch.client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+                    log.exception("delivery to %s failed", client_id)
+                    self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
                     continue
                 if delivery_log is not None:
                     delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
                 if finished:
-                    done.append(batch.client_id)
+                    done.append(client_id)
             for frame, crowd in crowds.items():
                 self._write_crowd(frame, crowd)
         finally:
