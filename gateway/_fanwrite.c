@@ -7,10 +7,10 @@
  * for its own write. Nothing here owns a socket.
  *
  * Sender does the same in the background: `submit(fds, data)` queues the sends and returns at once, one
- * thread of its own sends them while the caller prepares the next ones, and `wait()` sends what is still
- * queued on the calling thread too, waits for the rest and returns the exceptions of everything submitted
- * since the last wait, indexed in the order of submission. The caller must not write to a submitted socket
- * any other way before `wait` returns. */
+ * thread of its own sends them while the caller prepares the next ones (a small job alone is left for
+ * `wait`), and `wait()` sends what is still queued on the calling thread too, waits for the rest and returns
+ * the exceptions of everything submitted since the last wait, indexed in the order of submission. The
+ * caller must not write to a submitted socket any other way before `wait` returns. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -113,6 +113,9 @@ done:
 }
 
 /* -- Sender: the same sends on a thread of its own ------------------------------------------------------ */
+
+/* Sockets in a job from which the sender's thread is woken for it, when no other job is queued. */
+#define THREAD_MIN_SOCKETS 128
 
 typedef struct Job {
     struct Job *next;
@@ -217,18 +220,25 @@ static PyObject *sender_submit(Sender *self, PyObject *args) {
         pthread_cond_init(&self->queued, NULL);
         pthread_cond_init(&self->drained, NULL);
     }
-    if (!self->started && pthread_create(&self->thread, NULL, sender_thread, self) == 0) {
-        self->started = 1; /* else `wait` sends everything on the caller's thread */
-        self->pid = getpid();
-    }
     job->base = self->submitted;
     self->submitted += job->count;
     pthread_mutex_lock(&self->lock);
+    int behind = self->head != NULL; /* a job is still queued: the caller is handing out a crowd */
     if (self->tail == NULL)
         self->head = job;
     else
         self->tail->next = job;
     self->tail = job;
+    pthread_mutex_unlock(&self->lock);
+    /* A small job alone stays for `wait` to send on the caller's thread: waking a thread costs more than it
+     * saves when the caller has little else to do before it waits. */
+    if (job->count < THREAD_MIN_SOCKETS && !behind)
+        Py_RETURN_NONE;
+    if (!self->started && pthread_create(&self->thread, NULL, sender_thread, self) == 0) {
+        self->started = 1; /* else `wait` sends everything on the caller's thread */
+        self->pid = getpid();
+    }
+    pthread_mutex_lock(&self->lock);
     pthread_cond_signal(&self->queued);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;

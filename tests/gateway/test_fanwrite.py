@@ -80,15 +80,37 @@ def test_wait_without_submit_and_an_empty_job_report_nothing() -> None:
     assert sender.wait() == []
 
 
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_small_job_is_sent_by_wait_and_a_crowd_by_the_senders_own_thread(pairs) -> None:
+    assert fanwrite.Sender is not None
+    sender = fanwrite.Sender()
+    before = threads()
+    sender.submit([pairs[0][0].fileno()] * 3, b"s")  # a small job alone: no thread is woken for it
+    assert sender.wait() == [] and threads() == before
+    assert pairs[0][1].recv(64) == b"sss"
+    sender.submit([pairs[1][0].fileno()] * 200, b"c")  # a crowd's slice: the sender's thread starts
+    assert sender.wait() == [] and threads() == before + 1
+    assert pairs[1][1].recv(1024) == b"c" * 200
+    sender.submit([pairs[2][0].fileno()], b"1")  # a small job behind another: the thread is woken
+    sender.submit([pairs[2][0].fileno()], b"2")
+    assert sender.wait() == []
+    assert pairs[2][1].recv(64) == b"12"
+    del sender
+    assert threads() == before  # the thread ends with its sender
+
+
 def test_a_forked_child_sends_through_a_sender_its_parent_had_started(pairs) -> None:
     assert fanwrite.Sender is not None
     sender = fanwrite.Sender()
-    sender.submit([pairs[0][0].fileno()], b"parent")
+    sender.submit([pairs[0][0].fileno()] * 200, b"p")  # the parent's thread starts
     assert sender.wait() == []
     child = os.fork()
     if child == 0:  # the parent's thread did not come along: the child starts its own
-        sender.submit([pairs[1][0].fileno()], b"child")
+        sender.submit([pairs[1][0].fileno()] * 200, b"c")
         os._exit(0 if sender.wait() == [] else 1)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert pairs[0][1].recv(64) == b"parent" and pairs[1][1].recv(64) == b"child"
+    assert pairs[0][1].recv(1024) == b"p" * 200 and pairs[1][1].recv(1024) == b"c" * 200
