@@ -7,7 +7,7 @@
  * for its own write. Nothing here owns a socket.
  *
  * Sender does the same in the background: `submit(fds, data)` queues the sends and returns at once, one
- * thread of its own sends them while the caller prepares the next ones (a small job alone is left for
+ * thread of its own sends them while the caller prepares the next ones (a small job is left for
  * `wait`), and `wait()` sends what is still queued on the calling thread too, waits for the rest and returns
  * the exceptions of everything submitted since the last wait, indexed in the order of submission. The
  * caller must not write to a submitted socket any other way before `wait` returns. */
@@ -114,7 +114,8 @@ done:
 
 /* -- Sender: the same sends on a thread of its own ------------------------------------------------------ */
 
-/* Sockets in a job from which the sender's thread is woken for it, when no other job is queued. */
+/* Sockets in a job from which the sender's thread is woken for it (a crowd's slice); smaller jobs are
+ * sent by `wait`. */
 #define THREAD_MIN_SOCKETS 128
 
 typedef struct Job {
@@ -223,16 +224,16 @@ static PyObject *sender_submit(Sender *self, PyObject *args) {
     job->base = self->submitted;
     self->submitted += job->count;
     pthread_mutex_lock(&self->lock);
-    int behind = self->head != NULL; /* a job is still queued: the caller is handing out a crowd */
     if (self->tail == NULL)
         self->head = job;
     else
         self->tail->next = job;
     self->tail = job;
     pthread_mutex_unlock(&self->lock);
-    /* A small job alone stays for `wait` to send on the caller's thread: waking a thread costs more than it
-     * saves when the caller has little else to do before it waits. */
-    if (job->count < THREAD_MIN_SOCKETS && !behind)
+    /* A small job stays for `wait` to send on the caller's thread. Waking the thread for it costs more than
+     * it saves, and `wait` would then depend on a thread that another process may have preempted: one such
+     * wait per cycle, at many cycles a second, shows in the tail of every client's latency. */
+    if (job->count < THREAD_MIN_SOCKETS)
         Py_RETURN_NONE;
     if (!self->started && pthread_create(&self->thread, NULL, sender_thread, self) == 0) {
         self->started = 1; /* else `wait` sends everything on the caller's thread */

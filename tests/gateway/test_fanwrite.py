@@ -42,11 +42,12 @@ def test_every_socket_gets_its_jobs_frame_and_shortfalls_are_indexed_across_jobs
     fill(pairs[4][0])  # the second socket of the second job
     closed = os.dup(pairs[5][0].fileno())
     os.close(closed)  # a descriptor no longer open: send fails with EBADF
-    sender.submit([ours.fileno() for ours, _ in pairs[:3]], b"first")
-    sender.submit([pairs[3][0].fileno(), pairs[4][0].fileno(), closed], b"second")
+    sender.submit([ours.fileno() for ours, _ in pairs[:3]] * 50, b"first")  # a crowd's slice: on the thread
+    sender.submit([pairs[3][0].fileno(), pairs[4][0].fileno(), closed], b"second")  # small: sent by `wait`
     sender.submit([pairs[6][0].fileno()], b"third")
-    assert sender.wait() == [(4, -errno.EAGAIN), (5, -errno.EBADF)]
-    assert [peer.recv(64) for _, peer in pairs[:4]] == [b"first"] * 3 + [b"second"]
+    assert sender.wait() == [(151, -errno.EAGAIN), (152, -errno.EBADF)]
+    assert [peer.recv(1024) for _, peer in pairs[:3]] == [b"first" * 50] * 3
+    assert pairs[3][1].recv(64) == b"second"
     assert pairs[6][1].recv(64) == b"third"
     # the next wait counts from 0 again, and reports nothing when every socket took its frame
     sender.submit([pairs[6][0].fileno()], b"again")
@@ -94,7 +95,7 @@ def test_a_small_job_is_sent_by_wait_and_a_crowd_by_the_senders_own_thread(pairs
     sender.submit([pairs[1][0].fileno()] * 200, b"c")  # a crowd's slice: the sender's thread starts
     assert sender.wait() == [] and threads() == before + 1
     assert pairs[1][1].recv(1024) == b"c" * 200
-    sender.submit([pairs[2][0].fileno()], b"1")  # a small job behind another: the thread is woken
+    sender.submit([pairs[2][0].fileno()], b"1")  # small jobs, even several, are sent by `wait`
     sender.submit([pairs[2][0].fileno()], b"2")
     assert sender.wait() == []
     assert pairs[2][1].recv(64) == b"12"
