@@ -65,6 +65,11 @@ def check_listener_tokens(config: GatewayConfig) -> None:
             )
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class GatewayServer(uvicorn.Server):
     """uvicorn's server, closing the gateway's clients first on shutdown so it never waits on them; on SIGTERM
     or SIGINT, a graceful drain first (`drain`, `server.drain_timeout_s`), and the process then ends with
@@ -109,11 +114,50 @@ class GatewayServer(uvicorn.Server):
             self.should_exit = True
             self.drain_requested = True
 
+    #: the main loop's pause between two ticks (`main_loop`), which `wake` ends early
+    _pause: asyncio.Future[None] | None = None
+
+    async def main_loop(self) -> None:
+        """uvicorn's main loop (uvicorn 0.54: `on_tick` every 0.1 s until it says to exit), except that `wake`
+        ends the pause at once: `RunningGateway.stop` does not wait for the next tick."""
+        loop = asyncio.get_running_loop()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000
+            self._pause = pause = loop.create_future()
+            timer = loop.call_later(0.1, _resolve, pause)
+            try:
+                await pause
+            finally:
+                timer.cancel()
+                self._pause = None
+            should_exit = await self.on_tick(counter)
+
+    def wake(self) -> None:
+        """End the main loop's pause now (on the server's event loop, once `should_exit` is set)."""
+        if self._pause is not None:
+            _resolve(self._pause)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.drain_requested and self.hub.config.server.drain_timeout_s > 0:
             await self.drain()
         self.hub.close_all_clients()  # what is left (1001)
-        await super().shutdown(sockets)
+        state = self.server_state
+        if state.connections or state.tasks:
+            await super().shutdown(sockets)
+            return
+        # Nothing open: uvicorn's shutdown (uvicorn 0.54) without its 0.1 s pause for the connections to
+        # finish their responses and close, there being none.
+        logging.getLogger("uvicorn.error").info("Shutting down")
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for server in self.servers:
+            await server.wait_closed()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
     async def drain(self) -> None:
         """Stop accepting (the HTTP and ingest ports close), close every client with 1012 and a reconnect hint,
@@ -221,7 +265,7 @@ class RunningGateway:
     ingest_port: int = 0
     raw_sender_port: int = 0
     raw_receiver_port: int = 0
-    server: uvicorn.Server | None = None
+    server: GatewayServer | None = None
     task: asyncio.Task[None] | None = None
     ingest: IngestServer | None = None
 
@@ -240,6 +284,7 @@ class RunningGateway:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
+            self.server.wake()
         await self.hub.stop()
         if self.task is not None:
             try:

@@ -209,11 +209,22 @@ def token_for(user: str) -> str:
 
 class Chaos:
     def __init__(self, workdir: Path, duration: float, faults: list[str], seed: int, sample_s: float,
-                 warmup: float, workers: int = 1) -> None:
+                 warmup: float, workers: int = 1, pause: tuple[float, float] = (6.0, 9.0),
+                 settle_s: float | None = None, rounds: int | None = None, tail_s: float = 14.0,
+                 idle_samples: int = 0) -> None:
         self.workdir = workdir
         self.workers = workers
         self.duration = duration
         self.faults = faults
+        #: seconds between a fault's end (or, with `settle_s`, every client served again) and the next fault
+        self.pause = pause
+        #: wait until every client got a message published after the fault's end (at most this long), then pause
+        self.settle_s = settle_s
+        #: run the fault list this many times, then `tail_s` s more traffic and the end (not later than `duration`)
+        self.rounds = rounds
+        self.tail_s = tail_s
+        #: samples taken 1 s apart once every client left (the growth's last ones: what is left over)
+        self.idle_samples = idle_samples
         self.rng = random.Random(seed)
         self.sample_s = sample_s
         self.warmup = warmup
@@ -238,8 +249,7 @@ class Chaos:
             self.nodes = [Node("a", self.workdir, self.redis.url, self.workers)]
         else:
             self.nodes = [Node("a", self.workdir, self.redis.url), Node("b", self.workdir, self.redis.url)]
-        for node in self.nodes:
-            await asyncio.to_thread(node.start)
+        await asyncio.gather(*(asyncio.to_thread(node.start) for node in self.nodes))
         self.proxies = [FaultyProxy(n.port) for n in self.nodes]
         for p in self.proxies:
             await p.start()
@@ -271,29 +281,60 @@ class Chaos:
         self.say(f"warm-up {self.warmup:g} s; {len(self.clients)} clients, faults: {', '.join(self.faults)}")
         await asyncio.sleep(self.warmup)
         i = 0
-        while self.faults and time.monotonic() < end - 20:
+        last = None if self.rounds is None else self.rounds * len(self.faults)
+        while self.faults and time.monotonic() < end - 20 and (last is None or i < last):
             name = self.faults[i % len(self.faults)]
             i += 1
             start = time.time()
             self.say(f"fault {name}")
             detail = await self.inject(name) or {}
-            self.fault_log.append(FaultRecord(name, start, time.time(), detail))
-            await asyncio.sleep(min(max(0.0, end - 20 - time.monotonic()), self.rng.uniform(6.0, 9.0)))
+            record = FaultRecord(name, start, time.time(), detail)
+            self.fault_log.append(record)
+            if self.settle_s is not None:
+                await self.settle(record, self.settle_s)
+            await asyncio.sleep(min(max(0.0, end - 20 - time.monotonic()), self.rng.uniform(*self.pause)))
+        if last is not None:  # the rounds ran: `tail_s` more seconds of traffic, then the end
+            end = min(end, time.monotonic() + self.tail_s + 6)
         await asyncio.sleep(max(0.0, end - 6 - time.monotonic()))
         for p in publishers:
             p.stop_event.set()
         await asyncio.gather(*ptasks, return_exceptions=True)
+        self.say("publishers stopped")
         await asyncio.sleep(5.0)  # the last deliveries, long-polls included
         rings = {t: await self.read_ring(t) for t in RING}
+        self.say("rings read")
         for c in self.clients:
             c.stop_event.set()
             if isinstance(c, WsClient) and c.ws is not None:
                 await c.ws.close()
+        # a long-poll or SSE read waits for its poll timeout or heartbeat: nothing comes any more (the
+        # publishers stopped 5 s ago), so a client still reading after 1 s is cancelled there
+        _, reading = await asyncio.wait(tasks, timeout=1.0)
+        for task in reading:
+            task.cancel()
         await asyncio.wait(tasks, timeout=20)
+        self.say("clients ended")
         sampler.cancel()
+        if self.idle_samples:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                for _ in range(self.idle_samples):
+                    await asyncio.sleep(1.0)
+                    await self.sample(http)
         for p in self.proxies:
             await p.close()
         return self.finish(rings)
+
+    async def settle(self, fault: FaultRecord, bound: float) -> None:
+        """Until every client got a message published after the fault's end (what `recovery` counts), at most
+        `bound` seconds: a client still unserved then is left for the check to report."""
+        deadline = time.monotonic() + bound
+        waiting = list(self.clients)
+        while waiting and time.monotonic() < deadline:
+            waiting = [c for c in waiting if not served_since(c, fault)]
+            if waiting:
+                await asyncio.sleep(0.05)
+        self.say(f"  {fault.name}: every client served again" if not waiting else
+                 f"  {fault.name}: not served again after {bound:g} s: {', '.join(c.name for c in waiting)}")
 
     async def sample_loop(self) -> None:
         async with httpx.AsyncClient(timeout=2.0) as http:
@@ -475,6 +516,20 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def served_since(client: Any, fault: FaultRecord) -> bool:
+    """Whether the client received, since the fault started, a message published after its end on a topic
+    other than the private one (the event `recovery` takes as the client's recovery)."""
+    for topic, events in client.rec.events.items():
+        if topic == PRIVATE:
+            continue
+        for e in reversed(events):
+            if e.get("t", 0.0) < fault.start:
+                break
+            if e["ev"] == "msg" and isinstance(e["data"], dict) and e["data"].get("t", 0) >= fault.healed:
+                return True
+    return False
+
+
 def recovery(faults: list[FaultRecord], clients: list[Any]) -> dict[str, Any]:
     """Per fault: for each client, the time from the fault's end to the first message published after it
     that reached the client; loss notices and closes in the fault's window (until the next fault)."""
@@ -520,19 +575,19 @@ def recovery(faults: list[FaultRecord], clients: list[Any]) -> dict[str, Any]:
 
 def growth(samples: list[dict[str, Any]], warmup: float) -> dict[str, Any]:
     """Per process (name and pid: a restarted node is another process): RSS and descriptors at the first
-    samples after the warm-up and at the last ones (means of 3), and the change in percent."""
+    samples after the warm-up and at the last ones (means of 3), and the change in percent. A process started
+    during the run (a restarted node or Redis) has its own warm-up: its first `warmup` seconds are left out
+    (a sample taken while it was still starting, or its clients still coming back, is no baseline)."""
     if not samples:
         return {}
-    t_start = samples[0]["t"] + warmup
     series: dict[str, list[dict[str, Any]]] = {}
     for row in samples:
-        if row["t"] < t_start:
-            continue
         for key, val in row.items():
             if key != "t":
                 series.setdefault(f"{key} pid {val['pid']}", []).append({**val, "t": row["t"]})
     out = {}
     for key, rows in series.items():
+        rows = [r for r in rows if r["t"] >= rows[0]["t"] + warmup]
         if len(rows) < 6:
             continue
         first, last = rows[:3], rows[-3:]
@@ -602,10 +657,17 @@ def parse_faults(text: str) -> list[str]:
 
 
 def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_s: float = 5.0,
-        warmup: float | None = None, keep: bool = False, workers: int = 1) -> dict[str, Any]:
+        warmup: float | None = None, keep: bool = False, workers: int = 1, pause: tuple[float, float] = (6.0, 9.0),
+        settle_s: float | None = None, rounds: int | None = None, tail_s: float = 14.0,
+        idle_samples: int = 0) -> dict[str, Any]:
+    """`duration` bounds the run; with `rounds` it ends once the fault list ran that many times (and `tail_s`
+    seconds of traffic after). `settle_s`: after each fault, wait until every client is served again (at most
+    that long) before the `pause` (seconds, drawn between the two bounds). `idle_samples`: samples taken 1 s
+    apart once every client left, the last ones of the growth figures (what the run left behind)."""
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     warm = warmup if warmup is not None else min(60.0, max(10.0, duration * 0.15))
-    chaos = Chaos(workdir, duration, faults, seed, sample_s, warm, workers)
+    chaos = Chaos(workdir, duration, faults, seed, sample_s, warm, workers, pause, settle_s, rounds, tail_s,
+                  idle_samples)
     try:
         result = asyncio.run(chaos.run())
     finally:
@@ -621,6 +683,7 @@ def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_
             shutil.rmtree(workdir, ignore_errors=True)
     result["seed"] = seed
     result["workers"] = workers
+    result["run_s"] = round(time.time() - chaos.t0, 1)
     if out is not None:
         (out / "chaos.json").write_text(json.dumps(result, indent=1, default=str))
         if result["check"]["violations"]:

@@ -40,10 +40,11 @@ class Node:
 
     def config_text(self) -> str:
         sections: dict[str, dict[str, Any]] = {
-            # drain_timeout_s: a SIGTERM (`stop`) drains for at most 3 s, not the default 10, for the clients a
-            # test leaves open (an abandoned long-poll session would hold the drain to its end)
+            # drain_timeout_s: a SIGTERM (`stop`) drains for at most 1 s, not the default 10, for the clients a
+            # test leaves open (an abandoned long-poll session would hold the drain to its end; with nothing
+            # left open it ends at once). The drain tests set their own (test_drain_workers.py)
             "server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN, "log_level": "warning",
-                       "max_connections_per_ip": 0, "drain_timeout_s": 3.0},
+                       "max_connections_per_ip": 0, "drain_timeout_s": 1.0},
             "ingest": {"port": 0},
             "rawtcp": {"enabled": False},
             "broker": {"url": self.redis_url, "connect_timeout_s": 5.0},
@@ -103,10 +104,12 @@ class Node:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(5)
 
-    def stop(self) -> int | None:
+    def stop(self, signalled: bool = False) -> int | None:
+        """SIGTERM (unless `signalled`: sent already), then the exit status."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
+        if not signalled:
+            self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -140,8 +143,13 @@ class NodeFactory:
         return node.start(wait)
 
     def stop_all(self) -> None:
-        for node in self.nodes:
-            node.stop()
+        """SIGTERM to every node still running at once (their drains overlap), then wait for each."""
+        running = [node for node in self.nodes if node.proc is not None and node.proc.poll() is None]
+        for node in running:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGTERM)
+        for node in running:
+            node.stop(signalled=True)
 
 
 def collect(ws, until, timeout: float = 10.0) -> list[dict]:

@@ -325,15 +325,19 @@ def test_recovery_is_exact_on_synthetic_entries(site: Path, browser: Chromium) -
 @pytest.mark.parametrize("transport", ["ws", "sse", "lp"])
 def test_a_silent_connection_is_found_by_ping_and_replaced(site: Path, browser: Chromium, transport: str) -> None:
     topic = f"chat.silent-{transport}"
+    # a ping every 1 s answered within 2 s (a loopback round trip: milliseconds), so the frozen connection is
+    # found within 3 s; a reconnect made before the proxy passes again gives up after 2 s and tries again
     with gateway(site) as gw, TcpProxy(gw.http_port) as proxy:
-        start(browser, proxy.url, topic, transports=[transport], connectTimeoutMs=4000)
+        start(browser, proxy.url, topic, transports=[transport], connectTimeoutMs=2000, pingIntervalMs=1000,
+              pingTimeoutMs=2000)
         publish(gw, topic, [{"n": 0}])
         wait_msgs(browser, topic, 1)
+        no_pong = "rec.events.some(([k, v]) => k === 'state' && v[1].reason === 'no pong')"
+        assert not browser.evaluate(no_pong)  # every ping answered while the path was open
         proxy.silent = True  # nothing passes and nothing closes: only the ping's missing reply tells
         proxy.freeze()
         publish(gw, topic, [{"n": i} for i in range(1, 5)])
-        browser.wait_for("rec.events.some(([k, v]) => k === 'state' && v[1].reason === 'no pong')", 30,
-                         what="the ping timeout", dump=DUMP)
+        browser.wait_for(no_pong, 30, what="the ping timeout", dump=DUMP)
         proxy.silent = False
         browser.wait_for("client.reconnects >= 1 && client.state === 'connected'", 30,
                          what="a new connection", dump=DUMP)

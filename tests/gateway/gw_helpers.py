@@ -20,9 +20,10 @@ def ws_connect(gw, *, query: str = "", rcvbuf: int | None = None, max_queue: int
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.connect(("127.0.0.1", gw.http_port))
     # max_queue=None (unbounded): a test that stops reading must not stall the close handshake for 10 s;
-    # a client meant to stall passes a bound, so its reader stops and the kernel buffers fill
+    # a client meant to stall passes a bound, so its reader stops and the kernel buffers fill. Its close
+    # handshake then waits behind the unread frames (the gateway may have cut it long before): 1 s, not 10
     return connect(gw.ws_url + query, sock=sock, open_timeout=5, max_size=None, max_queue=max_queue,
-                   compression=None)
+                   compression=None, close_timeout=10 if max_queue is None else 1)
 
 
 def send(ws, **command) -> None:

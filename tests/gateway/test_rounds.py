@@ -160,6 +160,8 @@ def test_the_delivery_log_stamps_a_staged_batch_when_the_round_writes_it(tmp_pat
         assert recv_entries(ws)[0]["type"] == "subscribed"
         publish_backlog(gw, "feed", 1000)
         assert len(collect(ws, lambda g: len(g) >= 1000)) == 1000
+        hub = gw.hub
+    hub.delivery_log._thread.join(10)  # the writer completes its last file once the hub stopped
     rows = [json.loads(line) for path in tmp_path.glob("deliveries-*.jsonl") for line in path.read_text().splitlines()]
     assert sorted(row["seq"] for row in rows) == list(range(1000))  # 1,000 batches of one message each
     assert len({row["deliver_ns"] for row in rows}) == 1  # one round, one write, one stamp

@@ -78,7 +78,8 @@ def fresh(method: str, url: str, **kwargs) -> httpx.Response:
 # -- 5. the internal links ---------------------------------------------------------------------------------
 
 def test_workers_listen_on_the_public_ports_only_and_still_forward_sessions(nodes):
-    node = nodes.start("w", server={"workers": 2}, longpoll={"poll_timeout_s": 0.5})
+    # a poll with nothing to give returns after 0.1 s: 30 of them below
+    node = nodes.start("w", server={"workers": 2}, longpoll={"poll_timeout_s": 0.1})
     public = {node.info["http_port"], node.ingest_port}
     for pid in node.info["workers"]:
         ports, unix = listening(pid)

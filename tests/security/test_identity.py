@@ -114,20 +114,24 @@ def test_es256_tokens_are_checked_with_the_public_key_and_never_as_an_hmac_secre
 
 def test_an_expired_token_gets_a_notice_then_the_close_unless_refreshed():
     limits = {"auth": {"leeway_s": 0, "expired_grace_s": 1.0}}
-    with run_gateway(**limits) as gw:
-        with ws_connect(gw, query=f"?token={make_token('ann', ttl=2)}") as ws:
-            send(ws, op="subscribe", topic="chat.a")
-            got = collect(ws, lambda g: any(e.get("code") == "token_expired" for e in g), timeout=8)
-            assert got[-1]["type"] == "error"
-            assert close_code(ws) == 4011
-        with ws_connect(gw, query=f"?token={make_token('ann', ttl=2)}") as ws:
-            collect(ws, lambda g: any(e.get("code") == "token_expired" for e in g), timeout=8)
-            refreshed = reply(ws, op="auth", token=make_token("ann", ttl=60), id=7)
-            assert refreshed["type"] == "reply" and refreshed["result"]["user"] == "ann"
-            time.sleep(1.5)  # past the grace: still open
-            assert reply(ws, op="ping", id=8)["result"] == "pong"
-            other = reply(ws, op="auth", token=make_token("mallory"), id=9)
-            assert (other["type"], other["code"]) == ("error", "bad_token")
+
+    def expired(got: list[dict]) -> bool:
+        return any(e.get("code") == "token_expired" for e in got)
+
+    # two connections whose tokens expire together: one is left to its close, the other refreshes in time
+    with (run_gateway(**limits) as gw, ws_connect(gw, query=f"?token={make_token('ann', ttl=2)}") as ws,
+          ws_connect(gw, query=f"?token={make_token('ann', ttl=2)}") as kept):
+        send(ws, op="subscribe", topic="chat.a")
+        got = collect(ws, expired, timeout=8)
+        assert got[-1]["type"] == "error"
+        collect(kept, expired, timeout=8)
+        refreshed = reply(kept, op="auth", token=make_token("ann", ttl=60), id=7)
+        assert refreshed["type"] == "reply" and refreshed["result"]["user"] == "ann"
+        assert close_code(ws) == 4011
+        time.sleep(1.5)  # past the grace: still open
+        assert reply(kept, op="ping", id=8)["result"] == "pong"
+        other = reply(kept, op="auth", token=make_token("mallory"), id=9)
+        assert (other["type"], other["code"]) == ("error", "bad_token")
 
 
 def test_an_anonymous_connection_authenticates_with_a_first_auth_command():
