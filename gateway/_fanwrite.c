@@ -1,16 +1,14 @@
-/* One frame to many sockets in one call from Python (gateway/fanwrite.py says when the scheduler uses it).
+/* One frame to many sockets from Python, sent on a thread of its own (gateway/fanwrite.py says when the
+ * scheduler uses it).
  *
- * send_each(fds, data) sends the same bytes to every descriptor in the list, non-blocking, without the
- * GIL, and returns only the exceptions: a list of (index, sent) for each socket that did not take the
- * whole frame, where `sent` is the bytes it took (0 up to len(data) - 1) or -errno when send failed. The
- * caller hands the rest to that connection's transport, which buffers it or reports the error as it would
- * for its own write. Nothing here owns a socket.
- *
- * Sender does the same in the background: `submit(fds, data)` queues the sends and returns at once, one
- * thread of its own sends them while the caller prepares the next ones (a small job is left for
- * `wait`), and `wait()` sends what is still queued on the calling thread too, waits for the rest and returns
- * the exceptions of everything submitted since the last wait, indexed in the order of submission. The
- * caller must not write to a submitted socket any other way before `wait` returns. */
+ * Sender: `submit(fds, data)` queues the same bytes for every descriptor in the list and returns at once; the
+ * sender's thread sends them (non-blocking, without the GIL) while the caller prepares the next ones (a
+ * small job is left for `wait`). `wait()` sends what is still queued on the calling thread too, waits for the
+ * rest and returns only the exceptions of everything submitted since the last wait: (index, sent) for each
+ * socket that did not take the whole frame, indexed in the order of submission, where `sent` is the bytes it
+ * took (0 up to len(data) - 1) or -errno when send failed. The caller hands the rest to that connection's
+ * transport, which buffers it or reports the error as for its own write, and must not write to a submitted
+ * socket any other way before `wait` returns. Nothing here owns a socket. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -63,53 +61,6 @@ static int read_fds(PyObject *fd_list, int *fds) {
         fds[i] = (int)fd;
     }
     return 0;
-}
-
-/* (index, sent) tuples of the shortfalls, as a new list. */
-static PyObject *shortfall_list(const Shortfall *short_of, Py_ssize_t shortfalls) {
-    PyObject *result = PyList_New(shortfalls);
-    if (result == NULL)
-        return NULL;
-    for (Py_ssize_t k = 0; k < shortfalls; k++) {
-        PyObject *item = Py_BuildValue("(nn)", short_of[k].index, short_of[k].sent);
-        if (item == NULL) {
-            Py_DECREF(result);
-            return NULL;
-        }
-        PyList_SET_ITEM(result, k, item);
-    }
-    return result;
-}
-
-static PyObject *send_each(PyObject *self, PyObject *args) {
-    PyObject *fd_list;
-    Py_buffer data;
-    if (!PyArg_ParseTuple(args, "O!y*:send_each", &PyList_Type, &fd_list, &data))
-        return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(fd_list);
-    int *fds = NULL;
-    Shortfall *short_of = NULL;
-    PyObject *result = NULL;
-    if (count > 0) {
-        fds = PyMem_RawMalloc((size_t)count * sizeof(int));
-        short_of = PyMem_RawMalloc((size_t)count * sizeof(Shortfall));
-        if (fds == NULL || short_of == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-    if (read_fds(fd_list, fds) < 0)
-        goto done;
-    Py_ssize_t shortfalls;
-    Py_BEGIN_ALLOW_THREADS
-    shortfalls = send_all(fds, count, data.buf, (size_t)data.len, short_of, 0);
-    Py_END_ALLOW_THREADS
-    result = shortfall_list(short_of, shortfalls);
-done:
-    PyMem_RawFree(fds);
-    PyMem_RawFree(short_of);
-    PyBuffer_Release(&data);
-    return result;
 }
 
 /* -- Sender: the same sends on a thread of its own ------------------------------------------------------ */
@@ -319,9 +270,6 @@ static PyTypeObject SenderType = {
 };
 
 static PyMethodDef methods[] = {
-    {"send_each", send_each, METH_VARARGS,
-     "send_each(fds: list[int], data: bytes) -> list[tuple[int, int]]\n\n"
-     "Send data to each socket (non-blocking); return (index, sent or -errno) for each that took less."},
     {NULL, NULL, 0, NULL},
 };
 

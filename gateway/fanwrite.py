@@ -10,7 +10,7 @@ slice of the crowd; at the cycle's end the scheduler's thread sends what is stil
 waits (`wait`). Nothing else writes those sockets in between: the scheduler runs no loop callback until the
 wait returns. A socket that takes less than the whole frame (its buffer full) or fails gets the rest
 through its transport, which buffers it or reports the error exactly as for its own write, so the order of
-bytes is kept. `send_each` is the same on the caller's thread.
+bytes is kept.
 
 Only plain TCP sockets qualify: bytes written under a TLS transport would bypass the encryption. Without a C
 compiler at install the module is missing and every write goes through the transport, as before.
@@ -19,19 +19,13 @@ compiler at install the module is missing and every write goes through the trans
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
-SendEach = Callable[[list[int], bytes], list[tuple[int, int]]]
-
-send_each: SendEach | None
 Sender: type[_fanwrite.Sender] | None
 try:
     from . import _fanwrite
 except ImportError:  # built without a compiler (a warning at install): the transports write everything
-    send_each = None
     Sender = None
 else:
-    send_each = _fanwrite.send_each
     Sender = _fanwrite.Sender
 
 #: printed by `gateway serve` at start (`fan-out writer: ...`)
