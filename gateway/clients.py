@@ -33,7 +33,9 @@ from .auth import Principal, TokenVerifier
 from .broker import Broker
 from .config import GatewayConfig
 from .errors import BackendUnavailable, BadRequest, BadToken, InternalError, TokenExpired
+from .identity import ClientIdentity
 from .proxy import Proxy, Refused
+from .pending_connects import PendingConnects
 from .revocations import Revocation
 from .scheduler import Connection, Scheduler
 from .timerwheel import TimerWheel
@@ -76,6 +78,9 @@ class ClientRegistry:
         self.proxy: Proxy | None = None
         #: each user's connections on this node, oldest first (dict order): O(1) per register / unregister
         self.by_user: dict[str, dict[Hashable, None]] = {}
+        #: new clients not registered yet (awaiting the connect hook): revocations, disconnects and the drain
+        #: reach them too (gateway/pending_connects.py)
+        self.pending = PendingConnects()
         scheduler.kick = self.kick
         broker.control_handler = self.on_control
 
@@ -95,6 +100,7 @@ class ClientRegistry:
     def drain(self, spread_s: float) -> int:
         """A graceful drain (SIGTERM): close every client with 1012 and its own reconnect hint, uniform in
         [0, spread_s] (so that a restart does not make a thundering herd). Returns how many were closed."""
+        self.pending.drain(spread_s)  # and the clients on their way are refused as they come
         drained = 0
         for client_id in list(self.conns):
             retry_ms = random.randint(0, int(spread_s * 1000))
@@ -131,10 +137,22 @@ class ClientRegistry:
                     self.send_error(cid, exc)
 
     def unregister(self, client_id: Hashable, reason: str) -> None:
+        """Forget a connection everywhere. Every step runs even when one before it failed (each failure is
+        logged): a half-done departure would leave counts, topic holders or the backend's events wrong."""
         conn = self.conns.pop(client_id, None)
         if conn is None:
             return
         identity = conn.identity
+        steps: tuple[Callable[[], None], ...] = (
+            lambda: self._forget_address_and_user(client_id, identity), lambda: self._leave_topics(client_id),
+            lambda: self._count_departure(identity, reason), self.on_departure, self.scheduler.space)
+        for step in steps:
+            try:
+                step()
+            except Exception:
+                log.exception("unregistering %s: a step failed (the others ran)", client_id)
+
+    def _forget_address_and_user(self, client_id: Hashable, identity: ClientIdentity) -> None:
         key = (identity.transport, identity.ip)
         self.clients_by_ip[key] -= 1
         if not self.clients_by_ip[key]:
@@ -148,20 +166,25 @@ class ClientRegistry:
         self._token_timers.cancel(client_id)
         self._idle_timers.cancel(client_id)
         self.scheduler.write_unwatched(client_id)
+
+    def _leave_topics(self, client_id: Hashable) -> None:
+        """The engine forgets the client, then each of its topics is left (presence, the broker's holders)."""
         engine = self.scheduler.engine
         client = engine.client(client_id)
         names, owner = list(client.subs), client.owner
         engine.disconnect(client_id)
         presence = self.scheduler.presence
         for name in names:
-            presence.left(client_id, name)
-            self.broker.left(name, owner, unsubscribed=False)
+            try:
+                presence.left(client_id, name)
+            finally:
+                self.broker.left(name, owner, unsubscribed=False)
+
+    def _count_departure(self, identity: ClientIdentity, reason: str) -> None:
         self.by_transport[identity.transport] -= 1
         self.disconnects[(identity.transport, reason)] += 1
         if self.proxy is not None:
             self.proxy.disconnected(identity, reason)
-        self.on_departure()
-        self.scheduler.space()
 
     def kick(self, client_id: Hashable, code: int, reason: str, metric_reason: str,
              retry_ms: int | None = None) -> bool:
@@ -257,6 +280,7 @@ class ClientRegistry:
 
     def disconnect_user(self, user: str) -> int:
         """Close every connection of `user` on this node (4005). Returns how many."""
+        self.pending.disconnected(user)  # a client on its way is refused as it registers
         closed = 0
         for client_id in list(self.by_user.get(user, ())):
             closed += self.kick(client_id, close_codes.DISCONNECTED, "disconnected by admin", "disconnected")
@@ -268,6 +292,7 @@ class ClientRegistry:
         `jti` entry looks at every authenticated connection (revocations are rare; a user entry only at the
         user's)."""
         entry = self.tokens.revocations.add(entry)
+        self.pending.revoked(entry)  # a client on its way is refused as it registers
         if entry.user is not None:
             candidates = list(self.by_user.get(entry.user, ()))
         else:

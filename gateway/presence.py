@@ -5,8 +5,10 @@ unsubscribe, disconnect, kick or topic delete. The scheduler reports each join a
 `Presence.left`, `Presence.topic_gone`), from the one place each happens: `Scheduler.subscribe` (every
 shared-topic subscribe, at once or once the broker has the topic), `TopicRouter.unsubscribe`,
 `ClientRegistry.unregister` (disconnect and kick) and `Scheduler.deleted`. Each costs O(1) (a dict and a
-counter), plus, on a topic with `join_leave`, one direct entry per local subscriber (skipped above
-`limits.presence_max_members` subscribers).
+counter). On a topic with `join_leave` the change is also noted for announcement: the scheduler sends the
+noted changes before its next cycle (`Presence.flush`), one direct entry per change per local subscriber
+(none above `limits.presence_max_members` subscribers). A member's join and leave noted within one cycle
+cancel out: a client toggling a subscription costs the other members nothing, whatever its rate.
 
 Where members are kept is the broker's business (`Broker.presence`, a `PresenceStore`): `MemoryPresence`
 here for one process, `RedisPresence` (gateway/broker/presence_store.py) for a cluster. Nobody asks which.
@@ -20,7 +22,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from core import Engine
+from core import Engine, RequestError
 from core.entries import encode_join, encode_leave
 
 from .identity import ClientIdentity
@@ -140,15 +142,23 @@ class MemoryPresence:
 
 class Presence:
     """The scheduler's presence tracking: joins and leaves to the broker's store, join/leave entries to the
-    topic's local subscribers."""
+    topic's local subscribers, coalesced per cycle."""
 
-    def __init__(self, engine: Engine, send_direct: Callable[[Hashable, bytes], None], max_members: int) -> None:
+    def __init__(self, engine: Engine, kick_overflowed: Callable[[Hashable], None], max_members: int,
+                 wake: Callable[[], None]) -> None:
         self.engine = engine
-        self.send_direct = send_direct
+        #: how a subscriber whose direct queue overflowed is dropped (after the announcing loop, never inside it)
+        self.kick_overflowed = kick_overflowed
         #: limits.presence_max_members: above it answers are counts only and join/leave entries are not sent
         self.max_members = max_members
+        #: tells the scheduler that changes wait for `flush`
+        self.wake = wake
         #: set by the hub: the broker's store
         self.store: PresenceStore = MemoryPresence()
+        #: changes noted since the last flush: topic -> member client -> (kind, member), in the order noted
+        self.pending: dict[str, dict[str, tuple[str, Member]]] = {}
+        #: changes that cancelled out before they were sent (a join and a leave of the same member)
+        self.cancelled = 0
 
     def joined(self, client_id: Hashable, topic: str) -> None:
         """`client_id` subscribed to `topic` (after the engine's subscribe succeeded)."""
@@ -174,20 +184,52 @@ class Presence:
 
     def topic_gone(self, topic: str) -> None:
         self.store.topic_gone(topic)
+        self.pending.pop(topic, None)
 
     def announce(self, topic: str, kind: str, member: Member) -> None:
-        """One `join` / `leave` direct entry per local subscriber of `topic` but the member itself: O(local
-        subscribers), none above `max_members` of them (docs/integration.md, "Presence")."""
+        """Note a join or leave (of this node's member, or another node's) for the next `flush`: O(1). A change
+        that undoes one still pending removes both."""
+        changes = self.pending.get(topic)
+        if changes is None:
+            changes = self.pending[topic] = {}
+        previous = changes.get(member.client)
+        if previous is not None and previous[0] != kind:
+            del changes[member.client]
+            self.cancelled += 2
+            return
+        changes[member.client] = (kind, member)
+        self.wake()
+
+    def flush(self) -> None:
+        """Send the noted changes: one `join` / `leave` direct entry per change to each local subscriber of its
+        topic but the member itself. O(changes x local subscribers), nothing when none is pending. A
+        subscriber whose direct queue overflows is kicked once the loop is over (its own leave is then noted
+        for the next flush), so the loop never meets a client it dropped."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, {}
         engine = self.engine
-        if not engine.has_topic(topic):
-            return
-        t = engine.topic(topic)
-        if not t.config.join_leave or len(t.subs) > self.max_members:
-            return
-        entry = (encode_join if kind == "join" else encode_leave)(topic, member.user, member.client)
-        for client_id in [sub.client.id for sub in t.subs]:
-            if client_id != member.client:
-                self.send_direct(client_id, entry)
+        overflowed: dict[Hashable, None] = {}
+        for topic, changes in pending.items():
+            if not changes or not engine.has_topic(topic):
+                continue
+            t = engine.topic(topic)
+            if not t.config.join_leave or len(t.subs) > self.max_members:
+                continue
+            entries = [(client, (encode_join if kind == "join" else encode_leave)(topic, member.user, client))
+                       for client, (kind, member) in changes.items()]
+            for sub in t.subs:
+                client_id = sub.client.id
+                if client_id in overflowed:
+                    continue
+                try:
+                    for client, entry in entries:
+                        if client != client_id:
+                            engine.send_direct(client_id, entry)
+                except RequestError:  # DirectQueueFull: it does not read its entries
+                    overflowed[client_id] = None
+        for client_id in overflowed:
+            self.kick_overflowed(client_id)
 
 
 def _member(engine: Engine, client_id: Hashable) -> Member:

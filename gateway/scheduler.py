@@ -133,7 +133,8 @@ class Scheduler:
         self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
         self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
         #: presence members of topics with `presence` (gateway/presence.py); the hub gives it the broker's store
-        self.presence = Presence(engine, self.send_direct, config.limits.presence_max_members)
+        self.presence = Presence(engine, self._direct_overflowed, config.limits.presence_max_members,
+                                 self._work.set)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -233,9 +234,12 @@ class Scheduler:
         try:
             self.engine.send_direct(client_id, entry)
         except RequestError:  # DirectQueueFull: the client does not read its replies
-            self.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")
+            self._direct_overflowed(client_id)
             return
         self.wake()
+
+    def _direct_overflowed(self, client_id: Hashable) -> None:
+        self.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")
 
     def send_error(self, client_id: Hashable, exc: RequestError, request_id: Any = None) -> None:
         self.send_direct(client_id, encode_error(exc.code, exc.message, request_id))
@@ -318,10 +322,12 @@ class Scheduler:
         while True:
             await self._work.wait()
             self._work.clear()
+            self.presence.flush()  # join/leave entries noted since the last cycle, coalesced
             while engine.has_work:
                 round_started = time.perf_counter()
                 for cycle in range(1, self.coalesce_cycles + 1):
                     started = time.perf_counter()
+                    self.presence.flush()
                     # A cycle allocates a batch per client and frees them all at its end: the collector,
                     # triggered every 700 of them, would walk the live ones again and again (a tenth of the
                     # CPU at 10,000 clients). They hold no cycles, so it waits until they are gone.

@@ -6,6 +6,10 @@ Each node writes only its own members, mirrored from its memory (`local`), so no
   member count on that node, `P:{T}:pn`: set of the nodes holding members of T;
 * `P:palive:NODE`: the node's heartbeat, set every `HEARTBEAT_S` with a TTL of `ALIVE_TTL_MS`.
 
+The member keys and the node set carry a TTL (`MEMBER_TTL_MS`, 60 s) that the holder refreshes every 20 s
+(one pipeline of PEXPIRE per topic it holds members of): a dead node's keys go even if no node ever reads
+the topic again.
+
 A read (`view`) takes the topic's nodes, drops (and deletes) those whose heartbeat is gone, counts the rest
 (HLEN each, O(nodes)) and reads the members only when there are at most `limits.presence_max_members`.
 So a killed node's members leave every answer within `ALIVE_TTL_MS` (3 s) of its last heartbeat.
@@ -50,6 +54,10 @@ HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 3000
 #: pause after a failed write before the state is written again
 RETRY_S = 0.5
+#: a node's member keys expire this long after their last refresh, so the keys of a node that died while no
+#: node read the topic do not stay in Redis for good; refreshed every `REFRESH_HEARTBEATS` heartbeats
+MEMBER_TTL_MS = 60_000
+REFRESH_HEARTBEATS = 20
 
 #: write steps: ("m", topic, client) member, ("u", topic, owner) owner count, ("t", topic, "") the topic's
 #: keys of this node (gone once it has no member here), ("p", topic, payload) an announcement
@@ -351,6 +359,7 @@ class RedisPresence:
                 pipe.hset(member_key, mapping={c: _encode(m) for c, m in members.clients.items()})
                 pipe.hset(owner_key, mapping={o: n for o, n in members.owners.items()})
                 pipe.sadd(keys.presence_nodes(topic), node_id)
+                _expire(pipe, keys.presence_nodes(topic), member_key, owner_key)
                 # announced again: a node that swept them (this node's heartbeat had expired) learns them
                 # again; one that still knows them sends no entry (`_remote_event`)
                 for held_member in members.clients.values():
@@ -369,20 +378,39 @@ class RedisPresence:
                 if member is not None:
                     pipe.hset(member_key, arg, _encode(member))
                     pipe.sadd(keys.presence_nodes(topic), node_id)
+                    _expire(pipe, keys.presence_nodes(topic), member_key)
                 else:
                     pipe.hdel(member_key, arg)
             else:  # "u"
                 count = held.owners.get(arg, 0) if held is not None else 0
                 if count > 0:
                     pipe.hset(owner_key, arg, count)
+                    _expire(pipe, owner_key)
                 else:
                     pipe.hdel(owner_key, arg)
         await pipe.execute()
 
+    async def _refresh_ttls(self) -> None:
+        """The member keys of every topic this node holds members of live another `MEMBER_TTL_MS`."""
+        if not self.local:
+            return
+        keys, node_id = self.node.keys, self.node.node_id
+        pipe = self.node.redis.pipeline(transaction=False)
+        for topic in self.local:
+            _expire(pipe, keys.presence_nodes(topic), *keys.presence_members(topic, node_id))
+        await pipe.execute()
+
     async def _heartbeat_loop(self) -> None:
         key = self.node.keys.presence_alive(self.node.node_id)
+        beats = 0
         while True:
             await asyncio.sleep(HEARTBEAT_S)
+            beats += 1
+            if beats % REFRESH_HEARTBEATS == 0:
+                try:
+                    await self._refresh_ttls()
+                except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                    log.debug("broker: presence TTL refresh failed: %s", exc)
             try:
                 previous = await self.node.redis.set(key, "1", px=ALIVE_TTL_MS, get=True)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
@@ -423,7 +451,8 @@ class RedisPresence:
             member_key, owner_key = keys.presence_members(topic, node_id)
             pipe.hlen(member_key)
             pipe.hlen(owner_key)
-        counts = (await pipe.execute())[-2 * len(alive):] if alive else []
+        done = await pipe.execute()  # always: the dead nodes' deletes run even when no holder is alive
+        counts = done[len(done) - 2 * len(alive):]
         clients, users = sum(counts[0::2]), sum(counts[1::2])
         if clients > limit:
             # counts only: `users` sums each node's distinct owners (a user on two nodes counts twice)
@@ -434,6 +463,11 @@ class RedisPresence:
         members = [_decode(raw) for values in await pipe.execute() for raw in values]
         members.sort(key=lambda m: m.client)
         return PresenceView(topic, len(members), len({m.owner for m in members}), members)
+
+
+def _expire(pipe: Any, *names: str) -> None:
+    for name in names:
+        pipe.pexpire(name, MEMBER_TTL_MS)
 
 
 def _encode(member: Member) -> bytes:

@@ -12,7 +12,7 @@ import redis
 from cluster_helpers import collect, send, subscribe
 from gw_helpers import recv_entries, wait_for
 
-from gateway.broker.presence_store import ALIVE_TTL_MS, HEARTBEAT_S
+from gateway.broker.presence_store import ALIVE_TTL_MS, HEARTBEAT_S, MEMBER_TTL_MS
 
 RULE = {"rule": {"presence": True, "join_leave": True}}
 
@@ -128,3 +128,27 @@ def test_a_node_stalled_past_the_ttl_is_swept_then_announces_its_members_again(n
         got += drain(on_a, 2 * HEARTBEAT_S)
         assert [(e["type"], e["client"]) for e in got] == [("join", b_id)]
         assert sorted(m["client"] for m in a.api("/topics/room/presence")["members"]) == sorted([b_id, client_id(on_a)])
+
+
+def test_a_dead_nodes_member_keys_are_deleted_by_a_read_and_expire_unread(nodes, redis_server):
+    """B holds a member, then is killed with -9 while no other node holds one: a read on A (no holder alive)
+    still deletes B's keys; and every member key carries the TTL its holder refreshes, so keys nobody reads
+    go too."""
+    a, b = nodes.start("a", **RULE), nodes.start("b", **RULE)
+    store = redis.Redis(port=redis_server.port)
+    with b.ws() as on_b:
+        subscribe(on_b, "room")
+        wait_for(lambda: a.api("/topics/room/presence")["clients"] == 1, "B's member")
+        member_keys = wait_for(lambda: [k for k in store.scan_iter("*:pm:*")] or None, "B's member keys")
+        owner_keys = list(store.scan_iter("*:pu:*"))
+        node_sets = list(store.scan_iter("*:pn"))
+        for key in member_keys + owner_keys + node_sets:
+            assert 0 < store.pttl(key) <= MEMBER_TTL_MS, key
+        b.kill9()
+        b_node = member_keys[0].decode().rsplit(":pm:", 1)[1]
+        heartbeat = [k for k in store.scan_iter("*:palive:*") if k.decode().endswith(":" + b_node)]
+        assert len(heartbeat) == 1
+        wait_for(lambda: not store.exists(heartbeat[0]), "B's heartbeat gone", timeout=10)
+        assert store.exists(*member_keys) == len(member_keys)  # nobody has read since
+        assert a.api("/topics/room/presence")["clients"] == 0
+        assert store.exists(*member_keys, *owner_keys, *node_sets) == 0
