@@ -34,8 +34,9 @@ def _op(summary: str, ok: str, *, body: dict[str, Any] | None = None, reply: dic
 
 
 def _stream_op() -> dict[str, Any]:
-    op = _op("Server-sent events: a JSON snapshot of topics, clients (the busiest 50), rates and histograms "
-             "every admin.stats_interval_s; 429 beyond admin.stats_max_viewers viewers", "200", errors=(401, 429))
+    op = _op("Server-sent events: a JSON snapshot of topics, clients (the busiest 50), rates, counters since start "
+             "and histograms every admin.stats_interval_s; 429 beyond admin.stats_max_viewers viewers", "200",
+             errors=(401, 429))
     op["responses"]["200"]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
     return op
 

@@ -291,6 +291,8 @@ class StatsFeed:
             "lost_per_s": counter_rate("messages_lost"),
             "cycles_per_s": counter_rate("cycles"),
             "client_delivery_per_s": round(total_rate, 3) if dt else None,
+            # since start: what a first sample (no rates yet) can already show
+            "counters": counters,
         }
         share_sum, share_sq = sum(shares), sum(x * x for x in shares)
         now_s = time.time()
@@ -347,12 +349,16 @@ class StatsFeed:
         receiving, fair_min, fair_max = 0, [], []
         by_transport: dict[str, int] = {}
         clients = blocked = 0
+        counters: dict[str, int] = {}
         delivered: float | None = None
         client_rate: float | None = None
         for entry in [{"node": own, "pid": os.getpid(), "dash": self.summary}] + [
                 n for n in stored or () if n.get("node") != own]:
             dash = entry.get("dash")
             node_id = entry.get("node")
+            since_start = dash["totals"].get("counters") if isinstance(dash, dict) else entry.get("core")
+            for name, value in (since_start or {}).items():  # (an older node's summary has none)
+                counters[name] = counters.get(name, 0) + value
             if isinstance(dash, dict):
                 totals = dash["totals"]
                 fair = dash["fairness"]
@@ -392,7 +398,8 @@ class StatsFeed:
             "error": error,
             "totals": {"nodes": len(nodes), "clients": clients, "clients_by_transport": by_transport,
                        "write_blocked": blocked, "delivered_per_s": round(delivered, 3) if delivered is not None else None,
-                       "client_delivery_per_s": round(client_rate, 3) if client_rate is not None else None},
+                       "client_delivery_per_s": round(client_rate, 3) if client_rate is not None else None,
+                       "counters": counters},
             "fairness": {"clients": share_n, "jain": jain(share_n, share_sum, share_sq),
                          "share_min": round(min(share_min), 4) if share_min else None,
                          "receiving": receiving, "min": round(min(fair_min), 3) if fair_min else None,

@@ -204,7 +204,18 @@ function view(s) {
     write_blocked: c.totals.write_blocked, delivered_per_s: c.totals.delivered_per_s,
     client_delivery_per_s: c.totals.client_delivery_per_s,
   });
+  // each card's total in the same scope as its rate: delivered is the cluster's, the others this node's
+  if (c.totals.counters && s.totals.counters) {
+    totals.counters = Object.assign({}, s.totals.counters,
+      { messages_delivered: c.totals.counters.messages_delivered });
+  }
   return { clients: c.clients, others: c.others, fairness: c.fairness, totals, nodes: c.totals.nodes };
+}
+
+// The stream's first sample has no rates (dt is null: a rate is the difference of two samples), but every
+// count is already there; the rate cards show what was counted since start beneath.
+function firstSample() {
+  return lastSnapshot !== null && lastSnapshot.dt === null;
 }
 
 function render(s) {
@@ -232,15 +243,23 @@ function renderCards(s) {
   $("c-transports").textContent = (s.nodes ? s.nodes + " node" + (s.nodes === 1 ? "" : "s") + " · " : "")
     + Object.entries(t.clients_by_transport).filter(([, n]) => n > 0).map(([k, n]) => k + " " + n).join(" · ");
   $("c-topics").textContent = count(t.topics);
-  $("c-published").textContent = rate(t.published_per_s);
-  $("c-delivered").textContent = rate(t.delivered_per_s);
-  $("c-lost").textContent = rate(t.lost_per_s);
-  $("c-cycles").textContent = rate(t.cycles_per_s);
+  const counted = t.counters || {};
+  for (const [card, perSecond, counter] of [["published", t.published_per_s, "messages_published"],
+    ["delivered", t.delivered_per_s, "messages_delivered"], ["lost", t.lost_per_s, "messages_lost"],
+    ["cycles", t.cycles_per_s, "cycles"]]) {
+    $("c-" + card).textContent = rate(perSecond);
+    $("c-" + card + "-total").textContent = counted[counter] === undefined ? ""
+      : count(counted[counter]) + " since start";
+  }
+  // amber only for what needs a look: messages lost to a client, connections that cannot be written to
+  $("c-lost").parentElement.classList.toggle("warn", t.lost_per_s > 0);
   $("c-blocked").textContent = count(t.write_blocked);
+  $("c-blocked").parentElement.classList.toggle("warn", t.write_blocked > 0);
   const f = s.fairness;
   $("c-jain").textContent = f.jain === null ? "—" : f.jain.toFixed(3);
   $("c-spread").textContent = (f.clients ? f.clients + " clients, lowest share " + f.share_min.toFixed(2) : "")
-    + (f.receiving ? (f.clients ? " · " : "") + rate(f.min) + " – " + rate(f.max) + "/s" : "");
+    + (f.receiving ? (f.clients ? " · " : "") + rate(f.min) + " – " + rate(f.max) + "/s" : "")
+    || (firstSample() ? "after the next sample" : "nobody had anything waiting");
 }
 
 function renderHistogram(id, h, label) {
@@ -268,20 +287,30 @@ function renderHistogram(id, h, label) {
   $(id).replaceChildren(...rows);
 }
 
+// A ring holds [begin, end): end - begin messages (at most its capacity once it has wrapped). Full is the
+// steady state of a busy ring, not a warning.
+function ringFill(t) {
+  const held = t.end - t.begin;
+  const gauge = document.createElement("span");
+  gauge.className = "fill";
+  const bar = document.createElement("span");
+  bar.style.width = Math.min(100, 100 * held / t.capacity).toFixed(1) + "%";
+  gauge.appendChild(bar);
+  const seqs = held > 0 ? "seqs " + t.begin + "–" + (t.end - 1) : "empty, next seq " + t.end;
+  return [gauge, document.createTextNode(held + " / " + t.capacity + " (" + seqs + ")")];
+}
+
 function renderTopics(s) {
+  // with a broker the rows are this node's topics, and their subscribers the ones connected here
+  $("th-subscribers").textContent = s.node ? "subscribers (this node)" : "subscribers";
   const rows = [...s.topics].sort((a, b) => a.name < b.name ? -1 : a.name > b.name ? 1 : 0).map((t) => {
     const tr = document.createElement("tr");
     tr.dataset.topic = t.name;
-    tr.append(cell(t.name), cell(t.kind), cell(rate(t.rate), "num rate"), cell(t.subscribers, "num"));
+    tr.append(cell(t.name), cell(t.kind), cell(rate(t.rate), "num rate"), cell(t.subscribers, "num count"));
     const fill = document.createElement("td");
+    fill.className = "fill-cell";
     if (t.kind === "ring") {
-      const used = t.end - t.begin;
-      const gauge = document.createElement("span");
-      gauge.className = "fill" + (used >= t.capacity ? " full" : "");
-      const bar = document.createElement("span");
-      bar.style.width = Math.min(100, 100 * used / t.capacity).toFixed(1) + "%";
-      gauge.appendChild(bar);
-      fill.append(gauge, document.createTextNode(t.begin + " – " + t.end + " / " + t.capacity));
+      fill.append(...ringFill(t));
     } else if (t.kind === "snapshot") {
       fill.textContent = "seq " + t.seq;
     } else {
@@ -298,8 +327,8 @@ function renderTopics(s) {
   });
   $("topics").tBodies[0].replaceChildren(...rows);
   const more = s.others.topics;
-  $("topics-more").textContent = s.totals.topics + " in all" + (more ? ", the " + s.topics.length
-    + " busiest shown, " + more + " more" : "");
+  $("topics-more").textContent = s.totals.topics + " in all" + (s.node ? " on this node" : "")
+    + (more ? ", the " + s.topics.length + " busiest shown, " + more + " more" : "");
 }
 
 function renderNodes(cluster) {
@@ -336,9 +365,9 @@ function renderClients(s) {
       tr.dataset.node = c.node;
       tr.append(cell(c.node, "node-col mono"));
     }
-    tr.append(cell(c.transport), cell(c.user), cell(state, "state-" + state), cell(c.lag, "num"),
-      cell(c.subscription_count, "num"), cell(count(batches), "num"), cell(count(c.entries_sent), "num"),
-      cell(rate(c.rate), "num rate"));
+    tr.append(cell(c.transport), cell(c.user), cell(state, "state-" + state), cell(c.lag, "num count"),
+      cell(c.subscription_count, "num count"), cell(count(batches), "num count"),
+      cell(count(c.entries_sent), "num count"), cell(rate(c.rate), "num rate"));
     const actions = document.createElement("td");
     actions.appendChild(button("kick", "danger", () => kick(c.id)));
     tr.appendChild(actions);
@@ -361,6 +390,8 @@ function renderRaw(raw) {
     return span;
   });
   $("raw-stats").replaceChildren(...kv);
+  $("raw-summary").textContent = raw.receivers.length + " receiver" + (raw.receivers.length === 1 ? "" : "s")
+    + " · " + count(raw.stats.bytes_sent) + " bytes sent";
   const rows = raw.receivers.map((r) => {
     const tr = document.createElement("tr");
     tr.append(cell(r.id, "mono"), cell(Array.isArray(r.peer) ? r.peer.join(":") : r.peer),
@@ -479,6 +510,12 @@ function drawChart() {
     });
     ctx.stroke();
   }
+  if (!samples.length) {  // nothing to draw before a second sample: say so rather than an empty frame
+    ctx.fillStyle = "#7d8b9c";
+    ctx.font = "13px system-ui, sans-serif";
+    ctx.fillText(firstSample() ? "rates from the next sample on (in " + lastSnapshot.interval_s + " s)"
+      : "no sample yet", pad.l + w / 2, pad.t + h / 2);
+  }
   canvas.dataset.points = String(points);
   canvas.dataset.series = String(lines.length + (samples.length ? 1 : 0));
   renderLegend(lines, others[others.length - 1]);
@@ -502,7 +539,7 @@ function renderLegend(lines, othersNow) {
   $("legend").replaceChildren(...items);
 }
 
-window.addEventListener("resize", () => { if (samples.length) drawChart(); });
+window.addEventListener("resize", () => { if (lastSnapshot) drawChart(); });
 
 // -- actions: kick, publish ------------------------------------------------------------------------------
 
