@@ -52,7 +52,7 @@ class Hub:
         self.clients = ClientRegistry(config, self.scheduler, self.broker, conns)
         self.clients.on_arrival, self.clients.on_departure = self.gc.arrived, self.gc.departed
         #: the backend hooks ([proxy], gateway/proxy.py); None when no hook URL is set
-        self.proxy = Proxy.from_config(config.proxy, config.scheduler.max_subscriptions)
+        self.proxy = Proxy.from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input)
         self.clients.proxy = self.proxy
         self.router = TopicRouter(self.scheduler, self.clients, self.broker, self.creations)
         #: long-poll sessions and SSE streams by their secret, and what outlives them (transports/sessions.py)

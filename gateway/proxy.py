@@ -4,7 +4,13 @@ application and obeys its answer.
 One `Proxy` per process (the hub's `proxy`, None when no hook URL is set, so every call site costs one
 attribute check without hooks). It holds one pooled `httpx.AsyncClient`, made on the first call and closed
 at shutdown, a bound of calls in flight per hook (`max_concurrent`), the counts and latencies /metrics shows,
-and the queue of fire-and-forget events (disconnect, unsubscribe) with the tasks that send them.
+and the queues of fire-and-forget events (disconnect, unsubscribe: one queue and its senders per hook, so
+no flood of one kind delays or drops the other) with the tasks that send them.
+
+An answer is read as it comes, undecoded (`Accept-Encoding: identity`; any other Content-Encoding is
+refused), up to `max_answer_bytes`: a backend, or whatever answers at its address, cannot make the gateway
+hold or inflate more than that per call. httpx's per-request INFO lines are silenced; failures are logged
+through the hub's bounded bad-input log (source "hook").
 
 What a hook answers is one of: a grant / an allowance (a JSON object), a refusal (`{"error": {"code",
 "message"}}`: `Refused`), or nothing usable (timeout, connection refused, a status other than 200, a body
@@ -20,13 +26,13 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Hashable, Iterator
 from typing import Any, TypeVar
 
 import httpx
 import msgspec
 import orjson
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .auth import MAX_PATTERNS, MAX_USER_CHARS, Principal
 from .config import ProxyConfig
@@ -34,8 +40,7 @@ from .errors import BackendUnavailable, ConnectRefused
 from .identity import ClientIdentity
 from .metrics import BucketHistogram
 from .owners import check_user_id
-
-log = logging.getLogger("gateway.proxy")
+from .ratelog import BadInputLog
 
 HOOKS = ("connect", "subscribe", "publish", "rpc", "refresh", "disconnect", "unsubscribe")
 #: hooks whose calls are events: queued, sent in the background, retried (they carry an id)
@@ -45,6 +50,8 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 EVENT_SENDERS = 4
 #: longest message of a backend's refusal kept (it becomes an error entry's message or a close reason)
 MAX_MESSAGE_CHARS = 200
+#: every call's request headers: a JSON body, and an answer as sent (never a compressed one to inflate)
+REQUEST_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 
 T = TypeVar("T")
 
@@ -87,6 +94,14 @@ class RefreshAnswer(msgspec.Struct, frozen=True):
     expires_at: float
 
 
+class _Failed(Exception):
+    """A call that got no usable answer: its /metrics `outcome` and what the client is told."""
+
+    def __init__(self, outcome: str, message: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
 def _refusal(error: object) -> Refused:
     if isinstance(error, dict):
         code, message = error.get("code"), error.get("message")
@@ -96,10 +111,68 @@ def _refusal(error: object) -> Refused:
     return Refused(code, text[:MAX_MESSAGE_CHARS])
 
 
+class EventQueue:
+    """The events of one hook waiting to be sent (bodies with a `client`, an unsubscribe's with a `topic`).
+    Bounded three ways: at most `max_events` in all and `per_client` of one client (beyond: "dropped"), and
+    one event per (client, topic): a client's unsubscribe from a topic while one for it still waits is that
+    same event ("coalesced"), so toggling a subscription costs one slot, not one per toggle."""
+
+    def __init__(self, max_events: int, per_client: int) -> None:
+        self.per_client = per_client
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(max_events)
+        self.waiting: set[tuple[Hashable, Any]] = set()
+        self.by_client: Counter[Hashable] = Counter()
+
+    @staticmethod
+    def _key(body: dict[str, Any]) -> tuple[Hashable, Any]:
+        return body["client"], body.get("topic")
+
+    def put(self, body: dict[str, Any]) -> str | None:
+        """Queue `body`; None when queued, else the outcome it is counted with instead."""
+        key = self._key(body)
+        if key in self.waiting:
+            return "coalesced"
+        if self.by_client[key[0]] >= self.per_client or self.queue.full():
+            return "dropped"
+        body["id"] = secrets.token_hex(16)  # the same on every attempt: the backend drops a duplicate by it
+        body["time"] = time.time()
+        self.queue.put_nowait(body)
+        self.waiting.add(key)
+        self.by_client[key[0]] += 1
+        return None
+
+    async def get(self) -> dict[str, Any]:
+        """The next event; from now on a new one of the same client and topic is queued again."""
+        body = await self.queue.get()
+        key = self._key(body)
+        self.waiting.discard(key)
+        self.by_client[key[0]] -= 1
+        if not self.by_client[key[0]]:
+            del self.by_client[key[0]]
+        return body
+
+
+def _quiet_httpx() -> None:
+    """httpx logs every request at INFO: one line per anonymous rpc, a log any client could fill."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _content_length(response: httpx.Response) -> float | None:
+    """The answer's Content-Length, None without one (chunked, or up to the close)."""
+    value = response.headers.get("content-length")
+    try:
+        return None if value is None else int(value)
+    except ValueError:  # h11 checked it is digits; a list of them ("5, 5") is as good as too long
+        return math.inf
+
+
 class Proxy:
-    def __init__(self, config: ProxyConfig, max_subscriptions: int) -> None:
+    def __init__(self, config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog) -> None:
         self.config = config
         self.max_subscriptions = max_subscriptions
+        #: the hub's bounded log: a hook's failures (a dead backend logs at that rate, not once per call)
+        self.bad_input = bad_input
         self.urls = {"connect": config.connect_url, "subscribe": config.subscribe_url,
                      "publish": config.publish_url, "rpc": config.rpc_url, "refresh": config.refresh_url,
                      "disconnect": config.disconnect_url, "unsubscribe": config.unsubscribe_url}
@@ -116,20 +189,22 @@ class Proxy:
         self.retry_after = {"Retry-After": str(config.retry_after_s)}
         self._client: httpx.AsyncClient | None = None
         self._slots = {hook: asyncio.Semaphore(config.max_concurrent) for hook in HOOKS}
-        #: calls by (hook, outcome): ok, refused, timeout, unavailable, error (HTTP status), bad_answer, dropped
+        #: calls by (hook, outcome): ok, refused, timeout, unavailable, error (HTTP status), bad_answer, and
+        #: for events not sent: dropped, coalesced
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self.durations = {hook: BucketHistogram(DURATION_BUCKETS) for hook in HOOKS}
-        self._events: asyncio.Queue[tuple[str, dict[str, Any]]] | None = None
+        #: one queue per event hook, made with its senders on its first event
+        self._events: dict[str, EventQueue] = {}
         self._senders: list[asyncio.Task[None]] = []
         #: calls in flight for connections and commands (kept so they are not collected, cancelled at close)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @staticmethod
-    def from_config(config: ProxyConfig, max_subscriptions: int) -> Proxy | None:
+    def from_config(config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog) -> Proxy | None:
         """The process's proxy, or None when no hook URL is set."""
         urls = (config.connect_url, config.subscribe_url, config.publish_url, config.rpc_url, config.refresh_url,
                 config.disconnect_url, config.unsubscribe_url)
-        return Proxy(config, max_subscriptions) if any(urls) else None
+        return Proxy(config, max_subscriptions, bad_input) if any(urls) else None
 
     # -- calls ---------------------------------------------------------------------------------------------
 
@@ -138,6 +213,7 @@ class Proxy:
         if client is None:
             limits = httpx.Limits(max_connections=self.config.max_concurrent * len(HOOKS),
                                   max_keepalive_connections=self.config.max_concurrent)
+            _quiet_httpx()
             client = self._client = httpx.AsyncClient(timeout=self.config.timeout_s, limits=limits,
                                                       follow_redirects=False, trust_env=False)
         return client
@@ -145,47 +221,76 @@ class Proxy:
     async def call(self, hook: str, body: dict[str, Any], answer: type[T]) -> T:
         """POST `body` to the hook's URL and return its answer as `answer`. Raises `Refused` (the backend's
         `error`) or `BackendUnavailable` (no answer within `timeout_s`, waiting for a slot included; not
-        reachable; a status other than 200; a body that is not the hook's answer)."""
+        reachable; a status other than 200; a body that is not the hook's answer, or longer than
+        `max_answer_bytes`, or encoded). A failure is logged through the bounded bad-input log."""
         started = time.perf_counter()
         outcome = "error"
-        timeout = self.config.timeout_s
         try:
             try:
-                async with asyncio.timeout(timeout):
-                    async with self._slots[hook]:
-                        response = await self.client().post(
-                            self.urls[hook], content=orjson.dumps(body),
-                            headers={"content-type": "application/json"})
-            except (TimeoutError, httpx.TimeoutException):
-                outcome = "timeout"
-                raise BackendUnavailable(f"backend unavailable: the {hook} hook did not answer within {timeout:g} s"
-                                         " (proxy.timeout_s)") from None
-            except httpx.HTTPError as exc:
-                outcome = "unavailable"
-                raise BackendUnavailable(f"backend unavailable: the {hook} hook could not be reached"
-                                         f" ({type(exc).__name__})") from None
-            if response.status_code != 200:
-                raise BackendUnavailable(f"backend unavailable: the {hook} hook answered HTTP {response.status_code}")
-            try:
-                doc = orjson.loads(response.content)
-            except orjson.JSONDecodeError:
-                doc = None
-            if not isinstance(doc, dict):
-                outcome = "bad_answer"
-                raise BackendUnavailable(f"backend unavailable: the {hook} hook's answer is not a JSON object")
-            if "error" in doc:
+                converted = self._answer(await self._post(hook, body), answer)
+            except Refused:
                 outcome = "refused"
-                raise _refusal(doc["error"])
-            try:
-                converted = msgspec.convert(doc, answer)
-            except msgspec.ValidationError as exc:
-                outcome = "bad_answer"
-                raise BackendUnavailable(f"backend unavailable: the {hook} hook's answer is malformed: {exc}") from None
+                raise
+            except _Failed as failed:
+                outcome = failed.outcome
+                self.bad_input("hook", "the %s hook %s", hook, failed)
+                raise BackendUnavailable(f"backend unavailable: the {hook} hook {failed}") from None
             outcome = "ok"
             return converted
         finally:
             self.outcomes[(hook, outcome)] += 1
             self.durations[hook].observe(time.perf_counter() - started)
+
+    async def _post(self, hook: str, body: dict[str, Any]) -> bytes:
+        """The body of the hook's answer, within `timeout_s` (waiting for a slot included). Raises _Failed."""
+        timeout = self.config.timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._slots[hook]:
+                    return await self._read_answer(hook, body)
+        except (TimeoutError, httpx.TimeoutException):
+            raise _Failed("timeout", f"did not answer within {timeout:g} s (proxy.timeout_s)") from None
+        except httpx.HTTPError as exc:
+            raise _Failed("unavailable", f"could not be reached ({type(exc).__name__})") from None
+
+    async def _read_answer(self, hook: str, body: dict[str, Any]) -> bytes:
+        """POST and read the answer as it comes, undecoded, up to `max_answer_bytes`: past that (or a
+        Content-Length above it) the connection is closed with the rest unread."""
+        cap = self.config.max_answer_bytes
+        too_long = _Failed("bad_answer", f"answered more than {cap} bytes (proxy.max_answer_bytes)")
+        async with self.client().stream("POST", self.urls[hook], content=orjson.dumps(body),
+                                         headers=REQUEST_HEADERS) as response:
+            if response.status_code != 200:
+                raise _Failed("error", f"answered HTTP {response.status_code}")
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding != "identity":
+                raise _Failed("bad_answer", f"answered with Content-Encoding {encoding[:40]!r}, not identity")
+            length = _content_length(response)
+            if length is not None and length > cap:
+                raise too_long
+            chunks, size = [], 0
+            async for chunk in response.aiter_raw():  # raw: never inflated
+                size += len(chunk)
+                if size > cap:
+                    raise too_long
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def _answer(content: bytes, answer: type[T]) -> T:
+        """The body as the hook's answer. Raises Refused (the backend's `error`) or _Failed."""
+        try:
+            doc = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            doc = None
+        if not isinstance(doc, dict):
+            raise _Failed("bad_answer", "answered something that is not a JSON object")
+        if "error" in doc:
+            raise _refusal(doc["error"])
+        try:
+            return msgspec.convert(doc, answer)
+        except msgspec.ValidationError as exc:
+            raise _Failed("bad_answer", f"answered a malformed answer: {exc}") from None
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
         """Run a call for a connection or a command in the background (cancelled at close)."""
@@ -222,6 +327,7 @@ class Proxy:
         if problem is not None:
             self.outcomes[("connect", "ok")] -= 1
             self.outcomes[("connect", "bad_answer")] += 1
+            self.bad_input("hook", "the connect hook answered a malformed grant: %s", problem)
             raise BackendUnavailable(f"backend unavailable: the connect hook's answer is malformed: {problem}")
         if grant.user:
             # with `connect_always` the client may hold a token: its jti and iat stay the connection's, so
@@ -271,22 +377,24 @@ class Proxy:
             self._event("unsubscribe", self.body(identity, topic=topic))
 
     def _event(self, hook: str, body: dict[str, Any]) -> None:
-        queue = self._events
+        queue = self._events.get(hook)
         if queue is None:
-            queue = self._events = asyncio.Queue(self.config.event_queue_max)
+            queue = self._events[hook] = EventQueue(self.config.event_queue_max, self.config.event_queue_per_client)
             loop = asyncio.get_running_loop()
-            self._senders = [loop.create_task(self._send_events(queue)) for _ in range(EVENT_SENDERS)]
-        body["id"] = secrets.token_hex(16)  # the same on every attempt: the backend drops a duplicate by it
-        body["time"] = time.time()
-        try:
-            queue.put_nowait((hook, body))
-        except asyncio.QueueFull:
-            self.outcomes[(hook, "dropped")] += 1
+            self._senders += [loop.create_task(self._send_events(hook, queue)) for _ in range(EVENT_SENDERS)]
+        not_queued = queue.put(body)
+        if not_queued is not None:
+            self.outcomes[(hook, not_queued)] += 1
 
-    async def _send_events(self, queue: asyncio.Queue[tuple[str, dict[str, Any]]]) -> None:
+    def pending(self, hook: str) -> int:
+        """Events of `hook` waiting to be sent (those being sent not counted)."""
+        queue = self._events.get(hook)
+        return 0 if queue is None else queue.queue.qsize()
+
+    async def _send_events(self, hook: str, queue: EventQueue) -> None:
         retries, backoff = self.config.event_retries, self.config.event_backoff_s
         while True:
-            hook, body = await queue.get()
+            body = await queue.get()
             try:
                 for attempt in range(retries + 1):
                     try:
@@ -298,18 +406,20 @@ class Proxy:
                         if attempt < retries:
                             await asyncio.sleep(backoff * 2 ** attempt)
                         else:
-                            log.warning("%s event %s not delivered after %d attempts", hook, body["id"], retries + 1)
+                            self.bad_input("hook", "%s event %s not delivered after %d attempts", hook, body["id"],
+                                           retries + 1)
             finally:
-                queue.task_done()
+                queue.queue.task_done()
 
     # -- lifecycle, metrics --------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
         """At shutdown: the events queued (the clients' disconnects among them) get at most `timeout_s` to
         go, then every call is cancelled and the pooled client closed."""
-        if self._events is not None and self._events.qsize():
+        waiting = [queue.queue.join() for queue in self._events.values() if queue.queue.qsize()]
+        if waiting:
             try:
-                await asyncio.wait_for(self._events.join(), min(self.config.timeout_s, 5.0))
+                await asyncio.wait_for(asyncio.gather(*waiting), min(self.config.timeout_s, 5.0))
             except TimeoutError:
                 pass
         for task in (*self._senders, *self._tasks):
@@ -325,11 +435,19 @@ class Proxy:
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("fanout_proxy_requests", "backend hook calls ([proxy]) by hook and outcome:"
-                                       " ok, refused, timeout, unavailable, error (HTTP status), bad_answer,"
-                                       " dropped (event queue full)", labels=["hook", "outcome"])
+                                       " ok, refused, timeout, unavailable, error (HTTP status), bad_answer (not"
+                                       " a hook answer, encoded, or above max_answer_bytes); events not sent:"
+                                       " dropped (queue full), coalesced (the same event waits)",
+                                       labels=["hook", "outcome"])
         for (hook, outcome), count in sorted(self.outcomes.items()):
             requests.add_metric([hook, outcome], count)
         yield requests
+        pending = GaugeMetricFamily("fanout_proxy_events_pending", "events waiting to be sent, by hook",
+                                    labels=["hook"])
+        for hook in EVENT_HOOKS:
+            if self.urls[hook]:
+                pending.add_metric([hook], self.pending(hook))
+        yield pending
         durations = HistogramMetricFamily("fanout_proxy_duration_seconds", "backend hook call durations, waiting"
                                           " for a slot included", labels=["hook"])
         for hook in HOOKS:
