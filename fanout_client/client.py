@@ -11,7 +11,9 @@ subscription with ``since`` (its epoch and the next seq it needs), drops redeliv
 for a fresh token when the gateway says the token expired (``auth`` on the live connection) and on the close
 codes 4001 and 4011, and follows the close-code table of fanout.js. Every buffer has a bound: requests
 (``max_pending_requests``), each subscription's events (``max_queued_events``, policy in `Subscription`),
-frames (``max_frame_bytes``, and the WebSocket library's own queue of 16 frames and 32 KiB write buffer).
+frames (``max_frame_bytes``, near the largest frame a gateway builds; `RECEIVE_QUEUE_FRAMES` read ahead), writes
+(the WebSocket library's 32 KiB write buffer; replies it owes a gateway that reads nothing:
+`REPLY_BYTES_WHILE_BLOCKED`, then the connection is dropped), and log lines (`LOG_BURST` per `LOG_WINDOW_S`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
@@ -57,6 +59,27 @@ CLOSE_TIMEOUT_S = 2.0
 #: delay so that a restart does not make a thundering herd (docs/protocol.md)
 SERVICE_RESTART = 1012
 _RESTART_HINT = re.compile(r"reconnect in (\d{1,9}) ms")
+#: close codes the client sends when it refuses what the gateway sent (protocol error, invalid data, a frame
+#: too big): the code of the connection's `CloseInfo`, whether or not the gateway's close frame came back
+REFUSAL_CODES = frozenset({1002, 1007, 1009})
+#: the default ``max_frame_bytes``: a gateway's largest frame is a cycle's budget (scheduler.cycle_budget_bytes,
+#: 64 KiB) plus one entry of at most 1 MiB (scheduler.max_message_bytes, scheduler.direct_queue_max_bytes),
+#: ~1.07 MiB; a larger frame is refused from its header (1009), before it is read. Decoded, a frame of tiny JSON
+#: values costs ~33 times its size (2 MiB of `[]`: 67 MiB; 64 MiB: 1.7 GB), so the bound stays near what a gateway sends.
+DEFAULT_MAX_FRAME_BYTES = 2 * 1024 * 1024
+#: frames the WebSocket library reads ahead of the client (its ``max_queue``, by default 16): with
+#: ``max_frame_bytes``, at most 4 x 2 MiB wait, not yet decoded
+RECEIVE_QUEUE_FRAMES = 4
+#: bytes of replies the WebSocket library writes by itself (a pong for each ping, the close echo) while the
+#: gateway reads nothing (the write buffer above its high-water mark, 32 KiB): past this the connection is
+#: dropped (1006). A gateway pings every websocket.ping_interval_s (20 s); one pinging in a loop and never
+#: reading made the client buffer +105 MiB of pongs in 10 s.
+REPLY_BYTES_WHILE_BLOCKED = 64 * 1024
+#: errors no request owns (``error`` entries without an id, ...) are logged at most LOG_BURST times per
+#: LOG_WINDOW_S (without ``on_error``); the others are counted, and the count is logged with the next line let
+#: through and by `Client.close` (a gateway sending 338,000 such entries in 5 s made as many log records)
+LOG_BURST = 5
+LOG_WINDOW_S = 10.0
 
 
 def restart_hint_s(code: int, reason: str) -> float | None:
@@ -66,6 +89,73 @@ def restart_hint_s(code: int, reason: str) -> float | None:
         return None
     match = _RESTART_HINT.search(reason)
     return int(match.group(1)) / 1000 if match else None
+
+
+class _GuardedConnection(ClientConnection):
+    """The WebSocket connection, dropped when a gateway that reads nothing makes it write replies without
+    bound: websockets answers each ping with a pong at once, however much already waits to be written, so a
+    gateway that pings in a loop and never reads grows the write buffer for ever (`REPLY_BYTES_WHILE_BLOCKED`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writes: asyncio.WriteTransport | None = None
+        self._blocked = False
+        self._replies_while_blocked = 0
+        #: why the client dropped the connection (None: it did not)
+        self.dropped_because: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._writes = cast(asyncio.WriteTransport, transport)  # a stream's (uvloop's are no subclass of it)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._blocked = True
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._blocked = False
+        self._replies_while_blocked = 0
+
+    def data_received(self, data: bytes) -> None:
+        writes = self._writes
+        assert writes is not None
+        before = writes.get_write_buffer_size()
+        super().data_received(data)  # may write replies (pongs)
+        if not self._blocked or self.dropped_because is not None:
+            return
+        self._replies_while_blocked += max(0, writes.get_write_buffer_size() - before)
+        if self._replies_while_blocked > REPLY_BYTES_WHILE_BLOCKED:
+            self.dropped_because = (f"the gateway does not read: {self._replies_while_blocked} bytes of replies "
+                                    f"(pongs) wait to be written")
+            writes.abort()
+
+
+class _LogBudget:
+    """At most `LOG_BURST` log lines per `LOG_WINDOW_S`; the lines refused are counted, and the count is logged
+    with the next line let through (and by `flush`)."""
+
+    def __init__(self) -> None:
+        self._window_start = -LOG_WINDOW_S
+        self._lines = 0
+        self.suppressed = 0
+
+    def warning(self, message: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= LOG_WINDOW_S:
+            self._window_start, self._lines = now, 0
+        if self._lines >= LOG_BURST:
+            self.suppressed += 1
+            return
+        self._lines += 1
+        self.flush()
+        log.warning(message, *args, exc_info=exc_info)
+
+    def flush(self) -> None:
+        if self.suppressed:
+            log.warning("fanout_client: %d more errors were not logged (at most %d lines per %g s)",
+                        self.suppressed, LOG_BURST, LOG_WINDOW_S)
+            self.suppressed = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +195,15 @@ def _with_token(url: str, token: str | None) -> str:
     parts = urlsplit(url)
     query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "token"]
     return urlunsplit(parts._replace(query=urlencode([*query, ("token", token)])))
+
+
+def _refusal(closed: ConnectionClosed) -> CloseInfo | None:
+    """The close the client sent when it refused what the gateway sent (`REFUSAL_CODES`: 1009, a frame past
+    ``max_frame_bytes``), if no close frame came back (a gateway still writing that frame does not answer)."""
+    sent = closed.sent
+    if closed.rcvd is None and sent is not None and sent.code in REFUSAL_CODES:
+        return CloseInfo(sent.code, sent.reason)
+    return None
 
 
 def _int(value: object) -> int | None:
@@ -323,7 +422,7 @@ class Client:
         request_timeout: float = 10.0,
         max_pending_requests: int = 1000,
         max_queued_events: int = 10000,
-        max_frame_bytes: int = 64 * 1024 * 1024,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         start_timeout: float | None = 30.0,
         on_state: Callable[[ClientState, CloseInfo | None], None] | None = None,
         on_error: Callable[[FanoutError], None] | None = None,
@@ -376,6 +475,7 @@ class Client:
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._changed: asyncio.Event | None = None
+        self._log = _LogBudget()
 
     # -- lifetime -------------------------------------------------------------------------------------------
 
@@ -439,6 +539,7 @@ class Client:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self._log.flush()
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -615,7 +716,9 @@ class Client:
                     ping_timeout=self.ping_timeout,
                     close_timeout=CLOSE_TIMEOUT_S,
                     max_size=self.max_frame_bytes,
+                    max_queue=RECEIVE_QUEUE_FRAMES,
                     compression=None,
+                    create_connection=_GuardedConnection,
                 )
             except asyncio.CancelledError:
                 raise
@@ -625,6 +728,7 @@ class Client:
             if self.closed:
                 await ws.close(1000, "client closed")
                 return
+            assert isinstance(ws, _GuardedConnection)  # create_connection
             close, lived = await self._serve(ws)
             self.last_close = close
             self._drop_connection_state()
@@ -635,7 +739,7 @@ class Client:
             if await self._may_reconnect(close):
                 await self._backoff(close)
 
-    async def _serve(self, ws: ClientConnection) -> tuple[CloseInfo, float]:
+    async def _serve(self, ws: _GuardedConnection) -> tuple[CloseInfo, float]:
         """Read the connection until it ends; how it ended and how long it lived."""
         opened_at = time.monotonic()
         self._ws = ws
@@ -668,12 +772,14 @@ class Client:
                     break
                 if isinstance(entries, list):
                     await self._on_batch(entries)
-        except ConnectionClosed:
-            pass
+        except ConnectionClosed as closed:
+            refused = _refusal(closed)
+            if refused is not None:
+                return refused, time.monotonic() - opened_at
         finally:
             self._ws = None
         code = int(ws.close_code) if ws.close_code is not None else 1006  # None, or 1006: no close frame came
-        return CloseInfo(code, ws.close_reason or ""), time.monotonic() - opened_at
+        return CloseInfo(code, ws.close_reason or ws.dropped_because or ""), time.monotonic() - opened_at
 
     async def _may_reconnect(self, close: CloseInfo) -> bool:
         """The close-code table of docs/client.md: whether to reconnect (False: the client is closed)."""
@@ -700,19 +806,21 @@ class Client:
         return True
 
     async def _backoff(self, close: CloseInfo) -> None:
-        """Full jitter: a delay uniform in [0, min(backoff_max, backoff_base * 2^attempt)); after a drain's
-        1012, the delay the gateway hinted instead (at most `backoff_max`)."""
+        """Full jitter: a delay uniform in [0, min(backoff_max, backoff_base * 2^attempt)). After a drain's 1012,
+        at least the delay the gateway hinted (it spread its clients' reconnects), at most `backoff_max`: a hint
+        lengthens the delay, never shortens it, so a gateway closing 1012 "reconnect in 0 ms" again and again
+        is retried ever more slowly, like any other."""
         if self.state == "closed":
             return
         self.last_close = close
         self._set_state("disconnected", close)
-        hint = restart_hint_s(close.code, close.reason)
-        if hint is not None:  # the gateway spread its clients' reconnects: keep its choice
-            await asyncio.sleep(min(self.backoff_max, hint))
-            return
         cap = min(self.backoff_max, self.backoff_base * 2 ** min(self._attempt, 30))
         self._attempt += 1
-        await asyncio.sleep(random.uniform(0, cap))
+        delay = random.uniform(0, cap)
+        hint = restart_hint_s(close.code, close.reason)
+        if hint is not None:
+            delay = min(self.backoff_max, max(hint, delay))
+        await asyncio.sleep(delay)
 
     def _drop_connection_state(self) -> None:
         self._wire = []
@@ -766,12 +874,12 @@ class Client:
 
     def _report(self, error: FanoutError) -> None:
         if self._on_error is None:
-            log.warning("fanout_client: %s", error)
+            self._log.warning("fanout_client: %s", error)
             return
         try:
             self._on_error(error)
         except Exception:
-            log.exception("fanout_client: the on_error handler failed")
+            self._log.warning("fanout_client: the on_error handler failed", exc_info=True)
 
     async def _ask_token(self) -> str | None:
         assert self._get_token is not None
@@ -917,7 +1025,7 @@ def connect(
     request_timeout: float = 10.0,
     max_pending_requests: int = 1000,
     max_queued_events: int = 10000,
-    max_frame_bytes: int = 64 * 1024 * 1024,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     start_timeout: float | None = 30.0,
     on_state: Callable[[ClientState, CloseInfo | None], None] | None = None,
     on_error: Callable[[FanoutError], None] | None = None,
@@ -935,7 +1043,8 @@ def connect(
     * ``request_timeout``: seconds for `Client.publish`, `Client.rpc` and `Client.subscribe` (``timeout``);
     * ``max_pending_requests``: requests waiting for an answer or a connection (beyond: ``queue_full``);
     * ``max_queued_events``: each subscription's queue (policy: `Subscription`);
-    * ``max_frame_bytes``: the largest frame accepted from the gateway (a larger one drops the connection);
+    * ``max_frame_bytes``: the largest frame accepted from the gateway (a larger one drops the connection, 1009;
+      the default, 2 MiB, is near the largest a gateway with the default config builds, ~1.07 MiB);
     * ``start_timeout``: how long ``async with`` waits for the first connection (None: it does not wait);
     * ``on_state(state, close)``, ``on_error(error)``: callbacks (state changes; errors no request owns).
     * ``private_ack``: subscribe private topics with ``ack`` and acknowledge each message once handed to the

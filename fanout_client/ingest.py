@@ -48,6 +48,7 @@ __all__ = [
     "IngestError",
     "IngestProtocolError",
     "IngestSocket",
+    "MAX_ANSWER_LINE_BYTES",
     "Synced",
     "auth_line",
     "json_line",
@@ -64,6 +65,12 @@ DEFAULT_TIMEOUT = 30.0
 
 #: Bytes asked of the socket per read.
 READ_SIZE = 65536
+
+#: The longest answer line taken from the gateway (`AnswerReader`): its largest answer, a ``synced`` echoing a
+#: sync id, comes from a line of at most the gateway's ``ingest.max_line_bytes`` (1 MiB by default).
+MAX_ANSWER_LINE_BYTES = (1 << 20) + 4096
+#: Bytes of a refused line kept in its `BadAnswer`.
+BAD_ANSWER_TEXT = 200
 _A = TypeVar("_A")
 _T = TypeVar("_T")
 
@@ -151,24 +158,71 @@ _KNOWN_TYPES = frozenset({"authed", "synced", "error"})
 
 class AnswerReader:
     """The gateway's answer lines, framed and decoded. Feed it every byte read; ``b""`` means the gateway
-    closed the connection (an unfinished line before it is a `BadAnswer`)."""
+    closed the connection (an unfinished line before it is a `BadAnswer`).
 
-    def __init__(self) -> None:
-        self._buffer = b""
+    Linear in what is fed: the unfinished line is kept in one buffer and only the bytes fed since are searched
+    for its end. Bounded: a line longer than ``max_line_bytes`` is one `BadAnswer` (its first bytes) and the
+    rest of it is skipped up to its newline, held nowhere (a gateway's answer is far smaller: a synced answer,
+    the largest, echoes a sync id from a line of at most its ``ingest.max_line_bytes``, 1 MiB).
+    """
+
+    def __init__(self, max_line_bytes: int = MAX_ANSWER_LINE_BYTES) -> None:
+        self.max_line_bytes = max_line_bytes
+        self._buffer = bytearray()
+        self._skipping = False  # inside a line already refused as too long: dropped up to its newline
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of the unfinished line held."""
+        return len(self._buffer)
 
     def feed(self, data: bytes) -> list[Answer]:
         if not data:
-            tail, self._buffer = self._buffer, b""
-            unfinished = [BadAnswer(tail, "the connection closed inside a line")] if tail.strip() else []
-            return [*unfinished, Closed()]
-        *lines, self._buffer = (self._buffer + data).split(b"\n")
+            return self._closed()
         answers: list[Answer] = []
-        for line in lines:
-            if line.strip():
-                answer = _decode(line)
-                if answer is not None:
-                    answers.append(answer)
+        start = 0
+        while start < len(data):
+            end = data.find(b"\n", start)
+            if end < 0:
+                self._hold(data, start, answers)
+                break
+            if self._skipping:
+                self._skipping = False
+            elif self._buffer:
+                self._buffer += data[start:end]
+                self._answer(bytes(self._buffer), answers)
+                self._buffer.clear()
+            else:
+                self._answer(data[start:end], answers)
+            start = end + 1
         return answers
+
+    def _hold(self, data: bytes, start: int, answers: list[Answer]) -> None:
+        """The start of a line whose end is still to come: kept, unless the line is already too long."""
+        if self._skipping:
+            return
+        if len(self._buffer) + len(data) - start <= self.max_line_bytes:
+            self._buffer += data[start:]
+            return
+        head = (bytes(self._buffer[:BAD_ANSWER_TEXT]) + data[start : start + BAD_ANSWER_TEXT])[:BAD_ANSWER_TEXT]
+        answers.append(BadAnswer(head, f"an answer line longer than {self.max_line_bytes} bytes"))
+        self._buffer.clear()
+        self._skipping = True
+
+    def _answer(self, line: bytes, answers: list[Answer]) -> None:
+        if len(line) > self.max_line_bytes:  # whole in one feed, yet too long: refused as a held one would be
+            answers.append(BadAnswer(line[:BAD_ANSWER_TEXT], f"an answer line longer than {self.max_line_bytes} bytes"))
+        elif line.strip():
+            answer = _decode(line)
+            if answer is not None:
+                answers.append(answer)
+
+    def _closed(self) -> list[Answer]:
+        tail = bytes(self._buffer)  # empty while skipping a refused line: refused once is enough
+        self._buffer.clear()
+        self._skipping = False
+        unfinished = [BadAnswer(tail, "the connection closed inside a line")] if tail.strip() else []
+        return [*unfinished, Closed()]
 
 
 def _decode(line: bytes) -> Answer | None:
