@@ -955,18 +955,16 @@ export class Client extends Emitter {
     return this._retry({ code, reason });
   }
 
-  /** Back off: full jitter, or after a drain's 1012 the delay the gateway hinted (`hintMs`, at most backoffMaxMs). */
+  /** Back off: full jitter, growing with each attempt; after a drain's 1012 at least the delay the gateway hinted
+   * (`hintMs`, at most backoffMaxMs). A hint never replaces the backoff: a gateway closing every connection
+   * with "reconnect in 0 ms" still meets a growing delay. */
   _retry(detail = {}, hintMs = null) {
     if (this.state === "closed") return;
     this._setState("disconnected", detail);
-    let delay;
-    if (hintMs !== null) {
-      delay = Math.min(this.options.backoffMaxMs, hintMs); // the gateway spread its clients' reconnects
-    } else {
-      const cap = Math.min(this.options.backoffMaxMs, this.options.backoffBaseMs * 2 ** Math.min(this._attempt, 30));
-      this._attempt++;
-      delay = Math.random() * cap; // full jitter
-    }
+    const cap = Math.min(this.options.backoffMaxMs, this.options.backoffBaseMs * 2 ** Math.min(this._attempt, 30));
+    this._attempt++;
+    let delay = Math.random() * cap; // full jitter
+    if (hintMs !== null) delay = Math.min(this.options.backoffMaxMs, Math.max(hintMs, delay)); // the gateway spread its clients' reconnects
     clearTimeout(this._retryTimer);
     this._retryTimer = setTimeout(() => this._connect(), delay);
   }

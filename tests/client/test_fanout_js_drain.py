@@ -99,3 +99,36 @@ def test_a_long_poll_closed_entry_with_retry_ms_delays_the_reconnect() -> None:
     assert out.returncode == 0, out.stderr
     gap = json.loads(out.stdout.strip().splitlines()[-1])["gap"]
     assert 500 <= gap < 1500, gap
+
+
+ZERO_HINT_SCRIPT = """
+const { connect } = await import(process.argv[1]);
+let opened = 0;
+globalThis.WebSocket = class {
+  constructor(url) {
+    this.readyState = 0;
+    opened++;
+    setTimeout(() => {
+      this.readyState = 1;
+      this.onopen?.();
+      setTimeout(() => { this.readyState = 3; this.onclose?.({ code: 1012, reason: "restarting: reconnect in 0 ms" }); }, 1);
+    }, 1);
+  }
+  send() {}
+  close() { this.readyState = 3; }
+};
+const client = connect("http://gw.invalid", { transports: ["ws"], backoffBaseMs: 50, backoffMaxMs: 15000 });
+await new Promise((resolve) => setTimeout(resolve, 2000));
+client.close();
+console.log(JSON.stringify({ opened }));
+process.exit(0);
+"""
+
+
+def test_a_gateway_closing_1012_reconnect_in_0_ms_at_once_meets_a_growing_backoff() -> None:
+    # a hint only lengthens the delay: every attempt still counts, so the full-jitter cap doubles each time
+    out = subprocess.run(["node", "--input-type=module", "-e", ZERO_HINT_SCRIPT,
+                          (ROOT / "static" / "fanout.js").as_uri()], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    opened = json.loads(out.stdout.strip().splitlines()[-1])["opened"]
+    assert opened <= 12, opened  # without the backoff: hundreds in 2 s
