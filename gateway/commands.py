@@ -4,12 +4,18 @@ Every command is converted to its schema (gateway/schema.py) before anything run
 reply, error) goes through the client's direct queue, so it is ordered with the data and batched like it.
 A bad command gets an `error` entry; the connection and every other client go on. What a client may do is
 asked of its `ClientIdentity` (gateway/identity.py), the one place permissions live.
+
+A command that asks a backend hook (gateway/proxy.py) is answered later; a connection's commands still take
+effect in the order sent per topic: one naming a topic on which a hooked command of the same connection is
+pending waits behind it (`_wait_behind`, `_resume`). Hook calls in flight and commands waiting behind them
+are bounded per connection (`proxy.max_calls_per_connection`, `_hold`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,7 +28,7 @@ from core.entries import encode_reply
 from core.errors import DirectQueueFull, RequestError, UnknownTopic
 
 from . import close_codes, schema
-from .errors import BadCommand, BadJson, Forbidden, RateLimited, RpcError, UnknownMethod
+from .errors import BadCommand, BadJson, Forbidden, RateLimited, RpcError, TooManyCalls, UnknownMethod
 from .identity import ClientIdentity
 from .proxy import Allowed as ProxyAllowed
 from .proxy import PublishAnswer, Refused, RpcAnswer
@@ -38,6 +44,9 @@ log = logging.getLogger("gateway.commands")
 RPC_TOPICS_MAX = 1000
 #: the rpc methods the gateway answers itself; others go to the backend's rpc hook when one is set
 BUILTIN_METHODS = frozenset(("echo", "time", "whoami", "topics"))
+#: the commands that name a topic: one waits while a hooked command of its connection on that topic is pending
+TOPIC_COMMANDS = (schema.Subscribe, schema.Unsubscribe, schema.Publish, schema.Ack, schema.Presence,
+                  schema.PresenceStats)
 
 T = TypeVar("T")
 
@@ -61,6 +70,30 @@ def _topic_config(hub: "Hub", name: str) -> TopicConfig:
     return config
 
 
+def _rule_of(hub: "Hub", name: str, config: TopicConfig) -> str:
+    """Where a refused topic's settings come from, for the refusal's message: its rule, or its own settings
+    (a topic created through the admin API with settings of its own)."""
+    for rule in hub.engine.config.rules:
+        if rule.matches(name):
+            if rule.config == config:
+                return f"topic rule {rule.pattern!r}"
+            break
+    return f"topic {name!r} (created with its own settings)"
+
+
+def _check_subscribe(hub: "Hub", identity: ClientIdentity, name: str, config: TopicConfig) -> None:
+    """Forbidden, saying which rule and which patterns refused, when the client may not subscribe."""
+    reason = identity.subscribe_refusal(name, config)
+    if reason is not None:
+        raise Forbidden(f"not allowed to subscribe to {name!r}: {_rule_of(hub, name, config)} {reason}")
+
+
+def _check_publish(hub: "Hub", identity: ClientIdentity, name: str, config: TopicConfig) -> None:
+    reason = identity.publish_refusal(name, config)
+    if reason is not None:
+        raise Forbidden(f"not allowed to publish to {name!r}: {_rule_of(hub, name, config)} {reason}")
+
+
 def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) -> None:
     name = command.topic
     since = None
@@ -69,12 +102,11 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
             raise BadCommand("`since.seq` must be in [0, 2**53)")
         since = (command.since.epoch, command.since.seq)
     config = _topic_config(hub, name)
-    if not identity.may_subscribe(name, config):
-        raise Forbidden(f"not allowed to subscribe to {name!r}")
+    _check_subscribe(hub, identity, name, config)
     ack = command.ack and config.kind is TopicKind.PRIVATE  # shared kinds have no queue to keep: ignored
     if config.proxy_subscribe and hub.proxy is not None and hub.proxy.subscribe_url:
         _ask_backend(hub, identity, "subscribe", {"topic": name}, ProxyAllowed, command.id,
-                     lambda _: _subscribe_now(hub, identity, name, since, command.id, ack))
+                     lambda _: _subscribe_now(hub, identity, name, since, command.id, ack), topic=name)
         return
     _subscribe_now(hub, identity, name, since, command.id, ack)
 
@@ -101,8 +133,7 @@ def _ack(hub: "Hub", identity: ClientIdentity, command: schema.Ack) -> None:
 def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> None:
     name = command.topic
     config = _topic_config(hub, name)
-    if not identity.may_publish(name, config):
-        raise Forbidden(f"not allowed to publish to {name!r}")
+    _check_publish(hub, identity, name, config)
     bucket = identity.publish_bucket
     if bucket is None:
         limits = hub.config.limits
@@ -114,7 +145,7 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
             data = command.data if answer.data is msgspec.UNSET else answer.data
             _publish_now(hub, identity, name, data, command.id)
         _ask_backend(hub, identity, "publish", {"topic": name, "data": command.data}, PublishAnswer, command.id,
-                     publish)
+                     publish, topic=name)
         return
     _publish_now(hub, identity, name, command.data, command.id)
 
@@ -127,15 +158,33 @@ def _publish_now(hub: "Hub", identity: ClientIdentity, name: str, data: Any, req
 
 
 def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[str, Any], answer: type[T],
-                 request_id: Any, then: Callable[[T], None]) -> None:
+                 request_id: Any, then: Callable[[T], None], *, topic: str | None = None) -> None:
     """A command that waits for a backend hook (gateway/proxy.py): `then(answer)` runs once the backend
     allowed it, if the client is still connected. A refusal is the command's `forbidden` error entry (rpc:
-    `rpc_error`), no answer `backend_unavailable`. Answers of later commands may come first (match the ids)."""
+    `rpc_error`), no answer `backend_unavailable`. Answers of later commands may come first (match the ids),
+    except those on the same `topic`: they wait behind this one (`_wait_behind`). Raises TooManyCalls when
+    the connection is at `proxy.max_calls_per_connection`."""
     proxy = hub.proxy
     assert proxy is not None
     client_id = identity.client_id
+    _hold(hub, identity)
+    if topic is not None:
+        if identity.waiting is None:
+            identity.waiting = {}
+        identity.waiting[topic] = deque()
 
     async def ask() -> None:
+        try:
+            await answered()
+        finally:
+            identity.hook_calls -= 1
+        if topic is not None:
+            try:
+                _resume(hub, identity, topic)
+            except Exception:
+                _failed(hub, client_id, f"a command waiting behind a {hook} call")
+
+    async def answered() -> None:
         try:
             try:
                 got = await proxy.call(hook, proxy.body(identity, **extra), answer)
@@ -150,11 +199,71 @@ def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[st
             if client_id in hub.clients.conns:
                 _refused(hub, client_id, exc, request_id)
         except Exception:
-            log.exception("%s of %s through the backend failed", hook, client_id)
-            if client_id in hub.clients.conns:
-                hub.clients.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+            _failed(hub, client_id, f"{hook} through the backend")
 
     proxy.spawn(ask())
+
+
+def _failed(hub: "Hub", client_id: str, what: str) -> None:
+    """A bug in a command run after its hook answered: logged, and the client closed (1011)."""
+    log.exception("%s of %s failed", what, client_id)
+    if client_id in hub.clients.conns:
+        hub.clients.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+
+
+def _hold(hub: "Hub", identity: ClientIdentity) -> None:
+    """Count one more command of the connection waiting for the backend, or raise TooManyCalls: a connection
+    holds at most `proxy.max_calls_per_connection` hook slots and queued commands (and their memory)."""
+    bound = hub.config.proxy.max_calls_per_connection
+    if identity.hook_calls >= bound:
+        raise TooManyCalls(f"{bound} commands of this connection already wait for the backend"
+                           " (proxy.max_calls_per_connection)")
+    identity.hook_calls += 1
+
+
+def _wait_behind(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> bool:
+    """Whether `command` names a topic on which a hooked command of the connection is pending: it is then
+    queued behind it (and counted in the connection's bound), so it takes effect after it."""
+    waiting = identity.waiting
+    if not waiting or not isinstance(command, TOPIC_COMMANDS):
+        return False
+    queue = waiting.get(command.topic)
+    if queue is None:
+        return False
+    _hold(hub, identity)
+    queue.append(command)
+    return True
+
+
+def _resume(hub: "Hub", identity: ClientIdentity, topic: str) -> None:
+    """The hooked command on `topic` is answered: run the commands that waited behind it, in order, until
+    one of them waits for the backend in turn (the rest then wait behind that one)."""
+    waiting = identity.waiting
+    assert waiting is not None
+    queue = waiting.pop(topic)
+    client_id = identity.client_id
+    while queue and client_id in hub.clients.conns:  # else gone, or cut by one of them
+        command = queue.popleft()
+        identity.hook_calls -= 1  # its place in the bound goes to the call it may make now
+        try:
+            _run(hub, identity, command)
+        except RequestError as exc:
+            _refused(hub, client_id, exc, command.id)
+        if topic in waiting:
+            waiting[topic].extend(queue)
+            return
+
+
+def _count_subscribe(hub: "Hub", identity: ClientIdentity) -> None:
+    """A subscribe or unsubscribe takes a token of the connection's bucket (`limits.subscribe_rate`,
+    `subscribe_burst`): each may cost every member of a topic a join or leave entry; RateLimited past it."""
+    bucket = identity.subscribe_bucket
+    if bucket is None:
+        limits = hub.config.limits
+        bucket = identity.subscribe_bucket = TokenBucket(limits.subscribe_rate, limits.subscribe_burst)
+    if not bucket.take():
+        raise RateLimited(f"subscribe/unsubscribe above {hub.config.limits.subscribe_rate:g}/s on this connection"
+                          " (limits.subscribe_rate)")
 
 
 def _costly(hub: "Hub", identity: ClientIdentity, what: str) -> None:
@@ -174,8 +283,7 @@ def _costly(hub: "Hub", identity: ClientIdentity, what: str) -> None:
 def _presence_topic(hub: "Hub", identity: ClientIdentity, name: str) -> None:
     """Who may ask a topic's presence: whoever may subscribe to it, on a topic with `presence`."""
     config = _topic_config(hub, name)
-    if not identity.may_subscribe(name, config):
-        raise Forbidden(f"not allowed to subscribe to {name!r}")
+    _check_subscribe(hub, identity, name, config)
     if not config.presence:
         raise Forbidden(f"topic {name!r} has no presence (topic setting `presence`)")
 
@@ -248,13 +356,20 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
         hub.clients.send_direct(client_id, encode_reply(command.id, "pong"))
 
 
-def run_command(hub: "Hub", client_id: str, value: Any) -> None:
-    """Convert one parsed command and run it; any refusal is answered with an `error` entry."""
+def run_command(hub: "Hub", client_id: str, value: Any, *, sent: bool = False) -> None:
+    """Convert one parsed command and run it, or queue it behind a hooked command on its topic; any refusal
+    is answered with an `error` entry. `sent`: the client sent it (a frame, a body), so a subscribe counts
+    against `limits.subscribe_rate`; the topics an SSE stream opens with come in one request, bounded by
+    `scheduler.max_subscriptions`, and are not counted."""
     identity = hub.clients.conns[client_id].identity
     identity.last_command = time.monotonic()
     request_id = schema.request_id_of(value)
     try:
-        _run(hub, identity, schema.command(value))
+        command = schema.command(value)
+        if sent and isinstance(command, (schema.Subscribe, schema.Unsubscribe)):
+            _count_subscribe(hub, identity)
+        if not _wait_behind(hub, identity, command):
+            _run(hub, identity, command)
     except RequestError as exc:
         _refused(hub, client_id, exc, request_id)
 
@@ -276,5 +391,5 @@ def handle_payload(hub: "Hub", client_id: str, payload: bytes | str) -> int:
     for value in values:
         if client_id not in hub.clients.conns:
             break  # kicked by an earlier command of the same frame
-        run_command(hub, client_id, value)
+        run_command(hub, client_id, value, sent=True)
     return len(values)

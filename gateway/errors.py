@@ -212,6 +212,15 @@ class BackendUnavailable(RequestError):
     close_code = close_codes.TRY_AGAIN_LATER
 
 
+class TooManyCalls(RequestError):
+    """A connection's commands waiting for backend hooks (calls in flight and commands queued behind them on
+    their topic, gateway/commands.py) are at `proxy.max_calls_per_connection`: the command is refused at
+    once, so one connection cannot take every slot of a hook."""
+
+    code = "too_many_calls"
+    http_status = 429
+
+
 class RpcError(RequestError):
     """The backend's rpc hook ([proxy] rpc_url) answered an `error`: its code and message, as this entry's
     message."""

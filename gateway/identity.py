@@ -10,12 +10,16 @@ Permissions (docs/security.md):
   topic also has `client_publish`;
 * any other topic needs a token: its `subscribe` / `publish` patterns must match the topic name;
 * a private topic is open to every authenticated client, because the queue it reads is its own user's.
+
+A refusal says why (`subscribe_refusal`, `publish_refusal`): the error entry names the rule and the
+patterns that refused (docs/security.md, "A worked example: a token-only topic").
 """
 
 from __future__ import annotations
 
 import fnmatch
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +28,19 @@ from core import TopicConfig, TopicKind
 from .auth import Principal
 from .ratelog import TokenBucket
 
+#: patterns a refusal's message lists at most (a token may hold 256)
+SHOWN_PATTERNS = 8
+
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _shown(patterns: tuple[str, ...]) -> str:
+    """A refusal's view of a pattern list: the first few, each cut short, and how many more."""
+    shown = repr([pattern[:40] for pattern in patterns[:SHOWN_PATTERNS]])
+    more = len(patterns) - SHOWN_PATTERNS
+    return f"{shown} (and {more} more)" if more > 0 else shown
 
 
 @dataclass(slots=True)
@@ -47,6 +61,15 @@ class ClientIdentity:
     creating: int = 0
     #: client publishes (limits.publish_rate / publish_burst); made on first publish
     publish_bucket: TokenBucket | None = None
+    #: subscribe and unsubscribe commands (limits.subscribe_rate / subscribe_burst); made on first use
+    subscribe_bucket: TokenBucket | None = None
+    #: hook calls in flight for its commands plus commands waiting behind them (gateway/commands.py),
+    #: bounded by proxy.max_calls_per_connection
+    hook_calls: int = 0
+    #: topics with a hooked command of this connection in flight, each with the commands waiting behind it
+    #: (gateway/commands.py: a connection's commands on a topic take effect in the order sent); made on
+    #: its first hooked command
+    waiting: dict[str, deque[Any]] | None = None
     #: `auth` and `rpc topics` (auth.rate_per_connection / burst_per_connection); made on first use
     costly_bucket: TokenBucket | None = None
     #: monotonic time of the last command, for the idle timeout
@@ -84,3 +107,34 @@ class ClientIdentity:
         if config.anonymous:
             return True
         return self.principal is not None and _matches(name, self.principal.publish)
+
+    def subscribe_refusal(self, name: str, config: TopicConfig) -> str | None:
+        """None when this client may subscribe to `name`, else why not, said of the topic ("is not
+        anonymous and ..."): the caller puts the topic's rule in front."""
+        if self.may_subscribe(name, config):
+            return None
+        return self._not_granted("subscribe")
+
+    def publish_refusal(self, name: str, config: TopicConfig) -> str | None:
+        """None when this client may publish to `name`, else why not (as `subscribe_refusal`)."""
+        if self.may_publish(name, config):
+            return None
+        if config.kind is TopicKind.PRIVATE:
+            return "is private: clients never publish to private topics (the ingest and the admin API do)"
+        if not config.client_publish:
+            return "does not take client publishes (client_publish = false)"
+        return self._not_granted("publish")
+
+    def _not_granted(self, verb: str) -> str:
+        """Why a topic that is not anonymous refuses this client: no token, or no pattern of it matches."""
+        principal = self.principal
+        if principal is None:
+            return "is not anonymous and the connection has no token"
+        patterns = principal.subscribe if verb == "subscribe" else principal.publish
+        if principal.proxied:  # a user and patterns granted by the connect hook (gateway/proxy.py)
+            if not patterns:
+                return f"is not anonymous and the connect hook granted no {verb} patterns"
+            return f"is not anonymous and the {verb} patterns the connect hook granted {_shown(patterns)} do not match"
+        if not patterns:
+            return f"is not anonymous and the token has no {verb} patterns"
+        return f"is not anonymous and the token's {verb} patterns {_shown(patterns)} do not match"
