@@ -34,8 +34,8 @@ from .broker import Broker
 from .config import GatewayConfig
 from .errors import BackendUnavailable, BadRequest, BadToken, InternalError, TokenExpired
 from .identity import ClientIdentity
-from .proxy import Proxy, Refused
 from .pending_connects import PendingConnects
+from .proxy import Proxy, Refused
 from .revocations import Revocation
 from .scheduler import Connection, Scheduler
 from .timerwheel import TimerWheel

@@ -11,11 +11,16 @@ address's token-check rate, and the `ClientIdentity` the transport registers. A 
 | `BadToken`, `TokenExpired` | close 4001, 4011 | `close` event 4001, 4011 | 401, `WWW-Authenticate: Bearer` |
 | `TokenRevoked` (a `BadToken`, gateway/revocations.py) | close 4010 | `close` event 4010 | 401, `WWW-Authenticate: Bearer` |
 | `TooManyTokenChecks` (`auth.rate_per_ip`) | close 4029 | `close` event 4029 | 429, `Retry-After: 5` |
+| `TooManyPendingConnects` (`proxy.max_pending_connects_per_ip`) | close 1013 | 429, `Retry-After` | 429, `Retry-After` |
 | `ConnectRefused` (the connect hook said no) | close 4003 | 403 | 403 |
 | `BackendUnavailable` (the connect hook did not answer) | close 1013 | 503, `Retry-After` | 503, `Retry-After` |
+| `LateRefusal` (revoked, user disconnected, drain, meanwhile) | close 4010, 4005, 1012 | `close` event | 401, 403, 503 |
 
-The last two come after `open_client`, from the backend's connect hook (`[proxy] connect_url`,
-gateway/proxy.py), which the transport awaits when `backend_for` names it (docs/integration.md).
+The last four come after `open_client`, from the client's `Admission` (`admit`): the backend's connect hook
+(`[proxy] connect_url`, gateway/proxy.py), which the transport awaits when `backend_for` names it
+(docs/integration.md), and what the admin API or the drain did before the client registered
+(gateway/pending_connects.py). The `Admission` holds the client's place in its transport's bounds until it
+registers, so the clients awaiting the hook count against them.
 
 The TCP ingest and the raw TCP broadcaster do not open clients: their peers are publishers and byte
 receivers checked against one shared secret (`ingest.token`, `rawtcp.token`, a line compared in constant
@@ -27,19 +32,33 @@ Also here: the one answer of every route of a transport that is switched off (`T
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from core.errors import RequestError
 
 from .. import close_codes
-from ..errors import BadToken, NotFound, TokenExpired, TooManySessions, TooManySessionsFromAddress, TooManyTokenChecks
+from ..errors import (
+    BackendUnavailable,
+    BadToken,
+    Closed,
+    NotFound,
+    RateLimited,
+    TokenExpired,
+    TooManySessions,
+    TooManySessionsFromAddress,
+    TooManyTokenChecks,
+)
 from ..http_errors import error_response
 from ..identity import ClientIdentity
+from ..pending_connects import LateRefusal
 from ..proxy import Proxy
 
 if TYPE_CHECKING:
@@ -52,6 +71,14 @@ class ClientIdRefused(RequestError):
 
     code = "bad_client_id"
     close_code = close_codes.BAD_CLIENT_ID
+
+
+class TooManyPendingConnects(RateLimited):
+    """The client's address has `proxy.max_pending_connects_per_ip` clients awaiting the connect hook: the
+    hook's slots serve everyone, so one address may not hold them all. Try again later: close 1013 on
+    WebSocket, 429 `rate_limited` with `Retry-After` (`proxy.retry_after_s`) on long-poll and SSE."""
+
+    close_code = close_codes.TRY_AGAIN_LATER
 
 
 @dataclass(frozen=True)
@@ -147,18 +174,156 @@ def backend_for(hub: Hub, identity: ClientIdentity) -> Proxy | None:
     return proxy if proxy is not None and proxy.wants_connect(identity) else None
 
 
-async def http_backend_refusal(hub: Hub, identity: ClientIdentity, request: Request) -> Response | None:
+class Admission:
+    """A new client from its handshake to its registration, which the transport makes in the same step of the
+    event loop as `settle`. Until then (the connect hook, `pass_backend`; SSE's response head) it holds its
+    place in its transport's bounds: per address in `clients_by_ip` (shared with the other workers), in the
+    long-poll total (`SessionTable.reserved`), and while it awaits the hook one of its address's
+    `proxy.max_pending_connects_per_ip`. It hears of the revocations, user disconnects and drain made
+    meanwhile (`ClientRegistry.pending`). `release` gives every place back; `settle` and a failed
+    `pass_backend` call it, and a transport whose client goes away before either."""
+
+    __slots__ = ("hub", "identity", "proxy", "granted", "_pending", "_address_key", "_longpoll", "_hook_ip")
+
+    def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
+        self.hub = hub
+        self.identity = identity
+        #: whose connect hook it must pass first (`backend_for`), or None
+        self.proxy = backend_for(hub, identity)
+        #: the connect hook admitted it: the backend hears of its end, whenever that is
+        self.granted = False
+        self._hook_ip: str | None = None
+        if self.proxy is not None:
+            self._wait_for_hook(hub.clients.pending.hooks_by_ip, hub.config.proxy.max_pending_connects_per_ip)
+        self._pending = hub.clients.pending.add(identity)
+        self._address_key: tuple[str, str] | None = None
+        if _per_address_limit(hub, identity.transport):
+            self._address_key = (identity.transport, identity.ip)
+            hub.clients.clients_by_ip[self._address_key] += 1
+        self._longpoll = identity.transport == "longpoll"
+        if self._longpoll:
+            hub.sessions.longpoll.reserved += 1
+
+    def _wait_for_hook(self, waiting: Counter[str], limit: int) -> None:
+        ip = self.identity.ip
+        if limit and waiting[ip] >= limit:
+            self.hub.bad_input(self.identity.transport, "%s has its maximum of %d clients awaiting the connect hook",
+                               ip, limit)
+            raise TooManyPendingConnects(f"{limit} connections from this address await the backend already"
+                                         " (proxy.max_pending_connects_per_ip): retry later")
+        waiting[ip] += 1
+        self._hook_ip = ip
+
+    def _hook_done(self) -> None:
+        ip = self._hook_ip
+        if ip is not None:
+            self._hook_ip = None
+            waiting = self.hub.clients.pending.hooks_by_ip
+            waiting[ip] -= 1
+            if waiting[ip] <= 0:
+                del waiting[ip]
+
+    async def pass_backend(self, header_values: Callable[[str], list[str]]) -> None:
+        """The connect hook, when this client must pass it (`proxy`). Raises ConnectRefused, BackendUnavailable
+        (every place released: the client is refused)."""
+        if self.proxy is None:
+            return
+        try:
+            await self.proxy.connect(self.identity, header_values)
+        except BaseException:
+            self.release()
+            raise
+        finally:
+            self._hook_done()
+        self.granted = True
+
+    def settle(self) -> LateRefusal | None:
+        """Give every place back, and say how the client must be closed instead of registered (a revocation,
+        a disconnect or the drain came first: gateway/pending_connects.py), or None: register it now, in this
+        step of the event loop."""
+        refusal = self.hub.clients.pending.refusal(self._pending)
+        self.release()
+        proxy = self.hub.proxy
+        if refusal is not None and self.granted and proxy is not None:
+            proxy.disconnected(self.identity, refusal.cause)  # the backend admitted it: it hears of its end
+        return refusal
+
+    def release(self) -> None:
+        """Give every place back (again: nothing more)."""
+        hub = self.hub
+        self._hook_done()
+        hub.clients.pending.remove(self._pending)
+        key = self._address_key
+        if key is not None:
+            self._address_key = None
+            counts = hub.clients.clients_by_ip
+            counts[key] -= 1
+            if not counts[key]:
+                del counts[key]
+        if self._longpoll:
+            self._longpoll = False
+            hub.sessions.longpoll.reserved -= 1
+
+
+def admit(
+    hub: Hub,
+    transport: str,
+    peer: tuple[str, int] | None,
+    *,
+    token: str | None = None,
+    authorization: str | None = None,
+    requested_id: str | None = None,
+) -> Admission:
+    """`open_client`, then the new client's `Admission` (raises its refusals, and TooManyPendingConnects)."""
+    identity = open_client(hub, transport, peer, token=token, authorization=authorization, requested_id=requested_id)
+    return Admission(hub, identity)
+
+
+#: seconds a client refused by a session bound should wait (`Retry-After`)
+RETRY_SESSIONS_S = "5"
+
+
+def http_refusal(hub: Hub, exc: RequestError) -> Response:
+    """A handshake's refusal as POST /lp and GET /sse answer it: `WWW-Authenticate: Bearer` with a refused
+    token (401), `Retry-After` with the others: `proxy.retry_after_s` for the backend's (busy, down), 5 s
+    for the session bounds."""
+    if exc.http_status == 401:
+        return error_response(exc, {"WWW-Authenticate": "Bearer"})
+    proxy = hub.proxy
+    if proxy is not None and isinstance(exc, TooManyPendingConnects | BackendUnavailable):
+        return error_response(exc, proxy.retry_after)
+    if exc.http_status in (429, 503):
+        return error_response(exc, {"Retry-After": RETRY_SESSIONS_S})
+    return error_response(exc)
+
+
+async def http_backend_refusal(admission: Admission, request: Request) -> Response | None:
     """The connect hook for an HTTP transport (long-poll, SSE), when this client must pass it: None once the
     backend admitted it, else the answer: 403 `forbidden` (refused), 503 `backend_unavailable` with
     `Retry-After` (no answer in time)."""
-    proxy = backend_for(hub, identity)
-    if proxy is None:
-        return None
     try:
-        await proxy.connect(identity, request.headers.getlist)
+        await admission.pass_backend(request.headers.getlist)
     except RequestError as exc:
-        return error_response(exc, proxy.retry_after if exc.http_status == 503 else None)
+        return http_refusal(admission.hub, exc)
     return None
+
+
+#: HTTP status of a `LateRefusal` on POST /lp, by close code (a refused token, the admin's refusal, come back)
+_LATE_STATUS = {close_codes.TOKEN_REVOKED: 401, close_codes.DISCONNECTED: 403, close_codes.SERVICE_RESTART: 503}
+
+
+def late_refusal_response(refusal: LateRefusal) -> Response:
+    """POST /lp's answer to a client closed as it would register: the `closed` entry's fields as the error
+    (`close_code`, and `retry_ms` after a drain, with `Retry-After` in whole seconds), 401 (revoked, with
+    `WWW-Authenticate: Bearer`), 403 (disconnected by an operator) or 503 (draining)."""
+    error: dict[str, object] = {"code": Closed.code, "message": refusal.reason, "close_code": refusal.code}
+    headers = {}
+    if refusal.code == close_codes.TOKEN_REVOKED:
+        headers["WWW-Authenticate"] = "Bearer"
+    if refusal.retry_ms is not None:
+        error["retry_ms"] = refusal.retry_ms
+        headers["Retry-After"] = str(math.ceil(refusal.retry_ms / 1000))
+    return JSONResponse({"error": error}, status_code=_LATE_STATUS.get(refusal.code, 503), headers=headers)
 
 
 def close_reason(exc: RequestError) -> str:

@@ -26,13 +26,11 @@ from ..errors import BadAck, BadJson, Closed, UnknownSession
 from ..http_errors import error_response
 from ..hub import Hub
 from ..identity import ClientIdentity
-from .handshake import http_backend_refusal, open_client
+from .handshake import admit, http_backend_refusal, http_refusal, late_refusal_response
 from .sessions import new_secret
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
 UNKNOWN_SESSION = UnknownSession("no such long-poll session (expired or closed)")
-#: seconds a client refused for lack of sessions should wait
-RETRY_LATER = {"Retry-After": "5"}
 
 
 class LongPollSession:
@@ -143,15 +141,18 @@ async def create_session(request: Request) -> Response:
     """`Authorization: Bearer TOKEN` makes the session its user's (docs/security.md); none: anonymous."""
     hub: Hub = request.app.state.hub
     try:
-        identity = open_client(hub, "longpoll", request.client, authorization=request.headers.get("authorization", ""))
+        admission = admit(hub, "longpoll", request.client, authorization=request.headers.get("authorization", ""))
     except RequestError as exc:  # 401 for a refused token, 429 / 503 (retry later) for the others
-        return error_response(exc, {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else RETRY_LATER)
-    refusal = await http_backend_refusal(hub, identity, request)
+        return http_refusal(hub, exc)
+    refusal = await http_backend_refusal(admission, request)
     if refusal is not None:
         return refusal
-    session = LongPollSession(hub, identity, request.app.state.session_prefix)
+    late = admission.settle()
+    if late is not None:  # revoked, disconnected or draining while the connect hook was awaited
+        return late_refusal_response(late)
+    session = LongPollSession(hub, admission.identity, request.app.state.session_prefix)
     hub.clients.register(session, ready=False)
-    return JSONResponse({"session": session.secret, "client_id": identity.client_id}, status_code=201)
+    return JSONResponse({"session": session.secret, "client_id": admission.identity.client_id}, status_code=201)
 
 
 async def poll(request: Request) -> Response:

@@ -41,7 +41,7 @@ from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import SCOPE_KEY, GuardedHttpToolsProtocol
 from ..session_tables import Checkpoints
-from .handshake import http_backend_refusal, open_client
+from .handshake import Admission, TooManyPendingConnects, admit, http_backend_refusal, http_refusal
 from .longpoll import accept_commands
 from .sessions import new_secret
 from .staging import StagedWriter, tune_stream
@@ -50,8 +50,6 @@ log = logging.getLogger("gateway.sse")
 
 #: how long a closed stream's buffered data and close event may take to drain before the cut (as ws.py)
 KICK_GRACE_S = 2.0
-#: seconds a client refused for lack of sessions should wait
-RETRY_LATER = {"Retry-After": "5"}
 #: close code of a stream ended by `DELETE /sse/{secret}` (a normal closure, RFC 6455 §7.4.1)
 DELETED = 1000
 STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
@@ -373,13 +371,15 @@ def close_only(code: int, reason: str) -> Response:
 class _Stream(Response):
     """The event stream of one connection; lives until the connection is lost."""
 
-    def __init__(self, hub: Hub, proto: GuardedHttpToolsProtocol, identity: ClientIdentity,
+    def __init__(self, hub: Hub, proto: GuardedHttpToolsProtocol, admission: Admission,
                  topics: list[str], positions: dict[str, tuple[str, int]],
                  refusals: list[RequestError], secret_prefix: str = "") -> None:
         super().__init__()
         self.hub = hub
         self.proto = proto
-        self.identity = identity
+        #: the client's places in the bounds, held until it registers (gateway/transports/handshake.py)
+        self.admission = admission
+        self.identity = admission.identity
         self.topics = topics
         self.recovery = positions
         self.refusals = refusals
@@ -388,7 +388,15 @@ class _Stream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hub = self.hub
         cid = self.identity.client_id
-        await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+        except BaseException:
+            self.admission.release()
+            raise
+        late = self.admission.settle()
+        if late is not None:  # revoked, disconnected or draining before it could register: its only event
+            await send({"type": "http.response.body", "body": close_event(late.code, late.reason, late.retry_ms)})
+            return
         conn = SseConnection(hub, self.identity, self.proto, self.secret_prefix)
         reason = "closed"
         try:
@@ -432,18 +440,18 @@ async def stream(request: Request) -> Response:
     """`GET /sse?topics=a,b[&token=JWT][&since=POSITIONS]` (docs/protocol.md `## SSE`)."""
     hub: Hub = request.app.state.hub
     query = request.query_params
-    try:
-        identity = open_client(hub, "sse", request.client, token=query.get("token"), requested_id=query.get("id"))
-    except RequestError as exc:
-        if exc.close_code is None:  # too many streams from this address: before the stream, an HTTP error
-            return error_response(exc, RETRY_LATER)
-        return close_only(exc.close_code, exc.message)  # ?id=, the token: a stream an EventSource can read
-    refusal = await http_backend_refusal(hub, identity, request)
-    if refusal is not None:
-        return refusal
     proto = request.scope.get("extensions", {}).get(SCOPE_KEY)
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
         raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.netguard.GuardedHttpToolsProtocol)")
+    try:
+        admission = admit(hub, "sse", request.client, token=query.get("token"), requested_id=query.get("id"))
+    except RequestError as exc:
+        if exc.close_code is None or isinstance(exc, TooManyPendingConnects):  # the bounds: an HTTP error
+            return http_refusal(hub, exc)
+        return close_only(exc.close_code, exc.message)  # ?id=, the token: a stream an EventSource can read
+    refusal = await http_backend_refusal(admission, request)
+    if refusal is not None:
+        return refusal
     refusals: list[RequestError] = []
     max_subs = hub.config.scheduler.max_subscriptions
     topics = [name for name in ",".join(query.getlist("topics")).split(",") if name]
@@ -457,10 +465,10 @@ async def stream(request: Request) -> Response:
     try:
         positions = recovery_point(recovery_text, max_subs, hub.sessions.checkpoints)
     except BadRequest as exc:
-        hub.bad_input("sse", "%s: %s", identity.ip, exc.message)
+        hub.bad_input("sse", "%s: %s", admission.identity.ip, exc.message)
         refusals.insert(0, exc)
         positions = {}
-    return _Stream(hub, proto, identity, topics, positions, refusals, request.app.state.session_prefix)
+    return _Stream(hub, proto, admission, topics, positions, refusals, request.app.state.session_prefix)
 
 
 def _session(request: Request) -> tuple[Hub, SseConnection] | Response:

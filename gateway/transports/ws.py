@@ -51,10 +51,9 @@ from ..hub import Hub
 from ..identity import ClientIdentity
 from ..netguard import FALLBACK_BAD_INPUT, ConnectionLimiter
 from ..origin import OriginPolicy
-from ..proxy import Proxy
 from ..ratelog import BadInputLog
 from ..timerwheel import TimerWheel
-from .handshake import backend_for, close_reason, open_client
+from .handshake import Admission, admit, close_reason
 from .staging import StagedWriter, peer_acked_within, tune_stream
 from .wsframes import text_frame_header
 
@@ -658,20 +657,18 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             self._answer_and_close(response)
             return
         try:
-            identity = open_ws_client(hub, query, self.client)
+            admission = open_ws_client(hub, query, self.client)
         except RequestError as exc:
             self._upgrade(response)
             assert exc.close_code is not None  # every refusal of the handshake ends a WebSocket with a code
             self.close_with(exc.close_code, close_reason(exc))
             return
-        proxy = backend_for(hub, identity)
-        if proxy is not None:
+        if admission.proxy is not None:
             # the 101 waits for the backend's connect hook; the peer is not read meanwhile
             self.transport.pause_reading()
-            proxy.spawn(self._connect_via_backend(hub, proxy, identity, event, response))
+            admission.proxy.spawn(self._connect_via_backend(hub, admission, event, response))
             return
-        self._upgrade(response)
-        hub.clients.register(WSConnection(hub, identity, None, self), ready=True)
+        self._admit(hub, admission, response)
 
     def _upgrade(self, response: Response) -> None:
         """Write the 101 answer: the connection is a WebSocket from here on."""
@@ -688,24 +685,34 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self._park_parser()
         self.start_keepalive()
 
-    async def _connect_via_backend(self, hub: Hub, proxy: Proxy, identity: ClientIdentity, event: Request,
-                                   response: Response) -> None:
+    async def _connect_via_backend(self, hub: Hub, admission: Admission, event: Request, response: Response) -> None:
         """The connect hook (gateway/proxy.py), then the 101 and the registration; a refusal is the 101 and
         at once a close with 4003 (the backend's message as the reason), no answer 1013 "backend unavailable"."""
         refusal: RequestError | None = None
         try:
-            await proxy.connect(identity, event.headers.get_all)
+            await admission.pass_backend(event.headers.get_all)
         except RequestError as exc:
             refusal = exc
         if self.transport.is_closing() or self.lingering:
+            admission.release()
             return  # the peer left while the backend was asked
-        self._upgrade(response)
         self.transport.resume_reading()
         if refusal is not None:
+            self._upgrade(response)
             assert refusal.close_code is not None
             self.close_with(refusal.close_code, close_reason(refusal))
             return
-        hub.clients.register(WSConnection(hub, identity, None, self), ready=True)
+        self._admit(hub, admission, response)
+
+    def _admit(self, hub: Hub, admission: Admission, response: Response) -> None:
+        """The 101, then the registration; or, when a revocation, a user's disconnect or the drain came first
+        (gateway/pending_connects.py), the close they give a registered client."""
+        late = admission.settle()
+        self._upgrade(response)
+        if late is not None:
+            self.close_with(late.code, late.reason)
+            return
+        hub.clients.register(WSConnection(hub, admission.identity, None, self), ready=True)
 
     def _answer_and_close(self, response: Response) -> None:
         self.handshake_complete = self.close_sent = True
@@ -940,12 +947,12 @@ class WSConnection(StagedWriter):
 
 # -- what both ways of serving /ws share ---------------------------------------------------------------------
 
-def open_ws_client(hub: Hub, query: str, peer: tuple[str, int] | None) -> ClientIdentity:
+def open_ws_client(hub: Hub, query: str, peer: tuple[str, int] | None) -> Admission:
     """The handshake of a `/ws` connection (its query string, `?token=`, `?id=`): gateway/transports/handshake.py.
     Raises its `RequestError`, whose `close_code` and `close_reason` are the close frame the peer gets."""
     params = parse_qs(query, keep_blank_values=True)
     tokens, ids = params.get("token"), params.get("id")
-    return open_client(hub, "ws", peer, token=tokens[-1] if tokens else None, requested_id=ids[-1] if ids else None)
+    return admit(hub, "ws", peer, token=tokens[-1] if tokens else None, requested_id=ids[-1] if ids else None)
 
 
 def run_frame(hub: Hub, client_id: str, data: bytes | str) -> None:
@@ -966,19 +973,17 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     hub: Hub = websocket.app.state.hub
     await websocket.accept()
     try:
-        identity = open_ws_client(hub, websocket.scope["query_string"].decode("latin-1"), websocket.client)
-    except RequestError as exc:
+        admission = open_ws_client(hub, websocket.scope["query_string"].decode("latin-1"), websocket.client)
+        await admission.pass_backend(websocket.headers.getlist)
+    except RequestError as exc:  # the handshake's refusals; the backend's: 4003 refused, 1013 backend unavailable
         assert exc.close_code is not None
         await websocket.close(exc.close_code, close_reason(exc))
         return
-    proxy = backend_for(hub, identity)
-    if proxy is not None:
-        try:
-            await proxy.connect(identity, websocket.headers.getlist)
-        except RequestError as exc:  # 4003 refused, 1013 backend unavailable
-            assert exc.close_code is not None
-            await websocket.close(exc.close_code, close_reason(exc))
-            return
+    late = admission.settle()
+    if late is not None:  # revoked, disconnected or draining while the connect hook was awaited
+        await websocket.close(late.code, late.reason)
+        return
+    identity = admission.identity
     client_id = identity.client_id
     conn = WSConnection(hub, identity, websocket, None)
     hub.clients.register(conn, ready=True)
