@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 # Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never runs
 # (core/native.py falls back to the sources).
 $(STAMP): pyproject.toml setup.py $(wildcard core/*.py)
+	@echo "setting up $(VENV): installing the dependencies and compiling the core with mypyc (about 2-3 minutes,"
+	@echo "once; again only when pyproject.toml, setup.py or core/*.py change). pip is quiet meanwhile."
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'

@@ -18,12 +18,19 @@ without it every frame goes through its connection's transport.
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
+
+# An editable install (`make setup`: pip install -e) of this layout, whose data folders are mapped into the
+# gateway package, goes through setuptools' import finder, which says so in a "!!" box ("Editable
+# installation. Please be careful with folders ...") that pip shows even with -q: information about the
+# install, not a problem of it. Silenced; every other warning still shows.
+warnings.filterwarnings("ignore", message=r"Editable installation\.", category=UserWarning)
 
 # The modules a cycle runs through. Not compiled: config.py (it validates untyped input at run time, which
 # mypyc's type checks would turn into TypeErrors), errors.py (no hot path) and byte_ring.py (the raw TCP

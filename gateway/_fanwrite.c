@@ -47,11 +47,12 @@ static Py_ssize_t send_all(const int *fds, Py_ssize_t count, const char *buf, si
     return shortfalls;
 }
 
-/* The list's descriptors into fds (as many as the list holds); -1 with an exception set on a bad one. */
-static int read_fds(PyObject *fd_list, int *fds) {
-    Py_ssize_t count = PyList_GET_SIZE(fd_list);
+/* The tuple's descriptors into fds (as many as it holds); -1 with an exception set on a bad one. A tuple,
+ * not the caller's list: reading an item may run its `__index__`, which could shrink a list under us. */
+static int read_fds(PyObject *fd_tuple, int *fds) {
+    Py_ssize_t count = PyTuple_GET_SIZE(fd_tuple);
     for (Py_ssize_t i = 0; i < count; i++) {
-        long fd = PyLong_AsLong(PyList_GET_ITEM(fd_list, i));
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(fd_tuple, i));
         if (fd == -1 && PyErr_Occurred())
             return -1;
         if (fd < 0 || fd > 0x7fffffffL) {
@@ -156,11 +157,20 @@ static PyObject *sender_submit(Sender *self, PyObject *args) {
         PyMem_RawFree(job);
         return NULL;
     }
-    job->count = PyList_GET_SIZE(fd_list);
+    /* the descriptors the list holds now, in a tuple that holds its own references: what the items' code
+     * does to the list while they are read changes nothing here */
+    PyObject *fd_tuple = PyList_AsTuple(fd_list);
+    if (fd_tuple == NULL) {
+        free_jobs(job);
+        return NULL;
+    }
+    job->count = PyTuple_GET_SIZE(fd_tuple);
     size_t room = (size_t)(job->count > 0 ? job->count : 1);
     job->fds = PyMem_RawMalloc(room * sizeof(int));
     job->short_of = PyMem_RawMalloc(room * sizeof(Shortfall));
-    if (job->fds == NULL || job->short_of == NULL || read_fds(fd_list, job->fds) < 0) {
+    int read = job->fds != NULL && job->short_of != NULL ? read_fds(fd_tuple, job->fds) : -1;
+    Py_DECREF(fd_tuple);
+    if (read < 0) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         free_jobs(job);

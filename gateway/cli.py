@@ -18,9 +18,12 @@ import core
 from . import fanwrite
 from .broker import BrokerUnreachable
 from .config import ConfigError, GatewayConfig, load_config
-from .operator_tools import check, mint_token
+from .operator_tools import check, describe_rules, mint_token, rules_note
 from .server import start_gateway
 from .workers.forward import WorkerLinks
+
+#: the log line format of `gateway serve` (a worker's lines also name the worker)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _run(coro: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
@@ -53,19 +56,17 @@ async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0,
         if generated:  # a configured token is the operator's already: no copy of it in one more file
             info["admin_token"] = running.admin_token
         write_ready_file(ready_file, info)
-    if generated:
+    if generated:  # one worker alone: with several, the supervisor generated and printed it before forking
         print(f"admin token (development, loopback only): {running.admin_token}", flush=True)
     scheme = "https" if config.server.ssl_certfile else "http"
-    print(f"core: {core.BUILD}", flush=True)
-    print(f"fan-out writer: {fanwrite.BUILD}", flush=True)
-    print(f"gateway listening on {scheme}://{config.server.host}:{running.http_port}", flush=True)
+    print(f"{_speaker(links)} listening on {scheme}://{config.server.host}:{running.http_port}", flush=True)
     try:
         await running.wait()
     finally:
         await running.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description="fan-out gateway with fair batching")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the gateway")
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="override server.port")
     serve.add_argument("--ready-file", help="write the bound ports (and a generated admin token) here as JSON,"
                        " mode 0600, once listening")
-    token = sub.add_parser("token", help="mint an HS256 token with auth.jwt_secret (development and tests)")
+    token = sub.add_parser("token", help="mint an HS256 token with auth.jwt_secret, iat and a random jti"
+                           " (development and tests)")
     token.add_argument("--sub", required=True, help="the user (the token's sub claim)")
     token.add_argument("--subscribe", action="append", default=[], metavar="PATTERN",
                        help="a topic pattern the user may subscribe to (repeat for more)")
@@ -84,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     token.add_argument("--config", help="TOML file of overrides (for auth.jwt_secret and the rest)")
     check = sub.add_parser("check-config", help="check a config as `serve` would and print the values in force")
     check.add_argument("file", nargs="?", help="TOML file of overrides over config/default.toml")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "token":
         return _token(args)
     if args.command == "check-config":
@@ -99,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as exc:
         print(f"gateway: config error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.server.log_level.upper(), format=LOG_FORMAT)
+    _print_banner(config)
     if config.server.workers > 1:  # docs/cluster.md §5
         from .workers.supervisor import run_workers
 
@@ -119,21 +126,55 @@ def _token(args: argparse.Namespace) -> int:
 
 def _check_config(path: str | None) -> int:
     try:
-        effective = check(load_config(path))
+        config = load_config(path)
+        effective = check(config)
     except (ConfigError, OSError) as exc:
         print(f"gateway: config error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(effective, indent=2))
+    # the rules for a human: what a config's rules replaced is easy to miss in the JSON
+    print("gateway: topic rules in force (the first whose pattern matches a new topic's name creates it):",
+          file=sys.stderr)
+    print("\n".join(describe_rules(config)), file=sys.stderr)
+    note = rules_note(config)
+    if note:
+        print(f"gateway: {note}", file=sys.stderr)
     print(f"gateway: config OK ({path or 'the embedded default'}, GATEWAY_* variables applied)", file=sys.stderr)
     return 0
 
 
+def _print_banner(config: GatewayConfig) -> None:
+    """What runs, once, before anything starts (and before any worker is forked)."""
+    note = rules_note(config)
+    if note:
+        print(f"gateway: {note}", flush=True)
+    print(f"core: {core.BUILD}", flush=True)
+    print(f"fan-out writer: {fanwrite.BUILD}", flush=True)
+
+
+def _speaker(links: WorkerLinks | None) -> str:
+    """Who says a line: `gateway`, or `gateway worker N` when several workers print to the same output."""
+    return "gateway" if links is None else f"gateway worker {links.index}"
+
+
+def _tag_worker_logs(links: WorkerLinks | None) -> None:
+    """Every log line of a worker names it (the workers share the supervisor's output)."""
+    if links is None:
+        return
+    formatter = logging.Formatter(LOG_FORMAT.replace("%(name)s", f"worker {links.index} %(name)s"))
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
+
+
 def _serve_worker(config: GatewayConfig, ready_file: str | None, worker: int,
                   links: WorkerLinks | None = None) -> int:
+    """Run one gateway until it stops; the exit status: 2 when it could not start (a config the checks before
+    the start could not see, the broker unreachable), else 0 (docs/cluster.md, "Failures")."""
+    _tag_worker_logs(links)
     try:
         _run(_serve(config, ready_file, worker, links), config.server.uvloop)
     except (ConfigError, BrokerUnreachable) as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
+        print(f"{_speaker(links)}: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         pass

@@ -37,6 +37,10 @@ DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "
              "chaos": "loadtest.chaos"}
 #: exit status when a run saw silent loss: the one figure that is a broken promise, not a slow one
 EXIT_SILENT_LOSS = 3
+#: what the `loadtest` extra (pyproject.toml) brings that the runs import: a plain install of the wheel has none
+EXTRA_MODULES = frozenset({"numpy", "matplotlib", "pyarrow"})
+#: exit status of a command whose extra is not installed (as a usage error: nothing ran)
+EXIT_MISSING_EXTRA = 2
 
 
 def _run_parser(prog: str) -> argparse.ArgumentParser:
@@ -172,6 +176,19 @@ def _out(args: argparse.Namespace, label: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as exc:
+        module = (exc.name or "").partition(".")[0]
+        if module not in EXTRA_MODULES:
+            raise
+        print(f"fanout-loadtest: this command needs {module}, which the loadtest extra installs: "
+              "pip install 'fanout-gateway[loadtest]' (in a checkout, `make setup` installs every extra)",
+              file=sys.stderr)
+        return EXIT_MISSING_EXTRA
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)

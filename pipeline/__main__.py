@@ -153,6 +153,20 @@ def failure_summary(exc: BaseException) -> str:
     return one_line(exc)
 
 
+#: what the `pipeline` extra (pyproject.toml) brings: a plain install of the wheel has neither
+EXTRA_MODULES = frozenset({"pyspark", "py4j", "pyarrow"})
+#: exit status of a command whose extra is not installed (as a usage error: nothing ran)
+EXIT_MISSING_EXTRA = 2
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> int:
+    module = (exc.name or "").partition(".")[0]
+    print(f"{command}: fanout-pipeline needs {module}, which the pipeline extra installs: pip install "
+          "'fanout-gateway[pipeline]' (and Java 17+ for Spark; in a checkout, `make setup` installs every extra)",
+          file=sys.stderr)
+    return EXIT_MISSING_EXTRA
+
+
 def _fail(command: str, exc: BaseException, verbose: bool) -> int:
     if verbose:
         traceback.print_exception(exc, file=sys.stderr)
@@ -287,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("py4j").setLevel(logging.WARNING if args.verbose else logging.CRITICAL)
     try:
         return _feed(args) if args.command == "feed" else _audit(args)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in EXTRA_MODULES:
+            return _fail(args.command, exc, args.verbose)
+        return _missing_extra(args.command, exc)
     except Exception as exc:  # starting Spark (no Java, a bad --conf or --master), and anything unforeseen
         return _fail(args.command, exc, args.verbose)
 

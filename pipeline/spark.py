@@ -15,6 +15,7 @@ their own interpreter's path); unset, they default to the running interpreter.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -22,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -136,6 +138,47 @@ def _ship_package(spark: SparkSession) -> list[str]:
     return shipped
 
 
+#: what the driver JVM prints on its stderr as it starts, whatever the log level: Spark's launcher always adds
+#: `--add-modules=jdk.incubator.vector` (for its vectorised BLAS), and the JVM warns of any incubator module
+_JVM_START_NOISE = (b"WARNING: Using incubator modules: ",)
+
+
+def _copy_lines(source: int, target: int) -> None:
+    """Copy the lines of the pipe `source` to the descriptor `target` until every writer closed it, but the
+    JVM's start-up noise; a failed write drops the line (the JVM must never block on a full pipe). Closes
+    both at the end."""
+    with os.fdopen(source, "rb") as pipe:
+        for line in pipe:
+            if line.startswith(_JVM_START_NOISE):
+                continue
+            with contextlib.suppress(OSError):
+                while line:
+                    line = line[os.write(target, line):]
+    os.close(target)
+
+
+@contextlib.contextmanager
+def _jvm_start_noise_dropped() -> Iterator[None]:
+    """While a JVM may start (getOrCreate), stderr (descriptor 2, which the JVM inherits) is a pipe whose lines
+    a thread copies to the real stderr, all but the start-up noise; the JVM keeps the pipe for its life, the
+    thread copying until the JVM exits. Our own stderr is restored on leaving."""
+    sys.stderr.flush()
+    try:
+        real = os.dup(2)
+    except OSError:  # no stderr to filter
+        yield
+        return
+    read_end, write_end = os.pipe()
+    threading.Thread(target=_copy_lines, args=(read_end, real), name="jvm-stderr", daemon=True).start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)  # `real` stays open for the thread (it writes the JVM's lines there, then closes it)
+
+
 def get_session(
     master: str | None = DEFAULT_MASTER,
     app_name: str = "fanout-pipeline",
@@ -159,7 +202,8 @@ def get_session(
         builder = builder.master(master)
     for key, value in {**_base_config(master), **(config or {})}.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    with _jvm_start_noise_dropped():
+        spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     if not master_url(spark).startswith("local"):
         _ship_package(spark)

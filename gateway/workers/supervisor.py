@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,9 @@ def run_workers(
         holders.append(_reserve(config.ingest.host))
         raw["ingest"]["port"] = holders[-1].getsockname()[1]
     generated = not raw["server"]["admin_token"]
-    if generated:
+    if generated:  # printed once, here, before any worker says it listens
         raw["server"]["admin_token"] = secrets.token_urlsafe(18)
+        print(f"admin token (development, loopback only): {raw['server']['admin_token']}", flush=True)
     shared = GatewayConfig(raw)
     workdir = Path(tempfile.mkdtemp(prefix="gateway-workers-"))
     # One inbox per worker, made before any worker starts (a connection passed early waits in it until the
@@ -82,7 +84,12 @@ def run_workers(
             try:
                 code = serve(shared, str(workdir / f"worker-{index}.json"), index,
                              WorkerLinks(index, outboxes, inboxes[index][0], key, counts))
+            except BaseException:  # os._exit below would end the worker without saying why
+                print(f"gateway worker {index}: ended by an exception:", file=sys.stderr, flush=True)
+                traceback.print_exc()
             finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
     for pair in inboxes:  # the workers hold them: a dead worker's inbox then refuses instead of queueing
@@ -101,43 +108,48 @@ def run_workers(
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    ready = _wait_ready(workdir, pids)
+    ready, start_failure = _wait_ready(workdir, pids)
     for sock in holders:
         sock.close()
     if ready is not None:
         info = {**ready, "workers": pids}
         if generated:
             info["admin_token"] = shared.server.admin_token
-            print(f"admin token (development, loopback only): {shared.server.admin_token}", flush=True)
         if ready_file:
             write_ready_file(ready_file, info)
         print(f"gateway: {len(pids)} workers on http://{config.server.host}:{ready['http_port']}", flush=True)
-    code = _supervise(pids, asked_to_stop)
+    code = _supervise(pids, asked_to_stop, stopping=ready is None)
+    if ready is None:  # the gateway did not start: as one process would, 2 when a worker said it could not
+        code = 2 if start_failure == 2 else 1
     for path in workdir.iterdir():
         path.unlink()
     workdir.rmdir()
     return code
 
 
-def _wait_ready(workdir: Path, pids: list[int]) -> dict[str, Any] | None:
-    """Worker 0's ports once every worker listens; None if one ended first or the time ran out."""
+def _wait_ready(workdir: Path, pids: list[int]) -> tuple[dict[str, Any] | None, int | None]:
+    """Worker 0's ports once every worker listens; else None (the others stopped) and the exit status of the
+    worker that ended during start-up (None when the time ran out)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     paths = [workdir / f"worker-{i}.json" for i in range(len(pids))]
     while time.monotonic() < deadline:
         if all(p.exists() for p in paths):
             info: dict[str, Any] = json.loads(paths[0].read_text())
             info.pop("admin_token", None)
-            return info
-        for pid in pids:
-            if os.waitpid(pid, os.WNOHANG) != (0, 0):
-                print(f"gateway: worker {pid} ended during start-up", file=sys.stderr, flush=True)
+            return info, None
+        for index, pid in enumerate(pids):
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                code = os.waitstatus_to_exitcode(status)
+                print(f"gateway: worker {index} (pid {pid}) ended during start-up with status {code}: stopping the"
+                      " others", file=sys.stderr, flush=True)
                 pids.remove(pid)
                 _stop(pids)
-                return None
+                return None, code
         time.sleep(0.05)
     print("gateway: the workers did not all start in time", file=sys.stderr, flush=True)
     _stop(pids)
-    return None
+    return None, None
 
 
 def _stop(pids: list[int]) -> None:
@@ -148,12 +160,11 @@ def _stop(pids: list[int]) -> None:
             pass
 
 
-def _supervise(pids: list[int], asked_to_stop: list[int]) -> int:
-    """Wait for the workers; the first one to end takes the others down. Returns the exit status: 0 when
-    every worker ended cleanly, or by the signal the supervisor forwarded (uvicorn stops gracefully, then
-    raises the signal again so the process ends by it)."""
+def _supervise(pids: list[int], asked_to_stop: list[int], stopping: bool = False) -> int:
+    """Wait for the workers; the first one to end takes the others down (`stopping`: they were told to stop
+    already). Returns the exit status: 0 when every worker ended cleanly, or by the signal the supervisor
+    forwarded (uvicorn stops gracefully, then raises the signal again so the process ends by it)."""
     code = 0 if pids else 1
-    stopping = False
     while pids:
         try:
             pid, status = os.wait()
