@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -58,6 +59,7 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     workers: int
     drain_timeout_s: float
     drain_spread_s: float
+    drain_delay_s: float
 
 
 class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -132,7 +134,12 @@ class RawTcpConfig(_Section, frozen=True, forbid_unknown_fields=True):
 
 class AuthConfig(_Section, frozen=True, forbid_unknown_fields=True):
     jwt_secret: str
+    jwt_previous_secret: str
     jwt_public_key_file: str
+    jwt_previous_public_key_file: str
+    jwks_url: str
+    jwks_refresh_min_s: float
+    jwks_cache_max_s: float
     jwt_audience: str
     jwt_issuer: str
     leeway_s: float
@@ -148,6 +155,8 @@ class AuthConfig(_Section, frozen=True, forbid_unknown_fields=True):
 class LimitsConfig(_Section, frozen=True, forbid_unknown_fields=True):
     publish_rate: float
     publish_burst: int
+    subscribe_rate: float
+    subscribe_burst: int
     max_created_topics: int
     topic_create_rate: float
     topic_create_burst: int
@@ -202,10 +211,14 @@ class ProxyConfig(_Section, frozen=True, forbid_unknown_fields=True):
     unsubscribe_url: str
     timeout_s: float
     max_concurrent: int
+    max_calls_per_connection: int
+    max_pending_connects_per_ip: int
     event_queue_max: int
+    event_queue_per_client: int
     event_retries: int
     event_backoff_s: float
     retry_after_s: int
+    max_answer_bytes: int
 
 
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
@@ -400,6 +413,27 @@ def _env_overrides(environ: Mapping[str, str], sections: Mapping[str, Any]) -> d
     return out
 
 
+def _check_jwks(auth: AuthConfig) -> None:
+    """auth.jwks_url: https (plain http only to this host: keys over a network must not be swappable) and
+    its refresh bounds; auth.jwt_previous_*: only beside the current key."""
+    if auth.jwt_previous_secret and not auth.jwt_secret:
+        raise ConfigError("auth.jwt_previous_secret is accepted beside auth.jwt_secret: set that too")
+    if auth.jwt_previous_public_key_file and not auth.jwt_public_key_file:
+        raise ConfigError("auth.jwt_previous_public_key_file is accepted beside auth.jwt_public_key_file: set that too")
+    if auth.jwks_refresh_min_s < 1:
+        raise ConfigError(f"auth.jwks_refresh_min_s must be >= 1, not {auth.jwks_refresh_min_s}")
+    if auth.jwks_cache_max_s < auth.jwks_refresh_min_s:
+        raise ConfigError(f"auth.jwks_cache_max_s ({auth.jwks_cache_max_s}) must be >= auth.jwks_refresh_min_s"
+                          f" ({auth.jwks_refresh_min_s})")
+    url = auth.jwks_url
+    if not url:
+        return
+    parts = urlsplit(url)
+    loopback = parts.hostname in ("localhost", "127.0.0.1", "::1")
+    if parts.scheme not in ("https", "http") or not parts.hostname or (parts.scheme == "http" and not loopback):
+        raise ConfigError(f"auth.jwks_url must be an https:// URL (http:// only to localhost), not {url!r}")
+
+
 def load_config(
     path: str | Path | None = None, *, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> GatewayConfig:
@@ -418,7 +452,7 @@ def load_config(
     config.engine_config()  # validates the topic rules
     if config.server.workers < 1:
         raise ConfigError(f"server.workers must be >= 1, not {config.server.workers}")
-    for key in ("drain_timeout_s", "drain_spread_s"):
+    for key in ("drain_timeout_s", "drain_spread_s", "drain_delay_s"):
         if getattr(config.server, key) < 0:
             raise ConfigError(f"server.{key} must be >= 0, not {getattr(config.server, key)}")
     if config.server.max_header_bytes < 1024 or config.server.max_headers < 1:
@@ -434,14 +468,21 @@ def load_config(
                        ("limits.max_connections_per_user", config.limits.max_connections_per_user),
                        ("auth.revocation_ttl_s", config.auth.revocation_ttl_s),
                        ("broker.max_topics", config.broker.max_topics),
-                       ("broker.max_pending_bytes", config.broker.max_pending_bytes)):
+                       ("broker.max_pending_bytes", config.broker.max_pending_bytes),
+                       ("proxy.max_pending_connects_per_ip", config.proxy.max_pending_connects_per_ip)):
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, not {value}")
+    if config.limits.subscribe_rate <= 0 or config.limits.subscribe_burst < 1:
+        raise ConfigError("limits: subscribe_rate must be > 0 and subscribe_burst >= 1")
+    if config.proxy.max_calls_per_connection < 1:
+        raise ConfigError(f"proxy.max_calls_per_connection must be >= 1, not {config.proxy.max_calls_per_connection}")
     if config.limits.presence_max_members < 0:
         raise ConfigError(f"limits.presence_max_members must be >= 0, not {config.limits.presence_max_members}")
     proxy = config.proxy
     if proxy.timeout_s <= 0 or proxy.max_concurrent < 1 or proxy.event_queue_max < 1 or proxy.event_retries < 0:
         raise ConfigError("proxy: timeout_s must be > 0, max_concurrent and event_queue_max >= 1, event_retries >= 0")
+    if proxy.event_queue_per_client < 1 or proxy.max_answer_bytes < 1:
+        raise ConfigError("proxy: event_queue_per_client and max_answer_bytes must be >= 1")
     for name in ("connect_url", "subscribe_url", "publish_url", "rpc_url", "refresh_url", "disconnect_url",
                  "unsubscribe_url"):
         url = getattr(proxy, name)
@@ -449,6 +490,7 @@ def load_config(
             raise ConfigError(f"proxy.{name} must be an http:// or https:// URL (or empty: hook off), not {url!r}")
     if proxy.refresh_before_s < 0 or proxy.event_backoff_s < 0 or proxy.retry_after_s < 0:
         raise ConfigError("proxy: refresh_before_s, event_backoff_s and retry_after_s must be >= 0")
+    _check_jwks(config.auth)
     if config.admin.max_publish_messages < 1:
         raise ConfigError(f"admin.max_publish_messages must be >= 1, not {config.admin.max_publish_messages}")
     if config.server.workers > 1 and not config.broker.url:
