@@ -6,9 +6,10 @@ unsubscribe, disconnect, kick or topic delete. The scheduler reports each join a
 shared-topic subscribe, at once or once the broker has the topic), `TopicRouter.unsubscribe`,
 `ClientRegistry.unregister` (disconnect and kick) and `Scheduler.deleted`. Each costs O(1) (a dict and a
 counter). On a topic with `join_leave` the change is also noted for announcement: the scheduler sends the
-noted changes before its next cycle (`Presence.flush`), one direct entry per change per local subscriber
-(none above `limits.presence_max_members` subscribers). A member's join and leave noted within one cycle
-cancel out: a client toggling a subscription costs the other members nothing, whatever its rate.
+noted changes before a cycle (`Presence.flush`), at most once per `FLUSH_INTERVAL_S`, one direct entry per
+change per local subscriber (none above `limits.presence_max_members` subscribers). A member's join and leave
+noted before they went cancel out: a client toggling a subscription costs the other members nothing, and
+however many clients come and go, a member gets join/leave entries at most 10 times a second.
 
 Where members are kept is the broker's business (`Broker.presence`, a `PresenceStore`): `MemoryPresence`
 here for one process, `RedisPresence` (gateway/broker/presence_store.py) for a cluster. Nobody asks which.
@@ -26,6 +27,16 @@ from core import Engine, RequestError
 from core.entries import encode_join, encode_leave
 
 from .identity import ClientIdentity
+
+#: noted joins and leaves are sent at most this often: what changed meanwhile goes together (and what was
+#: undone meanwhile not at all), so join/leave traffic costs a member at most 10 frames a second
+FLUSH_INTERVAL_S = 0.1
+#: a flush due within this much goes now: the loop's timers may fire that early
+FLUSH_SLACK_S = 0.001
+#: changes of one topic sent per flush at most; the rest wait for the next ones (a reconnect storm of 1,000
+#: clients into a room must not put 1,000 entries at once in every member's direct queue, whose bound,
+#: `scheduler.direct_queue_max`, would close them all)
+MAX_CHANGES_PER_FLUSH = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +170,8 @@ class Presence:
         self.pending: dict[str, dict[str, tuple[str, Member]]] = {}
         #: changes that cancelled out before they were sent (a join and a leave of the same member)
         self.cancelled = 0
+        #: when changes were last sent (monotonic seconds)
+        self.last_flush = float("-inf")
 
     def joined(self, client_id: Hashable, topic: str) -> None:
         """`client_id` subscribed to `topic` (after the engine's subscribe succeeded)."""
@@ -186,9 +199,18 @@ class Presence:
         self.store.topic_gone(topic)
         self.pending.pop(topic, None)
 
+    def due_at(self) -> float:
+        """When the changes noted may be sent (monotonic seconds)."""
+        return self.last_flush + FLUSH_INTERVAL_S
+
     def announce(self, topic: str, kind: str, member: Member) -> None:
         """Note a join or leave (of this node's member, or another node's) for the next `flush`: O(1). A change
         that undoes one still pending removes both."""
+        if self._note(topic, kind, member):
+            self.wake()
+
+    def _note(self, topic: str, kind: str, member: Member) -> bool:
+        """Whether the change is pending now (False: it cancelled one out)."""
         changes = self.pending.get(topic)
         if changes is None:
             changes = self.pending[topic] = {}
@@ -196,28 +218,38 @@ class Presence:
         if previous is not None and previous[0] != kind:
             del changes[member.client]
             self.cancelled += 2
-            return
+            return False
         changes[member.client] = (kind, member)
-        self.wake()
+        return True
 
-    def flush(self) -> None:
-        """Send the noted changes: one `join` / `leave` direct entry per change to each local subscriber of its
-        topic but the member itself. O(changes x local subscribers), nothing when none is pending. A
-        subscriber whose direct queue overflows is kicked once the loop is over (its own leave is then noted
-        for the next flush), so the loop never meets a client it dropped."""
+    def flush(self, now: float) -> None:
+        """Send the noted changes, if `FLUSH_INTERVAL_S` has passed since the last time: one `join` / `leave`
+        direct entry per change to each local subscriber of its topic but the member itself. O(changes x local
+        subscribers), nothing when none is pending. A subscriber whose direct queue overflows is kicked once
+        the loop is over (its own leave is then noted for the next flush), so the loop never meets a client it
+        dropped."""
         if not self.pending:
             return
+        if now + FLUSH_SLACK_S < self.due_at():
+            self.wake()  # not yet: the scheduler's timer (armed once) brings it back when due
+            return
+        self.last_flush = now
         pending, self.pending = self.pending, {}
         engine = self.engine
         overflowed: dict[Hashable, None] = {}
+        later: list[tuple[str, str, Member]] = []
         for topic, changes in pending.items():
             if not changes or not engine.has_topic(topic):
                 continue
             t = engine.topic(topic)
             if not t.config.join_leave or len(t.subs) > self.max_members:
                 continue
+            now_sent = list(changes.items())
+            if len(now_sent) > MAX_CHANGES_PER_FLUSH:
+                later += [(topic, kind, member) for _, (kind, member) in now_sent[MAX_CHANGES_PER_FLUSH:]]
+                now_sent = now_sent[:MAX_CHANGES_PER_FLUSH]
             entries = [(client, (encode_join if kind == "join" else encode_leave)(topic, member.user, client))
-                       for client, (kind, member) in changes.items()]
+                       for client, (kind, member) in now_sent]
             for sub in t.subs:
                 client_id = sub.client.id
                 if client_id in overflowed:
@@ -230,6 +262,10 @@ class Presence:
                     overflowed[client_id] = None
         for client_id in overflowed:
             self.kick_overflowed(client_id)
+        for topic, kind, member in later:  # noted again: one undone by a kick above cancels out
+            self._note(topic, kind, member)
+        if self.pending:
+            self.wake()
 
 
 def _member(engine: Engine, client_id: Hashable) -> Member:

@@ -31,6 +31,7 @@ from .fanwrite import Sender
 from .identity import ClientIdentity
 from .metrics import BATCH_BUCKETS, CYCLE_BUCKETS, BucketHistogram
 from .presence import Member, Presence
+from .tracing import ExpectedApply, Fanout, count_fanouts, end_fanouts, forget_applies
 
 log = logging.getLogger("gateway")
 
@@ -132,9 +133,16 @@ class Scheduler:
         self._sent = CrowdsSent()
         self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
         self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
+        #: sampled admin publishes whose apply is awaited, by topic (gateway/tracing.py); empty unless traced
+        self.traced_applies: dict[str, ExpectedApply] = {}
+        #: traced messages whose fan-out is being watched, by topic: each cycle's batches are counted
+        #: only while it is not empty
+        self.fanouts: dict[str, Fanout] = {}
         #: presence members of topics with `presence` (gateway/presence.py); the hub gives it the broker's store
         self.presence = Presence(engine, self._direct_overflowed, config.limits.presence_max_members,
-                                 self._work.set)
+                                 self._presence_noted)
+        #: armed while join/leave changes wait for their flush (`Presence.due_at`)
+        self._presence_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -143,7 +151,7 @@ class Scheduler:
         self._schedule_tick()
 
     async def stop(self) -> None:
-        for timer in (self._tick, self._linger):
+        for timer in (self._tick, self._linger, self._presence_timer):
             if timer is not None:
                 timer.cancel()
         if self._task is not None:
@@ -170,6 +178,9 @@ class Scheduler:
         ttl = self.config.limits.topic_ttl_s
         if ttl > 0:
             self.engine.reclaim(now, ttl, self.config.limits.topic_history_ttl_s)
+        if self.fanouts or self.traced_applies:  # traced publishes whose watch is over (gateway/tracing.py)
+            end_fanouts(self.fanouts, now)
+            forget_applies(self.traced_applies, now)
         self._schedule_tick()
 
     # -- wake-ups ----------------------------------------------------------------------------------------
@@ -190,6 +201,18 @@ class Scheduler:
             self._linger.cancel()
         self._linger_due = due
         self._linger = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()), self._on_linger)
+
+    def _presence_noted(self) -> None:
+        """A join or leave waits to be announced: a cycle now, or once the presence flush is due."""
+        delay = self.presence.due_at() - time.monotonic()
+        if delay <= 0:
+            self._work.set()
+        elif self._presence_timer is None:
+            self._presence_timer = asyncio.get_running_loop().call_later(delay, self._on_presence_due)
+
+    def _on_presence_due(self) -> None:
+        self._presence_timer = None
+        self._work.set()
 
     def _on_linger(self) -> None:
         self._linger = None
@@ -247,11 +270,37 @@ class Scheduler:
     # -- BrokerEvents: what the broker reports ------------------------------------------------------------
 
     def apply(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
+        if self.traced_applies and topic in self.traced_applies:
+            return self._apply_traced(topic, data, seq, owner)
         result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
         if self.delivery_log is not None:
             self.delivery_log.published(topic, result.seq)
         self.wake()
         return result
+
+    def _apply_traced(self, topic: str, data: Any, seq: int | None, owner: Hashable) -> Published:
+        """A sampled admin publish's apply: its `engine.apply` span, and its fan-out watched from now."""
+        expected = self.traced_applies.pop(topic)
+        with expected.span(topic) as span:
+            result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
+            span.set_attribute("fanout.seq", result.seq)
+            fanout = expected.watch(span, topic, result.seq, self._reached_by(topic, owner))
+        if self.delivery_log is not None:
+            self.delivery_log.published(topic, result.seq)
+        previous = self.fanouts.pop(topic, None)
+        if previous is not None:  # a newer traced message of the topic: the watch follows that one
+            previous.end(False)
+        if fanout.expected:
+            self.fanouts[topic] = fanout
+        else:
+            fanout.end(True)
+        self.wake()
+        return result
+
+    def _reached_by(self, topic: str, owner: Hashable) -> int:
+        """Subscribers a message published now reaches: a shared topic's, or a private queue's one holder."""
+        handle = self.engine.topic(topic)
+        return len(handle.subs) if handle.shared else int(handle.holder(owner) is not None)
 
     def skip(self, topic: str, upto: int) -> None:
         self.engine.skip(topic, upto, time.monotonic())
@@ -322,12 +371,12 @@ class Scheduler:
         while True:
             await self._work.wait()
             self._work.clear()
-            self.presence.flush()  # join/leave entries noted since the last cycle, coalesced
+            self.presence.flush(time.monotonic())  # join/leave entries noted meanwhile, coalesced
             while engine.has_work:
                 round_started = time.perf_counter()
                 for cycle in range(1, self.coalesce_cycles + 1):
                     started = time.perf_counter()
-                    self.presence.flush()
+                    self.presence.flush(time.monotonic())
                     # A cycle allocates a batch per client and frees them all at its end: the collector,
                     # triggered every 700 of them, would walk the live ones again and again (a tenth of the
                     # CPU at 10,000 clients). They hold no cycles, so it waits until they are gone.
@@ -337,6 +386,8 @@ class Scheduler:
                     try:
                         batches = engine.run_cycle()
                         self._deliver(batches)
+                        if self.fanouts:  # a traced publish's fan-out is watched (gateway/tracing.py)
+                            count_fanouts(self.fanouts, batches)
                     finally:
                         if collecting:
                             gc.enable()
@@ -352,6 +403,8 @@ class Scheduler:
                     await asyncio.sleep(0)
                 self.rounds += 1
                 self._flush_staged()
+                if self.fanouts:  # written: the watches complete now end
+                    end_fanouts(self.fanouts, time.monotonic())
                 # What the round committed is written now: a broker may drop it, and held publishers retry.
                 self.space()
                 await asyncio.sleep(0)

@@ -43,10 +43,11 @@ def cpu_s(pid: int) -> float:
 
 class FloodGateway:
     """``python -m gateway serve`` of the checkout ``root`` in ``workdir``: loopback, ephemeral ports, the
-    admin token `ADMIN_TOKEN`, warnings only, no raw TCP; ``sections`` adds to (or overrides) that config."""
+    admin token `ADMIN_TOKEN`, warnings only, no raw TCP; ``sections`` adds to (or overrides) that config, and
+    ``rules`` (topic rules) replace the shipped ones."""
 
     def __init__(self, workdir: Path, sections: dict[str, dict[str, Any]] | None = None, *, root: Path = ROOT,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, rules: list[dict[str, Any]] | None = None) -> None:
         config: dict[str, dict[str, Any]] = {
             "server": {"host": "127.0.0.1", "port": 0, "admin_token": ADMIN_TOKEN, "log_level": "warning"},
             "ingest": {"port": 0}, "rawtcp": {"enabled": False}}
@@ -56,6 +57,9 @@ class FloodGateway:
         for name, values in config.items():
             lines.append(f"[{name}]")
             lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+        for rule in rules or ():  # `[[topics.rules]]`: these replace the shipped rules
+            lines.append("[[topics.rules]]")
+            lines += [f"{key} = {json.dumps(value)}" for key, value in rule.items()]
         config_file = workdir / "gateway.toml"
         config_file.write_text("\n".join(lines) + "\n")
         ready = workdir / "ready.json"

@@ -108,10 +108,11 @@ def test_members_dropped_while_joins_are_announced_leave_every_table_exact():
             for _ in range(20):
                 assert http.post("/api/topics/bulk.b/publish", json={"data": bulk}).status_code == 200
             wait_for(lambda: gw.call(lambda: len(gw.hub.scheduler.blocked)) == len(stalled), "stalled members")
-            for _ in range(30):
+            for _ in range(30):  # one a flush (join/leave entries go out every 100 ms, changes together)
                 ws = stack.enter_context(ws_connect(gw))
                 joiners.append(ws)
                 subscribed(ws, "room.r")
+                time.sleep(0.12)
             wait_for(lambda: gw.call(lambda: gw.hub.clients.disconnects[("ws", "direct_queue_full")]) == len(stalled),
                      "every stalled member dropped")
             for ws in joiners:  # every joiner is still served
