@@ -9,7 +9,8 @@ checkout (the figures before a fix).
 * toggle: one anonymous WebSocket sends frames of 50 subscribe/unsubscribe pairs of the `join_leave` room the
   victims are members of, as fast as the gateway reads them;
 * rpc: one anonymous WebSocket sends 3,000 rpc to the backend's rpc hook (0.5 s to answer), then keeps it full;
-* connect: 200 handshakes at a time from 127.0.0.1, each held by the connect hook (1 s to answer);
+* connect: 200 handshakes at a time from 127.0.0.1, each held by the connect hook (1 s to answer), each
+  refused one tried again 0.5 s later;
 * none: no attacker, the victims' baseline (as in toggle).
 """
 
@@ -19,8 +20,10 @@ import argparse
 import asyncio
 import json
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,31 +45,49 @@ ROOM = "room.probe"
 
 
 class SlowBackend:
-    """The application's hooks on loopback: every hook allows, after `HOOK_DELAYS`."""
+    """The application's hooks on loopback, in a process of its own (the attackers' loop must not slow its
+    answers): every hook allows, after `HOOK_DELAYS`; GET /calls counts the calls per hook."""
 
     def __init__(self) -> None:
-        app = Starlette(routes=[Route("/{hook}", self.handle, methods=["POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
-                                                    lifespan="off", limit_concurrency=10_000))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.calls: dict[str, int] = {}
-
-    async def handle(self, request: Request) -> JSONResponse:
-        hook = request.path_params["hook"]
-        self.calls[hook] = self.calls.get(hook, 0) + 1
-        await asyncio.sleep(HOOK_DELAYS.get(hook, 0.0))
-        return JSONResponse({"result": "ok"} if hook == "rpc" else {})
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
 
     def start(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "loadtest.hook_floods", "backend"], cwd=ROOT,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        return self.url
+
+    def calls(self) -> dict[str, int]:
+        return dict(httpx.get(f"{self.url}/calls", timeout=10).json())
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def serve_backend() -> None:
+    """`python -m loadtest.hook_floods backend`: the slow backend; prints its URL, then serves."""
+    calls: dict[str, int] = {}
+
+    async def hook(request: Request) -> JSONResponse:
+        name = request.path_params["hook"]
+        calls[name] = calls.get(name, 0) + 1
+        await asyncio.sleep(HOOK_DELAYS.get(name, 0.0))
+        answers: dict[str, dict[str, str]] = {"rpc": {"result": "ok"}, "connect": {"user": ""}}  # "": anonymous
+        return JSONResponse(answers.get(name, {}))
+
+    async def counts(request: Request) -> JSONResponse:
+        return JSONResponse(calls)
+
+    app = Starlette(routes=[Route("/calls", counts), Route("/{hook}", hook, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off", limit_concurrency=10_000)).run(
+        sockets=[sock])
 
 
 class Victims:
@@ -80,7 +101,7 @@ class Victims:
         self.pause = 1 / frames_per_s if frames_per_s else 0.0
         self.join_leave = 0
         self.delays: list[float] = []
-        self.closes: list[int | None] = []
+        self.closes: list[str] = []
         self.rpc_outcomes: dict[str, int] = {}
         self.rpc_ms: list[float] = []
 
@@ -117,7 +138,7 @@ class Victims:
                             self.rpc_outcomes[outcome] = self.rpc_outcomes.get(outcome, 0) + 1
                             self.rpc_ms.append((time.perf_counter() - asked.pop(entry["id"])) * 1000)
             except websockets.ConnectionClosed as exc:
-                self.closes.append(exc.rcvd.code if exc.rcvd else None)
+                self.closes.append(f"{exc.rcvd.code} {exc.rcvd.reason}" if exc.rcvd else "no close frame")
             finally:
                 if asker is not None:
                     asker.cancel()
@@ -161,23 +182,26 @@ async def no_flood(url: str, stop: asyncio.Event) -> str:
 
 async def rpc_flood(url: str, stop: asyncio.Event) -> str:
     outcomes: dict[str, int] = {}
-    async with websockets.connect(url, compression=None, max_size=None) as ws:
-        await ws.send(json.dumps([{"op": "rpc", "method": "probe", "id": i} for i in range(100)]))
+    closed = ""
+    try:
+        async with websockets.connect(url, compression=None, max_size=None) as ws:
 
-        async def read() -> None:
-            async for frame in ws:
-                for entry in json.loads(frame):
-                    key = entry["type"] if entry["type"] == "reply" else entry.get("code", "?")
-                    outcomes[key] = outcomes.get(key, 0) + 1
+            async def read() -> None:
+                async for frame in ws:
+                    for entry in json.loads(frame):
+                        key = entry["type"] if entry["type"] == "reply" else entry.get("code", "?")
+                        outcomes[key] = outcomes.get(key, 0) + 1
 
-        reader = asyncio.create_task(read())
-        for start in range(100, 3000, 100):
-            await ws.send(json.dumps([{"op": "rpc", "method": "probe", "id": i} for i in range(start, start + 100)]))
-        while not stop.is_set():  # keep it full: one more each 10 ms
-            await ws.send(json.dumps({"op": "rpc", "method": "probe", "id": -1}))
-            await asyncio.sleep(0.01)
-        reader.cancel()
-    return f"rpc flooder: outcomes {dict(sorted(outcomes.items()))}"
+            reader = asyncio.create_task(read())
+            for start in range(0, 3000, 100):
+                await ws.send(json.dumps([{"op": "rpc", "method": "probe", "id": i} for i in range(start, start + 100)]))
+            while not stop.is_set():  # keep it full: one more each 10 ms
+                await ws.send(json.dumps({"op": "rpc", "method": "probe", "id": -1}))
+                await asyncio.sleep(0.01)
+            reader.cancel()
+    except websockets.ConnectionClosed as exc:
+        closed = f", then closed {exc.rcvd.code if exc.rcvd else None}"
+    return f"rpc flooder: outcomes {dict(sorted(outcomes.items()))}{closed}"
 
 
 async def connect_flood(url: str, stop: asyncio.Event) -> str:
@@ -194,6 +218,8 @@ async def connect_flood(url: str, stop: asyncio.Event) -> str:
             except Exception as exc:  # refused at the handshake
                 key = type(exc).__name__
             outcomes[key] = outcomes.get(key, 0) + 1
+            if key != "open":
+                await asyncio.sleep(0.5)  # holding the hook's slots is the attack, not a handshake flood
 
     tasks = [asyncio.create_task(hold()) for _ in range(200)]
     await stop.wait()
@@ -215,7 +241,7 @@ async def victim_handshakes(url: str, stop: asyncio.Event, outcomes: dict[str, i
                 key = "open"
                 times.append((time.perf_counter() - started) * 1000)
         except websockets.ConnectionClosed as exc:
-            key = str(exc.rcvd.code if exc.rcvd else None)
+            key = f"{exc.rcvd.code} {exc.rcvd.reason}" if exc.rcvd else "no close frame"
         except Exception as exc:
             key = type(exc).__name__
         outcomes[key] = outcomes.get(key, 0) + 1
@@ -262,6 +288,9 @@ async def run(gateway: FloodGateway, flood: str, seconds: float, victim_fps: flo
 
 
 def main() -> None:
+    if sys.argv[1:] == ["backend"]:
+        serve_backend()
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("flood", choices=["toggle", "rpc", "connect", "none"])
     parser.add_argument("--seconds", type=float, default=5.0)
@@ -285,7 +314,7 @@ def main() -> None:
             figures = asyncio.run(run(gateway, args.flood, args.seconds, args.victim_fps))
         finally:
             gateway.stop()
-        figures["backend_calls"] = dict(sorted(backend.calls.items()))
+        figures["backend_calls"] = dict(sorted(backend.calls().items()))
         print(json.dumps(figures))
     finally:
         backend.stop()
