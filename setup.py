@@ -12,7 +12,7 @@ records a digest of each source it compiled (core/_compiled.json): core/native.p
 only while every source still has that digest, whatever the files' times say.
 
 The fan-out writer (gateway/_fanwrite.c, used by gateway/fanwrite.py) is built the same way, optional too:
-without it every frame goes through its connection's transport.
+without it its Python twin (gateway/fanwrite_py.py) runs.
 """
 
 import hashlib

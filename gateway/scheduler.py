@@ -128,8 +128,8 @@ class Scheduler:
         #: frames written straight to a socket with others (`_write_crowd`), and those a socket did not take whole
         self.direct_writes = 0
         self.direct_shortfalls = 0
-        #: the fan-out writer's sender thread (gateway/fanwrite.py), None when it is not built
-        self.sender = Sender() if Sender is not None else None
+        #: the fan-out writer's sender (gateway/fanwrite.py: the compiled one or its Python twin)
+        self.sender = Sender()
         self._sent = CrowdsSent()
         self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
         self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
@@ -445,7 +445,6 @@ class Scheduler:
         sent = self._sent
         conns = self.conns
         delivery_log = self.delivery_log
-        direct = self.sender is not None
         observe_size = self.entries_per_batch.observe
         singles = 0
         done = []
@@ -469,7 +468,7 @@ class Scheduler:
                 if frame is None:
                     frame = frames[key] = batch.frame()
                 try:
-                    fd = conn.direct_fd(batch, frame) if direct else -1
+                    fd = conn.direct_fd(batch, frame)
                     if fd >= 0:
                         crowd = crowds.get(frame)
                         if crowd is None:
@@ -502,8 +501,8 @@ class Scheduler:
             self.engine.writes_done(done)
 
     def _write_crowd(self, frame: bytes, crowd: tuple[list[int], list[Connection], list[Hashable]]) -> None:
-        """Hand one frame for many sockets to the sender, which sends it while the scheduler goes on."""
-        assert self.sender is not None
+        """Hand one frame for many sockets to the sender (the compiled one sends it on its own thread while
+        the scheduler goes on; the twin at once)."""
         fds, group, client_ids = crowd
         data = group[0].wire(frame)
         sent = self._sent
@@ -518,7 +517,6 @@ class Scheduler:
     def _crowds_sent(self) -> list[Hashable]:
         """Wait for the sender; the transports take what a socket did not. Returns the clients ready again
         (one whose rest left its transport above the high-water mark is not)."""
-        assert self.sender is not None
         sent, self._sent = self._sent, CrowdsSent()
         short = self.sender.wait()
         if not short:

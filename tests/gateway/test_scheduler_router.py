@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from core import QueueFull
-from gateway import close_codes, fanwrite, scheduler
+from gateway import close_codes, scheduler
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
@@ -182,7 +182,6 @@ class SocketConnection(FakeConnection):
         return entries
 
 
-@pytest.mark.skipif(fanwrite.Sender is None, reason="the fan-out writer is not built")
 @pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: a crowd written in slices of two sockets
 def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_call(
         crowd_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,7 +203,6 @@ def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_cal
     run(test)
 
 
-@pytest.mark.skipif(fanwrite.Sender is None, reason="the fan-out writer is not built")
 @pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: the full socket is the first of the second slice
 def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_it_to_drain(
         crowd_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
