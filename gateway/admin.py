@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from core import QueueFull, RequestError, TopicKind, UnknownTopic
+from core import QueueFull, RequestError, TopicConfig, TopicKind, UnknownTopic
 from core.errors import MessageTooLarge
 
 from . import close_codes, schema
@@ -27,6 +27,7 @@ from .hub import Hub
 from .openapi import OPENAPI
 from .revocations import Revocation
 from .stats_feed import SnapshotStream, StatsFeed
+from .tracing import MAX_WATCHED, Tracing
 from .transports.ingest import ingest_counters
 
 UNAUTHORIZED = Unauthorized("a valid `Authorization: Bearer <token>` header is required")
@@ -61,13 +62,26 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def guarded(handler: Endpoint) -> Endpoint:
-    async def endpoint(request: Request) -> Response:
+    async def answer(request: Request) -> Response:
         if not _authorized(request):
             return error_response(UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})
         try:
             return await handler(request)
         except RequestError as exc:
             return error_response(exc)
+
+    name = f"admin {handler.__name__}"
+
+    async def endpoint(request: Request) -> Response:
+        tracing = _hub(request).tracing
+        if tracing is None:
+            return await answer(request)
+        # the request's span (gateway/tracing.py), a child of the caller's when it sends `traceparent`
+        with tracing.server_span(name, request.headers, {"http.request.method": request.method,
+                                                         "url.path": request.url.path}) as span:
+            response = await answer(request)
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
 
     endpoint.__name__ = handler.__name__
     endpoint.__doc__ = handler.__doc__
@@ -135,16 +149,30 @@ async def publish(request: Request) -> Response:
     topic_config = hub.router.topic_config(name)
     if topic_config is None:
         raise UnknownTopic(f"no topic {name!r} and no rule creates it")
+    tracing = hub.tracing
+    if tracing is None or not tracing.recording():  # not sampled: no span below the request's
+        return await _publish_items(hub, name, items, body, topic_config)
+    with tracing.span("broker.publish", {"messaging.destination.name": name, "fanout.messages": len(items)}):
+        return await _publish_items(hub, name, items, body, topic_config, tracing)
+
+
+async def _publish_items(hub: Hub, name: str, items: list[Any], body: schema.PublishBody, config: TopicConfig,
+                         tracing: Tracing | None = None) -> Response:
+    """Publish each item through the broker; `tracing`: the last one's apply and fan-out are traced beneath
+    the current span (gateway/tracing.py) when it is sampled."""
     timeout = hub.config.admin.publish_timeout_s
     seqs: list[int] = []
     slice_started = time.perf_counter()
-    for data in items:
+    last = len(items) - 1
+    for index, data in enumerate(items):
         if time.perf_counter() - slice_started > BULK_SLICE_S:
             # A publish that lands at once (in-process) never awaits: yield, so other clients are served.
             await asyncio.sleep(0)
             slice_started = time.perf_counter()
+        if tracing is not None and index == last:
+            _expect_apply(hub, name, tracing)
         try:
-            private = topic_config.kind is TopicKind.PRIVATE  # a full queue holds the publish up to `timeout`
+            private = config.kind is TopicKind.PRIVATE  # a full queue holds the publish up to `timeout`
             result = await hub.router.publish(name, data, owner=body.client, seq=body.seq,
                                               timeout=timeout if private else None)
         except BrokerUnavailable as exc:
@@ -154,6 +182,16 @@ async def publish(request: Request) -> Response:
                                             f"{len(seqs)} of {len(items)} published"), {"Retry-After": "1"})
         seqs.append(result.seq)
     return Response(msgspec.json.encode(schema.PublishReply(name, seqs)), media_type="application/json")
+
+
+def _expect_apply(hub: Hub, topic: str, tracing: Tracing) -> None:
+    """The next apply of `topic` continues the current (sampled) span, within gateway/tracing.py MAX_WATCHED."""
+    scheduler = hub.scheduler
+    if len(scheduler.traced_applies) + len(scheduler.fanouts) >= MAX_WATCHED:
+        return
+    expected = tracing.expect_apply()
+    if expected is not None:
+        scheduler.traced_applies[topic] = expected
 
 
 #: `GET /api/clients` lists at most this many clients (each node sends at most this many of its own).

@@ -18,6 +18,7 @@ from .hub import Hub
 from .origin import OriginGuard, OriginPolicy, parse_allowed_origins
 from .page_headers import SecurityHeaders
 from .pages import Pages
+from .readiness import readyz
 from .stats_feed import StatsFeed
 from .transports import longpoll, sse
 from .transports.handshake import TransportOff
@@ -67,6 +68,7 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
         Mount("/api", routes=admin.routes),
         Route("/metrics", metrics),
         Route("/healthz", healthz),
+        Route("/readyz", readyz),
     ]
     allowed = parse_allowed_origins(hub.config.server.allowed_origins)
     static = hub.config.static_path()

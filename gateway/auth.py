@@ -2,9 +2,13 @@
 
 A token names a user (`sub`), when it expires (`exp`) and which topics the user may reach beyond the ones
 open to anonymous clients: `subscribe` and `publish` are lists of topic patterns (fnmatch, as the topic
-rules). HS256 tokens are checked with `auth.jwt_secret`, RS256 / ES256 tokens with the PEM public key in
-`auth.jwt_public_key_file`; each key only ever checks its own algorithms, so a public key can never be
-used as an HMAC secret (the classic algorithm-confusion attack).
+rules). HS256 tokens are checked with `auth.jwt_secret`, RS256 / ES256 / EdDSA tokens with the PEM public
+key in `auth.jwt_public_key_file` or a key of the JWKS set at `auth.jwks_url` (gateway/jwks.py: fetched in the
+background, never while a token is checked); each key only ever checks its own algorithms, so a public key
+can never be used as an HMAC secret (the classic algorithm-confusion attack).
+
+Rotation: `auth.jwt_previous_secret` and `auth.jwt_previous_public_key_file` are accepted beside the current
+ones (a token is tried with the current key, then the previous one) until removed from the config.
 """
 
 from __future__ import annotations
@@ -15,23 +19,27 @@ from typing import TYPE_CHECKING, Any
 
 import jwt
 from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from .config import AuthConfig, ConfigError
 from .errors import BadToken, TokenExpired, TokenRevoked, TooManyTokenChecks
+from .jwks import JWKS_ALGORITHMS, JwksKeys
 from .owners import check_user_id
 from .ratelog import AddressRates
 from .revocations import RevocationTable
+from .tracing import Tracing
 
 if TYPE_CHECKING:
     from .addrcount import SharedRate
 
 HMAC_ALGORITHMS = ("HS256",)
-PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256")
-#: the one algorithm each kind of public key checks: a token of the other one is refused as any bad token
+PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256", "EdDSA")
+#: the one algorithm each kind of public key checks: a token of another one is refused as any bad token
 #: (PyJWT would raise InvalidKeyError, which is not an InvalidTokenError)
-_KEY_ALGORITHMS: tuple[tuple[type, str], ...] = ((RSAPublicKey, "RS256"), (EllipticCurvePublicKey, "ES256"))
+_KEY_ALGORITHMS: tuple[tuple[type, str], ...] = ((RSAPublicKey, "RS256"), (EllipticCurvePublicKey, "ES256"),
+                                                 (Ed25519PublicKey, "EdDSA"))
 #: addresses whose token checks are counted (`CheckLimiter`); past it the least recently seen are forgotten
 MAX_TRACKED_ADDRESSES = 65536
 #: A token is a few hundred bytes; 8 KiB leaves room for long pattern lists and bounds the work per check.
@@ -79,24 +87,33 @@ class CheckLimiter:
         return self.rate <= 0 or self.rates.take(address)
 
 
+def _public_key(setting: str, file: str) -> tuple[Any, str]:
+    """The PEM public key in `file` (parsed once, not per check) and the one algorithm it checks."""
+    path = Path(file)
+    try:
+        pem = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"auth.{setting}: cannot read {path}: {exc.strerror}") from None
+    try:
+        key = load_pem_public_key(pem)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"auth.{setting}: {path} is not a PEM public key: {exc}") from None
+    for kind, algorithm in _KEY_ALGORITHMS:
+        if isinstance(key, kind):
+            return key, algorithm
+    raise ConfigError(f"auth.{setting}: {path} is neither an RSA, an EC nor an Ed25519 public key")
+
+
 class TokenVerifier:
     def __init__(self, auth: AuthConfig) -> None:
-        self.secret = auth.jwt_secret
-        self.public_key: Any = None
-        self.public_algorithms: list[str] = []
-        if auth.jwt_public_key_file:
-            path = Path(auth.jwt_public_key_file)
-            try:
-                pem = path.read_bytes()
-            except OSError as exc:
-                raise ConfigError(f"auth.jwt_public_key_file: cannot read {path}: {exc.strerror}") from None
-            try:
-                self.public_key = load_pem_public_key(pem)  # parsed once, not per check
-            except (ValueError, TypeError) as exc:
-                raise ConfigError(f"auth.jwt_public_key_file: {path} is not a PEM public key: {exc}") from None
-            self.public_algorithms = [alg for kind, alg in _KEY_ALGORITHMS if isinstance(self.public_key, kind)]
-            if not self.public_algorithms:
-                raise ConfigError(f"auth.jwt_public_key_file: {path} is neither an RSA nor an EC public key")
+        #: the HMAC secrets, current first: a token is tried with each in turn (rotation)
+        self.secrets = [s for s in (auth.jwt_secret, auth.jwt_previous_secret) if s]
+        #: the PEM public keys, current first, each with the one algorithm it checks
+        self.public_keys = [_public_key(setting, file) for setting, file in (
+            ("jwt_public_key_file", auth.jwt_public_key_file),
+            ("jwt_previous_public_key_file", auth.jwt_previous_public_key_file)) if file]
+        #: the key set at `auth.jwks_url`, refreshed in the background (`start`); None when not configured
+        self.jwks = JwksKeys(auth.jwks_url, auth.jwks_refresh_min_s, auth.jwks_cache_max_s) if auth.jwks_url else None
         #: token checks per address (`auth.rate_per_ip`, `burst_per_ip`); per connection, the `auth` commands
         #: are limited in gateway/commands.py (`auth.rate_per_connection`, `burst_per_connection`)
         self.per_address = CheckLimiter(auth.rate_per_ip, auth.burst_per_ip)
@@ -105,10 +122,21 @@ class TokenVerifier:
         self.leeway = auth.leeway_s
         #: revoked tokens (`POST /api/revocations`): refused by `verify`, wherever the token comes from
         self.revocations = RevocationTable(auth.max_revocations)
+        #: set by the hub when [tracing] is on: a check against the JWKS key set is an `auth.verify` span
+        self.tracing: Tracing | None = None
 
     @property
     def enabled(self) -> bool:
-        return bool(self.secret or self.public_key)
+        return bool(self.secrets or self.public_keys or self.jwks)
+
+    async def start(self) -> None:
+        """Load the JWKS key set, when there is one (up to gateway/jwks.py FETCH_TIMEOUT_S)."""
+        if self.jwks is not None:
+            await self.jwks.start()
+
+    async def stop(self) -> None:
+        if self.jwks is not None:
+            await self.jwks.stop()
 
     def admit(self, address: str | None) -> None:
         """Count one token check from `address`; TooManyTokenChecks past `auth.rate_per_ip`."""
@@ -128,18 +156,14 @@ class TokenVerifier:
         if len(token) > MAX_TOKEN_BYTES:
             raise BadToken(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
         try:
-            algorithm = jwt.get_unverified_header(token).get("alg")
-            key: str | bytes
-            if algorithm in HMAC_ALGORITHMS and self.secret:
-                key, algorithms = self.secret, list(HMAC_ALGORITHMS)
-            elif algorithm in self.public_algorithms:
-                key, algorithms = self.public_key, self.public_algorithms
+            header = jwt.get_unverified_header(token)
+            if self.tracing is not None and self.jwks is not None and header.get("alg") in JWKS_ALGORITHMS:
+                with self.tracing.span("auth.verify", {"fanout.auth.alg": str(header.get("alg")),
+                                                       "fanout.auth.kid": str(header.get("kid"))[:128]}):
+                    claims = self._claims(token, header["alg"], self._keys_for(header))
             else:
-                raise BadToken(f"token algorithm {algorithm!r} is not accepted here")
-            claims = jwt.decode(
-                token, key, algorithms=algorithms, audience=self.audience, issuer=self.issuer,
-                leeway=self.leeway, options={"require": ["sub", "exp"]},
-            )
+                keys = self._keys_for(header)  # raises unless `alg` is one a key checks
+                claims = self._claims(token, header["alg"], keys)
         except jwt.ExpiredSignatureError:
             raise TokenExpired("the token has expired") from None
         except jwt.PyJWTError as exc:  # InvalidTokenError, and InvalidKeyError of a key the token cannot use
@@ -151,6 +175,38 @@ class TokenVerifier:
             self.revocations.refused += 1
             raise TokenRevoked("the token was revoked")
         return principal
+
+    def _keys_for(self, header: dict[str, Any]) -> list[Any]:
+        """The keys that may check a token with this header, current first; each checks only the token's
+        algorithm. Only `alg` and `kid` are read: `jku`, `x5u`, `x5c` (keys or URLs a token names) never."""
+        algorithm = header.get("alg")
+        if algorithm in HMAC_ALGORITHMS and self.secrets:
+            return list(self.secrets)
+        files = [key for key, checks in self.public_keys if checks == algorithm]
+        if self.jwks is not None and algorithm in JWKS_ALGORITHMS:
+            kid = header.get("kid")
+            if not files or (isinstance(kid, str) and kid in self.jwks.keys):
+                return [self.jwks.find(kid, algorithm).key]
+        if files:
+            return files
+        raise BadToken(f"token algorithm {algorithm!r} is not accepted here")
+
+    def _claims(self, token: str, algorithm: str, keys: list[Any]) -> dict[str, Any]:
+        """The claims of a token checked by the first of `keys` whose signature matches; a key's mismatch
+        moves on to the next (rotation), any other refusal (expired, audience) is final."""
+        for key in keys[:-1]:
+            try:
+                return self._decode(token, key, algorithm)
+            except jwt.InvalidSignatureError:
+                continue
+        return self._decode(token, keys[-1], algorithm)
+
+    def _decode(self, token: str, key: Any, algorithm: str) -> dict[str, Any]:
+        claims: dict[str, Any] = jwt.decode(
+            token, key, algorithms=[algorithm], audience=self.audience, issuer=self.issuer, leeway=self.leeway,
+            options={"require": ["sub", "exp"]},
+        )
+        return claims
 
 
 def _patterns(claims: dict[str, Any], name: str) -> tuple[str, ...]:

@@ -15,15 +15,12 @@ from typing import Any
 
 import core
 
-from . import fanwrite
+from . import fanwrite, logformat
 from .broker import BrokerUnreachable
 from .config import ConfigError, GatewayConfig, load_config
 from .operator_tools import check, describe_rules, mint_token, rules_note
 from .server import start_gateway
 from .workers.forward import WorkerLinks
-
-#: the log line format of `gateway serve` (a worker's lines also name the worker)
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _run(coro: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
@@ -57,9 +54,9 @@ async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0,
             info["admin_token"] = running.admin_token
         write_ready_file(ready_file, info)
     if generated:  # one worker alone: with several, the supervisor generated and printed it before forking
-        print(f"admin token (development, loopback only): {running.admin_token}", flush=True)
-    scheme = "https" if config.server.ssl_certfile else "http"
-    print(f"{_speaker(links)} listening on {scheme}://{config.server.host}:{running.http_port}", flush=True)
+        logformat.say(f"admin token (development, loopback only): {running.admin_token}")
+    url = f"{'https' if config.server.ssl_certfile else 'http'}://{config.server.host}:{running.http_port}"
+    logformat.say(f"{_speaker(links)} listening on {url}", url=url)
     try:
         await running.wait()
     finally:
@@ -105,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as exc:
         print(f"gateway: config error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.server.log_level.upper(), format=LOG_FORMAT)
+    # several workers: the supervisor's own lines name no worker (null in json), each worker's its own
+    logformat.configure(config.server.log_format, config.server.log_level, None if config.server.workers > 1 else 0)
     _print_banner(config)
     if config.server.workers > 1:  # docs/cluster.md §5
         from .workers.supervisor import run_workers
@@ -147,9 +145,9 @@ def _print_banner(config: GatewayConfig) -> None:
     """What runs, once, before anything starts (and before any worker is forked)."""
     note = rules_note(config)
     if note:
-        print(f"gateway: {note}", flush=True)
-    print(f"core: {core.BUILD}", flush=True)
-    print(f"fan-out writer: {fanwrite.BUILD}", flush=True)
+        logformat.say(f"gateway: {note}")
+    logformat.say(f"core: {core.BUILD}")
+    logformat.say(f"fan-out writer: {fanwrite.BUILD}")
 
 
 def _speaker(links: WorkerLinks | None) -> str:
@@ -159,11 +157,8 @@ def _speaker(links: WorkerLinks | None) -> str:
 
 def _tag_worker_logs(links: WorkerLinks | None) -> None:
     """Every log line of a worker names it (the workers share the supervisor's output)."""
-    if links is None:
-        return
-    formatter = logging.Formatter(LOG_FORMAT.replace("%(name)s", f"worker {links.index} %(name)s"))
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(formatter)
+    if links is not None:
+        logformat.tag(links.index)
 
 
 def _serve_worker(config: GatewayConfig, ready_file: str | None, worker: int,
@@ -174,7 +169,7 @@ def _serve_worker(config: GatewayConfig, ready_file: str | None, worker: int,
     try:
         _run(_serve(config, ready_file, worker, links), config.server.uvloop)
     except (ConfigError, BrokerUnreachable) as exc:
-        print(f"{_speaker(links)}: {exc}", file=sys.stderr, flush=True)
+        logformat.say(f"{_speaker(links)}: {exc}", stream=sys.stderr, level=logging.ERROR)
         return 2
     except KeyboardInterrupt:
         pass

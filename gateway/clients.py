@@ -48,6 +48,9 @@ T = TypeVar("T")
 TOKEN_RESOLUTION_S = 0.25
 #: what a client's token deadline does (the value of its entry on the wheel, with the principal and the try)
 REFRESH, EXPIRED, GRACE_OVER = 0, 1, 2
+#: the kicks an operator asked for, each logged (the others are counted: fanout_disconnects_total{reason};
+#: a drain's or an idle sweep's thousands would flood the log)
+LOGGED_KICKS = frozenset({"kicked", "disconnected", "token_revoked"})
 
 
 class ClientRegistry:
@@ -192,6 +195,10 @@ class ClientRegistry:
         if conn is None:
             return False
         conn.kick(code, reason, retry_ms)
+        if metric_reason in LOGGED_KICKS:
+            log.info("kicked %s (%s): %s, close %d", client_id, metric_reason, reason, code,
+                     extra={"client": str(client_id), "user": conn.identity.user, "reason": metric_reason,
+                            "transport": conn.identity.transport, "code": code})
         self.unregister(client_id, metric_reason)
         return True
 

@@ -175,7 +175,12 @@ def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[st
 
     async def ask() -> None:
         try:
-            await answered()
+            tracing = hub.tracing
+            if tracing is None:
+                await answered()
+            else:  # the command is a trace of its own, its hook call beneath (gateway/tracing.py)
+                with tracing.root_span(f"command {hook}", {"fanout.client": str(client_id), "fanout.topic": topic or ""}):
+                    await answered()
         finally:
             identity.hook_calls -= 1
         if topic is not None:

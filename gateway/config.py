@@ -45,6 +45,7 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     admin_token: str
     uvloop: bool
     log_level: str
+    log_format: str
     static_dir: str
     allowed_origins: list[str]
     ssl_certfile: str
@@ -221,6 +222,12 @@ class ProxyConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_answer_bytes: int
 
 
+class TracingConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    otlp_endpoint: str
+    service_name: str
+    sample_rate: float
+
+
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
 #: whose tables are checked by `topic_config`.
 SECTIONS: dict[str, type[_Section]] = {
@@ -237,6 +244,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "deliverylog": DeliveryLogConfig,
     "broker": BrokerConfig,
     "proxy": ProxyConfig,
+    "tracing": TracingConfig,
 }
 TOPICS = "topics"
 
@@ -268,6 +276,7 @@ class GatewayConfig:
     deliverylog: DeliveryLogConfig = field(init=False, repr=False)
     broker: BrokerConfig = field(init=False, repr=False)
     proxy: ProxyConfig = field(init=False, repr=False)
+    tracing: TracingConfig = field(init=False, repr=False)
     #: the topic rules as in the TOML: {"rules": [{"pattern": ..., ...}, ...]}
     topics: dict[str, list[dict[str, Any]]] = field(init=False, repr=False)
 
@@ -434,6 +443,19 @@ def _check_jwks(auth: AuthConfig) -> None:
         raise ConfigError(f"auth.jwks_url must be an https:// URL (http:// only to localhost), not {url!r}")
 
 
+def _check_tracing(tracing: TracingConfig) -> None:
+    """[tracing]: an http(s) collector URL (empty: tracing off), a service name, a rate in [0, 1]."""
+    url = tracing.otlp_endpoint
+    if url:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"tracing.otlp_endpoint must be an http:// or https:// URL (or empty: off), not {url!r}")
+    if not tracing.service_name.strip():
+        raise ConfigError("tracing.service_name must not be empty")
+    if not 0 <= tracing.sample_rate <= 1:
+        raise ConfigError(f"tracing.sample_rate must be in [0, 1], not {tracing.sample_rate}")
+
+
 def load_config(
     path: str | Path | None = None, *, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> GatewayConfig:
@@ -452,6 +474,8 @@ def load_config(
     config.engine_config()  # validates the topic rules
     if config.server.workers < 1:
         raise ConfigError(f"server.workers must be >= 1, not {config.server.workers}")
+    if config.server.log_format not in ("text", "json"):
+        raise ConfigError(f'server.log_format must be "text" or "json", not {config.server.log_format!r}')
     for key in ("drain_timeout_s", "drain_spread_s", "drain_delay_s"):
         if getattr(config.server, key) < 0:
             raise ConfigError(f"server.{key} must be >= 0, not {getattr(config.server, key)}")
@@ -491,6 +515,7 @@ def load_config(
     if proxy.refresh_before_s < 0 or proxy.event_backoff_s < 0 or proxy.retry_after_s < 0:
         raise ConfigError("proxy: refresh_before_s, event_backoff_s and retry_after_s must be >= 0")
     _check_jwks(config.auth)
+    _check_tracing(config.tracing)
     if config.admin.max_publish_messages < 1:
         raise ConfigError(f"admin.max_publish_messages must be >= 1, not {config.admin.max_publish_messages}")
     if config.server.workers > 1 and not config.broker.url:

@@ -212,6 +212,16 @@ class BackendUnavailable(RequestError):
     close_code = close_codes.TRY_AGAIN_LATER
 
 
+class KeysRefreshing(RequestError):
+    """A token names a key the JWKS set (`auth.jwks_url`, gateway/jwks.py) lacks, and the set is being fetched
+    again (or is not loaded yet): a passing state, so retry later with the same token (close 1013, HTTP 503
+    with Retry-After, the `auth` command's error entry)."""
+
+    code = "keys_refreshing"
+    http_status = 503
+    close_code = close_codes.TRY_AGAIN_LATER
+
+
 class TooManyCalls(RequestError):
     """A connection's commands waiting for backend hooks (calls in flight and commands queued behind them on
     their topic, gateway/commands.py) are at `proxy.max_calls_per_connection`: the command is refused at

@@ -14,6 +14,8 @@ Transports hold the hub and use those parts; anyone may read `engine`. docs/arch
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 from collections.abc import Callable, Hashable
 
@@ -28,9 +30,11 @@ from .metrics import Metrics, engine_families, loop_families, stats_families
 from .netguard import ConnectionLimiter
 from .proxy import Proxy
 from .ratelog import BadInputLog
+from .readiness import Readiness
 from .router import TopicRouter
 from .scheduler import Connection, Scheduler
 from .topic_budget import CreationBudget
+from .tracing import Tracing, from_config
 from .transports.rawtcp import RawBroadcastServer
 from .transports.sessions import SessionStore
 
@@ -51,8 +55,13 @@ class Hub:
         self.scheduler.presence.store = self.broker.presence
         self.clients = ClientRegistry(config, self.scheduler, self.broker, conns)
         self.clients.on_arrival, self.clients.on_departure = self.gc.arrived, self.gc.departed
+        #: OpenTelemetry traces ([tracing], gateway/tracing.py); None (and nothing imported) when off
+        self.tracing: Tracing | None = from_config(config.tracing, self.instance_id)
+        self.clients.tokens.tracing = self.tracing
         #: the backend hooks ([proxy], gateway/proxy.py); None when no hook URL is set
         self.proxy = Proxy.from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input)
+        if self.proxy is not None:
+            self.proxy.tracing = self.tracing
         self.clients.proxy = self.proxy
         self.router = TopicRouter(self.scheduler, self.clients, self.broker, self.creations)
         #: long-poll sessions and SSE streams by their secret, and what outlives them (transports/sessions.py)
@@ -64,12 +73,16 @@ class Hub:
         self.closing_hooks: list[Callable[[], None]] = []
         if config.deliverylog.enabled:
             self.scheduler.delivery_log = DeliveryLog(config.deliverylog, self.instance_id, self._scheduler_ended)
+        #: what GET /readyz answers (gateway/readiness.py): set started and draining by gateway/server.py
+        self.readiness = Readiness(lambda: self.broker.healthy)
         self.metrics = Metrics()
         for collect in (lambda: engine_families(self.engine), loop_families, self.scheduler.collect, self.clients.collect,
                         self.creations.collect, self.broker.collect, self.gc.collect, self.bad_input.collect):
             self.metrics.add(collect)
         if self.proxy is not None:
             self.metrics.add(self.proxy.collect)
+        if self.clients.tokens.jwks is not None:
+            self.metrics.add(self.clients.tokens.jwks.collect)
 
     def _scheduler_ended(self) -> bool:
         task = self.scheduler.task
@@ -92,6 +105,7 @@ class Hub:
 
     async def start(self) -> None:
         await self.broker.start()
+        await self.clients.tokens.start()  # the JWKS key set, when auth.jwks_url is set (gateway/jwks.py)
         self.scheduler.start()
         self.clients.start()
         self.gc.start()
@@ -103,7 +117,11 @@ class Hub:
         self.close_all_clients()
         if self.proxy is not None:
             await self.proxy.aclose()  # after the clients' disconnect events were queued
+        await self.clients.tokens.stop()
         await self.broker.stop()
+        if self.tracing is not None:  # the spans left are exported off the event loop; a dead collector: 3 s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(self.tracing.shutdown), 3)
 
     def drain(self, spread_s: float) -> list[str]:
         """Graceful drain: every client closed with 1012 and its own reconnect hint (ClientRegistry.drain), the

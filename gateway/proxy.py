@@ -41,6 +41,7 @@ from .identity import ClientIdentity
 from .metrics import BucketHistogram
 from .owners import check_user_id
 from .ratelog import BadInputLog
+from .tracing import Tracing, redacted
 
 HOOKS = ("connect", "subscribe", "publish", "rpc", "refresh", "disconnect", "unsubscribe")
 #: hooks whose calls are events: queued, sent in the background, retried (they carry an id)
@@ -198,6 +199,8 @@ class Proxy:
         self._senders: list[asyncio.Task[None]] = []
         #: calls in flight for connections and commands (kept so they are not collected, cancelled at close)
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: set by the hub when [tracing] is on: each call is a client span, its `traceparent` sent along
+        self.tracing: Tracing | None = None
 
     @staticmethod
     def from_config(config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog) -> Proxy | None:
@@ -223,11 +226,29 @@ class Proxy:
         `error`) or `BackendUnavailable` (no answer within `timeout_s`, waiting for a slot included; not
         reachable; a status other than 200; a body that is not the hook's answer, or longer than
         `max_answer_bytes`, or encoded). A failure is logged through the bounded bad-input log."""
+        tracing = self.tracing
+        if tracing is None:
+            return await self._call(hook, body, answer, REQUEST_HEADERS)
+        headers = dict(REQUEST_HEADERS)
+        with tracing.client_span(f"hook {hook}", headers, {"fanout.hook": hook, "url.full": redacted(self.urls[hook])}) as span:
+            try:
+                converted = await self._call(hook, body, answer, headers)
+            except Refused:
+                span.set_attribute("fanout.hook.outcome", "refused")
+                tracing.ok(span)  # the backend answered: a refusal is no failure of the call
+                raise
+            except BackendUnavailable:
+                span.set_attribute("fanout.hook.outcome", "unavailable")
+                raise
+            span.set_attribute("fanout.hook.outcome", "ok")
+            return converted
+
+    async def _call(self, hook: str, body: dict[str, Any], answer: type[T], headers: dict[str, str]) -> T:
         started = time.perf_counter()
         outcome = "error"
         try:
             try:
-                converted = self._answer(await self._post(hook, body), answer)
+                converted = self._answer(await self._post(hook, body, headers), answer)
             except Refused:
                 outcome = "refused"
                 raise
@@ -241,25 +262,25 @@ class Proxy:
             self.outcomes[(hook, outcome)] += 1
             self.durations[hook].observe(time.perf_counter() - started)
 
-    async def _post(self, hook: str, body: dict[str, Any]) -> bytes:
+    async def _post(self, hook: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
         """The body of the hook's answer, within `timeout_s` (waiting for a slot included). Raises _Failed."""
         timeout = self.config.timeout_s
         try:
             async with asyncio.timeout(timeout):
                 async with self._slots[hook]:
-                    return await self._read_answer(hook, body)
+                    return await self._read_answer(hook, body, headers)
         except (TimeoutError, httpx.TimeoutException):
             raise _Failed("timeout", f"did not answer within {timeout:g} s (proxy.timeout_s)") from None
         except httpx.HTTPError as exc:
             raise _Failed("unavailable", f"could not be reached ({type(exc).__name__})") from None
 
-    async def _read_answer(self, hook: str, body: dict[str, Any]) -> bytes:
+    async def _read_answer(self, hook: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
         """POST and read the answer as it comes, undecoded, up to `max_answer_bytes`: past that (or a
         Content-Length above it) the connection is closed with the rest unread."""
         cap = self.config.max_answer_bytes
         too_long = _Failed("bad_answer", f"answered more than {cap} bytes (proxy.max_answer_bytes)")
         async with self.client().stream("POST", self.urls[hook], content=orjson.dumps(body),
-                                         headers=REQUEST_HEADERS) as response:
+                                         headers=headers) as response:
             if response.status_code != 200:
                 raise _Failed("error", f"answered HTTP {response.status_code}")
             encoding = response.headers.get("content-encoding", "identity").strip().lower()

@@ -91,17 +91,19 @@ class BadInputLog:
         self.by_source: Counter[str] = Counter()
         self.suppressed = 0
 
-    def __call__(self, source: str, message: str, *args: object) -> bool:
-        """Count one bad input from `source` (e.g. "ws", "ingest"); log it if the rate allows. True if logged."""
+    def __call__(self, source: str, message: str, *args: object, **fields: object) -> bool:
+        """Count one bad input from `source` (e.g. "ws", "ingest"); log it if the rate allows. True if logged.
+        `fields`: the line's fields in the json log format (gateway/logformat.py), e.g. `peer`."""
         self.by_source[source] += 1
         if not self.bucket.take():  # per_second <= 0: never
             self.suppressed += 1
             return False
         if self.suppressed:
-            log.warning("bad input (%s): " + message + " (%d more not logged)", source, *args, self.suppressed)
+            log.warning("bad input (%s): " + message + " (%d more not logged)", source, *args, self.suppressed,
+                        extra={**fields, "source": source, "suppressed": self.suppressed})
             self.suppressed = 0
         else:
-            log.warning("bad input (%s): " + message, source, *args)
+            log.warning("bad input (%s): " + message, source, *args, extra={**fields, "source": source})
         return True
 
     def collect(self) -> Iterator[Metric]:

@@ -111,6 +111,7 @@ class GatewayServer(uvicorn.Server):
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         else:
+            self.hub.readiness.draining = True  # here, not on the next tick: the very next /readyz says so
             self.should_exit = True
             self.drain_requested = True
 
@@ -140,6 +141,8 @@ class GatewayServer(uvicorn.Server):
             _resolve(self._pause)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.drain_requested:
+            await self._announce_drain(self.hub.config.server.drain_delay_s)
         if self.drain_requested and self.hub.config.server.drain_timeout_s > 0:
             await self.drain()
         self.hub.close_all_clients()  # what is left (1001)
@@ -174,7 +177,7 @@ class GatewayServer(uvicorn.Server):
         clients = len(self.hub.clients.conns)
         pending = self.hub.drain(cfg.drain_spread_s)
         log.info("draining: %d clients told to reconnect (1012) within %g s; waiting up to %g s",
-                 clients, cfg.drain_spread_s, cfg.drain_timeout_s)
+                 clients, cfg.drain_spread_s, cfg.drain_timeout_s, extra={"clients": clients})
         closed = self.hub.sessions.closed
         while pending and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
@@ -199,7 +202,18 @@ class GatewayServer(uvicorn.Server):
         self.drain_report = {"seconds": time.monotonic() - started, "clients": clients,
                              "connections_left": len(connections), "longpoll_unfetched": len(pending)}
         log.info("drained in %.2f s: %d connections left (closed now), %d long-poll bodies not fetched",
-                 self.drain_report["seconds"], len(connections), len(pending))
+                 self.drain_report["seconds"], len(connections), len(pending), extra=self.drain_report)
+
+    async def _announce_drain(self, delay_s: float) -> None:
+        """Keep serving `server.drain_delay_s` with /readyz answering 503 `draining`, so a load balancer or
+        Kubernetes stops sending new clients before the port closes (docs/operations.md)."""
+        if delay_s <= 0:
+            return
+        log.info("draining: /readyz answers 503 draining; serving %g s more before the drain", delay_s,
+                 extra={"reason": "draining"})
+        deadline = time.monotonic() + delay_s
+        while time.monotonic() < deadline and not self.force_exit:  # a second SIGINT: no more waiting
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -282,6 +296,7 @@ class RunningGateway:
         await self.task
 
     async def stop(self) -> None:
+        self.hub.readiness.draining = True
         if self.server is not None:
             self.server.should_exit = True
             self.server.wake()
@@ -307,6 +322,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     check_listener_tokens(config)
     hosts = HostPolicy(config.server.allowed_hosts, config.server.host)
     hub = Hub(config)
+    hub.readiness.worker = worker
     await hub.start()
     server_cfg = config.server
     running = RunningGateway(config, hub, token, http_port=0)
@@ -363,6 +379,9 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
         # counts the peer's own address, on every transport alike (docs/security.md, In production)
         proxy_headers=False,
         log_level=server_cfg.log_level,
+        # uvicorn's loggers propagate to the root handler (gateway/logformat.py) instead of having their own:
+        # their lines then have the time, the worker and the format (json) of every other line
+        log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,
         ssl_certfile=tls[0] if tls else None,
@@ -382,6 +401,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
             running.task.result()
             raise RuntimeError("uvicorn stopped during start-up")
         await asyncio.sleep(0.01)
+    hub.readiness.started = True
     host = server_cfg.host
     log.info("gateway on %s://%s:%d (WebSocket /ws, long-poll /lp, admin /api)", "https" if tls else "http", host,
              running.http_port)

@@ -85,6 +85,10 @@ class Broker(Protocol):
     #: where presence members are kept (gateway/presence.py): this process's memory, or Redis
     presence: PresenceStore
 
+    @property
+    def healthy(self) -> bool:
+        """Whether the broker answers now (GET /readyz, gateway/readiness.py): always, in this process."""
+
     def when_accepting(self) -> asyncio.Future[None]:
         """A future done once the broker takes publishes again (at once when it does). Cancel it to stop
         waiting."""

@@ -22,6 +22,7 @@ from .base import BrokerEvents
 
 class InProcessBroker:
     congested = False  # the engine takes every publish at once: nothing waits for a broker
+    healthy = True  # nothing to lose (GET /readyz)
     clustered = False
     pending_bytes = 0
     backlog_refused = 0

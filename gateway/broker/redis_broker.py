@@ -66,6 +66,11 @@ RETRY_S = 0.5
 BUFFER_MAX = 10_000
 #: A Redis command that takes longer than this counts as Redis lost (commands are O(1) or O(capacity)).
 COMMAND_TIMEOUT_S = 5.0
+#: The readiness probe (GET /readyz): a PING this often, which must answer within PROBE_TIMEOUT_S. A Redis
+#: stopped (SIGSTOP, a frozen VM) sends no error and the channel connection waits forever: only asking tells.
+#: Redis counts as not answering at most PROBE_PERIOD_S + PROBE_TIMEOUT_S after it stopped.
+PROBE_PERIOD_S = 2.0
+PROBE_TIMEOUT_S = 2.0
 #: Publishes sent in one pipeline at most: packing one costs ~12 us of the loop's time, so a backlog of
 #: 2,000 in one go held the loop ~25 ms; larger backlogs go as several pipelines, one after the other.
 PIPELINE_MAX = 256
@@ -146,6 +151,8 @@ class RedisBroker:
         #: whether Redis answers: publishes are refused with `broker_unavailable` while not
         self.available = False
         self.last_error = "not connected yet"
+        #: whether Redis answered the readiness probe's last PING in time (`_probe_loop`, `healthy`)
+        self.answering = True
         self._pubsub: Connection | None = None
         self._subscribing: dict[str, asyncio.Future[None]] = {}
         self._queue: list[_Pending] = []
@@ -183,6 +190,29 @@ class RedisBroker:
         #: this node's summary for the dashboards of the cluster (set by the stats feed, gateway/stats_feed.py)
         self.node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None
 
+    @property
+    def healthy(self) -> bool:
+        """Whether /readyz may say ready: Redis is connected and answered the last PING in time."""
+        return self.available and self.answering
+
+    async def _probe_loop(self) -> None:
+        """PING every PROBE_PERIOD_S (`answering`). Readiness only: publishes keep their own timeout."""
+        while True:
+            await asyncio.sleep(PROBE_PERIOD_S)
+            answering = await self._answers_ping()
+            if answering != self.answering:
+                log.warning("broker %s %s", _redacted(self.url), "answers PING again: /readyz ready" if answering
+                            else f"did not answer PING within {PROBE_TIMEOUT_S:g} s: /readyz broker_unavailable",
+                            extra={"broker": _redacted(self.url), "state": "answering" if answering else "silent"})
+            self.answering = answering
+
+    async def _answers_ping(self) -> bool:
+        try:
+            await asyncio.wait_for(self.redis.ping(), PROBE_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            return False
+        return True
+
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -200,16 +230,19 @@ class RedisBroker:
                         f" ({attempt} attempts): {exc}"
                     ) from None
                 log.warning("broker %s unreachable (attempt %d): %s; retrying in %.1f s",
-                            _redacted(self.url), attempt, exc, RETRY_S)
+                            _redacted(self.url), attempt, exc, RETRY_S,
+                            extra={"broker": _redacted(self.url), "state": "unreachable", "attempt": attempt})
                 await asyncio.sleep(RETRY_S)
         self.available = True
-        log.info("broker %s: node %s", _redacted(self.url), self.node_id)
+        log.info("broker %s: node %s", _redacted(self.url), self.node_id,
+                 extra={"broker": _redacted(self.url), "state": "connected", "node": self.node_id})
         await self.presence_store.start()
         self._queued = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_loop(), name="broker-reader"),
                        loop.create_task(self._publish_loop(), name="broker-publisher"),
-                       loop.create_task(self.cluster._stats_loop(), name="broker-stats")]
+                       loop.create_task(self.cluster._stats_loop(), name="broker-stats"),
+                       loop.create_task(self._probe_loop(), name="broker-probe")]
         try:
             await self.subscribe_channels([self.keys.control])
             await self.controls.load_revocations()
@@ -269,7 +302,8 @@ class RedisBroker:
             return
         self.available = False
         log.warning("broker %s lost: %s; publishes get broker_unavailable until it is back",
-                    _redacted(self.url), self.last_error)
+                    _redacted(self.url), self.last_error,
+                    extra={"broker": _redacted(self.url), "state": "lost", "reason": self.last_error})
         for future in self._subscribing.values():
             if not future.done():
                 future.set_exception(BrokerUnavailable(f"broker unreachable: {self.last_error}"))
@@ -309,7 +343,8 @@ class RedisBroker:
                 self.last_error = str(exc) or type(exc).__name__
                 log.debug("broker still unreachable: %s", self.last_error)
                 continue
-            log.warning("broker %s back: resynchronising %d topics", _redacted(self.url), len(self.lines))
+            log.warning("broker %s back: resynchronising %d topics", _redacted(self.url), len(self.lines),
+                        extra={"broker": _redacted(self.url), "state": "back", "topics": len(self.lines)})
             for line in self.lines.values():
                 line.state = LineState.SYNCING
                 self._start_sync(line)

@@ -156,10 +156,10 @@ def open_client(
         if token is not None:
             principal = hub.clients.tokens.verify(token, host)
     except TooManyTokenChecks as exc:  # auth.rate_per_ip: not checked at all
-        hub.bad_input(transport, "token not checked: %s", exc)
+        hub.bad_input(transport, "token not checked: %s", exc, peer=host)
         raise
     except (BadToken, TokenExpired) as exc:
-        hub.bad_input(transport, "token refused: %s", exc)
+        hub.bad_input(transport, "token refused: %s", exc, peer=host)
         raise
     identity = ClientIdentity(hub.clients.new_client_id(door.id_prefix), transport, f"{host}:{port}", host, principal)
     if principal is not None and principal.info is not None:

@@ -199,6 +199,21 @@ class IngestProtocol(asyncio.Protocol):
             self._process()
 
     def _process(self) -> None:
+        tracing = self.hub.tracing
+        if tracing is None:
+            self._process_records()
+            return
+        # one span per turn that took records (gateway/tracing.py), made after the fact: an empty turn makes none
+        started, lines, buffered = time.time_ns(), self.parser.lines, self.parser.buffered
+        records, errors = ingest_counters.records, ingest_counters.errors
+        self._process_records()
+        if self.parser.lines != lines:
+            tracing.record("ingest batch", started, {
+                "fanout.ingest.lines": self.parser.lines - lines, "fanout.ingest.bytes": buffered - self.parser.buffered,
+                "fanout.ingest.accepted": ingest_counters.records - records,
+                "fanout.ingest.errors": ingest_counters.errors - errors})
+
+    def _process_records(self) -> None:
         budget = self.max_per_turn
         while not self.held and not self.write_paused:
             if self.sync_waiting is not None or self.landing >= self.max_per_turn:

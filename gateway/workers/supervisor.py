@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import secrets
 import signal
@@ -23,11 +24,11 @@ import socket
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import logformat
 from ..addrcount import SharedCounts
 from ..config import GatewayConfig
 from .forward import WorkerLinks, make_inbox, new_key
@@ -63,7 +64,7 @@ def run_workers(
     generated = not raw["server"]["admin_token"]
     if generated:  # printed once, here, before any worker says it listens
         raw["server"]["admin_token"] = secrets.token_urlsafe(18)
-        print(f"admin token (development, loopback only): {raw['server']['admin_token']}", flush=True)
+        logformat.say(f"admin token (development, loopback only): {raw['server']['admin_token']}")
     shared = GatewayConfig(raw)
     workdir = Path(tempfile.mkdtemp(prefix="gateway-workers-"))
     # One inbox per worker, made before any worker starts (a connection passed early waits in it until the
@@ -85,8 +86,7 @@ def run_workers(
                 code = serve(shared, str(workdir / f"worker-{index}.json"), index,
                              WorkerLinks(index, outboxes, inboxes[index][0], key, counts))
             except BaseException:  # os._exit below would end the worker without saying why
-                print(f"gateway worker {index}: ended by an exception:", file=sys.stderr, flush=True)
-                traceback.print_exc()
+                logformat.say_exception(f"gateway worker {index}: ended by an exception:")
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -117,7 +117,7 @@ def run_workers(
             info["admin_token"] = shared.server.admin_token
         if ready_file:
             write_ready_file(ready_file, info)
-        print(f"gateway: {len(pids)} workers on http://{config.server.host}:{ready['http_port']}", flush=True)
+        logformat.say(f"gateway: {len(pids)} workers on http://{config.server.host}:{ready['http_port']}")
     code = _supervise(pids, asked_to_stop, stopping=ready is None)
     if ready is None:  # the gateway did not start: as one process would, 2 when a worker said it could not
         code = 2 if start_failure == 2 else 1
@@ -141,13 +141,13 @@ def _wait_ready(workdir: Path, pids: list[int]) -> tuple[dict[str, Any] | None, 
             ended, status = os.waitpid(pid, os.WNOHANG)
             if ended:
                 code = os.waitstatus_to_exitcode(status)
-                print(f"gateway: worker {index} (pid {pid}) ended during start-up with status {code}: stopping the"
-                      " others", file=sys.stderr, flush=True)
+                logformat.say(f"gateway: worker {index} (pid {pid}) ended during start-up with status {code}: stopping"
+                              " the others", stream=sys.stderr, level=logging.ERROR)
                 pids.remove(pid)
                 _stop(pids)
                 return None, code
         time.sleep(0.05)
-    print("gateway: the workers did not all start in time", file=sys.stderr, flush=True)
+    logformat.say("gateway: the workers did not all start in time", stream=sys.stderr, level=logging.ERROR)
     _stop(pids)
     return None, None
 
@@ -177,8 +177,8 @@ def _supervise(pids: list[int], asked_to_stop: list[int], stopping: bool = False
         if not stopping:
             stopping = True
             if worker_code != 0 and -worker_code not in asked_to_stop:
-                print(f"gateway: worker {pid} ended with status {worker_code}: stopping the others",
-                      file=sys.stderr, flush=True)
+                logformat.say(f"gateway: worker {pid} ended with status {worker_code}: stopping the others",
+                              stream=sys.stderr, level=logging.ERROR)
                 code = 1
             _stop(pids)
     return code

@@ -1,0 +1,258 @@
+"""OpenTelemetry traces (`[tracing]`, docs/operations.md "Tracing"), exported over OTLP/HTTP.
+
+Off (`tracing.otlp_endpoint` empty, the default) `from_config` returns None and nothing of OpenTelemetry is
+imported, not even its API: each site costs one check, `hub.tracing is None` (admin API requests, ingest
+batches, hook calls, token checks) or an empty dict (the scheduler's `traced_applies` per publish, `fanouts`
+per cycle). This module imports the SDK only inside `Tracing`.
+
+On: one tracer provider per hub (never the process-global one: tests run several gateways in one process),
+a `ParentBased(TraceIdRatioBased(sample_rate))` sampler (a request's `traceparent` keeps its caller's
+decision), a batch span processor exporting from its own thread (the OTEL_BSP_* variables tune it) and the
+OTLP/HTTP exporter (OTEL_EXPORTER_OTLP_* variables: headers, certificates, compression).
+
+The spans:
+
+    admin <endpoint> (server)     every admin API request; an incoming `traceparent` continues that trace
+      broker.publish              a publish's messages through the broker, until their seqs are known
+        engine.apply              the engine accepting the publish's last message
+          fanout                  from that apply until the subscribers the topic had then got it: ONE span
+                                  (fanout.subscribers, fanout.frames, fanout.bytes), never one per delivery
+    ingest batch                  one processing turn of a TCP ingest connection (its records), a trace root
+    command <hook>                a client command that waits for a backend hook, a trace root,
+      hook <hook> (client)        and its HTTP call, which sends `traceparent` to the backend
+    auth.verify                   a token checked against the JWKS key set ([auth] jwks_url)
+
+The fan-out is followed without touching a delivery: while a sampled publish's fan-out is watched, each
+scheduler cycle's batches are scanned once for its message entry (`count_fanouts`); the watch ends when
+every subscriber the topic had at the apply got it, or FANOUT_WAIT_S after the apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from core import Batch
+from core.entries import encode_message
+
+from .config import TracingConfig
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
+#: a traced publish's fan-out is watched this long at most: subscribers still behind then are not waited for
+FANOUT_WAIT_S = 1.0
+#: a traced publish whose apply does not come (refused, or a broker that applies it on other nodes only) is
+#: forgotten this long after it was sent
+APPLY_WAIT_S = 10.0
+#: traced publishes followed at once (their applies expected plus their fan-outs watched); beyond, a sampled
+#: publish still gets its admin and broker spans, not the ones below
+MAX_WATCHED = 64
+#: what the OTLP/HTTP trace export is POSTed to, below the collector's base URL
+TRACES_PATH = "/v1/traces"
+
+
+def traces_url(endpoint: str) -> str:
+    """The export URL: `tracing.otlp_endpoint` with /v1/traces appended unless it already ends with it."""
+    base = endpoint.rstrip("/")
+    return base if urlsplit(base).path.endswith(TRACES_PATH) else base + TRACES_PATH
+
+
+def redacted(url: str) -> str:
+    """`url` without its user name and password, as a span attribute may show it."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"REDACTED:REDACTED@{host}").geturl()
+
+
+def from_config(config: TracingConfig, instance_id: str) -> Tracing | None:
+    """The hub's tracing, None when `otlp_endpoint` is empty (then nothing is imported)."""
+    return Tracing(config, instance_id) if config.otlp_endpoint else None
+
+
+class Tracing:
+    """An enabled tracer and the helpers the call sites use (the only place the SDK is imported)."""
+
+    def __init__(self, config: TracingConfig, instance_id: str) -> None:
+        from opentelemetry import context, trace
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self._context = context
+        #: the OpenTelemetry trace API module
+        self.api = trace
+        self._kinds = trace.SpanKind
+        self.propagator = TraceContextTextMapPropagator()
+        resource = Resource.create({"service.name": config.service_name, "service.instance.id": instance_id})
+        self.provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(config.sample_rate)), resource=resource,
+                                       shutdown_on_exit=False)
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(config.otlp_endpoint))))
+        self.tracer = self.provider.get_tracer("fanout-gateway")
+
+    # -- spans ---------------------------------------------------------------------------------------------
+
+    def server_span(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]
+                    ) -> contextlib.AbstractContextManager[Span]:
+        """A request's span, current while the request runs: a child of the caller's span when `headers`
+        carry a W3C `traceparent`, else the root of a new trace."""
+        parent = self.propagator.extract(headers)
+        return self.tracer.start_as_current_span(name, context=parent, kind=self._kinds.SERVER, attributes=attributes)
+
+    def span(self, name: str, attributes: dict[str, Any] | None = None) -> contextlib.AbstractContextManager[Span]:
+        """A span beneath the current one (a new trace when there is none), current within the block."""
+        return self.tracer.start_as_current_span(name, attributes=attributes)
+
+    def root_span(self, name: str, attributes: dict[str, Any]) -> contextlib.AbstractContextManager[Span]:
+        """The root of a new trace, whatever is current (a client's command, ...)."""
+        return self.tracer.start_as_current_span(name, context=self._context.Context(), attributes=attributes)
+
+    @contextlib.contextmanager
+    def client_span(self, name: str, headers: dict[str, str], attributes: dict[str, Any]) -> Iterator[Span]:
+        """An outgoing call's span beneath the current one; `headers` get its `traceparent`."""
+        with self.tracer.start_as_current_span(name, kind=self._kinds.CLIENT, attributes=attributes) as span:
+            self.propagator.inject(headers)
+            yield span
+
+    def record(self, name: str, started_ns: int, attributes: dict[str, Any]) -> None:
+        """A finished span, started at `started_ns` (time.time_ns) and ending now, the root of a new trace:
+        made after the fact, so work that turns out empty makes none."""
+        self.tracer.start_span(name, context=self._context.Context(), start_time=started_ns,
+                               attributes=attributes).end()
+
+    def ok(self, span: Span) -> None:
+        """The span's work was answered as designed (a backend's refusal): not an error."""
+        span.set_status(self.api.Status(self.api.StatusCode.OK))
+
+    def recording(self) -> bool:
+        """Whether the current span is sampled (its children would be)."""
+        return self.api.get_current_span().is_recording()
+
+    def expect_apply(self) -> ExpectedApply | None:
+        """What the next apply of a publish sent now continues: the current span (None: not sampled)."""
+        current = self.api.get_current_span()
+        if not current.is_recording():
+            return None
+        return ExpectedApply(self, self._context.get_current(), time.monotonic() + APPLY_WAIT_S)
+
+    def shutdown(self) -> None:
+        """Export what is left (at most 2 s) and stop the exporter's thread. Blocking: run it in a thread."""
+        self.provider.force_flush(2000)
+        self.provider.shutdown()
+
+
+# -- a traced publish's apply and fan-out (the scheduler's side) ------------------------------------------
+
+
+class ExpectedApply:
+    """A sampled admin publish sent to the broker: its apply on this node is `engine.apply`'s span."""
+
+    __slots__ = ("tracing", "context", "deadline")
+
+    def __init__(self, tracing: Tracing, context: Context, deadline: float) -> None:
+        self.tracing = tracing
+        self.context = context
+        self.deadline = deadline
+
+    def span(self, topic: str) -> contextlib.AbstractContextManager[Span]:
+        return self.tracing.tracer.start_as_current_span("engine.apply", context=self.context,
+                                                         attributes={"messaging.destination.name": topic})
+
+    def watch(self, span: Span, topic: str, seq: int, subscribers: int) -> Fanout:
+        """The fan-out span of the message the engine accepted as `seq`, beneath its apply span."""
+        fanout_span = self.tracing.tracer.start_span(
+            "fanout", context=self.tracing.api.set_span_in_context(span),
+            attributes={"messaging.destination.name": topic, "fanout.seq": seq, "fanout.expected": subscribers})
+        return Fanout(fanout_span, topic, seq, subscribers, time.monotonic() + FANOUT_WAIT_S)
+
+
+class Fanout:
+    """A traced message's fan-out being watched: who got it so far, in how many distinct frames, how many bytes."""
+
+    __slots__ = ("span", "prefix", "expected", "subscribers", "frames", "bytes", "deadline", "keys")
+
+    def __init__(self, span: Span, topic: str, seq: int, expected: int, deadline: float) -> None:
+        self.span = span
+        entry = encode_message(topic, seq, None)
+        #: the start of the message's entry, which names its topic and seq (the data follows)
+        self.prefix = entry[:entry.rindex(b'"data":')]
+        self.expected = expected
+        self.subscribers = 0
+        self.frames = 0
+        self.bytes = 0
+        self.deadline = deadline
+        #: the distinct frames carrying it in the current cycle (the scheduler frames each once per cycle)
+        self.keys: set[bytes | tuple[bytes, ...]] = set()
+
+    def delivered(self, entries: list[bytes]) -> None:
+        self.subscribers += 1
+        # the frame: "[" + ",".join(entries) + "]" (core.entries.frame_batch), as the transports get it
+        key: bytes | tuple[bytes, ...]
+        if len(entries) == 1:
+            key = entries[0]
+            self.bytes += len(key) + 2
+        else:
+            key = tuple(entries)
+            self.bytes += sum(map(len, entries)) + len(entries) + 1
+        if key not in self.keys:
+            self.keys.add(key)
+            self.frames += 1
+
+    def end(self, complete: bool) -> None:
+        self.span.set_attributes({"fanout.subscribers": self.subscribers, "fanout.frames": self.frames,
+                                  "fanout.bytes": self.bytes, "fanout.complete": complete})
+        self.span.end()
+
+
+def count_fanouts(fanouts: Mapping[str, Fanout], batches: Iterable[Batch]) -> None:
+    """One cycle's batches, scanned for the watched messages' entries. Only called while a fan-out is watched:
+    O(entries of the cycle): a dict lookup per entry (the subscribers of a topic share its entry object, whose
+    hash is cached), and a prefix check per distinct entry of the cycle."""
+    watched = list(fanouts.values())
+    for fanout in watched:
+        fanout.keys.clear()
+    found: dict[bytes, Fanout | None] = {}
+    for batch in batches:
+        entries = batch.entries
+        for entry in entries:
+            watch = found.get(entry, _UNSEEN)
+            if watch is _UNSEEN:
+                watch = found[entry] = _watching(entry, watched)
+            if watch is not None:
+                watch.delivered(entries)
+
+
+#: `count_fanouts`'s mark of an entry not looked at yet this cycle
+_UNSEEN: Any = object()
+
+
+def _watching(entry: bytes, watched: list[Fanout]) -> Fanout | None:
+    """The watched fan-out whose message `entry` is, if any."""
+    for fanout in watched:
+        if entry.startswith(fanout.prefix):
+            return fanout
+    return None
+
+
+def end_fanouts(fanouts: dict[str, Fanout], now: float) -> None:
+    """End the watches whose subscribers all got the message, and those past their deadline."""
+    for topic, fanout in list(fanouts.items()):
+        if fanout.subscribers >= fanout.expected or now >= fanout.deadline:
+            del fanouts[topic]
+            fanout.end(fanout.subscribers >= fanout.expected)
+
+
+def forget_applies(expected: dict[str, ExpectedApply], now: float) -> None:
+    """Drop the expected applies that never came."""
+    for topic, apply in list(expected.items()):
+        if now >= apply.deadline:
+            del expected[topic]
