@@ -79,6 +79,7 @@ class Hub:
         for collect in (lambda: engine_families(self.engine), loop_families, self.scheduler.collect, self.clients.collect,
                         self.creations.collect, self.broker.collect, self.gc.collect, self.bad_input.collect):
             self.metrics.add(collect)
+        self.metrics.add(self.readiness.collect)
         if self.proxy is not None:
             self.metrics.add(self.proxy.collect)
         if self.clients.tokens.jwks is not None:

@@ -14,8 +14,9 @@ Every worker (`server.workers` > 1) answers for itself: each has its own hub and
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -44,6 +45,14 @@ class Readiness:
         if not self.broker_healthy():
             return BROKER_UNAVAILABLE
         return None
+
+    def collect(self) -> Iterator[Metric]:
+        """`fanout_ready`: 1 while /readyz answers 200, else 0 with the reason as a label (alerting)."""
+        reason = self.reason()
+        gauge = GaugeMetricFamily("fanout_ready", "1 while GET /readyz answers 200; 0 with the reason otherwise",
+                                  labels=["reason"])
+        gauge.add_metric([reason or ""], 0 if reason else 1)
+        yield gauge
 
     def answer(self) -> tuple[int, dict[str, object]]:
         reason = self.reason()
