@@ -33,9 +33,9 @@ from .auth import Principal, TokenVerifier
 from .broker import Broker
 from .config import GatewayConfig
 from .errors import BackendUnavailable, BadRequest, BadToken, InternalError, TokenExpired
+from .hooks import Hooks, Refused
 from .identity import ClientIdentity
 from .pending_connects import PendingConnects
-from .proxy import Proxy, Refused
 from .revocations import Revocation
 from .scheduler import Connection, Scheduler
 from .timerwheel import TimerWheel
@@ -55,7 +55,7 @@ LOGGED_KICKS = frozenset({"kicked", "disconnected", "token_revoked"})
 
 class ClientRegistry:
     def __init__(self, config: GatewayConfig, scheduler: Scheduler, broker: Broker,
-                 conns: dict[Hashable, Connection]) -> None:
+                 conns: dict[Hashable, Connection], hooks: Hooks) -> None:
         self.config = config
         self.scheduler = scheduler
         self.broker = broker
@@ -77,8 +77,8 @@ class ClientRegistry:
         self._idle_timers: TimerWheel[Hashable, None] = TimerWheel(
             self._idle_due, min(1.0, idle / 10) if idle > 0 else 1.0)
         self._watchdog: asyncio.TimerHandle | None = None
-        #: the backend hooks (gateway/proxy.py), set by the hub; None without any
-        self.proxy: Proxy | None = None
+        #: the backend hooks (gateway/hooks.py): the disconnect event, the refresh of granted connections
+        self.hooks = hooks
         #: each user's connections on this node, oldest first (dict order): O(1) per register / unregister
         self.by_user: dict[str, dict[Hashable, None]] = {}
         #: new clients not registered yet (awaiting the connect hook): revocations, disconnects and the drain
@@ -186,8 +186,7 @@ class ClientRegistry:
     def _count_departure(self, identity: ClientIdentity, reason: str) -> None:
         self.by_transport[identity.transport] -= 1
         self.disconnects[(identity.transport, reason)] += 1
-        if self.proxy is not None:
-            self.proxy.disconnected(identity, reason)
+        self.hooks.disconnected(identity, reason)
 
     def kick(self, client_id: Hashable, code: int, reason: str, metric_reason: str,
              retry_ms: int | None = None) -> bool:
@@ -334,10 +333,9 @@ class ClientRegistry:
         self._token_timers.cancel(client_id)
         if principal.expires_at == math.inf:  # granted by the connect hook without an expiry
             return
-        proxy = self.proxy
-        if principal.proxied and proxy is not None and proxy.refresh_url:
+        if principal.proxied and self.hooks.refreshes:
             now = time.time()
-            delay = principal.expires_at - proxy.config.refresh_before_s - now
+            delay = principal.expires_at - self.config.proxy.refresh_before_s - now
             if delay <= 0:  # within refresh_before_s already: half way to the expiry
                 delay = max(0.0, (principal.expires_at - now) / 2)
             self._token_timers.schedule(client_id, delay, (REFRESH, principal, 0))
@@ -366,10 +364,9 @@ class ClientRegistry:
             self.kick(client_id, close_codes.TOKEN_EXPIRED, "token expired", "token_expired")
 
     def _refresh(self, client_id: str, principal: Principal, attempt: int) -> None:
-        assert self.proxy is not None
-        self.proxy.spawn(self._refreshing(self.proxy, client_id, principal, attempt))
+        self.hooks.spawn(self._refreshing(client_id, principal, attempt))
 
-    async def _refreshing(self, proxy: Proxy, client_id: str, principal: Principal, attempt: int) -> None:
+    async def _refreshing(self, client_id: str, principal: Principal, attempt: int) -> None:
         """Ask the refresh hook to extend a proxy-granted expiry: a new `expires_at` re-arms the timer; a
         refusal closes the connection with 4011; no answer is tried once more, half way to the expiry, and
         past the expiry the connection is closed with 4011 (docs/integration.md)."""
@@ -377,7 +374,7 @@ class ClientRegistry:
         if conn is None or conn.identity.principal is not principal:
             return
         try:
-            expires_at = await proxy.refresh(conn.identity)
+            expires_at = await self.hooks.refresh(conn.identity)
         except Refused as exc:
             if self._still(client_id, principal):
                 self.kick(client_id, close_codes.TOKEN_EXPIRED, f"refresh refused: {exc.message}"[:120], "token_expired")

@@ -5,7 +5,7 @@ reply, error) goes through the client's direct queue, so it is ordered with the 
 A bad command gets an `error` entry; the connection and every other client go on. What a client may do is
 asked of its `ClientIdentity` (gateway/identity.py), the one place permissions live.
 
-A command that asks a backend hook (gateway/proxy.py) is answered later; a connection's commands still take
+A command that asks a backend hook (gateway/hooks.py) is answered later; a connection's commands still take
 effect in the order sent per topic: one naming a topic on which a hooked command of the same connection is
 pending waits behind it (`_wait_behind`, `_resume`). Hook calls in flight and commands waiting behind them
 are bounded per connection (`proxy.max_calls_per_connection`, `_hold`).
@@ -29,9 +29,8 @@ from core.errors import DirectQueueFull, RequestError, UnknownTopic
 
 from . import close_codes, schema
 from .errors import BadCommand, BadJson, Forbidden, RateLimited, RpcError, TooManyCalls, UnknownMethod
+from .hooks import Allowed, PublishAnswer, Refused, RpcAnswer
 from .identity import ClientIdentity
-from .proxy import Allowed as ProxyAllowed
-from .proxy import PublishAnswer, Refused, RpcAnswer
 from .ratelog import TokenBucket
 
 if TYPE_CHECKING:
@@ -104,8 +103,8 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
     config = _topic_config(hub, name)
     _check_subscribe(hub, identity, name, config)
     ack = command.ack and config.kind is TopicKind.PRIVATE  # shared kinds have no queue to keep: ignored
-    if config.proxy_subscribe and hub.proxy is not None and hub.proxy.subscribe_url:
-        _ask_backend(hub, identity, "subscribe", {"topic": name}, ProxyAllowed, command.id,
+    if config.proxy_subscribe and hub.hooks.asks_subscribe:
+        _ask_backend(hub, identity, "subscribe", {"topic": name}, Allowed, command.id,
                      lambda _: _subscribe_now(hub, identity, name, since, command.id, ack), topic=name)
         return
     _subscribe_now(hub, identity, name, since, command.id, ack)
@@ -140,7 +139,7 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
         bucket = identity.publish_bucket = TokenBucket(limits.publish_rate, limits.publish_burst)
     if not bucket.take():
         raise RateLimited(f"publish rate above {hub.config.limits.publish_rate:g}/s")
-    if config.proxy_publish and hub.proxy is not None and hub.proxy.publish_url:
+    if config.proxy_publish and hub.hooks.asks_publish:
         def publish(answer: PublishAnswer) -> None:
             data = command.data if answer.data is msgspec.UNSET else answer.data
             _publish_now(hub, identity, name, data, command.id)
@@ -159,13 +158,12 @@ def _publish_now(hub: "Hub", identity: ClientIdentity, name: str, data: Any, req
 
 def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[str, Any], answer: type[T],
                  request_id: Any, then: Callable[[T], None], *, topic: str | None = None) -> None:
-    """A command that waits for a backend hook (gateway/proxy.py): `then(answer)` runs once the backend
+    """A command that waits for a backend hook (gateway/hooks.py): `then(answer)` runs once the backend
     allowed it, if the client is still connected. A refusal is the command's `forbidden` error entry (rpc:
     `rpc_error`), no answer `backend_unavailable`. Answers of later commands may come first (match the ids),
     except those on the same `topic`: they wait behind this one (`_wait_behind`). Raises TooManyCalls when
     the connection is at `proxy.max_calls_per_connection`."""
-    proxy = hub.proxy
-    assert proxy is not None
+    hooks = hub.hooks
     client_id = identity.client_id
     _hold(hub, identity)
     if topic is not None:
@@ -192,7 +190,7 @@ def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[st
     async def answered() -> None:
         try:
             try:
-                got = await proxy.call(hook, proxy.body(identity, **extra), answer)
+                got = await hooks.call(hook, hooks.body(identity, **extra), answer)
             except Refused as exc:
                 if hook == "rpc":
                     code = "" if exc.code is None else f"{exc.code}: "
@@ -206,7 +204,7 @@ def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[st
         except Exception:
             _failed(hub, client_id, f"{hook} through the backend")
 
-    proxy.spawn(ask())
+    hooks.spawn(ask())
 
 
 def _failed(hub: "Hub", client_id: str, what: str) -> None:
@@ -350,7 +348,7 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
     elif isinstance(command, (schema.Presence, schema.PresenceStats)):
         _presence(hub, identity, command)
     elif isinstance(command, schema.Rpc):
-        if hub.proxy is not None and hub.proxy.rpc_url and command.method not in BUILTIN_METHODS:
+        if hub.hooks.answers_rpc and command.method not in BUILTIN_METHODS:
             def reply(answer: RpcAnswer) -> None:
                 hub.clients.send_direct(client_id, encode_reply(command.id, answer.result))
             _ask_backend(hub, identity, "rpc", {"method": command.method, "params": command.params}, RpcAnswer,

@@ -26,9 +26,10 @@ from .clients import ClientRegistry
 from .config import GatewayConfig
 from .deliverylog import DeliveryLog
 from .gcpolicy import GcPolicy
+from .hooks import Hooks
 from .metrics import Metrics, engine_families, loop_families, stats_families
 from .netguard import ConnectionLimiter
-from .proxy import Proxy
+from .proxy import hooks_from_config
 from .ratelog import BadInputLog
 from .readiness import Readiness
 from .router import TopicRouter
@@ -53,16 +54,14 @@ class Hub:
         self.broker: Broker = make_broker(config, self.scheduler, self.creations, self.instance_id)
         self.scheduler.report_commits = self.broker.committed
         self.scheduler.presence.store = self.broker.presence
-        self.clients = ClientRegistry(config, self.scheduler, self.broker, conns)
-        self.clients.on_arrival, self.clients.on_departure = self.gc.arrived, self.gc.departed
         #: OpenTelemetry traces ([tracing], gateway/tracing.py); None (and nothing imported) when off
         self.tracing: Tracing | None = from_config(config.tracing, self.instance_id)
+        #: the backend hooks (gateway/hooks.py): over HTTP ([proxy], gateway/proxy.py), or `NoHooks` without a URL
+        self.hooks: Hooks = hooks_from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input,
+                                              self.tracing)
+        self.clients = ClientRegistry(config, self.scheduler, self.broker, conns, self.hooks)
+        self.clients.on_arrival, self.clients.on_departure = self.gc.arrived, self.gc.departed
         self.clients.tokens.tracing = self.tracing
-        #: the backend hooks ([proxy], gateway/proxy.py); None when no hook URL is set
-        self.proxy = Proxy.from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input)
-        if self.proxy is not None:
-            self.proxy.tracing = self.tracing
-        self.clients.proxy = self.proxy
         self.router = TopicRouter(self.scheduler, self.clients, self.broker, self.creations)
         #: long-poll sessions and SSE streams by their secret, and what outlives them (transports/sessions.py)
         self.sessions = SessionStore(config)
@@ -80,8 +79,7 @@ class Hub:
                         self.creations.collect, self.broker.collect, self.gc.collect, self.bad_input.collect):
             self.metrics.add(collect)
         self.metrics.add(self.readiness.collect)
-        if self.proxy is not None:
-            self.metrics.add(self.proxy.collect)
+        self.metrics.add(self.hooks.collect)
         if self.clients.tokens.jwks is not None:
             self.metrics.add(self.clients.tokens.jwks.collect)
 
@@ -116,8 +114,7 @@ class Hub:
         self.clients.stop()
         await self.scheduler.stop()
         self.close_all_clients()
-        if self.proxy is not None:
-            await self.proxy.aclose()  # after the clients' disconnect events were queued
+        await self.hooks.aclose()  # after the clients' disconnect events were queued
         await self.clients.tokens.stop()
         await self.broker.stop()
         if self.tracing is not None:  # the spans left are exported off the event loop; a dead collector: 3 s

@@ -1,11 +1,11 @@
 """Backend hooks over HTTP (`[proxy]`, docs/integration.md "Backend hooks"): the gateway POSTs JSON to the
-application and obeys its answer.
+application and obeys its answer. `HttpHooks` implements gateway/hooks.py's `Hooks`.
 
-One `Proxy` per process (the hub's `proxy`, None when no hook URL is set, so every call site costs one
-attribute check without hooks). It holds one pooled `httpx.AsyncClient`, made on the first call and closed
-at shutdown, a bound of calls in flight per hook (`max_concurrent`), the counts and latencies /metrics shows,
-and the queues of fire-and-forget events (disconnect, unsubscribe: one queue and its senders per hook, so
-no flood of one kind delays or drops the other) with the tasks that send them.
+One `HttpHooks` per process (the hub's `hooks` when a hook URL is set; `NoHooks` otherwise). It holds one
+pooled `httpx.AsyncClient`, made on the first call and closed at shutdown, a bound of calls in flight per
+hook (`max_concurrent`), the counts and latencies /metrics shows, and the queues of fire-and-forget events
+(disconnect, unsubscribe: one queue and its senders per hook, so no flood of one kind delays or drops the
+other) with the tasks that send them.
 
 An answer is read as it comes, undecoded (`Accept-Encoding: identity`; any other Content-Encoding is
 refused), up to `max_answer_bytes`: a backend, or whatever answers at its address, cannot make the gateway
@@ -14,8 +14,7 @@ through the hub's bounded bad-input log (source "hook").
 
 What a hook answers is one of: a grant / an allowance (a JSON object), a refusal (`{"error": {"code",
 "message"}}`: `Refused`), or nothing usable (timeout, connection refused, a status other than 200, a body
-that is not the hook's answer: `BackendUnavailable`). The callers (gateway/transports/*, commands.py,
-clients.py, router.py) turn those into the client's answer; this module knows no connection and no hub.
+that is not the hook's answer: `BackendUnavailable`).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from .auth import MAX_PATTERNS, MAX_USER_CHARS, Principal
 from .config import ProxyConfig
 from .errors import BackendUnavailable, ConnectRefused
+from .hooks import Allowed, Hooks, NoHooks, Refused, client_body
 from .identity import ClientIdentity
 from .metrics import BucketHistogram
 from .owners import check_user_id
@@ -57,15 +57,6 @@ REQUEST_HEADERS = {"content-type": "application/json", "accept-encoding": "ident
 T = TypeVar("T")
 
 
-class Refused(Exception):
-    """The backend answered `{"error": {"code": C, "message": M}}`."""
-
-    def __init__(self, code: object, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 class Grant(msgspec.Struct, frozen=True):
     """The connect hook's answer (unknown keys are ignored, so a backend may answer more)."""
 
@@ -75,20 +66,6 @@ class Grant(msgspec.Struct, frozen=True):
     topics: list[str] = []
     info: dict[str, Any] | None = None
     expires_at: float | None = None
-
-
-class Allowed(msgspec.Struct, frozen=True):
-    """The subscribe hook's allowance: `{}`."""
-
-
-class PublishAnswer(msgspec.Struct, frozen=True):
-    """The publish hook's answer: `{}` keeps the data, `{"data": NEW}` replaces it."""
-
-    data: Any = msgspec.UNSET
-
-
-class RpcAnswer(msgspec.Struct, frozen=True):
-    result: Any = None
 
 
 class RefreshAnswer(msgspec.Struct, frozen=True):
@@ -168,8 +145,17 @@ def _content_length(response: httpx.Response) -> float | None:
         return math.inf
 
 
-class Proxy:
-    def __init__(self, config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog) -> None:
+def hooks_from_config(config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog,
+                      tracing: Tracing | None = None) -> Hooks:
+    """The process's hooks: over HTTP when a hook URL is set, else `NoHooks`."""
+    urls = (config.connect_url, config.subscribe_url, config.publish_url, config.rpc_url, config.refresh_url,
+            config.disconnect_url, config.unsubscribe_url)
+    return HttpHooks(config, max_subscriptions, bad_input, tracing) if any(urls) else NoHooks()
+
+
+class HttpHooks:
+    def __init__(self, config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog,
+                 tracing: Tracing | None = None) -> None:
         self.config = config
         self.max_subscriptions = max_subscriptions
         #: the hub's bounded log: a hook's failures (a dead backend logs at that rate, not once per call)
@@ -177,14 +163,14 @@ class Proxy:
         self.urls = {"connect": config.connect_url, "subscribe": config.subscribe_url,
                      "publish": config.publish_url, "rpc": config.rpc_url, "refresh": config.refresh_url,
                      "disconnect": config.disconnect_url, "unsubscribe": config.unsubscribe_url}
-        # one flag per hook, read by the call sites
-        self.connect_url = bool(config.connect_url)
-        self.subscribe_url = bool(config.subscribe_url)
-        self.publish_url = bool(config.publish_url)
-        self.rpc_url = bool(config.rpc_url)
-        self.refresh_url = bool(config.refresh_url)
-        self.disconnect_url = bool(config.disconnect_url)
-        self.unsubscribe_url = bool(config.unsubscribe_url)
+        # one flag per hook: the questions of `Hooks` the call sites ask, and those asked here
+        self.asks_subscribe = bool(config.subscribe_url)
+        self.asks_publish = bool(config.publish_url)
+        self.answers_rpc = bool(config.rpc_url)
+        self.refreshes = bool(config.refresh_url)
+        self._asks_connect = bool(config.connect_url)
+        self._tells_disconnect = bool(config.disconnect_url)
+        self._tells_unsubscribe = bool(config.unsubscribe_url)
         self.forward_headers = tuple(config.forward_headers)
         #: `Retry-After` of the HTTP 503 answers of POST /lp and GET /sse
         self.retry_after = {"Retry-After": str(config.retry_after_s)}
@@ -199,15 +185,8 @@ class Proxy:
         self._senders: list[asyncio.Task[None]] = []
         #: calls in flight for connections and commands (kept so they are not collected, cancelled at close)
         self._tasks: set[asyncio.Task[Any]] = set()
-        #: set by the hub when [tracing] is on: each call is a client span, its `traceparent` sent along
-        self.tracing: Tracing | None = None
-
-    @staticmethod
-    def from_config(config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog) -> Proxy | None:
-        """The process's proxy, or None when no hook URL is set."""
-        urls = (config.connect_url, config.subscribe_url, config.publish_url, config.rpc_url, config.refresh_url,
-                config.disconnect_url, config.unsubscribe_url)
-        return Proxy(config, max_subscriptions, bad_input) if any(urls) else None
+        #: with [tracing] on: each call is a client span, its `traceparent` sent along
+        self.tracing = tracing
 
     # -- calls ---------------------------------------------------------------------------------------------
 
@@ -319,17 +298,15 @@ class Proxy:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    @staticmethod
-    def body(identity: ClientIdentity, **more: Any) -> dict[str, Any]:
-        """What every per-client call says of the client: its id, user (null: anonymous) and transport."""
-        return {"client": identity.client_id, "user": identity.user, "transport": identity.transport, **more}
+    def body(self, identity: ClientIdentity, **more: Any) -> dict[str, Any]:
+        return client_body(identity, **more)
 
     # -- connect -------------------------------------------------------------------------------------------
 
     def wants_connect(self, identity: ClientIdentity) -> bool:
         """Whether this new client goes through the connect hook: one without a token, or every one with
         `connect_always`."""
-        return self.connect_url and (identity.principal is None or self.config.connect_always)
+        return self._asks_connect and (identity.principal is None or self.config.connect_always)
 
     async def connect(self, identity: ClientIdentity, header_values: Callable[[str], list[str]]) -> None:
         """Ask the connect hook about a new client and apply its grant to `identity` (user, patterns, expiry
@@ -389,12 +366,12 @@ class Proxy:
 
     def disconnected(self, identity: ClientIdentity, reason: str) -> None:
         """A registered client is gone (`reason`: the /metrics disconnect reason)."""
-        if self.disconnect_url:
+        if self._tells_disconnect:
             self._event("disconnect", self.body(identity, reason=reason))
 
     def unsubscribed(self, identity: ClientIdentity, topic: str) -> None:
         """An explicit `unsubscribe` (not the subscriptions a disconnect ends: `disconnected` covers them)."""
-        if self.unsubscribe_url:
+        if self._tells_unsubscribe:
             self._event("unsubscribe", self.body(identity, topic=topic))
 
     def _event(self, hook: str, body: dict[str, Any]) -> None:

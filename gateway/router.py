@@ -64,9 +64,7 @@ class TopicRouter:
         self.scheduler.presence.left(client_id, topic)
         self.broker.left(topic, owner, unsubscribed=True)
         self.scheduler.wake()
-        proxy = self.clients.proxy
-        if proxy is not None:  # the unsubscribe hook's event (gateway/proxy.py)
-            proxy.unsubscribed(self.clients.conns[client_id].identity, topic)
+        self.clients.hooks.unsubscribed(self.clients.conns[client_id].identity, topic)  # the unsubscribe hook's event
 
     # -- publishing ----------------------------------------------------------------------------------------
 

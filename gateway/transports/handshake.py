@@ -17,7 +17,7 @@ address's token-check rate, and the `ClientIdentity` the transport registers. A 
 | `LateRefusal` (revoked, user disconnected, drain, meanwhile) | close 4010, 4005, 1012 | `close` event | 401, 403, 503 |
 
 The last four come after `open_client`, from the client's `Admission` (`admit`): the backend's connect hook
-(`[proxy] connect_url`, gateway/proxy.py), which the transport awaits when `backend_for` names it
+(`[proxy] connect_url`, gateway/hooks.py), which the transport awaits when `awaits_hook` says so
 (docs/integration.md), and what the admin API or the drain did before the client registered
 (gateway/pending_connects.py). The `Admission` holds the client's place in its transport's bounds until it
 registers, so the clients awaiting the hook count against them.
@@ -59,7 +59,6 @@ from ..errors import (
 from ..http_errors import error_response
 from ..identity import ClientIdentity
 from ..pending_connects import LateRefusal
-from ..proxy import Proxy
 
 if TYPE_CHECKING:
     from ..hub import Hub
@@ -167,13 +166,6 @@ def open_client(
     return identity
 
 
-def backend_for(hub: Hub, identity: ClientIdentity) -> Proxy | None:
-    """The proxy whose connect hook this new client must pass (`Proxy.connect`, to await before it is
-    registered), or None: no connect hook, or a client with a token without `connect_always`."""
-    proxy = hub.proxy
-    return proxy if proxy is not None and proxy.wants_connect(identity) else None
-
-
 class Admission:
     """A new client from its handshake to its registration, which the transport makes in the same step of the
     event loop as `settle`. Until then (the connect hook, `pass_backend`; SSE's response head) it holds its
@@ -183,17 +175,19 @@ class Admission:
     meanwhile (`ClientRegistry.pending`). `release` gives every place back; `settle` and a failed
     `pass_backend` call it, and a transport whose client goes away before either."""
 
-    __slots__ = ("hub", "identity", "proxy", "granted", "_pending", "_address_key", "_longpoll", "_hook_ip")
+    __slots__ = ("hub", "identity", "hooks", "awaits_hook", "granted", "_pending", "_address_key", "_longpoll", "_hook_ip")
 
     def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
         self.hub = hub
         self.identity = identity
-        #: whose connect hook it must pass first (`backend_for`), or None
-        self.proxy = backend_for(hub, identity)
+        self.hooks = hub.hooks
+        #: it must pass the connect hook (`pass_backend`) before it registers: there is one, and the client
+        #: has no token or `connect_always` is on
+        self.awaits_hook = self.hooks.wants_connect(identity)
         #: the connect hook admitted it: the backend hears of its end, whenever that is
         self.granted = False
         self._hook_ip: str | None = None
-        if self.proxy is not None:
+        if self.awaits_hook:
             self._wait_for_hook(hub.clients.pending.hooks_by_ip, hub.config.proxy.max_pending_connects_per_ip)
         self._pending = hub.clients.pending.add(identity)
         self._address_key: tuple[str, str] | None = None
@@ -224,12 +218,12 @@ class Admission:
                 del waiting[ip]
 
     async def pass_backend(self, header_values: Callable[[str], list[str]]) -> None:
-        """The connect hook, when this client must pass it (`proxy`). Raises ConnectRefused, BackendUnavailable
-        (every place released: the client is refused)."""
-        if self.proxy is None:
+        """The connect hook, when this client must pass it (`awaits_hook`). Raises ConnectRefused,
+        BackendUnavailable (every place released: the client is refused)."""
+        if not self.awaits_hook:
             return
         try:
-            await self.proxy.connect(self.identity, header_values)
+            await self.hooks.connect(self.identity, header_values)
         except BaseException:
             self.release()
             raise
@@ -243,9 +237,8 @@ class Admission:
         step of the event loop."""
         refusal = self.hub.clients.pending.refusal(self._pending)
         self.release()
-        proxy = self.hub.proxy
-        if refusal is not None and self.granted and proxy is not None:
-            proxy.disconnected(self.identity, refusal.cause)  # the backend admitted it: it hears of its end
+        if refusal is not None and self.granted:
+            self.hooks.disconnected(self.identity, refusal.cause)  # the backend admitted it: it hears of its end
         return refusal
 
     def release(self) -> None:
@@ -289,9 +282,8 @@ def http_refusal(hub: Hub, exc: RequestError) -> Response:
     for the session bounds."""
     if exc.http_status == 401:
         return error_response(exc, {"WWW-Authenticate": "Bearer"})
-    proxy = hub.proxy
-    if proxy is not None and isinstance(exc, TooManyPendingConnects | BackendUnavailable):
-        return error_response(exc, proxy.retry_after)
+    if isinstance(exc, TooManyPendingConnects | BackendUnavailable):  # the connect hook busy or down
+        return error_response(exc, hub.hooks.retry_after)
     if exc.http_status in (429, 503):
         return error_response(exc, {"Retry-After": RETRY_SESSIONS_S})
     return error_response(exc)

@@ -663,10 +663,10 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
             assert exc.close_code is not None  # every refusal of the handshake ends a WebSocket with a code
             self.close_with(exc.close_code, close_reason(exc))
             return
-        if admission.proxy is not None:
+        if admission.awaits_hook:
             # the 101 waits for the backend's connect hook; the peer is not read meanwhile
             self.transport.pause_reading()
-            admission.proxy.spawn(self._connect_via_backend(hub, admission, event, response))
+            admission.hooks.spawn(self._connect_via_backend(hub, admission, event, response))
             return
         self._admit(hub, admission, response)
 
@@ -686,7 +686,7 @@ class FanoutWSProtocol(WebSocketsSansIOProtocol):
         self.start_keepalive()
 
     async def _connect_via_backend(self, hub: Hub, admission: Admission, event: Request, response: Response) -> None:
-        """The connect hook (gateway/proxy.py), then the 101 and the registration; a refusal is the 101 and
+        """The connect hook (gateway/hooks.py), then the 101 and the registration; a refusal is the 101 and
         at once a close with 4003 (the backend's message as the reason), no answer 1013 "backend unavailable"."""
         refusal: RequestError | None = None
         try:

@@ -19,11 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-from browser_proxy import TcpProxy  # tests/e2e, on sys.path by conftest.py
 
 import fanout_client
 from fanout_client import FanoutError, Loss, Message
 from gateway.testing import GatewayHandle, make_token, run_gateway
+from tests.e2e.browser_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,7 +116,7 @@ def test_messages_arrive_in_order_and_publish_and_rpc_round_trip() -> None:
             await publish(gw, "chat.order", [{"n": i} for i in range(200)])
             got = await take(sub, 200)
             assert seqs(got) == list(range(200))
-            assert [e.data for e in got] == [{"n": i} for i in range(200)]
+            assert [e.data for e in got] == [{"n": i} for i in range(200)]  # type: ignore[union-attr]  # all messages
             assert {e.topic for e in got} == {"chat.order"} and {e.epoch for e in got} == {sub.epoch}
 
             seq = await client.publish("chat.order", {"from": "python"})
@@ -178,7 +178,7 @@ def test_a_gateway_replaced_mid_stream_is_one_epoch_loss_then_the_stream_goes_on
                 await second.stop()
         assert isinstance(loss, Loss) and sub.epoch != old_epoch
         assert loss == Loss(topic, 5, None, "epoch", sub.epoch or "")
-        assert seqs(rest) == list(range(5)) and [e.data["n"] for e in rest] == list(range(5, 10))
+        assert seqs(rest) == list(range(5)) and [e.data["n"] for e in rest] == list(range(5, 10))  # type: ignore[union-attr]
         assert {e.epoch for e in rest} == {sub.epoch}
         assert client.reconnects >= 1 and "disconnected" in states
 
@@ -246,7 +246,7 @@ def test_a_kick_closes_the_client_for_good() -> None:
                 await admin(gw, "DELETE", f"/api/clients/{client_id}")
                 error = await client.wait_closed()
                 assert error is not None and (error.code, error.close_code) == ("closed", 4000)
-                assert [e.data for e in await take(sub, 2)] == ["a", "b"]
+                assert [e.data for e in await take(sub, 2)] == ["a", "b"]  # type: ignore[union-attr]  # all messages
                 with pytest.raises(FanoutError) as ended:
                     await sub.get(1)
                 assert ended.value.close_code == 4000
@@ -369,7 +369,7 @@ def test_an_expiring_token_is_refreshed_on_the_live_connection() -> None:
                 sub = await client.subscribe(topic)
                 assert (await client.rpc("whoami"))["user"] == "alice"
                 await until(lambda: client.expires_at is not None, "the refreshed token", timeout=8)
-                assert client.user == "alice" and client.expires_at > time.time() + 500
+                assert client.user == "alice" and client.expires_at > time.time() + 500  # type: ignore[operator]
                 assert len(asked) == 2 and client.token == asked[1]
                 await publish(gw, topic, [1])
                 assert seqs(await take(sub, 1)) == [0]
@@ -388,7 +388,7 @@ def test_a_token_not_refreshed_in_time_is_closed_4011_and_the_client_reconnects(
         errors: list[str] = []
         async with gateway(auth={"leeway_s": 0, "expired_grace_s": 1}) as gw:
             async with fanout_client.connect(gw.http_url, get_token=lambda: tokens.pop(0), **FAST,
-                                             on_state=lambda s, c: c and s == "disconnected" and closes.append(c.code),
+                                             on_state=lambda s, c: c and s == "disconnected" and closes.append(c.code),  # type: ignore[arg-type, func-returns-value]
                                              on_error=lambda e: errors.append(e.code)) as client:
                 sub = await client.subscribe(topic)
                 await publish(gw, topic, [0])
@@ -415,7 +415,7 @@ def test_a_refused_token_closes_the_client_unless_get_token_gives_another() -> N
             asked: list[int] = []
             with pytest.raises(FanoutError) as refused:
                 async with fanout_client.connect(gw.http_url, token="not-a-jwt", **FAST,
-                                                 get_token=lambda: asked.append(1) or "not-a-jwt"):
+                                                 get_token=lambda: asked.append(1) or "not-a-jwt"):  # type: ignore[func-returns-value]
                     pass
             assert refused.value.close_code == 4001 and asked == [1]
             # another token: reconnects with it

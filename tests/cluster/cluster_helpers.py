@@ -13,11 +13,11 @@ from typing import Any
 
 import httpx
 import orjson
-from gw_helpers import collect as gw_collect
-from gw_helpers import send
 from websockets.sync.client import connect
 
 from loadtest.redisproc import RedisProcess
+from tests.gateway.gw_helpers import collect as gw_collect
+from tests.gateway.gw_helpers import send
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "cluster-test-token"
@@ -172,14 +172,14 @@ def subscribe(ws, topic: str, since: tuple[str, int] | None = None) -> dict:
     entry = next(e for e in got if e.get("id") == topic)
     assert entry["type"] == "subscribed", entry
     pending += got[got.index(entry) + 1:]
-    ws.pending = pending  # type: ignore[attr-defined]  # entries that came in the same frame
+    ws.pending = pending  # entries that came in the same frame
     return entry
 
 
 def messages(ws, topic: str, until, timeout: float = 10.0) -> list[dict]:
     """`msg` and `loss` entries of `topic` (those left by `subscribe` first) until `until(entries)`."""
     got = [e for e in getattr(ws, "pending", []) if e.get("topic") == topic and e["type"] in ("msg", "loss")]
-    ws.pending = []  # type: ignore[attr-defined]
+    ws.pending = []
     deadline = time.monotonic() + timeout
     while not until(got):
         remaining = deadline - time.monotonic()

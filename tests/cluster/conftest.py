@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-# the gateway tests' helpers (tests/gateway/gw_helpers.py: wait_for, send, collect), as the security suite does
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gateway"))
-from cluster_helpers import NodeFactory, RedisServer
-
 from loadtest.redisproc import REDIS_SERVER
+from tests.cluster.cluster_helpers import NodeFactory, RedisServer
 
 if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):
     pytest.skip(f"{REDIS_SERVER} is missing: `make redis` (part of `make test`) installs it",

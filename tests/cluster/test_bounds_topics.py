@@ -14,10 +14,10 @@ import time
 
 import httpx
 import pytest
-from cluster_helpers import TOKEN, collect, messages, subscribe
-from gw_helpers import send
 
 from gateway.testing import make_token
+from tests.cluster.cluster_helpers import TOKEN, collect, messages, subscribe
+from tests.gateway.gw_helpers import send
 
 pytestmark = pytest.mark.timeout(90)
 

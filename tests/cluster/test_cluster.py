@@ -10,11 +10,11 @@ import signal
 import socket
 
 import pytest
-from cluster_helpers import collect, messages, send, subscribe
-from gw_helpers import wait_for
 
 from gateway.config import ConfigError, load_config
 from loadtest.redisproc import free_port
+from tests.cluster.cluster_helpers import collect, messages, send, subscribe
+from tests.gateway.gw_helpers import wait_for
 
 
 def seqs(entries: list[dict]) -> list[int]:

@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 import redis
-from cluster_helpers import TOKEN, subscribe
 from websockets.exceptions import ConnectionClosed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))  # the e2e suite's browser driver
-from browser_cdp import CHROMIUM, Chromium, guarded  # noqa: E402
+from tests.cluster.cluster_helpers import TOKEN, subscribe
+from tests.e2e.browser_cdp import CHROMIUM, Chromium, guarded  # the e2e suite's browser driver
 
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 FAST = {"stats_interval_s": 0.3}

@@ -9,10 +9,10 @@ import signal
 import time
 
 import redis
-from cluster_helpers import collect, send, subscribe
-from gw_helpers import recv_entries, wait_for
 
 from gateway.broker.presence_store import ALIVE_TTL_MS, HEARTBEAT_S, MEMBER_TTL_MS
+from tests.cluster.cluster_helpers import collect, send, subscribe
+from tests.gateway.gw_helpers import recv_entries, wait_for
 
 RULE = {"rule": {"presence": True, "join_leave": True}}
 

@@ -9,13 +9,13 @@ import time
 
 import httpx
 import orjson
-from cluster_helpers import TOKEN, Node, messages, subscribe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
 from core import Engine, EngineConfig, QueueFull, TopicConfig, TopicKind
 from gateway.testing import TEST_JWT_SECRET, make_token
+from tests.cluster.cluster_helpers import TOKEN, Node, messages, subscribe
 
 TOPIC = "private.inbox"
 
@@ -163,7 +163,7 @@ def _subscribe_acked(ws, topic: str) -> dict:
     deadline = time.monotonic() + 10
     while not any(e.get("id") == topic for e in got):
         got += orjson.loads(ws.recv(timeout=deadline - time.monotonic()))
-    ws.pending = [e for e in got if e.get("id") != topic]  # type: ignore[attr-defined]  # read by `messages`
+    ws.pending = [e for e in got if e.get("id") != topic]  # read by `messages`
     return next(e for e in got if e.get("id") == topic)
 
 

@@ -11,11 +11,11 @@ import time
 
 import httpx
 import orjson
-from cluster_helpers import messages, subscribe
-from gw_helpers import wait_for
-from test_private_cluster import TOPIC, msgs, start, ws_as
 
 from gateway.testing import make_token
+from tests.cluster.cluster_helpers import messages, subscribe
+from tests.cluster.test_private_cluster import TOPIC, msgs, start, ws_as
+from tests.gateway.gw_helpers import wait_for
 
 
 def refused_while_down(node, user: str) -> None:

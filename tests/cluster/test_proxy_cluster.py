@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from cluster_helpers import collect
-from gw_helpers import send
-from test_proxy_hooks import Backend
+
+from tests.cluster.cluster_helpers import collect
+from tests.gateway.gw_helpers import send
+from tests.gateway.test_proxy_hooks import Backend
 
 
 @pytest.fixture

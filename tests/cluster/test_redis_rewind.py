@@ -7,8 +7,9 @@ from __future__ import annotations
 import re
 
 import httpx
-from cluster_helpers import messages, subscribe
-from gw_helpers import wait_for
+
+from tests.cluster.cluster_helpers import messages, subscribe
+from tests.gateway.gw_helpers import wait_for
 
 
 def seqs(entries: list[dict]) -> list[int]:
@@ -17,7 +18,7 @@ def seqs(entries: list[dict]) -> list[int]:
 
 def reconnect_failures(node) -> float:
     text = httpx.get(f"{node.http_url}/metrics").text
-    return float(re.search(r"^fanout_broker_reconnect_failures_total (\S+)$", text, re.M).group(1))
+    return float(re.search(r"^fanout_broker_reconnect_failures_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
 
 
 def test_redis_restored_from_an_older_snapshot_starts_a_new_epoch_and_reuses_no_seq(nodes, redis_server):

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_forward_upstream import answer, run, run_forward
 
 from gateway.workers.forward import owner_of
+from tests.gateway.test_forward_upstream import answer, run, run_forward
 
 #: a long poll returns this soon when nothing comes (the forwarder waits for it plus its own margin)
 POLL_S = 2.0

@@ -8,12 +8,12 @@ import time
 
 import httpx
 import pytest
-from cluster_helpers import TOKEN
-from gw_helpers import send
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from gateway.testing import TEST_JWT_SECRET, make_token
+from tests.cluster.cluster_helpers import TOKEN
+from tests.gateway.gw_helpers import send
 
 AUTH = {"jwt_secret": TEST_JWT_SECRET, "leeway_s": 0.0}
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -32,6 +32,7 @@ def close_of(ws, timeout: float = 5.0) -> tuple[int, float]:
     with pytest.raises(ConnectionClosed) as info:
         while True:
             ws.recv(timeout=timeout)
+    assert info.value.rcvd is not None, "the server sent no close frame"
     return info.value.rcvd.code, time.monotonic() - started
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from cluster_helpers import Node
+
+from tests.cluster.cluster_helpers import Node
 
 
 def test_two_workers_print_the_banner_once_the_token_first_and_tag_their_own_lines(nodes) -> None:

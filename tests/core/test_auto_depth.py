@@ -4,16 +4,18 @@ scheduler's promises stay. Hypothesis state machine plus a few worked examples; 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import orjson
 import pytest
-from core_helpers import cycle, messages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from core import Engine, EngineConfig, TopicConfig, TopicKind, TopicRule, encode_reply
 from core.config import AUTO_DEPTH, AUTO_MAX_SLICE, AUTO_MAX_SPAN
+from core.ring import RingTopic
+from tests.core.core_helpers import cycle, messages
 
 pytestmark = pytest.mark.unit
 
@@ -125,7 +127,7 @@ class AutoDepthMachine(RuleBasedStateMachine):
     def run_cycle(self, complete: bool) -> None:
         before = {c: self._state_of(c) for c in self.connected if c not in self.writing}
         for batch in self.engine.run_cycle():
-            c = batch.client_id
+            c = cast(str, batch.client_id)
             self._check_batch(c, batch, before[c])
             if complete:
                 self.engine.write_done(c)
@@ -144,15 +146,15 @@ class AutoDepthMachine(RuleBasedStateMachine):
             if not batches:
                 break
             for batch in batches:
-                self._check_batch(batch.client_id, batch, before[batch.client_id])
+                self._check_batch(cast(str, batch.client_id), batch, before[cast(str, batch.client_id)])
                 self.engine.write_done(batch.client_id)
         for (c, t), seq in self.expect.items():
-            assert seq == self.engine.topic(t).end, (c, t)
+            assert seq == cast(RingTopic, self.engine.topic(t)).end, (c, t)
 
     @invariant()
     def nothing_owed_is_skipped(self) -> None:
         for (_c, t), seq in self.expect.items():
-            assert seq <= self.engine.topic(t).end
+            assert seq <= cast(RingTopic, self.engine.topic(t)).end
 
     # -- checks ------------------------------------------------------------------------------------------
 
@@ -162,13 +164,13 @@ class AutoDepthMachine(RuleBasedStateMachine):
         state: dict = {"order": [sub.topic.name for sub in client.active], "direct": len(client.direct or ()),
                        "topics": {}}
         for t in self.connected[c]:
-            ring = self.engine.topic(t)
+            ring = cast(RingTopic, self.engine.topic(t))
             cursor = self.expect[(c, t)]
             first = max(cursor, ring.begin)
             window = range(first, min(ring.end, first + AUTO_MAX_SLICE + 1))
             state["topics"][t] = {
                 "lag": ring.end - cursor, "available": ring.end - first,
-                "sizes": [len(ring.slots[s % ring.capacity]) for s in window],
+                "sizes": [len(cast(bytes, ring.slots[s % ring.capacity])) for s in window],
             }
         return state
 

@@ -2,7 +2,6 @@
 
 import orjson
 import pytest
-from core_helpers import cycle, decode, make_engine, messages
 
 from core import (
     DirectQueueFull,
@@ -16,6 +15,7 @@ from core import (
     UnknownTopic,
     encode_reply,
 )
+from tests.core.core_helpers import cycle, decode, make_engine, messages
 
 pytestmark = pytest.mark.unit
 

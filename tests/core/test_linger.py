@@ -4,13 +4,16 @@ held subscriber is woken by its deadline, and a ring's linger ends before it cou
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
-from core_helpers import cycle, messages
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from core import Engine, EngineConfig, TopicConfig, TopicKind, TopicRule
+from core.ring import RingTopic
+from tests.core.core_helpers import cycle, messages
 
 pytestmark = pytest.mark.unit
 
@@ -88,11 +91,11 @@ class LingerMachine(RuleBasedStateMachine):
     @rule(complete=st.booleans())
     def run_cycle(self, complete: bool) -> None:
         for batch in self.engine.run_cycle():
-            self._check(batch.client_id, batch.entries)
+            self._check(cast(str, batch.client_id), batch.entries)
             if complete:
                 self.engine.write_done(batch.client_id)
             else:
-                self.writing.add(batch.client_id)
+                self.writing.add(cast(str, batch.client_id))
 
     @rule()
     def drain(self) -> None:
@@ -108,23 +111,23 @@ class LingerMachine(RuleBasedStateMachine):
             if not batches:
                 break
             for batch in batches:
-                self._check(batch.client_id, batch.entries)
+                self._check(cast(str, batch.client_id), batch.entries)
                 self.engine.write_done(batch.client_id)
         for (c, t), seq in self.expect.items():
-            assert seq == self.engine.topic(t).end, (c, t)
+            assert seq == cast(RingTopic, self.engine.topic(t)).end, (c, t)
 
     @invariant()
     def a_held_subscriber_waits_no_longer_than_its_linger(self) -> None:
         for t in RINGS:
             if not self.engine.has_topic(t):
                 continue
-            ring = self.engine.topic(t)
+            ring = cast(RingTopic, self.engine.topic(t))
             for sub in ring.idle:  # parked: caught up when parked, maybe held since
                 if sub.cursor < ring.end:
                     assert ring.linger, "a topic without linger never holds a subscriber"
                     deadline = self.engine._lingering[ring]  # noqa: SLF001 (the topic's own deadline)
                     assert deadline <= self.published_at[t][sub.cursor] + ring.linger
-                    assert self.engine.next_release() <= deadline
+                    assert (release := self.engine.next_release()) is not None and release <= deadline
                     # ... and a ring ends its linger before a held subscriber is half the ring behind
                     assert ring.end - sub.cursor < max(1, ring.capacity // 2)
 

@@ -4,10 +4,10 @@ that cannot be encoded is refused with a request error."""
 from __future__ import annotations
 
 import pytest
-from core_helpers import cycle, decode, make_engine, messages
 
 from core import RequestError, TopicConfig
 from core.errors import CoreUsageError
+from tests.core.core_helpers import cycle, decode, make_engine, messages
 
 pytestmark = pytest.mark.unit
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from core_helpers import cycle
 
 from core import Engine, EngineConfig, SkippedSeq, StaleSeq, TopicConfig, TopicRule
 from core.errors import BadSeq
+from tests.core.core_helpers import cycle
 
 pytestmark = pytest.mark.unit
 

@@ -8,11 +8,11 @@ import ast
 from pathlib import Path
 
 import pytest
-from core_helpers import cycle, make_engine, messages
 
 from core import Engine, QueueFull, RequestError, TopicKind
 from core.errors import CoreUsageError
 from core.topics import Topic
+from tests.core.core_helpers import cycle, make_engine, messages
 
 pytestmark = pytest.mark.unit
 
@@ -167,7 +167,7 @@ def test_a_parked_private_handle_taken_over_leaves_no_trace_in_the_topic() -> No
     engine.subscribe("tab2", "priv.t")
     topic = engine.topic("priv.t")
     assert old not in topic.subs and old not in topic.idle and old.queue is None
-    assert list(topic.queues.values()) == [engine.client("tab2").subs["priv.t"]]
+    assert list(topic.queues.values()) == [engine.client("tab2").subs["priv.t"]]  # type: ignore[attr-defined]  # a private topic
 
 
 def test_only_topics_with_out_of_order_arrivals_are_ticked() -> None:

@@ -71,6 +71,7 @@ class Chromium:
         port_file = self.profile_dir / "DevToolsActivePort"
         port_file.unlink(missing_ok=True)
         size = [f"--window-size={self.window[0]},{self.window[1]}"] if self.window else []
+        assert CHROMIUM is not None, "no chromium on PATH (`make browser`)"
         self.proc = subprocess.Popen(
             [CHROMIUM, *FLAGS, *size, f"--user-data-dir={self.profile_dir}", "--remote-debugging-port=0",
              "--remote-debugging-address=127.0.0.1", "about:blank"],

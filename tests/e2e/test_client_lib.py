@@ -18,11 +18,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from browser_cdp import CHROMIUM, Chromium
-from browser_proxy import TcpProxy
 
 from gateway.config import SECTIONS
 from gateway.testing import GatewayHandle, make_token, run_gateway
+from tests.e2e.browser_cdp import CHROMIUM, Chromium
+from tests.e2e.browser_proxy import TcpProxy
 
 pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)"),

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from browser_cdp import CHROMIUM, Chromium, guarded
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.testing import run_gateway
+from tests.e2e.browser_cdp import CHROMIUM, Chromium, guarded
 
 WINDOW = (1400, 1000)
 DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img" / "dashboard.png"

@@ -13,11 +13,11 @@ from contextlib import ExitStack
 
 import httpx
 import pytest
-from browser_cdp import CHROMIUM, Chromium, guarded
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
 from loadtest.redisproc import RedisProcess, redis_binary
+from tests.e2e.browser_cdp import CHROMIUM, Chromium, guarded
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
 

@@ -6,9 +6,9 @@ import re
 
 import httpx
 import pytest
-from browser_cdp import CHROMIUM, Chromium
 
 from gateway.testing import run_gateway
+from tests.e2e.browser_cdp import CHROMIUM, Chromium
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import orjson
 import uvicorn
-from gw_helpers import wait_for
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from tests.gateway.gw_helpers import wait_for
 
 HOOKS = ("connect", "subscribe", "publish", "rpc", "refresh", "disconnect", "unsubscribe")
 

@@ -2,10 +2,10 @@
 
 import httpx
 import pytest
-from gw_helpers import auth, collect, recv_entries, send, ws_connect
 
 import core
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import auth, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

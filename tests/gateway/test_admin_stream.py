@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gw_helpers import auth, collect, send, wait_for, ws_connect
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from gw_helpers import Ingest, auth, recv_entries, send, ws_connect
 
 from core.config import AUTO_MAX_SLICE
 from gateway.config import ConfigError
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import Ingest, auth, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from gw_helpers import collect, recv_entries, send, ws_connect
-from hook_backend import running_backend
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import collect, recv_entries, send, ws_connect
+from tests.gateway.hook_backend import running_backend
 
 RULES = [
     {"pattern": "guarded.*", "kind": "ring", "anonymous": True, "client_publish": True,

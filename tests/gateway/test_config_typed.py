@@ -54,7 +54,7 @@ def test_attributes_are_typed_and_frozen():
     assert config.topics is config.raw["topics"] and config.topics["rules"][0]["pattern"] == "private.*"
     assert config.raw["server"]["port"] == config.server.port
     with pytest.raises(AttributeError):
-        config.server.port = 1  # type: ignore[misc]
+        config.server.port = 1
     with pytest.raises(AttributeError):
         config.nosuch  # noqa: B018
 

@@ -172,7 +172,7 @@ async def run_forward(owner: Owner | None, scope: dict | None = None, body: byte
             return {"type": "http.request", "body": body, "more_body": False}
         if leave_after is None:
             await asyncio.Event().wait()  # the client stays (the router cancels this wait when done)
-        await asyncio.sleep(leave_after)
+        await asyncio.sleep(leave_after)  # type: ignore[arg-type]  # not None past the check above
         left.set()
         return {"type": "http.disconnect"}
 
@@ -198,7 +198,7 @@ async def run_forward(owner: Owner | None, scope: dict | None = None, body: byte
             conn.close()
 
     owner_task = asyncio.ensure_future(play_owner())
-    await route(scope or scope_of(), receive, send)
+    await route(scope or scope_of(), receive, send)  # type: ignore[arg-type]
     await asyncio.wait_for(owner_task, 10)
     return outcome
 

@@ -9,7 +9,6 @@ import types
 
 import httpx
 import pytest
-from gw_helpers import collect, send, ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from core.errors import RequestError
@@ -19,6 +18,7 @@ from gateway.hub import Hub
 from gateway.testing import DEFAULTS, make_token, run_gateway
 from gateway.transports import ws as ws_transport
 from gateway.transports.handshake import ClientIdRefused, bearer_token, close_reason, open_client
+from tests.gateway.gw_helpers import collect, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,7 +27,7 @@ PEER = ("192.0.2.7", 40001)
 
 def make_hub(**sections) -> Hub:
     async def make() -> Hub:
-        overrides = {name: {**DEFAULTS.get(name, {}), **keys} for name, keys in sections.items()}
+        overrides = {name: {**DEFAULTS.get(name, {}), **keys} for name, keys in sections.items()}  # type: ignore[dict-item]
         return Hub(load_config(overrides={**DEFAULTS, **overrides}, environ={}))
 
     return asyncio.run(make())
@@ -111,6 +111,7 @@ def close_of(ws) -> tuple[int, str]:
     with pytest.raises(ConnectionClosed) as info:
         while True:
             ws.recv(timeout=5)
+    assert info.value.rcvd is not None, "the server sent no close frame"
     return info.value.rcvd.code, info.value.rcvd.reason
 
 

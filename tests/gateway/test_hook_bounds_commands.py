@@ -9,11 +9,11 @@ import json
 from collections import Counter
 
 import pytest
-from gw_helpers import collect, recv_entries, send, ws_connect
-from hook_backend import running_backend
-from sse_client import SseClient
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import collect, recv_entries, send, ws_connect
+from tests.gateway.hook_backend import running_backend
+from tests.gateway.sse_client import SseClient
 
 RULES = [
     {"pattern": "room.*", "kind": "ring", "anonymous": True, "presence": True, "join_leave": True},

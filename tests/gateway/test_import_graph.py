@@ -24,7 +24,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     """The gateway modules `path` imports (a `from .x import y` of a submodule counts as that submodule)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]

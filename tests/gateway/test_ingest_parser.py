@@ -52,7 +52,7 @@ def test_every_record_kind_with_its_line_number():
 def test_items_are_frozen_and_slotted():
     item = parse(b'{"sync":1}\n')[0]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        item.line = 2  # type: ignore[misc]
+        item.line = 2
     assert not hasattr(item, "__dict__")
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import time
 
-from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
-
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 PAYLOAD = "x" * 1000  # ~1 KiB entries
 

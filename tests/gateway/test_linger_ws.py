@@ -6,9 +6,9 @@ import time
 
 import httpx
 import pytest
-from gw_helpers import auth, recv_entries, send, ws_connect
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import auth, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,9 +4,9 @@ import time
 
 import httpx
 import pytest
-from gw_helpers import Ingest
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import Ingest
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from gw_helpers import auth, collect, send, ws_connect
 
 from core import TopicConfig
 from gateway.testing import make_token
+from tests.gateway.gw_helpers import auth, collect, send, ws_connect
 
 RULES = {"rules": [
     {"pattern": "room.*", "anonymous": True, "presence": True, "join_leave": True},

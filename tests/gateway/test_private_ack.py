@@ -10,10 +10,10 @@ order, with the same seqs, and never one that was acknowledged.
 
 import httpx
 import pytest
-from gw_helpers import auth, collect, send, wait_for, ws_connect
-from sse_client import SseClient
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
+from tests.gateway.sse_client import SseClient
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from gw_helpers import Ingest, auth
 
 from core import errors as core_errors
 from gateway import close_codes, schema
 from gateway import errors as gateway_errors
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import Ingest, auth
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
 ENTRIES_SOURCE = (Path(__file__).resolve().parents[2] / "core" / "entries.py").read_text()

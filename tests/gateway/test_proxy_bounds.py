@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from gw_helpers import collect, recv_entries, send, wait_for, ws_connect
-from test_proxy_hooks import Backend, free_port
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import collect, recv_entries, send, wait_for, ws_connect
+from tests.gateway.test_proxy_hooks import Backend, free_port
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -72,7 +72,7 @@ def test_an_unsubscribe_flood_on_a_slow_hook_drops_no_other_clients_disconnect_e
                 send(flood, op="ping", id="end")  # commands take effect in order: past it, the flood is in
                 collect(flood, lambda got: any(e.get("id") == "end" for e in got), timeout=10)
                 # one waiting unsubscribe per (client, topic), at most event_queue_per_client of one client
-                assert gw.call(lambda: gw.hub.proxy.pending("unsubscribe")) <= 5
+                assert gw.call(lambda: gw.hub.hooks.pending("unsubscribe")) <= 5
                 coalesced = metric(gw, "fanout_proxy_requests_total", hook="unsubscribe", outcome="coalesced")
                 dropped = metric(gw, "fanout_proxy_requests_total", hook="unsubscribe", outcome="dropped")
                 assert coalesced > 0 and dropped > 0 and coalesced + dropped >= 1900  # all but a few

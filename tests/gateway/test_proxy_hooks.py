@@ -15,8 +15,6 @@ import httpx
 import orjson
 import pytest
 import uvicorn
-from gw_helpers import auth, collect, recv_entries, send, wait_for, ws_connect
-from sse_client import SseClient
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -25,6 +23,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import auth, collect, recv_entries, send, wait_for, ws_connect
+from tests.gateway.sse_client import SseClient
 
 RULES = [
     {"pattern": "secret.*", "kind": "ring"},
@@ -100,6 +100,7 @@ def closed_with(ws) -> tuple[int, str]:
     with pytest.raises(ConnectionClosed) as info:
         while True:
             ws.recv(timeout=5)
+    assert info.value.rcvd is not None, "the server sent no close frame"
     return info.value.rcvd.code, info.value.rcvd.reason
 
 

@@ -21,7 +21,7 @@ MIB = 1024 * KIB
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-    uvloop = None
+    uvloop = None  # type: ignore[assignment]
 
 LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(uvloop is None, reason="no uvloop"))]
 

@@ -11,11 +11,11 @@ import re
 
 import httpx
 import pytest
-from gw_helpers import collect, recv_entries, send, wait_for, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway import close_codes
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import collect, recv_entries, send, wait_for, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

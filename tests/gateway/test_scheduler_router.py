@@ -49,6 +49,12 @@ class FakeConnection:
     def direct_fd(self, batch: Any, frame: bytes) -> int:
         return -1
 
+    def wire(self, frame: bytes) -> bytes:
+        raise NotImplementedError  # never asked: direct_fd is -1
+
+    def write_rest(self, data: bytes, sent: int) -> bool:
+        raise NotImplementedError
+
     def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         self.kicked = (code, reason)
 
@@ -102,7 +108,7 @@ def test_subscribe_and_publish_take_one_path_and_reach_every_subscriber():
         await settle(lambda: all(any(e["type"] == "subscribed" for e in c.entries) for c in (a, b)))
         published = await hub.router.publish("chat.room", {"n": 1})
         assert published.seq == 0
-        assert hub.router.publish_nowait("chat.room", {"n": 2}).seq == 1  # the in-process fast path
+        assert hub.router.publish_nowait("chat.room", {"n": 2}).seq == 1  # type: ignore[union-attr]  # the in-process fast path
         await settle(lambda: len(messages(a)) == 2 and len(messages(b)) == 2)
         assert messages(a) == messages(b) == [{"n": 1}, {"n": 2}]
 

@@ -12,7 +12,6 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_protocol_contract import section, table_rows, ticked
 
 from core.errors import BadSeq
 from gateway import schema
@@ -21,6 +20,7 @@ from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
 from gateway.testing import DEFAULTS, make_token, run_gateway
+from tests.gateway.test_protocol_contract import section, table_rows, ticked
 
 DOCUMENTED = {code for row in table_rows(section("Error codes")) for code in ticked(row[0])}
 ENTRY_TYPES = {ticked(row[0])[0] for row in table_rows(section("Entries"))}
@@ -52,14 +52,25 @@ def wrong_type(field: str, value) -> bool:
 
 
 class Recording:
+    blocked_since: float | None = None
+
     def __init__(self, client_id):
         self.identity = ClientIdentity(client_id, "test")
 
     def deliver(self, batch, frame):
         return True
 
+    def flush(self):
+        return True
+
     def direct_fd(self, batch, frame):
         return -1
+
+    def wire(self, frame):
+        raise NotImplementedError  # never asked: direct_fd is -1
+
+    def write_rest(self, data, sent):
+        raise NotImplementedError
 
     def kick(self, code, reason, retry_ms=None):
         pass

@@ -9,10 +9,8 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from gw_helpers import Ingest, auth, wait_for, ws_connect
 from hypothesis import given
 from hypothesis import strategies as st
-from sse_client import SseClient, msgs
 from websockets.exceptions import InvalidStatus
 
 from core import Engine, TopicConfig, TopicKind
@@ -21,6 +19,8 @@ from gateway.config import SseConfig
 from gateway.errors import BadRequest
 from gateway.testing import make_token, run_gateway
 from gateway.transports.sse import DELETED, Positions, parse_positions
+from tests.gateway.gw_helpers import Ingest, auth, wait_for, ws_connect
+from tests.gateway.sse_client import SseClient, msgs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -428,8 +428,8 @@ def test_any_recovery_point_is_parsed_or_refused_with_a_clear_error(text):
         assert epoch and ":" not in epoch and topic and 0 <= seq < 2**53
 
 
-epochs = st.text(st.characters(blacklist_characters=":,\n\r\0", blacklist_categories=("Cs",)), min_size=1, max_size=8)
-topic_names = st.text(st.characters(blacklist_characters=",\n\r\0", blacklist_categories=("Cs",)), min_size=1, max_size=12)
+epochs = st.text(st.characters(blacklist_characters=":,\n\r\0", blacklist_categories=["Cs"]), min_size=1, max_size=8)
+topic_names = st.text(st.characters(blacklist_characters=",\n\r\0", blacklist_categories=["Cs"]), min_size=1, max_size=12)
 
 
 @given(st.dictionaries(topic_names, st.tuples(epochs, st.integers(0, 2**53 - 1)), max_size=5))

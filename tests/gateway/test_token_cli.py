@@ -9,11 +9,11 @@ import time
 import httpx
 import jwt
 import pytest
-from gw_helpers import auth, collect, send, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway import cli
 from gateway.testing import TEST_JWT_SECRET, run_gateway
+from tests.gateway.gw_helpers import auth, collect, send, ws_connect
 
 
 @pytest.fixture
@@ -33,6 +33,7 @@ def close_of(ws) -> int:
     with pytest.raises(ConnectionClosed) as info:
         while True:
             ws.recv(timeout=5)
+    assert info.value.rcvd is not None, "the server sent no close frame"
     return info.value.rcvd.code
 
 

@@ -9,16 +9,17 @@ import time
 
 import httpx
 import pytest
-from gw_helpers import auth, collect, send, wait_for, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 
 
 def close_of(ws) -> int:
     with pytest.raises(ConnectionClosed) as info:
         while True:
             ws.recv(timeout=5)
+    assert info.value.rcvd is not None, "the server sent no close frame"
     return info.value.rcvd.code
 
 

@@ -5,9 +5,9 @@ import time
 
 import httpx
 import pytest
-from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

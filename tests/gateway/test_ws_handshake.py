@@ -4,9 +4,8 @@ import contextlib
 import gc
 import types
 
-from gw_helpers import collect, send, ws_connect
-
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import collect, send, ws_connect
 
 
 def test_an_open_connection_holds_no_handshake_request():

@@ -73,7 +73,7 @@ def test_silent_hot_topics_keep_the_cold_rates() -> None:
     assert alone.clients == beside.clients  # the same clients on the same topics
     for cls, r_alone, r_beside in zip(beside.classes, alone.rates, beside.rates):
         assert r_alone == (0.0 if cls == "hot" else r_beside)
-    assert sum(r for r, c in zip(beside.rates, beside.classes) if c == "hot") == pytest.approx(s.rate * s.hot_share)
+    assert sum(r for r, c in zip(beside.rates, beside.classes) if c == "hot") == pytest.approx(s.rate * s.hot_share)  # type: ignore[operator]
 
 
 def _closed_loop(window: int, fanout: int, deliver: bool, duration: float = 0.3) -> tuple[Publisher, int]:
@@ -89,7 +89,7 @@ def _closed_loop(window: int, fanout: int, deliver: bool, duration: float = 0.3)
         if deliver:
             counters[COUNTERS.index("msgs_light")] += fanout * len(topics)
 
-    pub.send = send  # type: ignore[method-assign]
+    pub.send = send
     asyncio.run(pub.run(time.time_ns()))
     return pub, len(sent)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import loadtest_known as known
 import numpy as np
 import pytest
 
 from loadtest import analysis
 from loadtest import delivery_stats as metrics
 from loadtest.delivery_stats import DeliveryLog, Notices
+from tests.loadtest import loadtest_known as known
 
 pytestmark = pytest.mark.unit
 

@@ -28,7 +28,7 @@ def test_config_renders_the_required_directives(tmp_path: Path) -> None:
 def test_nginx_accepts_the_config(tmp_path: Path) -> None:
     conf = tmp_path / "nginx.conf"
     conf.write_text(nchan.config_text(tmp_path, nchan.free_port()))
-    done = subprocess.run([nchan.nginx_binary(), "-t", "-p", str(tmp_path), "-c", str(conf)],
+    done = subprocess.run([nchan.nginx_binary(), "-t", "-p", str(tmp_path), "-c", str(conf)],  # type: ignore[list-item]
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
 

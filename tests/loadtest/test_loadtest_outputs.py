@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import loadtest_known as known
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,6 +14,7 @@ from rich.console import Console
 from loadtest import analysis, deliverylog, report
 from loadtest import delivery_stats as metrics
 from loadtest.scenarios import Scenario
+from tests.loadtest import loadtest_known as known
 
 pytestmark = pytest.mark.unit
 

@@ -136,7 +136,7 @@ def test_recorder_stops_keeping_rows_at_its_cap() -> None:
 def test_bench_subcommands_are_delegated(command: str, module: str, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
     fake = types.ModuleType(module)
-    fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined, func-returns-value]
     monkeypatch.setitem(sys.modules, module, fake)
     assert main([command, "--quick", "x"]) == 0
     assert seen == [["--quick", "x"]]

@@ -51,9 +51,9 @@ class Server(asyncio.Protocol):
         for event in self.protocol.events_received():
             if isinstance(event, Frame):
                 if event.opcode is Opcode.PONG:
-                    self.pongs.put_nowait(event.data)
+                    self.pongs.put_nowait(event.data)  # type: ignore[arg-type]
             else:  # the handshake request
-                self.protocol.send_response(self.protocol.accept(event))
+                self.protocol.send_response(self.protocol.accept(event))  # type: ignore[arg-type]  # only a server's first event is a Request
                 self.transport.write(b"".join(self.protocol.data_to_send()))  # type: ignore[union-attr]
                 asyncio.get_running_loop().create_task(self.send_all())
 

@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from pipeline_ingest_double import IngestProtocolDouble
-from test_pipeline_audit import hand_log, write_log
 
 from pipeline.__main__ import build_parser, main
+from tests.pipeline.pipeline_ingest_double import IngestProtocolDouble
+from tests.pipeline.test_pipeline_audit import hand_log, write_log
 
 
 def test_help_runs_without_spark():

@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_docs import CLUSTER_MASTER, argv, commands, is_cluster_command
-from test_pipeline_audit import hand_log, write_log
+
+from tests.pipeline.pipeline_docs import CLUSTER_MASTER, argv, commands, is_cluster_command
+from tests.pipeline.test_pipeline_audit import hand_log, write_log
 
 gateway_testing = pytest.importorskip("gateway.testing")
 pyspark = pytest.importorskip("pyspark")

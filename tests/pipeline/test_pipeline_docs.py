@@ -14,12 +14,12 @@ import contextlib
 import json
 
 import pytest
-from pipeline_docs import argv, commands, is_cluster_command
-from test_pipeline_audit import hand_log, write_log
-from test_pipeline_e2e import Subscriber, connect
 
 import pipeline.bench
 from pipeline.__main__ import main
+from tests.pipeline.pipeline_docs import argv, commands, is_cluster_command
+from tests.pipeline.test_pipeline_audit import hand_log, write_log
+from tests.pipeline.test_pipeline_e2e import Subscriber, connect
 
 gateway_testing = pytest.importorskip("gateway.testing")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from pipeline_ingest_double import IngestProtocolDouble
 
 from pipeline.feed import FeedOptions, run_feed
 from pipeline.retry import RetryPolicy
+from tests.pipeline.pipeline_ingest_double import IngestProtocolDouble
 
 #: The test double has no admin API; a failed connection is retried once, quickly.
 NO_ADMIN = dict(admin_url=None, retry=RetryPolicy(1, 0.1, 0.1))

@@ -9,10 +9,10 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline_ingest_double import IngestProtocolDouble
 
 from pipeline import ingest
 from pipeline.ingest import IngestClient, IngestProtocolError, IngestRefused, encode_record, publish
+from tests.pipeline.pipeline_ingest_double import IngestProtocolDouble
 
 
 def records(topic: str, seqs, payload=lambda s: f'{{"n": {s}}}'):

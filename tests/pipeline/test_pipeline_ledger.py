@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from pipeline_ingest_double import IngestProtocolDouble
 
 from pipeline.errors import LossError
 from pipeline.feed import FeedOptions, run_feed
 from pipeline.ledger import CheckpointStore, Ledger, classify, intervals
 from pipeline.retry import RetryPolicy
+from tests.pipeline.pipeline_ingest_double import IngestProtocolDouble
 
 E1 = "e-1"
 

@@ -10,11 +10,11 @@ import time
 import types
 
 import pytest
-from test_pipeline_e2e import Subscriber, connect
 
 from fanout_client.ingest import IngestConnection
 from pipeline import reference
 from pipeline.live import follow, window_figures
+from tests.pipeline.test_pipeline_e2e import Subscriber, connect
 
 gateway_testing = pytest.importorskip("gateway.testing")
 

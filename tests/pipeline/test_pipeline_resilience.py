@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import orjson
 import pytest
-from pipeline_ingest_double import IngestProtocolDouble
 
 from pipeline.errors import BadInput
 from pipeline.feed import FeedOptions, run_feed
 from pipeline.retry import RetryPolicy
+from tests.pipeline.pipeline_ingest_double import IngestProtocolDouble
 
 gateway_testing = pytest.importorskip("gateway.testing")
 

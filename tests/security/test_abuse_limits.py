@@ -9,10 +9,10 @@ import time
 
 import httpx
 import pytest
-from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

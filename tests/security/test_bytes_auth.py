@@ -11,10 +11,10 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from gw_helpers import collect, send, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import collect, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,6 +45,7 @@ def _close_code(gw, query: str) -> int:
     with ws_connect(gw, query=query) as ws:
         with pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=5)
+    assert closed.value.rcvd is not None, "the server sent no close frame"
     return closed.value.rcvd.code
 
 

@@ -10,10 +10,10 @@ import time
 
 import httpx
 import pytest
-from gw_helpers import Ingest, auth
 
 from gateway.testing import run_gateway
 from gateway.transports.ingest import IngestProtocol
+from tests.gateway.gw_helpers import Ingest, auth
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from gw_helpers import Ingest, auth
-from sse_client import SseClient
 
 from gateway.testing import run_gateway
 from gateway.transports.sse import MAX_ID_BYTES
+from tests.gateway.gw_helpers import Ingest, auth
+from tests.gateway.sse_client import SseClient
 
 pytestmark = pytest.mark.timeout(60)
 

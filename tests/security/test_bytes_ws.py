@@ -7,11 +7,11 @@ import json
 import time
 
 import pytest
-from bytes_helpers import CONT, PING, TEXT, RawWs, only_client, ws_frame
-from gw_helpers import collect, send, wait_for, ws_connect
 
 from gateway.testing import run_gateway
 from gateway.transports.ws import PARSE_SLICE
+from tests.gateway.gw_helpers import collect, send, wait_for, ws_connect
+from tests.security.bytes_helpers import CONT, PING, TEXT, RawWs, only_client, ws_frame
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,10 +19,10 @@ import httpx
 import orjson
 import pytest
 import websockets
-from gw_helpers import auth, wait_for
-from test_proxy_hooks import Backend
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import auth, wait_for
+from tests.gateway.test_proxy_hooks import Backend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +51,7 @@ def hooks(app: Backend, **more: Any) -> dict[str, Any]:
 
 async def ws_outcome(url: str, source: str | None = None) -> tuple[object, str]:
     """("ok", "") when the connection is admitted and answers a ping, else (close code, reason)."""
-    extra = {"local_addr": (source, 0)} if source else {}
+    extra: dict[str, Any] = {"local_addr": (source, 0)} if source else {}
     try:
         async with websockets.connect(url, open_timeout=15, close_timeout=5, **extra) as ws:
             await ws.send(orjson.dumps({"op": "ping", "id": 1}).decode())

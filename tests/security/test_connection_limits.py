@@ -23,11 +23,11 @@ import httpx
 import pytest
 import trustme
 import websockets.asyncio.client
-from bytes_helpers import open_connections, read_until_closed, refused, tcp
 from websockets.sync.client import connect
 
 from gateway.config import ConfigError
 from gateway.testing import run_gateway
+from tests.security.bytes_helpers import open_connections, read_until_closed, refused, tcp
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)

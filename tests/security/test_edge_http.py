@@ -11,11 +11,11 @@ import socket
 
 import httpx
 import pytest
-from bytes_helpers import open_connections, read_until_closed, refused, tcp
-from gw_helpers import wait_for
 
 from gateway.config import ConfigError
 from gateway.testing import TEST_TOKEN, run_gateway
+from tests.gateway.gw_helpers import wait_for
+from tests.security.bytes_helpers import open_connections, read_until_closed, refused, tcp
 
 pytestmark = pytest.mark.timeout(60)
 

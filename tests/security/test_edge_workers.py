@@ -12,17 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from loadtest.floodprobe import recv_until
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cluster"))
-from cluster_helpers import ROOT, Node, NodeFactory, RedisServer  # noqa: E402
-
-from loadtest.redisproc import REDIS_SERVER  # noqa: E402
+from loadtest.redisproc import REDIS_SERVER
+from tests.cluster.cluster_helpers import ROOT, Node, NodeFactory, RedisServer
 
 if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):
     pytest.skip("redis-server is missing: `make redis` (part of `make test`) installs it", allow_module_level=True)

@@ -513,7 +513,7 @@ def ingest_corpus() -> list[Any]:
     ]
 
 
-INGEST_FIELDS = [("topic",), ("data",), ("seq",), ("client",), ("sync",), ("auth",)]
+INGEST_FIELDS: list[tuple[str, ...]] = [("topic",), ("data",), ("seq",), ("client",), ("sync",), ("auth",)]
 
 
 def admin_create_corpus() -> list[Any]:
@@ -528,7 +528,7 @@ def admin_create_corpus() -> list[Any]:
     ]
 
 
-ADMIN_CREATE_FIELDS = [("name",), ("kind",), ("capacity",), ("batch_depth",), ("reorder_window",),
+ADMIN_CREATE_FIELDS: list[tuple[str, ...]] = [("name",), ("kind",), ("capacity",), ("batch_depth",), ("reorder_window",),
                        ("hole_timeout",), ("linger",), ("max_count",), ("max_bytes",), ("client_publish",), ("anonymous",)]
 
 
@@ -542,7 +542,7 @@ def admin_publish_corpus() -> list[Any]:
     ]
 
 
-ADMIN_PUBLISH_FIELDS = [("data",), ("messages",), ("seq",), ("client",)]
+ADMIN_PUBLISH_FIELDS: list[tuple[str, ...]] = [("data",), ("messages",), ("seq",), ("client",)]
 ADMIN_NAMES = ["fz.a", "fz.b", "fzs.s", "fzt.t", "private.x", "fz.c1", "fz.c3", "nope", "fz.a/b", "fz.%", ""]
 
 
@@ -599,6 +599,7 @@ class Gateway:
 
     def rss_mb(self) -> float | None:
         try:
+            assert self.proc is not None
             with open(f"/proc/{self.proc.pid}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
@@ -633,6 +634,7 @@ class RssSampler(threading.Thread):
         self.killed: float | None = None
 
     def run(self) -> None:
+        assert self.gw.proc is not None
         pid = self.gw.proc.pid
         while not self.stop_event.wait(0.05):
             rss = self.gw.rss_mb()
@@ -684,6 +686,7 @@ class Honest:
                 self._problem(f"subscriber got {short(orjson.dumps(entry))} after {self.received} messages")
                 continue
             expected = self.received
+            assert self.first_seq is not None  # set before the subscriber reads
             if entry["seq"] != self.first_seq + expected or entry["data"] != {"n": expected, "by": "honest"}:
                 self._problem(f"expected message {expected}, got {short(orjson.dumps(entry))}")
             self.received += 1
@@ -820,7 +823,7 @@ class WSSession:
             for entry in count_entries(out, "ws", batch, source):
                 if not isinstance(entry, dict):
                     continue
-                self.entries[entry.get("code") or entry.get("type")] += 1
+                self.entries[entry.get("code") or entry.get("type")] += 1  # type: ignore[index]
                 if entry.get("type") == "reply" and isinstance(entry.get("id"), str) and entry["id"] in self.waiting:
                     self.waiting.pop(entry["id"]).set()
 
@@ -1367,7 +1370,7 @@ def lp_worker(gw: Gateway, out: Outcomes, tokens: Tokens, name: str, count: int)
                 try:
                     if box.session is None:
                         headers = {"Authorization": b"Bearer " + tokens.lp.encode()} if rng.random() < 0.5 else {}
-                        response = http.post("/lp", headers=headers)
+                        response = http.post("/lp", headers=headers)  # type: ignore[arg-type]  # httpx takes str names with bytes values
                         body = check_http(out, "longpoll create", response, "session")
                         if response.status_code == 201:
                             box.session = body["session"]
@@ -1380,7 +1383,7 @@ def lp_worker(gw: Gateway, out: Outcomes, tokens: Tokens, name: str, count: int)
                         sent += 1
                         out.counts["longpoll inputs"] += 1
                         headers = odd_headers(rng, tokens, gw.http_port)
-                        response = http.post("/lp", headers=headers, content=rng.choice([b"", b"{}", b"\xff" * 10]))
+                        response = http.post("/lp", headers=headers, content=rng.choice([b"", b"{}", b"\xff" * 10]))  # type: ignore[arg-type]  # httpx takes str names with bytes values
                         source = f"POST /lp {short(repr(headers), 400)}"
                         body = check_http(out, "longpoll create", response, source)
                         if response.status_code == 201:
@@ -1399,7 +1402,7 @@ def lp_worker(gw: Gateway, out: Outcomes, tokens: Tokens, name: str, count: int)
                     sent += 1
                     out.counts["longpoll inputs"] += 1
                     out.bytes_sent += len(data)
-                    response = http.post(f"/lp/{session}", content=data, headers=headers)
+                    response = http.post(f"/lp/{session}", content=data, headers=headers)  # type: ignore[arg-type]  # httpx takes str names with bytes values
                     check_http(out, "longpoll post", response,
                                f"{short(data, 600)} headers {short(repr(headers), 200)}")
                     if response.status_code == 404:
@@ -1507,7 +1510,7 @@ def log_findings(path: Path) -> tuple[list[str], collections.Counter[str], colle
     innermost gateway/core frame)."""
     text = path.read_bytes()
     lines = text.decode(errors="replace").splitlines()
-    errors = []
+    errors: list[str] = []
     for i, line in enumerate(lines):
         if not LOG_ERROR.match(line.encode()) or line.startswith("Traceback") or len(errors) >= 2:
             continue

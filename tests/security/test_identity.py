@@ -13,10 +13,10 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import TEST_JWT_SECRET, make_token, run_gateway
+from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,6 +36,7 @@ def close_code(ws) -> int:
     with pytest.raises(ConnectionClosed) as info:
         while True:
             ws.recv(timeout=5)
+    assert info.value.rcvd is not None, "the server sent no close frame"
     return info.value.rcvd.code
 
 
@@ -76,7 +77,7 @@ def test_anonymous_clients_reach_only_anonymous_topics_and_see_only_those():
     (lambda: jwt.encode({"sub": "eve"}, TEST_JWT_SECRET, algorithm="HS256"), 4001, "exp"),
     (lambda: make_token("eve", subscribe="news.*"), 4001, "subscribe"),
     (lambda: make_token("eve", ttl=-60), 4011, "expired"),
-    (lambda: jwt.encode({"sub": "eve", "exp": int(time.time()) + 60}, None, algorithm="none"), 4001, "algorithm"),
+    (lambda: jwt.encode({"sub": "eve", "exp": int(time.time()) + 60}, None, algorithm="none"), 4001, "algorithm"),  # type: ignore[arg-type]
     (lambda: "not-a-jwt", 4001, "invalid"),
 ], ids=["signature", "sub", "exp", "subscribe", "expired", "algorithm", "invalid"])
 def test_refused_tokens_close_the_handshake_with_a_code_and_reason(make, code, words):

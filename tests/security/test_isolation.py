@@ -7,10 +7,10 @@ import re
 
 import httpx
 import pytest
-from gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from gw_helpers import recv_entries, send
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import recv_entries, send
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-from gw_helpers import collect, send, ws_connect
 
 from core import TopicConfig, TopicKind
 from gateway import cli
 from gateway.auth import Principal
 from gateway.identity import ClientIdentity
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import collect, send, ws_connect
 
 ROOT = Path(__file__).resolve().parents[2]
 SECURITY = (ROOT / "docs" / "security.md").read_text()
@@ -49,7 +49,7 @@ def answer_rows(text: str) -> list[tuple[str, str, str, str, str | None]]:
         if len(cells) != 3 or not cells[1].startswith("`"):
             continue
         op, topic = cells[1].strip("`").split()
-        code = re.match(r"`(\w+)`", cells[2]).group(1)
+        code = re.match(r"`(\w+)`", cells[2]).group(1)  # type: ignore[union-attr]
         quoted = re.search(r'"(.*)"', cells[2])
         rows.append((cells[0], op, topic, code, quoted.group(1) if quoted else None))
     return rows
@@ -66,7 +66,7 @@ class Served:
                                      text=True)
         deadline = time.monotonic() + 30
         while not ready.exists():
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert self.proc.poll() is None, self.proc.stdout.read()  # type: ignore[union-attr]
             assert time.monotonic() < deadline
             time.sleep(0.05)
         self.http_port = json.loads(ready.read_text())["http_port"]

@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
-from gw_helpers import auth, collect, send, wait_for, ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
+from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 
 RULES = {"rules": [
     {"pattern": "room.*", "anonymous": True, "presence": True, "join_leave": True},

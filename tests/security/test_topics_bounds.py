@@ -10,10 +10,10 @@ import time
 
 import httpx
 import pytest
-from gw_helpers import Ingest, auth, collect, recv_entries, send, wait_for
 from websockets.sync.client import connect
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import Ingest, auth, collect, recv_entries, send, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,9 +11,9 @@ import time
 import urllib.request
 
 import pytest
-from bytes_helpers import TEXT, RawWs, ws_frame
 
 from loadtest.floodprobe import FloodGateway, healthz_ms
+from tests.security.bytes_helpers import TEXT, RawWs, ws_frame
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -13,11 +13,11 @@ import threading
 import time
 
 import pytest
-from bytes_helpers import CLOSE, PING, TEXT, RawWs, ws_frame
-from gw_helpers import collect, send, wait_for, ws_connect
 
 from gateway.testing import run_gateway
 from gateway.transports.ws import ws_counters
+from tests.gateway.gw_helpers import collect, send, wait_for, ws_connect
+from tests.security.bytes_helpers import CLOSE, PING, TEXT, RawWs, ws_frame
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,80 @@
+"""Readiness (`GET /readyz`, gateway/readiness.py, docs/operations.md): 200 while the gateway takes new
+clients, 503 with the reason otherwise; `/healthz` stays liveness. A real `gateway serve` process for the
+SIGTERM (the broker outage is in tests/cluster/test_readyz_broker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from websockets.sync.client import connect
+
+from gateway.testing import run_gateway
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(tmp_path: Path, *server_lines: str) -> tuple[subprocess.Popen[bytes], str]:
+    config = tmp_path / "gateway.toml"
+    config.write_text("\n".join([
+        "[server]", 'host = "127.0.0.1"', "port = 0", 'admin_token = "readyz-test-token"', 'log_level = "info"',
+        *server_lines, "[ingest]", "enabled = false", "[rawtcp]", "enabled = false",
+        "[[topics.rules]]", 'pattern = "*"', 'kind = "ring"', "capacity = 16", "anonymous = true",
+    ]) + "\n")
+    ready = tmp_path / "ready.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
+                             str(ready)], cwd=ROOT, env=env, stdout=open(tmp_path / "gateway.log", "ab"),
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None, (tmp_path / "gateway.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, "gateway did not start"
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{json.loads(ready.read_text())['http_port']}"
+
+
+def test_readyz_answers_200_while_serving_and_healthz_stays_liveness():
+    with run_gateway() as gw:
+        ready = httpx.get(f"{gw.http_url}/readyz", timeout=5)
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["status"] == "ready" and "reason" not in ready.json()
+        assert ready.json()["worker"] == 0
+        assert ready.headers["cache-control"] == "no-store"
+        assert httpx.get(f"{gw.http_url}/healthz", timeout=5).json() == {"status": "ok"}
+
+
+def test_sigterm_turns_readyz_to_503_draining_at_once_while_the_port_serves_drain_delay_s(tmp_path):
+    """The state flips in the signal handler: the first /readyz after SIGTERM answers 503 `draining`; for
+    `server.drain_delay_s` the port still serves (a balancer takes the gateway out meanwhile), /healthz
+    still answers 200, then the drain closes the port and the process exits 0."""
+    proc, base = start(tmp_path, "drain_delay_s = 1.5", "drain_timeout_s = 2")
+    try:
+        assert httpx.get(f"{base}/readyz", timeout=5).status_code == 200
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        answer = httpx.get(f"{base}/readyz", timeout=5)  # a new connection, as a probe makes
+        answered = time.monotonic() - sent
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["reason"] == "draining" and answer.json()["status"] == "unavailable"
+        assert answered < 1.0, answered  # generous: the flip itself is immediate (shared, slow machine)
+        # still serving during the delay: liveness, and a client that arrives late is still taken
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        with connect(base.replace("http", "ws") + "/ws", open_timeout=5) as ws:
+            ws.send(json.dumps({"op": "subscribe", "topic": "late"}))
+            assert ws.recv(timeout=5)
+        print(f"\n/readyz 503 draining answered {answered * 1000:.1f} ms after SIGTERM")
+        assert proc.wait(15) == 0
+        waited = time.monotonic() - sent
+        assert waited >= 1.5, waited  # the delay was kept before the drain
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
