@@ -63,7 +63,7 @@ test: lint java browser redis iproute netcat node
 # not to (PYTHONDONTWRITEBYTECODE): without it every run compiles every module and rewrites every test's asserts
 # again, 5 of the minute.
 check: lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m unit -p no:cacheprovider
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m unit -p no:cacheprovider -n 2
 
 bench: $(STAMP)
 	$(BIN)/python -m loadtest core
