@@ -10,7 +10,7 @@ import pytest
 
 from tests.cluster.cluster_helpers import collect
 from tests.gateway.gw_helpers import send
-from tests.gateway.test_proxy_hooks import Backend
+from tests.gateway.hook_backend import Backend
 
 
 @pytest.fixture

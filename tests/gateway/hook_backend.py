@@ -1,6 +1,6 @@
-"""A real backend for hook tests (tests/gateway/test_command_order.py, test_hook_bounds_commands.py): a
-Starlette app served by uvicorn on loopback, recording what it receives, with switchable answers and delays
-(the model is tests/gateway/test_proxy_hooks.py's)."""
+"""A real backend for the hook tests (test_proxy_hooks.py, test_command_order.py, test_hook_bounds_commands.py,
+test_tracing.py, the security and cluster hook tests): a Starlette app served by uvicorn on loopback,
+recording what it receives, with switchable answers and delays."""
 
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ class Backend:
 
     def url(self, hook: str) -> str:
         return f"http://127.0.0.1:{self.port}/{hook}"
+
+    def reset(self) -> None:
+        self.received.clear()
+        self.answers.clear()
+        self.delays.clear()
 
     def proxy(self, *hooks: str, **more: Any) -> dict[str, Any]:
         """A `[proxy]` section with these hooks (all when none is named) pointing here."""

@@ -27,9 +27,7 @@ def backend():
 
 @pytest.fixture
 def app(backend):
-    backend.received.clear()
-    backend.answers.clear()
-    backend.delays.clear()
+    backend.reset()
     return backend
 
 

@@ -22,7 +22,8 @@ import pytest
 
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import collect, recv_entries, send, wait_for, ws_connect
-from tests.gateway.test_proxy_hooks import Backend, free_port
+from tests.gateway.hook_backend import Backend
+from tests.gateway.test_proxy_hooks import free_port
 
 MIB = 1 << 20
 GIB = 1 << 30

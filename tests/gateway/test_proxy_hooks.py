@@ -4,26 +4,18 @@ clients."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 import time
-from collections import defaultdict
 from typing import Any
 
 import httpx
-import orjson
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import auth, collect, recv_entries, send, wait_for, ws_connect
+from tests.gateway.hook_backend import Backend, running_backend
 from tests.gateway.sse_client import SseClient
 
 RULES = [
@@ -34,54 +26,9 @@ RULES = [
 ]
 
 
-class Backend:
-    """The application: POST /HOOK records the body and answers `answers[HOOK]` (a dict, or a function of the
-    body), after `delays[HOOK]` seconds."""
-
-    def __init__(self) -> None:
-        self.received: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        self.answers: dict[str, Any] = {}
-        self.delays: dict[str, float] = {}
-        self.port = 0
-        app = Starlette(routes=[Route("/{hook}", self.handle, methods=["POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    async def handle(self, request: Request) -> JSONResponse:
-        hook = request.path_params["hook"]
-        body = orjson.loads(await request.body())
-        self.received[hook].append(body)
-        delay = self.delays.get(hook, 0)
-        if delay:
-            await asyncio.sleep(delay)
-        answer = self.answers.get(hook, {})
-        return JSONResponse(answer(body) if callable(answer) else answer)
-
-    def url(self, hook: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{hook}"
-
-    def reset(self) -> None:
-        self.received.clear()
-        self.answers.clear()
-        self.delays.clear()
-
-    def start(self) -> None:
-        self.thread.start()
-        wait_for(lambda: self.server.started, "the backend to start")
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def backend():
-    server = Backend()
-    server.start()
-    yield server
-    server.stop()
+    yield from running_backend()
 
 
 @pytest.fixture

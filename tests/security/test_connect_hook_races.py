@@ -22,7 +22,7 @@ import websockets
 
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import auth, wait_for
-from tests.gateway.test_proxy_hooks import Backend
+from tests.gateway.hook_backend import Backend
 
 pytestmark = pytest.mark.timeout(60)
 
