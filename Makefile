@@ -53,9 +53,11 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict core fanout_client gateway
 	$(BIN)/mypy --cache-dir .mypy_cache/typed loadtest pipeline tests
 
-# Then the core's own tests once more on its pure-Python fallback (FANOUT_PURE_PYTHON, core/native.py).
+# Then every test, on both cores (pytest-xdist; a module's tests stay together in one worker, so its fixtures and
+# ports are its own), with the 15 slowest named; then the core's own tests once more on its pure-Python fallback
+# (FANOUT_PURE_PYTHON, core/native.py).
 test: lint java browser redis iproute netcat node
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 	FANOUT_PURE_PYTHON=1 $(BIN)/python -m pytest -q tests/core
 
 # The fast lane: ruff, mypy and the unit tests (in-process only, tests/conftest.py), under a minute; no Java,
