@@ -7,28 +7,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import collect, recv_entries, send, ws_connect
-from tests.gateway.hook_backend import running_backend
 
 RULES = [
     {"pattern": "guarded.*", "kind": "ring", "anonymous": True, "client_publish": True,
      "proxy_subscribe": True, "proxy_publish": True},
     {"pattern": "*", "kind": "ring", "anonymous": True, "client_publish": True},
 ]
-
-
-@pytest.fixture(scope="module")
-def backend():
-    yield from running_backend()
-
-
-@pytest.fixture
-def app(backend):
-    backend.reset()
-    return backend
 
 
 def answers(entries: list[dict]) -> list[tuple]:

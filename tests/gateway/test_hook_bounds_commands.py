@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-import pytest
-
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import collect, recv_entries, send, ws_connect
-from tests.gateway.hook_backend import running_backend
 from tests.gateway.sse_client import SseClient
 
 RULES = [
@@ -21,17 +18,6 @@ RULES = [
      "proxy_subscribe": True, "proxy_publish": True},
     {"pattern": "*", "kind": "ring", "anonymous": True, "client_publish": True},
 ]
-
-
-@pytest.fixture(scope="module")
-def backend():
-    yield from running_backend()
-
-
-@pytest.fixture
-def app(backend):
-    backend.reset()
-    return backend
 
 
 def outcome(entry: dict) -> str:

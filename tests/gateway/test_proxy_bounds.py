@@ -22,25 +22,10 @@ import pytest
 
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import collect, recv_entries, send, wait_for, ws_connect
-from tests.gateway.hook_backend import Backend
 from tests.gateway.test_proxy_hooks import free_port
 
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def backend() -> Iterator[Backend]:
-    server = Backend()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def app(backend: Backend) -> Backend:
-    backend.reset()
-    return backend
 
 
 def metric(gw: Any, name: str, **labels: str) -> float:

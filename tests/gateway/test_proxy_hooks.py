@@ -15,7 +15,7 @@ from websockets.sync.client import connect
 
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import auth, collect, recv_entries, send, wait_for, ws_connect
-from tests.gateway.hook_backend import Backend, running_backend
+from tests.gateway.hook_backend import Backend
 from tests.gateway.sse_client import SseClient
 
 RULES = [
@@ -24,17 +24,6 @@ RULES = [
      "proxy_subscribe": True, "proxy_publish": True},
     {"pattern": "*", "kind": "ring", "anonymous": True, "client_publish": True},
 ]
-
-
-@pytest.fixture(scope="module")
-def backend():
-    yield from running_backend()
-
-
-@pytest.fixture
-def app(backend):
-    backend.reset()
-    return backend
 
 
 def proxy_config(backend: Backend, **more: Any) -> dict[str, Any]:
