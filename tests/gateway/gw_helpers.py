@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import orjson
@@ -90,3 +95,35 @@ class Ingest:
 
     def close(self):
         self.connection.close()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_process(tmp_path: Path, config_text: str, *, piped: bool = False,
+                  timeout: float = 30.0) -> tuple[subprocess.Popen[Any], dict[str, Any]]:
+    """`python -m gateway serve --config` of this checkout (no `GATEWAY_*` variable of ours reaches it), once it is
+    ready: the process and its ready file's values (`http_port`...). Its output goes to tmp_path/gateway.log,
+    or with `piped` to a text pipe the caller reads (`proc.communicate`). The caller stops it."""
+    config, ready, log = tmp_path / "gateway.toml", tmp_path / "ready.json", tmp_path / "gateway.log"
+    config.write_text(config_text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)]
+    if piped:
+        proc: subprocess.Popen[Any] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                                       stderr=subprocess.STDOUT, text=True)
+    else:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def output() -> str:
+        return proc.communicate()[0] if piped else log.read_text()[-2000:]
+
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        assert proc.poll() is None, output()
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the gateway did not start: {output()}")
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())

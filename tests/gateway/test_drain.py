@@ -6,12 +6,9 @@ within `server.drain_timeout_s` plus a margin."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +17,8 @@ import orjson
 import pytest
 import websockets
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gateway.gw_helpers import serve_process
+
 TOKEN = "drain-test-token"
 CLIENTS = 30
 DRAIN_TIMEOUT_S = 5.0
@@ -29,25 +27,13 @@ HINT = re.compile(r"restarting: reconnect in (\d+) ms")
 
 
 def start(tmp_path: Path, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> tuple[subprocess.Popen[bytes], dict]:
-    config = tmp_path / "gateway.toml"
-    config.write_text("\n".join([
+    return serve_process(tmp_path, "\n".join([
         "[server]", 'host = "127.0.0.1"', "port = 0", f'admin_token = "{TOKEN}"', 'log_level = "info"',
         "max_connections_per_ip = 0", f"drain_timeout_s = {drain_timeout_s}", f"drain_spread_s = {SPREAD_S}",
         "[ingest]", "port = 0", "[rawtcp]", "enabled = false",
         "[[topics.rules]]", 'pattern = "*"', 'kind = "ring"', "capacity = 64", "anonymous = true",
         "client_publish = true",
     ]) + "\n")
-    ready = tmp_path / "ready.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=ROOT, env=env, stdout=open(tmp_path / "gateway.log", "ab"),
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        assert proc.poll() is None, (tmp_path / "gateway.log").read_text()[-2000:]
-        assert time.monotonic() < deadline, "gateway did not start"
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())
 
 
 async def ws_client(url: str, subscribed: asyncio.Event, counter: list[int]) -> tuple[int | None, str]:

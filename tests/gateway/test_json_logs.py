@@ -21,8 +21,8 @@ from websockets.sync.client import connect as ws_connect
 
 from gateway.config import ConfigError, load_config
 from gateway.testing import TEST_JWT_SECRET, make_token
+from tests.gateway.gw_helpers import ROOT, serve_process
 
-ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "json-logs-admin-token"
 #: RFC 3339, UTC, milliseconds
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -69,19 +69,10 @@ def refuse_a_bad_token_and_kick_a_client(http_port: int) -> str:
 
 def serve_and_stop(tmp_path: Path, log_format: str) -> tuple[str, str, int]:
     """Run `gateway serve`, make it log a refusal, a kick and the drain (SIGTERM): (output, carol, status)."""
-    config, ready = tmp_path / "gateway.toml", tmp_path / "ready.json"
-    config.write_text(config_text(log_format))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, info = serve_process(tmp_path, config_text(log_format), piped=True)
     carol = ""
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.1)
-        carol = refuse_a_bad_token_and_kick_a_client(json.loads(ready.read_text())["http_port"])
+        carol = refuse_a_bad_token_and_kick_a_client(info["http_port"])
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)

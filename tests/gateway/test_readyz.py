@@ -5,10 +5,8 @@ SIGTERM (the broker outage is in tests/cluster/test_readyz_broker.py)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,28 +14,16 @@ import httpx
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gateway.gw_helpers import serve_process
 
 
 def start(tmp_path: Path, *server_lines: str) -> tuple[subprocess.Popen[bytes], str]:
-    config = tmp_path / "gateway.toml"
-    config.write_text("\n".join([
+    proc, info = serve_process(tmp_path, "\n".join([
         "[server]", 'host = "127.0.0.1"', "port = 0", 'admin_token = "readyz-test-token"', 'log_level = "info"',
         *server_lines, "[ingest]", "enabled = false", "[rawtcp]", "enabled = false",
         "[[topics.rules]]", 'pattern = "*"', 'kind = "ring"', "capacity = 16", "anonymous = true",
     ]) + "\n")
-    ready = tmp_path / "ready.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=ROOT, env=env, stdout=open(tmp_path / "gateway.log", "ab"),
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        assert proc.poll() is None, (tmp_path / "gateway.log").read_text()[-2000:]
-        assert time.monotonic() < deadline, "gateway did not start"
-        time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{json.loads(ready.read_text())['http_port']}"
+    return proc, f"http://127.0.0.1:{info['http_port']}"
 
 
 def test_readyz_answers_200_while_serving_and_healthz_stays_liveness():

@@ -4,35 +4,21 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gateway.gw_helpers import serve_process
+
 PORTS = '[server]\nport = 0\n[ingest]\nport = 0\n[rawtcp]\nenabled = false\n'
 
 
 def serve_output(tmp_path: Path, config_text: str) -> list[str]:
     """The lines `gateway serve --config` prints until it is ready, then stopped with SIGTERM."""
-    config, ready = tmp_path / "gateway.toml", tmp_path / "ready.json"
-    config.write_text(config_text)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=20)
+    proc, _ = serve_process(tmp_path, config_text, piped=True)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
     return out.splitlines()
 
 
