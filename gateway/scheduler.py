@@ -271,8 +271,9 @@ class Scheduler:
 
     def apply(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
         if self.traced_applies and topic in self.traced_applies:
-            return self._apply_traced(topic, data, seq, owner)
-        result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
+            result = self._apply_traced(topic, data, seq, owner)
+        else:
+            result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
         if self.delivery_log is not None:
             self.delivery_log.published(topic, result.seq)
         self.wake()
@@ -285,8 +286,6 @@ class Scheduler:
             result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
             span.set_attribute("fanout.seq", result.seq)
             fanout = expected.watch(span, topic, result.seq, self._reached_by(topic, owner))
-        if self.delivery_log is not None:
-            self.delivery_log.published(topic, result.seq)
         previous = self.fanouts.pop(topic, None)
         if previous is not None:  # a newer traced message of the topic: the watch follows that one
             previous.end(False)
@@ -294,7 +293,6 @@ class Scheduler:
             self.fanouts[topic] = fanout
         else:
             fanout.end(True)
-        self.wake()
         return result
 
     def _reached_by(self, topic: str, owner: Hashable) -> int:
