@@ -90,7 +90,7 @@ def guarded(handler: Endpoint) -> Endpoint:
 
 @guarded
 async def list_topics(request: Request) -> Response:
-    return JSONResponse({"topics": await _hub(request).router.topics_info()})
+    return JSONResponse({"topics": await _hub(request).catalog.topics_info()})
 
 
 @guarded
@@ -98,17 +98,17 @@ async def create_topic(request: Request) -> Response:
     hub = _hub(request)
     body: schema.CreateTopic = schema.body(await _json_body(request), schema.CreateTopic)
     # Settings not given come from the rule the name matches (its permissions included), as on first use.
-    rule = hub.engine.config.rule_for(body.name)
+    rule = hub.topics.config.rule_for(body.name)
     try:
         config = topic_config({**(rule.as_dict() if rule is not None else {}), **body.settings()})
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
-    return JSONResponse(await hub.router.create_topic(body.name, config), status_code=201)
+    return JSONResponse(await hub.catalog.create_topic(body.name, config), status_code=201)
 
 
 @guarded
 async def get_topic(request: Request) -> Response:
-    return JSONResponse(await _hub(request).router.topic_info(request.path_params["name"]))
+    return JSONResponse(await _hub(request).catalog.topic_info(request.path_params["name"]))
 
 
 @guarded
@@ -117,7 +117,7 @@ async def topic_presence(request: Request) -> Response:
     limits.presence_max_members} (cluster-wide with a broker)."""
     hub = _hub(request)
     name = request.path_params["name"]
-    config = hub.engine.topic_config(name)
+    config = hub.topics.topic_config(name)
     if config is None:
         raise UnknownTopic(f"no topic {name[:256]!r} and no rule creates it")
     if not config.presence:
@@ -129,7 +129,7 @@ async def topic_presence(request: Request) -> Response:
 @guarded
 async def delete_topic(request: Request) -> Response:
     name = request.path_params["name"]
-    return JSONResponse({"deleted": name, "subscribers_notified": await _hub(request).router.delete_topic(name)})
+    return JSONResponse({"deleted": name, "subscribers_notified": await _hub(request).catalog.delete_topic(name)})
 
 
 #: A bulk publish (`messages`) runs this long at most before it yields to the event loop.
@@ -146,7 +146,7 @@ async def publish(request: Request) -> Response:
     bound = hub.config.admin.max_publish_messages
     if len(items) > bound:
         raise MessageTooLarge(f"at most {bound} messages per publish (admin.max_publish_messages), not {len(items)}")
-    topic_config = hub.router.topic_config(name)
+    topic_config = hub.catalog.topic_config(name)
     if topic_config is None:
         raise UnknownTopic(f"no topic {name!r} and no rule creates it")
     tracing = hub.tracing
@@ -173,7 +173,7 @@ async def _publish_items(hub: Hub, name: str, items: list[Any], body: schema.Pub
             _expect_apply(hub, name, tracing)
         try:
             private = config.kind is TopicKind.PRIVATE  # a full queue holds the publish up to `timeout`
-            result = await hub.router.publish(name, data, owner=body.client, seq=body.seq,
+            result = await hub.catalog.publish(name, data, owner=body.client, seq=body.seq,
                                               timeout=timeout if private else None)
         except BrokerUnavailable as exc:
             return error_response(exc, {"Retry-After": "1"})
@@ -291,7 +291,7 @@ async def raw_stats(request: Request) -> Response:
 @guarded
 async def stats(request: Request) -> Response:
     hub = _hub(request)
-    counters = hub.engine.counters.as_dict()
+    counters = hub.topics.counters.as_dict()
     cycles = counters["cycles"] or 1
     return JSONResponse({
         "instance": hub.instance_id,
@@ -300,7 +300,7 @@ async def stats(request: Request) -> Response:
         "entries_per_batch": counters["entries_emitted"] / (counters["clients_served"] or 1),
         "clients": dict(hub.clients.by_transport),
         "write_blocked": len(hub.scheduler.blocked),
-        "topics": hub.engine.topic_count,
+        "topics": hub.topics.topic_count,
         "disconnects": {f"{t}:{r}": n for (t, r), n in hub.clients.disconnects.items()},
         "ingest": {"records": ingest_counters.records, "errors": ingest_counters.errors},
         "raw": hub.raw.stats() if hub.raw is not None else None,
@@ -337,7 +337,7 @@ routes = [
 async def get_rule(request: Request) -> Response:
     """The `[[topics.rules]]` entry a topic name is created by on first use: its pattern and settings."""
     name = request.path_params["name"]
-    for rule in _hub(request).engine.config.rules:
+    for rule in _hub(request).topics.config.rules:
         if rule.matches(name):
             return JSONResponse({"name": name, "pattern": rule.pattern, **rule.config.as_dict()})
     raise UnknownTopic(f"no topic rule matches {name[:256]!r}: create the topic with POST /api/topics")
@@ -350,11 +350,7 @@ routes.append(Route("/rules/{name:path}", get_rule, methods=["GET"]))
 
 
 def _feed(request: Request) -> StatsFeed:
-    state = request.app.state
-    feed: StatsFeed | None = getattr(state, "stats_feed", None)
-    if feed is None:
-        feed = state.stats_feed = StatsFeed(_hub(request))
-    return feed
+    return _hub(request).stats
 
 
 @guarded

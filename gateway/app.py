@@ -9,7 +9,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.routing import Mount, Route
 
 from . import admin
 from .errors import MethodNotAllowed, NotFound
@@ -22,7 +22,6 @@ from .readiness import readyz
 from .stats_feed import StatsFeed
 from .transports import longpoll, sse
 from .transports.handshake import TransportOff
-from .transports.ws import websocket_endpoint
 from .workers.forward import SessionRouter, WorkerLinks
 
 # The client library's type declarations (static/fanout.d.ts): the system table may call .ts a Qt file.
@@ -52,12 +51,11 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
     """`links`: with `server.workers` > 1, session requests owned by another worker go to it
     (gateway/workers/forward.py), inside the Origin guard, which this worker answers itself."""
     config = hub.config
-    # every route of a transport that is off answers with its one `TransportOff` (404 not_found; /ws: 403)
-    ws_off = None if config.websocket.enabled else TransportOff("WebSocket", "websocket.enabled")
+    # every route of a transport that is off answers with its one `TransportOff` (404 not_found); /ws is not
+    # an ASGI route: the WebSocket protocol answers its handshakes (gateway/transports/ws.py)
     lp_off = None if config.longpoll.enabled else TransportOff("long-poll", "longpoll.enabled")
     sse_off = None if config.sse.enabled else TransportOff("SSE", "sse.enabled")
     routes = [
-        WebSocketRoute("/ws", ws_off or websocket_endpoint),
         Route("/lp", lp_off or longpoll.create_session, methods=["POST"]),
         Route("/lp/{session}", lp_off or longpoll.poll, methods=["GET"]),
         Route("/lp/{session}", lp_off or longpoll.post_commands, methods=["POST"]),

@@ -105,7 +105,7 @@ def _public_key(setting: str, file: str) -> tuple[Any, str]:
 
 
 class TokenVerifier:
-    def __init__(self, auth: AuthConfig) -> None:
+    def __init__(self, auth: AuthConfig, tracing: Tracing | None = None) -> None:
         #: the HMAC secrets, current first: a token is tried with each in turn (rotation)
         self.secrets = [s for s in (auth.jwt_secret, auth.jwt_previous_secret) if s]
         #: the PEM public keys, current first, each with the one algorithm it checks
@@ -122,8 +122,8 @@ class TokenVerifier:
         self.leeway = auth.leeway_s
         #: revoked tokens (`POST /api/revocations`): refused by `verify`, wherever the token comes from
         self.revocations = RevocationTable(auth.max_revocations)
-        #: set by the hub when [tracing] is on: a check against the JWKS key set is an `auth.verify` span
-        self.tracing: Tracing | None = None
+        #: when [tracing] is on: a check against the JWKS key set is an `auth.verify` span
+        self.tracing = tracing
 
     @property
     def enabled(self) -> bool:

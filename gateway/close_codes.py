@@ -16,7 +16,7 @@ GOING_AWAY = 1001  # server shutting down
 SERVICE_RESTART = 1012  # draining (SIGTERM): reconnect elsewhere after the reason's hint, "restarting: reconnect in N ms"
 INTERNAL_ERROR = 1011
 TRY_AGAIN_LATER = 1013  # the backend's connect hook did not answer (down, timed out): "backend unavailable"
-# Sent by the WebSocket protocol layer (websockets, through gateway.transports.ws.FanoutWSProtocol) on a peer's error:
+# Sent on a peer's error by the WebSocket protocol (gateway/transports/ws.py, with websockets' parser):
 PROTOCOL_ERROR = 1002  # a malformed frame (e.g. an unmasked client frame)
 POLICY_VIOLATION = 1008  # a message in more than websocket.max_fragments frames
 INVALID_DATA = 1007  # a text frame that is not valid UTF-8

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 import orjson
@@ -50,6 +50,17 @@ TOPIC_COMMANDS = (schema.Subscribe, schema.Unsubscribe, schema.Publish, schema.A
 T = TypeVar("T")
 
 
+class CommandSession(Protocol):
+    """What the commands need of a client's session (gateway/session.py `ClientSession`): who the client
+    is, and the hub its commands act on."""
+
+    @property
+    def identity(self) -> ClientIdentity: ...
+
+    @property
+    def hub(self) -> Hub: ...
+
+
 def parse_commands(payload: bytes | str) -> list[Any]:
     """The JSON values of one frame: one object, or an array of at most 100. Raises BadJson / BadCommand."""
     try:
@@ -63,7 +74,7 @@ def parse_commands(payload: bytes | str) -> list[Any]:
 
 
 def _topic_config(hub: "Hub", name: str) -> TopicConfig:
-    config = hub.engine.topic_config(name)
+    config = hub.topics.topic_config(name)
     if config is None:
         raise UnknownTopic(f"no topic {name!r} and no rule creates it")
     return config
@@ -72,7 +83,7 @@ def _topic_config(hub: "Hub", name: str) -> TopicConfig:
 def _rule_of(hub: "Hub", name: str, config: TopicConfig) -> str:
     """Where a refused topic's settings come from, for the refusal's message: its rule, or its own settings
     (a topic created through the admin API with settings of its own)."""
-    for rule in hub.engine.config.rules:
+    for rule in hub.topics.config.rules:
         if rule.matches(name):
             if rule.config == config:
                 return f"topic rule {rule.pattern!r}"
@@ -112,10 +123,7 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
 
 def _subscribe_now(hub: "Hub", identity: ClientIdentity, name: str, since: tuple[str, int] | None,
                    request_id: Any, ack: bool = False) -> None:
-    creating = hub.router.creating(identity, name)  # raises when this client may create no more
-    hub.router.subscribe(identity.client_id, name, since=since, request_id=request_id, ack=ack)
-    if creating:
-        hub.creations.charge(identity)
+    hub.catalog.subscribe(identity.client_id, name, since=since, request_id=request_id, ack=ack)
 
 
 def _ack(hub: "Hub", identity: ClientIdentity, command: schema.Ack) -> None:
@@ -123,8 +131,7 @@ def _ack(hub: "Hub", identity: ClientIdentity, command: schema.Ack) -> None:
     §9). No answer unless the command has an `id`: then a reply with the first seq still queued."""
     if not 0 <= command.seq < MAX_SEQ:
         raise BadCommand("`seq` must be in [0, 2**53)")
-    head = hub.engine.ack(identity.client_id, command.topic, command.seq)
-    hub.scheduler.space()  # publishers waiting for room retry; with a broker, the commit goes to Redis
+    head = hub.catalog.ack(identity.client_id, command.topic, command.seq)
     if command.id is not None:
         hub.clients.send_direct(identity.client_id, encode_reply(command.id, {"topic": command.topic, "head": head}))
 
@@ -150,10 +157,7 @@ def _publish(hub: "Hub", identity: ClientIdentity, command: schema.Publish) -> N
 
 
 def _publish_now(hub: "Hub", identity: ClientIdentity, name: str, data: Any, request_id: Any) -> None:
-    creating = hub.router.creating(identity, name)  # raises when this client may create no more
-    hub.router.publish_reply(identity.client_id, name, data, request_id)  # the reply, now or from the broker
-    if creating:
-        hub.creations.charge(identity)
+    hub.catalog.publish_reply(identity.client_id, name, data, request_id)  # the reply, now or from the broker
 
 
 def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[str, Any], answer: type[T],
@@ -320,7 +324,7 @@ def _rpc(hub: "Hub", identity: ClientIdentity, method: str, params: Any) -> Any:
     if method == "topics":
         _costly(hub, identity, "rpc topics")
         listed = []
-        for t in hub.engine.topics():
+        for t in hub.topics.topics():
             if identity.may_subscribe(t.name, t.config):
                 listed.append({"name": t.name, "kind": t.kind, "epoch": t.epoch})
                 if len(listed) == RPC_TOPICS_MAX:
@@ -336,7 +340,7 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
     elif isinstance(command, schema.Ack):
         _ack(hub, identity, command)
     elif isinstance(command, schema.Unsubscribe):
-        hub.router.unsubscribe(client_id, command.topic, request_id=command.id)
+        hub.catalog.unsubscribe(client_id, command.topic, request_id=command.id)
     elif isinstance(command, schema.Publish):
         _publish(hub, identity, command)
     elif isinstance(command, schema.Auth):
@@ -359,12 +363,16 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
         hub.clients.send_direct(client_id, encode_reply(command.id, "pong"))
 
 
-def run_command(hub: "Hub", client_id: str, value: Any, *, sent: bool = False) -> None:
-    """Convert one parsed command and run it, or queue it behind a hooked command on its topic; any refusal
-    is answered with an `error` entry. `sent`: the client sent it (a frame, a body), so a subscribe counts
-    against `limits.subscribe_rate`; the topics an SSE stream opens with come in one request, bounded by
-    `scheduler.max_subscriptions`, and are not counted."""
-    identity = hub.clients.conns[client_id].identity
+def run_command(session: CommandSession, value: Any, *, sent: bool = False) -> None:
+    """Convert one parsed command of `session`'s client and run it, or queue it behind a hooked command on
+    its topic; any refusal is answered with an `error` entry. `sent`: the client sent it (a frame, a body),
+    so a subscribe counts against `limits.subscribe_rate`; the topics an SSE stream opens with come in one
+    request, bounded by `scheduler.max_subscriptions`, and are not counted."""
+    _run_value(session.hub, session.identity, value, sent)
+
+
+def _run_value(hub: "Hub", identity: ClientIdentity, value: Any, sent: bool) -> None:
+    client_id = identity.client_id
     identity.last_command = time.monotonic()
     request_id = schema.request_id_of(value)
     try:
@@ -384,8 +392,20 @@ def _refused(hub: "Hub", client_id: str, exc: RequestError, request_id: Any) -> 
         hub.clients.send_error(client_id, exc, request_id)
 
 
+def handle(session: CommandSession, payload: bytes | str) -> int:
+    """Run every command of one message of `session`'s client (a frame, a body: our JSON protocol, one
+    object or an array). Returns how many were run."""
+    return _handle(session.hub, session.identity, payload)
+
+
 def handle_payload(hub: "Hub", client_id: str, payload: bytes | str) -> int:
-    """Run every command of one frame or body. Returns how many were run."""
+    """`handle` for a registered client named by its id (0 when it is not registered)."""
+    conn = hub.clients.conns.get(client_id)
+    return 0 if conn is None else _handle(hub, conn.identity, payload)
+
+
+def _handle(hub: "Hub", identity: ClientIdentity, payload: bytes | str) -> int:
+    client_id = identity.client_id
     try:
         values = parse_commands(payload)
     except RequestError as exc:
@@ -394,5 +414,5 @@ def handle_payload(hub: "Hub", client_id: str, payload: bytes | str) -> int:
     for value in values:
         if client_id not in hub.clients.conns:
             break  # kicked by an earlier command of the same frame
-        run_command(hub, client_id, value, sent=True)
+        _run_value(hub, identity, value, True)
     return len(values)

@@ -86,7 +86,6 @@ class WebSocketConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_fragments: int
     ping_interval_s: float
     ping_timeout_s: float
-    direct_write: bool
 
 
 class LongPollConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -192,11 +191,18 @@ class DeliveryLogConfig(_Section, frozen=True, forbid_unknown_fields=True):
 
 class BrokerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     url: str
+    sentinel_addresses: list[str]
+    sentinel_master: str
     prefix: str
     history_ttl_s: float
     connect_timeout_s: float
     max_topics: int
     max_pending_bytes: int
+
+    @property
+    def configured(self) -> bool:
+        """Whether topics live in Redis (one of `url`, `sentinel_addresses`), not in this process."""
+        return bool(self.url or self.sentinel_addresses)
 
 
 class ProxyConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -443,6 +449,18 @@ def _check_jwks(auth: AuthConfig) -> None:
         raise ConfigError(f"auth.jwks_url must be an https:// URL (http:// only to localhost), not {url!r}")
 
 
+def _check_broker(broker: BrokerConfig) -> None:
+    """Exactly one place for Redis: `url` or `sentinel_addresses` (with `sentinel_master`), or neither."""
+    if broker.url and broker.sentinel_addresses:
+        raise ConfigError("broker.url and broker.sentinel_addresses are both set: set one of them (docs/cluster.md)")
+    if broker.sentinel_addresses and not broker.sentinel_master:
+        raise ConfigError("broker.sentinel_addresses needs broker.sentinel_master: the name the sentinels monitor")
+    for text in broker.sentinel_addresses:
+        host, _, port = text.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f'broker.sentinel_addresses: {text!r} is not "host:port"')
+
+
 def _check_tracing(tracing: TracingConfig) -> None:
     """[tracing]: an http(s) collector URL (empty: tracing off), a service name, a rate in [0, 1]."""
     url = tracing.otlp_endpoint
@@ -516,11 +534,12 @@ def load_config(
         raise ConfigError("proxy: refresh_before_s, event_backoff_s and retry_after_s must be >= 0")
     _check_jwks(config.auth)
     _check_tracing(config.tracing)
+    _check_broker(config.broker)
     if config.admin.max_publish_messages < 1:
         raise ConfigError(f"admin.max_publish_messages must be >= 1, not {config.admin.max_publish_messages}")
-    if config.server.workers > 1 and not config.broker.url:
+    if config.server.workers > 1 and not config.broker.configured:
         raise ConfigError(
             f"server.workers = {config.server.workers} needs a broker: each worker would be a topic space of its"
-            " own; set broker.url (docs/cluster.md) or keep workers = 1"
+            " own; set broker.url or broker.sentinel_addresses (docs/cluster.md) or keep workers = 1"
         )
     return config

@@ -1,6 +1,6 @@
 """A sampled log of what the gateway delivered, for the live audit (`python -m pipeline audit --follow`).
 
-Config section `[deliverylog]` (off by default). When on, the scheduler stamps each publish (`Scheduler.apply`:
+Config section `[deliverylog]` (off by default). When on, the scheduler stamps each publish (`Membership.apply`:
 `DeliveryLog.published`) and makes one call per delivered batch (`Scheduler._deliver`):
 `DeliveryLog.delivered(batch, conn)`, which only decides whether the client is sampled (a
 cached hash of its id) and, if so, appends a reference to the batch's entries to an in-memory queue. A

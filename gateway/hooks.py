@@ -4,7 +4,7 @@ URLs) when one is set, else `NoHooks`, which allows everything at once. A call s
 (`asks_subscribe`, `wants_connect`, ...) instead of checking for a missing proxy.
 
 A hook's answer is one of: a grant / an allowance, `Refused` (the backend's `error`), or `BackendUnavailable`
-(gateway/errors.py). The callers (gateway/transports/*, commands.py, clients.py, router.py) turn those into
+(gateway/errors.py). The callers (gateway/transports/*, commands.py, clients.py, catalog.py) turn those into
 the client's answer; the hooks know no connection and no hub.
 """
 

@@ -1,15 +1,19 @@
 """The hub: the gateway's parts for one process, wired together, started and stopped as one.
 
-    socket -> transport -> client registry / topic router -> broker -> core engine -> scheduler -> socket
+    socket -> transport -> client registry / topic catalog -> broker -> core engine -> scheduler -> socket
 
 * `scheduler` (gateway/scheduler.py): the engine, its wake-ups and rounds, the hand-off of batches to
-  connections; the only part that changes the engine, and the broker's `BrokerEvents`.
+  connections; the only part that changes the engine (its `membership` verbs are the broker's `BrokerEvents`).
+* `topics`: the engine, read-only (gateway/topic_view.py), for whoever needs to look.
 * `clients` (gateway/clients.py): the connections, per-address counts, tokens, idle and watchdog timers, kick.
-* `router` (gateway/router.py): the verbs transports and the admin API use on topics (subscribe, publish,
-  create, delete), each through the broker.
+* `catalog` (gateway/catalog.py): the verbs transports and the admin API use on topics (subscribe, publish,
+  create, delete), each through the broker, with the client's creation budget.
 * `broker` (gateway/broker/): where topics live, this process (default) or Redis (docs/cluster.md).
+* `control` (gateway/control_commands.py): the operators' commands the broker runs on this node.
 
-Transports hold the hub and use those parts; anyone may read `engine`. docs/architecture.md draws the whole.
+Every part gets what it uses at construction. Where two parts need each other (the scheduler kicks through
+the registry, the broker runs control commands the registry answers), the one made first gets a forwarder
+to the one made later. docs/architecture.md draws the whole.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ import contextlib
 import secrets
 from collections.abc import Callable, Hashable
 
-from core import Engine
-
 from .broker import Broker, make_broker
+from .catalog import TopicCatalog
 from .clients import ClientRegistry
 from .config import GatewayConfig
+from .control_commands import ControlCommands
 from .deliverylog import DeliveryLog
 from .gcpolicy import GcPolicy
 from .hooks import Hooks
@@ -32,9 +36,10 @@ from .netguard import ConnectionLimiter
 from .proxy import hooks_from_config
 from .ratelog import BadInputLog
 from .readiness import Readiness
-from .router import TopicRouter
 from .scheduler import Connection, Scheduler
+from .stats_feed import StatsFeed
 from .topic_budget import CreationBudget
+from .topic_view import TopicView
 from .tracing import Tracing, from_config
 from .transports.rawtcp import RawBroadcastServer
 from .transports.sessions import SessionStore
@@ -44,25 +49,31 @@ class Hub:
     def __init__(self, config: GatewayConfig, *, instance_id: str | None = None) -> None:
         self.config = config
         self.instance_id = instance_id or secrets.token_hex(4)
-        self.engine = Engine(config.engine_config(), instance_id=self.instance_id)
         conns: dict[Hashable, Connection] = {}
-        self.scheduler = Scheduler(config, self.engine, conns)
+        # The registry is made after the scheduler (it uses it): a connection that broke is kicked through it.
+        self.scheduler = Scheduler(config, conns, instance_id=self.instance_id,
+                                   kick=lambda client_id, code, reason, metric: self.clients.kick(
+                                       client_id, code, reason, metric))
+        #: the engine, read-only: the scheduler is its only writer
+        self.topics: TopicView = self.scheduler.topics
         self.gc = GcPolicy(config.server.gc_full_interval_s)
         self.bad_input = BadInputLog(config.limits.bad_input_log_per_s)
         #: topic creations by clients: per connection, per address, in total (gateway/topic_budget.py)
-        self.creations = CreationBudget(config.limits, lambda: self.engine.topic_count)
-        self.broker: Broker = make_broker(config, self.scheduler, self.creations, self.instance_id)
-        self.scheduler.report_commits = self.broker.committed
-        self.scheduler.presence.store = self.broker.presence
+        self.creations = CreationBudget(config.limits, lambda: self.topics.topic_count)
+        # The control commands and the stats feed are made after the broker (they use the registry, which
+        # uses the broker): what the broker asks of them forwards.
+        self.broker: Broker = make_broker(config, self.scheduler.membership, self.creations, self.instance_id,
+                                          lambda command: self.control.run(command),
+                                          lambda watched: self.stats.node_summary(watched))
         #: OpenTelemetry traces ([tracing], gateway/tracing.py); None (and nothing imported) when off
         self.tracing: Tracing | None = from_config(config.tracing, self.instance_id)
         #: the backend hooks (gateway/hooks.py): over HTTP ([proxy], gateway/proxy.py), or `NoHooks` without a URL
         self.hooks: Hooks = hooks_from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input,
                                               self.tracing)
-        self.clients = ClientRegistry(config, self.scheduler, self.broker, conns, self.hooks)
-        self.clients.on_arrival, self.clients.on_departure = self.gc.arrived, self.gc.departed
-        self.clients.tokens.tracing = self.tracing
-        self.router = TopicRouter(self.scheduler, self.clients, self.broker, self.creations)
+        self.clients = ClientRegistry(config, self.scheduler, self.broker, conns, self.hooks, tracing=self.tracing,
+                                      on_arrival=self.gc.arrived, on_departure=self.gc.departed)
+        self.control = ControlCommands(self.clients, self.topics)
+        self.catalog = TopicCatalog(self.scheduler.membership, self.clients, self.broker, self.creations)
         #: long-poll sessions and SSE streams by their secret, and what outlives them (transports/sessions.py)
         self.sessions = SessionStore(config)
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled (`attach_raw`)
@@ -70,22 +81,19 @@ class Hub:
         #: called when the server shuts down, after the clients were closed: streams that are not clients
         #: (the admin stats stream) end too, so shutdown never waits for them
         self.closing_hooks: list[Callable[[], None]] = []
-        if config.deliverylog.enabled:
-            self.scheduler.delivery_log = DeliveryLog(config.deliverylog, self.instance_id, self._scheduler_ended)
+        #: the admin stats stream's sampler (gateway/stats_feed.py), made now, not at the first viewer: with a
+        #: broker, another node's viewer may ask this node for its summary
+        self.stats = StatsFeed(self)
         #: what GET /readyz answers (gateway/readiness.py): set started and draining by gateway/server.py
         self.readiness = Readiness(lambda: self.broker.healthy)
         self.metrics = Metrics()
-        for collect in (lambda: engine_families(self.engine), loop_families, self.scheduler.collect, self.clients.collect,
+        for collect in (lambda: engine_families(self.topics), loop_families, self.scheduler.collect, self.clients.collect,
                         self.creations.collect, self.broker.collect, self.gc.collect, self.bad_input.collect):
             self.metrics.add(collect)
         self.metrics.add(self.readiness.collect)
         self.metrics.add(self.hooks.collect)
         if self.clients.tokens.jwks is not None:
             self.metrics.add(self.clients.tokens.jwks.collect)
-
-    def _scheduler_ended(self) -> bool:
-        task = self.scheduler.task
-        return task is not None and task.done()
 
     @property
     def delivery_log(self) -> DeliveryLog | None:

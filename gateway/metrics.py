@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 import core
 
 if TYPE_CHECKING:
-    from core import Engine
+    from .topic_view import TopicView
 
 CYCLE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -78,12 +78,12 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def engine_families(engine: "Engine") -> Iterator[Metric]:
-    for name, value in engine.counters.as_dict().items():
+def engine_families(topics: "TopicView") -> Iterator[Metric]:
+    for name, value in topics.counters.as_dict().items():
         yield CounterMetricFamily(f"fanout_{name}", f"core counter {name}", value=value)
-    yield GaugeMetricFamily("fanout_topics", "topics", value=engine.topic_count)
+    yield GaugeMetricFamily("fanout_topics", "topics", value=topics.topic_count)
     yield GaugeMetricFamily("fanout_direct_queue_bytes", "bytes in all clients' direct queues (replies, acks,"
-                            " errors; bounded by scheduler.direct_total_max_bytes)", value=engine.direct_bytes)
+                            " errors; bounded by scheduler.direct_total_max_bytes)", value=topics.direct_bytes)
     yield GaugeMetricFamily("fanout_core_compiled", "1: the core's mypyc-compiled modules run; 0: their Python "
                             "sources (`gateway serve` prints why)", value=int(core.COMPILED))
 

@@ -95,7 +95,7 @@ class PendingConnects:
             pending.revocations.append(entry)
 
     def disconnected(self, user: str) -> None:
-        """An operator disconnected `user` (this node's `ClientRegistry.disconnect_user`)."""
+        """An operator disconnected `user` (this node's `ControlCommands.disconnect_user`)."""
         for pending in self._waiting.values():
             pending.disconnected_users.add(user)
 

@@ -2,9 +2,9 @@
 
 A topic's members are its current subscribers: a client joins on a successful subscribe and leaves on
 unsubscribe, disconnect, kick or topic delete. The scheduler reports each join and leave (`Presence.joined`,
-`Presence.left`, `Presence.topic_gone`), from the one place each happens: `Scheduler.subscribe` (every
-shared-topic subscribe, at once or once the broker has the topic), `TopicRouter.unsubscribe`,
-`ClientRegistry.unregister` (disconnect and kick) and `Scheduler.deleted`. Each costs O(1) (a dict and a
+`Presence.left`, `Presence.topic_gone`), from the one place each happens: `Membership.subscribe` (every
+shared-topic subscribe, at once or once the broker has the topic), `Membership.unsubscribe`,
+`ClientRegistry.unregister` (disconnect and kick) and `Membership.deleted` (gateway/scheduler.py). Each costs O(1) (a dict and a
 counter). On a topic with `join_leave` the change is also noted for announcement: the scheduler sends the
 noted changes before a cycle (`Presence.flush`), at most once per `FLUSH_INTERVAL_S`, one direct entry per
 change per local subscriber (none above `limits.presence_max_members` subscribers). A member's join and leave
@@ -23,10 +23,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from core import Engine, RequestError
+from core import RequestError
 from core.entries import encode_join, encode_leave
 
 from .identity import ClientIdentity
+from .topic_view import TopicView
 
 #: noted joins and leaves are sent at most this often: what changed meanwhile goes together (and what was
 #: undone meanwhile not at all), so join/leave traffic costs a member at most 10 frames a second
@@ -155,16 +156,19 @@ class Presence:
     """The scheduler's presence tracking: joins and leaves to the broker's store, join/leave entries to the
     topic's local subscribers, coalesced per cycle."""
 
-    def __init__(self, engine: Engine, kick_overflowed: Callable[[Hashable], None], max_members: int,
-                 wake: Callable[[], None]) -> None:
-        self.engine = engine
+    def __init__(self, topics: TopicView, send: Callable[[Hashable, bytes], None],
+                 kick_overflowed: Callable[[Hashable], None], max_members: int, wake: Callable[[], None]) -> None:
+        self.topics = topics
+        #: queue one direct entry for a client (the engine's own, raising `DirectQueueFull`: no wake-up per
+        #: entry, the flush runs just before a cycle)
+        self.send = send
         #: how a subscriber whose direct queue overflowed is dropped (after the announcing loop, never inside it)
         self.kick_overflowed = kick_overflowed
         #: limits.presence_max_members: above it answers are counts only and join/leave entries are not sent
         self.max_members = max_members
         #: tells the scheduler that changes wait for `flush`
         self.wake = wake
-        #: set by the hub: the broker's store
+        #: the broker's store (`Membership.attach_broker`)
         self.store: PresenceStore = MemoryPresence()
         #: changes noted since the last flush: topic -> member client -> (kind, member), in the order noted
         self.pending: dict[str, dict[str, tuple[str, Member]]] = {}
@@ -175,13 +179,13 @@ class Presence:
 
     def joined(self, client_id: Hashable, topic: str) -> None:
         """`client_id` subscribed to `topic` (after the engine's subscribe succeeded)."""
-        engine = self.engine
-        if not engine.has_topic(topic):
+        topics = self.topics
+        if not topics.has_topic(topic):
             return
-        config = engine.topic(topic).config
+        config = topics.topic(topic).config
         if not config.presence:
             return
-        member = _member(engine, client_id)
+        member = _member(topics, client_id)
         self.store.join(topic, member)
         if config.join_leave:
             self.announce(topic, "join", member)
@@ -191,8 +195,8 @@ class Presence:
         member = self.store.leave(topic, str(client_id))
         if member is None:
             return
-        engine = self.engine
-        if engine.has_topic(topic) and engine.topic(topic).config.join_leave:
+        topics = self.topics
+        if topics.has_topic(topic) and topics.topic(topic).config.join_leave:
             self.announce(topic, "leave", member)
 
     def topic_gone(self, topic: str) -> None:
@@ -235,13 +239,13 @@ class Presence:
             return
         self.last_flush = now
         pending, self.pending = self.pending, {}
-        engine = self.engine
+        topics, send = self.topics, self.send
         overflowed: dict[Hashable, None] = {}
         later: list[tuple[str, str, Member]] = []
         for topic, changes in pending.items():
-            if not changes or not engine.has_topic(topic):
+            if not changes or not topics.has_topic(topic):
                 continue
-            t = engine.topic(topic)
+            t = topics.topic(topic)
             if not t.config.join_leave or len(t.subs) > self.max_members:
                 continue
             now_sent = list(changes.items())
@@ -257,7 +261,7 @@ class Presence:
                 try:
                     for client, entry in entries:
                         if client != client_id:
-                            engine.send_direct(client_id, entry)
+                            send(client_id, entry)
                 except RequestError:  # DirectQueueFull: it does not read its entries
                     overflowed[client_id] = None
         for client_id in overflowed:
@@ -268,8 +272,8 @@ class Presence:
             self.wake()
 
 
-def _member(engine: Engine, client_id: Hashable) -> Member:
-    identity = engine.client(client_id).info  # the registry connects every client with its ClientIdentity
+def _member(topics: TopicView, client_id: Hashable) -> Member:
+    identity = topics.client(client_id).info  # the registry connects every client with its ClientIdentity
     if not isinstance(identity, ClientIdentity):
         return Member(str(client_id), None, None)
     return Member(str(client_id), identity.user, identity.info)

@@ -6,7 +6,8 @@ clients: 200 while it does, 503 with the reason otherwise (docs/operations.md):
 * `starting`: `start_gateway` has not finished (the hub, the broker link and the listeners come up first);
 * `draining`: a SIGTERM or SIGINT arrived (set in the signal handler itself, so the very next request sees it;
   the port stays open `server.drain_delay_s` for the balancer to notice, then the drain closes it);
-* `broker_unavailable`: Redis ([broker] url) is lost or does not answer its PING in time (redis_broker.py).
+* `broker_unavailable`: Redis ([broker] url or Sentinel's primary) is lost or does not answer its PING in time
+  (broker/link.py).
 
 Every worker (`server.workers` > 1) answers for itself: each has its own hub and its own `Readiness`.
 """

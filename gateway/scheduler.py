@@ -1,8 +1,10 @@
 """The scheduler: the core engine, the task that runs its cycles, and the hand-off of batches to connections.
 
-It owns every change of the engine: the client registry and the topic router call its verbs, and the broker
-reports through it (it implements `BrokerEvents`), so each change comes with the wake-up it needs and no
-caller can forget one (a silent stall). Anyone may read `engine`.
+It owns every change of the engine: its `Membership` (below) has the verbs the client registry, the topic
+catalog and the broker use (connect, subscribe, apply, create, ...; it is the broker's `BrokerEvents`), so
+each change comes with the wake-up it needs and no caller can forget one (a silent stall). Everyone else
+reads the engine through `topics`, a read-only `TopicView` (gateway/topic_view.py); no other module holds
+the engine (tests/core/test_engine_has_one_writer.py).
 
 The task runs `run_cycle` whenever there is work, hands each batch to its connection without awaiting it,
 and sleeps when idle. A round runs up to `write_coalesce_cycles` cycles (or `write_coalesce_ms`) while work
@@ -21,7 +23,7 @@ from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from core import Batch, Engine, Published, RequestError
+from core import Batch, Engine, Published, RequestError, TopicConfig
 from core.entries import encode_error
 
 from . import close_codes
@@ -30,7 +32,8 @@ from .deliverylog import DeliveryLog
 from .fanwrite import Sender
 from .identity import ClientIdentity
 from .metrics import BATCH_BUCKETS, CYCLE_BUCKETS, BucketHistogram
-from .presence import Member, Presence
+from .presence import Member, Presence, PresenceStore
+from .topic_view import TopicView
 from .tracing import ExpectedApply, Fanout, count_fanouts, end_fanouts, forget_applies
 
 log = logging.getLogger("gateway")
@@ -44,6 +47,8 @@ CROWD_SLICE = 512
 
 #: how the scheduler drops a connection that broke: (client id, close code, reason, metric reason) -> closed
 Kick = Callable[[Hashable, int, str, str], bool]
+#: where private queues' commits go (a Redis broker acknowledges them): (topic, owner, first seq still queued)
+Commits = Callable[[list[tuple[str, Hashable, int]]], None]
 
 
 class Connection(Protocol):
@@ -92,15 +97,18 @@ class CrowdsSent:
 
 
 class Scheduler:
-    def __init__(self, config: GatewayConfig, engine: Engine, conns: Mapping[Hashable, Connection]) -> None:
+    def __init__(self, config: GatewayConfig, conns: Mapping[Hashable, Connection], *, kick: Kick,
+                 instance_id: str = "0") -> None:
         self.config = config
-        self.engine = engine
+        self.engine = Engine(config.engine_config(), instance_id=instance_id)
+        #: the engine for everyone else: read-only (changes go through `membership` or the verbs below)
+        self.topics: TopicView = self.engine
         #: the client registry's connections, read-only here
         self.conns = conns
-        #: set by the client registry: how a connection that broke is dropped
-        self.kick: Kick = lambda client_id, code, reason, metric: False
-        #: set by the hub: private queues' commits go to the broker (a Redis broker acknowledges them)
-        self.report_commits: Callable[[list[tuple[str, Hashable, int]]], None] = lambda reports: None
+        #: how a connection that broke is dropped (the client registry's `kick`)
+        self.kick = kick
+        #: private queues' commits go to the broker, when it takes them (`Membership.attach_broker`)
+        self.report_commits: Commits | None = None
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tick: asyncio.TimerHandle | None = None
@@ -120,8 +128,11 @@ class Scheduler:
         self.blocked: dict[Hashable, Connection] = {}
         #: publishers waiting for space in a private queue: (topic, owner) -> futures
         self._space_waiters: dict[tuple[str, Hashable], list[asyncio.Future[None]]] = {}
-        #: the sampled delivery log ([deliverylog], gateway/deliverylog.py), when enabled
-        self.delivery_log: DeliveryLog | None = None
+        #: the sampled delivery log ([deliverylog], gateway/deliverylog.py), when enabled: its writer thread
+        #: ends with the scheduler's task
+        self.delivery_log = (DeliveryLog(config.deliverylog, instance_id,
+                                         lambda: self._task is not None and self._task.done())
+                             if config.deliverylog.enabled else None)
         #: rounds run, and write calls of staged data (`/metrics`: batches written / writes = what rounds save)
         self.rounds = 0
         self.staged_writes = 0
@@ -138,11 +149,12 @@ class Scheduler:
         #: traced messages whose fan-out is being watched, by topic: each cycle's batches are counted
         #: only while it is not empty
         self.fanouts: dict[str, Fanout] = {}
-        #: presence members of topics with `presence` (gateway/presence.py); the hub gives it the broker's store
-        self.presence = Presence(engine, self._direct_overflowed, config.limits.presence_max_members,
-                                 self._presence_noted)
         #: armed while join/leave changes wait for their flush (`Presence.due_at`)
         self._presence_timer: asyncio.TimerHandle | None = None
+        #: the verbs on clients, subscriptions and topics (the registry's, the catalog's, the broker's)
+        self.membership = Membership(self)
+        #: presence members of topics with `presence` (gateway/presence.py), in the broker's store
+        self.presence = self.membership.presence
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -251,109 +263,13 @@ class Scheduler:
         self.engine.commit(client_id)
         self.space()
 
-    # -- direct entries ------------------------------------------------------------------------------------
-
-    def send_direct(self, client_id: Hashable, entry: bytes) -> None:
-        try:
-            self.engine.send_direct(client_id, entry)
-        except RequestError:  # DirectQueueFull: the client does not read its replies
-            self._direct_overflowed(client_id)
-            return
-        self.wake()
-
-    def _direct_overflowed(self, client_id: Hashable) -> None:
-        self.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")
-
-    def send_error(self, client_id: Hashable, exc: RequestError, request_id: Any = None) -> None:
-        self.send_direct(client_id, encode_error(exc.code, exc.message, request_id))
-
-    # -- BrokerEvents: what the broker reports ------------------------------------------------------------
-
-    def apply(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
-        if self.traced_applies and topic in self.traced_applies:
-            result = self._apply_traced(topic, data, seq, owner)
-        else:
-            result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
-        if self.delivery_log is not None:
-            self.delivery_log.published(topic, result.seq)
-        self.wake()
-        return result
-
-    def _apply_traced(self, topic: str, data: Any, seq: int | None, owner: Hashable) -> Published:
-        """A sampled admin publish's apply: its `engine.apply` span, and its fan-out watched from now."""
-        expected = self.traced_applies.pop(topic)
-        with expected.span(topic) as span:
-            result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
-            span.set_attribute("fanout.seq", result.seq)
-            fanout = expected.watch(span, topic, result.seq, self._reached_by(topic, owner))
-        previous = self.fanouts.pop(topic, None)
-        if previous is not None:  # a newer traced message of the topic: the watch follows that one
-            previous.end(False)
-        if fanout.expected:
-            self.fanouts[topic] = fanout
-        else:
-            fanout.end(True)
-        return result
-
-    def _reached_by(self, topic: str, owner: Hashable) -> int:
-        """Subscribers a message published now reaches: a shared topic's, or a private queue's one holder."""
-        handle = self.engine.topic(topic)
-        return len(handle.subs) if handle.shared else int(handle.holder(owner) is not None)
-
-    def skip(self, topic: str, upto: int) -> None:
-        self.engine.skip(topic, upto, time.monotonic())
-        self.wake()
-
-    def deleted(self, topic: str) -> int:
-        count = self.engine.delete_topic(topic)
-        self.presence.topic_gone(topic)
-        self.wake()
-        return count
-
-    def evicted(self, topic: str, owner: Hashable, reason: str) -> bool:
-        if not self.engine.evict(topic, owner, reason):
-            return False
-        self.space()
-        self.wake()
-        return True
-
-    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  queue_start: tuple[str, int] | None = None, ack: bool = False) -> None:
-        """The engine's subscribe (raises its errors), then the client joins the topic's presence: the one
-        place a shared-topic subscription is made."""
-        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start, ack=ack)
-        self.presence.joined(client_id, topic)
-        self.wake()
-
-    def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-               queue_start: tuple[str, int] | None = None) -> None:
-        if client_id not in self.conns:
-            return
-        try:
-            self.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
-        except RequestError as err:  # its error entry wakes the scheduler, as the subscribe does
-            self.send_error(client_id, err, request_id)
-
-    def presence_changed(self, topic: str, kind: str, member: Member) -> None:
-        self.presence.announce(topic, kind, member)
-
-    def refused(self, client_id: str, error: RequestError, request_id: Any = None) -> None:
-        if client_id in self.conns:
-            self.send_error(client_id, error, request_id)
-
-    def connected(self, client_id: str) -> bool:
-        return client_id in self.conns
-
-    def client_count(self) -> int:
-        return len(self.conns)
-
     def space_freed(self, topic: str, owner: Hashable) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._space_waiters.setdefault((topic, owner), []).append(future)
         return future
 
     def space(self) -> None:
-        if self.engine.report_commits:
+        if self.report_commits is not None:
             committed = self.engine.take_committed()
             if committed:
                 self.report_commits(committed)
@@ -549,3 +465,182 @@ class Scheduler:
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
         yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
 
+
+class Membership:
+    """The scheduler's verbs on who subscribes to what, and on the topics they meet: the client registry, the
+    topic catalog and the broker (this is its `BrokerEvents`) change the engine through these only, each
+    with the wake-up it needs."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.engine = scheduler.engine
+        #: read the engine freely through this (gateway/topic_view.py)
+        self.topics: TopicView = scheduler.engine
+        self.conns = scheduler.conns
+        #: presence members of topics with `presence` (gateway/presence.py); the broker gives it its store
+        self.presence = Presence(self.topics, self.engine.send_direct, self._direct_overflowed,
+                                 scheduler.config.limits.presence_max_members, scheduler._presence_noted)
+
+    def attach_broker(self, presence: PresenceStore, commits: Commits | None) -> None:
+        """The broker, once, as it is made: where presence members are kept, and where private queues'
+        commits go (None: nowhere, the queues live here)."""
+        self.presence.store = presence
+        self.engine.report_commits = commits is not None
+        self.scheduler.report_commits = commits
+
+    # -- clients (the client registry) ---------------------------------------------------------------------
+
+    def connect(self, identity: ClientIdentity, *, ready: bool) -> None:
+        self.engine.connect(identity.client_id, ready=ready, info=identity, owner=identity.owner)
+
+    def disconnect(self, client_id: Hashable) -> tuple[list[str], Hashable]:
+        """The engine forgets the client. Returns the topics it subscribed to and its owner (the caller
+        leaves each: presence, the broker's holders)."""
+        client = self.engine.client(client_id)
+        names, owner = list(client.subs), client.owner
+        self.engine.disconnect(client_id)
+        return names, owner
+
+    def set_owner(self, client_id: Hashable, owner: Hashable) -> None:
+        """Whose private queues the client reads (raises `CoreUsageError` while it holds one of its own)."""
+        self.engine.set_owner(client_id, owner)
+
+    # -- subscriptions ---------------------------------------------------------------------------------------
+
+    def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> Hashable:
+        """The engine's unsubscribe (raises its errors), then the client leaves the topic's presence. Returns
+        the client's owner (whose holder of the topic the broker lets go)."""
+        owner = self.engine.client(client_id).owner
+        self.engine.unsubscribe(client_id, topic, request_id=request_id)
+        self.presence.left(client_id, topic)
+        self.scheduler.wake()
+        return owner
+
+    def ack(self, client_id: str, topic: str, seq: int) -> int:
+        """Commit an acknowledged private subscription's entries up to `seq`: the first seq still queued.
+        Publishers waiting for room retry; with a broker, the commit goes to Redis."""
+        head = self.engine.ack(client_id, topic, seq)
+        self.scheduler.space()
+        return head
+
+    def apply(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
+        if self.scheduler.traced_applies and topic in self.scheduler.traced_applies:
+            result = self._apply_traced(topic, data, seq, owner)
+        else:
+            result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
+        if self.scheduler.delivery_log is not None:
+            self.scheduler.delivery_log.published(topic, result.seq)
+        self.scheduler.wake()
+        return result
+
+    def _apply_traced(self, topic: str, data: Any, seq: int | None, owner: Hashable) -> Published:
+        """A sampled admin publish's apply: its `engine.apply` span, and its fan-out watched from now."""
+        expected = self.scheduler.traced_applies.pop(topic)
+        with expected.span(topic) as span:
+            result = self.engine.publish(topic, data, seq=seq, owner=owner, now=time.monotonic())
+            span.set_attribute("fanout.seq", result.seq)
+            fanout = expected.watch(span, topic, result.seq, self._reached_by(topic, owner))
+        previous = self.scheduler.fanouts.pop(topic, None)
+        if previous is not None:  # a newer traced message of the topic: the watch follows that one
+            previous.end(False)
+        if fanout.expected:
+            self.scheduler.fanouts[topic] = fanout
+        else:
+            fanout.end(True)
+        return result
+
+    def _reached_by(self, topic: str, owner: Hashable) -> int:
+        """Subscribers a message published now reaches: a shared topic's, or a private queue's one holder."""
+        handle = self.engine.topic(topic)
+        return len(handle.subs) if handle.shared else int(handle.holder(owner) is not None)
+
+    def skip(self, topic: str, upto: int) -> None:
+        self.engine.skip(topic, upto, time.monotonic())
+        self.scheduler.wake()
+
+    def deleted(self, topic: str) -> int:
+        count = self.engine.delete_topic(topic)
+        self.presence.topic_gone(topic)
+        self.scheduler.wake()
+        return count
+
+    def evicted(self, topic: str, owner: Hashable, reason: str) -> bool:
+        if not self.engine.evict(topic, owner, reason):
+            return False
+        self.scheduler.space()
+        self.scheduler.wake()
+        return True
+
+    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
+                  queue_start: tuple[str, int] | None = None, ack: bool = False) -> None:
+        """The engine's subscribe (raises its errors), then the client joins the topic's presence: the one
+        place a shared-topic subscription is made."""
+        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start, ack=ack)
+        self.presence.joined(client_id, topic)
+        self.scheduler.wake()
+
+    def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
+               queue_start: tuple[str, int] | None = None) -> None:
+        if client_id not in self.conns:
+            return
+        try:
+            self.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
+        except RequestError as err:  # its error entry wakes the scheduler, as the subscribe does
+            self.send_error(client_id, err, request_id)
+
+    def presence_changed(self, topic: str, kind: str, member: Member) -> None:
+        self.presence.announce(topic, kind, member)
+
+    def refused(self, client_id: str, error: RequestError, request_id: Any = None) -> None:
+        if client_id in self.conns:
+            self.send_error(client_id, error, request_id)
+
+    def connected(self, client_id: str) -> bool:
+        return client_id in self.conns
+
+    def client_count(self) -> int:
+        return len(self.conns)
+
+    def space(self) -> None:
+        self.scheduler.space()
+
+    def space_freed(self, topic: str, owner: Hashable) -> asyncio.Future[None]:
+        return self.scheduler.space_freed(topic, owner)
+
+    def wake(self) -> None:
+        self.scheduler.wake()
+
+    # -- topics ------------------------------------------------------------------------------------------------
+
+    def resolve(self, topic: str) -> None:
+        """The local topic, created on first use by its rule (raises the rule's errors: unknown topic)."""
+        self.engine.resolve(topic)
+
+    def create_topic(self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None,
+                     start: int = 0) -> dict[str, Any]:
+        """A new local topic (raises `TopicExists`, `TooManyTopics`); `epoch` and `start`: a broker's stream
+        (docs/cluster.md §3). Returns its INFO."""
+        info: dict[str, Any] = self.engine.create_topic(name, config, epoch=epoch, start=start).info()
+        self.scheduler.wake()
+        return info
+
+    def restart_topic(self, name: str, epoch: str, start: int) -> None:
+        """A broker's stream changed epoch (docs/cluster.md §4): subscribers read on from `start`."""
+        self.engine.restart_topic(name, epoch, start)
+        self.scheduler.wake()
+
+    # -- direct entries ------------------------------------------------------------------------------------
+
+    def send_direct(self, client_id: Hashable, entry: bytes) -> None:
+        try:
+            self.engine.send_direct(client_id, entry)
+        except RequestError:  # DirectQueueFull: the client does not read its replies
+            self._direct_overflowed(client_id)
+            return
+        self.scheduler.wake()
+
+    def _direct_overflowed(self, client_id: Hashable) -> None:
+        self.scheduler.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")
+
+    def send_error(self, client_id: Hashable, exc: RequestError, request_id: Any = None) -> None:
+        self.send_direct(client_id, encode_error(exc.code, exc.message, request_id))

@@ -18,7 +18,6 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from .app import build_app
 from .config import ConfigError, GatewayConfig
@@ -27,7 +26,7 @@ from .hub import Hub
 from .netguard import ConnectionLimiter, http_protocol_class
 from .origin import OriginPolicy, parse_allowed_origins
 from .transports.ingest import IngestServer, ingest_counters
-from .transports.ws import protocol_class, ws_counters
+from .transports.ws import WebSocketProtocol, protocol_class, ws_counters
 from .workers.forward import MAX_FORWARDS_UNLIMITED, WorkerLinks, serve_inbox
 
 log = logging.getLogger("gateway")
@@ -63,11 +62,6 @@ def check_listener_tokens(config: GatewayConfig) -> None:
                 f"refusing to bind {what} on {cfg.host} without {section}.token: set it"
                 f" (or GATEWAY_{section.upper()}_TOKEN)"
             )
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 class GatewayServer(uvicorn.Server):
@@ -115,52 +109,15 @@ class GatewayServer(uvicorn.Server):
             self.should_exit = True
             self.drain_requested = True
 
-    #: the main loop's pause between two ticks (`main_loop`), which `wake` ends early
-    _pause: asyncio.Future[None] | None = None
-
-    async def main_loop(self) -> None:
-        """uvicorn's main loop (uvicorn 0.54: `on_tick` every 0.1 s until it says to exit), except that `wake`
-        ends the pause at once: `RunningGateway.stop` does not wait for the next tick."""
-        loop = asyncio.get_running_loop()
-        counter = 0
-        should_exit = await self.on_tick(counter)
-        while not should_exit:
-            counter = (counter + 1) % 864000
-            self._pause = pause = loop.create_future()
-            timer = loop.call_later(0.1, _resolve, pause)
-            try:
-                await pause
-            finally:
-                timer.cancel()
-                self._pause = None
-            should_exit = await self.on_tick(counter)
-
-    def wake(self) -> None:
-        """End the main loop's pause now (on the server's event loop, once `should_exit` is set)."""
-        if self._pause is not None:
-            _resolve(self._pause)
-
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # the drain first when a signal asked for it; the clients left are closed (1001) before uvicorn's
+        # shutdown closes the connections and waits for them
         if self.drain_requested:
             await self._announce_drain(self.hub.config.server.drain_delay_s)
         if self.drain_requested and self.hub.config.server.drain_timeout_s > 0:
             await self.drain()
-        self.hub.close_all_clients()  # what is left (1001)
-        state = self.server_state
-        if state.connections or state.tasks:
-            await super().shutdown(sockets)
-            return
-        # Nothing open: uvicorn's shutdown (uvicorn 0.54) without its 0.1 s pause for the connections to
-        # finish their responses and close, there being none.
-        logging.getLogger("uvicorn.error").info("Shutting down")
-        for server in self.servers:
-            server.close()
-        for sock in sockets or []:
-            sock.close()
-        for server in self.servers:
-            await server.wait_closed()
-        if not self.force_exit:
-            await self.lifespan.shutdown()
+        self.hub.close_all_clients()
+        await super().shutdown(sockets)
 
     async def drain(self) -> None:
         """Stop accepting (the HTTP and ingest ports close), close every client with 1012 and a reconnect hint,
@@ -186,12 +143,12 @@ class GatewayServer(uvicorn.Server):
         # (a request in progress finishes first); a WebSocket lingers on its close frame (KICK_GRACE_S)
         connections = self.server_state.connections
         for conn in list(connections):
-            if not isinstance(conn, WebSocketsSansIOProtocol):
+            if not isinstance(conn, WebSocketProtocol):
                 conn.shutdown()
         while connections and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
             for conn in list(connections):
-                if not isinstance(conn, WebSocketsSansIOProtocol):
+                if not isinstance(conn, WebSocketProtocol):
                     conn.shutdown()  # a keep-alive connection that became idle since
         if ingest is not None:
             while not ingest.done() and not self.force_exit:  # a second SIGINT: no more waiting
@@ -299,7 +256,6 @@ class RunningGateway:
         self.hub.readiness.draining = True
         if self.server is not None:
             self.server.should_exit = True
-            self.server.wake()
         await self.hub.stop()
         if self.task is not None:
             try:
@@ -350,7 +306,6 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     raise_open_files_limit(server_cfg.max_connections, server_cfg.workers)
     sock = _listen(server_cfg.host, server_cfg.port, reuse_port=shared)
     running.http_port = sock.getsockname()[1]
-    ws = config.websocket
     limiter = ConnectionLimiter(server_cfg.max_connections, server_cfg.max_connections_per_ip, hub.bad_input)
     if links is not None and links.counts is not None:  # per-address limits count across the workers
         links.counts.bind(worker)
@@ -368,12 +323,8 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
         build_app(hub, token, links),
         http=http_protocol_class(limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes,
                                  server_cfg.max_headers, hosts),
-        ws=protocol_class(ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes, limiter, hub.bad_input,
-                          hub, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins))),
-        ws_per_message_deflate=False,  # a shared frame per batch: compression would cost an encode per client
-        ws_max_size=ws.max_frame_bytes,
-        ws_ping_interval=ws.ping_interval_s,
-        ws_ping_timeout=ws.ping_timeout_s,
+        # our WebSocket protocol (gateway/transports/ws.py) takes every upgrade request
+        ws=protocol_class(hub, limiter, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins)), hub.bad_input),
         lifespan="off",
         # X-Forwarded-For is not believed (uvicorn would from loopback peers): every per-address limit
         # counts the peer's own address, on every transport alike (docs/security.md, In production)

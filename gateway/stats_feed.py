@@ -14,8 +14,9 @@ import heapq
 import logging
 import os
 import time
+from collections.abc import Callable
 from operator import itemgetter
-from typing import Any, Hashable
+from typing import Any, Hashable, Protocol
 
 import orjson
 from starlette.responses import Response
@@ -24,9 +25,14 @@ from starlette.types import Receive, Scope, Send
 from core.client import Client
 from core.topics import Topic
 
+from .broker import Broker
+from .clients import ClientRegistry
+from .config import GatewayConfig
 from .errors import BrokerUnavailable, TooManyViewers
 from .http_errors import error_response
-from .hub import Hub
+from .scheduler import Scheduler
+from .topic_view import TopicView
+from .transports.rawtcp import RawBroadcastServer
 
 log = logging.getLogger("gateway.admin")
 
@@ -81,6 +87,20 @@ def _per_s(delta: float, dt: float | None) -> float | None:
     return round(delta / dt, 3) if dt else None
 
 
+class StatsSource(Protocol):
+    """What the feed samples: the hub's parts (the hub makes the feed, gateway/hub.py)."""
+
+    config: GatewayConfig
+    instance_id: str
+    topics: TopicView
+    clients: ClientRegistry
+    scheduler: Scheduler
+    broker: Broker
+    raw: RawBroadcastServer | None
+    #: called at shutdown: every stream ends
+    closing_hooks: list[Callable[[], None]]
+
+
 class StatsFeed:
     """One sampler for every viewer of the stats stream.
 
@@ -94,7 +114,7 @@ class StatsFeed:
     stops the task and forgets them: an unwatched gateway pays nothing.
     """
 
-    def __init__(self, hub: Hub) -> None:
+    def __init__(self, hub: StatsSource) -> None:
         self.hub = hub
         self.interval = max(MIN_STATS_INTERVAL_S, hub.config.admin.stats_interval_s)
         self.max_viewers = hub.config.admin.stats_max_viewers
@@ -110,7 +130,6 @@ class StatsFeed:
         #: this node's compact summary of its latest sample, for the other nodes' streams
         self.summary: dict[str, Any] | None = None
         hub.closing_hooks.append(self.close)
-        hub.broker.node_summary = self.node_summary
         self._forget()
 
     def close(self) -> None:
@@ -187,7 +206,7 @@ class StatsFeed:
 
     async def sample(self, now: float) -> dict[str, Any]:
         hub = self.hub
-        engine = hub.engine
+        view = hub.topics
         dt = now - self._prev_at if self._prev_at is not None else None
         self._prev_at = now
 
@@ -196,7 +215,7 @@ class StatsFeed:
         # topic deleted and created again is another object, whose position starts over.
         prev_topics, positions = self._prev_topics, {}
         moved: list[tuple[int, Topic]] = []
-        for count, topic in enumerate(engine.topics(), 1):
+        for count, topic in enumerate(view.topics(), 1):
             if not count % SAMPLE_CHUNK:
                 await asyncio.sleep(0)
             position = getattr(topic, "end", None)  # a ring's available end, else a snapshot's seq
@@ -233,7 +252,7 @@ class StatsFeed:
             if before is None:  # connected during the window: what it was handed in it is not known
                 continue
             waiting = 0
-            client = engine.client(client_id) if engine.has_client(client_id) else None
+            client = view.client(client_id) if view.has_client(client_id) else None
             if client is not None and (client.active or client.direct):
                 waiting = _lag(client, unread=True) + client.queued()
             share = delivery_share(delta, waiting)
@@ -243,7 +262,7 @@ class StatsFeed:
         listed = heapq.nlargest(STREAM_TOP, deliveries, key=itemgetter(0))
         clients = []
         for delta, client_id, conn in listed:
-            client = engine.client(client_id) if engine.has_client(client_id) else None
+            client = view.client(client_id) if view.has_client(client_id) else None
             clients.append({
                 "id": client_id,
                 "user": conn.identity.user,
@@ -259,7 +278,7 @@ class StatsFeed:
         total_rate = sum(receiving)
         listed_rate = sum(delta for delta, _, _ in listed) / dt if dt else 0.0
 
-        counters = engine.counters.as_dict()
+        counters = view.counters.as_dict()
         prev_counters, self._prev_counters = self._prev_counters, counters
 
         def counter_rate(name: str) -> float | None:
@@ -281,7 +300,7 @@ class StatsFeed:
             for row in clients:
                 row["node"] = node_id
         totals = {
-            "topics": engine.topic_count,
+            "topics": view.topic_count,
             "clients": len(hub.clients.conns),
             "clients_by_transport": dict(hub.clients.by_transport),
             "write_blocked": len(hub.scheduler.blocked),

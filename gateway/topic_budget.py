@@ -12,9 +12,11 @@ when it retains messages), so creations are bounded three ways (docs/security.md
   (gateway/addrcount.py, `SharedRate`), so one address has one bucket whichever worker serves it;
 * in total: no client creation while the gateway holds `limits.max_client_topics` topics (the admin API
   and the ingest create up to `scheduler.max_topics`); with a broker also `broker.max_topics` cluster-wide,
-  checked by Redis (redis_broker.py).
+  checked by Redis (broker/topic_lines.py, broker/publishing.py).
 
 Every refusal is `too_many_topics` for that request only, counted in `fanout_topic_creations_refused_total`.
+A creation in this engine is asked and charged by the topic catalog (gateway/catalog.py, `check` then
+`charge`); one in Redis, which alone knows whether the topic is new, by the Redis broker (`begin`, `end`).
 """
 
 from __future__ import annotations

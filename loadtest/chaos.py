@@ -1,6 +1,7 @@
 """``fanout-loadtest chaos``: faults on a two-node cluster under load, then the invariant (docs/reliability.md).
 
-Starts redis-server (append-only file, fsync always: a restart keeps what it accepted) and two gateway nodes
+Starts redis-server (append-only file, fsync always: a restart keeps what it accepted), or with ``--redis
+sentinel`` a primary, a replica and three sentinels (loadtest/sentinelproc.py), and two gateway nodes
 on it (``--workers N``: one node with N worker processes), a faulty TCP proxy in front of each node, clients
 on every transport (raw WebSocket, SSE, long-poll, fanout_client) on ring, snapshot and private topics (the
 private ones on every transport, acknowledged over SSE and fanout_client), publishers on the TCP ingest and
@@ -45,11 +46,18 @@ from loadtest.chaos_clients import (
     ws_burst,
 )
 from loadtest.redisproc import RedisProcess, free_port
+from loadtest.sentinelproc import SentinelTopology
 
 ADMIN = "chaos-admin-token"
 SECRET = "chaos-jwt-secret-0123456789abcdef0123456789"
 FAULTS = ("node-kill", "redis-restart", "redis-wipe", "redis-stall", "path-delay", "path-cut", "path-stall",
           "path-lossy", "slow-reader", "storm", "burst", "takeover", "crowd")
+#: the faults of a Sentinel run (`--redis sentinel`): the single Redis's faults give way to the primary's
+#: kill -9, its replica promoted by the sentinels (the killed process comes back as the new replica)
+SENTINEL_FAULTS = ("node-kill", "primary-kill", "path-delay", "path-cut", "path-stall", "path-lossy", "slow-reader",
+                   "storm", "burst", "takeover", "crowd")
+#: how long a `primary-kill` waits for the sentinels to name the replica primary
+PROMOTION_MAX_S = 30.0
 RING = ["chaos.ring.0", "chaos.ring.1"]
 SNAP = "chaos.snap"
 PRIVATE = "private.chaos"
@@ -60,7 +68,7 @@ PRIVATE = "private.chaos"
 class Node:
     """One `python -m gateway serve` on fixed ports (a restart comes back where clients look for it)."""
 
-    def __init__(self, name: str, workdir: Path, redis_url: str, workers: int = 1) -> None:
+    def __init__(self, name: str, workdir: Path, broker: str, workers: int = 1) -> None:
         self.name = name
         self.workers = workers
         self.dir = workdir / name
@@ -96,7 +104,7 @@ publish_rate = 20.0
 publish_burst = 20
 topic_create_rate = 100.0
 [broker]
-url = "{redis_url}"
+{broker}
 connect_timeout_s = 20.0
 [[topics.rules]]
 pattern = "private.*"
@@ -211,7 +219,7 @@ class Chaos:
     def __init__(self, workdir: Path, duration: float, faults: list[str], seed: int, sample_s: float,
                  warmup: float, workers: int = 1, pause: tuple[float, float] = (6.0, 9.0),
                  settle_s: float | None = None, rounds: int | None = None, tail_s: float = 14.0,
-                 idle_samples: int = 0) -> None:
+                 idle_samples: int = 0, redis: str = "single") -> None:
         self.workdir = workdir
         self.workers = workers
         self.duration = duration
@@ -228,7 +236,9 @@ class Chaos:
         self.rng = random.Random(seed)
         self.sample_s = sample_s
         self.warmup = warmup
-        self.redis = RedisProcess(workdir / "redis", appendonly=True)
+        #: `--redis sentinel`: the topology, whose primary is `redis` (it changes with each `primary-kill`)
+        self.topology = SentinelTopology(workdir / "sentinel") if redis == "sentinel" else None
+        self.redis = self.topology.primary if self.topology else RedisProcess(workdir / "redis", appendonly=True)
         self.nodes: list[Node] = []
         self.proxies: list[FaultyProxy] = []
         self.acc = Accepted()
@@ -244,11 +254,17 @@ class Chaos:
 
     async def run(self) -> dict[str, Any]:
         self.t0 = time.time()
-        self.redis.start()
-        if self.workers > 1:  # one node, its supervisor and workers; every client through it
-            self.nodes = [Node("a", self.workdir, self.redis.url, self.workers)]
+        if self.topology is not None:
+            await asyncio.to_thread(self.topology.start)
+            broker = (f"sentinel_addresses = {json.dumps(self.topology.addresses)}\n"
+                      f"sentinel_master = \"{self.topology.broker_section()['sentinel_master']}\"")
         else:
-            self.nodes = [Node("a", self.workdir, self.redis.url), Node("b", self.workdir, self.redis.url)]
+            self.redis.start()
+            broker = f'url = "{self.redis.url}"'
+        if self.workers > 1:  # one node, its supervisor and workers; every client through it
+            self.nodes = [Node("a", self.workdir, broker, self.workers)]
+        else:
+            self.nodes = [Node("a", self.workdir, broker), Node("b", self.workdir, broker)]
         await asyncio.gather(*(asyncio.to_thread(node.start) for node in self.nodes))
         self.proxies = [FaultyProxy(n.port) for n in self.nodes]
         for p in self.proxies:
@@ -288,7 +304,8 @@ class Chaos:
             start = time.time()
             self.say(f"fault {name}")
             detail = await self.inject(name) or {}
-            record = FaultRecord(name, start, time.time(), detail)
+            # a fault the system heals itself (a primary's kill) counts from its moment, not its injection's end
+            record = FaultRecord(name, start, detail.pop("healed_at", None) or time.time(), detail)
             self.fault_log.append(record)
             if self.settle_s is not None:
                 await self.settle(record, self.settle_s)
@@ -388,6 +405,8 @@ class Chaos:
             self.redis.stop(wipe=wipe)
             await asyncio.sleep(2.0)
             await asyncio.to_thread(self.redis.start)
+        elif name == "primary-kill":
+            return await self.kill_primary()
         elif name == "path-delay":
             pa.delay = 0.3
             await asyncio.sleep(6.0)
@@ -437,6 +456,45 @@ class Chaos:
                 except OSError:
                     pass
             await asyncio.gather(*(one() for _ in range(100)))
+        return None
+
+    async def kill_primary(self) -> dict[str, Any]:
+        """kill -9 the primary; the sentinels promote the replica; the killed process comes back as the new
+        primary's replica. A replica lags: what it lacked is announced per topic (`epoch` loss); private
+        queues' last accepted messages may go as in a wipe (docs/cluster.md §8), so the kill counts as one."""
+        topology = self.topology
+        assert topology is not None
+        killed, killed_at = time.monotonic(), time.time()
+        self.wipes.append(killed_at)
+        victim = await asyncio.to_thread(topology.kill_primary)
+        survivor = topology.replica if victim is topology.primary else topology.primary
+        accepted = asyncio.create_task(self.accepted_again(killed))
+        while not await asyncio.to_thread(topology.promoted, survivor.port):
+            if time.monotonic() - killed > PROMOTION_MAX_S:
+                accepted.cancel()
+                return {"promoted": False, "healed_at": killed_at}
+            await asyncio.sleep(0.05)
+        promoted_s = time.monotonic() - killed
+        self.redis = survivor
+        accepted_s = await accepted
+        victim.extra = ("--replicaof", "127.0.0.1", str(survivor.port))
+        await asyncio.to_thread(victim.start)
+        return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s,
+                "healed_at": killed_at}
+
+    async def accepted_again(self, since: float) -> float | None:
+        """Seconds from `since` (monotonic) until an admin publish is accepted again (None: not within
+        PROMOTION_MAX_S)."""
+        async with httpx.AsyncClient(timeout=5.0, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+            while time.monotonic() - since < PROMOTION_MAX_S:
+                try:
+                    reply = await http.post(f"{self.nodes[0].url}/api/topics/chaos.probe/publish",
+                                            content=orjson.dumps({"data": {"probe": time.time()}}))
+                    if reply.status_code == 200:
+                        return round(time.monotonic() - since, 2)
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.05)
         return None
 
     async def kill_worker(self, node: Node) -> dict[str, Any]:
@@ -646,20 +704,20 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_faults(text: str) -> list[str]:
+def parse_faults(text: str, known: tuple[str, ...] = FAULTS) -> list[str]:
     if text in ("all", ""):
-        return list(FAULTS) if text == "all" else []
+        return list(known) if text == "all" else []
     names = [f.strip() for f in text.split(",") if f.strip()]
-    unknown = [n for n in names if n not in FAULTS]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+        raise argparse.ArgumentTypeError(f"unknown faults {unknown}; known: {', '.join(known)}")
     return names
 
 
 def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_s: float = 5.0,
         warmup: float | None = None, keep: bool = False, workers: int = 1, pause: tuple[float, float] = (6.0, 9.0),
         settle_s: float | None = None, rounds: int | None = None, tail_s: float = 14.0,
-        idle_samples: int = 0) -> dict[str, Any]:
+        idle_samples: int = 0, redis: str = "single") -> dict[str, Any]:
     """`duration` bounds the run; with `rounds` it ends once the fault list ran that many times (and `tail_s`
     seconds of traffic after). `settle_s`: after each fault, wait until every client is served again (at most
     that long) before the `pause` (seconds, drawn between the two bounds). `idle_samples`: samples taken 1 s
@@ -667,13 +725,16 @@ def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     warm = warmup if warmup is not None else min(60.0, max(10.0, duration * 0.15))
     chaos = Chaos(workdir, duration, faults, seed, sample_s, warm, workers, pause, settle_s, rounds, tail_s,
-                  idle_samples)
+                  idle_samples, redis)
     try:
         result = asyncio.run(chaos.run())
     finally:
         for node in chaos.nodes:
             node.stop()
-        chaos.redis.stop()
+        if chaos.topology is not None:
+            chaos.topology.stop()
+        else:
+            chaos.redis.stop()
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             for node in chaos.nodes:
@@ -694,8 +755,9 @@ def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fanout-loadtest chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds (default 1800: the soak)")
-    parser.add_argument("--faults", type=parse_faults, default=list(FAULTS),
-                        help=f"comma-separated, in turn (default all: {','.join(FAULTS)}); '' for none")
+    parser.add_argument("--faults", default="all",
+                        help=f"comma-separated, in turn (default all: {','.join(FAULTS)}; with --redis sentinel:"
+                        f" {','.join(SENTINEL_FAULTS)}); '' for none")
     parser.add_argument("--out", type=Path, help="results directory (default results/chaos-TIME)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the pauses between faults")
     parser.add_argument("--sample", type=float, default=5.0, help="seconds between RSS / fd / Redis samples")
@@ -703,12 +765,19 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 15%% of the duration, 10 to 60)")
     parser.add_argument("--workers", type=int, default=1,
                         help="N > 1: one node with server.workers = N instead of two nodes (node-kill: one worker -9)")
+    parser.add_argument("--redis", choices=("single", "sentinel"), default="single",
+                        help="one redis-server (default), or a primary, a replica and three sentinels")
     args = parser.parse_args(argv)
+    try:
+        faults = parse_faults(args.faults, SENTINEL_FAULTS if args.redis == "sentinel" else FAULTS)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     if not (shutil.which("redis-server") or os.path.exists("/usr/bin/redis-server")):
         print("redis-server is missing (make redis installs it)", file=sys.stderr)
         return 2
     out = args.out or Path("results") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = run(args.duration, args.faults, out, args.seed, args.sample, args.warmup, workers=args.workers)
+    result = run(args.duration, faults, out, args.seed, args.sample, args.warmup, workers=args.workers,
+                 redis=args.redis)
     print(report(result))
     print(f"written: {out / 'chaos.json'}")
     return 1 if result["check"]["violations"] else 0

@@ -170,7 +170,7 @@ def walk(roots: Iterable[object], before: set[int], stop: set[int]) -> tuple[int
 async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
     from gateway.config import load_config
     from gateway.server import start_gateway
-    from gateway.transports.ws import FanoutWSProtocol
+    from gateway.transports.ws import WebSocketProtocol
 
     workdir = Path(tempfile.mkdtemp(prefix="conn-objects-"))
     config_path = workdir / "gateway.toml"
@@ -247,7 +247,7 @@ async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
                             sizes_with[name] / max(1, types_with[name]))
                            for name, _ in (types_with - types_before).most_common(top)]
         # one connection, object by object
-        protos = [c for c in connections if isinstance(c, FanoutWSProtocol) and c.connection is not None]
+        protos = [c for c in connections if isinstance(c, WebSocketProtocol) and c.connection is not None]
         stop = {id(p) for p in protos} | {id(p.transport) for p in protos} | {id(p.connection) for p in protos}
         proto = protos[-1]
         conn = proto.connection

@@ -26,9 +26,11 @@ def redis_binary() -> str | None:
 
 
 class RedisProcess:
-    def __init__(self, workdir: Path, *, appendonly: bool = False) -> None:
+    def __init__(self, workdir: Path, *, appendonly: bool = False, extra: tuple[str, ...] = ()) -> None:
         self.dir = workdir
         self.appendonly = appendonly
+        #: more redis-server options (`--replicaof HOST PORT`, cluster mode)
+        self.extra = extra
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -42,7 +44,8 @@ class RedisProcess:
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         binary = redis_binary() or REDIS_SERVER
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence, "--dir", str(self.dir)],
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence, "--dir", str(self.dir),
+             *self.extra],
             stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:

@@ -6,8 +6,9 @@ engine; `RedisBroker` (redis_broker.py) answers once Redis has ordered the messa
 every node. Which topics a broker keeps elsewhere (shared topics in Redis streams, private queues in Redis
 lists) is the broker's own business: nobody outside asks.
 
-A broker never sees the hub. It is given `BrokerEvents` (implemented by the scheduler, gateway/scheduler.py)
-and reports through it what reaches this node's engine: a message applied at its seq, a gap skipped, a topic
+A broker never sees the hub nor the engine. It is given `BrokerEvents` (the scheduler's `Membership`,
+gateway/scheduler.py): it reads the engine through its read-only `topics` view and reports through its verbs
+what reaches this node's engine: a message applied at its seq, a gap skipped, a topic created, restarted or
 deleted, a private queue evicted, queue space freed. Each event wakes the scheduler itself, so no broker can
 forget a wake.
 """
@@ -20,18 +21,34 @@ from typing import Any, Protocol
 
 from prometheus_client.core import Metric
 
-from core import Engine, Published, RequestError, TopicConfig
+from core import Published, RequestError, TopicConfig
 
 from ..identity import ClientIdentity
 from ..presence import Member, PresenceStore
+from ..topic_view import TopicView
 
 
 class BrokerEvents(Protocol):
     """What a broker may do to this node: read the engine, and change it only through these events."""
 
     #: read the engine freely (topic_config, has_topic, topic(...).subs, counters); change it through the verbs
-    #: below, or through `create_topic` / `restart_topic` followed by `wake`
-    engine: Engine
+    #: below
+    topics: TopicView
+
+    def attach_broker(self, presence: PresenceStore,
+                      commits: Callable[[list[tuple[str, Hashable, int]]], None] | None) -> None:
+        """Called once by the broker as it is made: where presence members are kept, and where private
+        queues' commits go (None: nowhere, the queues live in this engine)."""
+
+    def resolve(self, topic: str) -> None:
+        """The local topic, created on first use by its rule (raises the rule's errors: unknown topic)."""
+
+    def create_topic(self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None,
+                     start: int = 0) -> dict[str, Any]:
+        """A new local topic (`TopicExists`, `TooManyTopics`); `epoch`, `start`: a broker's stream. Its INFO."""
+
+    def restart_topic(self, name: str, epoch: str, start: int) -> None:
+        """The topic's stream changed epoch: subscribers read on from `start` (docs/cluster.md §4)."""
 
     def apply(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
         """Put one message into the engine (raises what the engine raises: `QueueFull`, `StaleSeq`, ...)."""
@@ -72,16 +89,14 @@ class BrokerEvents(Protocol):
         """A future done when the private queue (topic, owner) frees space or disappears."""
 
     def wake(self) -> None:
-        """The engine has work (after `create_topic` / `restart_topic`)."""
+        """The engine may have work."""
 
 
 class Broker(Protocol):
-    #: the publishes waiting for the broker met their byte bound: it takes none until they drain
-    #: (`when_accepting`); publishers that can wait hold theirs (the ingest), others get `BrokerUnavailable`
-    congested: bool
-    #: bytes of publishes waiting for the broker, and publishes refused for their bound (`/metrics`)
-    pending_bytes: int
-    backlog_refused: int
+    @property
+    def congested(self) -> bool:
+        """The publishes waiting for the broker met their byte bound: it takes none until they drain
+        (`when_accepting`); publishers that can wait hold theirs (the ingest), others get `BrokerUnavailable`."""
     #: where presence members are kept (gateway/presence.py): this process's memory, or Redis
     presence: PresenceStore
 
@@ -116,8 +131,8 @@ class Broker(Protocol):
     # -- subscribing ----------------------------------------------------------------------------------------
 
     def creates_here(self, topic: str) -> bool:
-        """Whether a client's first use of `topic` creates it in this engine (the router charges the client's
-        creation budget); False when the broker creates it (and charges the budget itself)."""
+        """Whether a client's first use of `topic` creates it in this engine (the topic catalog charges the
+        client's creation budget); False when the broker creates it (and charges the budget itself)."""
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
                   creator: ClientIdentity, ack: bool = False) -> None:
@@ -155,7 +170,7 @@ class Broker(Protocol):
     node_id: str
     clustered: bool
     #: this node's client summary for the other nodes' stats streams, or None; called every second by the
-    #: stats refresher with whether some node's stream has a viewer (set by the stats feed,
+    #: stats refresher with whether some node's stream has a viewer (given at construction: the stats feed's,
     #: gateway/stats_feed.py; never called in-process)
     node_summary: Callable[[bool], dict[str, Any] | None]
 
@@ -166,8 +181,8 @@ class Broker(Protocol):
 
     # -- operators' control commands (admin API; gateway/broker/control.py) --------------------------------
 
-    #: runs a control command on this node and returns its answer (set by the client registry,
-    #: `ClientRegistry.on_control`: kick, disconnect, revoke, list)
+    #: runs a control command on this node and returns its answer (given at construction: the operators'
+    #: `ControlCommands.run`, gateway/control_commands.py: kick, disconnect, revoke, list)
     control_handler: Callable[[dict[str, Any]], dict[str, Any]]
 
     async def control(self, command: dict[str, Any]) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from core import TopicConfig, TopicKind
 
 from ..errors import BrokerUnavailable
+from .topic_lines import config_from
 
 if TYPE_CHECKING:
     from .node import RedisNode
@@ -50,9 +51,9 @@ class ClusterInfo:
         epoch, top, settings = meta
         if epoch is None:
             return None
-        engine = self.broker.events.engine
-        config = self.broker.config_from(settings) or engine.topic_config(name) or TopicConfig()
-        local = engine.topic(name) if engine.has_topic(name) else None
+        topics = self.broker.events.topics
+        config = config_from(settings) or topics.topic_config(name) or TopicConfig()
+        local = topics.topic(name) if topics.has_topic(name) else None
         info: dict[str, Any] = {"name": name, "epoch": epoch.decode(),
                                 "subscribers": len(local.subs) if local is not None else 0, **config.as_dict()}
         top = int(top or 0)
@@ -91,8 +92,8 @@ class ClusterInfo:
     def _node_stats(self) -> dict[str, Any]:
         broker = self.broker
         events = broker.events
-        return {"node": broker.node_id, "pid": os.getpid(), "core": events.engine.counters.as_dict(),
-                "clients": events.client_count(), "topics": events.engine.topic_count, "attached": len(broker.lines)}
+        return {"node": broker.node_id, "pid": os.getpid(), "core": events.topics.counters.as_dict(),
+                "clients": events.client_count(), "topics": events.topics.topic_count, "attached": len(broker.lines)}
 
     async def _stats_loop(self) -> None:
         broker = self.broker

@@ -3,8 +3,8 @@ a user, revoke tokens, list clients, run on every node of one Redis.
 
 * One pub/sub channel, `P:control`, which every node's channel connection subscribes (beside its topics').
   A command is published there as JSON with the origin node and a reply key; each other node runs it
-  through its `control_handler` (the client registry's `on_control`) and RPUSHes its answer to the reply
-  key (a list, expiring after `REPLY_TTL_S`). The origin ran it itself first, before publishing.
+  through its `control_handler` (`ControlCommands.run`, gateway/control_commands.py) and RPUSHes its answer
+  to the reply key (a list, expiring after `REPLY_TTL_S`). The origin ran it itself first, before publishing.
 * PUBLISH answers how many connections received the message: the number of nodes listening, so the origin
   knows how many answers to wait for, and waits at most `CONTROL_REPLY_TIMEOUT_S` (BLPOP). A node that
   answers later still ran the command; it is only missing from the count.

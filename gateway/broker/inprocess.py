@@ -27,12 +27,16 @@ class InProcessBroker:
     pending_bytes = 0
     backlog_refused = 0
 
-    def __init__(self, events: BrokerEvents, node_id: str = "") -> None:
+    def __init__(self, events: BrokerEvents, node_id: str = "",
+                 control: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {},
+                 node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None) -> None:
         self.events = events
         self.presence: PresenceStore = MemoryPresence()
+        events.attach_broker(self.presence, None)  # private queues live here: nothing to acknowledge
         self.node_id = node_id
-        self.control_handler: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {}
-        self.node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None  # never asked
+        #: runs an operator's control command here (`Broker.control`)
+        self.control_handler = control
+        self.node_summary = node_summary  # never asked: there is no other node
         self._held: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -82,7 +86,7 @@ class InProcessBroker:
                 future.set_exception(exc)
 
     def creates_here(self, topic: str) -> bool:
-        return not self.events.engine.has_topic(topic)
+        return not self.events.topics.has_topic(topic)
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
                   creator: ClientIdentity, ack: bool = False) -> None:
@@ -95,8 +99,7 @@ class InProcessBroker:
         pass
 
     async def create(self, topic: str, config: TopicConfig) -> dict[str, Any]:
-        info: dict[str, Any] = self.events.engine.create_topic(topic, config).info()
-        return info
+        return self.events.create_topic(topic, config)
 
     async def delete(self, topic: str) -> int:
         return self.events.deleted(topic)

@@ -1,5 +1,6 @@
-"""What the Redis broker's helpers (private_queues.py, cluster_info.py) use of their node: its Redis
-connection and keys, its identity and the state of the link. `RedisBroker` (redis_broker.py) is one."""
+"""What the Redis broker's helpers (private_queues.py, cluster_info.py, control.py, presence_store.py) use of
+their node: its Redis connection and keys, its identity, its link and its publisher. `RedisBroker`
+(redis_broker.py) is one."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
-from core import TopicConfig
-
 from .base import BrokerEvents
 from .keys import Keys
+from .link import Link
+from .publishing import Publisher
 
 
 class RedisNode(Protocol):
@@ -21,9 +22,6 @@ class RedisNode(Protocol):
     node_id: str
     #: seconds Redis keeps a topic's or a queue's keys without a holder
     ttl: int
-    #: whether Redis answers, and why not when it does not
-    available: bool
-    last_error: str
     #: the loaded scripts' SHA-1s by name (scripts.py)
     shas: dict[str, str]
     events: BrokerEvents
@@ -36,15 +34,17 @@ class RedisNode(Protocol):
     def lines(self) -> Mapping[str, object]:
         """The topics this node serves from Redis streams."""
 
+    #: the connections to Redis (channels subscribed through it), and the byte bound of what waits for Redis
+    link: Link
+    publisher: Publisher
+
+    @property
+    def available(self) -> bool:
+        """Whether Redis answers."""
+
+    @property
+    def last_error(self) -> str:
+        """Why not, when it does not."""
+
     async def refresh_queues(self) -> None:
         """Keep the private queues this node holds alive in Redis."""
-
-    def reserve(self, size: int) -> None: ...
-
-    def release_bytes(self, size: int) -> None: ...
-
-    async def subscribe_channels(self, channels: list[str]) -> None: ...
-
-    def unsubscribe_channel(self, channel: str) -> None: ...
-
-    def config_from(self, settings: bytes | None) -> TopicConfig | None: ...

@@ -185,8 +185,8 @@ class RedisPresence:
 
     def _tracks(self, topic: str) -> bool:
         """Whether this node keeps `topic`'s other members: it serves it and it has `join_leave`."""
-        engine = self.node.events.engine
-        return topic in self.node.lines and engine.has_topic(topic) and engine.topic(topic).config.join_leave
+        topics = self.node.events.topics
+        return topic in self.node.lines and topics.has_topic(topic) and topics.topic(topic).config.join_leave
 
     def _remote_event(self, topic: str, kind: str, node_id: str, member: Member) -> None:
         """Another node's announcement: local `join` / `leave` entries, each member announced once (a join

@@ -130,7 +130,7 @@ class PrivateQueues:
     def subscribe(self, client_id: str, topic: str, request_id: Any, ack: bool = False) -> None:
         """Subscribe `client_id` to its owner's queue: at once when this node holds it, else after the attach."""
         events = self.events
-        owner = events.engine.client(client_id).owner
+        owner = events.topics.client(client_id).owner
         key = (topic, owner)
         held = self.held.get(key)
         if held is not None:
@@ -141,7 +141,7 @@ class PrivateQueues:
             return
         if not self.broker.available:
             raise BrokerUnavailable(f"broker unreachable: {self.broker.last_error}; retry later")
-        events.engine.resolve(topic)  # the rule's errors (unknown topic) now, before any Redis work
+        events.resolve(topic)  # the rule's errors (unknown topic) now, before any Redis work
         keys = self.broker.keys.queue(topic, str(owner))
         held = self.held[key] = Held(topic, owner, keys, waiting=[(client_id, request_id, ack)])
         self.by_channel[keys[2]] = held
@@ -150,7 +150,7 @@ class PrivateQueues:
     async def _attach(self, held: Held) -> None:
         events = self.events
         try:
-            await self.broker.subscribe_channels([held.keys[2]])
+            await self.broker.link.subscribe_channels([held.keys[2]])
             epoch, head, entries = await self._eval(
                 "QUEUE_ATTACH", held.keys[:2], secrets.token_hex(8), self.broker.ttl, held.keys[2],
                 self.broker.node_id)
@@ -207,13 +207,13 @@ class PrivateQueues:
         if self.held.get((held.topic, held.owner)) is held:
             del self.held[(held.topic, held.owner)]
             self.by_channel.pop(held.keys[2], None)
-            self.broker.unsubscribe_channel(held.keys[2])
+            self.broker.link.unsubscribe_channel(held.keys[2])
 
     def _local(self, held: Held) -> Any:
-        engine = self.events.engine
-        if not engine.has_topic(held.topic):
+        topics = self.events.topics
+        if not topics.has_topic(held.topic):
             return None
-        topic = engine.topic(held.topic)
+        topic = topics.topic(held.topic)
         return topic.queues.get(held.owner) if isinstance(topic, PrivateTopic) else None
 
     # -- the channel -------------------------------------------------------------------------------------
@@ -233,6 +233,31 @@ class PrivateQueues:
         if held.epoch is not None:
             self.pull(held)
         return True
+
+    async def check_behind(self) -> None:
+        """After a reconnect, before publishes resume: a held queue Redis holds behind what this node pulled or
+        was announced (a promoted replica that lacked pushes) goes on at that seq (scripts.QUEUE_REWIND), so
+        no seq is given twice; if it lacks messages announced and not pulled yet, they are lost: the handle
+        is closed (`closed`, reason `lost`), as when Redis lost the queue. Raises the link's errors."""
+        checks = [(held, held.epoch, sub.cursor) for held in self.held.values()
+                  if held.epoch is not None and (sub := self._local(held)) is not None]
+        if not checks:
+            return
+        broker = self.broker
+        pipe = broker.redis.pipeline(transaction=False)
+        for held, epoch, cursor in checks:
+            pipe.evalsha(broker.shas["QUEUE_REWIND"], 2, held.keys[0], held.keys[1], epoch,
+                         max(cursor, held.top), broker.ttl, broker.node_id)
+        for (held, _, cursor), behind in zip(checks, await pipe.execute()):
+            if behind < 0:
+                continue
+            log.warning("broker: Redis was behind this node on the queue %s (next seq %d, pulled up to %d):"
+                        " it goes on at %d", held.keys[0], behind, cursor, max(cursor, held.top))
+            if held.top > max(behind, cursor):
+                log.warning("broker: the queue %s lost seqs [%d, %d) with Redis; its handle is closed",
+                            held.keys[0], max(behind, cursor), held.top)
+                self._forget(held)
+                self.events.evicted(held.topic, held.owner, "lost")
 
     def resync(self) -> None:
         """Redis is back: pull every held queue and send the acks that failed."""
@@ -367,13 +392,13 @@ class PrivateQueues:
         if owner is None:
             raise NoTarget(f"private topic {topic!r} needs the user whose queue gets the message (`client`)")
         check_ready(broker.available, broker.last_error, seq)
-        broker.reserve(0)
-        raw = encode_message(topic, data, self.events.engine.config.max_message_bytes)
-        self.events.engine.resolve(topic)
+        broker.publisher.reserve(0)
+        raw = encode_message(topic, data, self.events.topics.config.max_message_bytes)
+        self.events.resolve(topic)
         size = len(raw) + PENDING_OVERHEAD
-        broker.reserve(size)  # broker.max_pending_bytes: what waits for Redis, shared topics and queues alike
+        broker.publisher.reserve(size)  # broker.max_pending_bytes: what waits for Redis, shared topics and queues alike
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda _: broker.release_bytes(size))
+        future.add_done_callback(lambda _: broker.publisher.release_bytes(size))
         key = (topic, owner)
         outbox = self._outboxes.get(key)
         if outbox is None:
@@ -394,7 +419,7 @@ class PrivateQueues:
                     items.popleft()
                 if not items:
                     break
-                config = events.engine.topic_config(outbox.topic)
+                config = events.topics.topic_config(outbox.topic)
                 if config is None:
                     self._fail_all(outbox, NotSubscribed(f"no topic {outbox.topic!r}"))
                     break

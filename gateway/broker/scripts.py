@@ -220,3 +220,17 @@ if redis.call('HGET', KEYS[1], 'h') ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1], KEYS[2])
 return 1
 """
+
+#: ARGV: 1 epoch, 2 floor (the holder's local end, or the highest next seq announced to it), 3 ttl, 4 node
+#: id. A Redis behind the holder (a promoted replica that lacked pushes, an older snapshot): the queue's next
+#: seq in the same epoch is below the floor, so it would give seqs the holder has to other messages. The
+#: queue goes on at the floor, empty (what it held below the floor, the holder pulled). Returns the next seq
+#: Redis had when it was behind, else -1 (not behind, another epoch, or no queue).
+QUEUE_REWIND = r"""
+local meta = redis.call('HMGET', KEYS[1], 'e', 'n')
+if meta[1] ~= ARGV[1] or tonumber(meta[2]) >= tonumber(ARGV[2]) then return -1 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[1], 'n', ARGV[2], 'b', 0, 'h', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return tonumber(meta[2])
+"""

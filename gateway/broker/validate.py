@@ -1,5 +1,5 @@
 """The checks a publish through the Redis broker passes before it is queued (shared topics in
-redis_broker.py, private queues in private_queues.py): raised at once, the future never made."""
+publishing.py, private queues in private_queues.py): raised at once, the future never made."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..errors import BrokerUnavailable
 #: Bytes of a `msg` entry besides its topic and data (`{"type":"msg","topic":,"seq":,"data":}` and a seq).
 ENTRY_OVERHEAD = 64
 #: What a publish waiting for Redis holds besides its data (its record, future, callbacks: about 0.5 KiB in
-#: CPython 3.11), counted against broker.max_pending_bytes with the data (RedisBroker.reserve).
+#: CPython 3.11), counted against broker.max_pending_bytes with the data (Publisher.reserve, publishing.py).
 PENDING_OVERHEAD = 512
 
 

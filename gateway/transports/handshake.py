@@ -1,7 +1,8 @@
 """How every client transport opens a client (WebSocket, SSE, long-poll), written once: the per-address and
 total bounds, the refused `?id=`, the token (from the query or an `Authorization` header) checked within the
 address's token-check rate, and the `ClientIdentity` the transport registers. A refusal is raised as the
-`RequestError` docs/protocol.md names; each transport only turns it into its own wire form:
+`RequestError` docs/protocol.md names; `ClientSession.begin` (gateway/session.py) runs it for every
+transport, and each transport only turns a refusal into its own wire form:
 
 | refusal | WebSocket | SSE | long-poll |
 | --- | --- | --- | --- |
@@ -38,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -289,17 +289,6 @@ def http_refusal(hub: Hub, exc: RequestError) -> Response:
     return error_response(exc)
 
 
-async def http_backend_refusal(admission: Admission, request: Request) -> Response | None:
-    """The connect hook for an HTTP transport (long-poll, SSE), when this client must pass it: None once the
-    backend admitted it, else the answer: 403 `forbidden` (refused), 503 `backend_unavailable` with
-    `Retry-After` (no answer in time)."""
-    try:
-        await admission.pass_backend(request.headers.getlist)
-    except RequestError as exc:
-        return http_refusal(admission.hub, exc)
-    return None
-
-
 #: HTTP status of a `LateRefusal` on POST /lp, by close code (a refused token, the admin's refusal, come back)
 _LATE_STATUS = {close_codes.TOKEN_REVOKED: 401, close_codes.DISCONNECTED: 403, close_codes.SERVICE_RESTART: 503}
 
@@ -325,15 +314,12 @@ def close_reason(exc: RequestError) -> str:
 
 
 class TransportOff:
-    """The endpoint of every route of a transport that is switched off (`websocket.enabled`,
-    `longpoll.enabled`, `sse.enabled`): an HTTP request gets `404 not_found` naming the key; a WebSocket
-    handshake is closed before it is accepted, which uvicorn answers with HTTP 403 (docs/protocol.md)."""
+    """The endpoint of every route of an HTTP transport that is switched off (`longpoll.enabled`,
+    `sse.enabled`): `404 not_found` naming the key. (`websocket.enabled` off: the WebSocket protocol answers
+    every handshake 403 itself, gateway/transports/ws.py.)"""
 
     def __init__(self, name: str, key: str) -> None:
         self.refusal = NotFound(f"the {name} transport is disabled ({key})")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1000, "reason": ""})
-            return
         await error_response(self.refusal)(scope, receive, send)

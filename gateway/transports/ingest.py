@@ -310,7 +310,7 @@ class IngestProtocol(asyncio.Protocol):
 
     def _publish(self, item: Publish) -> None:
         record = item.record
-        router = self.hub.router
+        router = self.hub.catalog
         try:  # at once when the topic lives in this process
             published = router.publish_nowait(record.topic, record.data, seq=record.seq, owner=record.client)
         except QueueFull:

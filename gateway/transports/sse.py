@@ -34,15 +34,14 @@ from core.config import MAX_SEQ
 from core.errors import RequestError, TooManySubscriptions
 
 from .. import schema
-from ..commands import run_command
 from ..errors import BadRequest, UnknownSession
 from ..http_errors import error_response
 from ..hub import Hub
-from ..identity import ClientIdentity
 from ..netguard import SCOPE_KEY, GuardedHttpToolsProtocol
+from ..session import ClientSession, LateRefused, session_store
 from ..session_tables import Checkpoints
-from .handshake import Admission, TooManyPendingConnects, admit, http_backend_refusal, http_refusal
-from .longpoll import accept_commands
+from .handshake import TooManyPendingConnects, http_refusal
+from .longpoll import accept_commands, backend_refusal
 from .sessions import new_secret
 from .staging import StagedWriter, tune_stream
 
@@ -225,11 +224,16 @@ def recovery_point(text: str, max_items: int, table: Checkpoints) -> dict[str, t
 # -- the connection ------------------------------------------------------------------------------------------
 
 class SseConnection(StagedWriter):
-    """One stream: a `Connection` of the scheduler (gateway/scheduler.py) and the `StreamListener` of its HTTP protocol."""
+    """One stream: a `Connection` of the scheduler (gateway/scheduler.py) and the `StreamListener` of its HTTP
+    protocol. Made before its client opens (nothing happens until `start`)."""
 
-    def __init__(self, hub: Hub, identity: ClientIdentity, proto: GuardedHttpToolsProtocol,
-                 secret_prefix: str = "") -> None:
-        super().__init__(hub, identity)
+    #: the client's session, which hears of the stream's write state and loss
+    session: ClientSession
+
+    def __init__(self, session: ClientSession, proto: GuardedHttpToolsProtocol, secret_prefix: str = "") -> None:
+        super().__init__(session)
+        self.config = session.config
+        self.store = session.store
         self.proto = proto
         self.transport = proto.transport
         #: the session id of the URLs, the only credential of POST and DELETE (`new_secret`)
@@ -248,14 +252,17 @@ class SseConnection(StagedWriter):
         self._cut: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        """The head is written: tune the socket as the WebSocket's, write the session event, start beating."""
-        ws = self.hub.config.websocket
+        """The client is open: tune the socket as the WebSocket's, write the session event, start beating
+        (not when closed meanwhile)."""
+        if self.closed:
+            return
+        ws = self.config.websocket
         tune_stream(self.transport, ws.write_high_water, ws.socket_send_buffer, ws.notsent_lowat_bytes)
         session = orjson.dumps({"session": self.secret, "client_id": self.identity.client_id})
         self._write(b"event: session\ndata: " + session + b"\n\n")
-        self.hub.sessions.sse.add(self)
-        if self.hub.config.sse.heartbeat_s > 0:
-            self._arm_heartbeat(self.hub.config.sse.heartbeat_s)
+        self.store.sse.add(self)
+        if self.config.sse.heartbeat_s > 0:
+            self._arm_heartbeat(self.config.sse.heartbeat_s)
 
     def _write(self, event: bytes) -> None:
         self.transport.write(chunk(event))
@@ -294,20 +301,19 @@ class SseConnection(StagedWriter):
 
     def on_resume(self) -> None:
         self.paused = False
-        if self.blocked_since is not None:
-            self.blocked_since = None
-            self.hub.scheduler.write_drained(self.identity.client_id)
+        self._drained()
 
     def on_lost(self) -> None:
-        """The connection is gone: nothing more is written; the endpoint unregisters the client."""
+        """The connection is gone: nothing more is written, and the client is forgotten."""
         self.closed = True
         if self.positions_of is not None:
             self.positions_of.ended()
+            self.positions_of = None
         self._stop()
         if self._cut is not None:
             self._cut.cancel()
             self._cut = None
-        self.hub.scheduler.write_unwatched(self.identity.client_id)
+        self.session.gone()
 
     # -- control -------------------------------------------------------------------------------------------
 
@@ -334,14 +340,14 @@ class SseConnection(StagedWriter):
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             self._heartbeat = None
-        self.hub.sessions.sse.discard(self)
+        self.store.sse.discard(self)
 
     def _arm_heartbeat(self, delay: float) -> None:
         self._heartbeat = self.proto.loop.call_later(delay, self._beat)
 
     def _beat(self) -> None:
         # One timer per stream, re-armed lazily: writes only stamp `last_write`.
-        period = self.hub.config.sse.heartbeat_s
+        period = self.config.sse.heartbeat_s
         quiet = time.monotonic() - self.last_write
         if quiet < period:
             self._arm_heartbeat(period - quiet)
@@ -371,69 +377,69 @@ def close_only(code: int, reason: str) -> Response:
 class _Stream(Response):
     """The event stream of one connection; lives until the connection is lost."""
 
-    def __init__(self, hub: Hub, proto: GuardedHttpToolsProtocol, admission: Admission,
-                 topics: list[str], positions: dict[str, tuple[str, int]],
-                 refusals: list[RequestError], secret_prefix: str = "") -> None:
+    def __init__(self, session: ClientSession, proto: GuardedHttpToolsProtocol, topics: list[str],
+                 positions: dict[str, tuple[str, int]], refusals: list[RequestError], secret_prefix: str = "") -> None:
         super().__init__()
-        self.hub = hub
+        #: the client, holding its places in the bounds until it opens (gateway/session.py)
+        self.session = session
         self.proto = proto
-        #: the client's places in the bounds, held until it registers (gateway/transports/handshake.py)
-        self.admission = admission
-        self.identity = admission.identity
         self.topics = topics
         self.recovery = positions
         self.refusals = refusals
         self.secret_prefix = secret_prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hub = self.hub
-        cid = self.identity.client_id
+        session = self.session
         try:
             await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
         except BaseException:
-            self.admission.release()
+            session.gone()
             raise
-        late = self.admission.settle()
-        if late is not None:  # revoked, disconnected or draining before it could register: its only event
-            await send({"type": "http.response.body", "body": close_event(late.code, late.reason, late.retry_ms)})
+        if self.proto.transport.is_closing():  # gone before the head: nothing to open
+            session.gone()
             return
-        conn = SseConnection(hub, self.identity, self.proto, self.secret_prefix)
+        conn = SseConnection(session, self.proto, self.secret_prefix)
         reason = "closed"
         try:
-            if not self.proto.transport.is_closing():  # else gone before the head: nothing to register
-                self.proto.stream = conn
-                conn.start()
-                hub.clients.register(conn, ready=True)
-                conn.positions_of = IdLine(Positions(hub.engine.client(cid)), hub.sessions.checkpoints)
+            try:
+                session.open(conn)
+            except LateRefused as late:  # revoked, disconnected or draining before it registered: its only event
+                refusal = late.refusal
+                await send({"type": "http.response.body", "body": close_event(refusal.code, refusal.reason,
+                                                                              refusal.retry_ms)})
+                return
+            self.proto.stream = conn
+            conn.start()
+            if session.live:  # else cut as it registered (the connect hook's topics)
+                conn.positions_of = IdLine(Positions(session.client_state()), conn.store.checkpoints)
                 self._subscribe()
             # The request has no body: what comes next is the disconnect (the connection was lost), also
             # after a kick (the close event written, the connection closed within KICK_GRACE_S).
             while (await receive())["type"] != "http.disconnect":
                 pass
         except Exception:
-            log.exception("SSE stream %s failed", cid)
+            log.exception("SSE stream %s failed", session.identity.client_id)
             reason = "error"
         finally:
+            session.gone(reason)
             conn.on_lost()
             if self.proto.stream is conn:
                 self.proto.stream = None
-            hub.clients.unregister(cid, reason)
 
     def _subscribe(self) -> None:
         """The request's subscriptions, as commands: same checks and answers as a `subscribe`."""
-        hub = self.hub
-        cid = self.identity.client_id
+        session = self.session
         for refusal in self.refusals:
-            hub.clients.send_error(cid, refusal)
+            session.send_error(refusal)
         names = self.topics + [name for name in self.recovery if name not in self.topics]
         for name in names:
-            if cid not in hub.clients.conns:
+            if not session.live:
                 return  # cut by an earlier subscribe (direct queue)
             command: dict[str, Any] = {"op": "subscribe", "topic": name}
             if name in self.recovery:
                 epoch, seq = self.recovery[name]
                 command["since"] = {"epoch": epoch, "seq": seq}
-            run_command(hub, cid, command)
+            session.command(command)
 
 
 async def stream(request: Request) -> Response:
@@ -444,12 +450,12 @@ async def stream(request: Request) -> Response:
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
         raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.netguard.GuardedHttpToolsProtocol)")
     try:
-        admission = admit(hub, "sse", request.client, token=query.get("token"), requested_id=query.get("id"))
+        session = ClientSession.begin(hub, "sse", request.client, token=query.get("token"), requested_id=query.get("id"))
     except RequestError as exc:
         if exc.close_code is None or isinstance(exc, TooManyPendingConnects):  # the bounds: an HTTP error
             return http_refusal(hub, exc)
         return close_only(exc.close_code, exc.message)  # ?id=, the token: a stream an EventSource can read
-    refusal = await http_backend_refusal(admission, request)
+    refusal = await backend_refusal(hub, session, request)
     if refusal is not None:
         return refusal
     refusals: list[RequestError] = []
@@ -463,35 +469,32 @@ async def stream(request: Request) -> Response:
     if recovery_text is None:
         recovery_text = query.get("since", "")
     try:
-        positions = recovery_point(recovery_text, max_subs, hub.sessions.checkpoints)
+        positions = recovery_point(recovery_text, max_subs, session.store.checkpoints)
     except BadRequest as exc:
-        hub.bad_input("sse", "%s: %s", admission.identity.ip, exc.message)
+        session.bad_input("%s: %s", session.identity.ip, exc.message)
         refusals.insert(0, exc)
         positions = {}
-    return _Stream(hub, proto, admission, topics, positions, refusals, request.app.state.session_prefix)
+    return _Stream(session, proto, topics, positions, refusals, request.app.state.session_prefix)
 
 
-def _session(request: Request) -> tuple[Hub, SseConnection] | Response:
-    """The hub and the session the path names, or the error response (no such session)."""
-    hub: Hub = request.app.state.hub
-    conn = hub.sessions.sse.get(request.path_params["session"])
+def _stream_of(request: Request) -> SseConnection | Response:
+    """The stream the path names, or the error response (no such session)."""
+    conn = session_store(request.app.state.hub).sse.get(request.path_params["session"])
     if not isinstance(conn, SseConnection):
         return error_response(UNKNOWN_SESSION)
-    return hub, conn
+    return conn
 
 
 async def post_commands(request: Request) -> Response:
-    found = _session(request)
+    found = _stream_of(request)
     if isinstance(found, Response):
         return found
-    hub, conn = found
-    return await accept_commands(request, hub, conn.identity.client_id, hub.config.sse.max_body_bytes)
+    return await accept_commands(request, found.session, found.config.sse.max_body_bytes)
 
 
 async def delete_session(request: Request) -> Response:
-    found = _session(request)
+    found = _stream_of(request)
     if isinstance(found, Response):
         return found
-    hub, conn = found
-    hub.clients.kick(conn.identity.client_id, DELETED, "session deleted", "closed")
+    found.session.close(DELETED, "session deleted")
     return Response(status_code=204)

@@ -25,10 +25,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..session import ClientSession
+
 if TYPE_CHECKING:
     from core import Batch
 
-    from ..hub import Hub
     from ..identity import ClientIdentity
 
 
@@ -69,14 +70,15 @@ def peer_acked_within(transport: asyncio.BaseTransport, seconds: float) -> bool:
 
 class StagedWriter:
     """The write side of a streaming connection (WebSocket, SSE): staging and flow control; the class names
-    its transport."""
+    its transport. Made with its client's `ClientSession` (gateway/session.py), which hears of its write
+    state."""
 
-    __slots__ = ("hub", "scheduler", "identity", "paused", "blocked_since", "_staged", "_staged_bytes")
+    __slots__ = ("session", "scheduler", "identity", "paused", "blocked_since", "_staged", "_staged_bytes")
 
-    def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
-        self.hub = hub
-        self.scheduler = hub.scheduler
-        self.identity = identity
+    def __init__(self, session: ClientSession) -> None:
+        self.session = session
+        self.scheduler = session.scheduler
+        self.identity: ClientIdentity = session.identity
         #: the transport is above its high-water mark (`pause_writing` until `resume_writing`)
         self.paused = False
         #: set while a batch waits for the transport to drain (the client is not ready)
@@ -110,7 +112,13 @@ class StagedWriter:
     def _blocked(self) -> None:
         """A write left the transport above its high-water mark: not ready, and watched, until it drains."""
         self.blocked_since = time.monotonic()
-        self.scheduler.write_blocked(self.identity.client_id, self)
+        self.session.blocked()
+
+    def _drained(self) -> None:
+        """The transport drained below its low-water mark: a blocked client is ready again."""
+        if self.blocked_since is not None:
+            self.blocked_since = None
+            self.session.drained()
 
     def _written(self) -> None:
         """Called after each write of staged data."""

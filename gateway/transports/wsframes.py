@@ -13,3 +13,14 @@ def text_frame_header(length: int) -> bytes:
     if length < 65536:
         return struct.pack("!BBH", 0x81, 126, length)
     return struct.pack("!BBQ", 0x81, 127, length)
+
+
+def client_frame_size(payload_length: int) -> int:
+    """Bytes of a masked client-to-server frame with this payload on the wire, its length in the fewest bytes
+    (RFC 6455 §5.2). A peer that encodes a length in more bytes than needed makes a count by this larger than
+    what was read: such a count never reaches zero too early (gateway/transports/ws.py, `_park`)."""
+    if payload_length < 126:
+        return 6 + payload_length
+    if payload_length < 65536:
+        return 8 + payload_length
+    return 14 + payload_length

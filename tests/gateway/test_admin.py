@@ -43,7 +43,7 @@ def test_private_publish_waits_for_space_then_503():
         send(ws, op="subscribe", topic="inbox")
         recv_entries(ws)
         bob = gw.client_of("bob")
-        gw.call(lambda: gw.hub.engine.mark_idle(bob))  # bob is not reading: his queue fills
+        gw.call(lambda: gw.hub.scheduler.engine.mark_idle(bob))  # bob is not reading: his queue fills
         r = http.post("/api/topics/inbox/publish", json={"messages": [1, 2], "client": "bob"})
         assert r.json()["seqs"] == [0, 1]
         r = http.post("/api/topics/inbox/publish", json={"data": 3, "client": "bob"})

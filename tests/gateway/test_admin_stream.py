@@ -30,7 +30,7 @@ def snapshots(response: httpx.Response) -> Iterator[dict]:
 def feed_state(gw) -> dict:
     """The feed's viewers and the loop's tasks that belong to the stream, read on the gateway's loop."""
     def read() -> dict:
-        feed = getattr(gw.running.server.config.app.state, "stats_feed", None)
+        feed = gw.hub.stats
         stream_tasks = []
         for task in asyncio.all_tasks():
             names = {frame.f_code.co_qualname for frame in task.get_stack(limit=100)}
@@ -211,7 +211,7 @@ def test_fairness_is_the_share_index_one_while_all_keep_up_and_drops_when_one_st
                 pass
 
     def publish(gw) -> None:
-        router = gw.hub.router
+        router = gw.hub.catalog
         while not published.wait(0.02):
             gw.call(lambda: [router.publish_nowait(topic, payload) for topic, n in per_tick.items() for _ in range(n)])
 
@@ -259,7 +259,7 @@ def test_fairness_is_the_share_index_one_while_all_keep_up_and_drops_when_one_st
         finally:
             stalled.clear()
             published.set()  # the staller drains all before its close handshake (a full queue would hold it)
-            wait_for(lambda: gw.call(lambda: not any(c.has_work() for c in gw.hub.engine.clients())
+            wait_for(lambda: gw.call(lambda: not any(c.has_work() for c in gw.hub.scheduler.engine.clients())
                                      and not gw.hub.scheduler.blocked), "every client drained")
             stop.set()
             for thread in threads:

@@ -35,7 +35,7 @@ def test_subscribe_then_unsubscribe_in_one_frame_ends_unsubscribed(app):
             got = collect(ws, lambda g: len(answers(g)) >= 2)
             assert answers(got) == [(1, "subscribed"), (2, "unsubscribed")]
             (client_id,) = gw.call(lambda: list(gw.hub.clients.conns))
-            assert gw.call(lambda: list(gw.hub.engine.client(client_id).subs)) == []
+            assert gw.call(lambda: list(gw.hub.scheduler.engine.client(client_id).subs)) == []
             # and the same connection may subscribe again: no `already_subscribed`
             send(ws, op="subscribe", topic="guarded.a", id=3)
             assert answers(collect(ws, lambda g: answers(g))) == [(3, "subscribed")]

@@ -92,12 +92,12 @@ async def _run_frames(frames):
         handle_payload(hub, "c", frame)
         if "c" not in hub.clients.conns:
             break
-        for batch in hub.engine.run_cycle():
+        for batch in hub.scheduler.engine.run_cycle():
             for entry in map(orjson.loads, batch.entries):
                 assert entry["type"] in {"subscribed", "unsubscribed", "reply", "error", "msg", "loss", "closed"}
                 if entry["type"] == "error":
                     assert isinstance(entry["code"], str) and isinstance(entry["message"], str)
-            hub.engine.write_done(batch.client_id)
+            hub.scheduler.engine.write_done(batch.client_id)
 
 
 class RecordingTransport:

@@ -1,6 +1,6 @@
 """The one handshake of the client transports (gateway/transports/handshake.py): what `open_client` admits,
 refuses and in which order, and that each transport gives a refusal the same wire form on every path it
-has (/ws served by the protocol and by the ASGI endpoint alike); `TransportOff` for every disabled route."""
+has; `TransportOff` for every disabled HTTP route, the WebSocket protocol's 403 when /ws is off."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import asyncio
 import types
 
 import httpx
+import orjson
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from core.errors import RequestError
+from gateway import commands
 from gateway.config import load_config
 from gateway.errors import BadToken, TokenExpired, TooManySessions, TooManySessionsFromAddress, TooManyTokenChecks
 from gateway.hub import Hub
 from gateway.testing import DEFAULTS, make_token, run_gateway
-from gateway.transports import ws as ws_transport
 from gateway.transports.handshake import ClientIdRefused, bearer_token, close_reason, open_client
 from tests.gateway.gw_helpers import collect, send, ws_connect
 
@@ -115,9 +116,8 @@ def close_of(ws) -> tuple[int, str]:
     return info.value.rcvd.code, info.value.rcvd.reason
 
 
-@pytest.mark.parametrize("direct_write", [True, False], ids=["served", "asgi"])
-def test_both_ways_of_serving_ws_refuse_alike_and_close_a_failing_client_with_1011(direct_write, monkeypatch):
-    config = {"websocket": {"direct_write": direct_write}, "auth": {"rate_per_ip": 0.001, "burst_per_ip": 2}}
+def test_ws_refusals_close_with_their_codes_and_a_failing_client_with_1011(monkeypatch):
+    config = {"auth": {"rate_per_ip": 0.001, "burst_per_ip": 2}}
     with run_gateway(**config) as gw:
         for query, code, words in [("?id=me", 4006, "?id= is not accepted"), ("?token=junk", 4001, "invalid token"),
                                    (f"?token={make_token('ann', ttl=-60)}", 4011, "expired"),
@@ -126,14 +126,14 @@ def test_both_ways_of_serving_ws_refuse_alike_and_close_a_failing_client_with_10
                 got, reason = close_of(ws)
                 assert got == code and words in reason, (query, got, reason)
         assert gw.call(lambda: len(gw.hub.clients.conns)) == 0
-        real = ws_transport.handle_payload
+        real = commands.handle
 
-        def failing(hub, client_id, payload):
+        def failing(session, payload):
             if b"boom" in (payload if isinstance(payload, bytes) else payload.encode()):
                 raise RuntimeError("a bug")
-            return real(hub, client_id, payload)
+            return real(session, payload)
 
-        monkeypatch.setattr(ws_transport, "handle_payload", failing)
+        monkeypatch.setattr(commands, "handle", failing)  # what each new session reads its messages with
         with ws_connect(gw) as ws, ws_connect(gw) as other:
             send(ws, op="ping", id=1)
             assert any(e.get("result") == "pong" for e in collect(ws, lambda got: got))
@@ -160,4 +160,6 @@ def test_every_route_of_a_disabled_transport_gets_the_one_answer():
         assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
         with pytest.raises(InvalidStatus) as refused:
             ws_connect(gw)
-        assert refused.value.response.status_code == 403 and refused.value.response.body == b""
+        refusal = refused.value.response
+        assert refusal.status_code == 403 and orjson.loads(refusal.body) == {"error": {
+            "code": "forbidden", "message": "the WebSocket transport is disabled (websocket.enabled)"}}

@@ -59,7 +59,7 @@ def test_a_full_private_queue_stops_reading_the_publisher_until_space_frees():
         send(ws, op="subscribe", topic="q")
         recv_entries(ws)
         dave = gw.client_of("dave")
-        gw.call(lambda: gw.hub.engine.mark_idle(dave))  # dave stops taking data
+        gw.call(lambda: gw.hub.scheduler.engine.mark_idle(dave))  # dave stops taking data
         pub = Ingest(gw)
         pub.send(*({"topic": "q", "client": "dave", "data": i} for i in range(20)))
         pub.send({"sync": "after"})

@@ -23,12 +23,12 @@ def test_what_is_published_within_the_linger_arrives_in_one_frame_when_it_ends()
             send(ws, op="subscribe", topic=topic)
             assert recv_entries(ws)[0]["type"] == "subscribed"
         published = time.monotonic()
-        gw.call(lambda: [gw.hub.router.publish_nowait("hot.a", i) for i in range(3)])
-        gw.call(lambda: gw.hub.router.publish_nowait("cold.b", "now"))  # no linger: not held behind hot.a's
+        gw.call(lambda: [gw.hub.catalog.publish_nowait("hot.a", i) for i in range(3)])
+        gw.call(lambda: gw.hub.catalog.publish_nowait("cold.b", "now"))  # no linger: not held behind hot.a's
         cold = recv_entries(ws)
         assert [(e["topic"], e["seq"]) for e in cold] == [("cold.b", 0)]
         assert time.monotonic() - published < LINGER
-        gw.call(lambda: gw.hub.router.publish_nowait("hot.a", 3))  # within the same linger
+        gw.call(lambda: gw.hub.catalog.publish_nowait("hot.a", 3))  # within the same linger
         hot = recv_entries(ws)
         waited = time.monotonic() - published
         assert [(e["topic"], e["seq"]) for e in hot] == [("hot.a", i) for i in range(4)]
@@ -63,8 +63,8 @@ def test_a_short_linger_is_not_held_by_a_longer_one_that_began_first():
         for topic in ("slow.a", "hot.b"):
             send(ws, op="subscribe", topic=topic)
             assert recv_entries(ws)[0]["type"] == "subscribed"
-        gw.call(lambda: gw.hub.router.publish_nowait("slow.a", 0))  # due in 5 s
+        gw.call(lambda: gw.hub.catalog.publish_nowait("slow.a", 0))  # due in 5 s
         published = time.monotonic()
-        gw.call(lambda: gw.hub.router.publish_nowait("hot.b", 0))  # due in 0.1 s: first
+        gw.call(lambda: gw.hub.catalog.publish_nowait("hot.b", 0))  # due in 0.1 s: first
         assert [(e["topic"], e["seq"]) for e in recv_entries(ws, timeout=3.0)] == [("hot.b", 0)]
         assert time.monotonic() - published < 2.0

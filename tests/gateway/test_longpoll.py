@@ -55,13 +55,13 @@ def test_an_unacknowledged_batch_is_sent_again_and_private_entries_commit_on_ack
         assert [e["data"] for e in lost["entries"]] == ["p0"]
         again = http.get(f"/lp/{session}", params={"ack": ack}).json()  # same old ack: the batch again
         assert again == lost
-        queued = gw.call(lambda: len(gw.hub.engine.client(client).subs["private.box"].queue))
+        queued = gw.call(lambda: len(gw.hub.scheduler.engine.client(client).subs["private.box"].queue))
         assert queued == 1  # not committed while unacknowledged
         pub.send({"topic": "private.box", "client": "lena", "data": "p1"})
         pub.sync()
         nxt = http.get(f"/lp/{session}", params={"ack": lost["batch"]}).json()
         assert [e["data"] for e in nxt["entries"]] == ["p1"]
-        queued = gw.call(lambda: len(gw.hub.engine.client(client).subs["private.box"].queue))
+        queued = gw.call(lambda: len(gw.hub.scheduler.engine.client(client).subs["private.box"].queue))
         assert queued == 1  # p0 committed and gone; p1 outstanding
 
 
@@ -72,8 +72,8 @@ def test_session_expiry_frees_everything():
         http.post(f"/lp/{session}", json={"op": "subscribe", "topic": "t"})
         time.sleep(1.2)
         assert http.get(f"/lp/{session}").status_code == 404
-        assert gw.call(lambda: gw.hub.engine.has_client(created["client_id"])) is False
-        assert gw.call(lambda: len(gw.hub.engine.topic("t").subs)) == 0
+        assert gw.call(lambda: gw.hub.scheduler.engine.has_client(created["client_id"])) is False
+        assert gw.call(lambda: len(gw.hub.scheduler.engine.topic("t").subs)) == 0
 
 
 def test_bad_requests_get_json_errors():

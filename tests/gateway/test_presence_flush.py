@@ -19,7 +19,7 @@ class Room:
         self.engine = Engine(EngineConfig(rules=rules, direct_queue_max=direct_queue_max), instance_id="t")
         self.wakes = 0
         self.kicked: list[str] = []
-        self.presence = Presence(self.engine, self.kick, max_members, self.wake)
+        self.presence = Presence(self.engine, self.engine.send_direct, self.kick, max_members, self.wake)
         self.now = 0.0
 
     def flush(self) -> None:

@@ -232,32 +232,6 @@ def test_sse_with_a_grant_opens_as_the_granted_user_and_its_server_side_topic_de
         assert call["client"] == client_id
 
 
-def test_the_asgi_websocket_endpoint_passes_the_connect_hook_grant_and_refusal(app):
-    app.answers["connect"] = lambda body: ({"error": {"code": "no", "message": "go away"}}
-                                           if body["headers"].get("Cookie") == "sid=bad"
-                                           else {"user": "ivan", "subscribe": ["secret.*"], "topics": ["news.w"]})
-    with run_gateway(proxy=proxy_config(app), topics={"rules": RULES}, websocket={"direct_write": False}) as gw:
-        assert gw.call(lambda: gw.hub.config.websocket.direct_write) is False
-        with connect(gw.ws_url, additional_headers={"Cookie": "sid=1"}, open_timeout=5) as ws:
-            entries = collect(ws, lambda got: got)
-            assert [(e["type"], e["topic"], e["id"]) for e in entries] == [("subscribed", "news.w", None)]
-            send(ws, op="subscribe", topic="secret.w", id=1)
-            assert recv_entries(ws)[0]["type"] == "subscribed"
-            send(ws, op="rpc", method="whoami", id=2)
-            assert recv_entries(ws)[0]["result"]["user"] == "ivan"
-            publish(gw, "news.w", "hello")
-            got = collect(ws, lambda got: any(e["type"] == "msg" for e in got))
-            assert [(e["topic"], e["data"]) for e in got if e["type"] == "msg"] == [("news.w", "hello")]
-        with connect(gw.ws_url, additional_headers={"Cookie": "sid=bad"}, open_timeout=5) as ws:
-            assert closed_with(ws) == (4003, "go away")
-        wait_for(lambda: gw.call(lambda: len(gw.hub.clients.conns)) == 0, "no client left")
-        assert [(c["transport"], c["headers"]) for c in app.received["connect"]] == [
-            ("ws", {"Cookie": "sid=1"}), ("ws", {"Cookie": "sid=bad"})]
-        # only the granted connection was registered: one disconnect event
-        wait_for(lambda: len(app.received["disconnect"]) == 1, "one disconnect event")
-        assert app.received["disconnect"][0]["user"] == "ivan"
-
-
 def test_connect_always_asks_about_a_client_with_a_token_too(app):
     def answer(body: dict[str, Any]) -> dict[str, Any]:
         if body["user"] == "mallory":

@@ -32,7 +32,7 @@ def metric(gw, name: str) -> float:
 
 def publish_backlog(gw, topic: str, count: int) -> None:
     """Publish `count` messages in one loop callback: the whole backlog is there before the next cycle."""
-    gw.call(lambda: [gw.hub.router.publish_nowait(topic, i) for i in range(count)])
+    gw.call(lambda: [gw.hub.catalog.publish_nowait(topic, i) for i in range(count)])
 
 
 def subscribed_clients(gw, stack: contextlib.ExitStack, count: int):
@@ -78,7 +78,7 @@ def test_a_cold_message_is_not_held_back_by_a_rounds_backlog():
         for topic in ("hot", "cold"):
             send(ws, op="subscribe", topic=topic)
             recv_entries(ws)
-        publish = gw.hub.router.publish_nowait
+        publish = gw.hub.catalog.publish_nowait
         gw.call(lambda: ([publish("hot", i) for i in range(BACKLOG)], publish("cold", "now")))
         got = collect(ws, lambda g: any(e["topic"] == "cold" for e in g))
         hot_before = [e for e in got if e["topic"] == "hot"]
@@ -96,7 +96,7 @@ def test_a_client_blocked_by_a_rounds_write_delays_nobody_and_catches_up_when_it
         for ws in (slow, fast):
             send(ws, op="subscribe", topic="feed")
             assert recv_entries(ws)[0]["type"] == "subscribed"
-        gw.call(lambda: [gw.hub.router.publish_nowait("feed", payload) for _ in range(1000)])
+        gw.call(lambda: [gw.hub.catalog.publish_nowait("feed", payload) for _ in range(1000)])
         got = collect(fast, lambda g: len(g) >= 1000, timeout=20)
         assert [e["seq"] for e in got] == list(range(1000))
         blocked = wait_for(lambda: gw.call(lambda: list(gw.hub.scheduler.blocked.values())), "the slow client blocked")
@@ -122,8 +122,8 @@ def test_a_caught_up_client_is_written_after_its_cycle_not_held_for_anothers_bac
         send(caught_up, op="subscribe", topic="cold")
         for ws in (backlogged, caught_up):
             assert recv_entries(ws)[0]["type"] == "subscribed"
-        gw.call(lambda: ([gw.hub.router.publish_nowait("hot", i) for i in range(20_000)],
-                         [gw.hub.router.publish_nowait("cold", i) for i in range(cold_backlog)]))
+        gw.call(lambda: ([gw.hub.catalog.publish_nowait("hot", i) for i in range(20_000)],
+                         [gw.hub.catalog.publish_nowait("cold", i) for i in range(cold_backlog)]))
         got = collect(caught_up, lambda g: len(g) >= cold_backlog)
         assert [e["data"] for e in got] == list(range(cold_backlog))
         with pytest.raises(TimeoutError):  # the backlog's round (20,000 cycles) still runs: nothing written yet

@@ -91,7 +91,7 @@ def connect(hub: Hub, client_id: str, **kwargs: Any) -> FakeConnection:
 async def subscribed(hub: Hub, client_id: str, topic: str, **kwargs: Any) -> FakeConnection:
     """A fake client subscribed to `topic`, its `subscribed` entry delivered."""
     conn = connect(hub, client_id, **kwargs)
-    hub.router.subscribe(client_id, topic)
+    hub.catalog.subscribe(client_id, topic)
     await settle(lambda: bool(conn.entries))
     return conn
 
@@ -104,11 +104,11 @@ def test_subscribe_and_publish_take_one_path_and_reach_every_subscriber():
     async def test(hub: Hub) -> None:
         a, b = connect(hub, "a"), connect(hub, "b")
         for conn in (a, b):
-            hub.router.subscribe(conn.identity.client_id, "chat.room", request_id=1)
+            hub.catalog.subscribe(conn.identity.client_id, "chat.room", request_id=1)
         await settle(lambda: all(any(e["type"] == "subscribed" for e in c.entries) for c in (a, b)))
-        published = await hub.router.publish("chat.room", {"n": 1})
+        published = await hub.catalog.publish("chat.room", {"n": 1})
         assert published.seq == 0
-        assert hub.router.publish_nowait("chat.room", {"n": 2}).seq == 1  # type: ignore[union-attr]  # the in-process fast path
+        assert hub.catalog.publish_nowait("chat.room", {"n": 2}).seq == 1  # type: ignore[union-attr]  # the in-process fast path
         await settle(lambda: len(messages(a)) == 2 and len(messages(b)) == 2)
         assert messages(a) == messages(b) == [{"n": 1}, {"n": 2}]
 
@@ -118,8 +118,8 @@ def test_subscribe_and_publish_take_one_path_and_reach_every_subscriber():
 def test_a_client_publish_is_answered_with_its_seq():
     async def test(hub: Hub) -> None:
         a = connect(hub, "a")
-        hub.router.subscribe("a", "chat.x")
-        hub.router.publish_reply("a", "chat.x", "hello", request_id=7)
+        hub.catalog.subscribe("a", "chat.x")
+        hub.catalog.publish_reply("a", "chat.x", "hello", request_id=7)
         await settle(lambda: any(e["type"] == "reply" for e in a.entries))
         reply = next(e for e in a.entries if e["type"] == "reply")
         assert (reply["id"], reply["result"]) == (7, {"seq": 0})
@@ -131,13 +131,13 @@ def test_a_broken_connection_is_kicked_and_the_others_still_get_the_message():
     async def test(hub: Hub) -> None:
         good, bad = connect(hub, "good"), connect(hub, "bad")
         for conn in (good, bad):
-            hub.router.subscribe(conn.identity.client_id, "chat.t")
+            hub.catalog.subscribe(conn.identity.client_id, "chat.t")
         await settle(lambda: bool(good.entries))
         bad.breaks = True
-        hub.router.publish_nowait("chat.t", "m")
+        hub.catalog.publish_nowait("chat.t", "m")
         await settle(lambda: messages(good) == ["m"])
         assert bad.kicked == (close_codes.INTERNAL_ERROR, "internal error")
-        assert "bad" not in hub.clients.conns and not hub.engine.has_client("bad")
+        assert "bad" not in hub.clients.conns and not hub.scheduler.engine.has_client("bad")
         assert hub.clients.disconnects[("fake", "error")] == 1
 
     run(test)
@@ -146,7 +146,7 @@ def test_a_broken_connection_is_kicked_and_the_others_still_get_the_message():
 def test_a_client_that_does_not_drain_gets_nothing_until_it_does():
     async def test(hub: Hub) -> None:
         slow = await subscribed(hub, "slow", "chat.s", drains=False)
-        hub.router.publish_nowait("chat.s", 1)
+        hub.catalog.publish_nowait("chat.s", 1)
         await asyncio.sleep(0.05)
         assert messages(slow) == []  # its `subscribed` write has not drained: not ready
         hub.scheduler.write_drained("slow")
@@ -197,10 +197,10 @@ def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_cal
         crowd = [SocketConnection(f"s{i}") for i in range(5)]
         for conn in crowd:
             hub.clients.register(conn, ready=True)
-            hub.router.subscribe(conn.identity.client_id, "chat.crowd")
+            hub.catalog.subscribe(conn.identity.client_id, "chat.crowd")
         other = await subscribed(hub, "f", "chat.crowd")  # a transport the writer may not write
         await settle(lambda: hub.scheduler.direct_writes == 5)  # their `subscribed` entries
-        hub.router.publish_nowait("chat.crowd", "m1")
+        hub.catalog.publish_nowait("chat.crowd", "m1")
         await settle(lambda: hub.scheduler.direct_writes == 10 and messages(other) == ["m1"])
         for conn in crowd:
             got = conn.received()
@@ -220,14 +220,14 @@ def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_
         fine.append(SocketConnection("fine2"))
         for conn in (*fine[:2], full, fine[2]):
             hub.clients.register(conn, ready=True)
-            hub.router.subscribe(conn.identity.client_id, "chat.full")
+            hub.catalog.subscribe(conn.identity.client_id, "chat.full")
         await settle(lambda: hub.scheduler.direct_writes == 4)
         assert [e["type"] for e in full.received()] == ["subscribed"]
         full.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         with contextlib.suppress(BlockingIOError):  # the peer reads nothing: its buffers fill up
             while True:
                 full.sock.send(b"x" * 4096)
-        hub.router.publish_nowait("chat.full", "m1")
+        hub.catalog.publish_nowait("chat.full", "m1")
         got: list[list[Any]] = [[] for _ in fine]
 
         def all_got(data: str) -> bool:
@@ -239,7 +239,7 @@ def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_
         (data, sent), = full.rest
         assert sent == -errno.EAGAIN and b'"m1"' in data and len(data) == int(data[:8]) + 8  # all of it
         assert hub.scheduler.direct_shortfalls == 1
-        hub.router.publish_nowait("chat.full", "m2")  # not ready until its transport drains
+        hub.catalog.publish_nowait("chat.full", "m2")  # not ready until its transport drains
         await settle(lambda: all_got("m2"))
         assert len(full.rest) == 1
         full.rest.clear()
@@ -253,10 +253,10 @@ def test_a_full_private_queue_holds_a_publish_with_a_timeout_until_it_has_room()
     async def test(hub: Hub) -> None:
         reader = await subscribed(hub, "reader", "private.inbox", drains=False)
         for i in range(2):
-            hub.router.publish_nowait("private.inbox", i, owner="reader")
+            hub.catalog.publish_nowait("private.inbox", i, owner="reader")
         with pytest.raises(QueueFull):
-            await hub.router.publish("private.inbox", "no room", owner="reader")
-        held = hub.router.publish("private.inbox", "waits", owner="reader", timeout=2.0)
+            await hub.catalog.publish("private.inbox", "no room", owner="reader")
+        held = hub.catalog.publish("private.inbox", "waits", owner="reader", timeout=2.0)
         await asyncio.sleep(0.05)
         assert not held.done()
         reader.drains = True
@@ -270,7 +270,7 @@ def test_a_full_private_queue_holds_a_publish_with_a_timeout_until_it_has_room()
 def test_kick_closes_with_the_code_and_unregisters():
     async def test(hub: Hub) -> None:
         conn = connect(hub, "k")
-        hub.router.subscribe("k", "chat.k")
+        hub.catalog.subscribe("k", "chat.k")
         assert hub.clients.kick("k", close_codes.KICKED, "kicked by admin", "kicked")
         assert conn.kicked == (close_codes.KICKED, "kicked by admin")
         assert hub.clients.by_transport["fake"] == 0 and not hub.clients.clients_by_ip
@@ -283,12 +283,12 @@ def test_the_router_creates_and_deletes_topics_through_the_broker():
     async def test(hub: Hub) -> None:
         from core import TopicConfig
 
-        info = await hub.router.create_topic("made.here", TopicConfig())
+        info = await hub.catalog.create_topic("made.here", TopicConfig())
         assert info["name"] == "made.here"
-        assert [t["name"] for t in await hub.router.topics_info()] == ["made.here"]
+        assert [t["name"] for t in await hub.catalog.topics_info()] == ["made.here"]
         a = connect(hub, "a")
-        hub.router.subscribe("a", "made.here")
-        assert await hub.router.delete_topic("made.here") == 1
+        hub.catalog.subscribe("a", "made.here")
+        assert await hub.catalog.delete_topic("made.here") == 1
         await settle(lambda: any(e["type"] == "closed" for e in a.entries))
 
     run(test)

@@ -83,7 +83,7 @@ async def answers(command: dict) -> list[dict]:
     hub = Hub(load_config(overrides=DEFAULTS, environ={}), instance_id="prop")
     hub.clients.register(Recording("c"), ready=True)
     handle_payload(hub, "c", json.dumps(command))  # stdlib: it writes integers of any size, as a peer may
-    raw = [e for batch in hub.engine.run_cycle() for e in batch.entries]
+    raw = [e for batch in hub.scheduler.engine.run_cycle() for e in batch.entries]
     for entry in raw:
         msgspec.json.decode(entry, type=schema.Entry, strict=True)  # every entry has its declared shape
     await hub.stop()

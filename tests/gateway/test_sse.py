@@ -288,8 +288,8 @@ def test_the_client_is_gone_from_the_hub_when_its_connection_closes_or_it_is_kic
     with run_gateway() as gw:
         with SseClient(gw, "?topics=chat.a") as sse:
             cid = sse.session()["client_id"]
-            assert gw.call(lambda: cid in gw.hub.clients.conns and gw.hub.engine.has_client(cid))
-        wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns and not gw.hub.engine.has_client(cid)),
+            assert gw.call(lambda: cid in gw.hub.clients.conns and gw.hub.scheduler.engine.has_client(cid))
+        wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns and not gw.hub.scheduler.engine.has_client(cid)),
                  what="the client's removal")
         wait_for(lambda: gw.call(lambda: not gw.running.server.server_state.connections), what="the connection's end")
         assert gw.call(lambda: gw.hub.clients.by_transport["sse"]) == 0
@@ -302,7 +302,7 @@ def test_the_client_is_gone_from_the_hub_when_its_connection_closes_or_it_is_kic
                 event = sse.next_event()
             assert event.json() == {"code": 4000, "reason": "kicked by admin"}
             assert sse.next_event() is None
-        assert gw.call(lambda: cid not in gw.hub.clients.conns and not gw.hub.engine.has_client(cid))
+        assert gw.call(lambda: cid not in gw.hub.clients.conns and not gw.hub.scheduler.engine.has_client(cid))
 
 
 # -- a browser's EventSource ---------------------------------------------------------------------------------

@@ -16,9 +16,8 @@ def msgs(entries, topic=None):
     return [e for e in entries if e["type"] == "msg" and (topic is None or e["topic"] == topic)]
 
 
-@pytest.mark.parametrize("direct_write", [True, False], ids=["direct", "asgi"])
-def test_subscribe_publish_receive_in_batch_frames(direct_write):
-    with run_gateway(websocket={"direct_write": direct_write}) as gw, ws_connect(gw) as a, ws_connect(gw) as b:
+def test_subscribe_publish_receive_in_batch_frames():
+    with run_gateway() as gw, ws_connect(gw) as a, ws_connect(gw) as b:
         for ws in (a, b):
             send(ws, op="subscribe", topic="chat.room", id=1)
             ack = recv_entries(ws)[0]

@@ -146,7 +146,7 @@ def test_client_mode_feed_and_lockstep(cluster, tmp_path):
         out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180,
                              env=_driver_env(tmp_path / "tmp", PYSPARK_PYTHON=str(wrapper),
                                              GATEWAY_SERVER_ADMIN_TOKEN=gw.admin_token))  # fmt: skip
-        ends = gw.call(lambda: {t.name: t.info()["end"] for t in gw.hub.engine.topics()})
+        ends = gw.call(lambda: {t.name: t.info()["end"] for t in gw.hub.scheduler.engine.topics()})
     assert out.returncode == 0, out.stderr[-3000:]
     rc_feed, rc_lockstep, seconds = out.stdout.split("RESULT ")[1].split()
     assert rc_feed == "0", out.stderr[-2000:]

@@ -50,14 +50,14 @@ def test_gateway_restart_mid_stream(spark, tmp_path, caplog):
         thread = threading.Thread(target=feed)
         thread.start()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not first.call(lambda: first.hub.engine.topic_count):
+        while time.monotonic() < deadline and not first.call(lambda: first.hub.scheduler.engine.topic_count):
             time.sleep(0.2)
         time.sleep(2)
     time.sleep(1.5)  # down for a while: admin calls and connections fail, and are retried
     with gateway_testing.run_gateway(**ports) as second:
         thread.join(60)
         assert not thread.is_alive()
-        after = second.call(lambda: [t.info() for t in second.hub.engine.topics()])
+        after = second.call(lambda: [t.info() for t in second.hub.scheduler.engine.topics()])
     assert "error" not in result, result.get("error")
     stats = result["stats"]
     assert stats.restarts >= 1 and stats.lost == 0 and stats.batches >= 3

@@ -44,10 +44,10 @@ def test_topic_names_cannot_fill_the_table_for_good():
             send(other, op="subscribe", topic="chat.fresh", id=1)
             assert recv_entries(other)[0]["type"] == "subscribed"
             deadline = time.monotonic() + 5
-            while gw.call(lambda: gw.hub.engine.topic_count) > 1 and time.monotonic() < deadline:
+            while gw.call(lambda: gw.hub.scheduler.engine.topic_count) > 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
             # the 50 unused topics were reclaimed after the TTL; a subscribed one stays
-            assert gw.call(lambda: [t.name for t in gw.hub.engine.topics()]) == ["chat.fresh"]
+            assert gw.call(lambda: [t.name for t in gw.hub.scheduler.engine.topics()]) == ["chat.fresh"]
 
 
 def test_long_poll_sessions_per_address_are_bounded():

@@ -28,7 +28,7 @@ def _msgs(entries, topic=None):
 def test_the_sse_id_line_is_bounded_with_1000_subscriptions_and_recovers():
     names = _topics(1000)
     with run_gateway(limits={"subscribe_burst": 1000}) as gw:  # 1000 subscribes at once (limits.subscribe_rate)
-        gw.call(lambda: [gw.hub.engine.resolve(name) for name in names])  # past the creation limits
+        gw.call(lambda: [gw.hub.scheduler.engine.resolve(name) for name in names])  # past the creation limits
         publisher = Ingest(gw)
         with SseClient(gw, "?topics=", rcvbuf=1 << 20) as sse, httpx.Client(base_url=gw.http_url) as http:
             secret = sse.session()["session"]

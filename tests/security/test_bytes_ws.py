@@ -59,20 +59,20 @@ def test_replies_to_a_client_that_never_reads_are_bounded_in_bytes():
             for _ in range(40):  # 2.4 MB of replies asked for
                 if not attacker.send(ws_frame(TEXT, echo), timeout=2):
                     break
-                queued = gw.call(lambda: sum(len(e) for e in gw.hub.engine.client(cid).direct or ())
-                                 if gw.hub.engine.has_client(cid) else 0)
+                queued = gw.call(lambda: sum(len(e) for e in gw.hub.scheduler.engine.client(cid).direct or ())
+                                 if gw.hub.scheduler.engine.has_client(cid) else 0)
                 most = max(most, queued)
             wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns), "the 4009 cut")
             assert gw.call(lambda: gw.hub.clients.disconnects[("ws", "direct_queue_full")]) == 1
             assert most <= (1 << 20), most
-            assert gw.call(lambda: gw.hub.engine.direct_bytes) == 0  # nothing left behind
+            assert gw.call(lambda: gw.hub.scheduler.engine.direct_bytes) == 0  # nothing left behind
         finally:
             attacker.close()
 
 
 def test_rpc_topics_lists_at_most_1000_and_is_rate_limited():
     with run_gateway() as gw, ws_connect(gw) as ws:
-        gw.call(lambda: [gw.hub.engine.resolve(f"chat.t{i}") for i in range(1500)])
+        gw.call(lambda: [gw.hub.scheduler.engine.resolve(f"chat.t{i}") for i in range(1500)])
         send(ws, op="rpc", method="topics", params=None, id=1)
         reply = collect(ws, lambda got: any(e.get("id") == 1 for e in got))[-1]
         assert reply["type"] == "reply" and len(reply["result"]) == 1000

@@ -174,11 +174,10 @@ def test_sse_streams_per_address_hold_while_connect_hooks_are_pending(app):
 
 # -- item 4: a revocation or a disconnect while the hook is pending ------------------------------------------
 
-@pytest.mark.parametrize("direct_write", [True, False], ids=["served", "asgi"])  # the two ways of serving /ws
-def test_a_revocation_or_a_disconnect_during_the_connect_hook_closes_the_client_it_names(app, direct_write):
+def test_a_revocation_or_a_disconnect_during_the_connect_hook_closes_the_client_it_names(app):
     app.delays["connect"] = 1.0
     app.answers["connect"] = lambda body: {"user": body["user"]}  # the token's user
-    with run_gateway(proxy=hooks(app, connect_always=True), websocket={"direct_write": direct_write}) as gw:
+    with run_gateway(proxy=hooks(app, connect_always=True)) as gw:
         async def scenario() -> None:
             async with http(gw, headers=auth(gw)) as admin, http(gw) as client:
                 ws = asyncio.create_task(ws_outcome(f"{gw.ws_url}?token={make_token('carol', jti='j-ws')}"))

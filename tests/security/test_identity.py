@@ -60,7 +60,7 @@ def test_a_valid_token_names_the_user_and_its_patterns_allow_and_deny():
 
 def test_anonymous_clients_reach_only_anonymous_topics_and_see_only_those():
     with run_gateway(topics=RULES) as gw, ws_connect(gw) as ws:
-        gw.call(lambda: [gw.hub.engine.resolve(n) for n in ("news.secret", "private.inbox", "open.a")])
+        gw.call(lambda: [gw.hub.scheduler.engine.resolve(n) for n in ("news.secret", "private.inbox", "open.a")])
         assert reply(ws, op="subscribe", topic="news.secret", id=1)["code"] == "forbidden"
         assert reply(ws, op="subscribe", topic="private.inbox", id=2)["code"] == "forbidden"
         assert reply(ws, op="publish", topic="news.secret", data=1, id=3)["code"] == "forbidden"

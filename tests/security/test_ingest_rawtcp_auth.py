@@ -143,14 +143,14 @@ def test_ingest_sync_id_must_be_a_scalar_and_the_connection_goes_on():
 
 def test_ingest_unexpected_exception_costs_one_record_not_the_connection():
     with run_gateway() as gw, subscriber(gw, "sec.ok") as ws:
-        publish = gw.hub.router.publish_nowait
+        publish = gw.hub.catalog.publish_nowait
 
         def broken(topic, data, **kw):
             if topic == "sec.boom":
                 raise RuntimeError("a bug")
             return publish(topic, data, **kw)
 
-        gw.call(setattr, gw.hub.router, "publish_nowait", broken)
+        gw.call(setattr, gw.hub.catalog, "publish_nowait", broken)
         pub = Publisher(gw)
         pub.send({"topic": "sec.boom", "data": 0}, {"topic": "sec.ok", "data": 1}, {"sync": 1})
         error = pub.readline()

@@ -121,7 +121,7 @@ def test_members_dropped_while_joins_are_announced_leave_every_table_exact():
 
             def tables():
                 hub = gw.hub
-                return (len(hub.clients.conns), len(hub.engine.clients()), hub.clients.by_transport["ws"],
+                return (len(hub.clients.conns), len(hub.scheduler.engine.clients()), hub.clients.by_transport["ws"],
                         sum(hub.clients.clients_by_ip.values()))
 
             assert gw.call(tables) == (30, 30, 30, 30)

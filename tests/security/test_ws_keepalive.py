@@ -15,7 +15,7 @@ import time
 import pytest
 
 from gateway.testing import run_gateway
-from gateway.transports.ws import ws_counters
+from gateway.transports.ws import WebSocketProtocol, ws_counters
 from tests.gateway.gw_helpers import collect, send, wait_for, ws_connect
 from tests.security.bytes_helpers import CLOSE, PING, TEXT, RawWs, ws_frame
 
@@ -62,7 +62,7 @@ def test_a_peer_that_takes_frames_and_acknowledges_them_is_not_pinged_until_they
         def publisher() -> None:
             n = 0
             while publishing.is_set():
-                gw.call(gw.hub.router.publish_nowait, "ka.flow", n)
+                gw.call(gw.hub.catalog.publish_nowait, "ka.flow", n)
                 n += 1
                 time.sleep(0.03)
 
@@ -138,15 +138,18 @@ def test_an_idle_connection_holds_no_timer_and_no_attribute_dict():
             send(ws, op="subscribe", topic=f"idle.{i % 3}", id=1)
             collect(ws, lambda got: any(e.get("type") == "subscribed" for e in got))
 
-        def census() -> tuple[int, int, int, int]:
+        def census() -> tuple[int, int, int, int, int]:
             gc.unfreeze()
-            protos = [p for p in gw.running.server.server_state.connections if getattr(p, "served", False)]
-            keepalive = type(protos[0]).keepalive
-            with_dict = sum(bool(p.__dict__) for p in protos)
-            return len(protos), with_dict, len(keepalive), timers()
+            protos = [p for p in gw.running.server.server_state.connections
+                      if isinstance(p, WebSocketProtocol) and p.connection is not None]
+            keepalive = type(protos[0]).service.keepalive.wheel
+            with_dict = sum(hasattr(p, "__dict__") for p in protos)
+            parsers = sum(p.ws is not None for p in protos)
+            return len(protos), with_dict, parsers, len(keepalive), timers()
 
-        served, with_dict, deadlines, after = gw.call(census)
+        served, with_dict, parsers, deadlines, after = gw.call(census)
         assert served == 30
-        assert with_dict == 0  # every attribute of a served connection is in a slot (uvicorn's dict held ~1.6 KiB)
+        assert with_dict == 0  # every attribute of a connection is in a slot
+        assert parsers == 0  # idle between messages: no websockets object held (its parser is the pool's)
         assert deadlines == 30  # each has its ping deadline on the server's wheel...
         assert after - before < 10  # ... not a loop timer of its own (uvicorn's ping, the hub's idle check)

@@ -1,8 +1,9 @@
-"""The topic router: the verbs transports and the admin API use on topics, each through the broker.
+"""The topic catalog: the verbs transports, commands and the admin API use on topics, each through the broker.
 
 Subscribes, unsubscribes and publishes take one path whether the topic space is this process's engine or
-Redis (the broker decides, gateway/broker/base.py); the router adds what belongs to the client asking: its
-creation budget, and its `reply` or error entry.
+Redis (the broker routes them, gateway/broker/base.py); the catalog adds what belongs to the client asking:
+its creation budget (asked before, charged once the topic was made, in one place here) and its `reply` or
+error entry. It reads the engine through the scheduler's read-only view and changes it through its verbs.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ from collections.abc import Hashable
 from typing import Any
 
 from core import Published, TopicConfig
-from core.topics import Topic
 
 from .broker import Broker
 from .clients import ClientRegistry
 from .identity import ClientIdentity
-from .scheduler import Scheduler
+from .scheduler import Membership
 from .topic_budget import CreationBudget
 
 
-class TopicRouter:
-    def __init__(self, scheduler: Scheduler, clients: ClientRegistry, broker: Broker, creations: CreationBudget) -> None:
-        self.scheduler = scheduler
-        self.engine = scheduler.engine
+class TopicCatalog:
+    def __init__(self, membership: Membership, clients: ClientRegistry, broker: Broker,
+                 creations: CreationBudget) -> None:
+        self.membership = membership
+        #: the engine, read-only (gateway/topic_view.py)
+        self.topics = membership.topics
         self.clients = clients
         self.broker = broker
         #: topic creations by clients: per connection, per address, in total (gateway/topic_budget.py)
@@ -33,18 +35,14 @@ class TopicRouter:
 
     def topic_config(self, name: str) -> TopicConfig | None:
         """The topic's settings, or its rule's for a name no topic has yet (None: no rule creates it)."""
-        return self.engine.topic_config(name)
+        return self.topics.topic_config(name)
 
-    def resolve(self, name: str) -> Topic:
-        """The local topic, created on first use by a rule (raises the rule's errors)."""
-        return self.engine.resolve(name)
-
-    def creating(self, identity: ClientIdentity, name: str) -> bool:
-        """Whether a client's subscribe or publish on `name` creates a topic here (then the caller charges
-        `creations` once it did); raises `TooManyCreatedTopics` when the client may create no more. A topic
+    def _creating(self, identity: ClientIdentity | None, name: str) -> bool:
+        """Whether a client's subscribe or publish on `name` creates a topic here (then `_created` charges
+        its budget once it did); raises `TooManyCreatedTopics` when the client may create no more. A topic
         the broker creates (in Redis, which alone knows whether it exists) is charged by the broker itself,
         and only when it was created (docs/cluster.md §2)."""
-        if not self.broker.creates_here(name):
+        if identity is None or not self.broker.creates_here(name):
             return False
         self.creations.check(identity)
         return True
@@ -54,17 +52,22 @@ class TopicRouter:
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
                   ack: bool = False) -> None:
         """Subscribe now, or once the broker has the topic (the answer, `subscribed` or an error entry, then
-        comes from there). `ack`: a private queue's entries leave on the client's `ack` (`Engine.subscribe`)."""
-        self.broker.subscribe(client_id, topic, since=since, request_id=request_id,
-                              creator=self.clients.conns[client_id].identity, ack=ack)
+        comes from there). `ack`: a private queue's entries leave on the client's `ack` (`Engine.subscribe`).
+        A subscribe that creates the topic here is within the client's creation budget, and charged to it."""
+        identity = self.clients.conns[client_id].identity
+        creating = self._creating(identity, topic)  # raises when this client may create no more
+        self.broker.subscribe(client_id, topic, since=since, request_id=request_id, creator=identity, ack=ack)
+        if creating:
+            self.creations.charge(identity)
 
     def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
-        owner = self.engine.client(client_id).owner
-        self.engine.unsubscribe(client_id, topic, request_id=request_id)
-        self.scheduler.presence.left(client_id, topic)
+        owner = self.membership.unsubscribe(client_id, topic, request_id=request_id)
         self.broker.left(topic, owner, unsubscribed=True)
-        self.scheduler.wake()
         self.clients.hooks.unsubscribed(self.clients.conns[client_id].identity, topic)  # the unsubscribe hook's event
+
+    def ack(self, client_id: str, topic: str, seq: int) -> int:
+        """Commit an acknowledged private subscription's entries up to `seq`; the first seq still queued."""
+        return self.membership.ack(client_id, topic, seq)
 
     # -- publishing ----------------------------------------------------------------------------------------
 
@@ -81,11 +84,15 @@ class TopicRouter:
         return self.broker.publish(topic, data, seq=seq, owner=owner, creator=creator, deadline=deadline)
 
     def publish_reply(self, client_id: str, topic: str, data: Any, request_id: Any) -> None:
-        """A client's publish: its `reply` with the seq comes now, or when the broker has given it."""
+        """A client's publish: its `reply` with the seq comes now, or when the broker has given it. A publish
+        that creates the topic here is within the client's creation budget, and charged to it."""
         conn = self.clients.conns.get(client_id)
-        future = self.publish(topic, data, creator=conn.identity if conn is not None else None)
-
+        identity = conn.identity if conn is not None else None
+        creating = self._creating(identity, topic)  # raises when this client may create no more
+        future = self.publish(topic, data, creator=identity)
         self.clients.reply_when_done(client_id, request_id, future, lambda published: {"seq": published.seq}, "publish")
+        if creating and identity is not None:
+            self.creations.charge(identity)
 
     # -- topics (admin API) ----------------------------------------------------------------------------------
 
@@ -101,15 +108,15 @@ class TopicRouter:
         """INFO of every topic: the cluster's (from the broker), else this engine's."""
         listed = await self.broker.topics()
         if listed is None:
-            return [t.info() for t in self.engine.topics()]
+            return [t.info() for t in self.topics.topics()]
         names = {info["name"] for info in listed}
-        return listed + [t.info() for t in self.engine.topics() if t.name not in names]
+        return listed + [t.info() for t in self.topics.topics() if t.name not in names]
 
     async def topic_info(self, name: str) -> dict[str, Any]:
-        if self.engine.has_topic(name):
-            info: dict[str, Any] = self.engine.topic(name).info()
+        if self.topics.has_topic(name):
+            info: dict[str, Any] = self.topics.topic(name).info()
             return info
         listed = await self.broker.topic_info(name)
         if listed is None:
-            return dict(self.engine.topic(name).info())  # raises UnknownTopic
+            return dict(self.topics.topic(name).info())  # raises UnknownTopic
         return listed

@@ -1,0 +1,343 @@
+"""This node's connections to Redis (docs/cluster.md §3, "Topologies"): the command client, the channel
+connection in subscribe mode, losing Redis and reconnecting, resubscribing, and handing each channel message
+to the broker. One implementation per topology behind one interface (`Link`):
+
+* `SingleLink`: one Redis at `[broker] url`.
+* `SentinelLink`: the primary that the sentinels at `[broker] sentinel_addresses` name for `sentinel_master`
+  (redis-py's Sentinel client asks them at every connect, so a reconnect after a failover finds the new
+  primary). A failover is a Redis lost and back: the promoted replica may lack accepted writes, which the
+  reconnect detects per topic before publishes resume (`LinkHooks.reconnected`, the rewind).
+
+The channel connection's failure is the sign that Redis is gone: publishes are refused until the reader
+has reconnected, resubscribed every channel and the broker has checked its topics (`LinkHooks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from core import RequestError
+
+from ..config import BrokerConfig
+from ..errors import BrokerUnavailable
+from . import scripts
+from .base import BrokerUnreachable
+
+log = logging.getLogger("gateway.broker")
+
+#: Pause between attempts to reach Redis (at start and after losing it).
+RETRY_S = 0.5
+#: A Redis command that takes longer than this counts as Redis lost (commands are O(1) or O(capacity)).
+COMMAND_TIMEOUT_S = 5.0
+#: The readiness probe (GET /readyz): a PING this often, which must answer within PROBE_TIMEOUT_S. A Redis
+#: stopped (SIGSTOP, a frozen VM) sends no error and the channel connection waits forever: only asking tells.
+#: Redis counts as not answering at most PROBE_PERIOD_S + PROBE_TIMEOUT_S after it stopped.
+PROBE_PERIOD_S = 2.0
+PROBE_TIMEOUT_S = 2.0
+#: The scripts every node loads (scripts.py) at each connect.
+SCRIPTS = ("PUBLISH", "TOUCH", "DELETE", "REWIND", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
+           "QUEUE_DELETE", "QUEUE_RESTORE", "QUEUE_REWIND")
+#: The failures that mean Redis is lost (or answered something this node cannot use).
+LINK_ERRORS = (RedisError, OSError, asyncio.TimeoutError, RequestError)
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def address(text: str) -> tuple[str, int]:
+    """`"host:port"` as a pair (config.py checked the form)."""
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(slots=True)
+class LinkHooks:
+    """What the link tells the broker."""
+
+    #: a message of a subscribed channel (channel name, payload)
+    message: Callable[[str, bytes], None]
+    #: Redis was lost: every topic must be read again once it is back
+    lost: Callable[[], None]
+    #: every channel to subscribe again on a new connection
+    channels: Callable[[], list[str]]
+    #: after a reconnect, before publishes resume: check the topics against Redis (raises LINK_ERRORS)
+    reconnected: Callable[[], Awaitable[None]]
+    #: publishes resumed: resync what lives in Redis
+    back: Callable[[], None]
+
+
+class Link(Protocol):
+    """The broker's view of its Redis, whatever the topology."""
+
+    #: the command client (pipelines, scripts), and the loaded scripts' SHA-1s by name
+    redis: aioredis.Redis
+    shas: dict[str, str]
+    #: whether Redis answers (publishes are refused with `broker_unavailable` while not), and why not
+    available: bool
+    last_error: str
+    #: attempts to reconnect that failed (`/metrics`)
+    reconnect_failures: int
+    #: where Redis is, for messages (no password)
+    target: str
+
+    @property
+    def healthy(self) -> bool:
+        """Redis is connected and answered the readiness probe's last PING in time."""
+
+    async def connect(self, timeout: float) -> None:
+        """Connect, retrying for `timeout` seconds; `BrokerUnreachable` then."""
+
+    def run(self) -> list[asyncio.Task[None]]:
+        """Start the channel reader and the readiness probe."""
+
+    async def close(self) -> None: ...
+
+    def lost(self, exc: BaseException) -> None:
+        """Redis failed a command: refuse publishes until the reader reconnects."""
+
+    async def subscribe_channels(self, channels: list[str]) -> None:
+        """SUBSCRIBE and wait until Redis confirms: from then on no message of these channels is missed."""
+
+    def unsubscribe_channel(self, channel: str) -> None: ...
+
+
+class SingleLink:
+    """One Redis (`[broker] url`)."""
+
+    def __init__(self, config: BrokerConfig, hooks: LinkHooks) -> None:
+        self.hooks = hooks
+        self.target = redacted(config.url)
+        self.redis = self._client(config)
+        self.shas: dict[str, str] = {}
+        self.available = False
+        self.last_error = "not connected yet"
+        #: whether Redis answered the readiness probe's last PING in time (`_probe_loop`, `healthy`)
+        self.answering = True
+        self.reconnect_failures = 0
+        self._pubsub: AbstractConnection | None = None
+        self._subscribing: dict[str, asyncio.Future[None]] = {}
+
+    def _client(self, config: BrokerConfig) -> aioredis.Redis:
+        return aioredis.Redis.from_url(config.url, **client_options())
+
+    @property
+    def healthy(self) -> bool:
+        return self.available and self.answering
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def connect(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self._connect()
+                break
+            except (RedisError, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    raise BrokerUnreachable(f"broker {self.target}: unreachable after {timeout:g} s"
+                                            f" ({attempt} attempts): {exc}") from None
+                log.warning("broker %s unreachable (attempt %d): %s; retrying in %.1f s",
+                            self.target, attempt, exc, RETRY_S,
+                            extra={"broker": self.target, "state": "unreachable", "attempt": attempt})
+                await asyncio.sleep(RETRY_S)
+        self.available = True
+
+    def run(self) -> list[asyncio.Task[None]]:
+        loop = asyncio.get_running_loop()
+        return [loop.create_task(self._read_loop(), name="broker-reader"),
+                loop.create_task(self._probe_loop(), name="broker-probe")]
+
+    async def close(self) -> None:
+        if self._pubsub is not None:
+            await self._pubsub.disconnect()
+        await self.redis.aclose()
+
+    async def _connect(self) -> None:
+        """Ping, load the scripts, open the channel connection (replacing a broken one)."""
+        # The pool's connections opened before Redis went away are dead: drop them all now, or the first
+        # command after the reconnect fails on one and the node loses Redis again (a second round, 0.5 s).
+        pool = self.redis.connection_pool
+        await pool.disconnect()
+        await self.redis.ping()
+        for name in SCRIPTS:
+            self.shas[name] = await self.redis.script_load(getattr(scripts, name))
+        if self._pubsub is not None:
+            await self._pubsub.disconnect()
+        # the pool's own kind of connection (plain, TLS, sentinel-managed), outside the pool: it waits for
+        # messages as long as it takes
+        pubsub = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
+        # redis-py leaves connect unannotated (only --strict reports the call; `unused-ignore` for the rest)
+        await pubsub.connect()  # type: ignore[no-untyped-call, unused-ignore]
+        self._pubsub = pubsub
+
+    def lost(self, exc: BaseException) -> None:
+        self.last_error = str(exc) or type(exc).__name__
+        if not self.available:
+            return
+        self.available = False
+        log.warning("broker %s lost: %s; publishes get broker_unavailable until it is back",
+                    self.target, self.last_error,
+                    extra={"broker": self.target, "state": "lost", "reason": self.last_error})
+        for future in self._subscribing.values():
+            if not future.done():
+                future.set_exception(BrokerUnavailable(f"broker unreachable: {self.last_error}"))
+        self._subscribing.clear()
+        self.hooks.lost()
+        if self._pubsub is not None:
+            # The reader may still be waiting on a connection that looks open: close it, so it reconnects.
+            asyncio.get_running_loop().create_task(self._pubsub.disconnect())
+
+    # -- the channel connection --------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        while True:
+            pubsub = self._pubsub
+            try:
+                assert pubsub is not None  # set by _connect before the loop starts
+                while True:
+                    self._on_reply(await pubsub.read_response(timeout=math.inf, push_request=True))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure of the channel connection: Redis is gone
+                self.lost(exc)
+            await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        while True:
+            await asyncio.sleep(RETRY_S)
+            try:
+                await self._connect()
+                await self._resubscribe(self.hooks.channels())
+                await self.hooks.reconnected()
+                self.available = True
+            except LINK_ERRORS as exc:
+                self.available = False
+                self.reconnect_failures += 1
+                self.last_error = str(exc) or type(exc).__name__
+                log.debug("broker still unreachable: %s", self.last_error)
+                continue
+            self.hooks.back()
+            return
+
+    async def _resubscribe(self, channels: list[str]) -> None:
+        """SUBSCRIBE the channels on a new connection, from the reader itself (nobody else reads the
+        confirmations yet): messages that come first go to the broker as usual."""
+        pubsub = self._pubsub
+        assert pubsub is not None
+        if not channels:
+            return
+        await pubsub.send_command("SUBSCRIBE", *channels)
+        waiting = set(channels)
+
+        async def confirmations() -> None:
+            while waiting:
+                reply = await pubsub.read_response(timeout=math.inf, push_request=True)
+                if reply[0] == b"subscribe":
+                    waiting.discard(reply[1].decode())
+                else:
+                    self._on_reply(reply)
+
+        await asyncio.wait_for(confirmations(), COMMAND_TIMEOUT_S)
+
+    async def subscribe_channels(self, channels: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        waiting = []
+        for channel in channels:
+            future = self._subscribing[channel] = loop.create_future()
+            waiting.append(future)
+        assert self._pubsub is not None
+        await self._pubsub.send_command("SUBSCRIBE", *channels)
+        await asyncio.wait_for(asyncio.gather(*waiting), COMMAND_TIMEOUT_S)
+
+    def unsubscribe_channel(self, channel: str) -> None:
+        if self.available and self._pubsub is not None:
+            asyncio.get_running_loop().create_task(self._send_quietly("UNSUBSCRIBE", channel))
+
+    async def _send_quietly(self, *args: str) -> None:
+        try:
+            assert self._pubsub is not None
+            await self._pubsub.send_command(*args)
+        except (RedisError, OSError) as exc:
+            log.debug("broker: %s failed: %s", args[0], exc)
+
+    def _on_reply(self, reply: Any) -> None:
+        kind = reply[0]
+        if kind == b"message":
+            self.hooks.message(reply[1].decode(), reply[2])
+        elif kind == b"subscribe":
+            future = self._subscribing.pop(reply[1].decode(), None)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+    # -- readiness ---------------------------------------------------------------------------------------
+
+    async def _probe_loop(self) -> None:
+        """PING every PROBE_PERIOD_S (`answering`). Readiness only: publishes keep their own timeout."""
+        while True:
+            await asyncio.sleep(PROBE_PERIOD_S)
+            answering = await self._answers_ping()
+            if answering != self.answering:
+                log.warning("broker %s %s", self.target, "answers PING again: /readyz ready" if answering
+                            else f"did not answer PING within {PROBE_TIMEOUT_S:g} s: /readyz broker_unavailable",
+                            extra={"broker": self.target, "state": "answering" if answering else "silent"})
+            self.answering = answering
+
+    async def _answers_ping(self) -> bool:
+        try:
+            await asyncio.wait_for(self.redis.ping(), PROBE_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            return False
+        return True
+
+
+class SentinelLink(SingleLink):
+    """The primary the sentinels name (`[broker] sentinel_addresses`, `sentinel_master`)."""
+
+    def _client(self, config: BrokerConfig) -> aioredis.Redis:
+        # redis-py leaves Sentinel unannotated (only --strict reports it; `unused-ignore` for the rest)
+        self.sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
+            [address(a) for a in config.sentinel_addresses],
+            sentinel_kwargs={"socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": COMMAND_TIMEOUT_S},
+        )
+        self.target = f"sentinel {config.sentinel_master!r} at {', '.join(config.sentinel_addresses)}"
+        client: aioredis.Redis = self.sentinel.master_for(config.sentinel_master, **client_options())
+        return client
+
+    async def close(self) -> None:
+        await super().close()
+        await self.sentinel.aclose()
+
+
+def client_options() -> dict[str, Any]:
+    """The command client's options, whatever the topology."""
+    return {"socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": COMMAND_TIMEOUT_S,
+            # a failure is reported at once: publishes are refused, not delayed
+            "retry": Retry(NoBackoff(), 0)}
+
+
+def make_link(config: BrokerConfig, hooks: LinkHooks) -> Link:
+    if config.sentinel_addresses:
+        return SentinelLink(config, hooks)
+    return SingleLink(config, hooks)
