@@ -112,7 +112,7 @@ class ClientRegistry:
     def register(self, conn: Connection, *, ready: bool) -> None:
         identity = conn.identity
         cid = identity.client_id
-        self.membership.connect(identity, ready=ready)
+        self.membership.connect(conn, ready=ready)
         self.conns[cid] = conn
         self.clients_by_ip[(identity.transport, identity.ip)] += 1
         self.by_transport[identity.transport] += 1

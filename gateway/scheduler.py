@@ -19,7 +19,8 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from typing import Any, Protocol
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -58,22 +59,11 @@ class Connection(Protocol):
     #: when its last write stopped draining (monotonic), None while it drains: the watchdog's input
     blocked_since: float | None
 
-    def deliver(self, batch: Batch, frame: bytes) -> bool:
-        """Start writing one batch (or stage it for the round's write); True if the client is ready again."""
+    def deliver(self, batch: Batch, frame: bytes) -> Delivered:
+        """Write one batch, or stage it for the round's write (transports/staging.py): what became of it."""
 
     def flush(self) -> bool:
         """Write what was staged this round; True when it drained (the client stays ready)."""
-
-    def direct_fd(self, batch: Batch, frame: bytes) -> int:
-        """The socket this batch's frame may be written to directly, with others (gateway/fanwrite.py), the
-        batch then counted as delivered; -1: `deliver` it."""
-
-    def wire(self, frame: bytes) -> bytes:
-        """The bytes `direct_fd`'s socket gets for a frame (the same for every connection of its kind)."""
-
-    def write_rest(self, data: bytes, sent: int) -> bool:
-        """The direct write took `sent` bytes of `data` (-errno: none): the transport writes the rest; True if
-        the client is ready again."""
 
     def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         """Close the connection with a protocol close code and reason; `retry_ms`: the reconnect hint of a
@@ -83,6 +73,38 @@ class Connection(Protocol):
         """State for the admin API."""
 
 
+class Delivered(Enum):
+    """What a connection did with a batch (`Connection.deliver`); the scheduler keeps its round's sets."""
+
+    #: written; the client is ready for the next one
+    DONE = "done"
+    #: staged for the round's write; the client has more to come (ready: it takes part in the next cycle)
+    STAGED = "staged"
+    #: staged behind frames staged earlier in the round, the client caught up: written after this cycle
+    CAUGHT_UP = "caught_up"
+    #: written, and the transport is above its high-water mark (or closed): not ready until it drains
+    BLOCKED = "blocked"
+    #: handed over, done only when the client acknowledges it (long-poll): not ready until then
+    HELD = "held"
+
+
+@runtime_checkable
+class DirectWritable(Protocol):
+    """A connection whose caught-up batches the fan-out writer may send to its socket directly, together with
+    other clients' (gateway/fanwrite.py): the WebSocket's, checked once when it registers."""
+
+    def direct_fd(self, batch: Batch, frame: bytes) -> int:
+        """The socket this batch's frame may be written to directly, the batch then counted as delivered;
+        -1: `deliver` it."""
+
+    def wire(self, frame: bytes) -> bytes:
+        """The bytes `direct_fd`'s socket gets for a frame (the same for every connection of its kind)."""
+
+    def write_rest(self, data: bytes, sent: int) -> bool:
+        """The direct write took `sent` bytes of `data` (-errno: none): the transport writes the rest; True if
+        the client is ready again."""
+
+
 class CrowdsSent:
     """What a cycle handed to the sender, in the order submitted: each socket's connection and client, and
     each frame's bytes with the index of its first socket (a shortfall's index names the socket)."""
@@ -90,7 +112,7 @@ class CrowdsSent:
     __slots__ = ("conns", "client_ids", "starts", "wires")
 
     def __init__(self) -> None:
-        self.conns: list[Connection] = []
+        self.conns: list[DirectWritable] = []
         self.client_ids: list[Hashable] = []
         self.starts: list[int] = []
         self.wires: list[bytes] = []
@@ -115,6 +137,8 @@ class Scheduler:
         #: armed while a topic lingers (`TopicConfig.linger`): wakes its held subscribers when it is due
         self._linger: asyncio.TimerHandle | None = None
         self._linger_due = 0.0
+        #: the connections of `conns` the fan-out writer may write directly (`DirectWritable`), by client
+        self.writable_sockets: dict[Hashable, DirectWritable] = {}
         #: connections with frames staged in the current round (`_flush_staged` writes them)
         self.staged: dict[Connection, None] = {}
         #: those of them whose client is caught up: written after the cycle, not at the round's end
@@ -355,9 +379,11 @@ class Scheduler:
         frames: dict[bytes | tuple[bytes, ...], bytes] = {}
         # caught-up clients whose frame may go straight to their socket, by frame: handed to the sender in
         # slices (`_write_crowd`), sent while the rest are handed out
-        crowds: dict[bytes, tuple[list[int], list[Connection], list[Hashable]]] = {}
+        crowds: dict[bytes, tuple[list[int], list[DirectWritable], list[Hashable]]] = {}
         sent = self._sent
         conns = self.conns
+        writable_sockets = self.writable_sockets
+        staged, caught_up = self.staged, self.caught_up
         delivery_log = self.delivery_log
         observe_size = self.entries_per_batch.observe
         singles = 0
@@ -381,30 +407,37 @@ class Scheduler:
                 frame = frames.get(key)
                 if frame is None:
                     frame = frames[key] = batch.frame()
+                outcome = Delivered.BLOCKED  # sent directly: done once the sender is through, below
                 try:
-                    fd = conn.direct_fd(batch, frame)
+                    writable = writable_sockets.get(client_id)
+                    fd = writable.direct_fd(batch, frame) if writable is not None else -1
                     if fd >= 0:
+                        assert writable is not None
                         crowd = crowds.get(frame)
                         if crowd is None:
                             crowd = crowds[frame] = ([], [], [])
                         fds = crowd[0]
                         fds.append(fd)
-                        crowd[1].append(conn)
+                        crowd[1].append(writable)
                         crowd[2].append(client_id)
-                        finished = False  # done once sent, below
                         if len(fds) == CROWD_SLICE:  # the first ones need not wait for the whole cycle's hand-off
                             self._write_crowd(frame, crowd)
                             del crowds[frame]
                     else:
-                        finished = conn.deliver(batch, frame)
+                        outcome = conn.deliver(batch, frame)
                 except Exception:  # a transport that broke mid-write: drop it, never the others
                     log.exception("delivery to %s failed", client_id)
                     self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
                     continue
-                if delivery_log is not None:
-                    delivery_log.delivered(batch, conn, getattr(conn, "holds_staged", False))
-                if finished:
+                if outcome is Delivered.DONE:
                     done.append(client_id)
+                elif outcome is Delivered.STAGED or outcome is Delivered.CAUGHT_UP:  # done, written with the round
+                    staged[conn] = None
+                    if outcome is Delivered.CAUGHT_UP:
+                        caught_up[conn] = None
+                    done.append(client_id)
+                if delivery_log is not None:
+                    delivery_log.delivered(batch, conn, outcome is Delivered.STAGED or outcome is Delivered.CAUGHT_UP)
             for frame, crowd in crowds.items():
                 self._write_crowd(frame, crowd)
         finally:
@@ -414,7 +447,7 @@ class Scheduler:
         if done:
             self.engine.writes_done(done)
 
-    def _write_crowd(self, frame: bytes, crowd: tuple[list[int], list[Connection], list[Hashable]]) -> None:
+    def _write_crowd(self, frame: bytes, crowd: tuple[list[int], list[DirectWritable], list[Hashable]]) -> None:
         """Hand one frame for many sockets to the sender (the compiled one sends it on its own thread while
         the scheduler goes on; the twin at once)."""
         fds, group, client_ids = crowd
@@ -490,14 +523,18 @@ class Membership:
 
     # -- clients (the client registry) ---------------------------------------------------------------------
 
-    def connect(self, identity: ClientIdentity, *, ready: bool) -> None:
+    def connect(self, conn: Connection, *, ready: bool) -> None:
+        identity = conn.identity
         self.engine.connect(identity.client_id, ready=ready, info=identity, owner=identity.owner)
+        if isinstance(conn, DirectWritable):
+            self.scheduler.writable_sockets[identity.client_id] = conn
 
     def disconnect(self, client_id: Hashable) -> tuple[list[str], Hashable]:
         """The engine forgets the client. Returns the topics it subscribed to and its owner (the caller
         leaves each: presence, the broker's holders)."""
         client = self.engine.client(client_id)
         names, owner = list(client.subs), client.owner
+        self.scheduler.writable_sockets.pop(client_id, None)
         self.engine.disconnect(client_id)
         return names, owner
 

@@ -24,6 +24,7 @@ from ..bodies import read_body
 from ..errors import BadAck, BadJson, Closed, UnknownSession
 from ..http_errors import error_response
 from ..hub import Hub
+from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused, session_store
 from .handshake import http_refusal, late_refusal_response
 from .sessions import new_secret
@@ -74,7 +75,7 @@ class LongPollSession:
         self.closed = True
         self.store.longpoll.discard(self)
         self.session.gone("expired")
-    def deliver(self, batch: Batch, frame: bytes) -> bool:
+    def deliver(self, batch: Batch, frame: bytes) -> Delivered:
         self.batches += 1
         self.entries_sent += len(batch.entries)
         body = b'{"batch":%d,"entries":%s}' % (self.batches, frame)
@@ -82,19 +83,10 @@ class LongPollSession:
         if self.poll is not None and not self.poll.done():
             self.poll.set_result(body)
         self.poll = None
-        return False  # done only when a poll acknowledges it
+        return Delivered.HELD  # done only when a poll acknowledges it
 
     def flush(self) -> bool:
         return True  # nothing is staged: `deliver` hands the batch to the poll
-
-    def direct_fd(self, batch: Batch, frame: bytes) -> int:
-        return -1  # a poll's response carries it
-
-    def wire(self, frame: bytes) -> bytes:
-        raise NotImplementedError
-
-    def write_rest(self, data: bytes, sent: int) -> bool:
-        raise NotImplementedError
 
     def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         self.closed = True

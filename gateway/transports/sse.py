@@ -38,6 +38,7 @@ from ..errors import BadRequest, UnknownSession
 from ..http_errors import error_response
 from ..hub import Hub
 from ..netguard import SCOPE_KEY, GuardedHttpToolsProtocol
+from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused, session_store
 from ..session_tables import Checkpoints
 from .handshake import TooManyPendingConnects, http_refusal
@@ -270,10 +271,10 @@ class SseConnection(StagedWriter):
 
     # -- fan-out writes ----------------------------------------------------------------------------------
 
-    def deliver(self, batch: Batch, frame: bytes) -> bool:
+    def deliver(self, batch: Batch, frame: bytes) -> Delivered:
         transport = self.transport
         if self.closed or transport.is_closing():
-            return False
+            return Delivered.BLOCKED
         self.events_sent += 1
         self.entries_sent += len(batch.entries)
         head = b"data: "

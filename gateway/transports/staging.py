@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..scheduler import Delivered
 from ..session import ClientSession
 
 if TYPE_CHECKING:
@@ -91,16 +92,7 @@ class StagedWriter:
         raise NotImplementedError
 
     # the rest of the scheduler's `Connection`, which each transport's class implements
-    def deliver(self, batch: Batch, frame: bytes) -> bool:
-        raise NotImplementedError
-
-    def direct_fd(self, batch: Batch, frame: bytes) -> int:
-        return -1  # written through the transport (the WebSocket's may be written directly: ws.py)
-
-    def wire(self, frame: bytes) -> bytes:
-        raise NotImplementedError
-
-    def write_rest(self, data: bytes, sent: int) -> bool:
+    def deliver(self, batch: Batch, frame: bytes) -> Delivered:
         raise NotImplementedError
 
     def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
@@ -123,28 +115,21 @@ class StagedWriter:
     def _written(self) -> None:
         """Called after each write of staged data."""
 
-    @property
-    def holds_staged(self) -> bool:
-        """Frames wait for the round's write (the last `deliver` was staged, not written)."""
-        return bool(self._staged)
-
-    def write_batch(self, parts: tuple[bytes, ...], size: int, more: bool) -> bool:
+    def write_batch(self, parts: tuple[bytes, ...], size: int, more: bool) -> Delivered:
         """A batch's bytes (`parts`, `size` in all, none copied). While the client has more to come next cycle
-        (`Batch.more`) they are staged for the round's write; for a client caught up they are written now,
-        or, behind frames staged earlier in the round, after this cycle (`Scheduler.caught_up`). Returns False when
-        a write left the transport above its high-water mark (the client is blocked)."""
+        (`Batch.more`) they are staged for the round's write (STAGED); for a client caught up they are written
+        now (DONE), or, behind frames staged earlier in the round, after this cycle (CAUGHT_UP). BLOCKED: a
+        write left the transport above its high-water mark."""
         staged = self._staged
-        if staged:
+        if not staged:
             if not more:
-                self.scheduler.caught_up[self] = None
-        elif more:
-            self.scheduler.staged[self] = None
+                return Delivered.DONE if self._write_parts(parts) else Delivered.BLOCKED
             self._staged_bytes = 0
-        else:
-            return self._write_parts(parts)
         staged += parts
         self._staged_bytes += size
-        return self._staged_bytes < self.scheduler.stage_limit or self.flush()
+        if self._staged_bytes >= self.scheduler.stage_limit and not self.flush():
+            return Delivered.BLOCKED
+        return Delivered.STAGED if more else Delivered.CAUGHT_UP
 
     def flush(self) -> bool:
         """Write what is staged, in one call. Returns False when the write left the transport above its

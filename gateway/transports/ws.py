@@ -42,6 +42,7 @@ from ..hub import Hub
 from ..netguard import ConnectionLimiter
 from ..origin import OriginPolicy
 from ..ratelog import BadInputLog
+from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused
 from .handshake import close_reason
 from .staging import StagedWriter, tune_stream
@@ -608,14 +609,14 @@ class WSConnection(StagedWriter):
 
     # -- fan-out writes ----------------------------------------------------------------------------------
 
-    def deliver(self, batch: Batch, frame: bytes) -> bool:
+    def deliver(self, batch: Batch, frame: bytes) -> Delivered:
         if self.closed:
-            return False
+            return Delivered.BLOCKED
         self.frames_sent += 1
         self.bytes_sent += len(frame)
         self.entries_sent += len(batch.entries)
         if self.transport.is_closing() or self.proto.closing:  # closed, or our side already shut
-            return False
+            return Delivered.BLOCKED
         data = framed.framed(frame)
         return self.write_batch((data,), len(data), batch.more)
 

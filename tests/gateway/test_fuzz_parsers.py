@@ -12,6 +12,7 @@ from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
 from gateway.origin import OriginGuard, parse_allowed_origins
+from gateway.scheduler import Delivered
 from gateway.testing import DEFAULTS, make_token
 from gateway.transports.ingest import IngestProtocol
 from gateway.transports.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
@@ -62,10 +63,7 @@ class RecordingConnection:
 
     def deliver(self, batch, frame):
         self.frames.append(frame)
-        return True
-
-    def direct_fd(self, batch, frame):
-        return -1
+        return Delivered.DONE
 
     def kick(self, code, reason, retry_ms=None):
         self.kicked = (code, reason)

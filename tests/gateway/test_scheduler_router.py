@@ -21,6 +21,7 @@ from gateway import close_codes, scheduler
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
+from gateway.scheduler import Delivered
 from gateway.testing import DEFAULTS
 
 pytestmark = pytest.mark.unit
@@ -37,23 +38,14 @@ class FakeConnection:
         self.entries: list[dict[str, Any]] = []
         self.kicked: tuple[int, str] | None = None
 
-    def deliver(self, batch: Any, frame: bytes) -> bool:
+    def deliver(self, batch: Any, frame: bytes) -> Delivered:
         if self.breaks:
             raise RuntimeError("the socket broke")
         self.entries += orjson.loads(frame)
-        return self.drains
+        return Delivered.DONE if self.drains else Delivered.BLOCKED
 
     def flush(self) -> bool:
         return True
-
-    def direct_fd(self, batch: Any, frame: bytes) -> int:
-        return -1
-
-    def wire(self, frame: bytes) -> bytes:
-        raise NotImplementedError  # never asked: direct_fd is -1
-
-    def write_rest(self, data: bytes, sent: int) -> bool:
-        raise NotImplementedError
 
     def kick(self, code: int, reason: str, retry_ms: int | None = None) -> None:
         self.kicked = (code, reason)
@@ -199,12 +191,16 @@ def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_cal
             hub.clients.register(conn, ready=True)
             hub.catalog.subscribe(conn.identity.client_id, "chat.crowd")
         other = await subscribed(hub, "f", "chat.crowd")  # a transport the writer may not write
+        # which connections the writer may write is known once, at registration: those `DirectWritable`
+        assert set(hub.scheduler.writable_sockets) == {conn.identity.client_id for conn in crowd}
         await settle(lambda: hub.scheduler.direct_writes == 5)  # their `subscribed` entries
         hub.catalog.publish_nowait("chat.crowd", "m1")
         await settle(lambda: hub.scheduler.direct_writes == 10 and messages(other) == ["m1"])
         for conn in crowd:
             got = conn.received()
             assert [e["type"] for e in got] == ["subscribed", "msg"] and got[1]["data"] == "m1"
+        hub.clients.unregister(crowd[0].identity.client_id, "closed")
+        assert crowd[0].identity.client_id not in hub.scheduler.writable_sockets
 
     run(test)
 

@@ -19,6 +19,7 @@ from gateway.commands import handle_payload
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.identity import ClientIdentity
+from gateway.scheduler import Delivered
 from gateway.testing import DEFAULTS, make_token, run_gateway
 from tests.gateway.test_protocol_contract import section, table_rows, ticked
 
@@ -58,19 +59,10 @@ class Recording:
         self.identity = ClientIdentity(client_id, "test")
 
     def deliver(self, batch, frame):
-        return True
+        return Delivered.DONE
 
     def flush(self):
         return True
-
-    def direct_fd(self, batch, frame):
-        return -1
-
-    def wire(self, frame):
-        raise NotImplementedError  # never asked: direct_fd is -1
-
-    def write_rest(self, data, sent):
-        raise NotImplementedError
 
     def kick(self, code, reason, retry_ms=None):
         pass
