@@ -11,15 +11,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from . import admin
+from .admin import api as admin
+from .admin.pages import Pages
+from .admin.stats_feed import StatsFeed
+from .edge.http_errors import error_response
+from .edge.origin import OriginGuard, OriginPolicy, parse_allowed_origins
+from .edge.page_headers import SecurityHeaders
 from .errors import MethodNotAllowed, NotFound
-from .http_errors import error_response
 from .hub import Hub
-from .origin import OriginGuard, OriginPolicy, parse_allowed_origins
-from .page_headers import SecurityHeaders
-from .pages import Pages
-from .readiness import readyz
-from .stats_feed import StatsFeed
+from .ops.readiness import readyz
 from .transports import longpoll, sse
 from .transports.handshake import TransportOff
 from .workers.forward import SessionRouter, WorkerLinks

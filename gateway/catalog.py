@@ -15,9 +15,9 @@ from typing import Any
 
 from core import Published, TopicConfig
 
+from .auth.identity import ClientIdentity
 from .broker import Broker
 from .clients import ClientRegistry
-from .identity import ClientIdentity
 from .scheduler import Membership
 from .topic_budget import CreationBudget
 
@@ -70,6 +70,19 @@ class TopicCatalog:
         return self.membership.ack(client_id, topic, seq)
 
     # -- publishing ----------------------------------------------------------------------------------------
+
+    @property
+    def congested(self) -> bool:
+        """The broker holds more unanswered publishes than it takes (`broker.max_pending_bytes`)."""
+        return self.broker.congested
+
+    def when_accepting(self) -> asyncio.Future[None]:
+        """Done when the broker takes publishes again (Redis back, or its backlog under the bound)."""
+        return self.broker.when_accepting()
+
+    def space_freed(self, topic: str, owner: Hashable) -> asyncio.Future[None]:
+        """Done when the private queue `topic` of `owner`, full, has room again."""
+        return self.membership.space_freed(topic, owner)
 
     def publish_nowait(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published | None:
         """The ingest's fast path: published at once (or raised) when the topic lives here, None when it goes

@@ -15,10 +15,11 @@ from typing import Any
 
 import core
 
-from . import fanwrite, logformat
+from . import fanwrite
+from .admin.operator_tools import check, describe_rules, mint_token, rules_note
 from .broker import BrokerUnreachable
 from .config import ConfigError, GatewayConfig, load_config
-from .operator_tools import check, describe_rules, mint_token, rules_note
+from .ops import logformat
 from .server import start_gateway
 from .workers.forward import WorkerLinks
 

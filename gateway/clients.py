@@ -24,17 +24,17 @@ from core import CoreUsageError, RequestError
 from core.entries import encode_reply
 
 from . import close_codes
-from .auth import Principal, TokenVerifier
+from .auth.identity import ClientIdentity
+from .auth.token_lifetimes import TokenLifetimes
+from .auth.tokens import Principal, TokenVerifier
 from .broker import Broker
 from .config import GatewayConfig
 from .errors import BadToken, InternalError
-from .hooks import Hooks
-from .identity import ClientIdentity
+from .hooks.base import Hooks
+from .ops.tracing import Tracing
 from .pending_connects import PendingConnects
 from .scheduler import Connection, Scheduler
 from .timerwheel import TimerWheel
-from .token_lifetimes import TokenLifetimes
-from .tracing import Tracing
 
 log = logging.getLogger("gateway")
 
@@ -64,14 +64,14 @@ class ClientRegistry:
         #: called on every arrival and departure (the GC policy counts them)
         self.on_arrival = on_arrival
         self.on_departure = on_departure
-        #: per client: its token's expiry, grace or refresh (gateway/token_lifetimes.py), and its idle check,
+        #: per client: its token's expiry, grace or refresh (gateway/auth/token_lifetimes.py), and its idle check,
         #: each on one wheel for all clients (a loop timer per connection held ~0.6 KiB)
         self.token_lifetimes = TokenLifetimes(config, hooks, conns, self.kick, self.send_error)
         idle = config.limits.idle_timeout_s
         self._idle_timers: TimerWheel[Hashable, None] = TimerWheel(
             self._idle_due, min(1.0, idle / 10) if idle > 0 else 1.0)
         self._watchdog: asyncio.TimerHandle | None = None
-        #: the backend hooks (gateway/hooks.py): the disconnect event, the refresh of granted connections
+        #: the backend hooks (gateway/hooks/base.py): the disconnect event, the refresh of granted connections
         self.hooks = hooks
         #: each user's connections on this node, oldest first (dict order): O(1) per register / unregister
         self.by_user: dict[str, dict[Hashable, None]] = {}

@@ -3,9 +3,9 @@
 Every command is converted to its schema (gateway/schema.py) before anything runs. Every answer (ack,
 reply, error) goes through the client's direct queue, so it is ordered with the data and batched like it.
 A bad command gets an `error` entry; the connection and every other client go on. What a client may do is
-asked of its `ClientIdentity` (gateway/identity.py), the one place permissions live.
+asked of its `ClientIdentity` (gateway/auth/identity.py), the one place permissions live.
 
-A command that asks a backend hook (gateway/hooks.py) is answered later; a connection's commands still take
+A command that asks a backend hook (gateway/hooks/base.py) is answered later; a connection's commands still take
 effect in the order sent per topic: one naming a topic on which a hooked command of the same connection is
 pending waits behind it (`_wait_behind`, `_resume`). Hook calls in flight and commands waiting behind them
 are bounded per connection (`proxy.max_calls_per_connection`, `_hold`).
@@ -28,10 +28,10 @@ from core.entries import encode_reply
 from core.errors import DirectQueueFull, RequestError, UnknownTopic
 
 from . import close_codes, schema
+from .auth.identity import ClientIdentity
+from .edge.ratelog import TokenBucket
 from .errors import BadCommand, BadJson, Forbidden, RateLimited, RpcError, TooManyCalls, UnknownMethod
-from .hooks import Allowed, PublishAnswer, Refused, RpcAnswer
-from .identity import ClientIdentity
-from .ratelog import TokenBucket
+from .hooks.base import Allowed, PublishAnswer, Refused, RpcAnswer
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -162,7 +162,7 @@ def _publish_now(hub: "Hub", identity: ClientIdentity, name: str, data: Any, req
 
 def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[str, Any], answer: type[T],
                  request_id: Any, then: Callable[[T], None], *, topic: str | None = None) -> None:
-    """A command that waits for a backend hook (gateway/hooks.py): `then(answer)` runs once the backend
+    """A command that waits for a backend hook (gateway/hooks/base.py): `then(answer)` runs once the backend
     allowed it, if the client is still connected. A refusal is the command's `forbidden` error entry (rpc:
     `rpc_error`), no answer `backend_unavailable`. Answers of later commands may come first (match the ids),
     except those on the same `topic`: they wait behind this one (`_wait_behind`). Raises TooManyCalls when
@@ -180,7 +180,7 @@ def _ask_backend(hub: "Hub", identity: ClientIdentity, hook: str, extra: dict[st
             tracing = hub.tracing
             if tracing is None:
                 await answered()
-            else:  # the command is a trace of its own, its hook call beneath (gateway/tracing.py)
+            else:  # the command is a trace of its own, its hook call beneath (gateway/ops/tracing.py)
                 with tracing.root_span(f"command {hook}", {"fanout.client": str(client_id), "fanout.topic": topic or ""}):
                     await answered()
         finally:
@@ -345,7 +345,7 @@ def _run(hub: "Hub", identity: ClientIdentity, command: schema.Command) -> None:
         _publish(hub, identity, command)
     elif isinstance(command, schema.Auth):
         _costly(hub, identity, "auth")
-        hub.clients.tokens.admit(identity.ip)  # per address, whatever carries the token (gateway/auth.py)
+        hub.clients.tokens.admit(identity.ip)  # per address, whatever carries the token (gateway/auth/tokens.py)
         principal = hub.clients.authenticate(client_id, command.token)
         hub.clients.send_direct(client_id, encode_reply(command.id, {"user": principal.user,
                                                              "expires_at": principal.expires_at}))

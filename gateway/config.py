@@ -23,7 +23,7 @@ import msgspec
 
 from core import EngineConfig, TopicConfig, TopicRule
 
-from .assets import default_config_path, static_root
+from .admin.assets import default_config_path, static_root
 
 DEFAULT_CONFIG = default_config_path()
 ENV_PREFIX = "GATEWAY_"

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import close_codes
+from .auth.revocations import Revocation
 from .clients import ClientRegistry
 from .errors import BadRequest
-from .revocations import Revocation
 from .topic_view import TopicView
 
 

@@ -47,7 +47,7 @@ class RateLimited(RequestError):
 
 
 class TooManyTokenChecks(RateLimited):
-    """A `?token=` (or bearer token) not checked: its address is past `auth.rate_per_ip` (gateway/auth.py)."""
+    """A `?token=` (or bearer token) not checked: its address is past `auth.rate_per_ip` (gateway/auth/tokens.py)."""
 
     close_code = close_codes.TOO_MANY_TOKEN_CHECKS
 
@@ -109,7 +109,7 @@ class TooManySessionsFromAddress(TooManySessions):
 
 
 class ForbiddenOrigin(RequestError):
-    """A browser request from an `Origin` not in `server.allowed_origins` on /ws, /lp, /sse (gateway/origin.py):
+    """A browser request from an `Origin` not in `server.allowed_origins` on /ws, /lp, /sse (gateway/edge/origin.py):
     403 JSON on HTTP; a WebSocket handshake is closed before accept (uvicorn answers it with HTTP 403)."""
 
     code = "forbidden_origin"
@@ -123,7 +123,7 @@ class TooManyConnections(RequestError):
 
 
 class HeadersTooLarge(RequestError):
-    """A request head over `server.max_header_bytes` or `server.max_headers` (answered by gateway/netguard.py
+    """A request head over `server.max_header_bytes` or `server.max_headers` (answered by gateway/edge/netguard.py
     before the app sees the request, and the connection closed)."""
 
     code = "headers_too_large"
@@ -131,8 +131,8 @@ class HeadersTooLarge(RequestError):
 
 
 class BadHost(RequestError):
-    """A `Host` the gateway does not serve (`server.allowed_hosts`, gateway/hosts.py; answered by
-    gateway/netguard.py, and the connection closed)."""
+    """A `Host` the gateway does not serve (`server.allowed_hosts`, gateway/edge/hosts.py; answered by
+    gateway/edge/netguard.py, and the connection closed)."""
 
     code = "bad_host"
     http_status = 421
@@ -196,14 +196,14 @@ class BrokerUnavailable(RequestError):
 
 
 class ConnectRefused(Forbidden):
-    """The backend's connect hook refused the connection ([proxy] connect_url, gateway/proxy.py): close 4003
+    """The backend's connect hook refused the connection ([proxy] connect_url, gateway/hooks/backend.py): close 4003
     with its message on WebSocket, HTTP 403 `forbidden` on long-poll and SSE."""
 
     close_code = close_codes.CONNECT_REFUSED
 
 
 class BackendUnavailable(RequestError):
-    """A backend hook ([proxy], gateway/proxy.py) did not answer in time, could not be reached or answered
+    """A backend hook ([proxy], gateway/hooks/backend.py) did not answer in time, could not be reached or answered
     something that is not a hook answer: a new connection is refused (close 1013, HTTP 503 with Retry-After),
     a command gets this error entry."""
 
@@ -213,7 +213,7 @@ class BackendUnavailable(RequestError):
 
 
 class KeysRefreshing(RequestError):
-    """A token names a key the JWKS set (`auth.jwks_url`, gateway/jwks.py) lacks, and the set is being fetched
+    """A token names a key the JWKS set (`auth.jwks_url`, gateway/auth/jwks.py) lacks, and the set is being fetched
     again (or is not loaded yet): a passing state, so retry later with the same token (close 1013, HTTP 503
     with Retry-After, the `auth` command's error entry)."""
 

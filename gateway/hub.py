@@ -23,24 +23,24 @@ import contextlib
 import secrets
 from collections.abc import Callable, Hashable
 
+from .admin.stats_feed import StatsFeed
 from .broker import Broker, make_broker
 from .catalog import TopicCatalog
 from .clients import ClientRegistry
 from .config import GatewayConfig
 from .control_commands import ControlCommands
-from .deliverylog import DeliveryLog
-from .gcpolicy import GcPolicy
-from .hooks import Hooks
-from .metrics import Metrics, engine_families, loop_families, stats_families
-from .netguard import ConnectionLimiter
-from .proxy import hooks_from_config
-from .ratelog import BadInputLog
-from .readiness import Readiness
+from .edge.netguard import ConnectionLimiter
+from .edge.ratelog import BadInputLog
+from .hooks.backend import hooks_from_config
+from .hooks.base import Hooks
+from .ops.deliverylog import DeliveryLog
+from .ops.gcpolicy import GcPolicy
+from .ops.metrics import Metrics, engine_families, loop_families, stats_families
+from .ops.readiness import Readiness
+from .ops.tracing import Tracing, from_config
 from .scheduler import Connection, Scheduler
-from .stats_feed import StatsFeed
 from .topic_budget import CreationBudget
 from .topic_view import TopicView
-from .tracing import Tracing, from_config
 from .transports.rawtcp import RawBroadcastServer
 from .transports.sessions import SessionStore
 
@@ -65,9 +65,9 @@ class Hub:
         self.broker: Broker = make_broker(config, self.scheduler.membership, self.creations, self.instance_id,
                                           lambda command: self.control.run(command),
                                           lambda watched: self.stats.node_summary(watched))
-        #: OpenTelemetry traces ([tracing], gateway/tracing.py); None (and nothing imported) when off
+        #: OpenTelemetry traces ([tracing], gateway/ops/tracing.py); None (and nothing imported) when off
         self.tracing: Tracing | None = from_config(config.tracing, self.instance_id)
-        #: the backend hooks (gateway/hooks.py): over HTTP ([proxy], gateway/proxy.py), or `NoHooks` without a URL
+        #: the backend hooks (gateway/hooks/base.py): over HTTP ([proxy], gateway/hooks/backend.py), or `NoHooks` without a URL
         self.hooks: Hooks = hooks_from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input,
                                               self.tracing)
         self.clients = ClientRegistry(config, self.scheduler, self.broker, conns, self.hooks, tracing=self.tracing,
@@ -81,10 +81,10 @@ class Hub:
         #: called when the server shuts down, after the clients were closed: streams that are not clients
         #: (the admin stats stream) end too, so shutdown never waits for them
         self.closing_hooks: list[Callable[[], None]] = []
-        #: the admin stats stream's sampler (gateway/stats_feed.py), made now, not at the first viewer: with a
+        #: the admin stats stream's sampler (gateway/admin/stats_feed.py), made now, not at the first viewer: with a
         #: broker, another node's viewer may ask this node for its summary
         self.stats = StatsFeed(self)
-        #: what GET /readyz answers (gateway/readiness.py): set started and draining by gateway/server.py
+        #: what GET /readyz answers (gateway/ops/readiness.py): set started and draining by gateway/server.py
         self.readiness = Readiness(lambda: self.broker.healthy)
         self.metrics = Metrics()
         for collect in (lambda: engine_families(self.topics), loop_families, self.scheduler.collect, self.clients.collect,
@@ -112,7 +112,7 @@ class Hub:
 
     async def start(self) -> None:
         await self.broker.start()
-        await self.clients.tokens.start()  # the JWKS key set, when auth.jwks_url is set (gateway/jwks.py)
+        await self.clients.tokens.start()  # the JWKS key set, when auth.jwks_url is set (gateway/auth/jwks.py)
         self.scheduler.start()
         self.clients.start()
         self.gc.start()

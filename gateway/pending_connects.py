@@ -1,5 +1,5 @@
 """New clients on their way from the handshake to their registration (`ClientRegistry.pending`; the
-handshake's `Admission`, gateway/transports/handshake.py), which the backend's connect hook can make last
+handshake's `Admission`, gateway/auth/admission.py), which the backend's connect hook can make last
 up to `proxy.timeout_s`:
 
 - per address, how many wait for the connect hook (`hooks_by_ip`, bounded by
@@ -21,9 +21,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from . import close_codes
-from .auth import Principal
-from .identity import ClientIdentity
-from .revocations import Revocation
+from .auth.identity import ClientIdentity
+from .auth.revocations import Revocation
+from .auth.tokens import Principal
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from core import RequestError
 from core.entries import encode_join, encode_leave
 
-from .identity import ClientIdentity
+from .auth.identity import ClientIdentity
 from .topic_view import TopicView
 
 #: noted joins and leaves are sent at most this often: what changed meanwhile goes together (and what was

@@ -28,14 +28,14 @@ from core import Batch, Engine, Published, RequestError, TopicConfig
 from core.entries import encode_error
 
 from . import close_codes
+from .auth.identity import ClientIdentity
 from .config import GatewayConfig
-from .deliverylog import DeliveryLog
 from .fanwrite import Sender
-from .identity import ClientIdentity
-from .metrics import BATCH_BUCKETS, CYCLE_BUCKETS, BucketHistogram
+from .ops.deliverylog import DeliveryLog
+from .ops.metrics import BATCH_BUCKETS, CYCLE_BUCKETS, BucketHistogram
+from .ops.tracing import ExpectedApply, Fanout, count_fanouts, end_fanouts, forget_applies
 from .presence import Member, Presence, PresenceStore
 from .topic_view import TopicView
-from .tracing import ExpectedApply, Fanout, count_fanouts, end_fanouts, forget_applies
 
 log = logging.getLogger("gateway")
 
@@ -152,7 +152,7 @@ class Scheduler:
         self.blocked: dict[Hashable, Connection] = {}
         #: publishers waiting for space in a private queue: (topic, owner) -> futures
         self._space_waiters: dict[tuple[str, Hashable], list[asyncio.Future[None]]] = {}
-        #: the sampled delivery log ([deliverylog], gateway/deliverylog.py), when enabled: its writer thread
+        #: the sampled delivery log ([deliverylog], gateway/ops/deliverylog.py), when enabled: its writer thread
         #: ends with the scheduler's task
         self.delivery_log = (DeliveryLog(config.deliverylog, instance_id,
                                          lambda: self._task is not None and self._task.done())
@@ -168,7 +168,7 @@ class Scheduler:
         self._sent = CrowdsSent()
         self.cycle_seconds = BucketHistogram(CYCLE_BUCKETS)
         self.entries_per_batch = BucketHistogram(BATCH_BUCKETS)
-        #: sampled admin publishes whose apply is awaited, by topic (gateway/tracing.py); empty unless traced
+        #: sampled admin publishes whose apply is awaited, by topic (gateway/ops/tracing.py); empty unless traced
         self.traced_applies: dict[str, ExpectedApply] = {}
         #: traced messages whose fan-out is being watched, by topic: each cycle's batches are counted
         #: only while it is not empty
@@ -214,7 +214,7 @@ class Scheduler:
         ttl = self.config.limits.topic_ttl_s
         if ttl > 0:
             self.engine.reclaim(now, ttl, self.config.limits.topic_history_ttl_s)
-        if self.fanouts or self.traced_applies:  # traced publishes whose watch is over (gateway/tracing.py)
+        if self.fanouts or self.traced_applies:  # traced publishes whose watch is over (gateway/ops/tracing.py)
             end_fanouts(self.fanouts, now)
             forget_applies(self.traced_applies, now)
         self._schedule_tick()
@@ -324,7 +324,7 @@ class Scheduler:
                     try:
                         batches = engine.run_cycle()
                         self._deliver(batches)
-                        if self.fanouts:  # a traced publish's fan-out is watched (gateway/tracing.py)
+                        if self.fanouts:  # a traced publish's fan-out is watched (gateway/ops/tracing.py)
                             count_fanouts(self.fanouts, batches)
                     finally:
                         if collecting:

@@ -21,11 +21,11 @@ import uvicorn
 
 from .app import build_app
 from .config import ConfigError, GatewayConfig
-from .hosts import HostPolicy
+from .edge.hosts import HostPolicy
+from .edge.netguard import ConnectionLimiter, http_protocol_class
+from .edge.origin import OriginPolicy, parse_allowed_origins
 from .hub import Hub
-from .netguard import ConnectionLimiter, http_protocol_class
-from .origin import OriginPolicy, parse_allowed_origins
-from .transports.ingest import IngestServer, ingest_counters
+from .transports.ingest import IngestParts, IngestServer, ingest_counters
 from .transports.ws import WebSocketProtocol, protocol_class, ws_counters
 from .workers.forward import MAX_FORWARDS_UNLIMITED, WorkerLinks, serve_inbox
 
@@ -283,7 +283,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     server_cfg = config.server
     running = RunningGateway(config, hub, token, http_port=0)
     if config.ingest.enabled:
-        running.ingest = IngestServer(hub)
+        running.ingest = IngestServer(IngestParts(config, hub.catalog, hub.tracing, hub.bad_input))
         await running.ingest.start(config.ingest.host, config.ingest.port, reuse_port=shared)
         running.ingest_port = running.ingest.port
     if config.rawtcp.enabled and worker == 0:
@@ -330,7 +330,7 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
         # counts the peer's own address, on every transport alike (docs/security.md, In production)
         proxy_headers=False,
         log_level=server_cfg.log_level,
-        # uvicorn's loggers propagate to the root handler (gateway/logformat.py) instead of having their own:
+        # uvicorn's loggers propagate to the root handler (gateway/ops/logformat.py) instead of having their own:
         # their lines then have the time, the worker and the format (json) of every other line
         log_config=None,
         access_log=False,

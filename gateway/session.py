@@ -8,7 +8,7 @@ The open is written once, for every transport, in this order:
         await session.pass_backend(header_values)              # the connect hook: ConnectRefused, BackendUnavailable
     session.open(connection)                                   # LateRefused, or registered
 
-`begin` runs the handshake (gateway/transports/handshake.py: the transport's bounds, the refused `?id=`, the
+`begin` runs the handshake (gateway/auth/admission.py: the transport's bounds, the refused `?id=`, the
 token) and holds the client's places in the bounds until `open` or `gone`; `open` registers the connection
 in the same step of the event loop as it learns whether a revocation, a user's disconnect or the drain came
 first (gateway/pending_connects.py), which it raises as `LateRefused`. A transport that must answer before
@@ -30,14 +30,14 @@ from core.client import Client
 from core.errors import RequestError
 
 from . import close_codes, commands
+from .auth.admission import Admission, admit
 from .errors import Closed
 from .pending_connects import LateRefusal
-from .transports.handshake import Admission, admit
 
 if TYPE_CHECKING:
+    from .auth.identity import ClientIdentity
     from .config import GatewayConfig
     from .hub import Hub
-    from .identity import ClientIdentity
     from .scheduler import Connection, Scheduler
     from .transports.sessions import SessionStore
 
@@ -95,7 +95,7 @@ class ClientSession:
               reader: CommandReader | None = None) -> ClientSession:
         """The handshake of a new client of `transport` ("ws", "sse", "longpoll") from `peer`: its bounds,
         `requested_id` (any `?id=` is refused), the token of the query or of an `Authorization` header.
-        Raises the refusal (`RequestError`, gateway/transports/handshake.py's table); the session holds the
+        Raises the refusal (`RequestError`, gateway/auth/admission.py's table); the session holds the
         client's places in its bounds until `open` or `gone`."""
         admission = admit(hub, transport, peer, token=token, authorization=authorization, requested_id=requested_id)
         return cls(hub, admission, reader)

@@ -9,7 +9,7 @@ when it retains messages), so creations are bounded three ways (docs/security.md
   `limits.topic_create_burst` at once, kept in a table of at most `ADDRESSES_MAX` addresses (the least
   recently used is forgotten: its next connection starts with a full bucket, which costs an attacker an
   address per burst); with `server.workers` > 1, in memory shared by the workers instead
-  (gateway/addrcount.py, `SharedRate`), so one address has one bucket whichever worker serves it;
+  (gateway/edge/addrcount.py, `SharedRate`), so one address has one bucket whichever worker serves it;
 * in total: no client creation while the gateway holds `limits.max_client_topics` topics (the admin API
   and the ingest create up to `scheduler.max_topics`); with a broker also `broker.max_topics` cluster-wide,
   checked by Redis (broker/topic_lines.py, broker/publishing.py).
@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
+from .edge.ratelog import AddressRates
 from .errors import TooManyCreatedTopics
-from .metrics import counter_family
-from .ratelog import AddressRates
+from .ops.metrics import counter_family
 
 if TYPE_CHECKING:
-    from .addrcount import SharedRate
+    from .auth.identity import ClientIdentity
     from .config import LimitsConfig
-    from .identity import ClientIdentity
+    from .edge.addrcount import SharedRate
 
 #: Addresses whose buckets are remembered (about 100 bytes each).
 ADDRESSES_MAX = 65_536
@@ -48,7 +48,7 @@ class CreationBudget:
         self.burst = float(limits.topic_create_burst)
         self.total = limits.max_client_topics
         self.topic_count = topic_count
-        #: a bucket per address; with server.workers > 1 the workers' shared ones (gateway/addrcount.py)
+        #: a bucket per address; with server.workers > 1 the workers' shared ones (gateway/edge/addrcount.py)
         self.rates: AddressRates | SharedRate = AddressRates(self.rate, self.burst, ADDRESSES_MAX, clock=clock)
         #: refusals by reason ("connection", "address", "total", "cluster"): `/metrics`
         self.refused: dict[str, int] = {"connection": 0, "address": 0, "total": 0, "cluster": 0}

@@ -204,8 +204,8 @@ class FaultRecord:
 
 
 def token_for(user: str) -> str:
+    from gateway.admin.operator_tools import mint_token
     from gateway.config import load_config
-    from gateway.operator_tools import mint_token
 
     path = Path(tempfile.mkdtemp(prefix="chaos-tok-")) / "c.toml"
     path.write_text(f'[auth]\njwt_secret = "{SECRET}"\n')

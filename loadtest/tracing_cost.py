@@ -1,4 +1,4 @@
-"""What tracing ([tracing], gateway/tracing.py) costs, site by site, in-process; and a discarding OTLP receiver.
+"""What tracing ([tracing], gateway/ops/tracing.py) costs, site by site, in-process; and a discarding OTLP receiver.
 
     .venv/bin/python -m loadtest.tracing_cost               # per-site costs at sample_rate 0.01 and 1.0
     .venv/bin/python -m loadtest.tracing_cost --sink 14318  # an OTLP/HTTP receiver on 127.0.0.1 that drops all
@@ -19,7 +19,7 @@ from typing import Any
 from core import Batch
 from core.entries import encode_message
 from gateway.config import TracingConfig
-from gateway.tracing import Fanout, Tracing, count_fanouts
+from gateway.ops.tracing import Fanout, Tracing, count_fanouts
 
 SUBSCRIBERS = 1000
 

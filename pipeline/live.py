@@ -1,5 +1,5 @@
 """audit --follow: windowed fairness figures of live traffic, from the gateway's sampled delivery log
-(gateway/deliverylog.py, config ``[deliverylog]``), continuously.
+(gateway/ops/deliverylog.py, config ``[deliverylog]``), continuously.
 
 Structured Streaming over the log's directory (JSON lines, one per message delivered to a sampled client;
 the writer hides a file until it is complete). Event time is the delivery time (``deliver_ns``); with a

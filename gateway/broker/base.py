@@ -23,7 +23,7 @@ from prometheus_client.core import Metric
 
 from core import Published, RequestError, TopicConfig
 
-from ..identity import ClientIdentity
+from ..auth.identity import ClientIdentity
 from ..presence import Member, PresenceStore
 from ..topic_view import TopicView
 
@@ -102,7 +102,7 @@ class Broker(Protocol):
 
     @property
     def healthy(self) -> bool:
-        """Whether the broker answers now (GET /readyz, gateway/readiness.py): always, in this process."""
+        """Whether the broker answers now (GET /readyz, gateway/ops/readiness.py): always, in this process."""
 
     def when_accepting(self) -> asyncio.Future[None]:
         """A future done once the broker takes publishes again (at once when it does). Cancel it to stop
@@ -171,7 +171,7 @@ class Broker(Protocol):
     clustered: bool
     #: this node's client summary for the other nodes' stats streams, or None; called every second by the
     #: stats refresher with whether some node's stream has a viewer (given at construction: the stats feed's,
-    #: gateway/stats_feed.py; never called in-process)
+    #: gateway/admin/stats_feed.py; never called in-process)
     node_summary: Callable[[bool], dict[str, Any] | None]
 
     async def cluster_nodes(self, watch_s: float) -> list[dict[str, Any]] | None:

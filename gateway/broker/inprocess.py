@@ -15,7 +15,7 @@ from prometheus_client.core import Metric
 
 from core import Published, QueueFull, RequestError, TopicConfig
 
-from ..identity import ClientIdentity
+from ..auth.identity import ClientIdentity
 from ..presence import MemoryPresence, PresenceStore
 from .base import BrokerEvents
 

@@ -16,8 +16,8 @@ from redis.exceptions import NoScriptError, RedisError
 from core import TopicConfig
 from core.errors import BadSeq, StaleSeq
 
+from ..auth.identity import ClientIdentity
 from ..errors import BrokerUnavailable
-from ..identity import ClientIdentity
 from .keys import Keys
 from .link import Link
 from .topic_lines import TopicLines

@@ -27,8 +27,8 @@ from redis.exceptions import RedisError
 
 from core import Published, TopicConfig, TopicKind
 
+from ..auth.identity import ClientIdentity
 from ..config import BrokerConfig
-from ..identity import ClientIdentity
 from ..presence import PresenceStore
 from ..topic_budget import CreationBudget
 from .base import BrokerEvents, BrokerUnreachable
@@ -78,7 +78,7 @@ class RedisBroker:
         #: the operators' commands on every node (control.py); `control` runs one on this node
         self.control_handler = control
         self.controls = ControlChannel(self)
-        #: this node's summary for the dashboards of the cluster (set by the stats feed, gateway/stats_feed.py)
+        #: this node's summary for the dashboards of the cluster (set by the stats feed, gateway/admin/stats_feed.py)
         self.node_summary = node_summary
 
     # -- the link's state, for the helpers (node.py) and readiness --------------------------------------

@@ -17,9 +17,9 @@ from redis.exceptions import RedisError
 from core import RequestError, TopicConfig
 from core.errors import TooManyTopics, TopicExists, UnknownTopic
 
+from ..auth.identity import ClientIdentity
 from ..config import ConfigError, topic_config
 from ..errors import BrokerUnavailable, InternalError
-from ..identity import ClientIdentity
 from ..topic_budget import CreationBudget
 from .base import BrokerEvents
 from .feeds import Feed, Line, LineState, Step, Touched

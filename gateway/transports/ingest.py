@@ -29,21 +29,25 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import orjson
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from core import Published, QueueFull, RequestError
 
+from ..catalog import TopicCatalog
+from ..config import GatewayConfig
+from ..edge.ratelog import BadInputLog
 from ..errors import BrokerUnavailable, InternalError, Unauthorized
-from ..hub import Hub
+from ..ops.tracing import Tracing
 from .ingest_parser import Authed, AuthFailed, IngestParser, Item, LineError, Publish, Sync
 
 log = logging.getLogger("gateway.ingest")
 
 
 class IngestCounters:
-    """Per-process counts for /metrics (gateway/metrics.py)."""
+    """Per-process counts for /metrics (gateway/ops/metrics.py)."""
 
     #: times a publisher's unread answers reached `ingest.max_answer_bytes` (its records wait)
     answer_pauses = 0
@@ -101,10 +105,20 @@ def _error_line(line_no: int, code: str, message: str) -> bytes:
     return orjson.dumps({"type": "error", "line": line_no, "code": code, "message": message}) + b"\n"
 
 
+class IngestParts(NamedTuple):
+    """What the ingest's connections use of the gateway, given by the process that serves them."""
+
+    config: GatewayConfig
+    catalog: TopicCatalog
+    #: one span per turn that took records, when tracing is on
+    tracing: Tracing | None
+    bad_input: BadInputLog
+
+
 class IngestProtocol(asyncio.Protocol):
-    def __init__(self, hub: Hub, turn: LoopTurn | None = None) -> None:
-        self.hub = hub
-        config = hub.config.ingest
+    def __init__(self, parts: IngestParts, turn: LoopTurn | None = None) -> None:
+        self.parts = parts
+        config = parts.config.ingest
         #: the loop turn's budget, shared by the server's connections
         self.turn = turn if turn is not None else LoopTurn(config.max_records_per_turn)
         self.parser = IngestParser(config.max_line_bytes, config.token)
@@ -123,7 +137,7 @@ class IngestProtocol(asyncio.Protocol):
         self.max_per_turn = config.max_records_per_turn
         #: a scheduled continuation: this connection yielded the loop to the fan-out after a full turn
         self.continuation: asyncio.Handle | None = None
-        self.auth_timeout = hub.config.server.header_timeout_s
+        self.auth_timeout = parts.config.server.header_timeout_s
         self.auth_timer: asyncio.TimerHandle | None = None
         self.peer: object = None
         #: with a broker (docs/cluster.md): publishes sent and not yet answered, and a `sync` waiting on them
@@ -199,11 +213,11 @@ class IngestProtocol(asyncio.Protocol):
             self._process()
 
     def _process(self) -> None:
-        tracing = self.hub.tracing
+        tracing = self.parts.tracing
         if tracing is None:
             self._process_records()
             return
-        # one span per turn that took records (gateway/tracing.py), made after the fact: an empty turn makes none
+        # one span per turn that took records (gateway/ops/tracing.py), made after the fact: an empty turn makes none
         started, lines, buffered = time.time_ns(), self.parser.lines, self.parser.buffered
         records, errors = ingest_counters.records, ingest_counters.errors
         self._process_records()
@@ -273,7 +287,7 @@ class IngestProtocol(asyncio.Protocol):
             self._unauthorized(0, f"no auth line within {self.auth_timeout:g} s")
 
     def _unauthorized(self, line_no: int, reason: str) -> None:
-        self.hub.bad_input("ingest", "unauthorized connection from %s: %s", self.peer, reason)
+        self.parts.bad_input("ingest", "unauthorized connection from %s: %s", self.peer, reason)
         self._error(line_no, Unauthorized.code, reason)
         if self.transport is not None:
             self.transport.close()  # after the error line is written
@@ -281,7 +295,7 @@ class IngestProtocol(asyncio.Protocol):
     def _internal_error(self, line_no: int, exc: Exception) -> None:
         # A bug met by one record must cost that record only, not the connection and the rest of its batch.
         self.refused += 1
-        self.hub.bad_input("ingest", "line %d from %s: unexpected %s: %.200s", line_no, self.peer,
+        self.parts.bad_input("ingest", "line %d from %s: unexpected %s: %.200s", line_no, self.peer,
                            type(exc).__name__, exc)
         self._error(line_no, InternalError.code, "internal error while handling this record")
 
@@ -310,9 +324,9 @@ class IngestProtocol(asyncio.Protocol):
 
     def _publish(self, item: Publish) -> None:
         record = item.record
-        router = self.hub.catalog
+        catalog = self.parts.catalog
         try:  # at once when the topic lives in this process
-            published = router.publish_nowait(record.topic, record.data, seq=record.seq, owner=record.client)
+            published = catalog.publish_nowait(record.topic, record.data, seq=record.seq, owner=record.client)
         except QueueFull:
             self._block(item)
             return
@@ -324,14 +338,14 @@ class IngestProtocol(asyncio.Protocol):
             self.accepted += 1
             ingest_counters.records += 1
             return
-        broker = self.hub.broker  # the topic lives in the broker: the answer comes when it has landed
-        if broker.congested:
+        # the topic lives in the broker: the answer comes when it has landed
+        if catalog.congested:
             self._wait_for_broker(item)  # over broker.max_pending_bytes: held, not refused
             return
         try:
-            future = router.publish(record.topic, record.data, seq=record.seq, owner=record.client)
+            future = catalog.publish(record.topic, record.data, seq=record.seq, owner=record.client)
         except RequestError as exc:
-            if isinstance(exc, BrokerUnavailable) and broker.congested:
+            if isinstance(exc, BrokerUnavailable) and catalog.congested:
                 self._wait_for_broker(item)  # this one met the bound
                 return
             self.refused += 1
@@ -347,7 +361,7 @@ class IngestProtocol(asyncio.Protocol):
         if self.transport is not None and not self.reading_paused:
             self.transport.pause_reading()
             self.reading_paused = True
-        future = self.hub.scheduler.space_freed(item.record.topic, item.record.client)
+        future = self.parts.catalog.space_freed(item.record.topic, item.record.client)
         future.add_done_callback(self._on_space)
 
     def _on_space(self, _future: asyncio.Future[None]) -> None:
@@ -368,7 +382,7 @@ class IngestProtocol(asyncio.Protocol):
         self._pause()
         if item is not None:
             self.blocked = item
-        self.broker_wait = self.hub.broker.when_accepting()
+        self.broker_wait = self.parts.catalog.when_accepting()
         self.broker_wait.add_done_callback(self._broker_accepting)
 
     def _broker_accepting(self, future: asyncio.Future[None]) -> None:
@@ -381,8 +395,8 @@ class IngestProtocol(asyncio.Protocol):
             self._process()
 
 class IngestServer:
-    def __init__(self, hub: Hub) -> None:
-        self.hub = hub
+    def __init__(self, parts: IngestParts) -> None:
+        self.parts = parts
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         #: the connections open now (a drain stops them reading and closes them once answered)
@@ -391,9 +405,9 @@ class IngestServer:
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> None:
         """`reuse_port`: several worker processes serve the port (server.workers, docs/cluster.md §5)."""
         loop = asyncio.get_running_loop()
-        turn = LoopTurn(self.hub.config.ingest.max_records_per_turn)
+        turn = LoopTurn(self.parts.config.ingest.max_records_per_turn)
         def protocol() -> IngestProtocol:
-            conn = IngestProtocol(self.hub, turn)
+            conn = IngestProtocol(self.parts, turn)
             conn.on_lost = self.connections.discard
             self.connections.add(conn)
             return conn

@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response
 
 from core import Batch, RequestError
 
-from ..bodies import read_body
+from ..edge.bodies import read_body
+from ..edge.http_errors import error_response
 from ..errors import BadAck, BadJson, Closed, UnknownSession
-from ..http_errors import error_response
 from ..hub import Hub
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused, session_store
@@ -142,7 +142,7 @@ async def backend_refusal(hub: Hub, session: ClientSession, request: Request) ->
     try:
         await session.pass_backend(request.headers.getlist)
     except RequestError as exc:
-        return http_refusal(hub, exc)
+        return http_refusal(hub.config, exc)
     return None
 
 
@@ -152,7 +152,7 @@ async def create_session(request: Request) -> Response:
     try:
         session = ClientSession.begin(hub, "longpoll", request.client, authorization=request.headers.get("authorization", ""))
     except RequestError as exc:  # 401 for a refused token, 429 / 503 (retry later) for the others
-        return http_refusal(hub, exc)
+        return http_refusal(hub.config, exc)
     refusal = await backend_refusal(hub, session, request)
     if refusal is not None:
         return refusal

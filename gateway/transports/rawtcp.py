@@ -41,7 +41,7 @@ from typing import Any
 
 from core.byte_ring import ByteRing, ByteRingConfig, FlowAction, TooManyReceivers
 
-from ..ratelog import BadInputLog
+from ..edge.ratelog import BadInputLog
 
 __all__ = ["RawBroadcastServer"]
 

@@ -6,7 +6,7 @@ stream's connection. The contract, event by event, is docs/protocol.md `## SSE`.
 
 The write path is the WebSocket's (gateway/transports/ws.py): the response head goes through ASGI `send` (so the
 Origin middleware adds its CORS headers), then the scheduler writes each batch as one HTTP chunk straight
-to the transport, never awaiting. uvicorn runs our httptools protocol (gateway/netguard.py), which exposes
+to the transport, never awaiting. uvicorn runs our httptools protocol (gateway/edge/netguard.py), which exposes
 itself in the ASGI scope and tells the stream of `pause_writing` / `resume_writing` / `connection_lost`:
 a client whose write did not drain below the high-water mark is not ready, and one blocked longer than
 `websocket.blocked_timeout_s` is cut by the client registry's watchdog with 4008. The batch bytes are the shared frame;
@@ -34,14 +34,15 @@ from core.config import MAX_SEQ
 from core.errors import RequestError, TooManySubscriptions
 
 from .. import schema
+from ..auth.admission import TooManyPendingConnects
+from ..edge.http_errors import error_response
+from ..edge.netguard import SCOPE_KEY, GuardedHttpToolsProtocol
 from ..errors import BadRequest, UnknownSession
-from ..http_errors import error_response
 from ..hub import Hub
-from ..netguard import SCOPE_KEY, GuardedHttpToolsProtocol
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused, session_store
 from ..session_tables import Checkpoints
-from .handshake import TooManyPendingConnects, http_refusal
+from .handshake import http_refusal
 from .longpoll import accept_commands, backend_refusal
 from .sessions import new_secret
 from .staging import StagedWriter, tune_stream
@@ -449,12 +450,12 @@ async def stream(request: Request) -> Response:
     query = request.query_params
     proto = request.scope.get("extensions", {}).get(SCOPE_KEY)
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
-        raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.netguard.GuardedHttpToolsProtocol)")
+        raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.edge.netguard.GuardedHttpToolsProtocol)")
     try:
         session = ClientSession.begin(hub, "sse", request.client, token=query.get("token"), requested_id=query.get("id"))
     except RequestError as exc:
         if exc.close_code is None or isinstance(exc, TooManyPendingConnects):  # the bounds: an HTTP error
-            return http_refusal(hub, exc)
+            return http_refusal(hub.config, exc)
         return close_only(exc.close_code, exc.message)  # ?id=, the token: a stream an EventSource can read
     refusal = await backend_refusal(hub, session, request)
     if refusal is not None:

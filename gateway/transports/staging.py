@@ -31,7 +31,7 @@ from ..session import ClientSession
 if TYPE_CHECKING:
     from core import Batch
 
-    from ..identity import ClientIdentity
+    from ..auth.identity import ClientIdentity
 
 
 #: `struct tcp_info` (linux/tcp.h): eight one-byte fields, then u32 fields: rto, ato, snd_mss, rcv_mss,

@@ -1,6 +1,6 @@
 """WebSocket transport: our own asyncio protocol for `/ws`, holding websockets' sans-I/O protocol.
 
-uvicorn's HTTP protocol (gateway/netguard.py) parses an upgrade request and hands the connection over: it
+uvicorn's HTTP protocol (gateway/edge/netguard.py) parses an upgrade request and hands the connection over: it
 makes an instance of the class `protocol_class` returned (with its `config`, `server_state` and `app_state`,
 which this protocol does not need), calls `connection_made` and `data_received` with the request's bytes, and
 makes it the transport's protocol. From there the connection is this module's, as websockets' own asyncio
@@ -36,12 +36,12 @@ from websockets.server import ServerProtocol
 from core import Batch, RequestError
 
 from .. import close_codes
+from ..edge.netguard import ConnectionLimiter
+from ..edge.origin import OriginPolicy
+from ..edge.ratelog import BadInputLog
 from ..errors import Forbidden, NotFound
 from ..fanwrite import raw_fd
 from ..hub import Hub
-from ..netguard import ConnectionLimiter
-from ..origin import OriginPolicy
-from ..ratelog import BadInputLog
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused
 from .handshake import close_reason
@@ -293,7 +293,7 @@ class WebSocketProtocol(asyncio.Protocol):
 
     async def _connect_via_backend(self, handshake: ServerProtocol, session: ClientSession, request: Request,
                                    response: Response) -> None:
-        """The connect hook (gateway/hooks.py), then the 101 and the registration; a refusal is the 101 and
+        """The connect hook (gateway/hooks/base.py), then the 101 and the registration; a refusal is the 101 and
         at once a close with 4003 (the backend's message as the reason), no answer 1013 "backend unavailable"."""
         refusal: RequestError | None = None
         try:
@@ -442,8 +442,8 @@ class WebSocketProtocol(asyncio.Protocol):
         if len(message) >= limit:
             self.message = None
             ws_counters.fragment_closes += 1
-            self._fail(close_codes.POLICY_VIOLATION, f"more than {limit} fragments in one message"
-                       " (websocket.max_fragments)")
+            self._failed(self.ws, close_codes.POLICY_VIOLATION, f"more than {limit} fragments in one message"
+                         " (websocket.max_fragments)")
             return
         message.append(data)
         if fin:
@@ -456,7 +456,7 @@ class WebSocketProtocol(asyncio.Protocol):
             try:
                 data.decode()
             except UnicodeDecodeError as exc:
-                self._fail(close_codes.INVALID_DATA, f"invalid UTF-8 in a text message at byte {exc.start}")
+                self._failed(self.ws, close_codes.INVALID_DATA, f"invalid UTF-8 in a text message at byte {exc.start}")
                 return
         conn = self.connection
         if conn is not None and not conn.closed:
@@ -487,16 +487,13 @@ class WebSocketProtocol(asyncio.Protocol):
         self.transport.close()
         self._unregister("closed")
 
-    def _fail(self, code: int, reason: str) -> None:
-        """Our refusal of the peer's input (a bound of ours): close with `code`, as websockets' own errors."""
-        parser = self.ws
-        assert parser is not None
-        parser.fail(code, reason)
-        self._failed(parser)
-
-    def _failed(self, parser: Protocol) -> None:
-        """A peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007, ours): the close frame
-        is queued; count it and log at a bounded rate, without a traceback, then linger and forget the client."""
+    def _failed(self, parser: Protocol | None, code: int = 0, reason: str = "") -> None:
+        """A peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007: websockets queued the
+        close frame; or a bound of ours, `code` and `reason`, closed the same way): count it and log at a
+        bounded rate, without a traceback, then linger and forget the client."""
+        assert parser is not None  # input is being handled
+        if code:
+            parser.fail(code, reason)
         close = parser.close_sent
         assert close is not None
         peer = "%s:%d" % self.peer if self.peer else "?"

@@ -1,4 +1,4 @@
-"""Per-process counts of the WebSocket frame-level bounds, for /metrics (gateway/metrics.py)."""
+"""Per-process counts of the WebSocket frame-level bounds, for /metrics (gateway/ops/metrics.py)."""
 
 from __future__ import annotations
 

@@ -50,12 +50,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import RequestError
 
-from ..addrcount import SharedCounts
-from ..bodies import read_body
 from ..config import GatewayConfig
+from ..edge.addrcount import SharedCounts
+from ..edge.bodies import read_body
+from ..edge.http_errors import error_response
+from ..edge.netguard import SCOPE_KEY
 from ..errors import BadRequest, InternalError, TooManyConnections
-from ..http_errors import error_response
-from ..netguard import SCOPE_KEY
 
 log = logging.getLogger("gateway.forward")
 
@@ -106,7 +106,7 @@ class WorkerLinks:
     inbox: socket.socket
     #: the key a hop carries, so that only another worker's `X-Forwarded-For` is believed
     key: str
-    #: counts of the per-address limits, shared by every worker (gateway/addrcount.py)
+    #: counts of the per-address limits, shared by every worker (gateway/edge/addrcount.py)
     counts: SharedCounts | None = None
 
     @property

@@ -7,7 +7,7 @@ token (generated once, so every worker accepts the same), then forks the workers
 gateway (`start_gateway(config, worker=i)`) that binds the same HTTP and ingest ports with SO_REUSEPORT;
 worker 0 alone runs the raw TCP broadcaster. Each worker also gets its inbox and the others' (socketpairs
 made here, reachable by no other process), for the session requests that reach the wrong worker
-(forward.py), and the shared counters of the per-address limits (gateway/addrcount.py). The supervisor writes
+(forward.py), and the shared counters of the per-address limits (gateway/edge/addrcount.py). The supervisor writes
 the ready file once all of them listen, forwards SIGTERM and SIGINT, and when one worker ends it stops the
 others and exits non-zero, so whatever supervises the gateway restarts it whole.
 """
@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import logformat
-from ..addrcount import SharedCounts
 from ..config import GatewayConfig
+from ..edge.addrcount import SharedCounts
+from ..ops import logformat
 from .forward import WorkerLinks, make_inbox, new_key
 
 #: Seconds for every worker to listen (a cold start imports the app; Redis may take its connect timeout).

@@ -1,4 +1,4 @@
-"""Readiness with a broker (gateway/readiness.py, the PING probe of gateway/broker/redis_broker.py): a Redis
+"""Readiness with a broker (gateway/ops/readiness.py, the PING probe of gateway/broker/redis_broker.py): a Redis
 stopped with SIGSTOP sends no error, so the gateway asks it (a PING every 2 s, 2 s to answer): /readyz
 answers 503 `broker_unavailable` within 8 s of Redis stopping, and 200 again within 8 s of it answering; two
 workers each answer for themselves."""

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.auth.identity import ClientIdentity
 from gateway.config import load_config
+from gateway.edge.ratelog import TokenBucket
 from gateway.hub import Hub
-from gateway.identity import ClientIdentity
-from gateway.ratelog import TokenBucket
 from gateway.session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 from gateway.testing import DEFAULTS
 from gateway.transports.sessions import SessionStore, SessionTable

@@ -1,4 +1,4 @@
-"""The HTTP edge guard (gateway/netguard.py) is the one subclass of a dependency's class left: it overrides
+"""The HTTP edge guard (gateway/edge/netguard.py) is the one subclass of a dependency's class left: it overrides
 uvicorn's httptools protocol. These tests pin what it relies on against the installed uvicorn, so an upgrade
 that renames or reshapes any of it fails here, not in production."""
 
@@ -13,7 +13,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.netguard import GuardedHttpToolsProtocol
+from gateway.edge.netguard import GuardedHttpToolsProtocol
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +45,7 @@ def test_the_guard_overrides_exactly_the_pinned_methods_with_their_signatures() 
 
 
 def test_what_the_guard_calls_and_reads_of_uvicorn_is_there() -> None:
-    assert uvicorn.__version__ == "0.54.0", "uvicorn moved: re-read gateway/netguard.py against it, then re-pin"
+    assert uvicorn.__version__ == "0.54.0", "uvicorn moved: re-read gateway/edge/netguard.py against it, then re-pin"
     for name in CALLED:
         assert callable(getattr(HttpToolsProtocol, name, None)), name
     config = Config(app=lambda *a: None)

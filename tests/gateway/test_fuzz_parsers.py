@@ -7,14 +7,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.auth.identity import ClientIdentity
 from gateway.commands import handle_payload
 from gateway.config import load_config
+from gateway.edge.origin import OriginGuard, parse_allowed_origins
 from gateway.hub import Hub
-from gateway.identity import ClientIdentity
-from gateway.origin import OriginGuard, parse_allowed_origins
 from gateway.scheduler import Delivered
 from gateway.testing import DEFAULTS, make_token
-from gateway.transports.ingest import IngestProtocol
+from gateway.transports.ingest import IngestParts, IngestProtocol
 from gateway.transports.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, IngestParser, LineError, Publish, Sync
 
 pytestmark = pytest.mark.unit
@@ -168,7 +168,7 @@ def test_ingest_lines_are_applied_or_answered_with_an_error_line(body_lines, chu
 
 async def _run_lines(body_lines, chunk):
     hub = _hub()
-    protocol = IngestProtocol(hub)
+    protocol = IngestProtocol(IngestParts(hub.config, hub.catalog, hub.tracing, hub.bad_input))
     transport = RecordingTransport()
     protocol.connection_made(transport)
     data = b"".join(line + b"\n" for line in body_lines) + b'{"sync":"end"}\n'

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from gateway.gcpolicy import GcPolicy
+from gateway.ops.gcpolicy import GcPolicy
 
 pytestmark = pytest.mark.unit
 
@@ -53,8 +53,7 @@ def test_interval_zero_keeps_the_default_collector():
 
 
 def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval():
-    from gateway import gcpolicy
-
+    from gateway.ops import gcpolicy
     async def scenario():
         policy = GcPolicy(full_interval_s=3600)
         policy.start()
@@ -77,8 +76,7 @@ def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval():
 
 
 def test_the_interval_collection_waits_while_no_connection_closes():
-    from gateway import gcpolicy
-
+    from gateway.ops import gcpolicy
     policy = GcPolicy(full_interval_s=60)
     policy._next_full = 1000.0  # the last full collection ran at 940
     assert not policy._interval_due(999.0)

@@ -1,4 +1,4 @@
-"""gateway/logformat.py in this process: the json line of a record (its fields, its exception) and the text
+"""gateway/ops/logformat.py in this process: the json line of a record (its fields, its exception) and the text
 format of a worker."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gateway.logformat import JsonFormatter, text_formatter
+from gateway.ops.logformat import JsonFormatter, text_formatter
 
 pytestmark = pytest.mark.unit
 

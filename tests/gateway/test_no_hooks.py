@@ -1,4 +1,4 @@
-"""The backend hooks as one interface (gateway/hooks.py): `NoHooks`, the null object a hub holds without any
+"""The backend hooks as one interface (gateway/hooks/base.py): `NoHooks`, the null object a hub holds without any
 hook URL, satisfies `Hooks` and allows everything at once; with a hook URL the hub holds the HTTP hooks."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from gateway.auth.identity import ClientIdentity
 from gateway.config import load_config
-from gateway.hooks import Allowed, Hooks, NoHooks, PublishAnswer
+from gateway.hooks.backend import HttpHooks
+from gateway.hooks.base import Allowed, Hooks, NoHooks, PublishAnswer
 from gateway.hub import Hub
-from gateway.identity import ClientIdentity
-from gateway.proxy import HttpHooks
 from gateway.testing import DEFAULTS
 
 pytestmark = pytest.mark.unit

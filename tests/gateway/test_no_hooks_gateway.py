@@ -1,9 +1,9 @@
-"""A gateway without any hook URL (its hub holds `NoHooks`, gateway/hooks.py) serves subscribe, publish and
+"""A gateway without any hook URL (its hub holds `NoHooks`, gateway/hooks/base.py) serves subscribe, publish and
 the builtin rpc methods at once, over a real WebSocket."""
 
 from __future__ import annotations
 
-from gateway.hooks import NoHooks
+from gateway.hooks.base import NoHooks
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import collect, send, ws_connect
 

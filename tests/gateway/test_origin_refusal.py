@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from starlette.types import Message, Scope
 
 from gateway import close_codes
+from gateway.edge.origin import OriginGuard, parse_allowed_origins
 from gateway.errors import ForbiddenOrigin
-from gateway.origin import OriginGuard, parse_allowed_origins
 
 pytestmark = pytest.mark.unit
 

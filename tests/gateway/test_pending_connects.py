@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from gateway.auth import Principal
-from gateway.identity import ClientIdentity
+from gateway.auth.identity import ClientIdentity
+from gateway.auth.revocations import Revocation
+from gateway.auth.tokens import Principal
 from gateway.pending_connects import DISCONNECTED, REVOKED, PendingConnects
-from gateway.revocations import Revocation
 
 pytestmark = pytest.mark.unit
 

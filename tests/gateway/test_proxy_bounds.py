@@ -1,4 +1,4 @@
-"""Bounds of the backend hook client (gateway/proxy.py, issue 34 items 6, 7 and 9), against real backends on
+"""Bounds of the backend hook client (gateway/hooks/backend.py, issue 34 items 6, 7 and 9), against real backends on
 loopback: the events one client makes cannot crowd out another client's disconnect event; a hook's answer is
 read streamed, never inflated, up to `proxy.max_answer_bytes`; a hook call logs nothing when it succeeds and
 its failures go through the bounded bad-input log."""

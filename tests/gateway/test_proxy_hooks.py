@@ -1,4 +1,4 @@
-"""Backend hooks over HTTP ([proxy], gateway/proxy.py, docs/integration.md): a real backend (a Starlette app
+"""Backend hooks over HTTP ([proxy], gateway/hooks/backend.py, docs/integration.md): a real backend (a Starlette app
 served by uvicorn on loopback, recording what it receives, with switchable answers), a real gateway and real
 clients."""
 

@@ -1,11 +1,11 @@
-"""The answer of GET /readyz in each state (gateway/readiness.py); the real transitions are shown on real
+"""The answer of GET /readyz in each state (gateway/ops/readiness.py); the real transitions are shown on real
 processes in tests/gateway/test_readyz.py (SIGTERM) and tests/cluster/test_readyz_broker.py (Redis)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.readiness import Readiness
+from gateway.ops.readiness import Readiness
 
 pytestmark = pytest.mark.unit
 

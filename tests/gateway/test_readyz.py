@@ -1,4 +1,4 @@
-"""Readiness (`GET /readyz`, gateway/readiness.py, docs/operations.md): 200 while the gateway takes new
+"""Readiness (`GET /readyz`, gateway/ops/readiness.py, docs/operations.md): 200 while the gateway takes new
 clients, 503 with the reason otherwise; `/healthz` stays liveness. A real `gateway serve` process for the
 SIGTERM (the broker outage is in tests/cluster/test_readyz_broker.py)."""
 

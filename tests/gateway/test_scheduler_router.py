@@ -18,9 +18,9 @@ import pytest
 
 from core import QueueFull
 from gateway import close_codes, scheduler
+from gateway.auth.identity import ClientIdentity
 from gateway.config import load_config
 from gateway.hub import Hub
-from gateway.identity import ClientIdentity
 from gateway.scheduler import Delivered
 from gateway.testing import DEFAULTS
 

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from core.errors import BadSeq
 from gateway import schema
+from gateway.auth.identity import ClientIdentity
 from gateway.commands import handle_payload
 from gateway.config import load_config
 from gateway.hub import Hub
-from gateway.identity import ClientIdentity
 from gateway.scheduler import Delivered
 from gateway.testing import DEFAULTS, make_token, run_gateway
 from tests.gateway.test_protocol_contract import section, table_rows, ticked

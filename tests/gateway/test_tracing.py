@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing ([tracing], gateway/tracing.py): a real OTLP/HTTP receiver on loopback (decoding the
+"""OpenTelemetry tracing ([tracing], gateway/ops/tracing.py): a real OTLP/HTTP receiver on loopback (decoding the
 export requests with opentelemetry-proto), a real gateway exporting to it, real WebSocket clients, a real
 hook backend and a real TCP ingest publisher; and, with tracing off, no OpenTelemetry SDK imported at all."""
 

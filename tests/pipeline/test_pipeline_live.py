@@ -1,4 +1,4 @@
-"""The live audit (issue 12, step 6): the gateway's sampled delivery log ([deliverylog], gateway/deliverylog.py)
+"""The live audit (issue 12, step 6): the gateway's sampled delivery log ([deliverylog], gateway/ops/deliverylog.py)
 and ``audit --follow`` (pipeline/live.py) reading it with Structured Streaming while traffic flows."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_the_gateway_logs_what_it_delivers(tmp_path):
 
 
 def test_sampling_is_per_client(tmp_path):
-    from gateway.deliverylog import DeliveryLog
+    from gateway.ops.deliverylog import DeliveryLog
 
     config = types.SimpleNamespace(sample_rate=0.25, directory=str(tmp_path), rotate_s=60, rotate_bytes=1 << 20,
                                    max_files=3, flush_interval_s=60, max_queue=10, max_publish_stamps=10)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The shared per-address counters (gateway/addrcount.py) used the way the limiter and the hub use a Counter,
+"""The shared per-address counters (gateway/edge/addrcount.py) used the way the limiter and the hub use a Counter,
 by two workers: real forked processes sharing the mapping, and two views in one process."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import os
 
-from gateway.addrcount import SharedCounts
+from gateway.edge.addrcount import SharedCounts
 
 
 def views(workers: int = 2) -> list[SharedCounts]:

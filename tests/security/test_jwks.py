@@ -1,4 +1,4 @@
-"""Token keys from a JWKS endpoint (`auth.jwks_url`, gateway/jwks.py; docs/security.md, "JWKS"), against a
+"""Token keys from a JWKS endpoint (`auth.jwks_url`, gateway/auth/jwks.py; docs/security.md, "JWKS"), against a
 real key-set server on loopback that rotates its keys mid-test and counts the requests it gets.
 
 The design under test: verification stays synchronous and never waits on the network; a token naming a `kid`

@@ -1,4 +1,4 @@
-"""What gateway/jwks.py takes from a key set and a Cache-Control header: hostile or odd documents leave the
+"""What gateway/auth/jwks.py takes from a key set and a Cache-Control header: hostile or odd documents leave the
 last good set in place (JwksError), never an exception of another kind; only RS256 / ES256 / EdDSA keys."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
-from gateway.jwks import MAX_KEYS, JwksError, max_age, parse_key_set
+from gateway.auth.jwks import MAX_KEYS, JwksError, max_age, parse_key_set
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +52,7 @@ def test_max_age(header, seconds):
 def test_odd_headers_are_bad_tokens_with_a_key_set_configured(header):
     import base64
 
-    from gateway.auth import TokenVerifier
+    from gateway.auth.tokens import TokenVerifier
     from gateway.config import load_config
     from gateway.errors import BadToken, KeysRefreshing
 

@@ -20,8 +20,8 @@ import pytest
 
 from core import TopicConfig, TopicKind
 from gateway import cli
-from gateway.auth import Principal
-from gateway.identity import ClientIdentity
+from gateway.auth.identity import ClientIdentity
+from gateway.auth.tokens import Principal
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import collect, send, ws_connect
 

@@ -1,4 +1,4 @@
-"""Key rotation without refusing valid tokens (gateway/auth.py; docs/operations.md, "Key rotation"):
+"""Key rotation without refusing valid tokens (gateway/auth/tokens.py; docs/operations.md, "Key rotation"):
 `auth.jwt_previous_secret` and `auth.jwt_previous_public_key_file` are accepted beside the current key until
 they are removed from the config; `gateway check-config` checks them (and masks the previous secret)."""
 

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .config import ConfigError
-from .errors import ForbiddenOrigin
+from ..config import ConfigError
+from ..errors import ForbiddenOrigin
 from .http_errors import error_response
 
 #: Routes a browser page reaches with the user's cookies and network position.

@@ -1,5 +1,5 @@
 """The backend hooks as one interface (docs/integration.md "Backend hooks"): what the gateway asks of, and
-tells, the application. The hub always holds a `Hooks`: gateway/proxy.py's `HttpHooks` (POSTs to the `[proxy]`
+tells, the application. The hub always holds a `Hooks`: gateway/hooks/backend.py's `HttpHooks` (POSTs to the `[proxy]`
 URLs) when one is set, else `NoHooks`, which allows everything at once. A call site asks its question
 (`asks_subscribe`, `wants_connect`, ...) instead of checking for a missing proxy.
 
@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from prometheus_client.core import Metric
 
-from .identity import ClientIdentity
+from ..auth.identity import ClientIdentity
 
 T = TypeVar("T")
 

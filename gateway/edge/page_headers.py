@@ -1,7 +1,7 @@
 """Security headers on every HTTP answer of the app: no framing, no content sniffing.
 
 An ASGI middleware, the outermost of the application's own (gateway/app.py), so that it composes with
-whatever a route or the pages set (CORS, ETag, Cache-Control: gateway/pages.py, gateway/origin.py): it only
+whatever a route or the pages set (CORS, ETag, Cache-Control: gateway/admin/pages.py, gateway/edge/origin.py): it only
 adds a header the response does not carry already (a response forwarded from another worker carries the
 owner's).
 

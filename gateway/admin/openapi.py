@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from .schema import CreateTopic, ErrorBody, PublishBody, PublishReply, RevokeBody, UserDisconnected
+from ..schema import CreateTopic, ErrorBody, PublishBody, PublishReply, RevokeBody, UserDisconnected
 
 _REF = "#/components/schemas/{name}"
 _BODIES, _SCHEMAS = msgspec.json.schema_components(

@@ -15,13 +15,13 @@ from collections.abc import Callable, Hashable, Mapping
 
 from core import RequestError
 
-from . import close_codes
-from .auth import Principal
-from .config import GatewayConfig
-from .errors import BackendUnavailable, TokenExpired
-from .hooks import Hooks, Refused
-from .scheduler import Connection
-from .timerwheel import TimerWheel
+from .. import close_codes
+from ..config import GatewayConfig
+from ..errors import BackendUnavailable, TokenExpired
+from ..hooks.base import Hooks, Refused
+from ..scheduler import Connection
+from ..timerwheel import TimerWheel
+from .tokens import Principal
 
 #: the token timers' tick (gateway/timerwheel.py): an expiry, its grace or a refresh is at most this late
 TOKEN_RESOLUTION_S = 0.25

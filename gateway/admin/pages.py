@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
 
-from .origin import OriginPolicy
+from ..edge.origin import OriginPolicy
 
 #: Files any allowed origin may load (paths relative to the pages' folder).
 CLIENT_LIBRARY = frozenset({"fanout.js", "fanout.d.ts"})

@@ -13,7 +13,7 @@ import contextlib
 from importlib import resources
 from pathlib import Path
 
-_CHECKOUT = Path(__file__).resolve().parent.parent
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def _shipped_file(package: str, checkout_folder: str, name: str) -> Path:

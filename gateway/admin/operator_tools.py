@@ -13,10 +13,10 @@ import jwt
 
 from core import TopicConfig
 
-from .auth import TokenVerifier
-from .config import DEFAULT_CONFIG, ConfigError, GatewayConfig
-from .origin import parse_allowed_origins
-from .server import check_listener_tokens, resolve_admin_token, tls_files
+from ..auth.tokens import TokenVerifier
+from ..config import DEFAULT_CONFIG, ConfigError, GatewayConfig
+from ..edge.origin import parse_allowed_origins
+from ..server import check_listener_tokens, resolve_admin_token, tls_files
 
 #: Keys whose values are secrets: printed as "<set>" (or "" when empty), never as themselves.
 SECRET_KEYS = {("server", "admin_token"), ("auth", "jwt_secret"), ("auth", "jwt_previous_secret"), ("ingest", "token"),

@@ -7,7 +7,7 @@ from starlette.requests import Request
 
 from core.errors import MessageTooLarge
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 
 async def read_body(request: Request, limit: int, key: str = "") -> bytes:

@@ -18,17 +18,17 @@ from starlette.routing import Route
 from core import QueueFull, RequestError, TopicConfig, TopicKind, UnknownTopic
 from core.errors import MessageTooLarge
 
-from . import close_codes, schema
-from .bodies import read_body
-from .config import ConfigError, topic_config
-from .errors import BadJson, BadRequest, BrokerUnavailable, Disabled, Unauthorized, UnknownClient
-from .http_errors import error_response
-from .hub import Hub
+from .. import close_codes, schema
+from ..auth.revocations import Revocation
+from ..config import ConfigError, topic_config
+from ..edge.bodies import read_body
+from ..edge.http_errors import error_response
+from ..errors import BadJson, BadRequest, BrokerUnavailable, Disabled, Unauthorized, UnknownClient
+from ..hub import Hub
+from ..ops.tracing import MAX_WATCHED, Tracing
+from ..transports.ingest import ingest_counters
 from .openapi import OPENAPI
-from .revocations import Revocation
 from .stats_feed import SnapshotStream, StatsFeed
-from .tracing import MAX_WATCHED, Tracing
-from .transports.ingest import ingest_counters
 
 UNAUTHORIZED = Unauthorized("a valid `Authorization: Bearer <token>` header is required")
 DISABLED = Disabled("the raw TCP broadcaster is disabled")
@@ -76,7 +76,7 @@ def guarded(handler: Endpoint) -> Endpoint:
         tracing = _hub(request).tracing
         if tracing is None:
             return await answer(request)
-        # the request's span (gateway/tracing.py), a child of the caller's when it sends `traceparent`
+        # the request's span (gateway/ops/tracing.py), a child of the caller's when it sends `traceparent`
         with tracing.server_span(name, request.headers, {"http.request.method": request.method,
                                                          "url.path": request.url.path}) as span:
             response = await answer(request)
@@ -159,7 +159,7 @@ async def publish(request: Request) -> Response:
 async def _publish_items(hub: Hub, name: str, items: list[Any], body: schema.PublishBody, config: TopicConfig,
                          tracing: Tracing | None = None) -> Response:
     """Publish each item through the broker; `tracing`: the last one's apply and fan-out are traced beneath
-    the current span (gateway/tracing.py) when it is sampled."""
+    the current span (gateway/ops/tracing.py) when it is sampled."""
     timeout = hub.config.admin.publish_timeout_s
     seqs: list[int] = []
     slice_started = time.perf_counter()
@@ -185,7 +185,7 @@ async def _publish_items(hub: Hub, name: str, items: list[Any], body: schema.Pub
 
 
 def _expect_apply(hub: Hub, topic: str, tracing: Tracing) -> None:
-    """The next apply of `topic` continues the current (sampled) span, within gateway/tracing.py MAX_WATCHED."""
+    """The next apply of `topic` continues the current (sampled) span, within gateway/ops/tracing.py MAX_WATCHED."""
     scheduler = hub.scheduler
     if len(scheduler.traced_applies) + len(scheduler.fanouts) >= MAX_WATCHED:
         return
@@ -346,7 +346,7 @@ async def get_rule(request: Request) -> Response:
 routes.append(Route("/rules/{name:path}", get_rule, methods=["GET"]))
 
 
-# -- the live stats stream: GET /api/stats/stream, read by the dashboard at /admin/ (gateway/stats_feed.py) --
+# -- the live stats stream: GET /api/stats/stream, read by the dashboard at /admin/ (gateway/admin/stats_feed.py) --
 
 
 def _feed(request: Request) -> StatsFeed:

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from core import Batch
 from core.entries import encode_message
 
-from .config import TracingConfig
+from ..config import TracingConfig
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

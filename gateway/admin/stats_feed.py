@@ -25,14 +25,14 @@ from starlette.types import Receive, Scope, Send
 from core.client import Client
 from core.topics import Topic
 
-from .broker import Broker
-from .clients import ClientRegistry
-from .config import GatewayConfig
-from .errors import BrokerUnavailable, TooManyViewers
-from .http_errors import error_response
-from .scheduler import Scheduler
-from .topic_view import TopicView
-from .transports.rawtcp import RawBroadcastServer
+from ..broker import Broker
+from ..clients import ClientRegistry
+from ..config import GatewayConfig
+from ..edge.http_errors import error_response
+from ..errors import BrokerUnavailable, TooManyViewers
+from ..scheduler import Scheduler
+from ..topic_view import TopicView
+from ..transports.rawtcp import RawBroadcastServer
 
 log = logging.getLogger("gateway.admin")
 

@@ -1,5 +1,5 @@
 """Revoked tokens (`POST /api/revocations`, docs/protocol.md): a bounded table that every token check reads
-(gateway/auth.py `TokenVerifier.verify`: the one handshake and the `auth` command alike).
+(gateway/auth/tokens.py `TokenVerifier.verify`: the one handshake and the `auth` command alike).
 
 Two kinds of entry, each expiring with the tokens it names:
 
@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import BadRequest, TooManyRevocations
+from ..errors import BadRequest, TooManyRevocations
 
 
 class Principal(Protocol):
-    """What a revocation reads of a verified token (gateway/auth.py's Principal, which imports this)."""
+    """What a revocation reads of a verified token (gateway/auth/tokens.py's Principal, which imports this)."""
 
     @property
     def user(self) -> str: ...

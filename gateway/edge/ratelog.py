@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Iterator
 
 from prometheus_client.core import Metric
 
-from .metrics import counter_family
+from ..ops.metrics import counter_family
 
 log = logging.getLogger("gateway.input")
 
@@ -49,7 +49,7 @@ class TokenBucket:
 class AddressRates:
     """A token bucket per key (a peer address) in this process, in a table of at most `max_keys` (the least
     recently used is forgotten: its next use starts with a full bucket, which costs an attacker an address
-    per burst). The verbs of gateway/addrcount.py's `SharedRate`, which replaces it with `server.workers` > 1
+    per burst). The verbs of gateway/edge/addrcount.py's `SharedRate`, which replaces it with `server.workers` > 1
     so one address has one bucket whichever worker serves it. `rate` 0: no refill."""
 
     def __init__(self, rate: float, burst: float, max_keys: int = 65_536, *,
@@ -93,7 +93,7 @@ class BadInputLog:
 
     def __call__(self, source: str, message: str, *args: object, **fields: object) -> bool:
         """Count one bad input from `source` (e.g. "ws", "ingest"); log it if the rate allows. True if logged.
-        `fields`: the line's fields in the json log format (gateway/logformat.py), e.g. `peer`."""
+        `fields`: the line's fields in the json log format (gateway/ops/logformat.py), e.g. `peer`."""
         self.by_source[source] += 1
         if not self.bucket.take():  # per_second <= 0: never
             self.suppressed += 1

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 import core
 
 if TYPE_CHECKING:
-    from .topic_view import TopicView
+    from ..topic_view import TopicView
 
 CYCLE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -1,5 +1,5 @@
 """Backend hooks over HTTP (`[proxy]`, docs/integration.md "Backend hooks"): the gateway POSTs JSON to the
-application and obeys its answer. `HttpHooks` implements gateway/hooks.py's `Hooks`.
+application and obeys its answer. `HttpHooks` implements gateway/hooks/base.py's `Hooks`.
 
 One `HttpHooks` per process (the hub's `hooks` when a hook URL is set; `NoHooks` otherwise). It holds one
 pooled `httpx.AsyncClient`, made on the first call and closed at shutdown, a bound of calls in flight per
@@ -33,15 +33,15 @@ import msgspec
 import orjson
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from .auth import MAX_PATTERNS, MAX_USER_CHARS, Principal
-from .config import ProxyConfig
-from .errors import BackendUnavailable, ConnectRefused
-from .hooks import Allowed, Hooks, NoHooks, Refused, client_body
-from .identity import ClientIdentity
-from .metrics import BucketHistogram
-from .owners import check_user_id
-from .ratelog import BadInputLog
-from .tracing import Tracing, redacted
+from ..auth.identity import ClientIdentity
+from ..auth.owners import check_user_id
+from ..auth.tokens import MAX_PATTERNS, MAX_USER_CHARS, Principal
+from ..config import ProxyConfig
+from ..edge.ratelog import BadInputLog
+from ..errors import BackendUnavailable, ConnectRefused
+from ..ops.metrics import BucketHistogram
+from ..ops.tracing import Tracing, redacted
+from .base import Allowed, Hooks, NoHooks, Refused, client_body
 
 HOOKS = ("connect", "subscribe", "publish", "rpc", "refresh", "disconnect", "unsubscribe")
 #: hooks whose calls are events: queued, sent in the background, retried (they carry an id)

@@ -11,7 +11,7 @@ Request heads are bounded before they are parsed: httptools joins the pieces of 
 those of the URL) by concatenating bytes, so a header sent in many reads costs time quadratic in its size.
 The bytes of a head are counted as they arrive and, past `server.max_header_bytes`, the request is answered
 `431` without feeding them to the parser; past `server.max_headers` header lines likewise. A request whose
-`Host` is not served (gateway/hosts.py) is answered `421`. Each of these answers is one pre-built write, then
+`Host` is not served (gateway/edge/hosts.py) is answered `421`. Each of these answers is one pre-built write, then
 the connection is shut and what the peer still sends is dropped unread (as for the 503).
 
 The protocol also exposes itself in each request's ASGI scope (`scope["extensions"][SCOPE_KEY]`), so that a
@@ -34,9 +34,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from core.errors import RequestError
 
-from .errors import BadHost, HeadersTooLarge, TooManyConnections
+from ..errors import BadHost, HeadersTooLarge, TooManyConnections
+from ..ops.metrics import counter_family
 from .hosts import HostPolicy
-from .metrics import counter_family
 from .ratelog import BadInputLog
 
 #: where the protocol puts itself in each request's ASGI scope, under "extensions"
@@ -60,7 +60,7 @@ def _answer(error: RequestError) -> bytes:
 REFUSAL = _answer(TooManyConnections("too many open connections, in all or from your address; retry later"))
 #: request heads over `server.max_header_bytes` or `server.max_headers` (RFC 6585 §5)
 HEADERS_TOO_LARGE = _answer(HeadersTooLarge("request headers over server.max_header_bytes or server.max_headers"))
-#: a `Host` that is not served here (gateway/hosts.py; RFC 9110 §15.5.20)
+#: a `Host` that is not served here (gateway/edge/hosts.py; RFC 9110 §15.5.20)
 BAD_HOST = _answer(BadHost("this Host is not served here (server.allowed_hosts)"))
 
 
@@ -233,7 +233,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
                 # this protocol is done (the WebSocket's now): its parser and its scope refer back to it,
-                # cycles that would keep the head (URL, headers) until a full collection (gateway/gcpolicy.py)
+                # cycles that would keep the head (URL, headers) until a full collection (gateway/ops/gcpolicy.py)
                 self._break_cycles()
             else:
                 self._unsupported_upgrade_warning()
@@ -298,7 +298,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_timer()
         if self._refused:
             # uvicorn's own connection_lost is not run: drop the parser, whose callbacks refer back to this
-            # protocol (a cycle that would wait for a full collection, gateway/gcpolicy.py)
+            # protocol (a cycle that would wait for a full collection, gateway/ops/gcpolicy.py)
             self.parser = None  # type: ignore[assignment]
             return
         self.limiter.release(self.transport)

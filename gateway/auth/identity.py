@@ -1,7 +1,7 @@
 """Who a connection is and what it may do: identity, topic permissions and per-client limits, in one place.
 
 Every transport gets its client's `ClientIdentity` from the one handshake (`open_client`,
-gateway/transports/handshake.py) and asks it before acting on a client's command, so the same request gets
+gateway/auth/admission.py) and asks it before acting on a client's command, so the same request gets
 the same answer on WebSocket, long-poll and SSE.
 
 Permissions (docs/security.md):
@@ -25,8 +25,8 @@ from typing import Any
 
 from core import TopicConfig, TopicKind
 
-from .auth import Principal
-from .ratelog import TokenBucket
+from ..edge.ratelog import TokenBucket
+from .tokens import Principal
 
 #: patterns a refusal's message lists at most (a token may hold 256)
 SHOWN_PATTERNS = 8
@@ -75,7 +75,7 @@ class ClientIdentity:
     #: monotonic time of the last command, for the idle timeout
     last_command: float = field(default_factory=time.monotonic)
     #: what the application says about the client (presence members' `info`): a token's `info` claim, or the
-    #: connect hook's `info` (gateway/proxy.py); None when neither gave one
+    #: connect hook's `info` (gateway/hooks/backend.py); None when neither gave one
     info: dict[str, Any] | None = None
     #: server-side subscriptions granted by the connect hook, made when the connection registers
     proxy_topics: tuple[str, ...] = ()
@@ -131,7 +131,7 @@ class ClientIdentity:
         if principal is None:
             return "is not anonymous and the connection has no token"
         patterns = principal.subscribe if verb == "subscribe" else principal.publish
-        if principal.proxied:  # a user and patterns granted by the connect hook (gateway/proxy.py)
+        if principal.proxied:  # a user and patterns granted by the connect hook (gateway/hooks/backend.py)
             if not patterns:
                 return f"is not anonymous and the connect hook granted no {verb} patterns"
             return f"is not anonymous and the {verb} patterns the connect hook granted {_shown(patterns)} do not match"

@@ -37,7 +37,7 @@ import orjson
 from jwt import PyJWK, PyJWTError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .errors import BadToken, KeysRefreshing
+from ..errors import BadToken, KeysRefreshing
 
 log = logging.getLogger("gateway.auth")
 

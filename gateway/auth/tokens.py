@@ -3,7 +3,7 @@
 A token names a user (`sub`), when it expires (`exp`) and which topics the user may reach beyond the ones
 open to anonymous clients: `subscribe` and `publish` are lists of topic patterns (fnmatch, as the topic
 rules). HS256 tokens are checked with `auth.jwt_secret`, RS256 / ES256 / EdDSA tokens with the PEM public
-key in `auth.jwt_public_key_file` or a key of the JWKS set at `auth.jwks_url` (gateway/jwks.py: fetched in the
+key in `auth.jwt_public_key_file` or a key of the JWKS set at `auth.jwks_url` (gateway/auth/jwks.py: fetched in the
 background, never while a token is checked); each key only ever checks its own algorithms, so a public key
 can never be used as an HMAC secret (the classic algorithm-confusion attack).
 
@@ -23,16 +23,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-from .config import AuthConfig, ConfigError
-from .errors import BadToken, TokenExpired, TokenRevoked, TooManyTokenChecks
+from ..config import AuthConfig, ConfigError
+from ..edge.ratelog import AddressRates
+from ..errors import BadToken, TokenExpired, TokenRevoked, TooManyTokenChecks
+from ..ops.tracing import Tracing
 from .jwks import JWKS_ALGORITHMS, JwksKeys
 from .owners import check_user_id
-from .ratelog import AddressRates
 from .revocations import RevocationTable
-from .tracing import Tracing
 
 if TYPE_CHECKING:
-    from .addrcount import SharedRate
+    from ..edge.addrcount import SharedRate
 
 HMAC_ALGORITHMS = ("HS256",)
 PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256", "EdDSA")
@@ -64,7 +64,7 @@ class Principal:
     #: the token's `info` claim (a JSON object) or the connect hook's `info`: the connection's presence `info`;
     #: None when absent
     info: dict[str, Any] | None = field(default=None, hash=False, compare=False)
-    #: granted by the backend's connect hook (gateway/proxy.py), not by a token: its expiry is extended by
+    #: granted by the backend's connect hook (gateway/hooks/backend.py), not by a token: its expiry is extended by
     #: the refresh hook when one is configured
     proxied: bool = False
     #: the token's `jti` and `iat` (Unix seconds), when it has them: what a revocation names (revocations.py)
@@ -130,7 +130,7 @@ class TokenVerifier:
         return bool(self.secrets or self.public_keys or self.jwks)
 
     async def start(self) -> None:
-        """Load the JWKS key set, when there is one (up to gateway/jwks.py FETCH_TIMEOUT_S)."""
+        """Load the JWKS key set, when there is one (up to gateway/auth/jwks.py FETCH_TIMEOUT_S)."""
         if self.jwks is not None:
             await self.jwks.start()
 
@@ -220,7 +220,7 @@ def _principal(claims: dict[str, Any]) -> Principal:
     user = claims["sub"]
     if not isinstance(user, str) or not 0 < len(user) <= MAX_USER_CHARS:
         raise BadToken(f"claim 'sub' must be a string of 1..{MAX_USER_CHARS} characters")
-    reserved = check_user_id(user)  # anonymous client ids own queues too (gateway/owners.py)
+    reserved = check_user_id(user)  # anonymous client ids own queues too (gateway/auth/owners.py)
     if reserved is not None:
         raise BadToken(reserved)
     exp = claims["exp"]

@@ -2,10 +2,10 @@
 
 A page on attacker.example can make its own name resolve to the gateway's address (127.0.0.1, a private
 address) once the browser has loaded it; the page's scripts then reach the gateway as *same-origin* requests,
-with `Host: attacker.example`, past the Origin checks (gateway/origin.py). The gateway therefore serves only
+with `Host: attacker.example`, past the Origin checks (gateway/edge/origin.py). The gateway therefore serves only
 the names it is known by: a request whose `Host` names another host is answered `421 Misdirected Request`
 (`bad_host`) and its connection closed, on every path (pages, `/api`, `/ws`, `/sse`, `POST /sse/SID`, `/lp`),
-before the application sees it (gateway/netguard.py checks it when the headers are complete).
+before the application sees it (gateway/edge/netguard.py checks it when the headers are complete).
 
 Allowed: a `Host` that is an IP address literal (a rebinding attack needs a name of the attacker's), a name
 listed in `server.allowed_hosts` (`*.example.com`: any name below example.com; `*`: every name), and when
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from .config import ConfigError
+from ..config import ConfigError
 
 #: names every default list holds (the bind address is added to them)
 DEFAULT_NAMES = ("localhost",)
