@@ -16,7 +16,7 @@ from typing import Any
 from core import Published, TopicConfig
 
 from .auth.identity import ClientIdentity
-from .broker import Broker
+from .broker.base import Broker
 from .clients import ClientRegistry
 from .scheduler import Membership
 from .topic_budget import CreationBudget

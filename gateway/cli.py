@@ -17,7 +17,7 @@ import core
 
 from . import fanwrite
 from .admin.operator_tools import check, describe_rules, mint_token, rules_note
-from .broker import BrokerUnreachable
+from .broker.base import BrokerUnreachable
 from .config import ConfigError, GatewayConfig, load_config
 from .ops import logformat
 from .server import start_gateway

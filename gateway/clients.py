@@ -27,7 +27,7 @@ from . import close_codes
 from .auth.identity import ClientIdentity
 from .auth.token_lifetimes import TokenLifetimes
 from .auth.tokens import Principal, TokenVerifier
-from .broker import Broker
+from .broker.base import Broker
 from .config import GatewayConfig
 from .errors import BadToken, InternalError
 from .hooks.base import Hooks

@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from core.client import Client
 from core.topics import Topic
 
-from ..broker import Broker
+from ..broker.base import Broker
 from ..clients import ClientRegistry
 from ..config import GatewayConfig
 from ..edge.http_errors import error_response

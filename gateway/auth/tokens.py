@@ -75,7 +75,7 @@ class Principal:
 class CheckLimiter:
     """Token checks (signature verifications) per peer address: a token bucket per address (`AddressRates`,
     or with `server.workers` > 1 the workers' shared `SharedRate`). A 4096-bit RS256 check costs ~0.1 ms:
-    unbounded, one client sending bad tokens took most of a core (issue 24)."""
+    unbounded, one client sending bad tokens took most of a core."""
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate = rate

@@ -11,13 +11,13 @@ With a broker (docs/cluster.md §3), the same holds for what waits for Redis: wh
 this node hold `broker.max_pending_bytes` (Redis stalls), a record is held, not refused, and the connection
 is not read until they fall to half of it; while Redis is lost, a record gets its `broker_unavailable` line
 and the connection is not read until Redis is back. A flood of publishers then costs no CPU: the kernel's
-buffers hold what they send (issue 24: refusing 4 KiB records from 48 connections one by one kept /healthz
+buffers hold what they send (refusing 4 KiB records from 48 connections one by one kept /healthz
 at ~700 ms).
 
 Answers are flow-controlled too: a publisher that does not read them (error lines, `synced`) has its
 records left unprocessed, and reading paused, while more than `ingest.max_answer_bytes` of answers wait to
 be written (asyncio's `pause_writing` / `resume_writing`): what it can make the gateway hold is that much
-plus its read buffer (`max_buffer_bytes`), not every answer (issue 24: +276 MiB).
+plus its read buffer (`max_buffer_bytes`), not every answer (+276 MiB without it).
 
 With `ingest.token` set, the first line must be `{"auth": TOKEN}` within `server.header_timeout_s`;
 otherwise the connection gets one `unauthorized` error line and is closed before anything is published.

@@ -45,7 +45,8 @@ from ..session_tables import Checkpoints
 from .handshake import http_refusal
 from .longpoll import accept_commands, backend_refusal
 from .sessions import new_secret
-from .staging import StagedWriter, tune_stream
+from .staging import StagedWriter
+from .streams import tune_stream
 
 log = logging.getLogger("gateway.sse")
 
@@ -152,7 +153,7 @@ class Positions:
 
 
 class IdLine:
-    """The `id:` value of a stream, bounded by `MAX_ID_BYTES` (issue 24: 265 KB per one-message event with
+    """The `id:` value of a stream, bounded by `MAX_ID_BYTES` (unbounded, one message took 265 KB per event with
     1,000 subscriptions). Full POSITIONS while they fit; past it the compact form `~KEY.N,ITEMS`: checkpoint
     N of this stream, a full POSITIONS kept by the gateway (`Checkpoints`), and the items that differ from it.
     A new checkpoint is taken when the items would pass half the bound, or a topic of the checkpoint was

@@ -45,7 +45,8 @@ from ..hub import Hub
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused
 from .handshake import close_reason
-from .staging import StagedWriter, tune_stream
+from .staging import StagedWriter
+from .streams import tune_stream
 from .ws_counters import WSCounters, ws_counters
 from .ws_keepalive import Keepalive
 from .ws_turns import PARSE_SLICE, TURN_BUDGET_S, InputTurn

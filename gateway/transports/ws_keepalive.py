@@ -16,7 +16,7 @@ import time
 from typing import Protocol
 
 from ..timerwheel import TimerWheel
-from .staging import peer_acked_within
+from .streams import peer_acked_within
 from .ws_counters import ws_counters
 
 #: what a connection's deadline on the wheel is: the next ping, or the pong of the last one

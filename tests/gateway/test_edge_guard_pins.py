@@ -4,8 +4,10 @@ that renames or reshapes any of it fails here, not in production."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import inspect
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -59,3 +61,16 @@ def test_what_the_guard_calls_and_reads_of_uvicorn_is_there() -> None:
     source = inspect.getsource(HttpToolsProtocol)
     for name in ATTRIBUTES:
         assert name in state and f"self.{name} =" in source, name
+
+
+def test_the_websocket_protocol_is_ours_alone() -> None:
+    """The WebSocket data plane imports nothing of uvicorn and silences no type check: it uses websockets'
+    sans-I/O protocol through its public API, and uvicorn only hands it the upgraded connection."""
+    transports = Path(__file__).resolve().parents[2] / "gateway" / "transports"
+    for path in sorted(transports.glob("ws*.py")):
+        source = path.read_text()
+        assert "type: ignore" not in source, path.name
+        for node in ast.walk(ast.parse(source)):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name.split(".")[0] == "uvicorn" for name in names), path.name
