@@ -384,6 +384,8 @@ class Scheduler:
         conns = self.conns
         writable_sockets = self.writable_sockets
         staged, caught_up = self.staged, self.caught_up
+        # an enum member's lookup costs ~0.1 µs, several per delivery: looked up once per cycle
+        done_, staged_, caught_up_, blocked_ = Delivered.DONE, Delivered.STAGED, Delivered.CAUGHT_UP, Delivered.BLOCKED
         delivery_log = self.delivery_log
         observe_size = self.entries_per_batch.observe
         singles = 0
@@ -407,12 +409,10 @@ class Scheduler:
                 frame = frames.get(key)
                 if frame is None:
                     frame = frames[key] = batch.frame()
-                outcome = Delivered.BLOCKED  # sent directly: done once the sender is through, below
+                outcome = blocked_  # sent directly: done once the sender is through, below
                 try:
                     writable = writable_sockets.get(client_id)
-                    fd = writable.direct_fd(batch, frame) if writable is not None else -1
-                    if fd >= 0:
-                        assert writable is not None
+                    if writable is not None and (fd := writable.direct_fd(batch, frame)) >= 0:
                         crowd = crowds.get(frame)
                         if crowd is None:
                             crowd = crowds[frame] = ([], [], [])
@@ -429,15 +429,15 @@ class Scheduler:
                     log.exception("delivery to %s failed", client_id)
                     self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
                     continue
-                if outcome is Delivered.DONE:
+                if outcome is done_:
                     done.append(client_id)
-                elif outcome is Delivered.STAGED or outcome is Delivered.CAUGHT_UP:  # done, written with the round
+                elif outcome is staged_ or outcome is caught_up_:  # done, written with the round
                     staged[conn] = None
-                    if outcome is Delivered.CAUGHT_UP:
+                    if outcome is caught_up_:
                         caught_up[conn] = None
                     done.append(client_id)
                 if delivery_log is not None:
-                    delivery_log.delivered(batch, conn, outcome is Delivered.STAGED or outcome is Delivered.CAUGHT_UP)
+                    delivery_log.delivered(batch, conn, outcome is staged_ or outcome is caught_up_)
             for frame, crowd in crowds.items():
                 self._write_crowd(frame, crowd)
         finally:

@@ -47,6 +47,10 @@ class RedisProcess:
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence, "--dir", str(self.dir),
              *self.extra],
             stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT)
+        self.wait_for_pong("redis-server")
+
+    def wait_for_pong(self, what: str) -> None:
+        """Until the server answers PING (15 s at most)."""
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             try:
@@ -55,7 +59,7 @@ class RedisProcess:
             except OSError:
                 pass
             time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
+        raise RuntimeError(f"{what} did not start")
 
     def reply(self, *args: str) -> str:
         """One command's whole reply, as text (a bulk string's body included: `INFO`)."""

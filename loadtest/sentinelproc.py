@@ -40,18 +40,8 @@ class SentinelProcess(RedisProcess):
                             f"sentinel parallel-syncs {MASTER} 1\n")
         self.proc = subprocess.Popen([redis_binary() or REDIS_SERVER, str(conf), "--sentinel"],
                                      stdout=open(self.dir / "sentinel.log", "ab"), stderr=subprocess.STDOUT)
-        self._wait_ping()
+        self.wait_for_pong("redis-server --sentinel")
 
-    def _wait_ping(self) -> None:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                if self.command("PING") == "+PONG":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("redis-server --sentinel did not start")
 
     def primary(self) -> int | None:
         """The port of the primary this sentinel names now (None: it names none it can reach)."""

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from ..auth.identity import ClientIdentity
 
 
+#: an enum member's lookup costs ~0.1 µs: these are read once per batch
+DONE, STAGED, CAUGHT_UP, BLOCKED = Delivered.DONE, Delivered.STAGED, Delivered.CAUGHT_UP, Delivered.BLOCKED
+
+
 class StagedWriter:
     """The write side of a streaming connection (WebSocket, SSE): staging and flow control; the class names
     its transport. Made with its client's `ClientSession` (gateway/session.py), which hears of its write
@@ -86,13 +90,13 @@ class StagedWriter:
         staged = self._staged
         if not staged:
             if not more:
-                return Delivered.DONE if self._write_parts(parts) else Delivered.BLOCKED
+                return DONE if self._write_parts(parts) else BLOCKED
             self._staged_bytes = 0
         staged += parts
         self._staged_bytes += size
         if self._staged_bytes >= self.scheduler.stage_limit and not self.flush():
-            return Delivered.BLOCKED
-        return Delivered.STAGED if more else Delivered.CAUGHT_UP
+            return BLOCKED
+        return STAGED if more else CAUGHT_UP
 
     def flush(self) -> bool:
         """Write what is staged, in one call. Returns False when the write left the transport above its

@@ -45,7 +45,7 @@ from ..hub import Hub
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused
 from .handshake import close_reason
-from .staging import StagedWriter
+from .staging import BLOCKED, StagedWriter
 from .streams import tune_stream
 from .ws_counters import WSCounters, ws_counters
 from .ws_keepalive import Keepalive
@@ -609,12 +609,12 @@ class WSConnection(StagedWriter):
 
     def deliver(self, batch: Batch, frame: bytes) -> Delivered:
         if self.closed:
-            return Delivered.BLOCKED
+            return BLOCKED
         self.frames_sent += 1
         self.bytes_sent += len(frame)
         self.entries_sent += len(batch.entries)
         if self.transport.is_closing() or self.proto.closing:  # closed, or our side already shut
-            return Delivered.BLOCKED
+            return BLOCKED
         data = framed.framed(frame)
         return self.write_batch((data,), len(data), batch.more)
 

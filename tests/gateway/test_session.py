@@ -28,19 +28,10 @@ T = TypeVar("T")
 PEER = ("127.0.0.1", 1)
 
 
-@pytest.fixture(scope="module")
-def backend():
-    server = Backend()
-    server.start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
-def app(backend):
-    backend.reset()
-    backend.answers["connect"] = {"user": ""}  # admitted, anonymous
-    return backend
+def app(app):  # the folder's backend (conftest.py), admitting clients anonymous
+    app.answers["connect"] = {"user": ""}
+    return app
 
 
 def hooks(app: Backend, **more: Any) -> dict[str, Any]:

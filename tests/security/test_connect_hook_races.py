@@ -22,7 +22,7 @@ import websockets
 
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import auth, wait_for
-from tests.gateway.hook_backend import Backend
+from tests.gateway.hook_backend import Backend, running_backend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,10 +32,7 @@ OTHER_ADDRESS = "127.0.0.2"  # Linux routes all of 127/8 to lo: a second client 
 
 @pytest.fixture(scope="module")
 def backend():
-    server = Backend()
-    server.start()
-    yield server
-    server.stop()
+    yield from running_backend()
 
 
 @pytest.fixture
