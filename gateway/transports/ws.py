@@ -129,7 +129,7 @@ class WebSocketProtocol(asyncio.Protocol):
     __slots__ = (
         "transport", "peer", "ws", "connection", "upgraded", "closing", "dropped", "unparsed", "unhandled",
         "deferred", "raw_fd", "held_pong", "paused", "fed", "message", "message_text", "ping_payload",
-        "ping_sent_at", "ping_rtt", "frames_at_ping",
+        "ping_sent_at", "ping_rtt", "frames_at_ping", "in_message",
     )
 
     #: set on the class `protocol_class` makes for one server
@@ -164,8 +164,10 @@ class WebSocketProtocol(asyncio.Protocol):
         self.held_pong: bytes | None = None
         #: the transport is above its high-water mark
         self.paused = False
-        #: bytes fed to `ws` since it was at a frame boundary, less the frames it gave back (`_park`)
+        #: bytes fed to `ws` since it was at a frame boundary, less the frames it gave back, and whether those
+        #: frames left a fragmented message unfinished (`_park`)
         self.fed = 0
+        self.in_message = False
         #: the frames of a fragmented message so far, and whether it is text
         self.message: list[bytes] | None = None
         self.message_text = False
@@ -400,15 +402,30 @@ class WebSocketProtocol(asyncio.Protocol):
             self._failed(parser)
             return
         events = parser.events_received()
-        if events:
-            self.unhandled = deque(events)
+        if not events:
+            return
+        self.unhandled = deque(events)
+        answered = False  # a ping's pong (queued by the parser) or a close's echo waits in it
+        for event in events:
+            if not isinstance(event, Frame):
+                continue
+            self.fed -= client_frame_size(len(event.data))
+            opcode = event.opcode
+            if opcode is Opcode.TEXT or opcode is Opcode.BINARY:
+                self.in_message = not event.fin
+            elif opcode is Opcode.CONT:
+                self.in_message = not event.fin
+            elif opcode is Opcode.PING or opcode is Opcode.CLOSE:
+                answered = True
+        if not answered:
+            self._park()  # the events are out: a connection whose turn is over holds no parser meanwhile
 
     def _park(self) -> None:
         """Give the frame parser back to the pool when it is at a frame boundary with no message begun: an
         idle connection then holds no websockets object (the parser, its reader and its two suspended
         generators: ~1.5 KiB it would hold for nothing)."""
         parser = self.ws
-        if parser is None or self.fed != 0 or self.message is not None or parser.state is not OPEN:
+        if parser is None or self.fed != 0 or self.in_message or parser.state is not OPEN:
             return
         self.ws = None
         self.service.parsers.give_back(parser)
@@ -417,7 +434,6 @@ class WebSocketProtocol(asyncio.Protocol):
         if not isinstance(event, Frame):
             return
         data = bytes(event.data)  # the same object when it is bytes already
-        self.fed -= client_frame_size(len(data))
         opcode = event.opcode
         if opcode is Opcode.TEXT or opcode is Opcode.BINARY:
             if event.fin:
@@ -492,7 +508,8 @@ class WebSocketProtocol(asyncio.Protocol):
         """A peer's protocol error (bad framing 1002, too large 1009, invalid UTF-8 1007: websockets queued the
         close frame; or a bound of ours, `code` and `reason`, closed the same way): count it and log at a
         bounded rate, without a traceback, then linger and forget the client."""
-        assert parser is not None  # input is being handled
+        if parser is None:  # parked already: the events were out of it (a bound of ours, `code`)
+            parser = self.ws = self.service.parsers.take()
         if code:
             parser.fail(code, reason)
         close = parser.close_sent

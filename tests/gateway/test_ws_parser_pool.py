@@ -8,6 +8,8 @@ import struct
 import time
 
 import orjson
+import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
 
 from gateway.testing import run_gateway
@@ -72,3 +74,14 @@ def test_a_length_in_more_bytes_than_needed_still_parses():
         assert _held_parsers(gw) == [True]
         ws.socket.sendall(_masked(Opcode.TEXT, orjson.dumps({"op": "ping", "id": 8})))
         assert _pongs(ws, 1) == {8}
+
+
+def test_a_refusal_of_ours_after_the_parser_went_back_still_closes_with_its_code():
+    """A whole text message leaves the parser at a boundary (back in the pool) before its commands run: its
+    invalid UTF-8, seen then, still closes the connection with 1007."""
+    with run_gateway() as gw, ws_connect(gw) as ws:
+        ws.socket.sendall(_masked(Opcode.TEXT, b'{"op":"ping","id":"\xff"}'))
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                ws.recv(timeout=5)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1007
