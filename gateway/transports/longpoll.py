@@ -20,13 +20,13 @@ from starlette.responses import JSONResponse, Response
 
 from core import Batch, RequestError
 
-from ..edge.bodies import read_body
 from ..edge.http_errors import error_response
-from ..errors import BadAck, BadJson, Closed, UnknownSession
+from ..errors import BadAck, Closed, UnknownSession
 from ..hub import Hub
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused, session_store
 from .handshake import http_refusal, late_refusal_response
+from .posted import accept_commands, backend_refusal
 from .sessions import new_secret
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
@@ -133,19 +133,6 @@ def _session(request: Request) -> LongPollSession | None:
     return session if isinstance(session, LongPollSession) else None
 
 
-async def backend_refusal(hub: Hub, session: ClientSession, request: Request) -> Response | None:
-    """The connect hook for an HTTP transport (long-poll, SSE), when the client must pass it: None once the
-    backend admitted it, else the answer: 403 `forbidden` (refused), 503 `backend_unavailable` with
-    `Retry-After` (no answer in time)."""
-    if not session.awaits_hook:
-        return None
-    try:
-        await session.pass_backend(request.headers.getlist)
-    except RequestError as exc:
-        return http_refusal(hub.config, exc)
-    return None
-
-
 async def create_session(request: Request) -> Response:
     """`Authorization: Bearer TOKEN` makes the session its user's (docs/security.md); none: anonymous."""
     hub: Hub = request.app.state.hub
@@ -191,21 +178,6 @@ async def post_commands(request: Request) -> Response:
     if conn is None:
         return error_response(UNKNOWN_SESSION)
     return await accept_commands(request, conn.session, conn.settings.max_body_bytes)
-
-
-async def accept_commands(request: Request, session: ClientSession, max_body_bytes: int) -> Response:
-    """A POSTed command or array of commands, run for `session`'s client (long-poll, SSE): `202 {"accepted":
-    n}`, the answers on the client's stream; a body that is too large or not JSON is a 4xx JSON error."""
-    try:
-        body = await read_body(request, max_body_bytes)
-    except RequestError as exc:
-        return error_response(exc)
-    try:
-        orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        return error_response(BadJson(f"not JSON: {exc}"))
-    count = session.handle(body)
-    return JSONResponse({"accepted": count}, status_code=202)
 
 
 async def delete_session(request: Request) -> Response:

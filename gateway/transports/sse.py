@@ -43,7 +43,7 @@ from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused, session_store
 from ..session_tables import Checkpoints
 from .handshake import http_refusal
-from .longpoll import accept_commands, backend_refusal
+from .posted import accept_commands, backend_refusal
 from .sessions import new_secret
 from .staging import StagedWriter
 from .streams import tune_stream
