@@ -37,6 +37,7 @@ import orjson
 from jwt import PyJWK, PyJWTError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..edge.bodies import AnswerRefused, read_answer
 from ..errors import BadToken, KeysRefreshing
 
 log = logging.getLogger("gateway.auth")
@@ -237,15 +238,15 @@ class JwksKeys:
 
     async def _get(self) -> tuple[bytes, str | None]:
         assert self._client is not None
-        async with self._client.stream("GET", self.url, headers={"Accept": "application/json"}) as reply:
+        headers = {"Accept": "application/json", "Accept-Encoding": "identity"}
+        async with self._client.stream("GET", self.url, headers=headers) as reply:
             if reply.status_code != 200:
                 raise JwksError(f"HTTP {reply.status_code}")
-            body = bytearray()
-            async for chunk in reply.aiter_bytes():
-                body += chunk
-                if len(body) > MAX_BODY_BYTES:
-                    raise JwksError(f"the answer is longer than {MAX_BODY_BYTES} bytes")
-            return bytes(body), reply.headers.get("cache-control")
+            try:
+                body = await read_answer(reply, MAX_BODY_BYTES, "the JWKS bound")
+            except AnswerRefused as exc:
+                raise JwksError(str(exc)) from None
+            return body, reply.headers.get("cache-control")
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("fanout_auth_jwks_keys", "keys of the auth.jwks_url set in use", value=len(self.keys))

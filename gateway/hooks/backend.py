@@ -37,6 +37,7 @@ from ..auth.identity import ClientIdentity
 from ..auth.owners import check_user_id
 from ..auth.tokens import MAX_PATTERNS, MAX_USER_CHARS, Principal
 from ..config import ProxyConfig
+from ..edge.bodies import AnswerRefused, read_answer
 from ..edge.ratelog import BadInputLog
 from ..errors import BackendUnavailable, ConnectRefused
 from ..ops.metrics import BucketHistogram
@@ -134,15 +135,6 @@ def _quiet_httpx() -> None:
     """httpx logs every request at INFO: one line per anonymous rpc, a log any client could fill."""
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _content_length(response: httpx.Response) -> float | None:
-    """The answer's Content-Length, None without one (chunked, or up to the close)."""
-    value = response.headers.get("content-length")
-    try:
-        return None if value is None else int(value)
-    except ValueError:  # h11 checked it is digits; a list of them ("5, 5") is as good as too long
-        return math.inf
 
 
 def hooks_from_config(config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog,
@@ -256,25 +248,14 @@ class HttpHooks:
     async def _read_answer(self, hook: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
         """POST and read the answer as it comes, undecoded, up to `max_answer_bytes`: past that (or a
         Content-Length above it) the connection is closed with the rest unread."""
-        cap = self.config.max_answer_bytes
-        too_long = _Failed("bad_answer", f"answered more than {cap} bytes (proxy.max_answer_bytes)")
         async with self.client().stream("POST", self.urls[hook], content=orjson.dumps(body),
                                          headers=headers) as response:
             if response.status_code != 200:
                 raise _Failed("error", f"answered HTTP {response.status_code}")
-            encoding = response.headers.get("content-encoding", "identity").strip().lower()
-            if encoding != "identity":
-                raise _Failed("bad_answer", f"answered with Content-Encoding {encoding[:40]!r}, not identity")
-            length = _content_length(response)
-            if length is not None and length > cap:
-                raise too_long
-            chunks, size = [], 0
-            async for chunk in response.aiter_raw():  # raw: never inflated
-                size += len(chunk)
-                if size > cap:
-                    raise too_long
-                chunks.append(chunk)
-        return b"".join(chunks)
+            try:
+                return await read_answer(response, self.config.max_answer_bytes, "proxy.max_answer_bytes")
+            except AnswerRefused as exc:
+                raise _Failed("bad_answer", str(exc)) from None
 
     @staticmethod
     def _answer(content: bytes, answer: type[T]) -> T:

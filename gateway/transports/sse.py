@@ -46,12 +46,10 @@ from .handshake import http_refusal
 from .posted import accept_commands, backend_refusal
 from .sessions import new_secret
 from .staging import StagedWriter
-from .streams import tune_stream
+from .streams import KICK_GRACE_S, tune_stream
 
 log = logging.getLogger("gateway.sse")
 
-#: how long a closed stream's buffered data and close event may take to drain before the cut (as ws.py)
-KICK_GRACE_S = 2.0
 #: close code of a stream ended by `DELETE /sse/{secret}` (a normal closure, RFC 6455 §7.4.1)
 DELETED = 1000
 STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),

@@ -1,5 +1,5 @@
 """Socket settings and readings of a client stream (WebSocket, SSE): its write limits, and when its peer's TCP
-last acknowledged."""
+last acknowledged, and how long a closed one may take to drain."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import asyncio
 import socket
 import struct
 
+#: how long a closed client's buffered data and its close (frame, event) may take to drain before the cut
+KICK_GRACE_S = 2.0
 #: `struct tcp_info` (linux/tcp.h): eight one-byte fields, then u32 fields: rto, ato, snd_mss, rcv_mss,
 #: unacked, sacked, lost, retrans, fackets, last_data_sent, last_ack_sent, last_data_recv, last_ack_recv (ms
 #: since the peer's last ACK arrived), ...

@@ -46,7 +46,7 @@ from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused
 from .handshake import close_reason
 from .staging import BLOCKED, StagedWriter
-from .streams import tune_stream
+from .streams import KICK_GRACE_S, tune_stream
 from .ws_counters import WSCounters, ws_counters
 from .ws_keepalive import Keepalive
 from .ws_turns import PARSE_SLICE, TURN_BUDGET_S, InputTurn
@@ -54,13 +54,10 @@ from .wsframes import client_frame_size, text_frame_header
 
 __all__ = ["WSConnection", "WSCounters", "WebSocketProtocol", "protocol_class", "ws_counters"]
 
-log = logging.getLogger("gateway.ws")
 #: websockets' own log: it logs each connection's opening at INFO, one line per client
 FRAMES_LOG = logging.getLogger("gateway.ws.protocol")
 FRAMES_LOG.setLevel(logging.WARNING)
 
-#: how long a kicked client's buffered data and close frame may take to drain before the cut
-KICK_GRACE_S = 2.0
 #: the route this protocol serves; any other path of an upgrade request is answered 404
 WS_PATH = "/ws"
 #: bytes a closing connection is read for (and dropped) before it is not read any more
