@@ -22,7 +22,8 @@ class ClientState(Enum):
 class Subscription:
     """One client's handle on one topic. Ring and snapshot handles hold a cursor only (docs/design/shared-rings.md §2)."""
 
-    __slots__ = ("client", "topic", "cursor", "active", "queue", "queued_bytes", "peeked", "waiting", "ack")
+    __slots__ = ("client", "topic", "cursor", "active", "queue", "queued_bytes", "peeked", "waiting", "ack", "delta",
+                 "base")
 
     def __init__(self, client: "Client", topic: "Topic") -> None:
         self.client = client
@@ -42,6 +43,10 @@ class Subscription:
         #: private queues: entries leave only when the client acknowledges them (`Engine.ack`), not when the
         #: batch is written; un-acknowledged ones stay peeked (docs/design/private-queues.md §9)
         self.ack = False
+        #: shared topics with `delta = "fossil"`: messages go in their delta forms (core/delta.py) ...
+        self.delta = False
+        #: ... and this is the seq of the last message this handle delivered (-1: none since it attached)
+        self.base = -1
 
 
 class Client:

@@ -84,6 +84,9 @@ class TopicConfig:
     #: publish_url, docs/integration.md), after the gateway's own checks.
     proxy_subscribe: bool = False
     proxy_publish: bool = False
+    #: "fossil": subscribers that ask for it get each message as a fossil delta of the one before
+    #: (core/delta.py, docs/protocol.md "Deltas"); None: never
+    delta: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TopicKind(self.kind))
@@ -113,6 +116,11 @@ class TopicConfig:
             raise ValueError("presence is for shared topics (ring, snapshot), not private: each user reads its own queue")
         if self.join_leave and not self.presence:
             raise ValueError("join_leave needs presence = true")
+        if self.delta is not None:
+            if self.delta != "fossil":
+                raise ValueError(f'delta must be "fossil" (or unset), not {self.delta!r}')
+            if self.kind is TopicKind.PRIVATE:
+                raise ValueError("delta is for shared topics (ring, snapshot), not private")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +138,7 @@ class TopicConfig:
             "join_leave": self.join_leave,
             "proxy_subscribe": self.proxy_subscribe,
             "proxy_publish": self.proxy_publish,
+            "delta": self.delta,
         }
 
 

@@ -344,12 +344,14 @@ class Engine:
 
     def subscribe(
         self, client_id: Hashable, name: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-        queue_start: tuple[str, int] | None = None, ack: bool = False,
+        queue_start: tuple[str, int] | None = None, ack: bool = False, delta: bool | None = None,
     ) -> Subscribed:
         """`queue_start` (private topics, a broker's queue, docs/cluster.md §8): the queue's (epoch, first
         seq) held outside; a new local queue starts at that seq and `subscribed` carries that epoch.
         `ack` (private topics; ignored by shared kinds): entries leave the queue when the client acknowledges
-        them (`ack`), not when their batch is written (docs/design/private-queues.md §9)."""
+        them (`ack`), not when their batch is written (docs/design/private-queues.md §9).
+        `delta`: the client asks for fossil deltas (None: it does not say); granted on topics with
+        `delta = "fossil"`, and `subscribed` says whether (core/delta.py)."""
         client = self.client(client_id)
         if name in client.subs:
             raise AlreadySubscribed(f"already subscribed to {name!r}")
@@ -361,6 +363,7 @@ class Engine:
         topic = self.resolve(name)
         sub = Subscription(client, topic)
         sub.ack = ack and topic.keyed_by_owner
+        sub.delta = bool(delta) and topic.delta_forms is not None
         held = topic.claim(sub)  # private: another connection of the same owner holds the queue
         if held is not None:
             self._take_over(held)
@@ -376,7 +379,8 @@ class Engine:
         self._retained.pop(topic, None)
         topic.subs[sub] = None
         client.subs[topic.name] = sub  # the topic's own string, not one more per subscriber (`name` is equal)
-        self._queue(client, encode_subscribed(name, topic.kind, epoch, start, request_id))
+        self._queue(client, encode_subscribed(name, topic.kind, epoch, start, request_id,
+                                              None if delta is None else sub.delta))
         if extra is not None:
             self._queue(client, extra)
         if topic.has_data(sub):

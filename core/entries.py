@@ -27,10 +27,13 @@ def encode_loss(topic: str, begin: int, end: int | None, reason: str) -> bytes:
     return _dumps({"type": "loss", "topic": topic, "from": begin, "to": end, "reason": reason})
 
 
-def encode_subscribed(topic: str, kind: str, epoch: str, seq: int, request_id: Any = None) -> bytes:
-    return _dumps(
-        {"type": "subscribed", "topic": topic, "kind": kind, "epoch": epoch, "seq": seq, "id": request_id}
-    )
+def encode_subscribed(topic: str, kind: str, epoch: str, seq: int, request_id: Any = None,
+                      delta: bool | None = None) -> bytes:
+    """`delta`: whether deltas were granted, given only when the subscribe asked for them."""
+    entry = {"type": "subscribed", "topic": topic, "kind": kind, "epoch": epoch, "seq": seq, "id": request_id}
+    if delta is not None:
+        entry["delta"] = delta
+    return _dumps(entry)
 
 
 def encode_unsubscribed(topic: str, request_id: Any = None) -> bytes:

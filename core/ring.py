@@ -209,6 +209,7 @@ class RingTopic(Topic):
     # -- subscribers -------------------------------------------------------------------------------------
 
     def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
+        sub.base = -1  # the first message after a (re)attach goes whole
         if since is None:
             sub.cursor = self.end
             return self.end, None
@@ -243,6 +244,8 @@ class RingTopic(Topic):
             if self.begin <= cursor < self.end:
                 entry = self.slots[cursor % self.capacity]
                 if entry is not None:
+                    if sub.delta:
+                        entry = self._delta_entry(sub, cursor, entry)
                     out.append(entry)
                     sub.cursor = cursor + 1
                     self.counters.messages_delivered += 1
@@ -267,6 +270,8 @@ class RingTopic(Topic):
                 added += self._emit_loss(out, cursor, stop, "skipped")
                 sub.cursor = stop
                 continue
+            if sub.delta:
+                entry = self._delta_entry(sub, cursor, entry)
             out.append(entry)
             added += len(entry)
             sub.cursor = cursor + 1
@@ -308,6 +313,8 @@ class RingTopic(Topic):
                 continue
             if taken and added + len(entry) > room:
                 break
+            if sub.delta:
+                entry = self._delta_entry(sub, cursor, entry)
             out.append(entry)
             added += len(entry)
             cursor += 1
@@ -315,6 +322,14 @@ class RingTopic(Topic):
         sub.cursor = cursor
         self.counters.messages_delivered += taken
         return added
+
+    def _delta_entry(self, sub: Subscription, seq: int, entry: bytes) -> bytes:
+        """The form a delta subscriber gets (core/delta.py): a delta of the message before when it read it."""
+        forms = self.delta_forms
+        if forms is None:
+            return entry
+        previous = self.slots[(seq - 1) % self.capacity] if seq > self.begin else None
+        return forms.entry_for(sub, seq, entry, previous, self.begin)
 
     def _emit_behind(self, out: list[bytes], cursor: int, begin: int) -> int:
         """Loss notices for [cursor, begin), seqs that left the ring before the subscriber read them: the

@@ -20,6 +20,8 @@ class SnapshotTopic(Topic):
     latest: bytes | None = None
     #: seq of `latest`; the next publish gets seq + 1
     seq = -1
+    #: the value before `latest` when its seq is `seq - 1` (the base of a delta, core/delta.py), else None
+    previous: bytes | None = None
 
     def publish(
         self, data: Any, seq: int | None, owner: Hashable, now: float
@@ -29,7 +31,10 @@ class SnapshotTopic(Topic):
             # Last value wins by seq: an older update arriving late must not replace a newer one.
             raise StaleSeq(f"seq {seq} of {self.name!r} is not after the latest {self.seq}")
         new_seq = self.seq + 1 if seq is None else seq
-        self.latest = self.encode(new_seq, data)
+        latest = self.encode(new_seq, data)
+        if self.delta_forms is not None:
+            self.previous = self.latest if new_seq == self.seq + 1 else None
+        self.latest = latest
         self.seq = new_seq
         self.counters.messages_published += 1
         if not self.idle:
@@ -40,7 +45,7 @@ class SnapshotTopic(Topic):
     def restart(self, epoch: str, start: int) -> None:
         """No value, epoch `epoch`; the next publish may take any seq from `start` on."""
         self.epoch = epoch
-        self.latest = None
+        self.latest = self.previous = None
         self.seq = start - 1
 
     def skip_to(self, upto: int, now: float) -> bool:
@@ -48,12 +53,13 @@ class SnapshotTopic(Topic):
 
     def attach(self, sub: Subscription, since: tuple[str, int] | None) -> tuple[int, bytes | None]:
         sub.cursor = self.seq + 1
+        sub.base = -1
         if self.latest is None:
             return sub.cursor, None
         if since is not None and since[0] == self.epoch and since[1] > self.seq:
             return sub.cursor, None  # the client already has the latest value
         self.counters.messages_delivered += 1
-        return self.seq, self.latest
+        return self.seq, self._form(sub, self.latest)
 
     def has_data(self, sub: Subscription) -> bool:
         return sub.cursor <= self.seq
@@ -67,10 +73,18 @@ class SnapshotTopic(Topic):
     def read_into(self, sub: Subscription, out: list[bytes], room: int) -> int:
         if sub.cursor > self.seq or self.latest is None:
             return 0
-        out.append(self.latest)
+        latest = self._form(sub, self.latest)
+        out.append(latest)
         sub.cursor = self.seq + 1
         self.counters.messages_delivered += 1
-        return len(self.latest)
+        return len(latest)
+
+    def _form(self, sub: Subscription, latest: bytes) -> bytes:
+        """What `sub` gets of the latest value: a delta subscriber its delta form (core/delta.py)."""
+        forms = self.delta_forms
+        if forms is None or not sub.delta:
+            return latest
+        return forms.entry_for(sub, self.seq, latest, self.previous, self.seq - 1)
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "seq": self.seq}

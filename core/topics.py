@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from .client import Subscription
 from .config import AUTO_DEPTH, TopicConfig
 from .counters import Counters
+from .delta import DeltaForms
 from .entries import encode_message
 from .errors import BadData, BadTopic, CoreUsageError, MessageTooLarge
 
@@ -80,6 +81,8 @@ class Topic:
         self.max_message_bytes = 1 << 20
         #: created on first use by a rule (not by an operator): removed when unused (`Engine.reclaim`)
         self.auto = False
+        #: the messages' delta forms, with `delta = "fossil"` (core/delta.py): as many as a ring retains
+        self.delta_forms = DeltaForms(config.capacity + 2) if config.delta is not None else None
 
     def encode(self, seq: int, data: Any) -> bytes:
         try:

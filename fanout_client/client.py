@@ -38,6 +38,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from .events import Event, FanoutError, Message, Position, Stream, TopicKind
+from .fossil import DeltaBase, DeltaError
 
 __all__ = ["Client", "ClientState", "CloseInfo", "Subscription", "TokenSource", "connect"]
 
@@ -242,9 +243,16 @@ class Subscription:
       reconnects and takes the queue over.
     """
 
-    def __init__(self, client: Client, topic: str, since: Position | None) -> None:
+    def __init__(self, client: Client, topic: str, since: Position | None, delta: str | None = None) -> None:
         self.client = client
         self.topic = topic
+        #: ``delta="fossil"``: the base the topic's deltas apply to (fanout_client/fossil.py)
+        self._delta = DeltaBase() if delta == "fossil" else None
+        #: whether the gateway sends this subscription deltas (its last ``subscribed`` said so); None: not asked
+        self.delta_granted: bool | None = None
+        #: messages rebuilt from a delta, and deltas that failed (each failure resubscribes with ``since``)
+        self.deltas_applied = 0
+        self.delta_failures = 0
         self._stream = Stream(topic, since)
         self._queue: deque[Event] = deque()
         self._max = client.max_queued_events
@@ -338,7 +346,34 @@ class Subscription:
         position = self._stream.position
         if position is not None:
             command["since"] = {"epoch": position.epoch, "seq": position.seq}
+        if self._delta is not None:
+            command["delta"] = "fossil"
         return command
+
+    def _data_of(self, entry: dict[str, Any]) -> Any:
+        """A message's data; on a delta subscription rebuilt from the base (raises `DeltaError`)."""
+        data = entry.get("data")
+        base = self._delta
+        if base is None or "delta" not in entry:
+            return data
+        if entry["delta"] is True:
+            data = base.apply(data)
+            self.deltas_applied += 1
+            return data
+        if not isinstance(data, str):
+            raise DeltaError(f"a whole message of a delta subscription holds its text, not {type(data).__name__}")
+        return base.whole_text(data.encode())
+
+    def _delta_failed(self, error: DeltaError) -> None:
+        """A delta did not apply: nothing is shown of it; subscribe again from the seq it was for (``since``),
+        and the gateway sends that message whole."""
+        self.delta_failures += 1
+        self.client._log.warning("fanout_client: a delta of %r did not apply (%s): resubscribing", self.topic, error)
+        if self._delta is not None:
+            self._delta.reset()
+        if not self._paused:
+            self.client._pause(self)
+            self.client._resume(self)
 
     def _ack(self) -> None:
         """Acknowledge (cumulatively) what the application was handed, as far as this gateway subscription
@@ -356,6 +391,8 @@ class Subscription:
 
     def _on_subscribed(self, kind: str, epoch: str, seq: int) -> None:
         self.subscribed_count += 1
+        if self._delta is not None:
+            self._delta.reset()  # the gateway sends the next message whole
         if epoch != self._stream.epoch:
             self._handled = -1  # a new queue: seqs start again
         self._received = self._acked = seq - 1  # a new gateway subscription: everything below `seq` left
@@ -543,16 +580,20 @@ class Client:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
-    async def subscribe(self, topic: str, since: Position | None = None) -> Subscription:
+    async def subscribe(self, topic: str, since: Position | None = None, *, delta: str | None = None) -> Subscription:
         """Subscribe to ``topic`` and return the `Subscription` once the gateway acknowledged it (waiting for a
         connection if there is none, at most ``request_timeout``). ``since`` resumes from a saved position.
+        ``delta="fossil"``: the gateway may send messages as deltas of the one before, where the topic allows
+        (`Subscription.delta_granted`); they are applied here and checked, so the events are the same.
         Raises `FanoutError`: the gateway's refusal (``forbidden``, ``unknown_topic``, ...), ``timeout``,
         ``already_subscribed`` (one subscription per topic), ``closed``."""
         self._check_open()
         existing = self.subscriptions.get(topic)
         if existing is not None and existing.closed_reason is None:
             raise FanoutError("already_subscribed", f"this client already has a subscription to {topic!r}")
-        sub = Subscription(self, topic, since)
+        if delta not in (None, "fossil"):
+            raise ValueError(f'delta must be "fossil" or None, not {delta!r}')
+        sub = Subscription(self, topic, since, delta)
         self.subscriptions[topic] = sub
         if self._ws is not None:
             self._send_subscribe(sub)
@@ -904,7 +945,12 @@ class Client:
             if kind == "msg":
                 seq = _int(entry.get("seq"))
                 if sub is not None and seq is not None:
-                    await sub._deliver(partial(sub._stream.on_msg, seq, entry.get("data")))
+                    try:
+                        data = sub._data_of(entry) if sub._stream.subscribed else None
+                    except DeltaError as exc:
+                        sub._delta_failed(exc)
+                        continue
+                    await sub._deliver(partial(sub._stream.on_msg, seq, data))
                     sub._on_received(seq)
             elif kind == "loss":
                 start, end, reason = _int(entry.get("from")), entry.get("to"), entry.get("reason")
@@ -939,6 +985,8 @@ class Client:
         if target is None or target is not sub or sub.closed_reason is not None or sub._paused:
             return
         if isinstance(kind, str) and isinstance(epoch, str) and seq is not None:
+            if "delta" in entry:
+                sub.delta_granted = entry["delta"] is True
             sub._on_subscribed(kind, epoch, seq)
 
     def _on_reply(self, entry: dict[str, Any]) -> None:

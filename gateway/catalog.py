@@ -50,13 +50,15 @@ class TopicCatalog:
     # -- subscribing ---------------------------------------------------------------------------------------
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  ack: bool = False) -> None:
+                  ack: bool = False, delta: bool | None = None) -> None:
         """Subscribe now, or once the broker has the topic (the answer, `subscribed` or an error entry, then
         comes from there). `ack`: a private queue's entries leave on the client's `ack` (`Engine.subscribe`).
-        A subscribe that creates the topic here is within the client's creation budget, and charged to it."""
+        A subscribe that creates the topic here is within the client's creation budget, and charged to it.
+        `delta`: the client asked for deltas (None: it did not say; core/delta.py)."""
         identity = self.clients.conns[client_id].identity
         creating = self._creating(identity, topic)  # raises when this client may create no more
-        self.broker.subscribe(client_id, topic, since=since, request_id=request_id, creator=identity, ack=ack)
+        self.broker.subscribe(client_id, topic, since=since, request_id=request_id, creator=identity, ack=ack,
+                              delta=delta)
         if creating:
             self.creations.charge(identity)
 

@@ -114,16 +114,17 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
     config = _topic_config(hub, name)
     _check_subscribe(hub, identity, name, config)
     ack = command.ack and config.kind is TopicKind.PRIVATE  # shared kinds have no queue to keep: ignored
+    delta = None if command.delta is None else True  # granted where the topic allows (`subscribed` says)
     if config.proxy_subscribe and hub.hooks.asks_subscribe:
         _ask_backend(hub, identity, "subscribe", {"topic": name}, Allowed, command.id,
-                     lambda _: _subscribe_now(hub, identity, name, since, command.id, ack), topic=name)
+                     lambda _: _subscribe_now(hub, identity, name, since, command.id, ack, delta), topic=name)
         return
-    _subscribe_now(hub, identity, name, since, command.id, ack)
+    _subscribe_now(hub, identity, name, since, command.id, ack, delta)
 
 
 def _subscribe_now(hub: "Hub", identity: ClientIdentity, name: str, since: tuple[str, int] | None,
-                   request_id: Any, ack: bool = False) -> None:
-    hub.catalog.subscribe(identity.client_id, name, since=since, request_id=request_id, ack=ack)
+                   request_id: Any, ack: bool = False, delta: bool | None = None) -> None:
+    hub.catalog.subscribe(identity.client_id, name, since=since, request_id=request_id, ack=ack, delta=delta)
 
 
 def _ack(hub: "Hub", identity: ClientIdentity, command: schema.Ack) -> None:

@@ -609,19 +609,20 @@ class Membership:
         return True
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  queue_start: tuple[str, int] | None = None, ack: bool = False) -> None:
+                  queue_start: tuple[str, int] | None = None, ack: bool = False, delta: bool | None = None) -> None:
         """The engine's subscribe (raises its errors), then the client joins the topic's presence: the one
         place a shared-topic subscription is made."""
-        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start, ack=ack)
+        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start, ack=ack,
+                              delta=delta)
         self.presence.joined(client_id, topic)
         self.scheduler.wake()
 
     def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-               queue_start: tuple[str, int] | None = None) -> None:
+               queue_start: tuple[str, int] | None = None, delta: bool | None = None) -> None:
         if client_id not in self.conns:
             return
         try:
-            self.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start)
+            self.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start, delta=delta)
         except RequestError as err:  # its error entry wakes the scheduler, as the subscribe does
             self.send_error(client_id, err, request_id)
 

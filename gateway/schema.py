@@ -54,11 +54,17 @@ class Since(_Wire, frozen=True):
     seq: int
 
 
+#: the delta formats a subscriber may ask for (core/delta.py)
+DeltaKind = Literal["fossil"]
+
+
 class Subscribe(_Wire, frozen=True, tag_field="op", tag="subscribe"):
     topic: TopicName
     since: Since | None = None
     #: private topics: entries leave the queue on the client's `ack`, not when written (at-least-once)
     ack: bool = False
+    #: messages as fossil deltas of the one before, where the topic's rule has `delta = "fossil"`
+    delta: DeltaKind | None = None
     id: RequestId = None
 
 
@@ -165,6 +171,7 @@ class CreateTopic(_Wire, frozen=True):
     join_leave: bool | UnsetType = UNSET
     proxy_subscribe: bool | UnsetType = UNSET
     proxy_publish: bool | UnsetType = UNSET
+    delta: DeltaKind | UnsetType = UNSET
 
     def settings(self) -> dict[str, Any]:
         """The topic settings given, by name."""
@@ -268,6 +275,8 @@ class SubscribedEntry(_Entry, frozen=True, tag="subscribed"):
     epoch: str
     seq: int
     id: RequestId
+    #: given when the subscribe asked for deltas: whether they were granted
+    delta: bool | UnsetType = UNSET
 
 
 class UnsubscribedEntry(_Entry, frozen=True, tag="unsubscribed"):

@@ -63,14 +63,14 @@ class BrokerEvents(Protocol):
         """A private queue's local handle is closed (taken over elsewhere, or lost)."""
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  queue_start: tuple[str, int] | None = None, ack: bool = False) -> None:
+                  queue_start: tuple[str, int] | None = None, ack: bool = False, delta: bool | None = None) -> None:
         """Subscribe a local client now (raises the engine's errors); it joins the topic's presence."""
 
     def presence_changed(self, topic: str, kind: str, member: Member) -> None:
         """A client of another node joined or left `topic` ("join" / "leave"): local subscribers are told."""
 
     def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-               queue_start: tuple[str, int] | None = None) -> None:
+               queue_start: tuple[str, int] | None = None, delta: bool | None = None) -> None:
         """A subscribe that waited for the broker goes on now (its answer, or its error, reaches the client)."""
 
     def refused(self, client_id: str, error: RequestError, request_id: Any = None) -> None:
@@ -135,10 +135,11 @@ class Broker(Protocol):
         client's creation budget); False when the broker creates it (and charges the budget itself)."""
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity, ack: bool = False) -> None:
+                  creator: ClientIdentity, ack: bool = False, delta: bool | None = None) -> None:
         """Subscribe now, or once the broker has brought the topic in (the answer then comes through
         `BrokerEvents.joined` / `refused`). Raises what can be told at once. `ack`: private topics, entries
-        leave the queue on the client's `ack` (docs/design/private-queues.md §9)."""
+        leave the queue on the client's `ack` (docs/design/private-queues.md §9). `delta`: shared topics,
+        the client asked for deltas (core/delta.py)."""
 
     def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
         """A local subscriber of `topic` left (after the engine's unsubscribe or disconnect); `unsubscribed`:

@@ -89,8 +89,8 @@ class InProcessBroker:
         return not self.events.topics.has_topic(topic)
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity, ack: bool = False) -> None:
-        self.events.subscribe(client_id, topic, since=since, request_id=request_id, ack=ack)
+                  creator: ClientIdentity, ack: bool = False, delta: bool | None = None) -> None:
+        self.events.subscribe(client_id, topic, since=since, request_id=request_id, ack=ack, delta=delta)
 
     def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
         pass

@@ -193,11 +193,11 @@ class RedisBroker:
         return self._private(topic) and not self.events.topics.has_topic(topic)
 
     def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity, ack: bool = False) -> None:
+                  creator: ClientIdentity, ack: bool = False, delta: bool | None = None) -> None:
         if self._private(topic):
             self.queues.subscribe(client_id, topic, request_id, ack)
         else:
-            self.topic_lines.subscribe(client_id, topic, since, request_id, creator)
+            self.topic_lines.subscribe(client_id, topic, since, request_id, creator, delta)
 
     def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:
         if not self._private(topic):

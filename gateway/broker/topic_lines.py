@@ -73,16 +73,16 @@ class TopicLines:
     # -- attaching ---------------------------------------------------------------------------------------
 
     def subscribe(self, client_id: str, topic: str, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity) -> None:
+                  creator: ClientIdentity, delta: bool | None = None) -> None:
         if not self.attached(topic):
             self.attach(topic, creator=creator).add_done_callback(
-                lambda ready: self._joined(ready, client_id, topic, since, request_id))
+                lambda ready: self._joined(ready, client_id, topic, since, request_id, delta))
             return
         self.hold(topic)
-        self.events.subscribe(client_id, topic, since=since, request_id=request_id)
+        self.events.subscribe(client_id, topic, since=since, request_id=request_id, delta=delta)
 
     def _joined(self, ready: asyncio.Future[None], client_id: str, topic: str, since: tuple[str, int] | None,
-                request_id: Any) -> None:
+                request_id: Any, delta: bool | None) -> None:
         if not self.events.connected(client_id):
             self.release(topic)
             return
@@ -92,7 +92,7 @@ class TopicLines:
             self.events.refused(client_id, error, request_id)
             return
         self.hold(topic)
-        self.events.joined(client_id, topic, since=since, request_id=request_id)
+        self.events.joined(client_id, topic, since=since, request_id=request_id, delta=delta)
 
     def attached(self, topic: str) -> bool:
         line = self.lines.get(topic)
