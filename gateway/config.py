@@ -86,6 +86,8 @@ class WebSocketConfig(_Section, frozen=True, forbid_unknown_fields=True):
     max_fragments: int
     ping_interval_s: float
     ping_timeout_s: float
+    compression: str
+    compression_min_bytes: int
 
 
 class LongPollConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -193,6 +195,7 @@ class BrokerConfig(_Section, frozen=True, forbid_unknown_fields=True):
     url: str
     sentinel_addresses: list[str]
     sentinel_master: str
+    cluster_addresses: list[str]
     prefix: str
     history_ttl_s: float
     connect_timeout_s: float
@@ -201,8 +204,9 @@ class BrokerConfig(_Section, frozen=True, forbid_unknown_fields=True):
 
     @property
     def configured(self) -> bool:
-        """Whether topics live in Redis (one of `url`, `sentinel_addresses`), not in this process."""
-        return bool(self.url or self.sentinel_addresses)
+        """Whether topics live in Redis (one of `url`, `sentinel_addresses`, `cluster_addresses`), not in this
+        process."""
+        return bool(self.url or self.sentinel_addresses or self.cluster_addresses)
 
 
 class ProxyConfig(_Section, frozen=True, forbid_unknown_fields=True):
@@ -234,6 +238,11 @@ class TracingConfig(_Section, frozen=True, forbid_unknown_fields=True):
     sample_rate: float
 
 
+class CentrifugoConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
+    api_prefix: str
+
+
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
 #: whose tables are checked by `topic_config`.
 SECTIONS: dict[str, type[_Section]] = {
@@ -251,6 +260,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "broker": BrokerConfig,
     "proxy": ProxyConfig,
     "tracing": TracingConfig,
+    "centrifugo": CentrifugoConfig,
 }
 TOPICS = "topics"
 
@@ -283,6 +293,7 @@ class GatewayConfig:
     broker: BrokerConfig = field(init=False, repr=False)
     proxy: ProxyConfig = field(init=False, repr=False)
     tracing: TracingConfig = field(init=False, repr=False)
+    centrifugo: CentrifugoConfig = field(init=False, repr=False)
     #: the topic rules as in the TOML: {"rules": [{"pattern": ..., ...}, ...]}
     topics: dict[str, list[dict[str, Any]]] = field(init=False, repr=False)
 
@@ -450,15 +461,18 @@ def _check_jwks(auth: AuthConfig) -> None:
 
 
 def _check_broker(broker: BrokerConfig) -> None:
-    """Exactly one place for Redis: `url` or `sentinel_addresses` (with `sentinel_master`), or neither."""
-    if broker.url and broker.sentinel_addresses:
-        raise ConfigError("broker.url and broker.sentinel_addresses are both set: set one of them (docs/cluster.md)")
+    """Exactly one place for Redis: `url`, `sentinel_addresses` (with `sentinel_master`) or `cluster_addresses`,
+    or none."""
+    given = [key for key in ("url", "sentinel_addresses", "cluster_addresses") if getattr(broker, key)]
+    if len(given) > 1:
+        raise ConfigError(f"broker.{given[0]} and broker.{given[1]} are both set: set one of them (docs/cluster.md)")
     if broker.sentinel_addresses and not broker.sentinel_master:
         raise ConfigError("broker.sentinel_addresses needs broker.sentinel_master: the name the sentinels monitor")
-    for text in broker.sentinel_addresses:
-        host, _, port = text.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f'broker.sentinel_addresses: {text!r} is not "host:port"')
+    for key in ("sentinel_addresses", "cluster_addresses"):
+        for text in getattr(broker, key):
+            host, _, port = text.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f'broker.{key}: {text!r} is not "host:port"')
 
 
 def _check_tracing(tracing: TracingConfig) -> None:
@@ -472,6 +486,14 @@ def _check_tracing(tracing: TracingConfig) -> None:
         raise ConfigError("tracing.service_name must not be empty")
     if not 0 <= tracing.sample_rate <= 1:
         raise ConfigError(f"tracing.sample_rate must be in [0, 1], not {tracing.sample_rate}")
+
+
+def _check_centrifugo(centrifugo: CentrifugoConfig) -> None:
+    """The Centrifugo server API's prefix: a path of its own, its methods appended as `PREFIX/publish`."""
+    prefix = centrifugo.api_prefix
+    if not prefix.startswith("/") or prefix.endswith("/") or any(c.isspace() or c in "?#{}" for c in prefix):
+        raise ConfigError(f'centrifugo.api_prefix must be a path such as "/api", starting with "/" and not ending'
+                          f" with one, without whitespace, ?, # or braces; not {prefix!r}")
 
 
 def load_config(
@@ -535,11 +557,17 @@ def load_config(
     _check_jwks(config.auth)
     _check_tracing(config.tracing)
     _check_broker(config.broker)
+    _check_centrifugo(config.centrifugo)
+    if config.websocket.compression not in ("deflate", "off"):
+        raise ConfigError(f'websocket.compression must be "deflate" or "off", not {config.websocket.compression!r}')
+    if config.websocket.compression_min_bytes < 0:
+        raise ConfigError("websocket.compression_min_bytes must be >= 0")
     if config.admin.max_publish_messages < 1:
         raise ConfigError(f"admin.max_publish_messages must be >= 1, not {config.admin.max_publish_messages}")
     if config.server.workers > 1 and not config.broker.configured:
         raise ConfigError(
             f"server.workers = {config.server.workers} needs a broker: each worker would be a topic space of its"
-            " own; set broker.url or broker.sentinel_addresses (docs/cluster.md) or keep workers = 1"
+            " own; set broker.url, broker.sentinel_addresses or broker.cluster_addresses (docs/cluster.md) or keep"
+            " workers = 1"
         )
     return config

@@ -93,12 +93,17 @@ class DirectWritable(Protocol):
     """A connection whose caught-up batches the fan-out writer may send to its socket directly, together with
     other clients' (gateway/fanwrite.py): the WebSocket's, checked once when it registers."""
 
+    #: what the connection's bytes for a frame depend on besides the frame (0: nothing; the WebSocket: the
+    #: window of its compressed frames), for frames of `compression_min_bytes` or more
+    wire_variant: int
+
     def direct_fd(self, batch: Batch, frame: bytes) -> int:
         """The socket this batch's frame may be written to directly, the batch then counted as delivered;
         -1: `deliver` it."""
 
-    def wire(self, frame: bytes) -> bytes:
-        """The bytes `direct_fd`'s socket gets for a frame (the same for every connection of its kind)."""
+    def wire(self, frame: bytes, count: int) -> bytes:
+        """The bytes `direct_fd`'s socket gets for a frame, the same for every connection of its kind and
+        `wire_variant`; `count` sockets get them."""
 
     def write_rest(self, data: bytes, sent: int) -> bool:
         """The direct write took `sent` bytes of `data` (-errno: none): the transport writes the rest; True if
@@ -148,6 +153,8 @@ class Scheduler:
         self.coalesce_s = config.scheduler.write_coalesce_ms / 1000
         #: staged bytes per connection at which it is written before the round ends (transports/staging.py)
         self.stage_limit = config.websocket.write_high_water
+        #: frames below this go out the same whatever a connection's `wire_variant` (uncompressed)
+        self.variant_min_bytes = config.websocket.compression_min_bytes
         #: connections whose last write has not drained (not ready), watched for the blocked timeout
         self.blocked: dict[Hashable, Connection] = {}
         #: publishers waiting for space in a private queue: (topic, owner) -> futures
@@ -379,7 +386,9 @@ class Scheduler:
         frames: dict[bytes | tuple[bytes, ...], bytes] = {}
         # caught-up clients whose frame may go straight to their socket, by frame: handed to the sender in
         # slices (`_write_crowd`), sent while the rest are handed out
-        crowds: dict[bytes, tuple[list[int], list[DirectWritable], list[Hashable]]] = {}
+        # (by frame and wire variant when the variant changes the bytes: compressed with another window)
+        crowds: dict[bytes | tuple[bytes, int], tuple[list[int], list[DirectWritable], list[Hashable]]] = {}
+        variant_min_bytes = self.variant_min_bytes
         sent = self._sent
         conns = self.conns
         writable_sockets = self.writable_sockets
@@ -413,16 +422,18 @@ class Scheduler:
                 try:
                     writable = writable_sockets.get(client_id)
                     if writable is not None and (fd := writable.direct_fd(batch, frame)) >= 0:
-                        crowd = crowds.get(frame)
+                        variant = writable.wire_variant
+                        crowd_key = frame if not variant or len(frame) < variant_min_bytes else (frame, variant)
+                        crowd = crowds.get(crowd_key)
                         if crowd is None:
-                            crowd = crowds[frame] = ([], [], [])
+                            crowd = crowds[crowd_key] = ([], [], [])
                         fds = crowd[0]
                         fds.append(fd)
                         crowd[1].append(writable)
                         crowd[2].append(client_id)
                         if len(fds) == CROWD_SLICE:  # the first ones need not wait for the whole cycle's hand-off
                             self._write_crowd(frame, crowd)
-                            del crowds[frame]
+                            del crowds[crowd_key]
                     else:
                         outcome = conn.deliver(batch, frame)
                 except Exception:  # a transport that broke mid-write: drop it, never the others
@@ -438,8 +449,8 @@ class Scheduler:
                     done.append(client_id)
                 if delivery_log is not None:
                     delivery_log.delivered(batch, conn, outcome is staged_ or outcome is caught_up_)
-            for frame, crowd in crowds.items():
-                self._write_crowd(frame, crowd)
+            for crowd_key, crowd in crowds.items():
+                self._write_crowd(crowd_key if isinstance(crowd_key, bytes) else crowd_key[0], crowd)
         finally:
             if sent.conns:
                 done.extend(self._crowds_sent())
@@ -451,7 +462,7 @@ class Scheduler:
         """Hand one frame for many sockets to the sender (the compiled one sends it on its own thread while
         the scheduler goes on; the twin at once)."""
         fds, group, client_ids = crowd
-        data = group[0].wire(frame)
+        data = group[0].wire(frame, len(fds))
         sent = self._sent
         sent.starts.append(len(sent.conns))
         sent.wires.append(data)

@@ -48,9 +48,10 @@ from .handshake import close_reason
 from .staging import BLOCKED, StagedWriter
 from .streams import KICK_GRACE_S, tune_stream
 from .ws_counters import WSCounters, ws_counters
+from .ws_deflate import DeflateFramer, Framers, PlainFramer, negotiated_window, offer_factory
 from .ws_keepalive import Keepalive
 from .ws_turns import PARSE_SLICE, TURN_BUDGET_S, InputTurn
-from .wsframes import client_frame_size, text_frame_header
+from .wsframes import client_frame_size
 
 __all__ = ["WSConnection", "WSCounters", "WebSocketProtocol", "protocol_class", "ws_counters"]
 
@@ -101,6 +102,9 @@ class WSService:
         self.turn = InputTurn()
         self.keepalive = Keepalive(self.config.ping_interval_s, self.config.ping_timeout_s)
         self.parsers = ParserPool(self.config.max_frame_bytes)
+        #: permessage-deflate as offered to handshakes (none: declined), and the frames' framers
+        self.extensions = [offer_factory()] if self.config.compression == "deflate" else None
+        self.framers = Framers(self.config.compression_min_bytes)
         #: the server's open connections (uvicorn's, which its shutdown closes and waits for)
         self.connections: set[Any] | None = None
 
@@ -126,7 +130,7 @@ class WebSocketProtocol(asyncio.Protocol):
     __slots__ = (
         "transport", "peer", "ws", "connection", "upgraded", "closing", "dropped", "unparsed", "unhandled",
         "deferred", "raw_fd", "held_pong", "paused", "fed", "message", "message_text", "ping_payload",
-        "ping_sent_at", "ping_rtt", "frames_at_ping", "in_message",
+        "ping_sent_at", "ping_rtt", "frames_at_ping", "in_message", "window_bits",
     )
 
     #: set on the class `protocol_class` makes for one server
@@ -140,7 +144,8 @@ class WebSocketProtocol(asyncio.Protocol):
             service.connections = server_state.connections
         self.peer: tuple[str, int] | None = None
         #: the handshake's `ServerProtocol`, then the frame parser while input is handled, else None (`_park`)
-        self.ws: Protocol | None = ServerProtocol(max_size=service.config.max_frame_bytes, logger=FRAMES_LOG)
+        self.ws: Protocol | None = ServerProtocol(extensions=service.extensions, max_size=service.config.max_frame_bytes,
+                                                  logger=FRAMES_LOG)
         self.connection: WSConnection | None = None
         #: the 101 is written: the connection is a WebSocket
         self.upgraded = False
@@ -171,6 +176,9 @@ class WebSocketProtocol(asyncio.Protocol):
         self.ping_payload: bytes | None = None
         self.ping_sent_at = self.ping_rtt = 0.0
         self.frames_at_ping = 0
+        #: permessage-deflate's window for our frames, 0 when not negotiated; the handshake's protocol, which
+        #: holds the negotiated extension, then stays the connection's parser (it inflates the client's frames)
+        self.window_bits = 0
 
     # -- asyncio's calls ----------------------------------------------------------------------------------
 
@@ -327,7 +335,8 @@ class WebSocketProtocol(asyncio.Protocol):
         """Write the 101: the connection is a WebSocket from here on; the handshake's protocol is done."""
         handshake.send_response(response)
         self.transport.write(b"".join(handshake.data_to_send()))
-        self.ws = None
+        self.window_bits = negotiated_window(handshake.extensions) if response.status_code == 101 else 0
+        self.ws = handshake if self.window_bits else None
         self.upgraded = True
         self.service.keepalive.start(self)
 
@@ -422,7 +431,7 @@ class WebSocketProtocol(asyncio.Protocol):
         idle connection then holds no websockets object (the parser, its reader and its two suspended
         generators: ~1.5 KiB it would hold for nothing)."""
         parser = self.ws
-        if parser is None or self.fed != 0 or self.in_message or parser.state is not OPEN:
+        if parser is None or self.fed != 0 or self.in_message or parser.state is not OPEN or self.window_bits:
             return
         self.ws = None
         self.service.parsers.give_back(parser)
@@ -579,31 +588,11 @@ def protocol_class(hub: Hub, limiter: ConnectionLimiter, origins: OriginPolicy,
     return type("ServedWebSocketProtocol", (WebSocketProtocol,), {"__slots__": (), "service": service})
 
 
-class _FramedCache:
-    """The WebSocket frame of the last payload: the clients of one cycle mostly get the same payload object
-    in a row, so header and payload are joined once for all of them and each write is one buffer."""
-
-    __slots__ = ("payload", "frame")
-
-    def __init__(self) -> None:
-        self.payload = b""
-        self.frame = text_frame_header(0)
-
-    def framed(self, payload: bytes) -> bytes:
-        if payload is not self.payload:
-            self.frame = text_frame_header(len(payload)) + payload
-            self.payload = payload
-        return self.frame
-
-
-#: holds one payload and its frame (the last one written) until the next payload replaces them
-framed = _FramedCache()
-
-
 class WSConnection(StagedWriter):
     """The scheduler's side of a WebSocket client: its batches as text frames on the protocol's transport."""
 
-    __slots__ = ("proto", "frames_sent", "bytes_sent", "entries_sent", "closed", "fd", "transport")
+    __slots__ = ("proto", "frames_sent", "bytes_sent", "entries_sent", "closed", "fd", "transport", "framer",
+                 "wire_variant")
 
     def __init__(self, session: ClientSession, proto: WebSocketProtocol) -> None:
         super().__init__(session)
@@ -617,6 +606,9 @@ class WSConnection(StagedWriter):
         #: the socket `direct_fd` hands out (plain TCP), -1 once closed
         self.fd = proto.raw_fd
         self.transport = proto.transport
+        #: the window bits of our compressed frames, 0: plain (`DirectWritable.wire_variant`), and their framer
+        self.wire_variant = proto.window_bits
+        self.framer: PlainFramer | DeflateFramer = proto.service.framers.for_window(proto.window_bits)
         proto.connection = self
 
     # -- fan-out writes ----------------------------------------------------------------------------------
@@ -629,7 +621,9 @@ class WSConnection(StagedWriter):
         self.entries_sent += len(batch.entries)
         if self.transport.is_closing() or self.proto.closing:  # closed, or our side already shut
             return BLOCKED
-        data = framed.framed(frame)
+        data = self.framer.framed(frame)
+        ws_counters.payload_bytes += len(frame)
+        ws_counters.wire_bytes += len(data)
         return self.write_batch((data,), len(data), batch.more)
 
     def direct_fd(self, batch: Batch, frame: bytes) -> int:
@@ -646,8 +640,11 @@ class WSConnection(StagedWriter):
         self.entries_sent += len(batch.entries)
         return fd
 
-    def wire(self, frame: bytes) -> bytes:
-        return framed.framed(frame)
+    def wire(self, frame: bytes, count: int) -> bytes:
+        data = self.framer.framed(frame)
+        ws_counters.payload_bytes += len(frame) * count
+        ws_counters.wire_bytes += len(data) * count
+        return data
 
     def write_rest(self, data: bytes, sent: int) -> bool:
         # a send error (sent < 0) is met again by the transport's own write, which then closes as usual

@@ -16,6 +16,14 @@ class WSCounters:
     input_deferrals = 0
     #: keepalive pings not sent: frames flowed since the last one and the peer's TCP acknowledged within the interval
     pings_skipped = 0
+    #: frames compressed (permessage-deflate: once per distinct frame and window), their bytes before and after
+    deflated_frames = 0
+    deflate_input_bytes = 0
+    deflate_output_bytes = 0
+    #: data frames' payload bytes handed to WebSocket clients, one count per client, and the bytes of those
+    #: frames on the wire (headers included, compressed where negotiated)
+    payload_bytes = 0
+    wire_bytes = 0
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily("fanout_ws_pongs_coalesced", "pongs not written: a later ping came while the"
@@ -27,6 +35,16 @@ class WSCounters:
         yield CounterMetricFamily("fanout_ws_input_deferrals", "times a WebSocket client's input was left for the"
                                   " next turn of the event loop (its share of the turn spent)",
                                   value=self.input_deferrals)
+        yield CounterMetricFamily("fanout_ws_payload_bytes", "payload bytes of the data frames handed to WebSocket"
+                                  " clients (one count per client)", value=self.payload_bytes)
+        yield CounterMetricFamily("fanout_ws_wire_bytes", "bytes of those frames on the wire: headers included,"
+                                  " compressed where permessage-deflate was negotiated", value=self.wire_bytes)
+        yield CounterMetricFamily("fanout_ws_deflated_frames", "frames compressed (once per distinct frame and"
+                                  " window size, whatever the number of clients)", value=self.deflated_frames)
+        yield CounterMetricFamily("fanout_ws_deflate_input_bytes", "payload bytes of the frames compressed",
+                                  value=self.deflate_input_bytes)
+        yield CounterMetricFamily("fanout_ws_deflate_output_bytes", "their payload bytes once compressed (as sent)",
+                                  value=self.deflate_output_bytes)
 
 
 ws_counters = WSCounters()

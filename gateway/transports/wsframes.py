@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import struct
 
+#: first byte of a final text frame, and of one whose payload is compressed (RSV1, RFC 7692 §6)
+TEXT = 0x81
+COMPRESSED_TEXT = 0xC1
 
-def text_frame_header(length: int) -> bytes:
+
+def text_frame_header(length: int, first: int = TEXT) -> bytes:
     """Header of an unmasked server-to-client text frame (RFC 6455 §5.2)."""
     if length < 126:
-        return bytes((0x81, length))
+        return bytes((first, length))
     if length < 65536:
-        return struct.pack("!BBH", 0x81, 126, length)
-    return struct.pack("!BBQ", 0x81, 127, length)
+        return struct.pack("!BBH", first, 126, length)
+    return struct.pack("!BBQ", first, 127, length)
 
 
 def client_frame_size(payload_length: int) -> int:

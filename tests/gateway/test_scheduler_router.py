@@ -160,7 +160,9 @@ class SocketConnection(FakeConnection):
     def direct_fd(self, batch: Any, frame: bytes) -> int:
         return -1 if self.rest or batch.more else self.sock.fileno()
 
-    def wire(self, frame: bytes) -> bytes:
+    wire_variant = 0
+
+    def wire(self, frame: bytes, count: int) -> bytes:
         return b"%08d" % len(frame) + frame  # length-prefixed, so `received` can split the stream
 
     def write_rest(self, data: bytes, sent: int) -> bool:
