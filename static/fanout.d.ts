@@ -101,6 +101,11 @@ export declare class Subscription {
   readonly state: "subscribing" | "subscribed" | "closed";
   /** Pass as `since` to a later `subscribe` (e.g. after a page reload) to resume exactly. */
   readonly position: Position | null;
+  /** Whether the gateway sends this subscription deltas (asked with `delta: "fossil"`); null: not asked. */
+  readonly deltaGranted: boolean | null;
+  /** Messages rebuilt from a delta, and deltas that did not apply (each one resubscribed with `since`). */
+  readonly deltasApplied: number;
+  readonly deltaFailures: number;
   on(event: "message", handler: (message: Message) => void): () => void;
   on(event: "loss", handler: (loss: Loss) => void): () => void;
   on(event: "subscribed", handler: (info: SubscribedInfo) => void): () => void;
@@ -133,7 +138,7 @@ export declare class Client {
   on(event: "auth", handler: (result: { user: string; expires_at: number }) => void): () => void;
   off(event: string, handler: (...args: any[]) => void): void;
   /** One subscription per topic: while one is open, the same one is returned. */
-  subscribe(topic: string, options?: { since?: Position }): Subscription;
+  subscribe(topic: string, options?: { since?: Position; delta?: "fossil" }): Subscription;
   publish(topic: string, data: unknown): Promise<{ seq: number }>;
   /** Methods: `echo`, `time`, `topics`, `whoami`. */
   rpc(method: "whoami"): Promise<{ client_id: string; transport: "ws" | "sse" | "longpoll"; user: string | null }>;

@@ -60,6 +60,8 @@
  * @property {TransportName} transport
  */
 
+import { DeltaBase, DeltaError } from "./fossil.js";
+
 export const DEFAULT_TRANSPORTS = Object.freeze(["ws", "sse", "lp"]);
 
 const DEFAULTS = {
@@ -414,7 +416,7 @@ function available(name) {
  * `taken_over`, `lost`, `error`, `client_closed`).
  */
 export class Subscription extends Emitter {
-  constructor(client, topic, since) {
+  constructor(client, topic, since, delta = null) {
     super();
     /** @type {Client} */
     this.client = client;
@@ -432,6 +434,13 @@ export class Subscription extends Emitter {
     this.acking = false;
     /** the highest seq this subscription (since its last `subscribed`) was handed: never acknowledged past it */
     this.receivedTop = -1;
+    /** `delta: "fossil"`: the base the topic's deltas apply to (fossil.js) */
+    this.deltaBase = delta === "fossil" ? new DeltaBase() : null;
+    /** @type {boolean | null} whether the gateway sends deltas (its last `subscribed` said so); null: not asked */
+    this.deltaGranted = null;
+    /** messages rebuilt from a delta, and deltas that failed (each resubscribes with `since`) */
+    this.deltasApplied = 0;
+    this.deltaFailures = 0;
   }
 
   /** Where to resume: pass it as `since` to a later `subscribe` (another page load) for an exact recovery. */
@@ -453,12 +462,28 @@ export class Subscription extends Emitter {
     // with its next poll already.
     this.acking = this.client.transport !== "lp";
     if (this.acking) command.ack = true;
+    if (this.deltaBase) command.delta = "fossil";
     return command;
+  }
+
+  /** A message's data; on a delta subscription rebuilt from the base (throws DeltaError). */
+  _dataOf(entry) {
+    const base = this.deltaBase;
+    if (!base || entry.delta === undefined) return entry.data;
+    if (entry.delta === true) {
+      const data = base.apply(entry.data);
+      this.deltasApplied++;
+      return data;
+    }
+    if (typeof entry.data !== "string") throw new DeltaError("a whole message of a delta subscription holds its text");
+    return base.whole(entry.data);
   }
 
   _onSubscribed(entry) {
     const resumed = this.epoch !== null && this.nextSeq !== null;
     this.receivedTop = -1;
+    if (entry.delta !== undefined) this.deltaGranted = entry.delta === true;
+    this.deltaBase?.reset(); // the gateway sends the next message whole
     this.kind = entry.kind;
     this.state = "subscribed";
     if (!resumed || entry.epoch !== this.epoch) {
@@ -486,12 +511,23 @@ export class Subscription extends Emitter {
       this.receivedTop = Math.max(this.receivedTop, entry.seq);
       this.client._ackLater(this);
     }
+    let data;
+    try {
+      data = this._dataOf(entry);
+    } catch (error) {
+      if (!(error instanceof DeltaError)) throw error;
+      // nothing is shown of it: subscribe again from its seq, and the gateway sends it whole
+      this.deltaFailures++;
+      this.deltaBase.reset();
+      this.client._resubscribe(this);
+      return;
+    }
     if (this.nextSeq !== null) {
       if (entry.seq < this.nextSeq) return; // had it already: redelivery, or an older snapshot value
       if (entry.seq > this.nextSeq && this.kind !== "snapshot") this._loss(this.nextSeq, entry.seq, "gap");
     }
     this.nextSeq = entry.seq + 1;
-    this._emit("message", { topic: this.topic, seq: entry.seq, data: entry.data, epoch: this.epoch });
+    this._emit("message", { topic: this.topic, seq: entry.seq, data, epoch: this.epoch });
   }
 
   _onLoss(entry) {
@@ -581,14 +617,16 @@ export class Client extends Emitter {
   /**
    * Subscribe to a topic (one subscription per topic: a second call returns the first while it is open).
    * @param {string} topic
-   * @param {{since?: {epoch: string, seq: number}}} [options] recover from seq `since.seq` of `since.epoch`
+   * @param {{since?: {epoch: string, seq: number}, delta?: "fossil"}} [options] recover from seq `since.seq`
+   *   of `since.epoch`; `delta: "fossil"`: the gateway may send messages as deltas of the one before, where
+   *   the topic allows (`deltaGranted`); they are applied and checked here, so the events are the same
    * @returns {Subscription}
    */
   subscribe(topic, options = {}) {
     if (this.state === "closed") throw new FanoutError("closed", "the client is closed");
     const existing = this.subscriptions.get(topic);
     if (existing && existing.state !== "closed") return existing;
-    const sub = new Subscription(this, topic, options.since ?? null);
+    const sub = new Subscription(this, topic, options.since ?? null, options.delta ?? null);
     this.subscriptions.set(topic, sub);
     if (this.state === "connected") this._sendSubscribe(sub);
     return sub;
@@ -690,6 +728,14 @@ export class Client extends Emitter {
     const id = this._nextId++;
     this._pending.set(id, { kind: "subscribe", sub, timer: null });
     this._send(sub._command(id));
+  }
+
+  /** Unsubscribe and subscribe again from the next seq `sub` needs (a delta that did not apply). */
+  _resubscribe(sub) {
+    if (this.state !== "connected" || sub.state === "closed") return;
+    sub.state = "subscribing"; // what comes before the new `subscribed` is dropped
+    this._send({ op: "unsubscribe", topic: sub.topic });
+    this._sendSubscribe(sub);
   }
 
   _unsubscribe(sub) {

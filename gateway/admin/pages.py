@@ -18,7 +18,7 @@ from starlette.types import Scope
 from ..edge.origin import OriginPolicy
 
 #: Files any allowed origin may load (paths relative to the pages' folder).
-CLIENT_LIBRARY = frozenset({"fanout.js", "fanout.d.ts"})
+CLIENT_LIBRARY = frozenset({"fanout.js", "fanout.d.ts", "fossil.js"})
 
 
 class Pages(StaticFiles):

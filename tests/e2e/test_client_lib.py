@@ -42,6 +42,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The static files the test gateways serve: the library as shipped, and the harness page."""
     root = tmp_path_factory.mktemp("site")
     shutil.copy(ROOT / "static" / "fanout.js", root / "fanout.js")
+    shutil.copy(ROOT / "static" / "fossil.js", root / "fossil.js")  # fanout.js imports it
     shutil.copy(ROOT / "tests" / "e2e" / "pages" / "harness.html", root / "harness.html")
     return root
 
@@ -124,6 +125,38 @@ def test_websocket_subscribes_receives_in_order_publishes_and_calls(site: Path, 
         assert rec["losses"][topic] == [] and rec["errors"] == []
         assert rec["states"] == ["connecting", "connected"]
         assert rec["transports"] == ["ws"]
+
+
+def book(step: int) -> dict:
+    """An order book of 40 levels a side; each step changes three levels."""
+    levels = {"bids": [[10000 - i, 100 + i] for i in range(40)], "asks": [[10001 + i, 200 + i] for i in range(40)]}
+    for k in range(3 * step):
+        levels["bids" if k % 2 else "asks"][(k * 7) % 40][1] += 1
+    return levels
+
+
+def test_deltas_over_compressed_frames_arrive_intact(site: Path, browser: Chromium) -> None:
+    """Chromium offers permessage-deflate by itself: the books arrive compressed, as fossil deltas, intact."""
+    topic = "book.lib"
+    rules = {"rules": [{"pattern": "book.*", "anonymous": True, "delta": "fossil"}]}
+    with gateway(site, topics=rules) as gw:
+        browser.open(f"{gw.http_url}/harness.html")
+        browser.evaluate(f"start({json.dumps(FAST)})")
+        browser.evaluate(f"sub({json.dumps(topic)}, {{delta: 'fossil'}})")
+        browser.wait_for(f"rec.subscribed[{json.dumps(topic)}].length >= 1", what="subscribed", dump=DUMP)
+        books = [book(step) for step in range(20)]
+        for data in books:
+            publish(gw, topic, [data])
+        msgs = wait_msgs(browser, topic, 20)
+        assert [m[2] for m in msgs] == books and [m[1] for m in msgs] == list(range(20))
+        sub = f"subs[{json.dumps(topic)}]"
+        assert browser.evaluate(f"{sub}.deltaGranted") is True
+        assert browser.evaluate(f"{sub}.deltasApplied") == 19 and browser.evaluate(f"{sub}.deltaFailures") == 0
+        metrics = httpx.get(f"{gw.http_url}/metrics", headers={"Authorization": f"Bearer {gw.admin_token}"}).text
+        counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith(("fanout_ws_deflated_frames_total", "fanout_ws_deflate_"))}
+        assert counts["fanout_ws_deflated_frames_total"] >= 1  # the first book, whole, went compressed
+        assert counts["fanout_ws_deflate_output_bytes_total"] < counts["fanout_ws_deflate_input_bytes_total"] / 2
 
 
 def test_a_new_gateway_on_the_same_port_is_one_epoch_loss(site: Path, browser: Chromium) -> None:
