@@ -43,6 +43,12 @@ MAX_TARGET_BYTES = 16 * 1024 * 1024
 MAX_NUMBER_DIGITS = 8
 #: a match of this many bytes is compared in one slice before the comparison looks closer
 _FIRST_STRIDE = 32
+#: how far past a copy's end a change may run before the source is looked for again where that copy left
+#: it (`_realigned`), the shifts tried there (nearest first), and the shortest copy taken that way
+REALIGN_SPAN = 24
+REALIGN_SHIFT = 3
+_SHIFTS = (0, *(s for k in range(1, REALIGN_SHIFT + 1) for s in (k, -k)))
+REALIGN_MIN = 6
 
 _NEWLINE, _COPY, _COMMA, _INSERT, _END = b"\n"[0], b"@"[0], b","[0], b":"[0], b";"[0]
 
@@ -152,7 +158,15 @@ def _put_edits(out: bytearray, source: bytes, target: bytes) -> None:
     index = _SourceIndex(source)
     size = len(target)
     base = 0  # target bytes before it are written to the delta
+    source_end = 0  # where the last copy ended in the source (the start: both begin alike, as JSON does)
     while base + WINDOW < size:
+        near = _realigned(source, target, base, source_end)
+        if near is not None:
+            start, offset, count = near
+            _put_insert(out, target, base, start)
+            _put_copy(out, offset, count)
+            base, source_end = start + count, offset + count
+            continue
         low, high = _window_hash(target, base)
         ahead = 0  # the window starts at base + ahead
         while True:
@@ -162,7 +176,7 @@ def _put_edits(out: bytearray, source: bytes, target: bytes) -> None:
                 start, offset, count = match
                 _put_insert(out, target, base, start)
                 _put_copy(out, offset, count)
-                base = start + count
+                base, source_end = start + count, offset + count
                 break
             if base + ahead + WINDOW >= size:
                 _put_insert(out, target, base, size)
@@ -173,6 +187,32 @@ def _put_edits(out: bytearray, source: bytes, target: bytes) -> None:
             high = (high - WINDOW * leaving + low) & 0xFFFF
             ahead += 1
     _put_insert(out, target, base, size)
+
+
+def _realigned(source: bytes, target: bytes, base: int, source_end: int) -> tuple[int, int, int] | None:
+    """A copy that resumes the source just after a short change: within `REALIGN_SPAN` bytes of ``base``,
+    the target agreeing again with the source where the last copy left it, shifted by at most `REALIGN_SHIFT`
+    bytes (a value rewritten with as many characters, or a few more or fewer). The block hash finds no copy
+    shorter than two blocks between two changes (an unchanged ``,"t":"t0000","n":`` between a new timestamp
+    and a new count), so without this they would be inserted whole. (target start, source offset, length)."""
+    size, limit = len(target), len(source)
+    for ahead in range(REALIGN_SPAN + 1):
+        here = base + ahead
+        if here >= size:
+            return None
+        best: tuple[int, int, int] | None = None
+        for shift in _SHIFTS:
+            at = source_end + ahead + shift
+            if not 0 <= at < limit or source[at] != target[here]:
+                continue
+            forward = _match_forward(source, at, target, here)
+            start, offset, count = _whole_characters(target, here, at, forward)
+            cost = _number_width(start - base) + _number_width(count) + _number_width(offset) + 3
+            if count >= max(cost, REALIGN_MIN) and (best is None or count > best[2]):
+                best = (start, offset, count)
+        if best is not None:
+            return best
+    return None
 
 
 def _best_match(source: bytes, target: bytes, index: _SourceIndex, block: int, base: int,

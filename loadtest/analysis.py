@@ -324,6 +324,8 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
     sent = summary.get("server_segments") or 0
     out["server segments/delivery"] = round(sent / delivered, 3) if delivered else 0.0
     out["server cpu us/segment"] = round(1e6 * cpu.get("server", {}).get("cpu_s", 0.0) / sent, 3) if sent else 0.0
+    # bytes the WebSocket clients read per delivery: frames with their headers, compressed where negotiated
+    out["wire bytes/delivery"] = summary.get("wire", {}).get("per_delivery") or 0.0
     if "broker" in cpu:  # server.workers > 1: Redis, beside (not in) the server's figures
         out["broker cpu us/delivery"] = round(1e6 * cpu["broker"].get("cpu_s", 0.0) / delivered, 3) if delivered else 0.0
     storm = summary.get("storm")

@@ -1,7 +1,8 @@
 """``fanout-loadtest chaos``: faults on a two-node cluster under load, then the invariant (docs/reliability.md).
 
 Starts redis-server (append-only file, fsync always: a restart keeps what it accepted), or with ``--redis
-sentinel`` a primary, a replica and three sentinels (loadtest/sentinelproc.py), and two gateway nodes
+sentinel`` a primary, a replica and three sentinels (loadtest/sentinelproc.py), or with ``--redis cluster`` a
+Redis Cluster of three primaries and three replicas (loadtest/clusterproc.py), and two gateway nodes
 on it (``--workers N``: one node with N worker processes), a faulty TCP proxy in front of each node, clients
 on every transport (raw WebSocket, SSE, long-poll, fanout_client) on ring, snapshot and private topics (the
 private ones on every transport, acknowledged over SSE and fanout_client), publishers on the TCP ingest and
@@ -45,6 +46,7 @@ from loadtest.chaos_clients import (
     WsClient,
     ws_burst,
 )
+from loadtest.clusterproc import ClusterTopology, key_slot
 from loadtest.redisproc import RedisProcess, free_port
 from loadtest.sentinelproc import SentinelTopology
 
@@ -56,6 +58,11 @@ FAULTS = ("node-kill", "redis-restart", "redis-wipe", "redis-stall", "path-delay
 #: kill -9, its replica promoted by the sentinels (the killed process comes back as the new replica)
 SENTINEL_FAULTS = ("node-kill", "primary-kill", "path-delay", "path-cut", "path-stall", "path-lossy", "slow-reader",
                    "storm", "burst", "takeover", "crowd")
+#: the faults of a Redis Cluster run (`--redis cluster`): the primary of the shard holding the first ring topic
+#: killed -9 (its replica promoted by the cluster; the killed process comes back as its replica), and that
+#: topic's slot moved to another primary under load
+CLUSTER_FAULTS = ("node-kill", "shard-kill", "slot-move", "path-delay", "path-cut", "path-stall", "path-lossy",
+                  "slow-reader", "storm", "burst", "takeover", "crowd")
 #: how long a `primary-kill` waits for the sentinels to name the replica primary
 PROMOTION_MAX_S = 30.0
 RING = ["chaos.ring.0", "chaos.ring.1"]
@@ -238,7 +245,10 @@ class Chaos:
         self.warmup = warmup
         #: `--redis sentinel`: the topology, whose primary is `redis` (it changes with each `primary-kill`)
         self.topology = SentinelTopology(workdir / "sentinel") if redis == "sentinel" else None
-        self.redis = self.topology.primary if self.topology else RedisProcess(workdir / "redis", appendonly=True)
+        #: `--redis cluster`: the Redis Cluster (`redis` is one of its nodes, sampled for memory)
+        self.cluster = ClusterTopology(workdir / "cluster") if redis == "cluster" else None
+        self.redis = self.topology.primary if self.topology else \
+            self.cluster.nodes[0] if self.cluster else RedisProcess(workdir / "redis", appendonly=True)
         self.nodes: list[Node] = []
         self.proxies: list[FaultyProxy] = []
         self.acc = Accepted()
@@ -258,6 +268,9 @@ class Chaos:
             await asyncio.to_thread(self.topology.start)
             broker = (f"sentinel_addresses = {json.dumps(self.topology.addresses)}\n"
                       f"sentinel_master = \"{self.topology.broker_section()['sentinel_master']}\"")
+        elif self.cluster is not None:
+            await asyncio.to_thread(self.cluster.start)
+            broker = f"cluster_addresses = {json.dumps(self.cluster.addresses)}"
         else:
             self.redis.start()
             broker = f'url = "{self.redis.url}"'
@@ -407,6 +420,10 @@ class Chaos:
             await asyncio.to_thread(self.redis.start)
         elif name == "primary-kill":
             return await self.kill_primary()
+        elif name == "shard-kill":
+            return await self.kill_shard()
+        elif name == "slot-move":
+            return await self.move_slot()
         elif name == "path-delay":
             pa.delay = 0.3
             await asyncio.sleep(6.0)
@@ -481,6 +498,41 @@ class Chaos:
         await asyncio.to_thread(victim.start)
         return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s,
                 "healed_at": killed_at}
+
+    def ring_slot(self) -> int:
+        return key_slot(f"fanout:{{{RING[0]}}}:c")
+
+    async def kill_shard(self) -> dict[str, Any]:
+        """kill -9 the primary of the first ring topic's shard; the cluster promotes its replica; the killed
+        process comes back as that replica. As on Sentinel, a kill counts as a wipe for private queues."""
+        cluster = self.cluster
+        assert cluster is not None
+        killed, killed_at = time.monotonic(), time.time()
+        self.wipes.append(killed_at)
+        victim = await asyncio.to_thread(cluster.kill_primary, self.ring_slot())
+        accepted = asyncio.create_task(self.accepted_again(killed))
+        try:
+            await asyncio.to_thread(cluster.wait_promoted, self.ring_slot(), victim, PROMOTION_MAX_S)
+        except RuntimeError:
+            accepted.cancel()
+            return {"promoted": False, "healed_at": killed_at}
+        promoted_s = time.monotonic() - killed
+        accepted_s = await accepted
+        await asyncio.to_thread(victim.start)  # its nodes.conf: it rejoins, as the new primary's replica
+        return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s,
+                "healed_at": killed_at}
+
+    async def move_slot(self) -> dict[str, Any]:
+        """Move the first ring topic's slot to another primary under load (as `redis-cli --cluster reshard`)."""
+        cluster = self.cluster
+        assert cluster is not None
+        slot = self.ring_slot()
+        source = await asyncio.to_thread(cluster.primary_of, slot)
+        target = next(p for p in await asyncio.to_thread(cluster.primaries) if p is not source)
+        t0 = time.monotonic()
+        keys = await asyncio.to_thread(cluster.move_slot, slot, target)
+        return {"slot": slot, "keys": keys, "from": source.port, "to": target.port,
+                "moved_s": round(time.monotonic() - t0, 2)}
 
     async def accepted_again(self, since: float) -> float | None:
         """Seconds from `since` (monotonic) until an admin publish is accepted again (None: not within
@@ -733,6 +785,8 @@ def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_
             node.stop()
         if chaos.topology is not None:
             chaos.topology.stop()
+        elif chaos.cluster is not None:
+            chaos.cluster.stop()
         else:
             chaos.redis.stop()
         if out is not None:
@@ -757,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds (default 1800: the soak)")
     parser.add_argument("--faults", default="all",
                         help=f"comma-separated, in turn (default all: {','.join(FAULTS)}; with --redis sentinel:"
-                        f" {','.join(SENTINEL_FAULTS)}); '' for none")
+                        f" {','.join(SENTINEL_FAULTS)}; with --redis cluster: {','.join(CLUSTER_FAULTS)}); '' for"
+                        " none")
     parser.add_argument("--out", type=Path, help="results directory (default results/chaos-TIME)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the pauses between faults")
     parser.add_argument("--sample", type=float, default=5.0, help="seconds between RSS / fd / Redis samples")
@@ -765,11 +820,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 15%% of the duration, 10 to 60)")
     parser.add_argument("--workers", type=int, default=1,
                         help="N > 1: one node with server.workers = N instead of two nodes (node-kill: one worker -9)")
-    parser.add_argument("--redis", choices=("single", "sentinel"), default="single",
-                        help="one redis-server (default), or a primary, a replica and three sentinels")
+    parser.add_argument("--redis", choices=("single", "sentinel", "cluster"), default="single",
+                        help="one redis-server (default), a primary, a replica and three sentinels, or a Redis"
+                        " Cluster of three primaries and three replicas")
     args = parser.parse_args(argv)
     try:
-        faults = parse_faults(args.faults, SENTINEL_FAULTS if args.redis == "sentinel" else FAULTS)
+        known = {"sentinel": SENTINEL_FAULTS, "cluster": CLUSTER_FAULTS}.get(args.redis, FAULTS)
+        faults = parse_faults(args.faults, known)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     if not (shutil.which("redis-server") or os.path.exists("/usr/bin/redis-server")):

@@ -110,6 +110,8 @@ linger = {float(linger)}
 reorder_window = 64
 client_publish = true
 anonymous = true
+# free unless a subscriber asks for deltas (--delta fossil)
+delta = "fossil"
 
 [scheduler]
 cycle_budget_bytes = 65536

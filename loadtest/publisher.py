@@ -32,6 +32,7 @@ import msgspec
 
 from fanout_client.ingest import AsyncIngestConnection, BadAnswer, ErrorAnswer, Synced
 from loadtest.aio import run_loop
+from loadtest.book import BOOK, Books
 from loadtest.httpclient import HttpConnection, open_connection
 from loadtest.procstat import raise_nofile_limit
 from loadtest.target import Target
@@ -62,7 +63,7 @@ class PublisherSpec:
     fixed: bool
     duration: float
     messages: int
-    payload: int
+    payload: int | str
     #: "ingest" or "admin" for the gateway; ignored for nchan (always its publisher location)
     via: str = "ingest"
     #: closed loop (``fixed=False`` only): most deliveries in flight; 0 = open loop
@@ -91,14 +92,18 @@ def topic_cycle(rates: tuple[float, ...], length: int = 10_000) -> list[int]:
 class Messages:
     """Builds message bodies: one counter per topic, the timestamp taken at build time."""
 
-    def __init__(self, topics: tuple[str, ...], rates: tuple[float, ...], payload: int) -> None:
+    def __init__(self, topics: tuple[str, ...], rates: tuple[float, ...], payload: int | str) -> None:
         self.names = [t.encode() for t in topics]
         self.cycle = topic_cycle(rates)
         self.position = 0
         self.next_n = [0] * len(topics)
-        self.pad = b"x" * payload
+        self.pad = b"x" * payload if isinstance(payload, int) else b""
+        #: ``--payload book``: an order book per topic instead of the padding (loadtest/book.py)
+        self.books = Books(len(topics)) if payload == BOOK else None
 
     def data(self, topic: int, n: int) -> bytes:
+        if self.books is not None and n >= 0:
+            return self.books.data(topic, self.names[topic], n, time.time_ns())
         return b'{"ts":%d,"t":"%s","n":%d,"pad":"%s"}' % (time.time_ns(), self.names[topic], n, self.pad)
 
     def take(self, count: int) -> list[int]:

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from loadtest import analysis, deliverylog, publisher, recorder, report, segments, worker
+from loadtest.book import BOOK
 from loadtest.procstat import MachineSampler, TreeSampler, peak_rss, raise_nofile_limit, tree_rss, wait_quiet
 from loadtest.scenarios import Plan, Scenario, plan
 from loadtest.target import Target
@@ -129,7 +130,8 @@ class LoadRun:
         for slot, part in enumerate(_split(indexed, procs)):
             spec = worker.WorkerSpec(slot, target, p.topics, part, len(p.clients), stall_at, stall_for,
                                      str(self.out / f"worker{slot}.pickle"), self.connect_timeout, self.max_rows,
-                                     period, s.source_addrs, s.storm_at, s.storm_spread, s.seed)
+                                     period, s.source_addrs, s.storm_at, s.storm_spread, s.seed,
+                                     s.compression, s.delta, s.payload == BOOK)
             workers.append(self._start(worker.main, spec, counters, name=f"loadtest-clients{slot}"))
         _, error = _recv(pub, PRIME_TIMEOUT, "publisher")
         if error:
@@ -172,6 +174,8 @@ class LoadRun:
             n = len(worker.COUNTERS)
             return {name: sum(counters[i * n + k] for i in range(procs)) for k, name in enumerate(worker.COUNTERS)}
 
+        # what the WebSocket clients read before publishing starts (handshakes, `subscribed`) is not counted
+        wire_at_go = totals()["wire_bytes"]
         published: dict[str, Any] = {}
         with self._progress() as bar:
             task = bar.add_task("publishing", total=s.duration)
@@ -231,6 +235,13 @@ class LoadRun:
 
         data = analysis.merge(dumps, p, published)
         summary = analysis.summarize(data, s, p, target.kind, go_ns, stall_for > 0)
+        end = totals()  # the workers' last counts, copied as they stopped
+        delivered = end["msgs_light"] + end["msgs_stalled"]
+        # bytes the WebSocket clients read (the server's TCP payload to them: frames, headers, compressed
+        # where negotiated) per message delivered
+        summary["wire"] = {"bytes": end["wire_bytes"] - wire_at_go, "per_delivery": round(
+            (end["wire_bytes"] - wire_at_go) / delivered, 1) if delivered else None,
+            "compression": s.compression, "delta": s.delta, "payload": s.payload}
         summary["cpu"] = self._cpu(server, loadgen, machine, t_go, t_end, dumps, published)
         if broker is not None:
             summary["cpu"]["broker"] = broker.window(t_go, t_end)

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import MAX_LINGER
+from loadtest.book import BOOK
 
 TRANSPORTS = ("ws", "longpoll", "mixed")
+COMPRESSIONS = ("off", "deflate")
+DELTAS = ("off", "fossil")
 PUBLISH_VIA = ("ingest", "admin")
 #: ``--batch-depth auto``: the gateway's ``batch_depth = "auto"`` (docs/design/batching.md §8)
 AUTO = "auto"
@@ -56,8 +59,13 @@ class Scenario:
     subs: int = 3
     #: total messages per second over the base topics; ``None`` publishes as fast as the target takes them
     rate: float | None = 1000.0
-    #: bytes of padding in each message's data (the JSON around it adds ~60 bytes)
-    payload: int = 64
+    #: bytes of padding in each message's data (the JSON around it adds ~60 bytes), or "book": an order book
+    #: of 20 levels a side, 3 changed per update (loadtest/book.py)
+    payload: int | str = 64
+    #: "deflate": WebSocket clients offer permessage-deflate (and inflate); "off": they do not
+    compression: str = "off"
+    #: "fossil": WebSocket clients subscribe with deltas and apply them; "off": whole messages
+    delta: str = "off"
     transport: str = "ws"
     duration: float = 5.0
     #: hard cap on published messages, whatever the rate
@@ -143,6 +151,13 @@ class Scenario:
             raise ValueError("duration, messages and procs must be positive")
         if self.window < 0:
             raise ValueError("window must be >= 0")
+        if self.payload != BOOK and not (isinstance(self.payload, int) and self.payload >= 0):
+            raise ValueError(f'payload must be a number of bytes >= 0 or "{BOOK}"')
+        if self.compression not in COMPRESSIONS or self.delta not in DELTAS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, delta one of {DELTAS}")
+        if self.delta != "off" and (self.transport != "ws" or self.shipped):
+            raise ValueError("delta needs WebSocket clients (--transport ws) and the load tool's gateway config"
+                             " (--no-shipped): the shipped topic rules have no delta")
         if self.batch_depth != AUTO and not (isinstance(self.batch_depth, int) and self.batch_depth >= 1):
             raise ValueError(f'batch_depth must be an integer >= 1 or "{AUTO}"')
         if not 0.0 <= self.linger <= MAX_LINGER:
@@ -288,7 +303,10 @@ _FLAGS: dict[str, tuple[str, _Parse | str, str]] = {
     "--topics": ("topics", int, "number of base topics"),
     "--subs": ("subs", int, "subscriptions per client"),
     "--rate": ("rate", "rate", "total publish rate in msgs/s, or 'max'"),
-    "--payload": ("payload", int, "padding bytes per message"),
+    "--payload": ("payload", "payload", 'padding bytes per message, or "book": an order book of 20 levels a side,'
+                  " 3 changed per update"),
+    "--compression": ("compression", str, 'WebSocket clients offer permessage-deflate ("deflate") or not ("off")'),
+    "--delta": ("delta", str, 'WebSocket clients subscribe with fossil deltas ("fossil") or not ("off")'),
     "--transport": ("transport", str, "ws, longpoll or mixed"),
     "--duration": ("duration", float, "publish for this many seconds"),
     "--messages": ("messages", int, "stop publishing after this many messages"),
@@ -339,7 +357,17 @@ def parse_depth(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"batch depth must be a positive integer or '{AUTO}', not {text!r}") from None
 
 
-_PARSERS: dict[str, _Parse] = {"rate": parse_rate, "depth": parse_depth}
+def parse_payload(text: str) -> int | str:
+    """A ``--payload`` value: padding bytes, or ``book``."""
+    if text.strip().lower() == BOOK:
+        return BOOK
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"payload must be a number of bytes or '{BOOK}', not {text!r}") from None
+
+
+_PARSERS: dict[str, _Parse] = {"rate": parse_rate, "depth": parse_depth, "payload": parse_payload}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

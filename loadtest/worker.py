@@ -27,7 +27,9 @@ from typing import Any
 
 import orjson
 
+from fanout_client.fossil import DeltaBase, DeltaError
 from loadtest.aio import run_loop
+from loadtest.book import intact
 from loadtest.httpclient import HttpConnection, open_connection
 from loadtest.procstat import raise_nofile_limit
 from loadtest.recorder import DEFAULT_MAX_ROWS, Recorder
@@ -35,7 +37,8 @@ from loadtest.scenarios import ClientPlan, source_addr
 from loadtest.target import Target
 from loadtest.wsclient import WsClient, connect
 
-COUNTERS = ("ready", "closed", "msgs_light", "msgs_stalled", "lost_light", "lost_stalled", "frames", "errors")
+COUNTERS = ("ready", "closed", "msgs_light", "msgs_stalled", "lost_light", "lost_stalled", "frames", "errors",
+            "wire_bytes")
 #: handshakes in flight per process: a burst of thousands overflows the server's accept backlog
 CONNECT_CONCURRENCY = 64
 CONNECT_ATTEMPTS = 3
@@ -70,6 +73,11 @@ class WorkerSpec:
     storm_at: float | None = None
     storm_spread: float = 5.0
     seed: int = 1
+    #: WebSocket clients offer permessage-deflate ("deflate"), subscribe with fossil deltas ("fossil"), and
+    #: check each order book they get against its checksum (``--payload book``)
+    compression: str = "off"
+    delta: str = "off"
+    books: bool = False
 
 
 class Subscriber:
@@ -140,12 +148,24 @@ class WsSubscriber(Subscriber):
     """A WebSocket client of the gateway (JSON array batches) or of nchan (one raw body per frame)."""
 
     ws: WsClient | None = None
+    #: bytes read by the connections this client dropped (a storm)
+    old_bytes = 0
+    #: ``--delta fossil``: each topic's base (by topic name)
+    bases: dict[str, DeltaBase] | None = None
 
     async def start(self) -> None:
-        target = self.worker.spec.target
-        topics = [self.worker.spec.topics[t] for t in self.plan.topics]
+        spec = self.worker.spec
+        target = spec.target
+        topics = [spec.topics[t] for t in self.plan.topics]
+        if spec.delta == "fossil":
+            self.bases = {name: DeltaBase() for name in topics}
         self.ws = await connect(target.host, target.http_port, target.ws_path(topics), self,
-                                timeout=self.worker.spec.connect_timeout, source=self.source)
+                                timeout=spec.connect_timeout, source=self.source,
+                                compression=spec.compression == "deflate")
+
+    @property
+    def bytes_received(self) -> int:
+        return self.old_bytes + (self.ws.bytes_received if self.ws is not None else 0)
 
     def ws_open(self) -> None:
         self.connected_ns = self.connected_ns or time.time_ns()  # the first connection's (a storm's: open_ns)
@@ -170,29 +190,63 @@ class WsSubscriber(Subscriber):
                     data = None
                 recorder.raw_message(self.index, body, data, self.batch, now_ns)
             return
+        checked = self.bases is not None or self.worker.spec.books
         for body in messages:
             self.batch += 1
-            if recorder.msg_frame(self.index, body, self.batch, now_ns):
+            if not checked and recorder.msg_frame(self.index, body, self.batch, now_ns):
                 continue
             try:
                 entries = loads(body)
             except orjson.JSONDecodeError:
                 self.recorder.errors["bad_json"] += 1
                 continue
+            if checked and type(entries) is list:
+                self._rebuild(entries)
             self._got(entries, self.batch, now_ns)
+
+    def _rebuild(self, entries: list[Any]) -> None:
+        """Apply the deltas of a batch (``--delta fossil``) and check each order book (``--payload book``): a
+        message that fails either is counted as an error (``delta_failed``, ``corrupt``) and not recorded."""
+        bases, errors = self.bases, self.recorder.errors
+        for i, e in enumerate(entries):
+            if type(e) is not dict or e.get("type") != "msg":
+                if bases is not None and type(e) is dict and e.get("type") in ("subscribed", "loss"):
+                    base = bases.get(str(e.get("topic")))  # the gateway sends the next message whole
+                    if base is not None:
+                        base.reset()
+                continue
+            if bases is not None and "delta" in e:
+                base = bases.get(str(e.get("topic")))
+                try:
+                    if base is None:
+                        raise DeltaError("no base")
+                    e["data"] = base.apply(e["data"]) if e["delta"] is True else base.whole_text(e["data"].encode())
+                except (DeltaError, AttributeError):
+                    errors["delta_failed"] += 1
+                    entries[i] = {}
+                    continue
+            if not intact(e.get("data")):
+                errors["corrupt"] += 1
+                entries[i] = {}
 
     def ws_closed(self, reason: str) -> None:
         self._mark_closed(reason)
 
     def subscribe(self) -> None:
         if self.worker.spec.target.kind != "nchan" and self.ws is not None:  # gateway, bare
-            commands = [{"op": "subscribe", "topic": self.worker.spec.topics[t]} for t in self.plan.topics]
+            commands: list[dict[str, Any]] = [{"op": "subscribe", "topic": self.worker.spec.topics[t]}
+                                              for t in self.plan.topics]
+            if self.bases is not None:
+                for command in commands:
+                    command["delta"] = "fossil"
             self.ws.send_text(orjson.dumps(commands))
 
     def drop(self, storm_ns: int) -> None:
         """The storm: abort the connection (RST, nothing more read from it)."""
         ws, self.ws = self.ws, None
         self.storm_ns = storm_ns
+        if ws is not None:
+            self.old_bytes += ws.bytes_received
         if ws is not None and ws.transport is not None:
             ws.listener = DETACHED
             ws.transport.abort()
@@ -421,7 +475,8 @@ class Worker:
         counters, base = self.counters, self.base
         if full:
             values = (sum(1 for s in self.subscribers if s.ready.done() and not s.ready.cancelled()), self.closed,
-                      r.msgs[0], r.msgs[1], r.lost[0], r.lost[1], r.frames, sum(r.errors.values()))
+                      r.msgs[0], r.msgs[1], r.lost[0], r.lost[1], r.frames, sum(r.errors.values()),
+                      sum(s.bytes_received for s in self.subscribers if isinstance(s, WsSubscriber)))
             for i, v in enumerate(values):
                 counters[base + i] = v
             return

@@ -3,7 +3,8 @@
 No task and no queue per connection: bytes from the socket go straight through the parser, and the
 complete messages of one read are handed to the owner in one call, with the time of that read. This is
 what lets one process hold thousands of subscribers (``python -m loadtest wsbench`` measures it against the
-websockets asyncio client). Compression is never offered: fan-out servers share one encoded frame.
+websockets asyncio client). permessage-deflate is offered only when asked (``compression``), with no context
+takeover either way, so each compressed frame inflates on its own.
 
 websockets does the handshake, the control frames and any error; the server's plain data frames are cut
 by the client itself (``WsClient._split``, ~0.35 us a frame against websockets' ~1.9 us), so that one load
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from typing import Protocol, cast
 
 from websockets.client import ClientProtocol
+from websockets.extensions.permessage_deflate import ClientPerMessageDeflateFactory
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Response
 from websockets.protocol import State
@@ -28,6 +31,8 @@ MAX_MESSAGE = 16 * 2**20
 MAX_HEAD = 64 * 2**10
 #: after our close frame, how long to wait for the server to close TCP before we do
 CLOSE_TIMEOUT = 1.0
+#: the end of a sync flush, which the server drops from a compressed message (RFC 7692 §7.2.1)
+FLUSH_TAIL = b"\x00\x00\xff\xff"
 
 
 class Listener(Protocol):
@@ -47,9 +52,15 @@ class WsClient(asyncio.Protocol):
     with ``time.time_ns()`` taken once when that read arrived.
     """
 
-    def __init__(self, url: str, listener: Listener) -> None:
+    def __init__(self, url: str, listener: Listener, compression: bool = False) -> None:
         self.listener = listener
-        self.protocol = ClientProtocol(parse_uri(url), max_size=MAX_MESSAGE)
+        offer = [ClientPerMessageDeflateFactory(server_no_context_takeover=True, client_no_context_takeover=True,
+                                                client_max_window_bits=None)] if compression else None
+        self.protocol = ClientProtocol(parse_uri(url), extensions=offer, max_size=MAX_MESSAGE)
+        #: permessage-deflate was negotiated: frames with RSV1 are inflated here
+        self.inflating = False
+        #: bytes read from the socket (the server's TCP payload to this client, the handshake's answer included)
+        self.bytes_received = 0
         self.transport: asyncio.Transport | None = None
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.closed = False
@@ -74,6 +85,7 @@ class WsClient(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = time.time_ns()
+        self.bytes_received += len(data)
         messages = self._split(data) if self._direct else self._handshake(data)
         if messages:
             self.listener.ws_messages(messages, now)
@@ -149,7 +161,8 @@ class WsClient(asyncio.Protocol):
         while end - pos >= 2:
             first, second = data[pos], data[pos + 1]
             length, head = second & 0x7F, 2
-            if second & 0x80 or first & 0x70:  # masked, or an extension bit: websockets answers it
+            if second & 0x80 or (first & 0x70 and not (first == 0xC1 and self.inflating)):
+                # masked, or an extension bit we do not handle: websockets answers it
                 self._direct = False
                 return messages + self._through_websockets(data[pos:])
             if length == 126:
@@ -169,6 +182,8 @@ class WsClient(asyncio.Protocol):
                 break
             if first == 0x81 or first == 0x82:  # a whole text or binary message: nearly every frame
                 messages.append(data[pos + head:stop])
+            elif first == 0xC1:  # a whole compressed text message (permessage-deflate, no context takeover)
+                messages.append(zlib.decompressobj(-15).decompress(data[pos + head:stop] + FLUSH_TAIL))
             elif first & 0x0F <= 2:  # a fragment
                 self._data_frame(first & 0x0F, bool(first & 0x80), data[pos + head:stop], messages)
             else:  # ping, pong, close (or an opcode websockets rejects): one whole frame, at a frame boundary
@@ -232,6 +247,7 @@ class WsClient(asyncio.Protocol):
         if self.protocol.handshake_exc is not None:
             self.opened.set_exception(self.protocol.handshake_exc)
             return
+        self.inflating = bool(self.protocol.extensions)
         self.opened.set_result(None)
         self.listener.ws_open()
 
@@ -244,13 +260,13 @@ class WsClient(asyncio.Protocol):
 
 
 async def connect(host: str, port: int, path: str, listener: Listener, timeout: float = 10.0,
-                  source: str | None = None) -> WsClient:
+                  source: str | None = None, compression: bool = False) -> WsClient:
     """Open a connection to ``ws://host:port/path`` and wait for the handshake; raises on failure.
-    ``source``: the local address to connect from (any port)."""
+    ``source``: the local address to connect from (any port); ``compression``: offer permessage-deflate."""
     loop = asyncio.get_running_loop()
     url = f"ws://{host}:{port}{path}"
     _transport, client = await asyncio.wait_for(
-        loop.create_connection(lambda: WsClient(url, listener), host, port,
+        loop.create_connection(lambda: WsClient(url, listener, compression), host, port,
                                local_addr=(source, 0) if source else None), timeout)
     try:
         await asyncio.wait_for(asyncio.shield(client.opened), timeout)

@@ -110,3 +110,15 @@ def test_gateway_cmd_runs_the_checkout_its_pythonpath_names(tmp_path: Path, monk
     log = (tmp_path / "run" / "gateway.log").read_text()
     assert f"ran {other / 'gateway' / 'cli.py'}" in log
     assert "core: " in log
+
+
+def test_books_over_deflate_and_deltas_arrive_intact_in_fewer_bytes(tmp_path: Path) -> None:
+    """`--payload book --compression deflate --delta fossil`: every book the clients rebuild matches its
+    checksum, and the wire carries a fraction of the whole books."""
+    scenario = Scenario("books", "test", clients=8, topics=2, subs=1, rate=100, duration=1.5, drain=5,
+                        payload="book", compression="deflate", delta="fossil")
+    summary = _run(scenario, tmp_path, None)
+    _check(summary, tmp_path, scenario)
+    assert summary["client_errors"] == {}  # no delta failed, no book corrupt
+    whole = 1500  # a book's frame, uncompressed: ~1.55 KB
+    assert 0 < summary["wire"]["per_delivery"] < whole * 0.25
