@@ -14,6 +14,7 @@ from starlette.routing import Mount, Route
 from .admin import api as admin
 from .admin.pages import Pages
 from .admin.stats_feed import StatsFeed
+from .centrifugo import api as centrifugo
 from .edge.http_errors import error_response
 from .edge.origin import OriginGuard, OriginPolicy, parse_allowed_origins
 from .edge.page_headers import SecurityHeaders
@@ -68,6 +69,8 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
         Route("/healthz", healthz),
         Route("/readyz", readyz),
     ]
+    if config.centrifugo.enabled:  # exact POST routes, before the admin API's mount that shares "/api"
+        routes[:0] = centrifugo.routes(hub, config.centrifugo.api_prefix, routes)
     allowed = parse_allowed_origins(hub.config.server.allowed_origins)
     static = hub.config.static_path()
     if static.is_dir():

@@ -1,5 +1,6 @@
 """The operators' control commands on this node (docs/integration.md, "User control"): kick a client,
-disconnect a user, revoke tokens, list clients.
+disconnect a user, revoke tokens, list clients; subscribe, unsubscribe and refresh a user's connections
+(gateway/user_commands.py, for Centrifugo's server API, docs/centrifugo.md).
 
 The admin API sends them through the broker (`Broker.control`), which runs them here (`ControlCommands.run`,
 given to the broker at construction) and, with Redis, on every node (gateway/broker/control.py).
@@ -14,6 +15,7 @@ from .auth.revocations import Revocation
 from .clients import ClientRegistry
 from .errors import BadRequest
 from .topic_view import TopicView
+from .user_commands import UserCommands
 
 
 class ControlCommands:
@@ -21,16 +23,24 @@ class ControlCommands:
         self.clients = clients
         #: the engine's clients, read for `list`
         self.topics = topics
+        #: subscribe, unsubscribe, refresh of a user's connections (gateway/user_commands.py)
+        self.users = UserCommands(clients, topics)
 
     def run(self, command: dict[str, Any]) -> dict[str, Any]:
-        """Run one control command on this node: `kick` (`client`), `disconnect` (`user`), `revoke`
-        (`entry`, a `Revocation.as_dict`), `list` (`limit`). Returns this node's answer. Raises a
-        RequestError for a malformed command (and TooManyRevocations)."""
+        """Run one control command on this node: `kick` (`client`), `disconnect` (`user`, optional `client`,
+        `keep` and `reason`), `revoke` (`entry`, a `Revocation.as_dict`), `list` (`limit`), `subscribe` and
+        `unsubscribe` (`user`, `topic`, optional `client`; `since` [epoch, seq]), `refresh` (`user`, optional
+        `client`, `expired`, `expire_at`). Returns this node's answer. Raises a RequestError for a malformed
+        command (and TooManyRevocations)."""
         op = command.get("op")
         if op == "kick":
             return {"kicked": self.clients.kick(str(command.get("client")), close_codes.KICKED, "kicked by admin", "kicked")}
         if op == "disconnect":
-            return {"disconnected": self.disconnect_user(str(command.get("user")))}
+            return {"disconnected": self.disconnect_user(str(command.get("user")), _text(command, "client"),
+                                                         frozenset(command.get("keep") or ()),
+                                                         _text(command, "reason") or "disconnected by admin")}
+        if op in ("subscribe", "unsubscribe", "refresh"):
+            return self._user_command(op, str(command.get("user")), command)
         if op == "revoke":
             entry, closed = self.revoke(Revocation.from_dict(command.get("entry")))
             return {"disconnected": closed, "entry": entry.as_dict()}
@@ -41,13 +51,33 @@ class ControlCommands:
             return {"clients": self.describe(limit), "total": len(self.clients.conns)}
         raise BadRequest(f"unknown control command {str(op)[:32]!r}")
 
-    def disconnect_user(self, user: str) -> int:
-        """Close every connection of `user` on this node (4005). Returns how many."""
-        self.clients.pending.disconnected(user)  # a client on its way is refused as it registers
+    def disconnect_user(self, user: str, client: str | None = None, keep: frozenset[str] = frozenset(),
+                        reason: str = "disconnected by admin") -> int:
+        """Close every connection of `user` on this node (4005), or only `client`, or all but those in `keep`.
+        Returns how many."""
+        if client is None:
+            self.clients.pending.disconnected(user)  # a client on its way is refused as it registers
         closed = 0
-        for client_id in list(self.clients.by_user.get(user, ())):
-            closed += self.clients.kick(client_id, close_codes.DISCONNECTED, "disconnected by admin", "disconnected")
+        for client_id in self.users.connections(user, client):
+            if client_id not in keep:
+                closed += self.clients.kick(client_id, close_codes.DISCONNECTED, reason, "disconnected")
         return closed
+
+    def _user_command(self, op: str, user: str, command: dict[str, Any]) -> dict[str, Any]:
+        client = _text(command, "client")
+        if op == "refresh":
+            expire_at = command.get("expire_at")
+            if expire_at is not None and not isinstance(expire_at, (int, float)):
+                raise BadRequest("`expire_at` must be a number of Unix seconds")
+            return {"refreshed": self.users.refresh(user, client, bool(command.get("expired")), expire_at)}
+        topic = str(command.get("topic"))
+        if op == "unsubscribe":
+            return {"unsubscribed": self.users.unsubscribe(user, topic, client)}
+        since = command.get("since")
+        if since is not None and not (isinstance(since, list) and len(since) == 2 and isinstance(since[0], str)
+                                      and isinstance(since[1], int)):
+            raise BadRequest("`since` must be [epoch, seq]")
+        return {"subscribed": self.users.subscribe(user, topic, client, None if since is None else (since[0], since[1]))}
 
     def revoke(self, entry: Revocation) -> tuple[Revocation, int]:
         """Add `entry` to the revocation table and close the connections on this node that hold a token it
@@ -85,3 +115,9 @@ class ControlCommands:
                 **conn.describe(),
             })
         return clients
+
+
+def _text(command: dict[str, Any], key: str) -> str | None:
+    """A command's optional string field (None when absent)."""
+    value = command.get(key)
+    return None if value is None else str(value)
