@@ -33,6 +33,7 @@ from ..errors import BrokerUnavailable, TooManyViewers
 from ..scheduler import Scheduler
 from ..topic_view import TopicView
 from ..transports.rawtcp import RawBroadcastServer
+from ..transports.ws_counters import ws_counters
 
 log = logging.getLogger("gateway.admin")
 
@@ -81,6 +82,13 @@ def jain(count: int, total: float, total_sq: float) -> float | None:
     if not count:
         return None
     return round(total * total / (count * total_sq), 4) if total_sq else 1.0
+
+
+def _ratio(counters: dict[str, int], prev: dict[str, int]) -> float | None:
+    """Wire bytes over payload bytes of the WebSocket data frames sent since the last sample (since start on
+    the first), None when none were sent."""
+    payload = counters["ws_payload_bytes"] - prev.get("ws_payload_bytes", 0)
+    return round((counters["ws_wire_bytes"] - prev.get("ws_wire_bytes", 0)) / payload, 3) if payload else None
 
 
 def _per_s(delta: float, dt: float | None) -> float | None:
@@ -278,7 +286,9 @@ class StatsFeed:
         total_rate = sum(receiving)
         listed_rate = sum(delta for delta, _, _ in listed) / dt if dt else 0.0
 
-        counters = view.counters.as_dict()
+        # the WebSocket's bytes (gateway/transports/ws_counters.py) beside the core's counters
+        counters = {**view.counters.as_dict(), "ws_wire_bytes": ws_counters.wire_bytes,
+                    "ws_payload_bytes": ws_counters.payload_bytes}
         prev_counters, self._prev_counters = self._prev_counters, counters
 
         def counter_rate(name: str) -> float | None:
@@ -310,6 +320,10 @@ class StatsFeed:
             "lost_per_s": counter_rate("messages_lost"),
             "cycles_per_s": counter_rate("cycles"),
             "client_delivery_per_s": round(total_rate, 3) if dt else None,
+            # WebSocket data frames: bytes out on the wire per second, and wire / payload bytes in the interval
+            # (below 1 with permessage-deflate; None when nothing was sent)
+            "ws_bytes_per_s": counter_rate("ws_wire_bytes"),
+            "ws_wire_ratio": _ratio(counters, prev_counters),
             # since start: what a first sample (no rates yet) can already show
             "counters": counters,
         }

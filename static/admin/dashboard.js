@@ -253,6 +253,9 @@ function renderCards(s) {
   }
   // amber only for what needs a look: messages lost to a client, connections that cannot be written to
   $("c-lost").parentElement.classList.toggle("warn", t.lost_per_s > 0);
+  $("c-bytes").textContent = rate(t.ws_bytes_per_s);
+  $("c-bytes-ratio").textContent = t.ws_wire_ratio === null || t.ws_wire_ratio === undefined ? ""
+    : Math.round(t.ws_wire_ratio * 100) + "% of payload on the wire";
   $("c-blocked").textContent = count(t.write_blocked);
   $("c-blocked").parentElement.classList.toggle("warn", t.write_blocked > 0);
   const f = s.fairness;
