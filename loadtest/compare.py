@@ -42,7 +42,8 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
                       "equivalent (one message per WebSocket frame, sent at once)")
     factories: dict[str, runner.TargetFactory] = {"gateway": gateway}
     if with_nchan:
-        factories["nchan"] = lambda workdir: nchan.NchanServer(workdir, scenario.capacity)
+        factories["nchan"] = lambda workdir: nchan.NchanServer(workdir, scenario.capacity,
+                                                               deflate=scenario.compression == "deflate")
     factories.update(others or {})
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in factories}
     for r in range(rounds):

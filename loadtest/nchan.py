@@ -70,11 +70,13 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
-def config_text(prefix: Path, port: int, capacity: int = 64) -> str:
+def config_text(prefix: Path, port: int, capacity: int = 64, deflate: bool = False) -> str:
+    """``deflate``: nchan keeps a compressed copy of each message for the WebSocket clients that negotiated
+    permessage-deflate (its own compress-once)."""
     nofile = raise_nofile_limit()
     return Template(TEMPLATE.read_text()).substitute(
         module=str(MODULE), prefix=str(prefix), port=port, capacity=capacity,
-        nofile=nofile, connections=max(1024, nofile - 100))
+        nofile=nofile, connections=max(1024, nofile - 100), deflate="on" if deflate else "off")
 
 
 class NchanServer(ServerProcess):
@@ -83,9 +85,10 @@ class NchanServer(ServerProcess):
     stop_signals = (signal.SIGTERM, signal.SIGKILL)  # SIGTERM: nginx's fast shutdown
     stop_timeout = STOP_TIMEOUT
 
-    def __init__(self, workdir: Path, capacity: int = 64) -> None:
+    def __init__(self, workdir: Path, capacity: int = 64, deflate: bool = False) -> None:
         self.prefix = Path(workdir).resolve() / "nginx"
         self.capacity = capacity
+        self.deflate = deflate
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Target:
@@ -95,7 +98,7 @@ class NchanServer(ServerProcess):
         self.prefix.mkdir(parents=True, exist_ok=True)
         port = free_port()
         conf = self.prefix / "nginx.conf"
-        conf.write_text(config_text(self.prefix, port, self.capacity))
+        conf.write_text(config_text(self.prefix, port, self.capacity, self.deflate))
         log = open(self.prefix / "stderr.log", "ab")
         self.proc = subprocess.Popen([binary, "-p", str(self.prefix), "-c", str(conf)], stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
