@@ -78,7 +78,8 @@ async def settle(pid: int, seconds: float, period: float = 0.5) -> int:
     return rss(pid)
 
 
-async def crowd(target: Target, clients: int, hold_s: float, settle_s: float) -> dict[str, float]:
+async def crowd(target: Target, clients: int, hold_s: float, settle_s: float,
+                compression: bool = False) -> dict[str, float]:
     """N clients connect and subscribe, stay `hold_s`, then all leave: the resident set with them, and
     `settle_s` after the last one left."""
     assert target.pid is not None and target.admin_token is not None
@@ -87,7 +88,8 @@ async def crowd(target: Target, clients: int, hold_s: float, settle_s: float) ->
     conns: list[WsClient] = []
     started = time.monotonic()
     for wave in range(0, clients, CONNECT_WAVE):
-        batch = [connect(target.host, target.http_port, "/ws", Subscriber(acked, counter, clients))
+        batch = [connect(target.host, target.http_port, "/ws", Subscriber(acked, counter, clients),
+                         compression=compression)
                  for _ in range(wave, min(clients, wave + CONNECT_WAVE))]
         conns.extend(await asyncio.gather(*batch))
     for i, conn in enumerate(conns):
@@ -108,13 +110,13 @@ async def crowd(target: Target, clients: int, hold_s: float, settle_s: float) ->
 
 
 async def measure(clients: int, settle_s: float, crowds: int = 1, hold_s: float = 5.0,
-                  warm_s: float = 5.0, gateway_cmd: str | None = None) -> dict[str, Any]:
+                  warm_s: float = 5.0, gateway_cmd: str | None = None, compression: bool = False) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="idle-memory-"))
     with GatewayProcess(workdir, gateway_cmd, env={"GATEWAY_SERVER_MAX_CONNECTIONS": str(clients + 1000)}) as target:
         assert target.pid is not None
         await asyncio.sleep(1.0)
         before = await settle(target.pid, warm_s)
-        runs = [await crowd(target, clients, hold_s, settle_s) for _ in range(crowds)]
+        runs = [await crowd(target, clients, hold_s, settle_s, compression) for _ in range(crowds)]
     first = runs[0]
     return {
         "clients": clients,
@@ -139,11 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crowds", type=int, default=1, help="crowds in turn, each N clients that come and leave")
     parser.add_argument("--gateway-cmd", help="command that starts the gateway instead of 'python -m gateway', e.g."
                         " another checkout: 'env PYTHONPATH=/path/to/checkout .venv/bin/python -m gateway'")
+    parser.add_argument("--compression", choices=("off", "deflate"), default="off",
+                        help="deflate: the clients negotiate permessage-deflate, as browsers do")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.crowds < 1:
         parser.error("--clients and --crowds must be at least 1")
     raise_nofile_limit()
-    result = asyncio.run(measure(args.clients, args.settle, args.crowds, gateway_cmd=args.gateway_cmd))
+    result = asyncio.run(measure(args.clients, args.settle, args.crowds, gateway_cmd=args.gateway_cmd,
+                                 compression=args.compression == "deflate"))
     print(f"{result['clients']} idle WebSocket clients (connected in {result['connect_s']:.1f} s)")
     print(f"  RSS before {result['rss_before_mb']:.1f} MiB, with clients {result['rss_with_clients_mb']:.1f} MiB,"
           f" after they left {result['rss_after_mb']:.1f} MiB ({result['settle_s']:g} s after the last left,"

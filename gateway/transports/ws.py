@@ -11,10 +11,10 @@ as one pre-built text frame straight to the transport (`WSConnection`), never aw
 are paused is not ready until asyncio calls `resume_writing`.
 
 Between two messages, nothing of the next one read, a connection holds no websockets object: the frame
-parser it used goes back to a small pool of the server's and the next read takes one (`_park`). Bytes fed to
-the parser and the sizes of the frames it gave back are counted (RFC 6455 framing, wsframes.py), so the
-boundary is known without looking into websockets' parser; a parser at a boundary, its state OPEN and no
-message begun, is as good as a new one. Pings and close frames this side starts are serialized here.
+parser it used goes back to a small pool of the server's and the next read takes one (`_park`). The frame
+headers of what is fed are read alongside (RFC 6455 framing, wsframes.py `frames_fed`), so the boundary is
+known without looking into websockets' parser; a parser at a boundary, its state OPEN and no message begun,
+is as good as a new one (an inflating one too: deflate is negotiated without context takeover). Pings and close frames this side starts are serialized here.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from .handshake import close_reason
 from .staging import BLOCKED, StagedWriter
 from .streams import KICK_GRACE_S, tune_stream
 from .ws_counters import WSCounters, ws_counters
-from .ws_deflate import DeflateFramer, Framers, PlainFramer, negotiated_window, offer_factory
+from .ws_deflate import DeflateFramer, Framers, PlainFramer, inflating_parser, negotiated_window, offer_factory
 from .ws_keepalive import Keepalive
 from .ws_turns import PARSE_SLICE, TURN_BUDGET_S, InputTurn
-from .wsframes import client_frame_size
+from .wsframes import frames_fed
 
 __all__ = ["WSConnection", "WSCounters", "WebSocketProtocol", "protocol_class", "ws_counters"]
 
@@ -69,22 +69,28 @@ PARSER_POOL = 64
 
 class ParserPool:
     """Frame parsers (websockets `Protocol`, state OPEN) at a frame boundary, no message begun, kept for the
-    next connection with input: one per connection while it reads, none while it is idle."""
+    next connection with input: one per connection while it reads, none while it is idle. Two kinds: plain,
+    and inflating for the connections that negotiated permessage-deflate (ws_deflate.py)."""
 
-    __slots__ = ("max_message_bytes", "free")
+    __slots__ = ("max_message_bytes", "free", "free_inflating")
 
     def __init__(self, max_message_bytes: int) -> None:
         self.max_message_bytes = max_message_bytes
         self.free: list[Protocol] = []
+        self.free_inflating: list[Protocol] = []
 
-    def take(self) -> Protocol:
-        if self.free:
-            return self.free.pop()
+    def take(self, inflating: bool) -> Protocol:
+        free = self.free_inflating if inflating else self.free
+        if free:
+            return free.pop()
+        if inflating:
+            return inflating_parser(self.max_message_bytes, FRAMES_LOG)
         return Protocol(SERVER, state=OPEN, max_size=self.max_message_bytes, logger=FRAMES_LOG)
 
-    def give_back(self, parser: Protocol) -> None:
-        if len(self.free) < PARSER_POOL:
-            self.free.append(parser)
+    def give_back(self, parser: Protocol, inflating: bool) -> None:
+        free = self.free_inflating if inflating else self.free
+        if len(free) < PARSER_POOL:
+            free.append(parser)
 
 
 class WSService:
@@ -129,7 +135,7 @@ class WebSocketProtocol(asyncio.Protocol):
 
     __slots__ = (
         "transport", "peer", "ws", "connection", "upgraded", "closing", "dropped", "unparsed", "unhandled",
-        "deferred", "raw_fd", "held_pong", "paused", "fed", "message", "message_text", "ping_payload",
+        "deferred", "raw_fd", "held_pong", "paused", "frame_left", "frame_head", "message", "message_text", "ping_payload",
         "ping_sent_at", "ping_rtt", "frames_at_ping", "in_message", "window_bits",
     )
 
@@ -166,9 +172,11 @@ class WebSocketProtocol(asyncio.Protocol):
         self.held_pong: bytes | None = None
         #: the transport is above its high-water mark
         self.paused = False
-        #: bytes fed to `ws` since it was at a frame boundary, less the frames it gave back, and whether those
-        #: frames left a fragmented message unfinished (`_park`)
-        self.fed = 0
+        #: where the client's frames stand (wsframes.py `frames_fed`: bytes of the current frame still to come,
+        #: a header read in part; 0 and b"" at a frame boundary), and whether the frames left a fragmented
+        #: message unfinished (`_park`)
+        self.frame_left = 0
+        self.frame_head = b""
         self.in_message = False
         #: the frames of a fragmented message so far, and whether it is text
         self.message: list[bytes] | None = None
@@ -176,8 +184,7 @@ class WebSocketProtocol(asyncio.Protocol):
         self.ping_payload: bytes | None = None
         self.ping_sent_at = self.ping_rtt = 0.0
         self.frames_at_ping = 0
-        #: permessage-deflate's window for our frames, 0 when not negotiated; the handshake's protocol, which
-        #: holds the negotiated extension, then stays the connection's parser (it inflates the client's frames)
+        #: permessage-deflate's window for our frames, 0 when not negotiated (its parsers then inflate)
         self.window_bits = 0
 
     # -- asyncio's calls ----------------------------------------------------------------------------------
@@ -336,7 +343,7 @@ class WebSocketProtocol(asyncio.Protocol):
         handshake.send_response(response)
         self.transport.write(b"".join(handshake.data_to_send()))
         self.window_bits = negotiated_window(handshake.extensions) if response.status_code == 101 else 0
-        self.ws = handshake if self.window_bits else None
+        self.ws = None
         self.upgraded = True
         self.service.keepalive.start(self)
 
@@ -398,11 +405,10 @@ class WebSocketProtocol(asyncio.Protocol):
         self.unparsed = view[PARSE_SLICE:] if len(view) > PARSE_SLICE else None
         parser = self.ws
         if parser is None:
-            parser = self.ws = self.service.parsers.take()
-            self.fed = 0
+            parser = self.ws = self.service.parsers.take(self.window_bits > 0)
         chunk = bytes(view[:PARSE_SLICE])
         parser.receive_data(chunk)
-        self.fed += len(chunk)
+        self.frame_left, self.frame_head = frames_fed(self.frame_left, self.frame_head, chunk)
         if parser.parser_exc is not None:  # a protocol error: its close frame is queued
             self.unhandled = self.unparsed = None
             self._failed(parser)
@@ -415,7 +421,6 @@ class WebSocketProtocol(asyncio.Protocol):
         for event in events:
             if not isinstance(event, Frame):
                 continue
-            self.fed -= client_frame_size(len(event.data))
             opcode = event.opcode
             if opcode is Opcode.TEXT or opcode is Opcode.BINARY:
                 self.in_message = not event.fin
@@ -431,10 +436,10 @@ class WebSocketProtocol(asyncio.Protocol):
         idle connection then holds no websockets object (the parser, its reader and its two suspended
         generators: ~1.5 KiB it would hold for nothing)."""
         parser = self.ws
-        if parser is None or self.fed != 0 or self.in_message or parser.state is not OPEN or self.window_bits:
+        if parser is None or self.frame_left or self.frame_head or self.in_message or parser.state is not OPEN:
             return
         self.ws = None
-        self.service.parsers.give_back(parser)
+        self.service.parsers.give_back(parser, self.window_bits > 0)
 
     def _dispatch(self, event: Event) -> None:
         if not isinstance(event, Frame):
@@ -515,7 +520,7 @@ class WebSocketProtocol(asyncio.Protocol):
         close frame; or a bound of ours, `code` and `reason`, closed the same way): count it and log at a
         bounded rate, without a traceback, then linger and forget the client."""
         if parser is None:  # parked already: the events were out of it (a bound of ours, `code`)
-            parser = self.ws = self.service.parsers.take()
+            parser = self.ws = self.service.parsers.take(self.window_bits > 0)
         if code:
             parser.fail(code, reason)
         close = parser.close_sent

@@ -14,11 +14,15 @@ inflating at most that much.
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import Sequence
 
 from websockets.extensions import Extension
 from websockets.extensions.permessage_deflate import PerMessageDeflate, ServerPerMessageDeflateFactory
+from websockets.http11 import Request
+from websockets.protocol import OPEN
+from websockets.server import ServerProtocol
 
 from .ws_counters import ws_counters
 from .wsframes import COMPRESSED_TEXT, text_frame_header
@@ -37,6 +41,28 @@ def offer_factory() -> ServerPerMessageDeflateFactory:
     """What the handshake accepts of a client's offer: no context takeover either way, whatever it asked
     (RFC 7692 §7.1.1: the server may add `client_no_context_takeover` to its answer)."""
     return ServerPerMessageDeflateFactory(server_no_context_takeover=True, client_no_context_takeover=True)
+
+
+#: the request of `inflating_parser`'s own handshake: an offer of deflate without context takeover
+_OFFER = (b"GET / HTTP/1.1\r\nHost: parser\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+          b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: cGFyc2VyIG9mIGZyYW1lcw==\r\n"
+          b"Sec-WebSocket-Extensions: permessage-deflate; server_no_context_takeover; client_no_context_takeover\r\n\r\n")
+
+
+def inflating_parser(max_size: int, logger: logging.Logger) -> ServerProtocol:
+    """A frame parser (state OPEN) that inflates the messages a client compressed, made by a handshake of its
+    own through websockets' public API, which negotiates the extension. Without context takeover it holds no
+    state between two messages, so, like a plain parser, it serves any connection that negotiated deflate
+    and goes back to the server's pool between reads (gateway/transports/ws.py, `ParserPool`). It inflates
+    with the largest window, which reads whatever window the client compressed with."""
+    parser = ServerProtocol(extensions=[offer_factory()], max_size=max_size, logger=logger)
+    parser.receive_data(_OFFER)
+    (request,) = parser.events_received()
+    assert isinstance(request, Request)
+    parser.send_response(parser.accept(request))
+    parser.data_to_send()
+    assert parser.state is OPEN and negotiated_window(parser.extensions)
+    return parser
 
 
 def negotiated_window(extensions: Sequence[Extension]) -> int:

@@ -1,5 +1,5 @@
-"""WebSocket frame bytes a server writes itself (gateway/transports/ws.py, and the load tool's bare reference server,
-which imports this module alone, not the gateway)."""
+"""WebSocket frame bytes a server writes itself, and the frame boundaries of what a client sends
+(gateway/transports/ws.py, and the load tool's bare reference server, which imports this module alone)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,38 @@ def text_frame_header(length: int, first: int = TEXT) -> bytes:
     return struct.pack("!BBQ", first, 127, length)
 
 
-def client_frame_size(payload_length: int) -> int:
-    """Bytes of a masked client-to-server frame with this payload on the wire, its length in the fewest bytes
-    (RFC 6455 §5.2). A peer that encodes a length in more bytes than needed makes a count by this larger than
-    what was read: such a count never reaches zero too early (gateway/transports/ws.py, `_park`)."""
-    if payload_length < 126:
-        return 6 + payload_length
-    if payload_length < 65536:
-        return 8 + payload_length
-    return 14 + payload_length
+def frames_fed(left: int, head: bytes, data: bytes) -> tuple[int, bytes]:
+    """Where a stream of client frames stands once `data` follows: (bytes of the current frame still to come,
+    the part of a frame header read so far). (0, b"") is a frame boundary. Only the headers are read (RFC
+    6455 §5.2: 2 bytes, the extended length, the mask); the payloads are skipped, compressed or not."""
+    pos, size = 0, len(data)
+    while pos < size:
+        if left:
+            step = min(left, size - pos)
+            left -= step
+            pos += step
+            continue
+        known = head + data[pos:pos + 14]  # a header has at most 14 bytes
+        need = _header_size(known)
+        if need is None or len(known) < need:
+            return 0, known  # the rest of `data` is part of a header
+        pos += need - len(head)
+        head = b""
+        left = _payload_length(known)
+    return left, head
+
+
+def _header_size(head: bytes) -> int | None:
+    if len(head) < 2:
+        return None
+    length = head[1] & 0x7F
+    return 2 + (2 if length == 126 else 8 if length == 127 else 0) + (4 if head[1] & 0x80 else 0)
+
+
+def _payload_length(head: bytes) -> int:
+    length = head[1] & 0x7F
+    if length == 126:
+        return int.from_bytes(head[2:4], "big")
+    if length == 127:
+        return int.from_bytes(head[2:10], "big")
+    return length

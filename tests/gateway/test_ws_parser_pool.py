@@ -1,5 +1,5 @@
 """The WebSocket protocol's frame parser: an idle connection holds none (it goes back to the server's pool at
-a frame boundary, known by counting bytes against frame sizes), and frames split anywhere across reads,
+a frame boundary, known by reading the frame headers alongside), and frames split anywhere across reads,
 fragmented messages and lengths encoded in more bytes than needed all still parse."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _masked(opcode: Opcode, payload: bytes, fin: bool = True) -> bytes:
 
 def _long_length(payload: bytes) -> bytes:
     """A masked text frame whose length takes 2 bytes though it is under 126: allowed on the wire by
-    websockets' parser, larger than our count of it."""
+    websockets' parser."""
     mask = b"\x00\x00\x00\x00"
     return struct.pack("!BBH", 0x81, 0x80 | 126, len(payload)) + mask + payload
 
@@ -70,8 +70,8 @@ def test_a_length_in_more_bytes_than_needed_still_parses():
         (ping,) = _pings(range(7, 8))
         ws.socket.sendall(_long_length(ping))
         assert _pongs(ws, 1) == {7}
-        # our count of its bytes is short: the connection keeps its parser (never parks early)
-        assert _held_parsers(gw) == [True]
+        # the header is read as sent (wsframes.frames_fed): the boundary is found, the parser goes back
+        assert _held_parsers(gw) == [False]
         ws.socket.sendall(_masked(Opcode.TEXT, orjson.dumps({"op": "ping", "id": 8})))
         assert _pongs(ws, 1) == {8}
 
@@ -85,3 +85,16 @@ def test_a_refusal_of_ours_after_the_parser_went_back_still_closes_with_its_code
             while True:
                 ws.recv(timeout=5)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1007
+
+
+def test_a_connection_that_negotiated_deflate_parks_its_inflating_parser_too():
+    """Compressed commands inflate with a pooled parser, which goes back to the pool between reads."""
+    from websockets.sync.client import connect
+
+    with run_gateway() as gw, connect(gw.ws_url, compression="deflate", open_timeout=5) as ws:
+        for i in range(3):
+            echo = {"op": "rpc", "method": "echo", "params": {"pad": "x" * 400}, "id": i}
+            ws.send(orjson.dumps(echo).decode())  # compressed by the client
+            reply = collect(ws, lambda entries: any(e.get("id") == i for e in entries))[-1]
+            assert reply["type"] == "reply" and reply["result"] == {"pad": "x" * 400}
+        assert _held_parsers(gw) == [False]
