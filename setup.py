@@ -38,8 +38,10 @@ warnings.filterwarnings("ignore", message=r"Editable installation\.", category=U
 COMPILED = [
     "core/client.py",
     "core/counters.py",
+    "core/delta.py",
     "core/engine.py",
     "core/entries.py",
+    "core/fossil.py",
     "core/private.py",
     "core/ring.py",
     "core/snapshot.py",
