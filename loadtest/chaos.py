@@ -507,9 +507,10 @@ class Chaos:
         process comes back as that replica. As on Sentinel, a kill counts as a wipe for private queues."""
         cluster = self.cluster
         assert cluster is not None
+        victim = await asyncio.to_thread(cluster.primary_of, self.ring_slot())
         killed, killed_at = time.monotonic(), time.time()
         self.wipes.append(killed_at)
-        victim = await asyncio.to_thread(cluster.kill_primary, self.ring_slot())
+        cluster.kill(victim)
         accepted = asyncio.create_task(self.accepted_again(killed))
         try:
             await asyncio.to_thread(cluster.wait_promoted, self.ring_slot(), victim, PROMOTION_MAX_S)
@@ -518,9 +519,23 @@ class Chaos:
             return {"promoted": False, "healed_at": killed_at}
         promoted_s = time.monotonic() - killed
         accepted_s = await accepted
+        served_s = await self.served_on(RING[0], killed_at)
         await asyncio.to_thread(victim.start)  # its nodes.conf: it rejoins, as the new primary's replica
         return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s,
-                "healed_at": killed_at}
+                "served_s": served_s, "healed_at": killed_at}
+
+    async def served_on(self, topic: str, since: float) -> float | None:
+        """Seconds from `since` (wall clock) until every client got a message of `topic` published after it
+        (the killed shard's topic: its messages flow again only after the failover); None: not within 15 s."""
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            firsts = [next((e["t"] for e in c.rec.events.get(topic, []) if e["ev"] == "msg"
+                            and isinstance(e["data"], dict) and e["data"].get("t", 0) >= since), None)
+                      for c in self.clients]
+            if all(t is not None for t in firsts):
+                return round(max(t for t in firsts if t is not None) - since, 2)
+            await asyncio.sleep(0.1)
+        return None
 
     async def move_slot(self) -> dict[str, Any]:
         """Move the first ring topic's slot to another primary under load (as `redis-cli --cluster reshard`)."""

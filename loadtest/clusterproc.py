@@ -2,12 +2,14 @@
 (`redis-cli --cluster create --cluster-replicas 1`), `cluster-node-timeout` 2000, each on a free port.
 
 `kill_primary` kill -9s the primary of a slot (its replica is promoted once the others agree it failed);
+`lag_replica` first cuts that replica off, so it is promoted without the writes accepted since;
 `move_slot` moves one slot to another primary as `redis-cli --cluster reshard` does (IMPORTING, MIGRATING,
 MIGRATE of its keys, then SETSLOT NODE on every primary)."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +19,11 @@ from .redisproc import RedisProcess, free_port
 #: how long a primary may not answer before the others count it failed (and its replica takes over)
 NODE_TIMEOUT_MS = 2000
 REDIS_CLI = "redis-cli"
+
+
+def command(*args: str) -> bytes:
+    """One command in the protocol's array form."""
+    return ("*%d\r\n" % len(args) + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)).encode()
 
 
 def key_slot(key: str) -> int:
@@ -38,9 +45,10 @@ def key_slot(key: str) -> int:
 class ClusterNodeProcess(RedisProcess):
     def __init__(self, workdir: Path) -> None:
         # the cluster bus on a free port of its own (by default port + 10000, maybe taken or past 65535)
+        self.bus_port = free_port()
         super().__init__(workdir, extra=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                          "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                                         "--cluster-port", str(free_port()),
+                                         "--cluster-port", str(self.bus_port),
                                          # a replica in sync at once (not after diskless sync's 5 s wait), and
                                          # promoted however long it was cut off (a chaos run's faults follow
                                          # one another)
@@ -56,10 +64,10 @@ class ClusterNodeProcess(RedisProcess):
 
 class ClusterTopology:
     def __init__(self, workdir: Path, shards: int = 3) -> None:
-        """`shards` 3 or more: as many primaries and one replica each; 1: one primary holding every slot, no
-        replica (`redis-cli --cluster create` wants three primaries), for comparisons."""
+        """`shards` primaries with one replica each (1: one primary holding every slot and its replica, made by
+        hand since `redis-cli --cluster create` wants three primaries, for comparisons)."""
         self.dir = workdir
-        self.nodes = [ClusterNodeProcess(workdir / f"node{i}") for i in range(2 * shards if shards > 1 else 1)]
+        self.nodes = [ClusterNodeProcess(workdir / f"node{i}") for i in range(2 * shards)]
 
     @property
     def addresses(self) -> list[str]:
@@ -72,14 +80,25 @@ class ClusterTopology:
     def start(self, timeout: float = 20.0) -> None:
         for node in self.nodes:
             node.start()
-        if len(self.nodes) == 1:
-            self.cli(self.nodes[0].port, "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        if len(self.nodes) == 2:
+            self.create_one()
         else:
             self.create()
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not become ok")
+            time.sleep(0.1)
+
+    def create_one(self) -> None:
+        primary, replica = self.nodes
+        self.cli(primary.port, "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        self.cli(replica.port, "CLUSTER", "MEET", "127.0.0.1", str(primary.port), str(primary.bus_port))
+        primary_id = self.cli(primary.port, "CLUSTER", "MYID").strip()
+        deadline = time.monotonic() + 10
+        while "OK" not in self.cli(replica.port, "CLUSTER", "REPLICATE", primary_id):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replica did not join")
             time.sleep(0.1)
 
     def create(self) -> None:
@@ -126,9 +145,29 @@ class ClusterTopology:
         done = subprocess.run([REDIS_CLI, "-p", str(port), *args], capture_output=True, text=True, timeout=10)
         return done.stdout
 
+    def lag_replica(self, slot: int) -> ClusterNodeProcess:
+        """From now on the replica of `slot`'s primary receives none of its writes (it keeps what it has):
+        the primary drops its replication link and asks a password it cannot give when it reconnects (the
+        connections already open, the gateway's included, stay authenticated). Returns the primary."""
+        primary = self.primary_of(slot)
+        if primary.command("WAIT", "1", "2000") != ":1":
+            raise RuntimeError("the replica did not catch up")
+        # one connection for both: once the password is set, a new connection could not run the second
+        with socket.create_connection(("127.0.0.1", primary.port), timeout=2) as sock:
+            sock.sendall(command("CONFIG", "SET", "requirepass", "replicas-keep-out")
+                         + command("CLIENT", "KILL", "TYPE", "replica"))
+            answer = b""
+            while answer.count(b"\r\n") < 2:
+                answer += sock.recv(4096)
+        if not answer.startswith(b"+OK\r\n:"):
+            raise RuntimeError(f"could not cut the replica off: {answer!r}")
+        return primary
+
     def kill_primary(self, slot: int) -> ClusterNodeProcess:
         """kill -9 the primary of `slot`; returns it."""
-        victim = self.primary_of(slot)
+        return self.kill(self.primary_of(slot))
+
+    def kill(self, victim: ClusterNodeProcess) -> ClusterNodeProcess:
         assert victim.proc is not None
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(5)

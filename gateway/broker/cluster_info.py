@@ -128,9 +128,12 @@ class ClusterInfo:
 
     async def cluster_stats(self) -> dict[str, Any] | None:
         broker = self.broker
+        keys = broker.keys
         try:
-            names = [key async for key in broker.redis.scan_iter(match=broker.keys.nodes, count=100)]
-            values = await broker.redis.mget(names) if names else []
+            # the node index, not SCAN: on Redis Cluster a SCAN sees one shard (the node keys share one slot)
+            listed: list[Any] = await broker.redis.zrangebyscore(keys.node_index, time.time() - NODE_INDEX_STALE_S,
+                                                                   "+inf")
+            values = await broker.redis.mget([keys.node(n.decode()) for n in listed]) if listed else []
         except (RedisError, OSError) as exc:
             raise BrokerUnavailable(f"broker unreachable: {exc}") from None
         nodes = [orjson.loads(v) for v in values if v is not None]

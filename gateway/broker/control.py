@@ -76,7 +76,10 @@ class ControlChannel:
         try:
             if command.get("op") == "revoke":
                 await self._store(local.get("entry", command["entry"]))
-            receivers: int = await broker.redis.publish(keys.control, message)
+            # on Redis Cluster a shard channel (SPUBLISH): it counts the subscribers on the channel's shard,
+            # where every node subscribes it
+            publish = broker.redis.spublish if broker.link.sharded else broker.redis.publish
+            receivers: int = await publish(keys.control, message)
             expected = receivers - 1  # this node's own channel connection got it too
             deadline = time.monotonic() + CONTROL_REPLY_TIMEOUT_S
             while len(answers) - 1 < expected:

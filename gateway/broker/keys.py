@@ -17,27 +17,37 @@ def _topic(topic: str) -> str:
     return topic
 
 
+#: The hash tag of the cluster-wide keys on Redis Cluster (control channel, revocations, node registry, topic
+#: listing): one fixed slot, so the multi-key reads of the node registry (MGET) stay on one shard. It holds a
+#: space, which no topic name may (core.topics.check_topic_name): no topic's keys share its names.
+CLUSTER_TAG = "{cluster wide}"
+
+
 class Keys:
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, sharded: bool = False) -> None:
         self.prefix = prefix
-        #: sorted set: topic name -> time of its last publish (the admin API's cluster-wide listing)
-        self.topics = f"{prefix}:topics"
-        #: pattern of the per-node stats keys (`node`)
-        self.nodes = f"{prefix}:node:*"
+        #: on Redis Cluster the cluster-wide keys carry CLUSTER_TAG; on one Redis they keep their plain names
+        self.sharded = sharded
+        fixed = f"{prefix}:{CLUSTER_TAG}:" if sharded else f"{prefix}:"
+        self.fixed = fixed
+        #: sorted set: topic name -> time of its last publish (the admin API's cluster-wide listing). On one
+        #: Redis the scripts write it (and check the bound against it); on Redis Cluster the nodes do
+        #: (topic_directory.py), since a script may only touch its topic's slot.
+        self.topics = f"{fixed}topics"
         #: sorted set: node id -> when it last wrote its stats (Unix seconds); the stats stream reads the live
         #: nodes' keys from it (O(nodes), no SCAN of the keyspace). Readers drop stale members.
-        self.node_index = f"{prefix}:nodes"
+        self.node_index = f"{fixed}nodes"
         #: string with a short TTL, set by a node whose stats stream has a viewer: while it exists every node
         #: puts its client summary into its `node` key (cluster_info.py)
-        self.stats_watched = f"{prefix}:stats:watched"
+        self.stats_watched = f"{fixed}stats:watched"
         #: pub/sub channel of the operators' control commands, which every node subscribes (control.py)
-        self.control = f"{prefix}:control"
+        self.control = f"{fixed}control"
         #: hash: revocation key (`jti:J`, `user:U`) -> the entry (JSON), reread by a node that (re)connects
-        self.revocations = f"{prefix}:revocations"
+        self.revocations = f"{fixed}revocations"
 
     def reply(self, request: str) -> str:
         """List with a short TTL: the other nodes' answers to one control command (JSON each)."""
-        return f"{self.prefix}:reply:{request}"
+        return f"{self.fixed}reply:{request}"
 
     def meta(self, topic: str) -> str:
         """Hash: `e` epoch, `n` next seq, `k` kind, `cap` capacity, `c` settings (JSON), `v` last value (snapshot)."""
@@ -79,7 +89,7 @@ class Keys:
 
     def node(self, node_id: str) -> str:
         """String with a TTL: a node's counters (JSON), refreshed every second."""
-        return f"{self.prefix}:node:{node_id}"
+        return f"{self.fixed}node:{node_id}"
 
 
 def stream_id(seq: int) -> str:

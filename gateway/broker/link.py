@@ -3,6 +3,8 @@ connection in subscribe mode, losing Redis and reconnecting, resubscribing, and 
 to the broker. One implementation per topology behind one interface (`Link`):
 
 * `SingleLink`: one Redis at `[broker] url`.
+* `ClusterLink` (cluster_link.py): Redis Cluster at `[broker] cluster_addresses`, one channel connection
+  per shard in sharded pub/sub.
 * `SentinelLink`: the primary that the sentinels at `[broker] sentinel_addresses` name for `sentinel_master`
   (redis-py's Sentinel client asks them at every connect, so a reconnect after a failover finds the new
   primary). A failover is a Redis lost and back: the promoted replica may lack accepted writes, which the
@@ -28,7 +30,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from core import RequestError
 
@@ -48,11 +50,9 @@ COMMAND_TIMEOUT_S = 5.0
 #: Redis counts as not answering at most PROBE_PERIOD_S + PROBE_TIMEOUT_S after it stopped.
 PROBE_PERIOD_S = 2.0
 PROBE_TIMEOUT_S = 2.0
-#: The scripts every node loads (scripts.py) at each connect.
-SCRIPTS = ("PUBLISH", "TOUCH", "DELETE", "REWIND", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
-           "QUEUE_DELETE", "QUEUE_RESTORE", "QUEUE_REWIND")
-#: The failures that mean Redis is lost (or answered something this node cannot use).
-LINK_ERRORS = (RedisError, OSError, asyncio.TimeoutError, RequestError)
+#: The failures that mean Redis is lost (or answered something this node cannot use); redis-py's cluster client
+#: raises RedisClusterException (not a RedisError) when it cannot map a slot to a node, e.g. during a failover.
+LINK_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError, RequestError)
 
 
 def redacted(url: str) -> str:
@@ -84,6 +84,9 @@ class LinkHooks:
     reconnected: Callable[[], Awaitable[None]]
     #: publishes resumed: resync what lives in Redis
     back: Callable[[], None]
+    #: Redis Cluster: a channel followed its slot to another shard and is subscribed there again; what was
+    #: published on it meanwhile is not on the channel (cluster_link.py)
+    moved: Callable[[str], None] = lambda channel: None
 
 
 class Link(Protocol):
@@ -99,6 +102,10 @@ class Link(Protocol):
     reconnect_failures: int
     #: where Redis is, for messages (no password)
     target: str
+    #: Redis Cluster: channels are shard channels (SSUBSCRIBE), scripts publish with SPUBLISH and touch one
+    #: slot each (scripts.py); `publish_command` is what the nodes' own publishes use
+    sharded: bool
+    publish_command: str
 
     @property
     def healthy(self) -> bool:
@@ -123,6 +130,9 @@ class Link(Protocol):
 
 class SingleLink:
     """One Redis (`[broker] url`)."""
+
+    sharded = False
+    publish_command = "PUBLISH"
 
     def __init__(self, config: BrokerConfig, hooks: LinkHooks) -> None:
         self.hooks = hooks
@@ -181,8 +191,8 @@ class SingleLink:
         pool = self.redis.connection_pool
         await pool.disconnect()
         await self.redis.ping()
-        for name in SCRIPTS:
-            self.shas[name] = await self.redis.script_load(getattr(scripts, name))
+        for name in scripts.NAMES:
+            self.shas[name] = await self.redis.script_load(scripts.source(name, sharded=False))
         if self._pubsub is not None:
             await self._pubsub.disconnect()
         # the pool's own kind of connection (plain, TLS, sentinel-managed), outside the pool: it waits for
@@ -336,8 +346,3 @@ def client_options() -> dict[str, Any]:
             # a failure is reported at once: publishes are refused, not delayed
             "retry": Retry(NoBackoff(), 0)}
 
-
-def make_link(config: BrokerConfig, hooks: LinkHooks) -> Link:
-    if config.sentinel_addresses:
-        return SentinelLink(config, hooks)
-    return SingleLink(config, hooks)

@@ -350,6 +350,7 @@ class RedisPresence:
 
     async def _write(self, ops: list[_Op], everything: bool) -> None:
         keys, node_id = self.node.keys, self.node.node_id
+        publish = self.node.link.publish_command  # SPUBLISH on Redis Cluster: the topic's shard channel
         pipe = self.node.redis.pipeline(transaction=False)
         if everything:
             pipe.set(keys.presence_alive(node_id), "1", px=ALIVE_TTL_MS)
@@ -363,12 +364,12 @@ class RedisPresence:
                 # announced again: a node that swept them (this node's heartbeat had expired) learns them
                 # again; one that still knows them sends no entry (`_remote_event`)
                 for held_member in members.clients.values():
-                    pipe.publish(keys.channel(topic), self._announcement("join", held_member))
+                    pipe.execute_command(publish, keys.channel(topic), self._announcement("join", held_member))
         for kind, topic, arg in ops:
             held = self.local.get(topic)
             member_key, owner_key = keys.presence_members(topic, node_id)
             if kind == "p":
-                pipe.publish(keys.channel(topic), arg)
+                pipe.execute_command(publish, keys.channel(topic), arg)
             elif everything or kind == "t":
                 if kind == "t" and held is None:
                     pipe.delete(member_key, owner_key)

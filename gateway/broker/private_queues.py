@@ -246,8 +246,8 @@ class PrivateQueues:
         broker = self.broker
         pipe = broker.redis.pipeline(transaction=False)
         for held, epoch, cursor in checks:
-            pipe.evalsha(broker.shas["QUEUE_REWIND"], 2, held.keys[0], held.keys[1], epoch,
-                         max(cursor, held.top), broker.ttl, broker.node_id)
+            pipe.execute_command("EVALSHA", broker.shas["QUEUE_REWIND"], 2, held.keys[0], held.keys[1], epoch,
+                                 max(cursor, held.top), broker.ttl, broker.node_id)
         for (held, _, cursor), behind in zip(checks, await pipe.execute()):
             if behind < 0:
                 continue
@@ -362,7 +362,8 @@ class PrivateQueues:
             try:
                 pipe = broker.redis.pipeline(transaction=False)
                 for keys, epoch, upto in acks.values():
-                    pipe.evalsha(broker.shas["QUEUE_ACK"], 2, keys[0], keys[1], upto, broker.ttl, epoch)
+                    pipe.execute_command("EVALSHA", broker.shas["QUEUE_ACK"], 2, keys[0], keys[1], upto, broker.ttl,
+                                         epoch)
                 await pipe.execute()
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 for key, ack in acks.items():  # sent again when Redis is back (acks are idempotent)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from core import TopicConfig
 from core.errors import BadSeq, StaleSeq
@@ -158,16 +158,19 @@ class Publisher:
             # it, unless Redis went back in time (the channel may deliver this very publish before its answer,
             # so the end at answer time proves nothing).
             floors = {p.topic: (line.epoch, line.next) for p in batch if (line := topics.lines.get(p.topic)) is not None}
+            bound = topics.bound()
             for p in batch:
                 name = p.topic
-                pipe.evalsha(
-                    link.shas["PUBLISH"], 3, keys.meta(name), keys.stream(name), keys.topics,
+                script_keys = topics.script_keys(name)
+                # EVALSHA by name: redis-py's cluster pipeline refuses its `evalsha` method, not the command
+                pipe.execute_command(
+                    "EVALSHA", link.shas["PUBLISH"], len(script_keys), *script_keys,
                     secrets.token_hex(8), p.data, p.config.kind.value, p.config.capacity,
                     orjson.dumps(p.config.as_dict()), topics.ttl, keys.channel(name),
-                    "" if p.seq is None else p.seq, now, name, "0" if p.refusal else "1", topics.max_topics,
+                    "" if p.seq is None else p.seq, now, name, "0" if p.refusal else "1", bound,
                 )
             results = await pipe.execute(raise_on_error=False)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
             link.lost(exc)
             for p in batch:
                 if not p.future.done():
@@ -200,6 +203,7 @@ class Publisher:
         elif status == 0:
             p.created = created == 1
             self.topics.rewinder.note_accepted(p.topic, epoch.decode(), int(seq))
+            self.topics.directory.note(p.topic)
             p.future.set_result(int(seq))
         elif status == -3:  # the topic is new, and this client may create none now
             assert p.refusal is not None

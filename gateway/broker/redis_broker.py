@@ -4,8 +4,9 @@ Redis orders publishes (scripts.PUBLISH: seq, stream, channel in one step); this
 comes on the channels of the topics it serves, with Redis's seqs, through the core's ordinary verbs plus
 `create_topic(epoch=, start=)`, `skip` and `restart_topic`. The parts:
 
-* the link (link.py): the connections to Redis for one topology (one Redis, or the primary the sentinels
-  name), losing Redis and reconnecting, resubscribing, handing each channel message here;
+* the link (link.py, cluster_link.py): the connections to Redis for one topology (one Redis, the primary the
+  sentinels name, or Redis Cluster's shards), losing Redis and reconnecting, resubscribing, handing each
+  channel message here;
 * the topic lines (topic_lines.py, with their SYNCING/LIVE machine in feeds.py): the shared topics this node
   serves, each fed from its stream and channel;
 * publishing (publishing.py): the publishes waiting for Redis, their byte bound, the publisher task;
@@ -33,10 +34,11 @@ from ..presence import PresenceStore
 from ..topic_budget import CreationBudget
 from .base import BrokerEvents, BrokerUnreachable
 from .cluster_info import ClusterInfo
+from .cluster_link import ClusterLink
 from .control import ControlChannel
 from .feeds import Line
 from .keys import Keys
-from .link import LinkHooks, make_link
+from .link import Link, LinkHooks, SentinelLink, SingleLink
 from .presence_store import RedisPresence
 from .private_queues import PrivateQueues
 from .publishing import Publisher
@@ -52,13 +54,13 @@ class RedisBroker:
                  control: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {},
                  node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None) -> None:
         self.events = events
-        self.keys = Keys(config.prefix)
+        self.keys = Keys(config.prefix, sharded=bool(config.cluster_addresses))
         self.ttl = max(1, math.ceil(config.history_ttl_s))
         self.connect_timeout = config.connect_timeout_s
         self.node_id = f"{instance_id}-{os.getpid()}"
         self.link = make_link(config, LinkHooks(
             message=self._on_message, lost=lambda: self.topic_lines.lost(), channels=self._channels,
-            reconnected=self._reconnected, back=self._back))
+            reconnected=self._reconnected, back=self._back, moved=self._moved))
         self.redis = self.link.redis
         self.shas = self.link.shas
         self.topic_lines = TopicLines(self.link, self.keys, events, creations, self.ttl, config.max_topics)
@@ -108,7 +110,7 @@ class RedisBroker:
                  extra={"broker": self.link.target, "state": "connected", "node": self.node_id})
         await self.presence_store.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [*self.link.run(), self.publisher.run(),
+        self._tasks = [*self.link.run(), self.publisher.run(), *self.topic_lines.directory.run(),
                        loop.create_task(self.cluster._stats_loop(), name="broker-stats")]
         try:
             await self.link.subscribe_channels([self.keys.control])
@@ -142,6 +144,15 @@ class RedisBroker:
 
     def _channels(self) -> list[str]:
         return [self.keys.control, *self.topic_lines.channels(), *self.queues.channels()]
+
+    def _moved(self, channel: str) -> None:
+        """Redis Cluster: `channel` followed its slot to another primary; read what it may have missed."""
+        held = self.queues.by_channel.get(channel)
+        if held is not None and held.epoch is not None:
+            self.queues.pull(held)
+        line = self.lines.get(self.keys.topic_of(channel))
+        if line is not None and self.keys.channel(line.name) == channel:
+            self.topic_lines.resync(line)
 
     async def _reconnected(self) -> None:
         """Before publishes resume: a Redis behind this node (rewind.py, private_queues.py) gives no seq twice."""
@@ -260,3 +271,12 @@ class RedisBroker:
         yield CounterMetricFamily("fanout_broker_rewinds", "topics that started a new epoch because Redis was"
                                   " behind this node (restored from an older state, a replica that lagged)",
                                   value=self.topic_lines.rewinder.rewinds)
+
+
+def make_link(config: BrokerConfig, hooks: LinkHooks) -> Link:
+    """The link of the configured topology: Redis Cluster, Redis behind Sentinel, or one Redis."""
+    if config.cluster_addresses:
+        return ClusterLink(config, hooks)
+    if config.sentinel_addresses:
+        return SentinelLink(config, hooks)
+    return SingleLink(config, hooks)

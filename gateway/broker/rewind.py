@@ -74,8 +74,8 @@ class Rewinder:
         keys, link = self.keys, self.link
         pipe = link.redis.pipeline(transaction=False)
         for name, epoch, end in floors:
-            pipe.evalsha(link.shas["REWIND"], 2, keys.meta(name), keys.stream(name), secrets.token_hex(8),
-                         epoch, end, keys.channel(name))
+            pipe.execute_command("EVALSHA", link.shas["REWIND"], 2, keys.meta(name), keys.stream(name),
+                                 secrets.token_hex(8), epoch, end, keys.channel(name))
         for (name, epoch, end), rewound in zip(floors, await pipe.execute()):
             if rewound == 1:
                 log.warning("broker: Redis is behind this node on %r (seqs up to %d of epoch %s were delivered or"

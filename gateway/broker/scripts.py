@@ -8,16 +8,19 @@ from __future__ import annotations
 #: The cluster-wide topic bound, shared by PUBLISH and TOUCH when they would create a topic (KEYS[3] the
 #: topics' sorted set, `now` and `ttl` in seconds, `max` 0 for none): members whose meta expired (last
 #: publish or creation older than the ttl) leave the set first, so it counts the topics Redis holds.
-#: Returns true when there is room.
+#: Returns true when there is room. On Redis Cluster there is no KEYS[3] (a script touches its topic's slot
+#: only): the node checked the bound (topic_directory.py) and passes `max` 0 for room, -1 for none.
 _ROOM = r"""
 local function room(topics, now, ttl, max)
-  if tonumber(max) <= 0 then return true end
+  if tonumber(max) == 0 then return true end
+  if tonumber(max) < 0 then return false end
   redis.call('ZREMRANGEBYSCORE', topics, '-inf', tonumber(now) - tonumber(ttl))
   return redis.call('ZCARD', topics) < tonumber(max)
 end
 """
 
-#: KEYS: meta, stream, topics. ARGV: 1 epoch if new, 2 data (JSON), 3 kind, 4 capacity, 5 settings (JSON),
+#: KEYS: meta, stream, topics (not on Redis Cluster: `_ROOM`). ARGV: 1 epoch if new, 2 data (JSON), 3 kind,
+#: 4 capacity, 5 settings (JSON),
 #: 6 ttl seconds, 7 channel, 8 explicit seq or "", 9 now (score), 10 topic name, 11 "1" when the publisher
 #: may create the topic, 12 the cluster-wide topic bound (broker.max_topics, 0: none).
 #: Returns {status, epoch, seq, created}: status 0 published at seq (created 1 when this publish made the
@@ -52,11 +55,11 @@ else
 end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('PUBLISH', ARGV[7], epoch .. ' ' .. s .. ' ' .. ARGV[2])
-redis.call('ZADD', KEYS[3], ARGV[9], ARGV[10])
+if KEYS[3] then redis.call('ZADD', KEYS[3], ARGV[9], ARGV[10]) end
 return {0, epoch, seq, created}
 """
 
-#: KEYS: meta, stream, topics. ARGV: 1 epoch if new, 2 kind, 3 capacity, 4 settings (JSON), 5 ttl seconds,
+#: KEYS: meta, stream, topics (not on Redis Cluster). ARGV: 1 epoch if new, 2 kind, 3 capacity, 4 settings (JSON), 5 ttl seconds,
 #: 6 "1" to refuse an existing topic (admin create), 7 first stream id to read ("-" for all), 8 now,
 #: 9 topic name, 10 "1" when the caller may create the topic, 11 the cluster-wide topic bound (0: none).
 #: Returns {created, epoch, next seq, settings, last value or false, entries}: one consistent view of the
@@ -76,7 +79,7 @@ else
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[1], 'e', epoch, 'n', 0, 'k', ARGV[2], 'cap', ARGV[3], 'c', ARGV[4])
   redis.call('EXPIRE', KEYS[1], ARGV[5])
-  redis.call('ZADD', KEYS[3], ARGV[8], ARGV[9])
+  if KEYS[3] then redis.call('ZADD', KEYS[3], ARGV[8], ARGV[9]) end
 end
 local meta = redis.call('HMGET', KEYS[1], 'n', 'k', 'c', 'v')
 local entries = {}
@@ -102,10 +105,10 @@ redis.call('PUBLISH', ARGV[4], '! epoch')
 return 1
 """
 
-#: KEYS: meta, stream, topics. ARGV: 1 channel, 2 topic name. Returns 1 when the topic existed.
+#: KEYS: meta, stream, topics (not on Redis Cluster). ARGV: 1 channel, 2 topic name. Returns 1 when the topic existed.
 DELETE = r"""
 local existed = redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('ZREM', KEYS[3], ARGV[2])
+if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[2]) end
 redis.call('PUBLISH', ARGV[1], '! deleted')
 return existed > 0 and 1 or 0
 """
@@ -234,3 +237,15 @@ redis.call('HSET', KEYS[1], 'n', ARGV[2], 'b', 0, 'h', ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return tonumber(meta[2])
 """
+
+
+#: The scripts every node loads at each connect.
+NAMES = ("PUBLISH", "TOUCH", "DELETE", "REWIND", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
+         "QUEUE_DELETE", "QUEUE_RESTORE", "QUEUE_REWIND")
+
+
+def source(name: str, sharded: bool) -> str:
+    """The text of script `name`; `sharded` (Redis Cluster): its channel messages go by sharded pub/sub
+    (SPUBLISH: to the subscribers of the channel's shard only, not relayed over every shard)."""
+    text: str = globals()[name]
+    return text.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',") if sharded else text

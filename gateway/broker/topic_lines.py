@@ -26,6 +26,7 @@ from .feeds import Feed, Line, LineState, Step, Touched
 from .keys import Keys, stream_id
 from .link import LINK_ERRORS, Link
 from .rewind import Rewinder
+from .topic_directory import TopicDirectory
 
 log = logging.getLogger("gateway.broker")
 
@@ -59,6 +60,8 @@ class TopicLines:
         self.presence: TopicPresence | None = None
         #: checks the topics against a Redis that came back (rewind.py)
         self.rewinder = Rewinder(link, keys)
+        #: Redis Cluster: the cluster-wide topic listing and bound, kept by the nodes (topic_directory.py)
+        self.directory = TopicDirectory(link, keys, ttl, max_topics)
 
     def stop(self) -> None:
         for line in self.lines.values():
@@ -69,6 +72,19 @@ class TopicLines:
 
     def channels(self) -> list[str]:
         return [self.keys.channel(name) for name in self.lines]
+
+    def script_keys(self, name: str) -> list[str]:
+        """KEYS of the PUBLISH, TOUCH and DELETE scripts: the topic's meta and stream, and on one Redis the
+        topics' sorted set (on Redis Cluster a script touches its topic's slot only: topic_directory.py)."""
+        keys = self.keys
+        return [keys.meta(name), keys.stream(name)] + ([] if self.link.sharded else [keys.topics])
+
+    def bound(self) -> int:
+        """The scripts' `max` argument (scripts._ROOM): broker.max_topics on one Redis, which the script checks;
+        on Redis Cluster the directory's verdict, 0 (room) or -1 (full)."""
+        if not self.link.sharded or self.max_topics <= 0:
+            return self.max_topics
+        return -1 if self.directory.full else 0
 
     # -- attaching ---------------------------------------------------------------------------------------
 
@@ -253,12 +269,14 @@ class TopicLines:
                     refusal: tuple[str, str] | None = None) -> list[Any]:
         """The TOUCH script; `refusal`: why the caller may not create the topic (TooManyCreatedTopics if
         it is new), None when it may."""
-        keys = self.keys
+        keys = self.script_keys(name)
         reply: list[Any] = await self.link.redis.evalsha(
-            self.link.shas["TOUCH"], 3, keys.meta(name), keys.stream(name), keys.topics,
+            self.link.shas["TOUCH"], len(keys), *keys,
             secrets.token_hex(8), config.kind.value, config.capacity, orjson.dumps(config.as_dict()),
-            self.ttl, "1" if exclusive else "0", first, time.time(), name, "0" if refusal else "1", self.max_topics,
+            self.ttl, "1" if exclusive else "0", first, time.time(), name, "0" if refusal else "1", self.bound(),
         )
+        if reply[0] == 1:
+            self.directory.note(name)
         if reply[0] == -2:
             assert refusal is not None
             raise self.creations.refuse(refusal)
@@ -308,10 +326,11 @@ class TopicLines:
     async def delete(self, topic: str) -> None:
         if not self.link.available:
             raise BrokerUnavailable(f"broker unreachable: {self.link.last_error}")
-        keys = self.keys
+        keys = self.script_keys(topic)
         try:
-            existed = await self.link.redis.evalsha(self.link.shas["DELETE"], 3, keys.meta(topic),
-                                                    keys.stream(topic), keys.topics, keys.channel(topic), topic)
+            existed = await self.link.redis.evalsha(self.link.shas["DELETE"], len(keys), *keys,
+                                                    self.keys.channel(topic), topic)
+            self.directory.forget(topic)
         except (RedisError, OSError) as exc:
             self.link.lost(exc)
             raise BrokerUnavailable(f"broker unreachable: {self.link.last_error}") from None

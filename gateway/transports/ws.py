@@ -14,7 +14,8 @@ Between two messages, nothing of the next one read, a connection holds no websoc
 parser it used goes back to a small pool of the server's and the next read takes one (`_park`). The frame
 headers of what is fed are read alongside (RFC 6455 framing, wsframes.py `frames_fed`), so the boundary is
 known without looking into websockets' parser; a parser at a boundary, its state OPEN and no message begun,
-is as good as a new one (an inflating one too: deflate is negotiated without context takeover). Pings and close frames this side starts are serialized here.
+is as good as a new one (an inflating one too: deflate is negotiated without context takeover). Pings and
+close frames this side starts are serialized here.
 """
 
 from __future__ import annotations

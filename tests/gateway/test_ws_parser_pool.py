@@ -95,6 +95,6 @@ def test_a_connection_that_negotiated_deflate_parks_its_inflating_parser_too():
         for i in range(3):
             echo = {"op": "rpc", "method": "echo", "params": {"pad": "x" * 400}, "id": i}
             ws.send(orjson.dumps(echo).decode())  # compressed by the client
-            reply = collect(ws, lambda entries: any(e.get("id") == i for e in entries))[-1]
+            reply = collect(ws, lambda entries, i=i: any(e.get("id") == i for e in entries))[-1]
             assert reply["type"] == "reply" and reply["result"] == {"pad": "x" * 400}
         assert _held_parsers(gw) == [False]
