@@ -58,6 +58,9 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout", type=float, help="seconds for all clients to subscribe (default 20, "
                         "or 1 s per 250 clients when more)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--redis", choices=("single", "cluster"), default="single",
+                        help="the broker of a gateway with workers > 1: one redis-server (default), or a Redis "
+                             "Cluster of 3 primaries and 3 replicas, started for the run")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help="before each run, wait up to S seconds until the machine is idle (other "
                              "programs skew a run on a shared machine)")
@@ -67,13 +70,15 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
 def _gateway_factory(args: argparse.Namespace, capacity: int, batch_depth: int | str = 1,
                      linger: float = 0.0, *, shipped: bool = False, clients: int = 0,
                      workers: int = 1) -> runner.TargetFactory:
+    redis = getattr(args, "redis", "single")
     from loadtest.gatewayproc import GatewayProcess, shipped_max_connections
     from loadtest.target import Target
 
     if not args.url:
         limit = shipped_max_connections(clients) if shipped else None
         return lambda workdir: GatewayProcess(workdir, args.gateway_cmd, capacity, batch_depth, linger,
-                                              shipped=shipped, max_connections=limit, workers=workers)
+                                              shipped=shipped, max_connections=limit, workers=workers,
+                                              redis=redis)
     if shipped or workers > 1:
         print("note: --shipped / --workers are not applied to a running gateway (--url): its own config decides",
               file=sys.stderr)

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from loadtest.clusterproc import ClusterTopology
 from loadtest.procstat import raise_nofile_limit
 from loadtest.redisproc import RedisProcess
 from loadtest.serverproc import ServerProcess
@@ -46,15 +47,18 @@ def shipped_max_connections(clients: int) -> int | None:
     return need if need > SHIPPED_MAX_CONNECTIONS else None
 
 
-def _workers_text(workers: int, broker_url: str) -> tuple[str, str]:
-    """The ``[server]`` lines and the ``[broker]`` section of a gateway with ``workers`` processes."""
+def _workers_text(workers: int, broker_url: str | list[str]) -> tuple[str, str]:
+    """The ``[server]`` lines and the ``[broker]`` section of a gateway with ``workers`` processes: on one Redis
+    (its URL) or on a Redis Cluster (its seed addresses)."""
     if workers <= 1:
         return "", ""
+    if isinstance(broker_url, list):
+        return f"workers = {int(workers)}\n", f"[broker]\ncluster_addresses = {json.dumps(broker_url)}\n"
     return f"workers = {int(workers)}\n", f'[broker]\nurl = "{broker_url}"\n'
 
 
 def shipped_config_text(admin_token: str, max_connections: int | None = None, workers: int = 1,
-                        broker_url: str = "") -> str:
+                        broker_url: str | list[str] = "") -> str:
     """The gateway as shipped (config/default.toml) with only what a load run needs: ephemeral loopback
     ports, a known admin token, ``server.max_connections`` when the clients need more than the shipped
     value, and with ``workers`` > 1 the broker they need. The per-address limits and the topic rules stay as
@@ -77,7 +81,7 @@ receiver_port = 0
 
 
 def config_text(admin_token: str, capacity: int = 64, batch_depth: int | str = 1, linger: float = 0.0,
-                workers: int = 1, broker_url: str = "") -> str:
+                workers: int = 1, broker_url: str | list[str] = "") -> str:
     """The gateway config of a load run: loopback, ephemeral ports, every topic a ring of ``capacity``
     messages from which a subscription gives up to ``batch_depth`` messages per cycle (``"auto"``: a slice
     sized by its backlog), holding caught-up subscribers back ``linger`` seconds after a publish."""
@@ -127,14 +131,18 @@ class GatewayProcess(ServerProcess):
 
     def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64,
                  batch_depth: int | str = 1, linger: float = 0.0, env: dict[str, str] | None = None, *,
-                 shipped: bool = False, max_connections: int | None = None, workers: int = 1) -> None:
+                 shipped: bool = False, max_connections: int | None = None, workers: int = 1,
+                 redis: str = "single") -> None:
         self.workdir = Path(workdir)
         #: the shipped config (capacity, batch_depth and linger are then the shipped rules', not these)
         self.shipped = shipped
         #: shipped: server.max_connections raised to this (None: as shipped)
         self.max_connections = max_connections
         self.workers = workers
+        #: with workers > 1: "single", one redis-server, or "cluster", 3 primaries and 3 replicas (clusterproc.py)
+        self.topology = redis
         self.redis: RedisProcess | None = None
+        self.cluster: ClusterTopology | None = None
         #: variables added to the gateway's environment (`GATEWAY_*` overrides)
         self.env = env or {}
         self.command = shlex.split(command) if command else [sys.executable, "-m", "gateway"]
@@ -155,8 +163,12 @@ class GatewayProcess(ServerProcess):
         token = secrets.token_hex(16)
         config = self.workdir / "gateway.toml"
         ready = self.workdir / "gateway.ready.json"
-        broker_url = ""
-        if self.workers > 1:
+        broker_url: str | list[str] = ""
+        if self.workers > 1 and self.topology == "cluster":
+            self.cluster = ClusterTopology(self.workdir / "cluster")
+            self.cluster.start()
+            broker_url = self.cluster.addresses
+        elif self.workers > 1:
             self.redis = RedisProcess(self.workdir / "redis")
             self.redis.start()
             broker_url = self.redis.url
@@ -199,3 +211,6 @@ class GatewayProcess(ServerProcess):
             if self.redis is not None:
                 self.redis.stop(wipe=True)
                 self.redis = None
+            if self.cluster is not None:
+                self.cluster.stop()
+                self.cluster = None
