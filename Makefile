@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check lint setup java browser redis iproute netcat node bench clean
+.PHONY: run test check lint setup java browser redis iproute netcat node centrifugo-js bench clean
 
 # Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never runs
 # (core/native.py falls back to the sources).
@@ -42,6 +42,13 @@ netcat:
 node:
 	@command -v node >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs)
 
+# Centrifugo's JavaScript SDK and `ws`, pinned by their lock file, for tests/gateway/test_centrifugo_js.py: a folder of
+# the tests, not of the product.
+CENTRIFUGO_JS = tests/centrifugo_js
+centrifugo-js: node $(CENTRIFUGO_JS)/node_modules/.package-lock.json
+$(CENTRIFUGO_JS)/node_modules/.package-lock.json: $(CENTRIFUGO_JS)/package.json $(CENTRIFUGO_JS)/package-lock.json
+	npm ci --prefix $(CENTRIFUGO_JS) --no-audit --no-fund
+
 run: $(STAMP)
 	$(BIN)/gateway serve
 
@@ -56,7 +63,7 @@ lint: $(STAMP)
 # Then every test, on both cores (pytest-xdist; a module's tests stay together in one worker, so its fixtures and
 # ports are its own), with the 15 slowest named; then the core's own tests once more on its pure-Python fallback
 # (FANOUT_PURE_PYTHON, core/native.py).
-test: lint java browser redis iproute netcat node
+test: lint java browser redis iproute netcat node centrifugo-js
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 	FANOUT_PURE_PYTHON=1 $(BIN)/python -m pytest -q tests/core
 

@@ -241,6 +241,10 @@ class TracingConfig(_Section, frozen=True, forbid_unknown_fields=True):
 class CentrifugoConfig(_Section, frozen=True, forbid_unknown_fields=True):
     enabled: bool
     api_prefix: str
+    path: str
+    ping_interval_s: float
+    pong_timeout_s: float
+    connect_timeout_s: float
 
 
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
@@ -494,6 +498,13 @@ def _check_centrifugo(centrifugo: CentrifugoConfig) -> None:
     if not prefix.startswith("/") or prefix.endswith("/") or any(c.isspace() or c in "?#{}" for c in prefix):
         raise ConfigError(f'centrifugo.api_prefix must be a path such as "/api", starting with "/" and not ending'
                           f" with one, without whitespace, ?, # or braces; not {prefix!r}")
+    path = centrifugo.path
+    if not path.startswith("/") or path == "/ws" or any(c.isspace() or c in "?#" for c in path):
+        raise ConfigError(f'centrifugo.path must be a path such as "/connection/websocket", other than "/ws" and'
+                          f" without whitespace, ? or #; not {path!r}")
+    for key in ("ping_interval_s", "pong_timeout_s", "connect_timeout_s"):
+        if getattr(centrifugo, key) <= 0:
+            raise ConfigError(f"centrifugo.{key} must be > 0")
 
 
 def load_config(

@@ -94,7 +94,8 @@ class DirectWritable(Protocol):
     other clients' (gateway/fanwrite.py): the WebSocket's, checked once when it registers."""
 
     #: what the connection's bytes for a frame depend on besides the frame (0: nothing; the WebSocket: the
-    #: window of its compressed frames), for frames of `compression_min_bytes` or more
+    #: window of its compressed frames, for frames of `compression_min_bytes` or more; negative: another
+    #: protocol's form of every frame, gateway/transports/ws_centrifugo.py)
     wire_variant: int
 
     def direct_fd(self, batch: Batch, frame: bytes) -> int:
@@ -423,7 +424,9 @@ class Scheduler:
                     writable = writable_sockets.get(client_id)
                     if writable is not None and (fd := writable.direct_fd(batch, frame)) >= 0:
                         variant = writable.wire_variant
-                        crowd_key = frame if not variant or len(frame) < variant_min_bytes else (frame, variant)
+                        # (a negative variant, another protocol's form of the frame, always changes them)
+                        crowd_key = (frame if not variant or 0 < variant and len(frame) < variant_min_bytes
+                                     else (frame, variant))
                         crowd = crowds.get(crowd_key)
                         if crowd is None:
                             crowd = crowds[crowd_key] = ([], [], [])

@@ -27,6 +27,7 @@ from .edge.origin import OriginPolicy, parse_allowed_origins
 from .hub import Hub
 from .transports.ingest import IngestParts, IngestServer, ingest_counters
 from .transports.ws import WebSocketProtocol, protocol_class, ws_counters
+from .transports.ws_centrifugo import centrifugo_endpoint
 from .workers.forward import MAX_FORWARDS_UNLIMITED, WorkerLinks, serve_inbox
 
 log = logging.getLogger("gateway")
@@ -324,7 +325,8 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
         http=http_protocol_class(limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes,
                                  server_cfg.max_headers, hosts),
         # our WebSocket protocol (gateway/transports/ws.py) takes every upgrade request
-        ws=protocol_class(hub, limiter, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins)), hub.bad_input),
+        ws=protocol_class(hub, limiter, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins)), hub.bad_input,
+                          centrifugo_endpoint(hub)),
         lifespan="off",
         # X-Forwarded-For is not believed (uvicorn would from loopback peers): every per-address limit
         # counts the peer's own address, on every transport alike (docs/security.md, In production)

@@ -88,6 +88,8 @@ _DOORS = {
     "ws": _Door("ws"),
     "sse": _Door("sse", "SSE streams", "streams"),
     "longpoll": _Door("lp", "sessions", "sessions"),
+    # Centrifugo's client protocol on the WebSocket (gateway/centrifugo/client_session.py): bounded as `ws`
+    "centrifugo": _Door("cf"),
 }
 
 

@@ -8,7 +8,8 @@ server does it: bytes in go to websockets (`receive_data`, then `events_received
 (`data_to_send`). The handshake is answered here (path, Origin, `?token=`, `?id=`, the connect hook, the
 101), each command message goes to gateway/commands.py as it is parsed, and the scheduler writes each batch
 as one pre-built text frame straight to the transport (`WSConnection`), never awaiting: a client whose writes
-are paused is not ready until asyncio calls `resume_writing`.
+are paused is not ready until asyncio calls `resume_writing`. A connection to `centrifugo.path` speaks
+Centrifugo's client protocol instead (gateway/transports/ws_centrifugo.py): its messages go to its link.
 
 Between two messages, nothing of the next one read, a connection holds no websockets object: the frame
 parser it used goes back to a small pool of the server's and the next read takes one (`_park`). The frame
@@ -25,6 +26,7 @@ import logging
 import time
 from collections import deque
 from typing import Any, cast
+from typing import Protocol as TypingProtocol
 from urllib.parse import parse_qs
 
 import orjson
@@ -37,6 +39,8 @@ from websockets.server import ServerProtocol
 from core import Batch, RequestError
 
 from .. import close_codes
+from ..centrifugo.client_codes import close_code as centrifugo_close_code
+from ..centrifugo.client_codes import close_reason as centrifugo_close_reason
 from ..edge.netguard import ConnectionLimiter
 from ..edge.origin import OriginPolicy
 from ..edge.ratelog import BadInputLog
@@ -66,6 +70,28 @@ WS_PATH = "/ws"
 LINGER_READ = 16384
 #: parked frame parsers a server keeps for the next reads (`ParserPool`)
 PARSER_POOL = 64
+
+
+class CentrifugoLink(TypingProtocol):
+    """A connection of Centrifugo's client protocol (gateway/transports/ws_centrifugo.py, which builds on this
+    module, so this one only names what it calls)."""
+
+    def received(self, payload: bytes, text: bool) -> None: ...
+
+    def lost(self) -> None: ...
+
+
+class CentrifugoEndpoint(TypingProtocol):
+    """Centrifugo's client protocol at its path (gateway/transports/ws_centrifugo.py)."""
+
+    @property
+    def path(self) -> str: ...
+
+    def handshake(self, max_size: int, logger: Any) -> ServerProtocol: ...
+
+    def codec_name(self, subprotocol: str | None, query: str) -> str: ...
+
+    def link(self, proto: WebSocketProtocol, request: Request, codec_name: str) -> CentrifugoLink: ...
 
 
 class ParserPool:
@@ -114,6 +140,8 @@ class WSService:
         self.framers = Framers(self.config.compression_min_bytes)
         #: the server's open connections (uvicorn's, which its shutdown closes and waits for)
         self.connections: set[Any] | None = None
+        #: Centrifugo's client protocol at `centrifugo.path` (gateway/transports/ws_centrifugo.py), when enabled
+        self.centrifugo: CentrifugoEndpoint | None = None
 
 
 def _json_refusal(handshake: ServerProtocol, status: int, error: RequestError) -> Response:
@@ -137,7 +165,7 @@ class WebSocketProtocol(asyncio.Protocol):
     __slots__ = (
         "transport", "peer", "ws", "connection", "upgraded", "closing", "dropped", "unparsed", "unhandled",
         "deferred", "raw_fd", "held_pong", "paused", "frame_left", "frame_head", "message", "message_text", "ping_payload",
-        "ping_sent_at", "ping_rtt", "frames_at_ping", "in_message", "window_bits",
+        "ping_sent_at", "ping_rtt", "frames_at_ping", "in_message", "window_bits", "centrifugo",
     )
 
     #: set on the class `protocol_class` makes for one server
@@ -187,6 +215,8 @@ class WebSocketProtocol(asyncio.Protocol):
         self.frames_at_ping = 0
         #: permessage-deflate's window for our frames, 0 when not negotiated (its parsers then inflate)
         self.window_bits = 0
+        #: a connection of Centrifugo's client protocol: its messages go there (gateway/transports/ws_centrifugo.py)
+        self.centrifugo: CentrifugoLink | None = None
 
     # -- asyncio's calls ----------------------------------------------------------------------------------
 
@@ -243,6 +273,8 @@ class WebSocketProtocol(asyncio.Protocol):
         service.keepalive.stop(self)
         self.ws = None
         self.unhandled = self.unparsed = None
+        if self.centrifugo is not None:
+            self.centrifugo.lost()
         if self.connection is not None:
             self.connection.on_lost()
             self._unregister("closed")
@@ -275,7 +307,8 @@ class WebSocketProtocol(asyncio.Protocol):
     def _on_request(self, handshake: ServerProtocol, request: Request) -> None:
         service = self.service
         path, _, query = request.path.partition("?")
-        if path != WS_PATH:
+        centrifugo = service.centrifugo
+        if path != WS_PATH and (centrifugo is None or path != centrifugo.path):
             self._answer_and_close(handshake, _json_refusal(handshake, 404, NotFound(
                 f"no WebSocket endpoint at {path[:100]!r}: the WebSocket is at {WS_PATH}")))
             return
@@ -288,6 +321,10 @@ class WebSocketProtocol(asyncio.Protocol):
             service.bad_input("ws", "origin %r refused (server.allowed_origins)", origin[:100])
             self._answer_and_close(handshake, _json_refusal(handshake, 403, Forbidden(
                 "origin not allowed (server.allowed_origins)")))
+            return
+        if path != WS_PATH:
+            assert centrifugo is not None
+            self._open_centrifugo(centrifugo, request, query)
             return
         response = handshake.accept(request)
         if response.status_code != 101:  # not a valid upgrade: websockets says why
@@ -339,14 +376,26 @@ class WebSocketProtocol(asyncio.Protocol):
             assert late.close_code is not None
             self.close_with(late.close_code, close_reason(late))
 
-    def _upgrade(self, handshake: ServerProtocol, response: Response) -> None:
+    def _open_centrifugo(self, endpoint: CentrifugoEndpoint, request: Request, query: str) -> None:
+        """A Centrifugo connection: the 101 with the SDK's subprotocol, and no session until its `connect`
+        command (gateway/transports/ws_centrifugo.py); its pings are Centrifugo's, not ours."""
+        handshake = endpoint.handshake(self.service.config.max_frame_bytes, FRAMES_LOG)
+        response = handshake.accept(request)
+        if response.status_code != 101:
+            self._answer_and_close(handshake, response)
+            return
+        self.centrifugo = endpoint.link(self, request, endpoint.codec_name(handshake.subprotocol, query))
+        self._upgrade(handshake, response, keepalive=False)
+
+    def _upgrade(self, handshake: ServerProtocol, response: Response, *, keepalive: bool = True) -> None:
         """Write the 101: the connection is a WebSocket from here on; the handshake's protocol is done."""
         handshake.send_response(response)
         self.transport.write(b"".join(handshake.data_to_send()))
         self.window_bits = negotiated_window(handshake.extensions) if response.status_code == 101 else 0
         self.ws = None
         self.upgraded = True
-        self.service.keepalive.start(self)
+        if keepalive:
+            self.service.keepalive.start(self)
 
     def _answer_and_close(self, handshake: ServerProtocol, response: Response) -> None:
         self.closing = True
@@ -487,6 +536,9 @@ class WebSocketProtocol(asyncio.Protocol):
             except UnicodeDecodeError as exc:
                 self._failed(self.ws, close_codes.INVALID_DATA, f"invalid UTF-8 in a text message at byte {exc.start}")
                 return
+        if self.centrifugo is not None:
+            self.centrifugo.received(data, text)
+            return
         conn = self.connection
         if conn is not None and not conn.closed:
             conn.session.handle(data)
@@ -561,6 +613,8 @@ class WebSocketProtocol(asyncio.Protocol):
         """Write a close frame and linger (`linger_close`); the connection is not registered, or no more."""
         if self.transport.is_closing() or self.closing:
             return
+        if self.centrifugo is not None:  # never one of our 4xxx codes there (gateway/centrifugo/client_codes.py)
+            code, reason = centrifugo_close_code(code), centrifugo_close_reason(reason)
         self.transport.write(_control_frame(Opcode.CLOSE, Close(code, reason).serialize()))
         self.linger_close(KICK_GRACE_S)
 
@@ -580,6 +634,10 @@ class WebSocketProtocol(asyncio.Protocol):
         transport.write_eof()
         asyncio.get_running_loop().call_later(grace, transport.abort)
 
+    def forget(self) -> None:
+        """Closed by its Centrifugo session before it registered: nothing more to do with it."""
+        self._unregister("closed")
+
     def _unregister(self, reason: str) -> None:
         conn = self.connection
         if conn is not None:
@@ -588,9 +646,11 @@ class WebSocketProtocol(asyncio.Protocol):
 
 
 def protocol_class(hub: Hub, limiter: ConnectionLimiter, origins: OriginPolicy,
-                   bad_input: BadInputLog) -> type[WebSocketProtocol]:
-    """The class uvicorn instantiates per upgraded connection of one server (its `ws` setting)."""
+                   bad_input: BadInputLog, centrifugo: CentrifugoEndpoint | None = None) -> type[WebSocketProtocol]:
+    """The class uvicorn instantiates per upgraded connection of one server (its `ws` setting); `centrifugo`:
+    Centrifugo's client protocol at its path (gateway/transports/ws_centrifugo.py `centrifugo_endpoint`)."""
     service = WSService(hub, limiter, origins, bad_input)
+    service.centrifugo = centrifugo
     return type("ServedWebSocketProtocol", (WebSocketProtocol,), {"__slots__": (), "service": service})
 
 

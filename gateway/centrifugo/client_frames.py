@@ -1,0 +1,282 @@
+"""Our engine's entries (docs/protocol.md) as Centrifugo replies and pushes, converted once per frame.
+
+A Centrifugo connection gets the same batches as a `/ws` one; its framer turns a batch's entries into the
+codec's replies and pushes, joined into one WebSocket frame. The conversion depends on the entries alone, so
+a frame many subscribers get (a publication) is converted once for all of them (`CentrifugoFramer` keeps the
+cycle's frames), and a message entry once for every frame it is in.
+
+Per-client answers carry what they need in their request id, a string `"N:method[:flags]"` (N: the
+Centrifugo command's id; gateway/centrifugo/client_session.py makes them): a `subscribed` entry becomes the
+subscribe reply, a `reply` the method's result, an `error` the reply's error. Entries queued by the
+Centrifugo session itself are already in the codec's form, marked by a leading zero byte (`READY`).
+
+Centrifugo's streams have no loss notice: a `loss` entry becomes an `unsubscribe` push with code 2500
+(insufficient state), which makes the SDK subscribe again, recovering from its position or saying
+`recovered: false`; the subscription it ends is dropped here too (`Converted.lost`), and the rest of the
+frame's entries of that topic are left out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+import orjson
+
+from ..transports.wsframes import text_frame_header
+from . import client_codes as codes
+from .client_codec import Codec, Raw, split_message
+
+#: the first byte of an entry already in the codec's form
+READY = 0
+#: payload bytes of converted frames a framer keeps (a cycle's frames, for the direct writes), and of
+#: converted message entries; past either the cache starts again
+CACHE_BYTES = 1 << 20
+#: the request id of the unsubscribe that drops a lost subscription: its `unsubscribed` entry is not shown
+LOST_ID = "0:lost"
+#: unsubscribe push codes: below 2500 the SDK stays unsubscribed, from 2500 it subscribes again
+SERVER_UNSUBSCRIBE = 2000
+INSUFFICIENT_STATE = 2500
+
+_ID = re.compile(r"(\d+):([a-z_]+)(?::([a-z]*))?")
+
+
+def request_id(command_id: int, method: str, flags: str = "") -> str:
+    return f"{command_id}:{method}:{flags}" if flags else f"{command_id}:{method}"
+
+
+def _parsed_id(value: Any) -> tuple[int, str, str] | None:
+    if not isinstance(value, str):
+        return None
+    match = _ID.fullmatch(value)
+    if match is None:
+        return None
+    return int(match[1]), match[2], match[3] or ""
+
+
+#: the kinds of entries that are the same for every client that gets them (the others answer one client)
+SHARED_KINDS = frozenset((b'{"type":"loss"', b'{"type":"closed"', b'{"type":"join"', b'{"type":"leave"'))
+
+
+class Converted:
+    """A frame in Centrifugo's form: its WebSocket frame (b"" when nothing of it is for the client), the
+    topics whose subscriptions it ended with an `unsubscribe` push (to drop), and whether it answers no
+    client in particular (a frame of publications: many clients get it)."""
+
+    __slots__ = ("wire", "lost", "shared")
+
+    def __init__(self, wire: bytes, lost: tuple[str, ...], shared: bool) -> None:
+        self.wire = wire
+        self.lost = lost
+        self.shared = shared
+
+
+class CentrifugoFramer:
+    """Frames of one codec, converted once per frame (module docstring)."""
+
+    __slots__ = ("codec", "frames", "frame_bytes", "messages", "message_bytes", "last_frame", "last")
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.frames: dict[bytes, Converted] = {}
+        self.frame_bytes = 0
+        self.messages: dict[bytes, bytes] = {}
+        self.message_bytes = 0
+        self.last_frame = b""
+        self.last = Converted(b"", (), True)
+
+    def convert(self, entries: list[bytes], frame: bytes) -> Converted:
+        if frame is self.last_frame:
+            return self.last
+        converted = self.frames.get(frame)
+        if converted is None:
+            converted = self._convert(entries)
+            if converted.shared:  # one client's answers are converted for it alone: not kept
+                if self.frame_bytes >= CACHE_BYTES:
+                    self.frames.clear()
+                    self.frame_bytes = 0
+                self.frames[frame] = converted
+                self.frame_bytes += len(frame)
+        self.last_frame, self.last = frame, converted
+        return converted
+
+    def _convert(self, entries: list[bytes]) -> Converted:
+        codec = self.codec
+        lost: list[str] = []
+        replies: list[bytes | dict[str, Any]] = []
+        #: subscribe replies of a recovery in this frame, by topic: the frame's publications of the topic go
+        #: in them (centrifuge-js handles a push of a later frame in the same read before a reply's)
+        recovering: dict[str, list[dict[str, Any]]] = {}
+        shared = True
+        for entry in entries:
+            if entry[0] == READY:
+                replies.append(entry[1:])
+                shared = False
+                continue
+            message = self.messages.get(entry)
+            if message is None:
+                message = self._message(entry)
+            if message is not None:
+                if lost or recovering:
+                    parts = split_message(entry)
+                    assert parts is not None
+                    topic = orjson.loads(parts[0])
+                    if topic in lost:
+                        continue
+                    if topic in recovering:
+                        recovering[topic].append({"data": Raw(parts[2]), "offset": parts[1] + 1})
+                        continue
+                replies.append(message)
+                continue
+            if shared and entry[:entry.find(b",")] not in SHARED_KINDS:
+                shared = False
+            reply = convert_entry(orjson.loads(entry), lost)
+            if reply is not None:
+                replies.append(reply)
+                publications = reply.get("subscribe", {}).get("publications")
+                if publications is not None:
+                    recovering[reply["subscribe"].pop("channel")] = publications
+        if not replies:
+            return Converted(b"", tuple(lost), shared)
+        payload = codec.join([reply if isinstance(reply, bytes) else codec.encode(reply) for reply in replies])
+        return Converted(text_frame_header(len(payload), codec.frame_first) + payload, tuple(lost), shared)
+
+    def _message(self, entry: bytes) -> bytes | None:
+        parts = split_message(entry)
+        if parts is None:
+            return None
+        message = self.codec.publication(*parts)
+        if self.message_bytes >= CACHE_BYTES:
+            self.messages.clear()
+            self.message_bytes = 0
+        self.messages[entry] = message
+        self.message_bytes += len(entry)
+        return message
+
+
+# -- one entry ------------------------------------------------------------------------------------------------
+
+def convert_entry(entry: dict[str, Any], lost: list[str]) -> dict[str, Any] | None:
+    """One entry (other than a message) as a Centrifugo reply or push; None when it has none. `lost`: the
+    topics of the frame whose subscription an earlier entry ended (their entries are left out), appended to."""
+    kind = entry.get("type")
+    topic = entry.get("topic")
+    if topic is not None and topic in lost:
+        return None
+    if kind == "reply":
+        return _reply(entry)
+    if kind == "error":
+        return _error(entry)
+    if kind == "subscribed":
+        return _subscribed(entry)
+    if kind == "unsubscribed":
+        return _unsubscribed(entry)
+    if kind == "loss":
+        lost.append(str(topic))
+        return _push(topic, "unsubscribe", {"code": INSUFFICIENT_STATE, "reason": "insufficient state"})
+    if kind == "closed":
+        resubscribe = entry.get("reason") == "lost"
+        code = INSUFFICIENT_STATE if resubscribe else SERVER_UNSUBSCRIBE
+        return _push(topic, "unsubscribe", {"code": code, "reason": f"channel {entry.get('reason')}"})
+    if kind in ("join", "leave"):
+        return _push(topic, str(kind), {"info": {"user": entry.get("user") or "", "client": entry.get("client")}})
+    return None
+
+
+def _push(channel: Any, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"push": {"channel": channel, kind: body}}
+
+
+def _subscribed(entry: dict[str, Any]) -> dict[str, Any] | None:
+    parsed = _parsed_id(entry.get("id"))
+    body: dict[str, Any] = {}
+    if parsed is None:  # a server-side subscription (the connect hook's, the API's `subscribe`)
+        if entry.get("id") is not None:
+            return None
+        if entry.get("kind") == "ring":
+            body = {"recoverable": True, "positioned": True, "epoch": entry["epoch"], "offset": entry["seq"]}
+        return _push(entry.get("topic"), "subscribe", body)
+    command_id, _, flags = parsed
+    if "k" in flags:
+        body["recoverable"] = True
+    if "k" in flags or "p" in flags:
+        body.update(positioned=True, epoch=entry["epoch"], offset=entry["seq"])
+    if "w" in flags:
+        body["was_recovering"] = True
+    if "r" in flags:  # the publications that follow in the frame go in the reply (`CentrifugoFramer`)
+        body.update(recovered=True, publications=[], channel=entry.get("topic"))
+    return {"id": command_id, "subscribe": body}
+
+
+def _unsubscribed(entry: dict[str, Any]) -> dict[str, Any] | None:
+    parsed = _parsed_id(entry.get("id"))
+    if parsed is not None:
+        return None if parsed[1] == "lost" else {"id": parsed[0], "unsubscribe": {}}
+    if entry.get("id") is not None:
+        return None
+    return _push(entry.get("topic"), "unsubscribe", {"code": SERVER_UNSUBSCRIBE, "reason": "server unsubscribe"})
+
+
+def _error(entry: dict[str, Any]) -> dict[str, Any] | None:
+    parsed = _parsed_id(entry.get("id"))
+    if parsed is None:  # about no command of the client (an expiry's notice: the refresh is the SDK's)
+        return None
+    command_id, method, _ = parsed
+    if method == "unsub":  # an unsubscribe that errors makes the SDKs reconnect: it always succeeds
+        return {"id": command_id, "unsubscribe": {}}
+    code, message = codes.error_code(str(entry.get("code"))), str(entry.get("message"))
+    if entry.get("code") == "rpc_error":  # the backend's "C: M"
+        head, _, rest = message.partition(": ")
+        if head.isdigit() and rest:
+            code, message = int(head), rest
+    return error_reply(command_id, code, message)
+
+
+def error_reply(command_id: int, code: int, message: str) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if code in codes.TEMPORARY:
+        error["temporary"] = True
+    return {"id": command_id, "error": error}
+
+
+def _reply(entry: dict[str, Any]) -> dict[str, Any] | None:
+    parsed = _parsed_id(entry.get("id"))
+    if parsed is None:
+        return None
+    command_id, method, _ = parsed
+    result = entry.get("result")
+    if method == "pub":
+        return {"id": command_id, "publish": {}}
+    if method == "rpc":
+        return {"id": command_id, "rpc": {"data": Raw(orjson.dumps(result))}}
+    if method == "stats" and isinstance(result, dict):
+        return {"id": command_id, "presence_stats": {"num_clients": result.get("clients", 0),
+                                                     "num_users": result.get("users", 0)}}
+    if method == "presence" and isinstance(result, dict):
+        return _presence(command_id, result)
+    if method == "refresh" and isinstance(result, dict):
+        return {"id": command_id, "refresh": expiry(result.get("expires_at"))}
+    return {"id": command_id, method: {}}
+
+
+def _presence(command_id: int, result: dict[str, Any]) -> dict[str, Any]:
+    members = result.get("members")
+    if members is None:
+        return error_reply(command_id, codes.LIMIT_EXCEEDED, "too many members to list (limits.presence_max_members):"
+                                                             " ask presence_stats")
+    presence = {}
+    for member in members:
+        info: dict[str, Any] = {"user": member.get("user") or "", "client": member.get("client")}
+        if member.get("info") is not None:
+            info["conn_info"] = Raw(orjson.dumps(member["info"]))
+        presence[member.get("client")] = info
+    return {"id": command_id, "presence": {"presence": presence}}
+
+
+def expiry(expires_at: Any) -> dict[str, Any]:
+    """`expires` and `ttl` (whole seconds, at least 1) of a token expiring at `expires_at` (Unix seconds)."""
+    if not isinstance(expires_at, (int, float)) or math.isinf(expires_at):
+        return {}
+    return {"expires": True, "ttl": max(1, math.ceil(expires_at - time.time()))}

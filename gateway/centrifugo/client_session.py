@@ -1,0 +1,351 @@
+"""One connection of Centrifugo's client protocol v2 (docs/centrifugo.md, "Client protocol"): its commands,
+run strictly in the order sent, on our machinery.
+
+No session exists before the `connect` command, which carries the token: it opens one as every transport
+does (`ClientSession.begin`: the bounds, the token, the connect hook, revocations, the per-user limit), and
+its reply is written before anything else of the connection. Any other command first is a bad request
+(close 3501). Once connected, each command becomes one of ours (gateway/commands.py `run_command`: its
+checks, limits and hooks) with a request id that tells the framer (gateway/centrifugo/client_frames.py) how
+to answer it; `history` is read here, and answered in the codec's form through the same direct queue, so
+every answer keeps its place among the data.
+
+Recovery is decided before the subscribe, from the ring as it is then: complete (same epoch, nothing after
+the client's offset left the ring or given up) -> subscribe from the offset, `recovered: true`, the missed
+publications pushed right after the reply; else -> from the end, `recovered: false`, none.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Protocol
+
+from core import TopicKind
+from core.config import MAX_SEQ
+from core.errors import RequestError
+from core.ring import RingTopic
+
+from .. import commands, schema
+from ..errors import TokenExpired
+from ..session import ClientSession, LateRefused
+from . import client_codes as codes
+from .api_errors import ApiError
+from .client_codec import BadFrame, Codec
+from .client_frames import READY, error_reply, expiry, request_id
+from .history import HistoryQuery, position_only, read
+
+if TYPE_CHECKING:
+    from ..hub import Hub
+    from ..scheduler import Connection
+
+log = logging.getLogger("gateway.centrifugo")
+
+#: the server's name in connect replies
+VERSION = "fanout-gateway"
+#: the largest command id (uint32)
+MAX_ID = (1 << 32) - 1
+#: subscribe `flag` bit: answer error 112 rather than `recovered: false`
+REJECT_UNRECOVERED = 2
+#: the close reason of a `send` (asynchronous messages have no equivalent here; an rpc is answered)
+SEND_REFUSAL = "`send` is not available here: use rpc"
+
+
+class Link(Protocol):
+    """What a session needs of its WebSocket (gateway/transports/ws_centrifugo.py)."""
+
+    @property
+    def peer(self) -> tuple[str, int] | None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def header_values(self, name: str) -> list[str]: ...
+
+    def write_replies(self, reply: bytes) -> None:
+        """Write one reply (encoded by the codec) in a frame of its own, at once, ahead of anything queued."""
+
+    def close(self, code: int, reason: str) -> None:
+        """Close with a Centrifugo code."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def connection(self, session: ClientSession) -> Connection: ...
+
+    def connected(self) -> None:
+        """The session is open: pings start."""
+
+    def pong(self) -> None: ...
+
+
+class CentrifugoSession:
+    """A connection's commands (module docstring)."""
+
+    __slots__ = ("hub", "codec", "link", "session", "queue", "waiting", "max_commands")
+
+    def __init__(self, hub: Hub, codec: Codec, link: Link) -> None:
+        self.hub = hub
+        self.codec = codec
+        self.link = link
+        self.session: ClientSession | None = None
+        #: commands not run yet: the rest of a frame while the connect hook is awaited
+        self.queue: deque[dict[str, Any]] = deque()
+        self.waiting = False
+        #: commands one frame may hold: a reconnecting SDK sends connect and every subscribe at once
+        self.max_commands = max(schema.MAX_COMMANDS_PER_FRAME, hub.config.scheduler.max_subscriptions + 2)
+
+    # -- input ---------------------------------------------------------------------------------------------
+
+    def received(self, payload: bytes, text: bool) -> None:
+        """One frame of the client. A failure is our bug, not the peer's: this client is closed (3004)."""
+        try:
+            self._received(payload, text)
+        except Exception:
+            log.exception("centrifugo client %s: a command failed", self._client_id())
+            self.queue.clear()
+            self.link.close(codes.INTERNAL_CLOSE, "internal error")
+
+    def _client_id(self) -> str:
+        return "(connecting)" if self.session is None else self.session.identity.client_id
+
+    def _received(self, payload: bytes, text: bool) -> None:
+        try:
+            got = self.codec.decode(payload, text)
+        except BadFrame as exc:
+            self._bad(str(exc))
+            return
+        if len(got) > self.max_commands:
+            self._bad(f"more than {self.max_commands} commands in one frame")
+            return
+        self.queue.extend(got)
+        self._run_queue()
+
+    def _run_queue(self) -> None:
+        while self.queue and not self.waiting and not self.link.closed:
+            self._command(self.queue.popleft())
+
+    def _bad(self, why: str) -> None:
+        self.hub.bad_input("centrifugo", "bad request: %s", why)
+        self.queue.clear()
+        self.link.close(codes.BAD_REQUEST_CLOSE, codes.close_reason(f"bad request: {why}"))
+
+    def _command(self, command: dict[str, Any]) -> None:
+        command_id = command.get("id", 0)
+        if type(command_id) is not int or not 0 <= command_id <= MAX_ID:
+            self._bad("`id` must be an integer in [0, 2**32)")
+            return
+        methods = [key for key in command if key != "id"]
+        if not methods:
+            if command_id:
+                self._reply(error_reply(command_id, codes.BAD_REQUEST, "a command names one method"))
+            elif self.session is not None:
+                self.link.pong()
+            else:
+                self._bad("connect first")
+            return
+        if len(methods) > 1:
+            self._bad(f"one method per command, not {len(methods)}")
+            return
+        method, params = methods[0], command[methods[0]]
+        if not isinstance(params, dict):
+            self._bad(f"`{method[:32]}` takes an object")
+            return
+        if self.session is None:
+            if method == "connect" and command_id:
+                self._connect(command_id, params)
+            else:
+                self._bad("connect first")
+            return
+        if method == "connect":
+            self._bad("already connected")
+        elif method == "send":
+            self.link.close(codes.NOT_AVAILABLE_CLOSE, SEND_REFUSAL)
+        elif not command_id:
+            self._bad(f"`{method[:32]}` without an id")
+        else:
+            self._connected_command(self.session, command_id, method, params)
+
+    def _reply(self, reply: dict[str, Any]) -> None:
+        """An answer through the client's direct queue (ordered with its data), in the codec's form."""
+        session = self.session
+        if session is None:
+            self.link.write_replies(self.codec.encode(reply))
+            return
+        self.hub.clients.send_direct(session.identity.client_id, bytes((READY,)) + self.codec.encode(reply))
+
+    # -- connect -------------------------------------------------------------------------------------------
+
+    def _connect(self, command_id: int, params: dict[str, Any]) -> None:
+        token = params.get("token") or None
+        if token is not None and not isinstance(token, str):
+            self._bad("`token` is a string")
+            return
+        try:
+            session = ClientSession.begin(self.hub, "centrifugo", self.link.peer, token=token)
+        except TokenExpired as exc:  # the SDK asks its app for a fresh token (getToken), else gives up
+            self._reply(error_reply(command_id, codes.TOKEN_EXPIRED, exc.message))
+            return
+        except RequestError as exc:
+            self._refused(exc)
+            return
+        if session.awaits_hook:
+            self.waiting = True
+            self.link.pause()
+            session.spawn(self._connect_via_backend(command_id, session))
+            return
+        self._open(command_id, session)
+
+    async def _connect_via_backend(self, command_id: int, session: ClientSession) -> None:
+        try:
+            await session.pass_backend(self.link.header_values)
+        except RequestError as exc:
+            if not self.link.closed:
+                self._refused(exc)
+            return
+        if self.link.closed:
+            session.gone()
+            return
+        self.waiting = False
+        self.link.resume()
+        self._open(command_id, session)
+        self._run_queue()
+
+    def _refused(self, exc: RequestError) -> None:
+        code = codes.close_code(exc.close_code or codes.BAD_REQUEST_CLOSE)
+        self.queue.clear()
+        self.link.close(code, codes.close_reason(exc.message))
+
+    def _open(self, command_id: int, session: ClientSession) -> None:
+        try:
+            session.open(self.link.connection(session))
+        except LateRefused as late:
+            self._refused(late)
+            return
+        self.session = session
+        identity = session.identity
+        ping = self.hub.config.centrifugo.ping_interval_s
+        result: dict[str, Any] = {"client": identity.client_id, "version": VERSION, "ping": max(1, round(ping)),
+                                  "pong": True}
+        if identity.principal is not None:
+            result.update(expiry(identity.principal.expires_at))
+        # written now, in the step that registered the client: before any entry the scheduler writes
+        self.link.write_replies(self.codec.encode({"id": command_id, "connect": result}))
+        self.link.connected()
+
+    # -- once connected --------------------------------------------------------------------------------------
+
+    def _connected_command(self, session: ClientSession, command_id: int, method: str, params: dict[str, Any]) -> None:
+        channel = params.get("channel")
+        if method in ("subscribe", "unsubscribe", "publish", "presence", "presence_stats", "history") and (
+                not isinstance(channel, str) or not channel):
+            if method == "unsubscribe":  # an unsubscribe that errors makes the SDKs reconnect
+                self._reply({"id": command_id, "unsubscribe": {}})
+            else:
+                self._reply(error_reply(command_id, codes.BAD_REQUEST, "`channel` is a non-empty string"))
+            return
+        try:
+            self._run(session, command_id, method, params, channel)
+        except ValueError as exc:
+            self._reply(error_reply(command_id, codes.BAD_REQUEST, str(exc)))
+
+    def _run(self, session: ClientSession, command_id: int, method: str, params: dict[str, Any], channel: Any) -> None:
+        ours: dict[str, Any]
+        if method == "subscribe":
+            self._subscribe(session, command_id, params, channel)
+            return
+        if method == "history":
+            self._history(session, command_id, params, channel)
+            return
+        if method == "unsubscribe":
+            ours = {"op": "unsubscribe", "topic": channel, "id": request_id(command_id, "unsub")}
+        elif method == "publish":
+            if "data" not in params:
+                raise ValueError("`data` is required")
+            ours = {"op": "publish", "topic": channel, "data": self.codec.data(params["data"]),
+                    "id": request_id(command_id, "pub")}
+        elif method in ("presence", "presence_stats"):
+            ours = {"op": method, "topic": channel, "id": request_id(command_id, "presence" if method == "presence"
+                                                                     else "stats")}
+        elif method == "rpc":
+            ours = {"op": "rpc", "method": params.get("method", ""), "params": self.codec.data(params.get("data")),
+                    "id": request_id(command_id, "rpc")}
+        elif method == "refresh":
+            ours = {"op": "auth", "token": params.get("token"), "id": request_id(command_id, "refresh")}
+        elif method in ("sub_refresh", "ping"):
+            self._reply({"id": command_id, method: {}})
+            return
+        else:
+            self._reply(error_reply(command_id, codes.METHOD_NOT_FOUND, f"no method {method[:32]!r}"))
+            return
+        # an unsubscribe is answered {} whatever happens, so it must happen: not within the subscribe rate
+        commands.run_command(session, ours, sent=method != "unsubscribe")
+
+    def _subscribe(self, session: ClientSession, command_id: int, params: dict[str, Any], channel: str) -> None:
+        if params.get("tf"):
+            raise ValueError("publication filters (`tf`) are not supported")
+        config = self.hub.topics.topic_config(channel)
+        ring = config is not None and config.kind is TopicKind.RING
+        flags = ""
+        if ring and (params.get("recoverable") or params.get("recover")):
+            flags += "k"
+        if config is not None and config.kind is not TopicKind.PRIVATE and params.get("positioned"):
+            flags += "p"
+        ours: dict[str, Any] = {"op": "subscribe", "topic": channel}
+        if ring and params.get("recover"):
+            offset, epoch = params.get("offset", 0), params.get("epoch", "")
+            if type(offset) is not int or not 0 <= offset < MAX_SEQ or not isinstance(epoch, str):
+                raise ValueError("`offset` is an integer in [0, 2**53), `epoch` a string")
+            flags += "w"
+            if self._recoverable(channel, offset, epoch):
+                flags += "r"
+                ours["since"] = {"epoch": epoch, "seq": offset}
+            elif isinstance(params.get("flag"), int) and params["flag"] & REJECT_UNRECOVERED:
+                self._reply(error_reply(command_id, codes.UNRECOVERABLE_POSITION, "unrecoverable position"))
+                return
+        ours["id"] = request_id(command_id, "sub", flags)
+        commands.run_command(session, ours, sent=True)
+
+    def _recoverable(self, channel: str, offset: int, epoch: str) -> bool:
+        """Whether every publication after `offset` (the next seq is `offset`) is in the ring, none given up."""
+        topics = self.hub.topics
+        if not topics.has_topic(channel):
+            return False
+        topic = topics.topic(channel)
+        if not isinstance(topic, RingTopic) or epoch != topic.epoch or not topic.begin <= offset <= topic.end:
+            return False
+        return all(end <= offset or begin >= topic.end for begin, end in zip(topic.lost_begins, topic.lost_ends))
+
+    def _history(self, session: ClientSession, command_id: int, params: dict[str, Any], channel: str) -> None:
+        identity = session.identity
+        identity.last_command = time.monotonic()
+        config = self.hub.topics.topic_config(channel)
+        if config is None:
+            self._reply(error_reply(command_id, codes.UNKNOWN_CHANNEL, f"no channel {channel[:256]!r}"))
+            return
+        if identity.subscribe_refusal(channel, config) is not None:
+            self._reply(error_reply(command_id, codes.PERMISSION_DENIED, "permission denied"))
+            return
+        query = _history_query(params)
+        try:
+            query.check()
+            topics = self.hub.topics
+            result = read(topics.topic(channel), query) if topics.has_topic(channel) else position_only(0, "")
+        except ApiError as exc:
+            self._reply(error_reply(command_id, exc.code, exc.message))
+            return
+        self._reply({"id": command_id, "history": result})
+
+
+def _history_query(params: dict[str, Any]) -> HistoryQuery:
+    limit, since, reverse = params.get("limit", 0), params.get("since"), params.get("reverse", False)
+    if type(limit) is not int or not isinstance(reverse, bool):
+        raise ValueError("`limit` is an integer, `reverse` a boolean")
+    position = None
+    if since is not None:
+        if not isinstance(since, dict) or type(since.get("offset", 0)) is not int or not isinstance(
+                since.get("epoch", ""), str):
+            raise ValueError("`since` is {offset, epoch}")
+        position = (since.get("offset", 0), since.get("epoch", ""))
+    return HistoryQuery(limit, position, reverse)

@@ -1,0 +1,248 @@
+"""Centrifugo's client protocol v2 on our WebSocket protocol (gateway/transports/ws.py), at `centrifugo.path`.
+
+The handshake echoes the subprotocol the SDK asks for (`centrifuge-json`, `centrifuge-protobuf`; Node's `ws`
+aborts without it); `?format=protobuf` or `?cf_protocol=protobuf` asks for Protobuf too. The connection then
+has no session until its `connect` command (gateway/centrifugo/client_session.py), which this module's
+`CentrifugoLink` serves: writes, closes, the connect timeout, and the pings Centrifugo's SDKs expect (a `{}`
+every `centrifugo.ping_interval_s` whether data flows or not, answered by a `{}` command within
+`centrifugo.pong_timeout_s`, else close 3012), on one timer wheel per server (ws_keepalive.py).
+
+Once connected, `CentrifugoConnection` is the scheduler's side: the same batches as a `/ws` client's, each
+converted to the codec's frame once for every Centrifugo client that gets it (gateway/centrifugo/client_frames.py);
+its `wire_variant` (the codec's, negative) keeps its direct writes apart from `/ws` frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qs
+
+from websockets.http11 import Request
+from websockets.server import ServerProtocol
+from websockets.typing import Subprotocol
+
+from core import Batch
+
+from ..centrifugo import client_codes as codes
+from ..centrifugo.client_codec import Codec, JsonCodec
+from ..centrifugo.client_frames import LOST_ID, CentrifugoFramer
+from ..centrifugo.client_proto import ProtobufCodec
+from ..centrifugo.client_session import CentrifugoSession
+from ..hub import Hub
+from ..scheduler import Delivered
+from ..session import ClientSession
+from .staging import BLOCKED, DONE
+from .ws import WebSocketProtocol, WSConnection
+from .ws_counters import ws_counters
+from .ws_keepalive import Keepalive
+from .wsframes import text_frame_header
+
+#: the subprotocols, in the order preferred when a client offers both
+JSON_SUBPROTOCOL = Subprotocol("centrifuge-json")
+PROTOBUF_SUBPROTOCOL = Subprotocol("centrifuge-protobuf")
+
+
+def _select_subprotocol(_: ServerProtocol, offered: Sequence[Subprotocol]) -> Subprotocol | None:
+    for name in (PROTOBUF_SUBPROTOCOL, JSON_SUBPROTOCOL):
+        if name in offered:
+            return name
+    return None  # none offered: JSON, with no subprotocol header
+
+
+class CentrifugoEndpoint:
+    """What a server's Centrifugo connections share: the path, the codecs and their framers, the ping wheel."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.config = hub.config.centrifugo
+        self.path = self.config.path
+        self.codecs: dict[str, Codec] = {"json": JsonCodec(), "protobuf": ProtobufCodec()}
+        self.framers = {name: CentrifugoFramer(codec) for name, codec in self.codecs.items()}
+        self.keepalive = Keepalive(self.config.ping_interval_s, self.config.pong_timeout_s)
+
+    def handshake(self, max_size: int, logger: Any) -> ServerProtocol:
+        """The handshake's protocol: websockets' own, choosing the SDK's subprotocol (no compression)."""
+        return ServerProtocol(select_subprotocol=_select_subprotocol, max_size=max_size, logger=logger)
+
+    def codec_name(self, subprotocol: str | None, query: str) -> str:
+        params = parse_qs(query)
+        asked = params.get("format", []) + params.get("cf_protocol", [])
+        if subprotocol == PROTOBUF_SUBPROTOCOL or "protobuf" in asked:
+            return "protobuf"
+        return "json"
+
+    def link(self, proto: WebSocketProtocol, request: Request, codec_name: str) -> CentrifugoLink:
+        return CentrifugoLink(self, proto, codec_name, request)
+
+
+def centrifugo_endpoint(hub: Hub) -> CentrifugoEndpoint | None:
+    """The server's Centrifugo endpoint (`ws.protocol_class`), None when `centrifugo.enabled` is false."""
+    return CentrifugoEndpoint(hub) if hub.config.centrifugo.enabled else None
+
+
+class CentrifugoLink:
+    """One connection's side of its Centrifugo session (`client_session.Link`) and of the ping wheel
+    (`ws_keepalive.KeptAlive`)."""
+
+    __slots__ = ("endpoint", "proto", "codec", "framer", "request", "session", "ping_payload", "ping_sent_at",
+                 "ping_rtt", "transport", "stale_timer")
+
+    def __init__(self, endpoint: CentrifugoEndpoint, proto: WebSocketProtocol, codec_name: str, request: Request) -> None:
+        self.endpoint = endpoint
+        self.proto = proto
+        self.codec = endpoint.codecs[codec_name]
+        self.framer = endpoint.framers[codec_name]
+        self.request = request
+        self.transport: asyncio.Transport = proto.transport
+        self.ping_payload: bytes | None = None
+        self.ping_sent_at = self.ping_rtt = 0.0
+        self.session = CentrifugoSession(endpoint.hub, self.codec, self)
+        self.stale_timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            endpoint.config.connect_timeout_s, self._stale)
+
+    @property
+    def peer(self) -> tuple[str, int] | None:
+        return self.proto.peer
+
+    @property
+    def closed(self) -> bool:
+        return self.proto.closing or self.transport.is_closing()
+
+    def received(self, payload: bytes, text: bool) -> None:
+        self.session.received(payload, text)
+
+    def header_values(self, name: str) -> list[str]:
+        return self.request.headers.get_all(name)
+
+    def write_replies(self, reply: bytes) -> None:
+        if not self.closed:
+            payload = self.codec.join([reply])
+            self.transport.write(text_frame_header(len(payload), self.codec.frame_first) + payload)
+
+    def close(self, code: int, reason: str) -> None:
+        opened = self.session.session
+        if opened is not None and opened.live:
+            opened.close(code, reason)  # the staged frames go first (`CentrifugoConnection.kick`)
+            return
+        self._stop()
+        self.proto.close_with(code, reason)
+        self.proto.forget()
+
+    def pause(self) -> None:
+        self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if not self.closed:
+            self.transport.resume_reading()
+
+    def connection(self, session: ClientSession) -> CentrifugoConnection:
+        return CentrifugoConnection(session, self.proto, self.framer, self.codec.variant)
+
+    def connected(self) -> None:
+        self._stop_stale()
+        self.endpoint.keepalive.start(self)
+
+    def pong(self) -> None:
+        if self.ping_payload is not None:
+            self.endpoint.keepalive.pong(self, self.ping_payload)
+
+    def lost(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        self._stop_stale()
+        self.endpoint.keepalive.stop(self)
+
+    def _stop_stale(self) -> None:
+        if self.stale_timer is not None:
+            self.stale_timer.cancel()
+            self.stale_timer = None
+
+    def _stale(self) -> None:
+        self.stale_timer = None
+        if self.session.session is None and not self.closed:
+            self.close(codes.STALE, "stale: no connect command in time (centrifugo.connect_timeout_s)")
+
+    # -- the ping wheel's calls ------------------------------------------------------------------------------
+
+    def can_ping(self) -> bool:
+        return not self.closed
+
+    def frames_flowed(self) -> bool:
+        return False  # the SDKs time their pings, not the data: always pinged
+
+    def write_ping(self, payload: bytes) -> None:
+        self.write_replies(self.codec.ping)
+
+    def keepalive_timed_out(self) -> None:
+        if not self.closed:
+            self.close(codes.NO_PONG, "no pong")
+
+
+class CentrifugoConnection(WSConnection):
+    """The scheduler's side of a Centrifugo client: its batches converted (module docstring)."""
+
+    __slots__ = ("converter", "direct_wire")
+
+    def __init__(self, session: ClientSession, proto: WebSocketProtocol, framer: CentrifugoFramer,
+                 variant: int) -> None:
+        super().__init__(session, proto)
+        self.wire_variant = variant
+        self.converter = framer
+        #: the converted frame `direct_fd` let go to the fan-out writer: what `wire` gives for it (a client
+        #: gets one batch per cycle, so the crowd's first member holds its frame's bytes)
+        self.direct_wire = b""
+
+    def deliver(self, batch: Batch, frame: bytes) -> Delivered:
+        converted = self.converter.convert(batch.entries, frame)
+        if converted.lost:
+            self._drop_lost(converted.lost)
+        if self.closed:
+            return BLOCKED
+        self.frames_sent += 1
+        self.entries_sent += len(batch.entries)
+        data = converted.wire
+        if not data:
+            return DONE
+        self.bytes_sent += len(data)
+        if self.transport.is_closing() or self.proto.closing:
+            return BLOCKED
+        ws_counters.payload_bytes += len(data)
+        ws_counters.wire_bytes += len(data)
+        return self.write_batch((data,), len(data), batch.more)
+
+    def direct_fd(self, batch: Batch, frame: bytes) -> int:
+        converted = self.converter.convert(batch.entries, frame)
+        if converted.lost or not converted.wire or not converted.shared:  # one client's answers: `deliver`
+            return -1
+        self.direct_wire = converted.wire
+        return super().direct_fd(batch, frame)
+
+    def wire(self, frame: bytes, count: int) -> bytes:
+        data = self.direct_wire
+        ws_counters.payload_bytes += len(data) * count
+        ws_counters.wire_bytes += len(data) * count
+        return data
+
+    def _drop_lost(self, topics: tuple[str, ...]) -> None:
+        """Subscriptions an `unsubscribe` push ended (a loss): dropped after this cycle, so that the SDK's
+        subscribe again finds none."""
+        asyncio.get_running_loop().call_soon(self._unsubscribe, topics)
+
+    def _unsubscribe(self, topics: tuple[str, ...]) -> None:
+        session = self.session
+        if not session.live:
+            return
+        hub = session.hub
+        client_id = self.identity.client_id
+        subs = hub.topics.client(client_id).subs
+        for topic in topics:
+            if topic in subs:
+                hub.catalog.unsubscribe(client_id, topic, request_id=LOST_ID)
+
+    def describe(self) -> dict[str, Any]:
+        described = super().describe()
+        described["transport"] = "centrifugo"
+        return described
