@@ -131,7 +131,7 @@ class LoadRun:
             spec = worker.WorkerSpec(slot, target, p.topics, part, len(p.clients), stall_at, stall_for,
                                      str(self.out / f"worker{slot}.pickle"), self.connect_timeout, self.max_rows,
                                      period, s.source_addrs, s.storm_at, s.storm_spread, s.seed,
-                                     s.compression, s.delta, s.payload == BOOK)
+                                     s.compression, s.delta, s.payload == BOOK, s.protocol)
             workers.append(self._start(worker.main, spec, counters, name=f"loadtest-clients{slot}"))
         _, error = _recv(pub, PRIME_TIMEOUT, "publisher")
         if error:

@@ -19,6 +19,7 @@ from loadtest.book import BOOK
 
 TRANSPORTS = ("ws", "longpoll", "mixed")
 COMPRESSIONS = ("off", "deflate")
+PROTOCOLS = ("fanout", "centrifugo")
 DELTAS = ("off", "fossil")
 PUBLISH_VIA = ("ingest", "admin")
 #: ``--batch-depth auto``: the gateway's ``batch_depth = "auto"`` (docs/design/batching.md §8)
@@ -66,6 +67,9 @@ class Scenario:
     compression: str = "off"
     #: "fossil": WebSocket clients subscribe with deltas and apply them; "off": whole messages
     delta: str = "off"
+    #: "fanout": WebSocket clients speak our protocol at /ws; "centrifugo": Centrifugo's client protocol at
+    #: /connection/websocket (the gateway only)
+    protocol: str = "fanout"
     transport: str = "ws"
     duration: float = 5.0
     #: hard cap on published messages, whatever the rate
@@ -155,6 +159,10 @@ class Scenario:
             raise ValueError(f'payload must be a number of bytes >= 0 or "{BOOK}"')
         if self.compression not in COMPRESSIONS or self.delta not in DELTAS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, delta one of {DELTAS}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}")
+        if self.protocol == "centrifugo" and (self.transport != "ws" or self.delta != "off" or self.storm_at is not None):
+            raise ValueError("protocol centrifugo needs WebSocket clients (--transport ws), no --delta, no storm")
         if self.delta != "off" and (self.transport != "ws" or self.shipped):
             raise ValueError("delta needs WebSocket clients (--transport ws) and the load tool's gateway config"
                              " (--no-shipped): the shipped topic rules have no delta")
@@ -307,6 +315,8 @@ _FLAGS: dict[str, tuple[str, _Parse | str, str]] = {
                   " 3 changed per update"),
     "--compression": ("compression", str, 'WebSocket clients offer permessage-deflate ("deflate") or not ("off")'),
     "--delta": ("delta", str, 'WebSocket clients subscribe with fossil deltas ("fossil") or not ("off")'),
+    "--protocol": ("protocol", str, 'WebSocket clients speak our protocol at /ws ("fanout") or Centrifugo\'s at'
+                   ' /connection/websocket ("centrifugo"; the gateway only)'),
     "--transport": ("transport", str, "ws, longpoll or mixed"),
     "--duration": ("duration", float, "publish for this many seconds"),
     "--messages": ("messages", int, "stop publishing after this many messages"),

@@ -80,6 +80,8 @@ class WorkerSpec:
     compression: str = "off"
     delta: str = "off"
     books: bool = False
+    #: "centrifugo": WebSocket clients speak Centrifugo's client protocol (loadtest/centrifugo_subscriber.py)
+    protocol: str = "fanout"
 
 
 class Subscriber:
@@ -389,8 +391,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         loop.add_reader(self.conn.fileno(), lambda: self.inbox.put_nowait(self.conn.recv()))
         for index, plan in self.spec.clients:
-            cls = LpSubscriber if plan.transport == "longpoll" else WsSubscriber
-            self.subscribers.append(cls(index, plan, self))
+            self.subscribers.append(self._subscriber_class(plan)(index, plan, self))
         publisher = loop.create_task(self._publish_counters())
         if (await self.inbox.get())[0] != "connect":
             return
@@ -416,6 +417,15 @@ class Worker:
         loop.remove_reader(self.conn.fileno())
         self.recorder.dump(self.spec.out_path, {s.index: s.state() for s in self.subscribers})
         self.conn.send(("done", self.spec.out_path))
+
+    def _subscriber_class(self, plan: ClientPlan) -> type[WsSubscriber] | type[LpSubscriber]:
+        if plan.transport == "longpoll":
+            return LpSubscriber
+        if self.spec.protocol == "centrifugo":
+            from loadtest.centrifugo_subscriber import CentrifugoSubscriber  # a subclass of this module's
+
+            return CentrifugoSubscriber
+        return WsSubscriber
 
     async def _open(self, s: WsSubscriber | LpSubscriber, limit: asyncio.Semaphore) -> None:
         deadline = time.monotonic() + self.spec.connect_timeout
