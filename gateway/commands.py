@@ -116,7 +116,8 @@ def _subscribe(hub: "Hub", identity: ClientIdentity, command: schema.Subscribe) 
     ack = command.ack and config.kind is TopicKind.PRIVATE  # shared kinds have no queue to keep: ignored
     delta = None if command.delta is None else True  # granted where the topic allows (`subscribed` says)
     if config.proxy_subscribe and hub.hooks.asks_subscribe:
-        _ask_backend(hub, identity, "subscribe", {"topic": name}, Allowed, command.id,
+        asked = {"topic": name} if command.data is msgspec.UNSET else {"topic": name, "data": command.data}
+        _ask_backend(hub, identity, "subscribe", asked, Allowed, command.id,
                      lambda _: _subscribe_now(hub, identity, name, since, command.id, ack, delta), topic=name)
         return
     _subscribe_now(hub, identity, name, since, command.id, ack, delta)

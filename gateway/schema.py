@@ -65,6 +65,8 @@ class Subscribe(_Wire, frozen=True, tag_field="op", tag="subscribe"):
     ack: bool = False
     #: messages as fossil deltas of the one before, where the topic's rule has `delta = "fossil"`
     delta: DeltaKind | None = None
+    #: handed to the backend's subscribe hook with the request (topics with `proxy_subscribe`), else unused
+    data: Any | UnsetType = UNSET
     id: RequestId = None
 
 

@@ -293,6 +293,8 @@ class CentrifugoSession:
         if config is not None and config.kind is not TopicKind.PRIVATE and params.get("positioned"):
             flags += "p"
         ours: dict[str, Any] = {"op": "subscribe", "topic": channel}
+        if "data" in params:  # for the subscribe hook (docs/integration.md)
+            ours["data"] = self.codec.data(params["data"])
         if ring and params.get("recover"):
             offset, epoch = params.get("offset", 0), params.get("epoch", "")
             if type(offset) is not int or not 0 <= offset < MAX_SEQ or not isinstance(epoch, str):
