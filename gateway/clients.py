@@ -166,6 +166,7 @@ class ClientRegistry:
         """The engine forgets the client, then each of its topics is left (presence, the broker's holders)."""
         names, owner = self.membership.disconnect(client_id)
         presence = self.scheduler.presence
+        presence.forget(client_id)
         for name in names:
             try:
                 presence.left(client_id, name)

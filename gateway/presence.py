@@ -9,7 +9,9 @@ counter). On a topic with `join_leave` the change is also noted for announcement
 noted changes before a cycle (`Presence.flush`), at most once per `FLUSH_INTERVAL_S`, one direct entry per
 change per local subscriber (none above `limits.presence_max_members` subscribers). A member's join and leave
 noted before they went cancel out: a client toggling a subscription costs the other members nothing, and
-however many clients come and go, a member gets join/leave entries at most 10 times a second.
+however many clients come and go, a member gets join/leave entries at most 10 times a second. A subscriber
+may decline a topic's join/leave entries (`decline_join_leave`: a Centrifugo subscription that did not ask
+for them); none is queued for it, so the entries stay the same bytes for every subscriber that gets them.
 
 Where members are kept is the broker's business (`Broker.presence`, a `PresenceStore`): `MemoryPresence`
 here for one process, `RedisPresence` (gateway/broker/presence_store.py) for a cluster. Nobody asks which.
@@ -176,6 +178,10 @@ class Presence:
         self.cancelled = 0
         #: when changes were last sent (monotonic seconds)
         self.last_flush = float("-inf")
+        #: per client, the topics whose joins and leaves it declined (a Centrifugo `subscribe` without
+        #: `join_leave`): none is queued for it there. Forgotten as it leaves a topic and when it goes
+        #: (`forget`); at most `bound` + 1 topics a client (`decline_join_leave`)
+        self.declined: dict[Hashable, set[str]] = {}
 
     def joined(self, client_id: Hashable, topic: str) -> None:
         """`client_id` subscribed to `topic` (after the engine's subscribe succeeded)."""
@@ -190,8 +196,35 @@ class Presence:
         if config.join_leave:
             self.announce(topic, "join", member)
 
+    def decline_join_leave(self, client_id: Hashable, topic: str, declined: bool, bound: int) -> None:
+        """Whether `client_id` declines the joins and leaves of `topic` (before it subscribes; a client
+        declines nothing until it says so). `bound`: its subscriptions at most (scheduler.max_subscriptions):
+        when it declines that many topics, those it no longer subscribes to (a subscribe refused, a topic
+        deleted) are dropped first."""
+        mine = self.declined.get(client_id)
+        if not declined:
+            if mine is not None:
+                mine.discard(topic)
+                if not mine:
+                    del self.declined[client_id]
+            return
+        if mine is None:
+            mine = self.declined[client_id] = set()
+        elif len(mine) >= bound:
+            mine.intersection_update(self.topics.client(client_id).subs)
+        mine.add(topic)
+
+    def forget(self, client_id: Hashable) -> None:
+        """The client is gone: its choices too."""
+        self.declined.pop(client_id, None)
+
     def left(self, client_id: Hashable, topic: str) -> None:
         """`client_id` no longer subscribes to `topic` (unsubscribed, disconnected, kicked)."""
+        mine = self.declined.get(client_id)
+        if mine is not None:
+            mine.discard(topic)
+            if not mine:
+                del self.declined[client_id]
         member = self.store.leave(topic, str(client_id))
         if member is None:
             return
@@ -228,10 +261,10 @@ class Presence:
 
     def flush(self, now: float) -> None:
         """Send the noted changes, if `FLUSH_INTERVAL_S` has passed since the last time: one `join` / `leave`
-        direct entry per change to each local subscriber of its topic but the member itself. O(changes x local
-        subscribers), nothing when none is pending. A subscriber whose direct queue overflows is kicked once
-        the loop is over (its own leave is then noted for the next flush), so the loop never meets a client it
-        dropped."""
+        direct entry per change to each local subscriber of its topic but the member itself and those that
+        declined them (`declined`). O(changes x local subscribers), nothing when none is pending. A subscriber
+        whose direct queue overflows is kicked once the loop is over (its own leave is then noted for the next
+        flush), so the loop never meets a client it dropped."""
         if not self.pending:
             return
         if now + FLUSH_SLACK_S < self.due_at():
@@ -239,7 +272,7 @@ class Presence:
             return
         self.last_flush = now
         pending, self.pending = self.pending, {}
-        topics, send = self.topics, self.send
+        topics, send, declined = self.topics, self.send, self.declined
         overflowed: dict[Hashable, None] = {}
         later: list[tuple[str, str, Member]] = []
         for topic, changes in pending.items():
@@ -258,6 +291,10 @@ class Presence:
                 client_id = sub.client.id
                 if client_id in overflowed:
                     continue
+                if declined:
+                    mine = declined.get(client_id)
+                    if mine is not None and topic in mine:
+                        continue
                 try:
                     for client, entry in entries:
                         if client != client_id:

@@ -36,6 +36,9 @@ READY = 0
 CACHE_BYTES = 1 << 20
 #: the request id of the unsubscribe that drops a lost subscription: its `unsubscribed` entry is not shown
 LOST_ID = "0:lost"
+#: the request id of a server-side subscription made by `connect` (gateway/centrifugo/server_subs.py): the
+#: connect result carries it, so its `subscribed` entry (and a late refusal's error) is not shown
+SERVER_SUB_ID = "0:csub"
 #: unsubscribe push codes: below 2500 the SDK stays unsubscribed, from 2500 it subscribes again
 SERVER_UNSUBSCRIBE = 2000
 INSUFFICIENT_STATE = 2500
@@ -198,7 +201,9 @@ def _subscribed(entry: dict[str, Any]) -> dict[str, Any] | None:
         if entry.get("kind") == "ring":
             body = {"recoverable": True, "positioned": True, "epoch": entry["epoch"], "offset": entry["seq"]}
         return _push(entry.get("topic"), "subscribe", body)
-    command_id, _, flags = parsed
+    command_id, method, flags = parsed
+    if method == "csub":
+        return None
     if "k" in flags:
         body["recoverable"] = True
     if "k" in flags or "p" in flags:
@@ -224,6 +229,8 @@ def _error(entry: dict[str, Any]) -> dict[str, Any] | None:
     if parsed is None:  # about no command of the client (an expiry's notice: the refresh is the SDK's)
         return None
     command_id, method, _ = parsed
+    if method == "csub":  # a server-side subscription the broker refused late: the connect was answered
+        return None
     if method == "unsub":  # an unsubscribe that errors makes the SDKs reconnect: it always succeeds
         return {"id": command_id, "unsubscribe": {}}
     code, message = codes.error_code(str(entry.get("code"))), str(entry.get("message"))

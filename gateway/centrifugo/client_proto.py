@@ -33,7 +33,8 @@ SCHEMA: dict[str, dict[str, tuple[int, str]]] = {
                 "presence": (8, "ChannelRequest"), "presence_stats": (9, "ChannelRequest"),
                 "history": (10, "HistoryRequest"), "ping": (11, "Empty"), "send": (12, "DataRequest"),
                 "rpc": (13, "RPCRequest"), "refresh": (14, "TokenRequest"), "sub_refresh": (15, "SubRefreshRequest")},
-    "ConnectRequest": {"token": (1, "s"), "data": (2, "y"), "name": (4, "s"), "version": (5, "s"), "flag": (7, "i")},
+    "ConnectRequest": {"token": (1, "s"), "data": (2, "y"), "subs": (3, "map:SubscribeRequest"), "name": (4, "s"),
+                       "version": (5, "s"), "flag": (7, "i")},
     "SubscribeRequest": {"channel": (1, "s"), "token": (2, "s"), "recover": (3, "b"), "epoch": (6, "s"),
                          "offset": (7, "u"), "data": (8, "y"), "positioned": (9, "b"), "recoverable": (10, "b"),
                          "join_leave": (11, "b"), "delta": (12, "s"), "tf": (13, "Empty"), "flag": (14, "i")},
@@ -62,7 +63,7 @@ SCHEMA: dict[str, dict[str, tuple[int, str]]] = {
     "Subscribe": {"recoverable": (1, "b"), "epoch": (4, "s"), "offset": (5, "u"), "positioned": (6, "b")},
     "Disconnect": {"code": (1, "u"), "reason": (2, "s")},
     "ConnectResult": {"client": (1, "s"), "version": (2, "s"), "expires": (3, "b"), "ttl": (4, "u"),
-                      "ping": (7, "u"), "pong": (8, "b")},
+                      "subs": (6, "map:SubscribeResult"), "ping": (7, "u"), "pong": (8, "b")},
     "RefreshResult": {"expires": (3, "b"), "ttl": (4, "u")},
     "SubscribeResult": {"expires": (1, "b"), "ttl": (2, "u"), "recoverable": (3, "b"), "epoch": (6, "s"),
                         "publications": (7, "*Publication"), "recovered": (8, "b"), "offset": (9, "u"),
@@ -75,6 +76,9 @@ SCHEMA: dict[str, dict[str, tuple[int, str]]] = {
 #: the tables by field number, to read
 _BY_NUMBER = {name: {number: (field, kind) for field, (number, kind) in fields.items()}
               for name, fields in SCHEMA.items()}
+#: a map's entries, to read: `MapEntry:VALUE` {1: key, 2: value}
+_BY_NUMBER.update({f"MapEntry:{kind[4:]}": {1: ("key", "s"), 2: ("value", kind[4:])}
+                   for fields in SCHEMA.values() for _, kind in fields.values() if kind.startswith("map:")})
 
 
 # -- writing ------------------------------------------------------------------------------------------------
@@ -185,8 +189,15 @@ def decode(name: str, data: bytes, depth: int = 0) -> dict[str, Any]:
         else:
             raise BadFrame(f"wire type {wire} is not supported")
         spec = fields.get(number)
-        if spec is not None:
-            field, kind = spec
+        if spec is None:
+            continue
+        field, kind = spec
+        if kind.startswith("map:"):  # repeated {1: key, 2: value} entries, gathered in one dict
+            if wire != LEN:
+                raise BadFrame("a field of the wrong wire type")
+            entry = decode("MapEntry:" + kind[4:], raw, depth + 1)
+            message.setdefault(field, {})[entry.get("key", "")] = entry.get("value", {})
+        else:
             message[field] = _value(kind, raw, wire, depth)
     return message
 

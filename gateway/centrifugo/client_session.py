@@ -11,7 +11,10 @@ every answer keeps its place among the data.
 
 Recovery is decided before the subscribe, from the ring as it is then: complete (same epoch, nothing after
 the client's offset left the ring or given up) -> subscribe from the offset, `recovered: true`, the missed
-publications pushed right after the reply; else -> from the end, `recovered: false`, none.
+publications pushed right after the reply; else -> from the end, `recovered: false`, none. The connect
+hook's server-side subscriptions recover the same way, from the positions of `connect` `subs`
+(gateway/centrifugo/server_subs.py). A subscription gets join/leave pushes only when its subscribe asked
+(`join_leave`): the others decline them in the presence tracker, where they are queued.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from core import TopicKind
 from core.config import MAX_SEQ
 from core.errors import RequestError
-from core.ring import RingTopic
 
 from .. import commands, schema
 from ..errors import TokenExpired
@@ -34,6 +36,7 @@ from .api_errors import ApiError
 from .client_codec import BadFrame, Codec
 from .client_frames import READY, error_reply, expiry, request_id
 from .history import HistoryQuery, position_only, read
+from .server_subs import Position, asked_positions, complete_since, subscribe_server_side
 
 if TYPE_CHECKING:
     from ..hub import Hub
@@ -183,6 +186,11 @@ class CentrifugoSession:
             self._bad("`token` is a string")
             return
         try:
+            asked = asked_positions(params.get("subs"))
+        except ValueError as exc:
+            self._bad(str(exc))
+            return
+        try:
             session = ClientSession.begin(self.hub, "centrifugo", self.link.peer, token=token)
         except TokenExpired as exc:  # the SDK asks its app for a fresh token (getToken), else gives up
             self._reply(error_reply(command_id, codes.TOKEN_EXPIRED, exc.message))
@@ -193,11 +201,11 @@ class CentrifugoSession:
         if session.awaits_hook:
             self.waiting = True
             self.link.pause()
-            session.spawn(self._connect_via_backend(command_id, session))
+            session.spawn(self._connect_via_backend(command_id, session, asked))
             return
-        self._open(command_id, session)
+        self._open(command_id, session, asked)
 
-    async def _connect_via_backend(self, command_id: int, session: ClientSession) -> None:
+    async def _connect_via_backend(self, command_id: int, session: ClientSession, asked: dict[str, Position]) -> None:
         try:
             await session.pass_backend(self.link.header_values)
         except RequestError as exc:
@@ -209,7 +217,7 @@ class CentrifugoSession:
             return
         self.waiting = False
         self.link.resume()
-        self._open(command_id, session)
+        self._open(command_id, session, asked)
         self._run_queue()
 
     def _refused(self, exc: RequestError) -> None:
@@ -217,19 +225,25 @@ class CentrifugoSession:
         self.queue.clear()
         self.link.close(code, codes.close_reason(exc.message))
 
-    def _open(self, command_id: int, session: ClientSession) -> None:
+    def _open(self, command_id: int, session: ClientSession, asked: dict[str, Position]) -> None:
+        identity = session.identity
+        # the hook's server-side subscriptions are made here, with the recovery `subs` asks for, not by the
+        # registry (gateway/centrifugo/server_subs.py)
+        server_side, identity.proxy_topics = identity.proxy_topics, ()
         try:
             session.open(self.link.connection(session))
         except LateRefused as late:
             self._refused(late)
             return
         self.session = session
-        identity = session.identity
+        subs = subscribe_server_side(self.hub, identity, server_side, asked)
         ping = self.hub.config.centrifugo.ping_interval_s
         result: dict[str, Any] = {"client": identity.client_id, "version": VERSION, "ping": max(1, round(ping)),
                                   "pong": True}
         if identity.principal is not None:
             result.update(expiry(identity.principal.expires_at))
+        if subs:
+            result["subs"] = subs
         # written now, in the step that registered the client: before any entry the scheduler writes
         self.link.write_replies(self.codec.encode({"id": command_id, "connect": result}))
         self.link.connected()
@@ -300,24 +314,24 @@ class CentrifugoSession:
             if type(offset) is not int or not 0 <= offset < MAX_SEQ or not isinstance(epoch, str):
                 raise ValueError("`offset` is an integer in [0, 2**53), `epoch` a string")
             flags += "w"
-            if self._recoverable(channel, offset, epoch):
+            if complete_since(self.hub.topics, channel, offset, epoch):
                 flags += "r"
                 ours["since"] = {"epoch": epoch, "seq": offset}
             elif isinstance(params.get("flag"), int) and params["flag"] & REJECT_UNRECOVERED:
                 self._reply(error_reply(command_id, codes.UNRECOVERABLE_POSITION, "unrecoverable position"))
                 return
         ours["id"] = request_id(command_id, "sub", flags)
+        self._choose_join_leave(session, channel, config is not None and config.join_leave
+                                and not params.get("join_leave"))
         commands.run_command(session, ours, sent=True)
 
-    def _recoverable(self, channel: str, offset: int, epoch: str) -> bool:
-        """Whether every publication after `offset` (the next seq is `offset`) is in the ring, none given up."""
-        topics = self.hub.topics
-        if not topics.has_topic(channel):
-            return False
-        topic = topics.topic(channel)
-        if not isinstance(topic, RingTopic) or epoch != topic.epoch or not topic.begin <= offset <= topic.end:
-            return False
-        return all(end <= offset or begin >= topic.end for begin, end in zip(topic.lost_begins, topic.lost_ends))
+    def _choose_join_leave(self, session: ClientSession, channel: str, declined: bool) -> None:
+        """A Centrifugo subscription gets join/leave pushes only when its subscribe asked (`join_leave`):
+        the others decline them where they are queued (gateway/presence.py). Not for a topic it holds (105)."""
+        hub, client_id = self.hub, session.identity.client_id
+        if channel not in hub.topics.client(client_id).subs:
+            hub.scheduler.presence.decline_join_leave(client_id, channel, declined,
+                                                      hub.config.scheduler.max_subscriptions)
 
     def _history(self, session: ClientSession, command_id: int, params: dict[str, Any], channel: str) -> None:
         identity = session.identity

@@ -1,7 +1,7 @@
 """Centrifugo's client protocol with the backend's hooks (docs/integration.md, docs/centrifugo.md): the connect
-hook awaited with the commands sent behind `connect` run after it, in order; its server-side topic as a
-`subscribe` push after the connect reply; a refusal as close 3507 (no reconnect); rpc through the rpc hook,
-its refusal as the reply's error."""
+hook awaited with the commands sent behind `connect` run after it, in order; its server-side topic in the
+connect result's `subs` (its recovery: test_centrifugo_server_subs.py); a refusal as close 3507 (no
+reconnect); rpc through the rpc hook, its refusal as the reply's error."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ def test_the_connect_hook_then_the_commands_behind_it_in_order(app: Backend):
         ws.send(json.dumps({"id": 1, "connect": {}}) + "\n" + json.dumps({"id": 2, "subscribe": {"channel": "t"}}) +
                 "\n" + json.dumps({"id": 3, "rpc": {"method": "whoami"}}))
         got: list[dict] = []
-        while len(got) < 4:
+        while len(got) < 3:
             got += [json.loads(line) for line in ws.recv(timeout=5).split("\n")]
-        assert got[0]["id"] == 1 and "connect" in got[0]  # first, before the server-side subscription
-        assert {"push": {"channel": "granted.a", "subscribe": {
-            "recoverable": True, "positioned": True, "epoch": got[1]["push"]["subscribe"].get("epoch"),
-            "offset": 0}}} in got[1:]
+        assert got[0]["id"] == 1 and "connect" in got[0]  # first, with the server-side subscription
+        assert got[0]["connect"]["subs"] == {"granted.a": {
+            "recoverable": True, "positioned": True, "epoch": got[0]["connect"]["subs"]["granted.a"]["epoch"],
+            "offset": 0}}
+        assert not any("push" in reply for reply in got)  # not pushed again
         answers = {reply["id"]: reply for reply in got if "id" in reply}
         assert "subscribe" in answers[2]
         assert answers[3]["rpc"]["data"]["user"] == "alice"  # ran after the hook made the connection alice's
