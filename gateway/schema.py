@@ -261,6 +261,8 @@ class MsgEntry(_Entry, frozen=True, tag="msg"):
     topic: str
     seq: int
     data: Any
+    #: on a subscription granted deltas (core/delta.py): whether `data` is a delta (else the message's text)
+    delta: bool | UnsetType = UNSET
 
 
 class LossEntry(_Entry, frozen=True, tag="loss"):
