@@ -151,11 +151,7 @@ class ClusterLink(SingleLink):
         return shard
 
     async def subscribe_channels(self, channels: list[str]) -> None:
-        loop = asyncio.get_running_loop()
-        waiting = []
-        for channel in channels:
-            future = self._subscribing[channel] = loop.create_future()
-            waiting.append(future)
+        waiting = self._awaiting_confirmations(channels)
         await self._send_subscribes(channels)
         await asyncio.wait_for(asyncio.gather(*waiting), COMMAND_TIMEOUT_S)
 

@@ -271,12 +271,17 @@ class SingleLink:
 
         await asyncio.wait_for(confirmations(), COMMAND_TIMEOUT_S)
 
-    async def subscribe_channels(self, channels: list[str]) -> None:
+    def _awaiting_confirmations(self, channels: list[str]) -> list[asyncio.Future[None]]:
+        """A future per channel, done when Redis confirms its subscription (`_on_reply`)."""
         loop = asyncio.get_running_loop()
         waiting = []
         for channel in channels:
             future = self._subscribing[channel] = loop.create_future()
             waiting.append(future)
+        return waiting
+
+    async def subscribe_channels(self, channels: list[str]) -> None:
+        waiting = self._awaiting_confirmations(channels)
         assert self._pubsub is not None
         await self._pubsub.send_command("SUBSCRIBE", *channels)
         await asyncio.wait_for(asyncio.gather(*waiting), COMMAND_TIMEOUT_S)

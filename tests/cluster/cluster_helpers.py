@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +189,19 @@ def messages(ws, topic: str, until, timeout: float = 10.0) -> list[dict]:
         got += [e for e in orjson.loads(ws.recv(timeout=remaining))
                 if e.get("topic") == topic and e["type"] in ("msg", "loss", "subscribed")]
     return got
+
+
+@contextlib.contextmanager
+def topology_nodes(tmp_path: Path, broker: dict[str, Any], jwt_secret: str) -> Iterator[Callable[..., Node]]:
+    """`start(name, kind=Node)` starts a gateway process on a Redis topology's `[broker]` keys (Sentinel,
+    Cluster); every one started is stopped at the end."""
+    started: list[Node] = []
+
+    def start(name: str, kind: type[Node] = Node) -> Node:
+        node = kind(tmp_path / name, "", {"broker": broker, "auth": {"jwt_secret": jwt_secret}})
+        started.append(node)
+        return node.start()
+
+    yield start
+    for node in started:
+        node.stop()

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.testing import TEST_JWT_SECRET
 from loadtest.clusterproc import ClusterTopology, key_slot
-from tests.cluster.cluster_helpers import TOKEN, Node, subscribe
+from tests.cluster.cluster_helpers import TOKEN, Node, subscribe, topology_nodes
 from tests.cluster.test_private_cluster import PrivateNode, ws_as
 from tests.cluster.test_user_control_cluster import close_of
 
@@ -42,16 +42,8 @@ def topology(tmp_path):
 
 @pytest.fixture
 def cluster_nodes(tmp_path, topology):
-    started: list[Node] = []
-
-    def start(name: str, kind: type[Node] = Node) -> Node:
-        node = kind(tmp_path / name, "", {"broker": topology.broker_section(), "auth": {"jwt_secret": TEST_JWT_SECRET}})
-        started.append(node)
-        return node.start()
-
-    yield start
-    for node in started:
-        node.stop()
+    with topology_nodes(tmp_path, topology.broker_section(), TEST_JWT_SECRET) as start:
+        yield start
 
 
 def by_topic(ws, until, timeout: float = 10.0) -> dict[str, list[dict]]:

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.testing import TEST_JWT_SECRET
 from loadtest.sentinelproc import SentinelTopology
-from tests.cluster.cluster_helpers import Node, messages, subscribe
+from tests.cluster.cluster_helpers import messages, subscribe, topology_nodes
 from tests.cluster.test_private_cluster import PrivateNode, msgs, ws_as
 
 
@@ -29,16 +29,8 @@ def topology(tmp_path):
 
 @pytest.fixture
 def sentinel_nodes(tmp_path, topology):
-    started: list[Node] = []
-
-    def start(name: str, kind: type[Node] = Node) -> Node:
-        node = kind(tmp_path / name, "", {"broker": topology.broker_section(), "auth": {"jwt_secret": TEST_JWT_SECRET}})
-        started.append(node)
-        return node.start()
-
-    yield start
-    for node in started:
-        node.stop()
+    with topology_nodes(tmp_path, topology.broker_section(), TEST_JWT_SECRET) as start:
+        yield start
 
 
 def test_a_failover_to_a_replica_that_lacked_writes_is_announced_and_publishing_resumes(topology, sentinel_nodes):
