@@ -25,7 +25,7 @@ from ..edge.bodies import read_body
 from ..edge.http_errors import error_response
 from ..errors import BadJson, BadRequest, BrokerUnavailable, Disabled, Unauthorized, UnknownClient
 from ..hub import Hub
-from ..ops.tracing import MAX_WATCHED, Tracing
+from ..ops.tracing import MAX_WATCHED, Tracing, traced_answer
 from ..transports.ingest import ingest_counters
 from .openapi import OPENAPI
 from .stats_feed import SnapshotStream, StatsFeed
@@ -73,15 +73,7 @@ def guarded(handler: Endpoint) -> Endpoint:
     name = f"admin {handler.__name__}"
 
     async def endpoint(request: Request) -> Response:
-        tracing = _hub(request).tracing
-        if tracing is None:
-            return await answer(request)
-        # the request's span (gateway/ops/tracing.py), a child of the caller's when it sends `traceparent`
-        with tracing.server_span(name, request.headers, {"http.request.method": request.method,
-                                                         "url.path": request.url.path}) as span:
-            response = await answer(request)
-            span.set_attribute("http.response.status_code", response.status_code)
-            return response
+        return await traced_answer(_hub(request).tracing, name, request, answer)
 
     endpoint.__name__ = handler.__name__
     endpoint.__doc__ = handler.__doc__

@@ -8,9 +8,7 @@ with `{"result": ...}` or `{"error": {"code", "message"}}`, and `batch` answers 
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,9 +23,10 @@ from core.errors import MessageTooLarge
 from ..config import ConfigError
 from ..edge.bodies import read_body
 from ..hub import Hub
+from ..ops.tracing import traced_answer
 from . import api_requests as req
 from .api_errors import BAD_REQUEST, LIMIT_EXCEEDED, ApiError, bad_request
-from .api_methods import METHODS, NOT_SUPPORTED, SLICE_S, as_api_error, call
+from .api_methods import METHODS, NOT_SUPPORTED, as_api_error, call, in_slices
 from .context import ApiContext
 
 
@@ -78,11 +77,7 @@ async def _batch(ctx: ApiContext, params: Any) -> dict[str, Any]:
     if len(batch.commands) > bound:
         raise ApiError(LIMIT_EXCEEDED, f"at most {bound} commands per batch (admin.max_publish_messages)")
     replies: list[dict[str, Any]] = []
-    slice_started = time.perf_counter()
-    for command in batch.commands:
-        if time.perf_counter() - slice_started > SLICE_S:
-            await asyncio.sleep(0)
-            slice_started = time.perf_counter()
+    async for command in in_slices(batch.commands):
         replies.append(await _batch_reply(ctx, command))
     return {"replies": replies}
 
@@ -103,15 +98,7 @@ def _endpoint(ctx: ApiContext, name: str) -> Any:
     span_name = f"centrifugo {name}"
 
     async def endpoint(request: Request) -> Response:
-        tracing = ctx.hub.tracing
-        if tracing is None:
-            return await answer(request)
-        # the request's span (gateway/ops/tracing.py), as the admin API's, a child of the caller's `traceparent`
-        with tracing.server_span(span_name, request.headers, {"http.request.method": request.method,
-                                                              "url.path": request.url.path}) as span:
-            response = await answer(request)
-            span.set_attribute("http.response.status_code", response.status_code)
-            return response
+        return await traced_answer(ctx.hub.tracing, span_name, request, answer)
 
     async def answer(request: Request) -> Response:
         if not _authorized(request):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 from msgspec import UNSET, Struct
 
@@ -32,8 +32,21 @@ from .channel_glob import compile_pattern
 from .context import ApiContext
 from .history import HistoryQuery, position_only, read
 
+T = TypeVar("T")
+
 #: a broadcast (or a batch) runs this long at most before it yields to the event loop
 SLICE_S = 0.002
+
+
+async def in_slices(items: Iterable[T]) -> AsyncIterator[T]:
+    """The items, yielding to the event loop every `SLICE_S`: a publish that lands at once never awaits, so a
+    long broadcast or batch would otherwise keep every other client waiting."""
+    slice_started = time.perf_counter()
+    for item in items:
+        if time.perf_counter() - slice_started > SLICE_S:
+            await asyncio.sleep(0)
+            slice_started = time.perf_counter()
+        yield item
 
 
 # -- publishing ------------------------------------------------------------------------------------------
@@ -94,11 +107,7 @@ async def broadcast(ctx: ApiContext, request: req.Broadcast) -> dict[str, Any]:
     if len(request.channels) > bound:
         raise ApiError(LIMIT_EXCEEDED, f"at most {bound} channels per broadcast (admin.max_publish_messages)")
     responses: list[dict[str, Any]] = []
-    slice_started = time.perf_counter()
-    for channel in request.channels:
-        if time.perf_counter() - slice_started > SLICE_S:
-            await asyncio.sleep(0)  # a publish that lands at once never awaits: let other clients be served
-            slice_started = time.perf_counter()
+    async for channel in in_slices(request.channels):
         try:
             responses.append({"result": await _publish_one(ctx, channel, request.data, request.idempotency_key)})
         except Exception as exc:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -43,6 +43,8 @@ from ..config import TracingConfig
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span
+    from starlette.requests import Request
+    from starlette.responses import Response
 
 #: a traced publish's fan-out is watched this long at most: subscribers still behind then are not waited for
 FANOUT_WAIT_S = 1.0
@@ -74,6 +76,19 @@ def redacted(url: str) -> str:
 def from_config(config: TracingConfig, instance_id: str) -> Tracing | None:
     """The hub's tracing, None when `otlp_endpoint` is empty (then nothing is imported)."""
     return Tracing(config, instance_id) if config.otlp_endpoint else None
+
+
+async def traced_answer(tracing: Tracing | None, name: str, request: Request,
+                        answer: Callable[[Request], Awaitable[Response]]) -> Response:
+    """An HTTP API request's answer, in its server span when tracing is on (a child of the caller's span when
+    it sends `traceparent`), with the method, path and status as attributes."""
+    if tracing is None:
+        return await answer(request)
+    with tracing.server_span(name, request.headers, {"http.request.method": request.method,
+                                                     "url.path": request.url.path}) as span:
+        response = await answer(request)
+        span.set_attribute("http.response.status_code", response.status_code)
+        return response
 
 
 class Tracing:
