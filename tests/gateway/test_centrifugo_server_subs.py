@@ -10,6 +10,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def test_join_leave_only_for_the_subscriptions_that_asked():
                 for c, sub, events in ((asking, asking_sub, asking_events), (silent, silent_sub, silent_events)):
                     await c.connect()
                     await sub.subscribe()
-                    await until(lambda events=events: events.subscribed, "subscribed")
+                    await until(partial(getattr, events, "subscribed"), "subscribed")
                 await third.connect()
                 await third_sub.subscribe()
                 await until(lambda: third_events.subscribed, "the third subscribed")
