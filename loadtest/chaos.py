@@ -250,6 +250,8 @@ class Chaos:
         self.redis = self.topology.primary if self.topology else \
             self.cluster.nodes[0] if self.cluster else RedisProcess(workdir / "redis", appendonly=True)
         self.nodes: list[Node] = []
+        #: each shared topic's epoch and range on each node at the end (`node_views`)
+        self.views: dict[str, dict[str, Any]] = {}
         self.proxies: list[FaultyProxy] = []
         self.acc = Accepted()
         self.fault_log: list[FaultRecord] = []
@@ -332,6 +334,7 @@ class Chaos:
         self.say("publishers stopped")
         await asyncio.sleep(5.0)  # the last deliveries, long-polls included
         rings = {t: await self.read_ring(t) for t in RING}
+        self.views = await self.node_views()
         self.say("rings read")
         for c in self.clients:
             c.stop_event.set()
@@ -583,6 +586,18 @@ class Chaos:
         await asyncio.to_thread(node.start)
         return {"killed": victim, "of": len(workers), "supervisor_exit": code, "supervisor_gone_s": round(gone, 2)}
 
+    async def node_views(self) -> dict[str, dict[str, Any]]:
+        """Each shared topic as each node sees it at the end: its epoch and where it stands (ring: the end of
+        its range, the next seq; snapshot: the latest seq). With a broker the nodes must agree (docs/cluster.md;
+        the start of a node's range is its own: a node that came back holds what it read since)."""
+        views: dict[str, dict[str, Any]] = {}
+        async with httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+            for topic in [*RING, SNAP]:
+                for node in self.nodes:
+                    info = (await http.get(f"{node.url}/api/topics/{topic}")).json()
+                    views.setdefault(topic, {})[node.name] = [info.get("epoch"), info.get("end", info.get("seq"))]
+        return views
+
     async def read_ring(self, topic: str) -> list[dict[str, Any]]:
         """The topic's retained messages now: its range from the admin API, then a subscribe from its start."""
         node = self.nodes[0]
@@ -615,6 +630,9 @@ class Chaos:
         return {
             "duration_s": self.duration, "faults": [f.__dict__ for f in self.fault_log],
             "check": result.as_json(),
+            # each shared topic's [epoch, end or seq] by node, and the topics on which they differ
+            "views": self.views,
+            "disagree": sorted(t for t, by_node in self.views.items() if len({str(v) for v in by_node.values()}) > 1),
             "recovery": recovery(self.fault_log, self.clients),
             "clients": {c.name: {"transport": c.rec.transport, "connects": c.rec.connects,
                                  "closes": close_counts(c.rec.closes)} for c in self.clients},

@@ -1,5 +1,6 @@
 """What every chaos run's test asserts beyond its own faults: every client served again within 15 s of each
-fault, every client got messages on every shared topic, and no log line the run could not read."""
+fault, every client got messages on every shared topic, no log line the run could not read, and the nodes
+agree on every shared topic's epoch and position at the end."""
 
 from __future__ import annotations
 
@@ -16,3 +17,5 @@ def assert_served_again(result: dict[str, Any]) -> None:
         for topic in chaos.RING + [chaos.SNAP]:
             assert topics[topic]["messages"] > 0, (client, topic)
     assert result["logs"]["bad_lines"] == 0, result["logs"]["first"]
+    # the nodes agree on every shared topic's epoch and position at the end
+    assert result["disagree"] == [], result["views"]
