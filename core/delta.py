@@ -17,21 +17,21 @@ from typing import TYPE_CHECKING
 import orjson
 
 from . import fossil
+from .entries import DATA_KEY, split_message
 
 if TYPE_CHECKING:
     from .client import Subscription
 
-#: the key a message entry ends with (core/entries.py `encode_message`): its data is the rest but the `}`.
-#: It cannot occur earlier: inside the encoded topic name every `"` is escaped.
-DATA_KEY = b',"data":'
 WHOLE_KEY = b',"delta":false,"data":'
 DELTA_KEY = b',"delta":true,"data":'
 
 
 def data_text(entry: bytes) -> tuple[int, bytes]:
-    """Where the data key of a message entry starts, and the data's JSON text."""
-    at = entry.index(DATA_KEY)
-    return at, entry[at + len(DATA_KEY):-1]
+    """Where the data key of a message entry starts, and the data's JSON text (core/entries.py)."""
+    parts = split_message(entry)
+    assert parts is not None, "a stored entry is a message entry"
+    text = parts[2]
+    return len(entry) - 1 - len(text) - len(DATA_KEY), text
 
 
 def whole_form(entry: bytes) -> bytes:

@@ -18,8 +18,30 @@ def _dumps(value: Any) -> bytes:
     return bytes(memoryview(orjson.dumps(value)))
 
 
+#: the parts of a message entry as `encode_message` lays it out: its start, then the topic, seq and data
+MSG_HEAD = b'{"type":"msg","topic":'
+SEQ_KEY = b',"seq":'
+DATA_KEY = b',"data":'
+
+
 def encode_message(topic: str, seq: int, data: Any) -> bytes:
     return _dumps({"type": "msg", "topic": topic, "seq": seq, "data": data})
+
+
+def split_message(entry: bytes) -> tuple[bytes, int, bytes] | None:
+    """A message entry's encoded topic, seq and data text, cut out of its bytes without a parse (inside the
+    encoded topic every `"` is escaped, so the first `,"seq":` and `,"data":` are the keys); None for any
+    other entry. The data is last: the text runs to the entry's closing brace."""
+    if not entry.startswith(MSG_HEAD):
+        return None
+    at_seq = entry.find(SEQ_KEY, len(MSG_HEAD))
+    at_data = entry.find(DATA_KEY, at_seq)
+    if at_seq < 0 or at_data < 0:
+        return None
+    seq_text = entry[at_seq + len(SEQ_KEY):at_data]
+    if not seq_text.isdigit():
+        return None
+    return entry[len(MSG_HEAD):at_seq], int(seq_text), entry[at_data + len(DATA_KEY):-1]
 
 
 def encode_loss(topic: str, begin: int, end: int | None, reason: str) -> bytes:

@@ -202,6 +202,20 @@ class RingTopic(Topic):
         if len(self.lost_begins) > MAX_LOST_RANGES:
             del self.lost_begins[0], self.lost_ends[0]
 
+    def stored(self, seq: int) -> bytes | None:
+        """The entry of `seq` while the ring retains it; None outside [begin, end) or for a seq given up."""
+        if not self.begin <= seq < self.end:
+            return None
+        return self.slots[seq % self.capacity]
+
+    def retains_all_from(self, seq: int) -> bool:
+        """Whether every seq from `seq` to the end is retained and none of them was given up: a recovery
+        from `seq` would be complete."""
+        if not self.begin <= seq <= self.end:
+            return False
+        i = bisect.bisect_right(self.lost_ends, seq)  # the first given-up range that ends past `seq`
+        return i == len(self.lost_begins) or self.lost_begins[i] >= self.end
+
     def _given_up(self, seq: int) -> bool:
         i = bisect.bisect_right(self.lost_begins, seq) - 1
         return i >= 0 and seq < self.lost_ends[i]

@@ -12,12 +12,6 @@ from typing import Any, Protocol
 
 import orjson
 
-from core.delta import DATA_KEY
-
-#: the start of a message entry (core/entries.py `encode_message`), then its topic
-MSG_HEAD = b'{"type":"msg","topic":'
-SEQ_KEY = b',"seq":'
-
 
 class BadFrame(Exception):
     """A frame that is not a sequence of commands of the codec: the connection is closed with 3501."""
@@ -36,21 +30,6 @@ def _fragment(value: object) -> Any:
     if isinstance(value, Raw):
         return orjson.Fragment(value.text)
     raise TypeError(f"cannot encode {type(value).__name__}")
-
-
-def split_message(entry: bytes) -> tuple[bytes, int, bytes] | None:
-    """A message entry's encoded topic, seq and data text, cut out of its bytes (no parse: inside the encoded
-    topic every `"` is escaped, so the first `,"seq":` and `,"data":` are the keys); None for another form."""
-    if not entry.startswith(MSG_HEAD):
-        return None
-    at_seq = entry.find(SEQ_KEY, len(MSG_HEAD))
-    at_data = entry.find(DATA_KEY, at_seq)
-    if at_seq < 0 or at_data < 0:
-        return None
-    seq_text = entry[at_seq + len(SEQ_KEY):at_data]
-    if not seq_text.isdigit():
-        return None
-    return entry[len(MSG_HEAD):at_seq], int(seq_text), entry[at_data + len(DATA_KEY):-1]
 
 
 class Codec(Protocol):

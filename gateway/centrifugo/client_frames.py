@@ -25,9 +25,11 @@ from typing import Any
 
 import orjson
 
-from ..transports.wsframes import text_frame_header
+from core.entries import split_message
+
+from ..transports.wsframes import FrameCache, text_frame_header
 from . import client_codes as codes
-from .client_codec import Codec, Raw, split_message
+from .client_codec import Codec, Raw
 
 #: the first byte of an entry already in the codec's form
 READY = 0
@@ -79,29 +81,23 @@ class Converted:
 class CentrifugoFramer:
     """Frames of one codec, converted once per frame (module docstring)."""
 
-    __slots__ = ("codec", "frames", "frame_bytes", "messages", "message_bytes", "last_frame", "last")
+    __slots__ = ("codec", "frames", "messages", "last_frame", "last")
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
-        self.frames: dict[bytes, Converted] = {}
-        self.frame_bytes = 0
-        self.messages: dict[bytes, bytes] = {}
-        self.message_bytes = 0
+        self.frames: FrameCache[Converted] = FrameCache(CACHE_BYTES)
+        self.messages: FrameCache[bytes] = FrameCache(CACHE_BYTES)
         self.last_frame = b""
         self.last = Converted(b"", (), True)
 
     def convert(self, entries: list[bytes], frame: bytes) -> Converted:
         if frame is self.last_frame:
             return self.last
-        converted = self.frames.get(frame)
+        converted = self.frames.items.get(frame)
         if converted is None:
             converted = self._convert(entries)
             if converted.shared:  # one client's answers are converted for it alone: not kept
-                if self.frame_bytes >= CACHE_BYTES:
-                    self.frames.clear()
-                    self.frame_bytes = 0
-                self.frames[frame] = converted
-                self.frame_bytes += len(frame)
+                self.frames.put(frame, converted)
         self.last_frame, self.last = frame, converted
         return converted
 
@@ -118,7 +114,7 @@ class CentrifugoFramer:
                 replies.append(entry[1:])
                 shared = False
                 continue
-            message = self.messages.get(entry)
+            message = self.messages.items.get(entry)
             if message is None:
                 message = self._message(entry)
             if message is not None:
@@ -151,11 +147,7 @@ class CentrifugoFramer:
         if parts is None:
             return None
         message = self.codec.publication(*parts)
-        if self.message_bytes >= CACHE_BYTES:
-            self.messages.clear()
-            self.message_bytes = 0
-        self.messages[entry] = message
-        self.message_bytes += len(entry)
+        self.messages.put(entry, message)
         return message
 
 

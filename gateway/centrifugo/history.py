@@ -100,6 +100,6 @@ def _publications(topic: Topic, seqs: range, count: int) -> list[dict[str, Any]]
 
 def _entry(topic: Topic, seq: int) -> bytes | None:
     if isinstance(topic, RingTopic):
-        return topic.slots[seq % topic.capacity]
+        return topic.stored(seq)
     assert isinstance(topic, SnapshotTopic)
     return topic.latest if seq == topic.seq else None

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from core import TopicKind
 from core.config import MAX_SEQ
+from core.entries import split_message
 from core.errors import RequestError
 from core.ring import RingTopic
 
-from .client_codec import Raw, split_message
+from .client_codec import Raw
 from .client_frames import SERVER_SUB_ID
 
 if TYPE_CHECKING:
@@ -56,9 +57,7 @@ def complete_since(topics: TopicView, channel: str, offset: int, epoch: str) -> 
     if not topics.has_topic(channel):
         return False
     topic = topics.topic(channel)
-    if not isinstance(topic, RingTopic) or epoch != topic.epoch or not topic.begin <= offset <= topic.end:
-        return False
-    return all(end <= offset or begin >= topic.end for begin, end in zip(topic.lost_begins, topic.lost_ends))
+    return isinstance(topic, RingTopic) and epoch == topic.epoch and topic.retains_all_from(offset)
 
 
 def subscribe_server_side(hub: Hub, identity: ClientIdentity, channels: tuple[str, ...],
@@ -98,7 +97,7 @@ def _inline(topic: Any, offset: int, budget: int) -> tuple[list[dict[str, Any]],
     out: list[dict[str, Any]] = []
     size = 0
     for seq in range(offset, topic.end):
-        entry = topic.slots[seq % topic.capacity]
+        entry = topic.stored(seq)
         if entry is None or size + len(entry) > budget:
             break  # a seq given up is never in a complete recovery; the rest goes as pushes
         parts = split_message(entry)

@@ -25,7 +25,7 @@ from websockets.protocol import OPEN
 from websockets.server import ServerProtocol
 
 from .ws_counters import ws_counters
-from .wsframes import COMPRESSED_TEXT, text_frame_header
+from .wsframes import COMPRESSED_TEXT, FrameCache, text_frame_header
 
 #: zlib's default level: on a 600-byte batch the same time as level 1 (~12 µs, paid once per distinct frame)
 #: and a few percent smaller
@@ -93,7 +93,7 @@ class PlainFramer:
 class DeflateFramer:
     """Compressed frames for the clients of one window size, by payload: each payload compressed once."""
 
-    __slots__ = ("plain", "min_bytes", "compressor", "frames", "cached_bytes", "payload", "frame")
+    __slots__ = ("plain", "min_bytes", "compressor", "frames", "payload", "frame")
 
     def __init__(self, window_bits: int, min_bytes: int, plain: PlainFramer) -> None:
         self.plain = plain
@@ -101,8 +101,7 @@ class DeflateFramer:
         # one compressor for every frame: a full flush after each ends its dependence on what came before
         # (no context takeover), and making a compressor costs 5x the compression of a small frame
         self.compressor = zlib.compressobj(LEVEL, zlib.DEFLATED, -window_bits)
-        self.frames: dict[bytes, bytes] = {}
-        self.cached_bytes = 0
+        self.frames: FrameCache[bytes] = FrameCache(CACHE_BYTES)
         self.payload = b""
         self.frame = text_frame_header(0)
 
@@ -111,7 +110,7 @@ class DeflateFramer:
             return self.frame
         if len(payload) < self.min_bytes:
             return self.plain.framed(payload)
-        frame = self.frames.get(payload)
+        frame = self.frames.items.get(payload)
         if frame is None:
             frame = self._compressed(payload)
         self.payload, self.frame = payload, frame
@@ -128,11 +127,7 @@ class DeflateFramer:
         ws_counters.deflated_frames += 1
         ws_counters.deflate_input_bytes += len(payload)
         ws_counters.deflate_output_bytes += min(len(body), len(payload))
-        if self.cached_bytes >= CACHE_BYTES:
-            self.frames.clear()
-            self.cached_bytes = 0
-        self.frames[payload] = frame
-        self.cached_bytes += len(payload)
+        self.frames.put(payload, frame)
         return frame
 
 

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import struct
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
 
 #: first byte of a final text frame, and of one whose payload is compressed (RSV1, RFC 7692 §6)
 TEXT = 0x81
@@ -54,3 +57,23 @@ def _payload_length(head: bytes) -> int:
     if length == 127:
         return int.from_bytes(head[2:10], "big")
     return length
+
+
+class FrameCache(Generic[V]):
+    """What was made of a frame (or an entry), by its bytes, for the next clients that get the same bytes:
+    read `items` directly; `put` keeps at most `limit` bytes of keys, past which the cache starts again (the
+    clients of one cycle get the same few frames in any order)."""
+
+    __slots__ = ("items", "size", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.items: dict[bytes, V] = {}
+        self.size = 0
+        self.limit = limit
+
+    def put(self, key: bytes, value: V) -> None:
+        if self.size >= self.limit:
+            self.items.clear()
+            self.size = 0
+        self.items[key] = value
+        self.size += len(key)
