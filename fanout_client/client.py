@@ -352,17 +352,13 @@ class Subscription:
 
     def _data_of(self, entry: dict[str, Any]) -> Any:
         """A message's data; on a delta subscription rebuilt from the base (raises `DeltaError`)."""
-        data = entry.get("data")
         base = self._delta
         if base is None or "delta" not in entry:
-            return data
+            return entry.get("data")
+        data = base.of_entry(entry)
         if entry["delta"] is True:
-            data = base.apply(data)
             self.deltas_applied += 1
-            return data
-        if not isinstance(data, str):
-            raise DeltaError(f"a whole message of a delta subscription holds its text, not {type(data).__name__}")
-        return base.whole_text(data.encode())
+        return data
 
     def _delta_failed(self, error: DeltaError) -> None:
         """A delta did not apply: nothing is shown of it; subscribe again from the seq it was for (``since``),

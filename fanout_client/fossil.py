@@ -13,6 +13,7 @@ test and, later, to compile.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -33,6 +34,16 @@ class DeltaBase:
     def reset(self) -> None:
         """Forget the base (a resubscribe, a loss, a new epoch): the gateway sends the next message whole."""
         self.text = None
+
+    def of_entry(self, entry: Mapping[str, Any]) -> Any:
+        """The data of a ``msg`` entry of a subscription granted deltas (it has ``delta``): rebuilt from the
+        base when ``delta`` is true, else its ``data`` is the message's JSON text. Raises `DeltaError`."""
+        data = entry.get("data")
+        if entry.get("delta") is True:
+            return self.apply(data)
+        if not isinstance(data, str):
+            raise DeltaError(f"a whole message of a delta subscription holds its text, not {type(data).__name__}")
+        return self.whole_text(data.encode())
 
     def on_msg(self, data: Any, is_delta: bool) -> Any:
         """The message's data, rebuilt when ``is_delta``; the base moves to it."""

@@ -224,8 +224,8 @@ class WsSubscriber(Subscriber):
                 try:
                     if base is None:
                         raise DeltaError("no base")
-                    e["data"] = base.apply(e["data"]) if e["delta"] is True else base.whole_text(e["data"].encode())
-                except (DeltaError, AttributeError):
+                    e["data"] = base.of_entry(e)
+                except DeltaError:
                     errors["delta_failed"] += 1
                     entries[i] = {}
                     continue
