@@ -100,7 +100,7 @@ class DirectWritable(Protocol):
 
     def direct_fd(self, batch: Batch, frame: bytes) -> int:
         """The socket this batch's frame may be written to directly, the batch then counted as delivered;
-        -1: `deliver` it."""
+        -1: `deliver` it. Asked only of a batch with nothing more to come (`Batch.more` false)."""
 
     def wire(self, frame: bytes, count: int) -> bytes:
         """The bytes `direct_fd`'s socket gets for a frame, the same for every connection of its kind and
@@ -109,6 +109,10 @@ class DirectWritable(Protocol):
     def write_rest(self, data: bytes, sent: int) -> bool:
         """The direct write took `sent` bytes of `data` (-errno: none): the transport writes the rest; True if
         the client is ready again."""
+
+
+#: one frame's caught-up clients of one wire variant, gathered for the sender: their sockets, connections, ids
+Crowd = tuple[list[int], list[DirectWritable], list[Hashable]]
 
 
 class CrowdsSent:
@@ -385,17 +389,18 @@ class Scheduler:
 
     def _deliver(self, batches: list[Batch]) -> None:
         frames: dict[bytes | tuple[bytes, ...], bytes] = {}
-        # caught-up clients whose frame may go straight to their socket, by frame: handed to the sender in
-        # slices (`_write_crowd`), sent while the rest are handed out
-        # (by frame and wire variant when the variant changes the bytes: compressed with another window)
-        crowds: dict[bytes | tuple[bytes, int], tuple[list[int], list[DirectWritable], list[Hashable]]] = {}
+        # caught-up clients whose frame may go straight to their socket, by frame and then by wire variant (the
+        # window its compressed form was made with, another protocol's form): handed to the sender in slices
+        # (`_write_crowd`), sent while the rest are handed out. Two plain lookups per client: a (frame,
+        # variant) key would be a tuple made and hashed per client.
+        crowds: dict[bytes, dict[int, Crowd]] = {}
         variant_min_bytes = self.variant_min_bytes
         sent = self._sent
         conns = self.conns
         writable_sockets = self.writable_sockets
         staged, caught_up = self.staged, self.caught_up
         # an enum member's lookup costs ~0.1 µs, several per delivery: looked up once per cycle
-        done_, staged_, caught_up_, blocked_ = Delivered.DONE, Delivered.STAGED, Delivered.CAUGHT_UP, Delivered.BLOCKED
+        done_, staged_, caught_up_ = Delivered.DONE, Delivered.STAGED, Delivered.CAUGHT_UP
         delivery_log = self.delivery_log
         observe_size = self.entries_per_batch.observe
         singles = 0
@@ -419,26 +424,30 @@ class Scheduler:
                 frame = frames.get(key)
                 if frame is None:
                     frame = frames[key] = batch.frame()
-                outcome = blocked_  # sent directly: done once the sender is through, below
                 try:
                     writable = writable_sockets.get(client_id)
-                    if writable is not None and (fd := writable.direct_fd(batch, frame)) >= 0:
+                    if writable is not None and not batch.more and (fd := writable.direct_fd(batch, frame)) >= 0:
+                        # sent directly: done once the sender is through, below
                         variant = writable.wire_variant
-                        # (a negative variant, another protocol's form of the frame, always changes them)
-                        crowd_key = (frame if not variant or 0 < variant and len(frame) < variant_min_bytes
-                                     else (frame, variant))
-                        crowd = crowds.get(crowd_key)
+                        if 0 < variant and len(frame) < variant_min_bytes:  # sent plain whatever the window
+                            variant = 0
+                        by_variant = crowds.get(frame)
+                        if by_variant is None:
+                            by_variant = crowds[frame] = {}
+                        crowd = by_variant.get(variant)
                         if crowd is None:
-                            crowd = crowds[crowd_key] = ([], [], [])
+                            crowd = by_variant[variant] = ([], [], [])
                         fds = crowd[0]
                         fds.append(fd)
                         crowd[1].append(writable)
                         crowd[2].append(client_id)
                         if len(fds) == CROWD_SLICE:  # the first ones need not wait for the whole cycle's hand-off
                             self._write_crowd(frame, crowd)
-                            del crowds[crowd_key]
-                    else:
-                        outcome = conn.deliver(batch, frame)
+                            del by_variant[variant]
+                        if delivery_log is not None:
+                            delivery_log.delivered(batch, conn, False)
+                        continue
+                    outcome = conn.deliver(batch, frame)
                 except Exception:  # a transport that broke mid-write: drop it, never the others
                     log.exception("delivery to %s failed", client_id)
                     self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
@@ -452,8 +461,9 @@ class Scheduler:
                     done.append(client_id)
                 if delivery_log is not None:
                     delivery_log.delivered(batch, conn, outcome is staged_ or outcome is caught_up_)
-            for crowd_key, crowd in crowds.items():
-                self._write_crowd(crowd_key if isinstance(crowd_key, bytes) else crowd_key[0], crowd)
+            for frame, by_variant in crowds.items():
+                for crowd in by_variant.values():
+                    self._write_crowd(frame, crowd)
         finally:
             if sent.conns:
                 done.extend(self._crowds_sent())
@@ -461,7 +471,7 @@ class Scheduler:
         if done:
             self.engine.writes_done(done)
 
-    def _write_crowd(self, frame: bytes, crowd: tuple[list[int], list[DirectWritable], list[Hashable]]) -> None:
+    def _write_crowd(self, frame: bytes, crowd: Crowd) -> None:
         """Hand one frame for many sockets to the sender (the compiled one sends it on its own thread while
         the scheduler goes on; the twin at once)."""
         fds, group, client_ids = crowd

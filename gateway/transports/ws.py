@@ -696,10 +696,10 @@ class WSConnection(StagedWriter):
         # Caught up, nothing staged or buffered before it, writable: the frame may go straight to the
         # socket (gateway/fanwrite.py); counted as delivered here, like `deliver` does.
         fd = self.fd
-        if fd < 0 or batch.more or self._staged or self.paused:
+        if fd < 0 or self._staged or self.paused or self.proto.closing:
             return -1
         transport = self.transport
-        if self.proto.closing or transport.is_closing() or transport.get_write_buffer_size():
+        if transport.get_write_buffer_size() or transport.is_closing():
             return -1
         self.frames_sent += 1
         self.bytes_sent += len(frame)
