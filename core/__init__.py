@@ -6,6 +6,7 @@ See docs/architecture.md for the model and engine.py for the calling contract.
 # First: it decides whether the compiled modules or their sources are imported below.
 from .native import BUILD, COMPILED  # isort: skip
 
+from .client import Crowd, Sink
 from .config import EngineConfig, TopicConfig, TopicKind, TopicRule
 from .counters import Counters
 from .engine import Batch, Engine, Published, Subscribed
@@ -36,6 +37,7 @@ __all__ = [
     "Batch",
     "CoreUsageError",
     "Counters",
+    "Crowd",
     "DirectQueueFull",
     "DuplicateSeq",
     "Engine",
@@ -45,6 +47,7 @@ __all__ = [
     "Published",
     "QueueFull",
     "RequestError",
+    "Sink",
     "SkippedSeq",
     "StaleSeq",
     "Subscribed",

@@ -49,8 +49,45 @@ class Subscription:
         self.base = -1
 
 
+class Sink:
+    """Where a client's caught-up batches of one entry may go without being handed out one by one: its
+    socket as the gateway names it (`token`, and `handle`: both opaque here). The engine gathers such clients
+    into crowds (`Engine.crowds`); the gateway keeps `open` false while the client's bytes may not go straight
+    out (frames staged before them, its close begun). It also counts what reached the client either way."""
+
+    __slots__ = ("token", "variant", "handle", "owner", "open", "frames", "entries", "bytes")
+
+    def __init__(self, token: int, variant: int, handle: Any, owner: Any) -> None:
+        self.token = token
+        #: what the bytes for an entry depend on besides it (the gateway's wire variant): crowds never mix them
+        self.variant = variant
+        self.handle = handle
+        #: the gateway's object for the client (its connection)
+        self.owner = owner
+        self.open = True
+        #: frames, entries and frame bytes delivered to the client, through a crowd or not
+        self.frames = 0
+        self.entries = 0
+        self.bytes = 0
+
+
+class Crowd:
+    """The clients whose batch in a cycle is the one entry `entry`, caught up, with sinks of one variant:
+    the same bytes go to all of them (`Engine.crowds`). `tokens` and `handles` follow `sinks`."""
+
+    __slots__ = ("entry", "variant", "sinks", "tokens", "handles")
+
+    def __init__(self, entry: bytes, variant: int) -> None:
+        self.entry = entry
+        self.variant = variant
+        self.sinks: list[Sink] = []
+        self.tokens: list[int] = []
+        self.handles: list[Any] = []
+
+
 class Client:
-    __slots__ = ("id", "owner", "state", "direct", "direct_bytes", "active", "subs", "budget", "peeked_subs", "info")
+    __slots__ = ("id", "owner", "state", "direct", "direct_bytes", "active", "subs", "budget", "peeked_subs", "info",
+                 "sink")
 
     def __init__(self, client_id: Hashable, budget: int, ready: bool, info: Any = None, owner: Hashable = None) -> None:
         self.id = client_id
@@ -70,6 +107,8 @@ class Client:
         self.peeked_subs: list[Subscription] = []
         #: opaque to the core: identity, transport, permissions live with the gateway
         self.info = info
+        #: where its caught-up one-entry batches may go in a crowd (`Engine.attach_sink`), None: as batches
+        self.sink: Sink | None = None
 
     def queued(self) -> int:
         """Entries in the direct queue."""

@@ -31,10 +31,10 @@ from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .client import Client, ClientState, Subscription
+from .client import Client, ClientState, Crowd, Sink, Subscription
 from .config import MAX_SEQ, EngineConfig, TopicConfig, TopicKind
 from .counters import Counters
-from .entries import encode_closed, encode_loss, encode_subscribed, encode_unsubscribed, frame_batch
+from .entries import FRAME_OVERHEAD, encode_closed, encode_loss, encode_subscribed, encode_unsubscribed, frame_batch
 from .errors import (
     AlreadySubscribed,
     BadAck,
@@ -131,6 +131,10 @@ class Engine:
         self._retained: dict[Topic, tuple[float, int]] = {}
         #: rule lookups of names no topic has (`_rule_for`), at most RULE_CACHE_MAX
         self._rules_seen: dict[str, TopicConfig | None] = {}
+        #: whether `run_cycle` gathers clients with an open sink into `crowds` instead of giving them batches
+        self.crowding = False
+        #: the last cycle's crowds (`take_crowds`)
+        self.crowds: list[Crowd] = []
 
     # -- topics ----------------------------------------------------------------------------------------
 
@@ -321,6 +325,10 @@ class Engine:
         client.active.clear()
         client.peeked_subs.clear()
         self._active.pop(client, None)
+
+    def attach_sink(self, client_id: Hashable, sink: Sink | None) -> None:
+        """Where the client's caught-up one-entry batches may go in a crowd (`crowds`); None: as batches."""
+        self.client(client_id).sink = sink
 
     def client(self, client_id: Hashable) -> Client:
         try:
@@ -626,25 +634,68 @@ class Engine:
         return bool(self._active)
 
     def run_cycle(self) -> list[Batch]:
-        """Visit each eligible active client once; return its batch (docs/design/batching.md §5)."""
+        """Visit each eligible active client once; return its batch (docs/design/batching.md §5). With
+        `crowding`, a client whose batch would be one topic's entry, caught up, with an open sink joins that
+        entry's crowd instead (`take_crowds`)."""
         clients, self._active = self._active, {}
         batches: list[Batch] = []
+        crowds: list[Crowd] = []
+        self.crowds = crowds
+        crowding = self.crowding
+        # crowds by entry, then variant; the last one joined, which the next client usually joins too
+        gathered: dict[bytes, dict[int, Crowd]] = {}
+        crowd: Crowd | None = None
+        crowded = 0
         counters = self.counters
         counters.cycles += 1
         fill = self._fill
         writing = ClientState.WRITING
         entries = emitted = 0
         for client in clients:
+            replies = client.direct is not None  # a client's own entries: never shared, never in a crowd
             out, size = fill(client)
             if out:
-                client.state = writing
-                batches.append(Batch(client.id, out, size, bool(client.active or client.direct)))
                 entries += len(out)
                 emitted += size
+                more = bool(client.active or client.direct)
+                sink = client.sink
+                if (crowding and sink is not None and sink.open and not more and len(out) == 1 and not replies
+                        and not client.peeked_subs):
+                    entry = out[0]
+                    if crowd is None or crowd.entry is not entry or crowd.variant != sink.variant:
+                        crowd = self._crowd_of(gathered, crowds, entry, sink.variant)
+                    crowd.sinks.append(sink)
+                    crowd.tokens.append(sink.token)
+                    crowd.handles.append(sink.handle)
+                    sink.frames += 1
+                    sink.entries += 1
+                    sink.bytes += len(entry) + FRAME_OVERHEAD
+                    crowded += 1
+                    continue
+                client.state = writing
+                batches.append(Batch(client.id, out, size, more))
         counters.entries_emitted += entries
         counters.bytes_emitted += emitted
-        counters.clients_served += len(batches)
+        counters.clients_served += len(batches) + crowded
         return batches
+
+    def take_crowds(self) -> list[Crowd]:
+        """The last cycle's crowds: its clients with an open sink whose batch was one entry, caught up, by
+        entry and variant. They stay READY, counted as written (`Sink`): the gateway marks idle one whose
+        socket did not take its frame and blocked. Cost: O(1); the cycle gathered them."""
+        crowds, self.crowds = self.crowds, []
+        return crowds
+
+    @staticmethod
+    def _crowd_of(gathered: dict[bytes, dict[int, Crowd]], crowds: list[Crowd], entry: bytes, variant: int) -> Crowd:
+        by_variant = gathered.get(entry)
+        if by_variant is None:
+            by_variant = gathered[entry] = {}
+        crowd = by_variant.get(variant)
+        if crowd is None:
+            crowd = by_variant[variant] = Crowd(entry, variant)
+            crowds.append(crowd)
+        return crowd
 
     # -- internals -------------------------------------------------------------------------------------
 

@@ -84,6 +84,10 @@ def encode_leave(topic: str, user: str | None, client: str) -> bytes:
     return _dumps({"type": "leave", "topic": topic, "user": user, "client": client})
 
 
+#: what `frame_batch` adds to the entries of a batch of one
+FRAME_OVERHEAD = 2
+
+
 def frame_batch(entries: Iterable[bytes]) -> bytes:
     """One JSON array spliced from pre-encoded entries: no per-client serialisation."""
     return b"[" + b",".join(entries) + b"]"

@@ -35,6 +35,12 @@ static Py_ssize_t send_all(const int *fds, Py_ssize_t count, const char *buf, si
     Py_ssize_t shortfalls = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         ssize_t n;
+        if (fds[i] < 0) { /* passed over at submit (its transport closing or holding bytes): all of it is short */
+            short_of[shortfalls].index = base + i;
+            short_of[shortfalls].sent = 0;
+            shortfalls++;
+            continue;
+        }
         do {
             n = send(fds[i], buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
         } while (n < 0 && errno == EINTR);
@@ -60,6 +66,36 @@ static int read_fds(PyObject *fd_tuple, int *fds) {
             return -1;
         }
         fds[i] = (int)fd;
+    }
+    return 0;
+}
+
+/* Pass over (fd -1) each socket whose transport is closing (its descriptor may be closed already, and its
+ * number reused) or holds bytes not yet written (ours would overtake them): asked through the asyncio
+ * transport's public methods, under the GIL. -1 with an exception set when a call fails. */
+static int pass_over_busy(PyObject *transport_tuple, int *fds, Py_ssize_t count) {
+    static PyObject *is_closing = NULL, *buffer_size = NULL;
+    if (is_closing == NULL && (is_closing = PyUnicode_InternFromString("is_closing")) == NULL)
+        return -1;
+    if (buffer_size == NULL && (buffer_size = PyUnicode_InternFromString("get_write_buffer_size")) == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *transport = PyTuple_GET_ITEM(transport_tuple, i);
+        PyObject *result = PyObject_CallMethodNoArgs(transport, is_closing);
+        if (result == NULL)
+            return -1;
+        int busy = PyObject_IsTrue(result);
+        Py_DECREF(result);
+        if (busy == 0) {
+            if ((result = PyObject_CallMethodNoArgs(transport, buffer_size)) == NULL)
+                return -1;
+            busy = PyObject_IsTrue(result);
+            Py_DECREF(result);
+        }
+        if (busy < 0)
+            return -1;
+        if (busy)
+            fds[i] = -1;
     }
     return 0;
 }
@@ -149,11 +185,12 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 }
 
 static PyObject *sender_submit(Sender *self, PyObject *args) {
-    PyObject *fd_list;
+    PyObject *fd_list, *transport_list = NULL;
     Job *job = PyMem_RawCalloc(1, sizeof(Job));
     if (job == NULL)
         return PyErr_NoMemory();
-    if (!PyArg_ParseTuple(args, "O!y*:submit", &PyList_Type, &fd_list, &job->data)) {
+    if (!PyArg_ParseTuple(args, "O!y*|O!:submit", &PyList_Type, &fd_list, &job->data, &PyList_Type,
+                          &transport_list)) {
         PyMem_RawFree(job);
         return NULL;
     }
@@ -170,6 +207,17 @@ static PyObject *sender_submit(Sender *self, PyObject *args) {
     job->short_of = PyMem_RawMalloc(room * sizeof(Shortfall));
     int read = job->fds != NULL && job->short_of != NULL ? read_fds(fd_tuple, job->fds) : -1;
     Py_DECREF(fd_tuple);
+    if (read == 0 && transport_list != NULL) {
+        PyObject *transport_tuple = PyList_AsTuple(transport_list);
+        if (transport_tuple == NULL)
+            read = -1;
+        else if (PyTuple_GET_SIZE(transport_tuple) != job->count) {
+            PyErr_SetString(PyExc_ValueError, "one transport per descriptor");
+            read = -1;
+        } else
+            read = pass_over_busy(transport_tuple, job->fds, job->count);
+        Py_XDECREF(transport_tuple);
+    }
     if (read < 0) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
@@ -261,7 +309,9 @@ static void sender_dealloc(Sender *self) {
 
 static PyMethodDef sender_methods[] = {
     {"submit", (PyCFunction)sender_submit, METH_VARARGS,
-     "submit(fds: list[int], data: bytes) -> None\n\nQueue data for each socket; the sender's thread sends it."},
+     "submit(fds: list[int], data: bytes, transports: list | None = None) -> None\n\nQueue data for each socket;"
+     " the sender's thread sends it. With `transports` (one per socket), a socket whose transport is closing\n"
+     "or holds unwritten bytes is passed over: reported by `wait` as taking 0 bytes."},
     {"wait", (PyCFunction)sender_wait, METH_NOARGS,
      "wait() -> list[tuple[int, int]]\n\nSend what is queued, wait for the rest; return (index, sent or -errno)\n"
      "for each socket submitted since the last wait that took less, indexed in the order of submission."},

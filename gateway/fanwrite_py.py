@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import socket
+from typing import Any
 
 #: the flags of the compiled writer; macOS has no MSG_NOSIGNAL (the gateway ignores SIGPIPE anyway)
 SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
@@ -53,6 +54,19 @@ def _frame(data: bytes) -> bytes:
     return view.tobytes()
 
 
+def _pass_over_busy(transport_list: list[Any], fds: list[int]) -> None:
+    """-1 for each socket whose transport is closing (its descriptor may be closed already, its number
+    reused) or holds bytes not yet written (ours would overtake them)."""
+    if not isinstance(transport_list, list):
+        raise TypeError(f"submit() argument 3 must be list, not {type(transport_list).__name__}")
+    transports = tuple(transport_list)
+    if len(transports) != len(fds):
+        raise ValueError("one transport per descriptor")
+    for index, transport in enumerate(transports):
+        if transport.is_closing() or transport.get_write_buffer_size():
+            fds[index] = -1
+
+
 class Sender:
     """Sends each submitted frame at once, one send per descriptor; `wait` reports what was not taken."""
 
@@ -64,23 +78,27 @@ class Sender:
         #: sockets submitted since the last wait: the next job's first index
         self._submitted = 0
 
-    def submit(self, fds: list[int], data: bytes, /) -> None:
-        """Send data to each socket of the list; what one did not take is reported by `wait`."""
+    def submit(self, fds: list[int], data: bytes, transports: list[Any] | None = None, /) -> None:
+        """Send data to each socket of the list; what one did not take is reported by `wait`. With
+        `transports` (one per socket), a socket whose transport is closing or holds unwritten bytes is
+        passed over: it took 0 bytes."""
         if not isinstance(fds, list):
             raise TypeError(f"submit() argument 1 must be list, not {type(fds).__name__}")
         frame = _frame(data)
         descriptors = _descriptors(fds)
+        if transports is not None:
+            _pass_over_busy(transports, descriptors)
         base = self._submitted
         self._submitted = base + len(descriptors)
         size = len(frame)
         send = _send
         for index, fd in enumerate(descriptors, base):
-            sent = send(fd, frame, size, SEND_FLAGS)
+            sent = send(fd, frame, size, SEND_FLAGS) if fd >= 0 else 0
             if sent != size:
                 self._shortfall(index, fd, frame, sent)
 
     def _shortfall(self, index: int, fd: int, frame: bytes, sent: int) -> None:
-        while sent < 0 and ctypes.get_errno() == _EINTR:  # interrupted before sending: again, as in C
+        while fd >= 0 and sent < 0 and ctypes.get_errno() == _EINTR:  # interrupted before sending: again, as in C
             sent = _send(fd, frame, len(frame), SEND_FLAGS)
         if sent < 0:
             sent = -ctypes.get_errno()

@@ -24,8 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from core import Batch, Engine, Published, RequestError, TopicConfig
-from core.entries import encode_error
+from core import Batch, Crowd, Engine, Published, RequestError, Sink, TopicConfig
+from core.entries import encode_error, frame_batch
 
 from . import close_codes
 from .auth.identity import ClientIdentity
@@ -97,6 +97,10 @@ class DirectWritable(Protocol):
     #: window of its compressed frames, for frames of `compression_min_bytes` or more; negative: another
     #: protocol's form of every frame, gateway/transports/ws_centrifugo.py)
     wire_variant: int
+    #: where the engine may gather its caught-up one-entry batches into crowds (`Engine.take_crowds`): no
+    #: per-client call at all, the frame then goes to `token` with `wire`'s bytes unless `handle` (its
+    #: transport) is closing or holds bytes. None: each batch is handed out (`direct_fd`).
+    crowd_sink: Sink | None
 
     def direct_fd(self, batch: Batch, frame: bytes) -> int:
         """The socket this batch's frame may be written to directly, the batch then counted as delivered;
@@ -111,21 +115,25 @@ class DirectWritable(Protocol):
         the client is ready again."""
 
 
-#: one frame's caught-up clients of one wire variant, gathered for the sender: their sockets, connections, ids
-Crowd = tuple[list[int], list[DirectWritable], list[Hashable]]
+#: one frame's caught-up clients of one wire variant, handed out one by one: their sockets, connections, ids
+HandedOut = tuple[list[int], list[DirectWritable], list[Hashable]]
 
 
 class CrowdsSent:
-    """What a cycle handed to the sender, in the order submitted: each socket's connection and client, and
-    each frame's bytes with the index of its first socket (a shortfall's index names the socket)."""
+    """What a cycle handed to the sender, in the order submitted. Per submit: the index of its first socket,
+    its bytes, and whose its sockets are from `offsets` on in `members` (connections handed out one by one,
+    or a crowd's sinks): a shortfall's index names the socket. `client_ids`: the clients handed out, done
+    once sent (a crowd's were counted written by the engine)."""
 
-    __slots__ = ("conns", "client_ids", "starts", "wires")
+    __slots__ = ("count", "starts", "wires", "members", "offsets", "client_ids")
 
     def __init__(self) -> None:
-        self.conns: list[DirectWritable] = []
-        self.client_ids: list[Hashable] = []
+        self.count = 0
         self.starts: list[int] = []
         self.wires: list[bytes] = []
+        self.members: list[list[DirectWritable] | list[Sink]] = []
+        self.offsets: list[int] = []
+        self.client_ids: list[Hashable] = []
 
 
 class Scheduler:
@@ -334,8 +342,11 @@ class Scheduler:
                     if collecting:
                         gc.disable()
                     try:
+                        # clients with a sink are gathered into crowds, unless each batch must be seen
+                        engine.crowding = not self.fanouts and self.delivery_log is None
                         batches = engine.run_cycle()
-                        self._deliver(batches)
+                        crowds = engine.take_crowds()
+                        self._deliver(batches, crowds)
                         if self.fanouts:  # a traced publish's fan-out is watched (gateway/ops/tracing.py)
                             count_fanouts(self.fanouts, batches)
                     finally:
@@ -343,7 +354,7 @@ class Scheduler:
                             gc.enable()
                     now = time.perf_counter()
                     self.cycle_seconds.observe(now - started)
-                    del batches  # not held while the loop sleeps: the last cycle's entries can be a lot
+                    del batches, crowds  # not held while the loop sleeps: the last cycle's entries can be a lot
                     if cycle == self.coalesce_cycles or not engine.has_work or now - round_started >= self.coalesce_s:
                         break
                     # Clients caught up are written now; those with a backlog keep their frames for the
@@ -387,13 +398,20 @@ class Scheduler:
         if client_id in self.conns and conn.blocked_since is not None:
             self.engine.mark_idle(client_id)
 
-    def _deliver(self, batches: list[Batch]) -> None:
+    def _deliver(self, batches: list[Batch], crowds: list[Crowd]) -> None:
         frames: dict[bytes | tuple[bytes, ...], bytes] = {}
         # caught-up clients whose frame may go straight to their socket, by frame and then by wire variant (the
         # window its compressed form was made with, another protocol's form): handed to the sender in slices
         # (`_write_crowd`), sent while the rest are handed out. Two plain lookups per client: a (frame,
         # variant) key would be a tuple made and hashed per client.
-        crowds: dict[bytes, dict[int, Crowd]] = {}
+        handed: dict[bytes, dict[int, HandedOut]] = {}
+        # the crowd the previous client joined: the next one usually joins it too (no lookups)
+        crowd_frame: bytes | None = None
+        crowd_variant = 0
+        by_variant: dict[int, HandedOut] = {}
+        slot = 0  # its key in by_variant
+        crowd: HandedOut = ([], [], [])
+        fds, group, client_ids = crowd
         variant_min_bytes = self.variant_min_bytes
         sent = self._sent
         conns = self.conns
@@ -406,6 +424,9 @@ class Scheduler:
         singles = 0
         done = []
         try:
+            for gathered in crowds:  # first: the sender sends them while the batches are handed out
+                self._write_gathered(gathered, frames)
+                singles += len(gathered.tokens)
             for batch in batches:
                 client_id = batch.client_id
                 conn = conns.get(client_id)
@@ -429,21 +450,21 @@ class Scheduler:
                     if writable is not None and not batch.more and (fd := writable.direct_fd(batch, frame)) >= 0:
                         # sent directly: done once the sender is through, below
                         variant = writable.wire_variant
-                        if 0 < variant and len(frame) < variant_min_bytes:  # sent plain whatever the window
-                            variant = 0
-                        by_variant = crowds.get(frame)
-                        if by_variant is None:
-                            by_variant = crowds[frame] = {}
-                        crowd = by_variant.get(variant)
-                        if crowd is None:
-                            crowd = by_variant[variant] = ([], [], [])
-                        fds = crowd[0]
+                        if frame is not crowd_frame or variant != crowd_variant:  # else the previous client's
+                            crowd_frame, crowd_variant = frame, variant
+                            if 0 < variant and len(frame) < variant_min_bytes:  # sent plain whatever the window
+                                variant = 0
+                            by_variant = handed.setdefault(frame, {})
+                            crowd = by_variant.get(variant) or by_variant.setdefault(variant, ([], [], []))
+                            slot = variant
+                            fds, group, client_ids = crowd
                         fds.append(fd)
-                        crowd[1].append(writable)
-                        crowd[2].append(client_id)
+                        group.append(writable)
+                        client_ids.append(client_id)
                         if len(fds) == CROWD_SLICE:  # the first ones need not wait for the whole cycle's hand-off
                             self._write_crowd(frame, crowd)
-                            del by_variant[variant]
+                            del by_variant[slot]
+                            crowd_frame = None
                         if delivery_log is not None:
                             delivery_log.delivered(batch, conn, False)
                         continue
@@ -461,29 +482,54 @@ class Scheduler:
                     done.append(client_id)
                 if delivery_log is not None:
                     delivery_log.delivered(batch, conn, outcome is staged_ or outcome is caught_up_)
-            for frame, by_variant in crowds.items():
+            for frame, by_variant in handed.items():
                 for crowd in by_variant.values():
                     self._write_crowd(frame, crowd)
         finally:
-            if sent.conns:
+            if sent.count:
                 done.extend(self._crowds_sent())
         self.entries_per_batch.observe_many(1, singles)
         if done:
             self.engine.writes_done(done)
 
-    def _write_crowd(self, frame: bytes, crowd: Crowd) -> None:
+    def _write_crowd(self, frame: bytes, crowd: HandedOut) -> None:
         """Hand one frame for many sockets to the sender (the compiled one sends it on its own thread while
         the scheduler goes on; the twin at once)."""
         fds, group, client_ids = crowd
-        data = group[0].wire(frame, len(fds))
+        self._submit(fds, group[0].wire(frame, len(fds)), group, 0, None)
+        self._sent.client_ids += client_ids
+
+    def _write_gathered(self, crowd: Crowd, frames: dict[bytes | tuple[bytes, ...], bytes]) -> None:
+        """A crowd the engine gathered: its frame to all its sockets, in slices (each sender's job), each
+        socket passed over whose transport is closing or holds bytes (its rest then goes like a shortfall)."""
+        entry = crowd.entry
+        frame = frames.get(entry)
+        if frame is None:
+            frame = frames[entry] = frame_batch((entry,))
+        tokens, handles, sinks = crowd.tokens, crowd.handles, crowd.sinks
+        count = len(tokens)
+        data = sinks[0].owner.wire(frame, count)
+        if count <= CROWD_SLICE:
+            self._submit(tokens, data, sinks, 0, handles)
+            return
+        for start in range(0, count, CROWD_SLICE):
+            end = start + CROWD_SLICE
+            self._submit(tokens[start:end], data, sinks, start, handles[start:end])
+
+    def _submit(self, fds: list[int], data: bytes, members: list[DirectWritable] | list[Sink], offset: int,
+                transports: list[Any] | None) -> None:
         sent = self._sent
-        sent.starts.append(len(sent.conns))
+        sent.starts.append(sent.count)
         sent.wires.append(data)
-        sent.conns += group
-        sent.client_ids += client_ids
+        sent.members.append(members)
+        sent.offsets.append(offset)
+        sent.count += len(fds)
         self.staged_writes += len(fds)
         self.direct_writes += len(fds)
-        self.sender.submit(fds, data)
+        if transports is None:
+            self.sender.submit(fds, data)
+        else:
+            self.sender.submit(fds, data, transports)
 
     def _crowds_sent(self) -> list[Hashable]:
         """Wait for the sender; the transports take what a socket did not. Returns the clients ready again
@@ -493,17 +539,26 @@ class Scheduler:
         if not short:
             return sent.client_ids
         self.direct_shortfalls += len(short)
-        ready = [True] * len(sent.conns)
+        unready: set[Hashable] = set()
         for index, taken in short:
-            conn = sent.conns[index]
-            data = sent.wires[bisect.bisect_right(sent.starts, index) - 1]
+            part = bisect.bisect_right(sent.starts, index) - 1
+            member = sent.members[part][sent.offsets[part] + index - sent.starts[part]]
+            gathered = isinstance(member, Sink)
+            conn: Any = member.owner if isinstance(member, Sink) else member
+            client_id = conn.identity.client_id
             try:
-                ready[index] = conn.write_rest(data, taken)
+                ok = conn.write_rest(sent.wires[part], taken)
             except Exception:  # a transport that broke mid-write: drop it, never the others
-                ready[index] = False
-                log.exception("delivery to %s failed", sent.client_ids[index])
-                self.kick(sent.client_ids[index], close_codes.INTERNAL_ERROR, "internal error", "error")
-        return [client_id for client_id, ok in zip(sent.client_ids, ready) if ok]
+                ok = False
+                log.exception("delivery to %s failed", client_id)
+                self.kick(client_id, close_codes.INTERNAL_ERROR, "internal error", "error")
+            if ok:
+                continue
+            if not gathered:
+                unready.add(client_id)
+            elif client_id in self.conns and conn.blocked_since is not None:  # left ready by the engine
+                self.engine.mark_idle(client_id)
+        return [client_id for client_id in sent.client_ids if client_id not in unready] if unready else sent.client_ids
 
     # -- metrics -------------------------------------------------------------------------------------------
 
@@ -552,6 +607,8 @@ class Membership:
         self.engine.connect(identity.client_id, ready=ready, info=identity, owner=identity.owner)
         if isinstance(conn, DirectWritable):
             self.scheduler.writable_sockets[identity.client_id] = conn
+            if conn.crowd_sink is not None:
+                self.engine.attach_sink(identity.client_id, conn.crowd_sink)
 
     def disconnect(self, client_id: Hashable) -> tuple[list[str], Hashable]:
         """The engine forgets the client. Returns the topics it subscribed to and its owner (the caller

@@ -82,6 +82,9 @@ class StagedWriter:
     def _written(self) -> None:
         """Called after each write of staged data."""
 
+    def _staging(self, staged: bool) -> None:
+        """Frames were staged (True: later frames must go behind them), or the staged ones were written."""
+
     def write_batch(self, parts: tuple[bytes, ...], size: int, more: bool) -> Delivered:
         """A batch's bytes (`parts`, `size` in all, none copied). While the client has more to come next cycle
         (`Batch.more`) they are staged for the round's write (STAGED); for a client caught up they are written
@@ -92,7 +95,10 @@ class StagedWriter:
             if not more:
                 return DONE if self._write_parts(parts) else BLOCKED
             self._staged_bytes = 0
-        staged += parts
+            staged += parts
+            self._staging(True)
+        else:
+            staged += parts
         self._staged_bytes += size
         if self._staged_bytes >= self.scheduler.stage_limit and not self.flush():
             return BLOCKED
@@ -105,6 +111,7 @@ class StagedWriter:
         if not staged:  # nothing since the last write (one written at the stage limit reported itself)
             return True
         self._staged = []
+        self._staging(False)
         if self.scheduler.delivery_log is not None:
             self.scheduler.delivery_log.written(self)
         return self._write_parts(staged)

@@ -36,7 +36,7 @@ from websockets.http11 import Request, Response
 from websockets.protocol import OPEN, SERVER, Event, Protocol
 from websockets.server import ServerProtocol
 
-from core import Batch, RequestError
+from core import Batch, RequestError, Sink
 
 from .. import close_codes
 from ..centrifugo.client_codes import close_code as centrifugo_close_code
@@ -563,7 +563,7 @@ class WebSocketProtocol(asyncio.Protocol):
         """The peer's close frame: websockets queued the echo; write it and close, the client is gone."""
         parser = self.ws
         assert parser is not None
-        self.closing = True
+        self._closing()
         self.transport.write(b"".join(parser.data_to_send()))
         self.transport.close()
         self._unregister("closed")
@@ -623,7 +623,7 @@ class WebSocketProtocol(asyncio.Protocol):
         send RST, which can destroy the close frame (and its code) before the peer reads it. So: shut our
         side once the buffer (close frame included) is written, drop what the peer still sends, close when
         it closes, and cut it after `grace` seconds if it never does (or never reads)."""
-        self.closing = True
+        self._closing()
         self.service.keepalive.stop(self)
         transport = self.transport
         if transport.is_closing():
@@ -633,6 +633,12 @@ class WebSocketProtocol(asyncio.Protocol):
             return
         transport.write_eof()
         asyncio.get_running_loop().call_later(grace, transport.abort)
+
+    def _closing(self) -> None:
+        """Our close begun: no frame goes after it, not even a crowd's."""
+        self.closing = True
+        if self.connection is not None:
+            self.connection.sink.open = False
 
     def forget(self) -> None:
         """Closed by its Centrifugo session before it registered: nothing more to do with it."""
@@ -657,16 +663,11 @@ def protocol_class(hub: Hub, limiter: ConnectionLimiter, origins: OriginPolicy,
 class WSConnection(StagedWriter):
     """The scheduler's side of a WebSocket client: its batches as text frames on the protocol's transport."""
 
-    __slots__ = ("proto", "frames_sent", "bytes_sent", "entries_sent", "closed", "fd", "transport", "framer",
-                 "wire_variant")
+    __slots__ = ("proto", "sink", "crowd_sink", "closed", "fd", "transport", "framer", "wire_variant")
 
     def __init__(self, session: ClientSession, proto: WebSocketProtocol) -> None:
         super().__init__(session)
         self.proto = proto
-        self.frames_sent = 0
-        self.bytes_sent = 0
-        #: entries (messages, notices, replies) handed to this connection: the stats stream's delivery rate
-        self.entries_sent = 0
         #: nothing more is written (kicked, closing, lost)
         self.closed = False
         #: the socket `direct_fd` hands out (plain TCP), -1 once closed
@@ -675,16 +676,54 @@ class WSConnection(StagedWriter):
         #: the window bits of our compressed frames, 0: plain (`DirectWritable.wire_variant`), and their framer
         self.wire_variant = proto.window_bits
         self.framer: PlainFramer | DeflateFramer = proto.service.framers.for_window(proto.window_bits)
+        #: what was delivered (its counters), and where the engine may gather this client into crowds: a
+        #: plain TCP socket, frames as the scheduler makes them (a Centrifugo client's are converted: no)
+        self.sink = Sink(self.fd, self.wire_variant, self.transport, self)
+        self.crowd_sink: Sink | None = self.sink if self.fd >= 0 and proto.centrifugo is None else None
         proto.connection = self
+
+    # frames, their bytes, and entries (messages, notices, replies) delivered: the stats stream's rate
+    @property
+    def frames_sent(self) -> int:
+        return self.sink.frames
+
+    @frames_sent.setter
+    def frames_sent(self, value: int) -> None:
+        self.sink.frames = value
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.sink.bytes
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self.sink.bytes = value
+
+    @property
+    def entries_sent(self) -> int:
+        return self.sink.entries
+
+    @entries_sent.setter
+    def entries_sent(self, value: int) -> None:
+        self.sink.entries = value
+
+    def _staging(self, staged: bool) -> None:
+        self._sink_state()
+
+    def _sink_state(self) -> None:
+        """A crowd's frame may go straight to the socket only with nothing staged before it and no close
+        begun (the transport's own state is asked at each send: `Sender.submit`)."""
+        self.sink.open = not self.closed and self.fd >= 0 and not self._staged and not self.proto.closing
 
     # -- fan-out writes ----------------------------------------------------------------------------------
 
     def deliver(self, batch: Batch, frame: bytes) -> Delivered:
         if self.closed:
             return BLOCKED
-        self.frames_sent += 1
-        self.bytes_sent += len(frame)
-        self.entries_sent += len(batch.entries)
+        sink = self.sink
+        sink.frames += 1
+        sink.bytes += len(frame)
+        sink.entries += len(batch.entries)
         if self.transport.is_closing() or self.proto.closing:  # closed, or our side already shut
             return BLOCKED
         data = self.framer.framed(frame)
@@ -701,9 +740,10 @@ class WSConnection(StagedWriter):
         transport = self.transport
         if transport.get_write_buffer_size() or transport.is_closing():
             return -1
-        self.frames_sent += 1
-        self.bytes_sent += len(frame)
-        self.entries_sent += len(batch.entries)
+        sink = self.sink
+        sink.frames += 1
+        sink.bytes += len(frame)
+        sink.entries += len(batch.entries)
         return fd
 
     def wire(self, frame: bytes, count: int) -> bytes:
@@ -733,6 +773,7 @@ class WSConnection(StagedWriter):
     def on_lost(self) -> None:
         self.closed = True
         self.fd = -1
+        self.sink.open = False
 
     # -- control -------------------------------------------------------------------------------------------
 
@@ -742,6 +783,7 @@ class WSConnection(StagedWriter):
         self.flush()  # the round's staged frames go before the close frame
         self.closed = True  # the hub unregisters it, which also forgets it as blocked
         self.fd = -1
+        self.sink.open = False
         # The close frame waits behind whatever is buffered: a reader that wakes up gets it with the code
         # and reason; one that never reads again is cut after the grace (its buffer will not drain).
         self.proto.close_with(code, reason)

@@ -27,7 +27,7 @@ WRITES = frozenset({
     "create_topic", "restart_topic", "skip", "delete_topic", "reclaim", "resolve", "connect", "disconnect",
     "set_owner", "subscribe", "unsubscribe", "send_direct", "publish", "release", "reserve", "tick",
     "take_space_freed", "mark_ready", "mark_idle", "commit", "ack", "take_committed", "evict", "rollback",
-    "write_done", "writes_done", "run_cycle",
+    "write_done", "writes_done", "run_cycle", "take_crowds", "attach_sink",
 })
 #: those that only read it (what `TopicView` offers, and the scheduler's own reads)
 READS = frozenset({

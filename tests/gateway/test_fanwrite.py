@@ -209,3 +209,38 @@ def test_raw_fd_gives_a_plain_sockets_descriptor_and_never_one_under_tls(pairs: 
     assert fanwrite.raw_fd(Transport({"socket": ours, "sslcontext": object()})) == -1
     assert fanwrite.raw_fd(Transport({"socket": ours, "ssl_object": object()})) == -1
     assert fanwrite.raw_fd(Transport({})) == -1
+
+
+def test_a_socket_whose_transport_is_closing_or_holds_bytes_is_passed_over_as_taking_nothing(
+        sender_class: Any) -> None:
+    """With the sockets' transports, a crowd's frame never overtakes bytes a transport still holds, and
+    never goes to a descriptor whose transport is closing (its number may already be another socket's)."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        made = [socket.socketpair() for _ in range(3)]
+        transports = []
+        for ours, _ in made:
+            transport, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
+            transports.append(transport)
+        fds = [ours.fileno() for ours, _ in made]
+        busy, closing = transports[1], transports[2]
+        fill(made[1][0])
+        busy.write(b"held")  # the kernel takes no more: the transport holds it
+        assert busy.get_write_buffer_size() > 0
+        closing.close()
+        sender = sender_class()
+        sender.submit(fds, b"frame", transports)
+        assert sender.wait() == [(1, 0), (2, 0)]
+        assert made[0][1].recv(64) == b"frame"
+        with pytest.raises(ValueError):
+            sender.submit(fds, b"frame", transports[:2])
+        with pytest.raises(TypeError):
+            sender.submit(fds, b"frame", tuple(transports))
+        assert sender.wait() == []
+        for transport in transports:
+            transport.abort()
+        for _, peer in made:
+            peer.close()
+
+    asyncio.run(scenario())

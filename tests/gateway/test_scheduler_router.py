@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
-from core import QueueFull
+from core import QueueFull, Sink
 from gateway import close_codes, scheduler
 from gateway.auth.identity import ClientIdentity
 from gateway.config import load_config
@@ -149,13 +149,22 @@ def test_a_client_that_does_not_drain_gets_nothing_until_it_does():
 
 class SocketConnection(FakeConnection):
     """A connection the fan-out writer may write directly: one end of a socketpair; what the writer's
-    socket did not take is kept as the transport's buffer (`rest`) until `write_drained`."""
+    socket did not take is kept as the transport's buffer (`rest`) until `write_drained`. `gathered`: it
+    offers a sink, so the engine gathers its caught-up batches into crowds (it is its own transport there);
+    else each batch is handed out (`direct_fd`)."""
 
-    def __init__(self, client_id: str) -> None:
+    def __init__(self, client_id: str, gathered: bool = False) -> None:
         super().__init__(client_id)
         self.sock, self.peer = socket.socketpair()
         self.sock.setblocking(False)
         self.rest: list[tuple[bytes, int]] = []
+        self.crowd_sink = Sink(self.sock.fileno(), 0, self, self) if gathered else None
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return sum(len(data) - max(sent, 0) for data, sent in self.rest)
 
     def direct_fd(self, batch: Any, frame: bytes) -> int:
         return -1 if self.rest or batch.more else self.sock.fileno()
@@ -167,6 +176,7 @@ class SocketConnection(FakeConnection):
 
     def write_rest(self, data: bytes, sent: int) -> bool:
         self.rest.append((data, sent))
+        self.blocked_since = 1.0  # above the high-water mark: blocked until `write_drained`
         return False
 
     def received(self) -> list[Any]:
@@ -182,13 +192,14 @@ class SocketConnection(FakeConnection):
         return entries
 
 
+@pytest.mark.parametrize("gathered", [True, False], ids=["crowds", "handed-out"])
 @pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: a crowd written in slices of two sockets
 def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_call(
-        crowd_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        crowd_slice: int, gathered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler, "CROWD_SLICE", crowd_slice)
 
     async def test(hub: Hub) -> None:
-        crowd = [SocketConnection(f"s{i}") for i in range(5)]
+        crowd = [SocketConnection(f"s{i}", gathered) for i in range(5)]
         for conn in crowd:
             hub.clients.register(conn, ready=True)
             hub.catalog.subscribe(conn.identity.client_id, "chat.crowd")
@@ -201,21 +212,26 @@ def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_cal
         for conn in crowd:
             got = conn.received()
             assert [e["type"] for e in got] == ["subscribed", "msg"] and got[1]["data"] == "m1"
+        # with sinks the engine gathered them (and counted the message in each sink); the notices, each
+        # client's own, were handed out
+        assert [conn.crowd_sink.frames if conn.crowd_sink else None for conn in crowd] == [
+            1 if gathered else None] * len(crowd)
         hub.clients.unregister(crowd[0].identity.client_id, "closed")
         assert crowd[0].identity.client_id not in hub.scheduler.writable_sockets
 
     run(test)
 
 
+@pytest.mark.parametrize("gathered", [True, False], ids=["crowds", "handed-out"])
 @pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: the full socket is the first of the second slice
 def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_it_to_drain(
-        crowd_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        crowd_slice: int, gathered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler, "CROWD_SLICE", crowd_slice)
 
     async def test(hub: Hub) -> None:
-        fine = [SocketConnection("fine0"), SocketConnection("fine1")]
-        full = SocketConnection("full")
-        fine.append(SocketConnection("fine2"))
+        fine = [SocketConnection("fine0", gathered), SocketConnection("fine1", gathered)]
+        full = SocketConnection("full", gathered)
+        fine.append(SocketConnection("fine2", gathered))
         for conn in (*fine[:2], full, fine[2]):
             hub.clients.register(conn, ready=True)
             hub.catalog.subscribe(conn.identity.client_id, "chat.full")
