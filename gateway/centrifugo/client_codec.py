@@ -33,8 +33,8 @@ def _fragment(value: object) -> Any:
 
 
 class Codec(Protocol):
-    #: the connection's `wire_variant` (gateway/scheduler.py groups direct writes by it): negative, never a
-    #: deflate window's
+    #: the connection's `wire_variant` (gateway/scheduler.py groups direct writes by it) when uncompressed:
+    #: negative, never a `/ws` deflate window's; compressed, gateway/transports/ws_centrifugo.py `wire_variant`
     variant: int
     #: the first byte of its frames (text or binary, final)
     frame_first: int

@@ -377,15 +377,16 @@ class WebSocketProtocol(asyncio.Protocol):
             self.close_with(late.close_code, close_reason(late))
 
     def _open_centrifugo(self, endpoint: CentrifugoEndpoint, request: Request, query: str) -> None:
-        """A Centrifugo connection: the 101 with the SDK's subprotocol, and no session until its `connect`
-        command (gateway/transports/ws_centrifugo.py); its pings are Centrifugo's, not ours."""
+        """A Centrifugo connection: the 101 with the SDK's subprotocol (and permessage-deflate as on `/ws`),
+        and no session until its `connect` command (gateway/transports/ws_centrifugo.py); its pings are
+        Centrifugo's, not ours. The link is made once upgraded: its frames depend on the negotiated window."""
         handshake = endpoint.handshake(self.service.config.max_frame_bytes, FRAMES_LOG)
         response = handshake.accept(request)
         if response.status_code != 101:
             self._answer_and_close(handshake, response)
             return
-        self.centrifugo = endpoint.link(self, request, endpoint.codec_name(handshake.subprotocol, query))
         self._upgrade(handshake, response, keepalive=False)
+        self.centrifugo = endpoint.link(self, request, endpoint.codec_name(handshake.subprotocol, query))
 
     def _upgrade(self, handshake: ServerProtocol, response: Response, *, keepalive: bool = True) -> None:
         """Write the 101: the connection is a WebSocket from here on; the handshake's protocol is done."""

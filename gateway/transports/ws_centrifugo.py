@@ -9,7 +9,13 @@ every `centrifugo.ping_interval_s` whether data flows or not, answered by a `{}`
 
 Once connected, `CentrifugoConnection` is the scheduler's side: the same batches as a `/ws` client's, each
 converted to the codec's frame once for every Centrifugo client that gets it (gateway/centrifugo/client_frames.py);
-its `wire_variant` (the codec's, negative) keeps its direct writes apart from `/ws` frames.
+its `wire_variant` (negative: one per codec, and per window when deflate was negotiated) keeps its direct writes
+apart from `/ws` frames and from the other forms'.
+
+permessage-deflate is negotiated as on `/ws` (ws_deflate.py, with `websocket.compression`): every frame such a
+client gets (replies, pings, pushes, publications) is compressed once per distinct converted frame and window
+for all the clients of that codec and window (`Framers.for_frames`), frames below
+`websocket.compression_min_bytes` go as they are; its compressed commands are inflated by ws.py's parsers.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from ..session import ClientSession
 from .staging import BLOCKED, DONE
 from .ws import WebSocketProtocol, WSConnection
 from .ws_counters import ws_counters
+from .ws_deflate import FrameDeflater, offer_factory
 from .ws_keepalive import Keepalive
-from .wsframes import text_frame_header
+from .wsframes import payload_offset, text_frame_header
 
 #: the subprotocols, in the order preferred when a client offers both
 JSON_SUBPROTOCOL = Subprotocol("centrifuge-json")
@@ -51,6 +58,12 @@ def _select_subprotocol(_: ServerProtocol, offered: Sequence[Subprotocol]) -> Su
     return None  # none offered: JSON, with no subprotocol header
 
 
+def wire_variant(codec_variant: int, window_bits: int) -> int:
+    """A connection's `wire_variant`: the codec's (-1, -2) uncompressed, else one per codec and window
+    (windows 8 to 15: JSON -24 to -31, Protobuf -40 to -47), never another's nor a `/ws` window's (positive)."""
+    return codec_variant * 16 - window_bits if window_bits else codec_variant
+
+
 class CentrifugoEndpoint:
     """What a server's Centrifugo connections share: the path, the codecs and their framers, the ping wheel."""
 
@@ -61,10 +74,14 @@ class CentrifugoEndpoint:
         self.codecs: dict[str, Codec] = {"json": JsonCodec(), "protobuf": ProtobufCodec()}
         self.framers = {name: CentrifugoFramer(codec) for name, codec in self.codecs.items()}
         self.keepalive = Keepalive(self.config.ping_interval_s, self.config.pong_timeout_s)
+        self.deflate = hub.config.websocket.compression == "deflate"
 
     def handshake(self, max_size: int, logger: Any) -> ServerProtocol:
-        """The handshake's protocol: websockets' own, choosing the SDK's subprotocol (no compression)."""
-        return ServerProtocol(select_subprotocol=_select_subprotocol, max_size=max_size, logger=logger)
+        """The handshake's protocol: websockets' own, choosing the SDK's subprotocol and accepting
+        permessage-deflate as `/ws` does (`websocket.compression`)."""
+        extensions = [offer_factory()] if self.deflate else None
+        return ServerProtocol(select_subprotocol=_select_subprotocol, extensions=extensions, max_size=max_size,
+                              logger=logger)
 
     def codec_name(self, subprotocol: str | None, query: str) -> str:
         params = parse_qs(query)
@@ -86,14 +103,16 @@ class CentrifugoLink:
     """One connection's side of its Centrifugo session (`client_session.Link`) and of the ping wheel
     (`ws_keepalive.KeptAlive`)."""
 
-    __slots__ = ("endpoint", "proto", "codec", "framer", "request", "session", "ping_payload", "ping_sent_at",
-                 "ping_rtt", "transport", "stale_timer")
+    __slots__ = ("endpoint", "proto", "codec", "framer", "deflater", "request", "session", "ping_payload",
+                 "ping_sent_at", "ping_rtt", "transport", "stale_timer")
 
     def __init__(self, endpoint: CentrifugoEndpoint, proto: WebSocketProtocol, codec_name: str, request: Request) -> None:
         self.endpoint = endpoint
         self.proto = proto
         self.codec = endpoint.codecs[codec_name]
         self.framer = endpoint.framers[codec_name]
+        #: the compressor of this codec's frames for the window the handshake negotiated; None: plain
+        self.deflater = proto.service.framers.for_frames(self.codec.variant, proto.window_bits)
         self.request = request
         self.transport: asyncio.Transport = proto.transport
         self.ping_payload: bytes | None = None
@@ -119,7 +138,11 @@ class CentrifugoLink:
     def write_replies(self, reply: bytes) -> None:
         if not self.closed:
             payload = self.codec.join([reply])
-            self.transport.write(text_frame_header(len(payload), self.codec.frame_first) + payload)
+            frame = text_frame_header(len(payload), self.codec.frame_first) + payload
+            data = frame if self.deflater is None else self.deflater.deflated(frame, False)
+            ws_counters.payload_bytes += len(payload)
+            ws_counters.wire_bytes += len(data)
+            self.transport.write(data)
 
     def close(self, code: int, reason: str) -> None:
         opened = self.session.session
@@ -138,7 +161,8 @@ class CentrifugoLink:
             self.transport.resume_reading()
 
     def connection(self, session: ClientSession) -> CentrifugoConnection:
-        return CentrifugoConnection(session, self.proto, self.framer, self.codec.variant)
+        return CentrifugoConnection(session, self.proto, self.framer, self.deflater,
+                                    wire_variant(self.codec.variant, self.proto.window_bits))
 
     def connected(self) -> None:
         self._stop_stale()
@@ -184,13 +208,15 @@ class CentrifugoLink:
 class CentrifugoConnection(WSConnection):
     """The scheduler's side of a Centrifugo client: its batches converted (module docstring)."""
 
-    __slots__ = ("converter", "direct_wire")
+    __slots__ = ("converter", "deflater", "direct_wire")
 
     def __init__(self, session: ClientSession, proto: WebSocketProtocol, framer: CentrifugoFramer,
-                 variant: int) -> None:
+                 deflater: FrameDeflater | None, variant: int) -> None:
         super().__init__(session, proto)
         self.wire_variant = variant
         self.converter = framer
+        #: the compressed form of the converted frames (permessage-deflate negotiated), else None
+        self.deflater = deflater
         #: the converted frame `direct_fd` let go to the fan-out writer: what `wire` gives for it (a client
         #: gets one batch per cycle, so the crowd's first member holds its frame's bytes)
         self.direct_wire = b""
@@ -203,13 +229,14 @@ class CentrifugoConnection(WSConnection):
             return BLOCKED
         self.frames_sent += 1
         self.entries_sent += len(batch.entries)
-        data = converted.wire
-        if not data:
+        frame = converted.wire
+        if not frame:
             return DONE
-        self.bytes_sent += len(data)
+        self.bytes_sent += len(frame)
         if self.transport.is_closing() or self.proto.closing:
             return BLOCKED
-        ws_counters.payload_bytes += len(data)
+        data = frame if self.deflater is None else self.deflater.deflated(frame, converted.shared)
+        ws_counters.payload_bytes += len(frame) - payload_offset(frame)
         ws_counters.wire_bytes += len(data)
         return self.write_batch((data,), len(data), batch.more)
 
@@ -221,8 +248,9 @@ class CentrifugoConnection(WSConnection):
         return super().direct_fd(batch, frame)
 
     def wire(self, frame: bytes, count: int) -> bytes:
-        data = self.direct_wire
-        ws_counters.payload_bytes += len(data) * count
+        converted = self.direct_wire
+        data = converted if self.deflater is None else self.deflater.deflated(converted, True)
+        ws_counters.payload_bytes += (len(converted) - payload_offset(converted)) * count
         ws_counters.wire_bytes += len(data) * count
         return data
 

@@ -1,4 +1,4 @@
-"""permessage-deflate (RFC 7692) on `/ws`, compressed once per frame for every subscriber.
+"""permessage-deflate (RFC 7692) on `/ws` and at `centrifugo.path`, compressed once per frame for every subscriber.
 
 The extension is negotiated with no context takeover either way: each message is compressed on its own, so a
 frame many clients get is compressed once and the same bytes go to all of them, as the entries are encoded
@@ -25,7 +25,7 @@ from websockets.protocol import OPEN
 from websockets.server import ServerProtocol
 
 from .ws_counters import ws_counters
-from .wsframes import COMPRESSED_TEXT, FrameCache, text_frame_header
+from .wsframes import COMPRESSED_TEXT, RSV1, FrameCache, payload_offset, text_frame_header
 
 #: zlib's default level: on a 600-byte batch the same time as level 1 (~12 µs, paid once per distinct frame)
 #: and a few percent smaller
@@ -90,17 +90,37 @@ class PlainFramer:
         return self.frame
 
 
+class Deflater:
+    """One window's compressor, shared by the framers of that window (`/ws`'s and Centrifugo's): making one
+    costs 5x the compression of a small frame, and it holds ~256 KiB. A full flush after each payload ends
+    its dependence on what came before (no context takeover)."""
+
+    __slots__ = ("compressor",)
+
+    def __init__(self, window_bits: int) -> None:
+        self.compressor = zlib.compressobj(LEVEL, zlib.DEFLATED, -window_bits)
+
+    def compress(self, payload: bytes | memoryview) -> bytes | None:
+        """The payload as a compressed message's body; None when it would not shrink (sent as it is)."""
+        body = self.compressor.compress(payload) + self.compressor.flush(zlib.Z_FULL_FLUSH)
+        if body.endswith(FLUSH_TAIL):
+            body = body[:-4]
+        smaller = len(body) < len(payload)
+        ws_counters.deflated_frames += 1
+        ws_counters.deflate_input_bytes += len(payload)
+        ws_counters.deflate_output_bytes += len(body) if smaller else len(payload)
+        return body if smaller else None
+
+
 class DeflateFramer:
     """Compressed frames for the clients of one window size, by payload: each payload compressed once."""
 
-    __slots__ = ("plain", "min_bytes", "compressor", "frames", "payload", "frame")
+    __slots__ = ("plain", "min_bytes", "deflater", "frames", "payload", "frame")
 
-    def __init__(self, window_bits: int, min_bytes: int, plain: PlainFramer) -> None:
+    def __init__(self, deflater: Deflater, min_bytes: int, plain: PlainFramer) -> None:
         self.plain = plain
         self.min_bytes = min_bytes
-        # one compressor for every frame: a full flush after each ends its dependence on what came before
-        # (no context takeover), and making a compressor costs 5x the compression of a small frame
-        self.compressor = zlib.compressobj(LEVEL, zlib.DEFLATED, -window_bits)
+        self.deflater = deflater
         self.frames: FrameCache[bytes] = FrameCache(CACHE_BYTES)
         self.payload = b""
         self.frame = text_frame_header(0)
@@ -117,34 +137,82 @@ class DeflateFramer:
         return frame
 
     def _compressed(self, payload: bytes) -> bytes:
-        body = self.compressor.compress(payload) + self.compressor.flush(zlib.Z_FULL_FLUSH)
-        if body.endswith(FLUSH_TAIL):
-            body = body[:-4]
-        if len(body) < len(payload):
-            frame = text_frame_header(len(body), COMPRESSED_TEXT) + body
-        else:  # incompressible: sent as it is
+        body = self.deflater.compress(payload)
+        if body is None:  # incompressible: sent as it is
             frame = text_frame_header(len(payload)) + payload
-        ws_counters.deflated_frames += 1
-        ws_counters.deflate_input_bytes += len(payload)
-        ws_counters.deflate_output_bytes += min(len(body), len(payload))
+        else:
+            frame = text_frame_header(len(body), COMPRESSED_TEXT) + body
         self.frames.put(payload, frame)
         return frame
 
 
-class Framers:
-    """A server's framers: the plain one and one per negotiated window size."""
+class FrameDeflater:
+    """Compressed forms of whole frames another protocol built (Centrifugo's converted frames, text or binary,
+    gateway/transports/ws_centrifugo.py), for the clients of one form and window: each frame many clients
+    get compressed once. Frames whose payload is below `min_bytes`, and those that would not shrink, are
+    given back as they are (RSV1 clear)."""
 
-    __slots__ = ("plain", "min_bytes", "deflate")
+    __slots__ = ("min_bytes", "deflater", "frames", "last", "last_sent")
+
+    def __init__(self, deflater: Deflater, min_bytes: int) -> None:
+        self.min_bytes = min_bytes
+        self.deflater = deflater
+        self.frames: FrameCache[bytes] = FrameCache(CACHE_BYTES)
+        self.last = self.last_sent = b""
+
+    def deflated(self, frame: bytes, shared: bool) -> bytes:
+        """What goes on the wire for `frame`; `shared`: other clients may get the same frame (kept for them),
+        else it is one client's (compressed for it alone, not kept)."""
+        if frame is self.last:
+            return self.last_sent
+        offset = payload_offset(frame)
+        if len(frame) - offset < self.min_bytes:
+            return frame
+        sent = self.frames.items.get(frame)
+        if sent is None:
+            body = self.deflater.compress(memoryview(frame)[offset:])
+            sent = frame if body is None else text_frame_header(len(body), frame[0] | RSV1) + body
+            if shared:
+                self.frames.put(frame, sent)
+        if shared:
+            self.last, self.last_sent = frame, sent
+        return sent
+
+
+class Framers:
+    """A server's framers: the plain one and one per negotiated window size for `/ws`, one per form and
+    window for the frames of other protocols (`for_frames`), all of one window sharing its compressor."""
+
+    __slots__ = ("plain", "min_bytes", "deflaters", "deflate", "frame_deflaters")
 
     def __init__(self, min_bytes: int) -> None:
         self.plain = PlainFramer()
         self.min_bytes = min_bytes
+        self.deflaters: dict[int, Deflater] = {}
         self.deflate: dict[int, DeflateFramer] = {}
+        self.frame_deflaters: dict[tuple[int, int], FrameDeflater] = {}
 
     def for_window(self, window_bits: int) -> PlainFramer | DeflateFramer:
         if not window_bits:
             return self.plain
         framer = self.deflate.get(window_bits)
         if framer is None:
-            framer = self.deflate[window_bits] = DeflateFramer(window_bits, self.min_bytes, self.plain)
+            framer = self.deflate[window_bits] = DeflateFramer(self.deflater(window_bits), self.min_bytes, self.plain)
         return framer
+
+    def for_frames(self, form: int, window_bits: int) -> FrameDeflater | None:
+        """The compressor of another protocol's frames of one `form` (Centrifugo's codec) for one window; None
+        when deflate was not negotiated (window 0)."""
+        if not window_bits:
+            return None
+        key = (form, window_bits)
+        framer = self.frame_deflaters.get(key)
+        if framer is None:
+            framer = self.frame_deflaters[key] = FrameDeflater(self.deflater(window_bits), self.min_bytes)
+        return framer
+
+    def deflater(self, window_bits: int) -> Deflater:
+        deflater = self.deflaters.get(window_bits)
+        if deflater is None:
+            deflater = self.deflaters[window_bits] = Deflater(window_bits)
+        return deflater

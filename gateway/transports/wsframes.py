@@ -8,9 +8,11 @@ from typing import Generic, TypeVar
 
 V = TypeVar("V")
 
-#: first byte of a final text frame, and of one whose payload is compressed (RSV1, RFC 7692 §6)
+#: the bit of a first byte that marks the frame's payload compressed (RFC 7692 §6)
+RSV1 = 0x40
+#: first byte of a final text frame, and of one whose payload is compressed
 TEXT = 0x81
-COMPRESSED_TEXT = 0xC1
+COMPRESSED_TEXT = TEXT | RSV1
 
 
 def text_frame_header(length: int, first: int = TEXT) -> bytes:
@@ -20,6 +22,13 @@ def text_frame_header(length: int, first: int = TEXT) -> bytes:
     if length < 65536:
         return struct.pack("!BBH", first, 126, length)
     return struct.pack("!BBQ", first, 127, length)
+
+
+def payload_offset(frame: bytes) -> int:
+    """Where the payload of a whole frame starts: the size of its header."""
+    size = _header_size(frame)
+    assert size is not None, "a whole frame has a header"
+    return size
 
 
 def frames_fed(left: int, head: bytes, data: bytes) -> tuple[int, bytes]:
