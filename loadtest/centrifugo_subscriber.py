@@ -5,7 +5,8 @@ One frame at the start carries `connect` and a `subscribe` per topic (as centrif
 frame the gateway sends is newline-delimited replies and pushes, which become the recorder's entries: a
 subscribe reply is `subscribed` at its `offset` (the next seq), a publication push `msg` with seq = offset - 1,
 an `unsubscribe` push (code 2500: the client fell behind the ring) a `loss` from the next seq it needed, with
-no end. A ping (`{}`) is answered with `{}`.
+no end. A ping (`{}`) is answered with `{}`. With ``--compression deflate`` it offers permessage-deflate,
+as the SDKs do.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class CentrifugoSubscriber(WsSubscriber):
         self.asked = {}
         self.next_seqs: dict[str, int] = {}
         self.ws = await connect(spec.target.host, spec.target.http_port, PATH, self,
-                                timeout=spec.connect_timeout, source=self.source)
+                                timeout=spec.connect_timeout, source=self.source,
+                                compression=spec.compression == "deflate")
 
     def subscribe(self) -> None:
         if self.ws is None:
