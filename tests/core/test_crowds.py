@@ -71,7 +71,7 @@ def test_a_closed_sink_a_backlog_or_a_batch_of_two_gets_a_batch() -> None:
     sinks["c1"].open = False
     engine.publish("r0", {"n": 1})
     engine.publish("r1", {"n": 2})  # c2 gets two entries
-    batches = {b.client_id: b for b in engine.run_cycle()}
+    batches = {str(b.client_id): b for b in engine.run_cycle()}
     crowds = engine.take_crowds()
     assert sorted(batches) == ["c1", "c2"]
     assert len(batches["c2"].entries) == 2
@@ -106,7 +106,7 @@ class TwinMachine(RuleBasedStateMachine):
         self.seq = 0
 
     def both(self, method: str, *args: object, **kwargs: object) -> None:
-        outcomes = []
+        outcomes: list[type[Exception] | None] = []
         for engine in (self.crowding, self.plain):
             try:
                 getattr(engine, method)(*args, **kwargs)
@@ -159,11 +159,12 @@ class TwinMachine(RuleBasedStateMachine):
     def cycle(self, complete: bool) -> None:
         for side, engine in enumerate((self.crowding, self.plain)):
             for batch in engine.run_cycle():
-                self.received[batch.client_id][side].extend(batch.entries)
+                client_id = str(batch.client_id)
+                self.received[client_id][side].extend(batch.entries)
                 if complete:
-                    engine.write_done(batch.client_id)
+                    engine.write_done(client_id)
                 else:
-                    self.writing.add(batch.client_id)
+                    self.writing.add(client_id)
             for crowd in engine.take_crowds():
                 assert isinstance(crowd, Crowd)
                 for sink in crowd.sinks:

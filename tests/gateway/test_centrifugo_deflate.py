@@ -9,11 +9,9 @@ publication."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import shutil
-import socket
 import struct
 import subprocess
 from typing import Any
@@ -40,18 +38,7 @@ class CentrifugoRaw(RawClient):
     """A bare-socket client of /connection/websocket (test_ws_deflate.py's reader of frames as sent)."""
 
     def __init__(self, gw: Any, subprotocol: str, extensions: str | None) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", gw.http_port), timeout=5)
-        key = base64.b64encode(os.urandom(16)).decode()
-        offer = f"Sec-WebSocket-Extensions: {extensions}\r\n" if extensions else ""
-        self.sock.sendall((f"GET {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                           f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
-                           f"Sec-WebSocket-Protocol: {subprotocol}\r\n{offer}\r\n").encode())
-        self.buffer = b""
-        while b"\r\n\r\n" not in self.buffer:
-            self.buffer += self.sock.recv(65536)
-        head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 101"), head
-        self.answer = {k.lower(): v for k, _, v in (line.decode().partition(": ") for line in head.split(b"\r\n")[1:])}
+        super().__init__(gw, extensions, path=PATH, subprotocol=subprotocol)
 
     def message(self) -> tuple[int, bytes]:
         """(first byte, payload inflated when RSV1 is set) of the next frame."""
@@ -80,6 +67,7 @@ def test_negotiated_for_either_codec_as_on_ws_and_off_declines_it() -> None:
         for subprotocol in (JSON, PROTOBUF):
             with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[subprotocol], compression="deflate",
                          open_timeout=5) as ws:
+                assert ws.response is not None
                 answer = ws.response.headers["Sec-WebSocket-Extensions"]
                 assert answer.startswith("permessage-deflate") and "server_no_context_takeover" in answer
                 assert "client_no_context_takeover" in answer
@@ -87,11 +75,12 @@ def test_negotiated_for_either_codec_as_on_ws_and_off_declines_it() -> None:
                 assert ws.subprotocol == subprotocol
         with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[JSON], compression=None,
                      open_timeout=5) as ws:
-            assert "Sec-WebSocket-Extensions" not in ws.response.headers
+            assert ws.response is not None and "Sec-WebSocket-Extensions" not in ws.response.headers
     with run_gateway(topics=RULES, websocket={"compression": "off"}) as gw:
         with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[JSON], compression="deflate",
                      open_timeout=5) as ws:
-            assert "Sec-WebSocket-Extensions" not in ws.response.headers and not ws.protocol.extensions
+            assert ws.response is not None and "Sec-WebSocket-Extensions" not in ws.response.headers
+            assert not ws.protocol.extensions
             ws.send(json.dumps({"id": 1, "connect": {}}))
             assert "connect" in json.loads(ws.recv(timeout=5))
 

@@ -30,12 +30,13 @@ BOOK = {"bids": [[10000 - i, 100 + i] for i in range(40)], "asks": [[10001 + i, 
 class RawClient:
     """A WebSocket client on a bare socket: it sees each frame's header bits and its payload as sent."""
 
-    def __init__(self, gw: Any, extensions: str | None) -> None:
+    def __init__(self, gw: Any, extensions: str | None, *, path: str = "/ws", subprotocol: str | None = None) -> None:
         self.sock = socket.create_connection(("127.0.0.1", gw.http_port), timeout=5)
         key = base64.b64encode(os.urandom(16)).decode()
         offer = f"Sec-WebSocket-Extensions: {extensions}\r\n" if extensions else ""
-        self.sock.sendall((f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                           f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{offer}\r\n").encode())
+        asked = f"Sec-WebSocket-Protocol: {subprotocol}\r\n" if subprotocol else ""
+        self.sock.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                           f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{asked}{offer}\r\n").encode())
         self.buffer = b""
         while b"\r\n\r\n" not in self.buffer:
             self.buffer += self.sock.recv(65536)
