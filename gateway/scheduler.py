@@ -399,11 +399,14 @@ class Scheduler:
             self.engine.mark_idle(client_id)
 
     def _deliver(self, batches: list[Batch], crowds: list[Crowd]) -> None:
+        """The cycle's crowds (gathered by the engine: sent first, no per-client work here), then its batches.
+        A caught-up batch whose frame may go straight to its socket (`direct_fd`) joins the clients handed
+        out with that frame and wire variant, sent with them."""
         frames: dict[bytes | tuple[bytes, ...], bytes] = {}
-        # caught-up clients whose frame may go straight to their socket, by frame and then by wire variant (the
-        # window its compressed form was made with, another protocol's form): handed to the sender in slices
-        # (`_write_crowd`), sent while the rest are handed out. Two plain lookups per client: a (frame,
-        # variant) key would be a tuple made and hashed per client.
+        # the clients handed out, by frame and then by wire variant (the window its compressed form was made
+        # with, another protocol's form): handed to the sender in slices (`_write_crowd`), sent while the rest
+        # are handed out. Two plain lookups per client: a (frame, variant) key would be a tuple made and
+        # hashed per client.
         handed: dict[bytes, dict[int, HandedOut]] = {}
         # the crowd the previous client joined: the next one usually joins it too (no lookups)
         crowd_frame: bytes | None = None
