@@ -6,32 +6,15 @@
 // the handshake negotiated and the publications the SDK saw.
 'use strict';
 const WebSocket = require('ws');
+const { sdk, num, publisher, until } = require('./common');
 
 const [httpUrl, adminKey, channel, mode] = process.argv.slice(2);
 const protobuf = mode === '--protobuf';
-const { Centrifuge } = protobuf ? require('centrifuge/build/protobuf') : require('centrifuge');
-const decode = (data) => (protobuf ? JSON.parse(new TextDecoder().decode(data)) : data);
-const num = (value) => (value !== undefined && value !== null && typeof value === 'object' ? value.toNumber() : value);
-const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const { Centrifuge, decode } = sdk(protobuf);
+const publish = publisher(httpUrl, adminKey, channel);
 const range = (n, f) => Array.from({ length: n }, (_, i) => f(i));
 // the same book as the Python test's BOOK
 const BOOK = { bids: range(40, (i) => [10000 - i, 100 + i]), asks: range(40, (i) => [10001 + i, 200 + i]) };
-
-async function publish(data) {
-  const answer = await fetch(`${httpUrl}/api/publish`, {
-    method: 'POST', headers: { 'X-API-Key': adminKey, 'Content-Type': 'application/json' },
-    body: JSON.stringify({ channel, data }),
-  });
-  if (!answer.ok) throw new Error(`publish: ${answer.status}`);
-}
-
-async function until(predicate, what, ms = 5000) {
-  const deadline = Date.now() + ms;
-  while (!predicate()) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await sleep(20);
-  }
-}
 
 async function main() {
   const sockets = [];

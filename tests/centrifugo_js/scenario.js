@@ -4,32 +4,13 @@
 // Prints one JSON object: what the SDK saw. Publications come from the server API (POST /api/publish);
 // a transport drop is a relay of this script's cutting its connections.
 'use strict';
-const net = require('net');
 const WebSocket = require('ws');
+const { sdk, num, sleep, publisher, until, relay } = require('./common');
 
 const [scenario, httpUrl, adminKey, token, channel, mode] = process.argv.slice(2);
 const protobuf = mode === '--protobuf';
-const { Centrifuge } = protobuf ? require('centrifuge/build/protobuf') : require('centrifuge');
-const encode = (value) => (protobuf ? new TextEncoder().encode(JSON.stringify(value)) : value);
-const decode = (data) => (protobuf ? JSON.parse(new TextDecoder().decode(data)) : data);
-const num = (value) => (value !== undefined && value !== null && typeof value === 'object' ? value.toNumber() : value);
-const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-
-async function publish(data) {
-  const answer = await fetch(`${httpUrl}/api/publish`, {
-    method: 'POST', headers: { 'X-API-Key': adminKey, 'Content-Type': 'application/json' },
-    body: JSON.stringify({ channel, data }),
-  });
-  return (await answer.json()).result.offset;
-}
-
-async function until(predicate, what, ms = 5000) {
-  const deadline = Date.now() + ms;
-  while (!predicate()) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await sleep(20);
-  }
-}
+const { Centrifuge, encode, decode } = sdk(protobuf);
+const publish = publisher(httpUrl, adminKey, channel);
 
 function client(url, options = {}) {
   const c = new Centrifuge(url, { websocket: WebSocket, minReconnectDelay: 50, maxReconnectDelay: 500, ...options });
@@ -93,25 +74,6 @@ async function badToken() {
   await sleep(1000);  // a reconnect loop would show meanwhile
   c.disconnect();
   return seen;
-}
-
-function relay(port) {
-  const sockets = new Set();
-  let accepting = true;
-  const server = net.createServer((inbound) => {
-    if (!accepting) { inbound.destroy(); return; }
-    const outbound = net.connect(port, '127.0.0.1');
-    sockets.add(inbound); sockets.add(outbound);
-    inbound.pipe(outbound); outbound.pipe(inbound);
-    const end = () => { inbound.destroy(); outbound.destroy(); sockets.delete(inbound); sockets.delete(outbound); };
-    inbound.on('error', end); outbound.on('error', end); inbound.on('close', end); outbound.on('close', end);
-  });
-  return {
-    listen: () => new Promise((resolve) => server.listen(0, '127.0.0.1', () => resolve(server.address().port))),
-    cut: () => { accepting = false; for (const s of sockets) s.destroy(); sockets.clear(); },
-    restore: () => { accepting = true; },
-    close: () => server.close(),
-  };
 }
 
 async function recovery() {

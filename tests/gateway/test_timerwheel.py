@@ -113,7 +113,8 @@ def test_a_tick_costs_what_is_due_not_what_waits():
         started = time.perf_counter()
         await asyncio.sleep(0.1)
         assert sorted(fired) == [-5, -4, -3, -2, -1]
-        assert wheel.fired == 5 and wheel.wakeups == 1  # one loop timer ran, for the one tick due
+        # a loop timer per tick due: one, or two when a slow machine let a tick end between the five schedules
+        assert wheel.fired == 5 and wheel.wakeups <= 2
         assert len(wheel) == 100_000 and len(wheel._buckets) == waiting  # the waiting ones untouched
         assert time.perf_counter() - started < 0.5
 
