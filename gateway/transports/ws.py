@@ -592,9 +592,9 @@ class WebSocketProtocol(asyncio.Protocol):
 
     def frames_flowed(self) -> bool:
         conn = self.connection
-        if conn is None or conn.frames_sent == self.frames_at_ping:
+        if conn is None or conn.sink.frames == self.frames_at_ping:
             return False
-        self.frames_at_ping = conn.frames_sent
+        self.frames_at_ping = conn.sink.frames
         return True
 
     def write_ping(self, payload: bytes) -> None:
@@ -683,30 +683,17 @@ class WSConnection(StagedWriter):
         self.crowd_sink: Sink | None = self.sink if self.fd >= 0 and proto.centrifugo is None else None
         proto.connection = self
 
-    # frames, their bytes, and entries (messages, notices, replies) delivered: the stats stream's rate
-    @property
-    def frames_sent(self) -> int:
-        return self.sink.frames
-
-    @frames_sent.setter
-    def frames_sent(self, value: int) -> None:
-        self.sink.frames = value
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.sink.bytes
-
-    @bytes_sent.setter
-    def bytes_sent(self, value: int) -> None:
-        self.sink.bytes = value
-
     @property
     def entries_sent(self) -> int:
+        """Entries (messages, notices, replies) delivered, through a crowd or not: the stats stream's rate."""
         return self.sink.entries
 
-    @entries_sent.setter
-    def entries_sent(self, value: int) -> None:
-        self.sink.entries = value
+    def counted(self, entries: int, size: int) -> None:
+        """A frame of `entries` and `size` bytes delivered (a crowd's are counted by the engine)."""
+        sink = self.sink
+        sink.frames += 1
+        sink.bytes += size
+        sink.entries += entries
 
     def _staging(self, staged: bool) -> None:
         self._sink_state()
@@ -721,10 +708,7 @@ class WSConnection(StagedWriter):
     def deliver(self, batch: Batch, frame: bytes) -> Delivered:
         if self.closed:
             return BLOCKED
-        sink = self.sink
-        sink.frames += 1
-        sink.bytes += len(frame)
-        sink.entries += len(batch.entries)
+        self.counted(len(batch.entries), len(frame))
         if self.transport.is_closing() or self.proto.closing:  # closed, or our side already shut
             return BLOCKED
         data = self.framer.framed(frame)
@@ -741,10 +725,7 @@ class WSConnection(StagedWriter):
         transport = self.transport
         if transport.get_write_buffer_size() or transport.is_closing():
             return -1
-        sink = self.sink
-        sink.frames += 1
-        sink.bytes += len(frame)
-        sink.entries += len(batch.entries)
+        self.counted(len(batch.entries), len(frame))
         return fd
 
     def wire(self, frame: bytes, count: int) -> bytes:
@@ -793,9 +774,9 @@ class WSConnection(StagedWriter):
         return {
             "transport": "ws",
             "peer": self.identity.peer,
-            "frames_sent": self.frames_sent,
-            "bytes_sent": self.bytes_sent,
-            "entries_sent": self.entries_sent,
+            "frames_sent": self.sink.frames,
+            "bytes_sent": self.sink.bytes,
+            "entries_sent": self.sink.entries,
             "write_blocked": self.blocked_since is not None,
         }
 

@@ -227,12 +227,10 @@ class CentrifugoConnection(WSConnection):
             self._drop_lost(converted.lost)
         if self.closed:
             return BLOCKED
-        self.frames_sent += 1
-        self.entries_sent += len(batch.entries)
         frame = converted.wire
+        self.counted(len(batch.entries), len(frame))
         if not frame:
             return DONE
-        self.bytes_sent += len(frame)
         if self.transport.is_closing() or self.proto.closing:
             return BLOCKED
         data = frame if self.deflater is None else self.deflater.deflated(frame, converted.shared)

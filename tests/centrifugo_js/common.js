@@ -56,4 +56,15 @@ function relay(port) {
   };
 }
 
-module.exports = { sdk, num, sleep, publisher, until, relay };
+// what the script saw, one JSON line on stdout (exit 0), or the error on stderr (exit 1): for the Python test
+function report(outcome) {
+  outcome.then((result) => {
+    process.stdout.write(`${JSON.stringify(result)}\n`);
+    process.exit(0);
+  }, (err) => {
+    process.stderr.write(`${err.stack || err}\n`);
+    process.exit(1);
+  });
+}
+
+module.exports = { sdk, num, sleep, publisher, until, relay, report };

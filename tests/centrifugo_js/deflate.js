@@ -6,7 +6,7 @@
 // the handshake negotiated and the publications the SDK saw.
 'use strict';
 const WebSocket = require('ws');
-const { sdk, num, publisher, until } = require('./common');
+const { sdk, num, publisher, until, report } = require('./common');
 
 const [httpUrl, adminKey, channel, mode] = process.argv.slice(2);
 const protobuf = mode === '--protobuf';
@@ -38,10 +38,4 @@ async function main() {
   return { extensions: sockets[0].extensions, publications };
 }
 
-main().then((result) => {
-  process.stdout.write(`${JSON.stringify(result)}\n`);
-  process.exit(0);
-}, (err) => {
-  process.stderr.write(`${err.stack || err}\n`);
-  process.exit(1);
-});
+report(main());

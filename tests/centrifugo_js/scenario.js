@@ -5,7 +5,7 @@
 // a transport drop is a relay of this script's cutting its connections.
 'use strict';
 const WebSocket = require('ws');
-const { sdk, num, sleep, publisher, until, relay } = require('./common');
+const { sdk, num, sleep, publisher, until, relay, report } = require('./common');
 
 const [scenario, httpUrl, adminKey, token, channel, mode] = process.argv.slice(2);
 const protobuf = mode === '--protobuf';
@@ -104,10 +104,4 @@ async function recovery() {
 }
 
 const scenarios = { basic, badToken, recovery };
-scenarios[scenario]().then((result) => {
-  process.stdout.write(`${JSON.stringify(result)}\n`);
-  process.exit(0);
-}, (err) => {
-  process.stderr.write(`${err.stack || err}\n`);
-  process.exit(1);
-});
+report(scenarios[scenario]());

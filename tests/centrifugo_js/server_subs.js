@@ -6,7 +6,7 @@
 // (`recovered: false`). Prints what the SDK saw of the subscription: one JSON object.
 'use strict';
 const WebSocket = require('ws');
-const { sdk, num, sleep, publisher, until, relay } = require('./common');
+const { sdk, num, sleep, publisher, until, relay, report } = require('./common');
 
 const [httpUrl, adminKey, channel, mode] = process.argv.slice(2);
 const protobuf = mode === 'protobuf';
@@ -51,10 +51,4 @@ async function main() {
   return seen;
 }
 
-main().then((result) => {
-  process.stdout.write(`${JSON.stringify(result)}\n`);
-  process.exit(0);
-}, (err) => {
-  process.stderr.write(`${err.stack || err}\n`);
-  process.exit(1);
-});
+report(main());

@@ -123,6 +123,17 @@ async def until(predicate: Callable[[], Any], what: str, timeout: float = 5.0) -
         await asyncio.sleep(0.02)
 
 
+async def subscribed(gw: Any, channel: str, **options: Any) -> tuple[Client, SubEvents]:
+    """A connected SDK client whose subscription to `channel` (`options`: the subscription's) is subscribed."""
+    c = client(f"ws://127.0.0.1:{gw.http_port}{PATH}")
+    events = SubEvents()
+    sub = c.new_subscription(channel, events, **options)
+    await c.connect()
+    await sub.subscribe()
+    await until(lambda: events.subscribed, "subscribed")
+    return c, events
+
+
 def run(coro: Awaitable[None]) -> None:
     asyncio.run(asyncio.wait_for(coro, 30))
 
@@ -221,12 +232,7 @@ def test_publications_arrive_in_order_with_offset_seq_plus_one(gw):
     channel = fresh("news")
 
     async def main() -> None:
-        c = client(f"ws://127.0.0.1:{gw.http_port}{PATH}")
-        events = SubEvents()
-        sub = c.new_subscription(channel, events, recoverable=True)
-        await c.connect()
-        await sub.subscribe()
-        await until(lambda: events.subscribed, "subscribed")
+        c, events = await subscribed(gw, channel, recoverable=True)
         offsets = [await asyncio.to_thread(publish, gw, channel, {"n": n}) for n in range(5)]
         await until(lambda: len(events.publications) == 5, "5 publications")
         assert events.publications == [(offset, {"n": n}) for n, offset in enumerate(offsets)]
@@ -419,12 +425,7 @@ def test_bad_input_gets_107_or_3501_and_disturbs_nobody(gw):
     channel = fresh("calm")
 
     async def main() -> None:
-        c = client(f"ws://127.0.0.1:{gw.http_port}{PATH}")
-        events = SubEvents()
-        sub = c.new_subscription(channel, events)
-        await c.connect()
-        await sub.subscribe()
-        await until(lambda: events.subscribed, "subscribed")
+        c, events = await subscribed(gw, channel)
 
         def abuse() -> None:
             with raw(gw) as ws:  # a command before connect

@@ -21,7 +21,7 @@ from websockets.sync.client import connect
 from websockets.typing import Subprotocol
 
 from gateway.testing import run_gateway
-from tests.gateway.test_centrifugo_client import PATH, SubEvents, client, fresh, publish, run, until
+from tests.gateway.test_centrifugo_client import PATH, SubEvents, client, fresh, publish, run, subscribed, until
 from tests.gateway.test_centrifugo_client_units import replies_of
 from tests.gateway.test_centrifugo_js import JS
 from tests.gateway.test_ws_deflate import RawClient, compressed, inflate, metric
@@ -186,12 +186,7 @@ def test_a_deflate_bomb_gets_1009_and_another_client_reads_on() -> None:
     channel = fresh("calm")
     with run_gateway(topics=RULES) as gw:
         async def main() -> None:
-            c = client(f"ws://127.0.0.1:{gw.http_port}{PATH}")
-            events = SubEvents()
-            sub = c.new_subscription(channel, events)
-            await c.connect()
-            await sub.subscribe()
-            await until(lambda: events.subscribed, "subscribed")
+            c, events = await subscribed(gw, channel)
 
             def bomb() -> None:
                 bomber = CentrifugoRaw(gw, JSON, "permessage-deflate")
