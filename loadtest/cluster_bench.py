@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,12 +30,6 @@ from loadtest.procstat import read_stat, tree
 from loadtest.redisproc import RedisProcess
 
 TOKEN = "cluster-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _cpu(pid: int) -> float:

@@ -22,6 +22,8 @@ from loadtest.procstat import raise_nofile_limit
 from loadtest.serverproc import ServerProcess
 from loadtest.target import Target
 
+from .ports import free_port
+
 PACKAGES = ("nginx", "libnginx-mod-nchan")
 MODULE = Path("/usr/lib/nginx/modules/ngx_nchan_module.so")
 TEMPLATE = Path(__file__).with_name("nchan.conf.template")
@@ -61,13 +63,6 @@ def ensure_installed(console: Console) -> None:
             POLICY_RC.unlink(missing_ok=True)
     if not installed():
         raise RuntimeError(f"installed {PACKAGES} but {MODULE} or nginx is still missing")
-
-
-def free_port(host: str = HOST) -> int:
-    """A port free right now (nginx cannot report an ephemeral one back to us)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def config_text(prefix: Path, port: int, capacity: int = 64, deflate: bool = False) -> str:

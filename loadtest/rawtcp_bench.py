@@ -20,12 +20,13 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Any, cast
+
+from .ports import free_port as _free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -212,12 +213,6 @@ def run_broadcaster(config: dict[str, Any], receivers: int, duration: float, war
 
 
 # ------------------------------------------------------------------ iperf3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def ensure_iperf3(install: bool) -> str | None:

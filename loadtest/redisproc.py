@@ -11,14 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from .ports import free_port
+
 #: where Debian installs it (`make redis`); else whatever `redis-server` is on the PATH
 REDIS_SERVER = "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def redis_binary() -> str | None:
@@ -58,8 +54,17 @@ class RedisProcess:
                     return
             except OSError:
                 pass
+            if self.proc is not None and self.proc.poll() is not None:
+                break  # it exited: waiting longer cannot help
             time.sleep(0.02)
-        raise RuntimeError(f"{what} did not start")
+        raise RuntimeError(f"{what} on port {self.port} did not start: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 5) -> str:
+        """The last lines it logged (why it did not start)."""
+        try:
+            return " | ".join((self.dir / "redis.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "no log"
 
     def reply(self, *args: str) -> str:
         """One command's whole reply, as text (a bulk string's body included: `INFO`)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import fanout_client
 from fanout_client import FanoutError, Loss, Message
 from gateway.testing import GatewayHandle, make_token, run_gateway
+from loadtest.ports import free_port
 from tests.e2e.browser_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(60)
@@ -97,12 +97,6 @@ async def until(predicate: Callable[[], object], what: str, timeout: float = 5.0
 def seqs(events: list[fanout_client.Event]) -> list[int]:
     assert all(isinstance(e, Message) for e in events), events
     return [e.seq for e in events if isinstance(e, Message)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- delivery, publish, rpc -------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import pytest
 from websockets.sync.client import connect as ws_connect
+
+from loadtest.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -136,12 +137,6 @@ def test_our_programs_know_every_flag_a_command_passes(doc: str, command: str) -
         assert text, f"{doc}: {' '.join(program)} --help failed"
         missing = sorted(f for f in flags if not re.search(re.escape(f) + r"\b", text))
         assert not missing, f"{doc}: {command!r} passes {missing}, which {' '.join(program)} {sub or ''} does not know"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_readme_demo_runs_as_written(tmp_path: Path) -> None:

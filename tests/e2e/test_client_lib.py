@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ import pytest
 
 from gateway.config import SECTIONS
 from gateway.testing import GatewayHandle, make_token, run_gateway
+from loadtest.ports import free_port
 from tests.e2e.browser_cdp import CHROMIUM, Chromium
 from tests.e2e.browser_proxy import TcpProxy
 
@@ -77,12 +77,6 @@ def start(browser: Chromium, base: str, topic: str, **options: object) -> None:
 def wait_msgs(browser: Chromium, topic: str, count: int, timeout: float = 30.0) -> list:
     browser.wait_for(f"rec.msgs[{json.dumps(topic)}].length >= {count}", timeout, what=f"{count} messages", dump=DUMP)
     return browser.evaluate(f"rec.msgs[{json.dumps(topic)}]")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_requests(browser: Chromium, transport: str, topic: str) -> None:

@@ -4,7 +4,6 @@ clients."""
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -14,6 +13,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from gateway.testing import make_token, run_gateway
+from loadtest.ports import free_port
 from tests.gateway.gw_helpers import auth, collect, recv_entries, send, wait_for, ws_connect
 from tests.gateway.hook_backend import Backend
 from tests.gateway.sse_client import SseClient
@@ -43,13 +43,6 @@ def closed_with(ws) -> tuple[int, str]:
 def info_of(gw, user: str) -> Any:
     client = gw.client_of(user)
     return gw.call(lambda: gw.hub.clients.conns[client].identity.info)
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then closed): connections to it are refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_grant_makes_the_connection_the_backends_user_with_its_topics_info_and_patterns(app):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -14,6 +13,7 @@ from dataclasses import replace
 import orjson
 import pytest
 
+from loadtest.ports import free_port
 from pipeline.errors import BadInput
 from pipeline.feed import FeedOptions, run_feed
 from pipeline.retry import RetryPolicy
@@ -22,12 +22,6 @@ from tests.pipeline.pipeline_ingest_double import IngestProtocolDouble
 gateway_testing = pytest.importorskip("gateway.testing")
 
 pytestmark = pytest.mark.spark
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_gateway_restart_mid_stream(spark, tmp_path, caplog):
