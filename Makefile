@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check lint setup java browser redis iproute netcat node centrifugo-js bench clean
+.PHONY: run test durations check lint setup java browser redis iproute netcat node centrifugo-js bench clean
 
 # Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never runs
 # (core/native.py falls back to the sources).
@@ -64,9 +64,14 @@ lint: $(STAMP)
 # ports are its own), with the 15 slowest named; then the core's own tests once more on its pure-Python fallback
 # (FANOUT_PURE_PYTHON, core/native.py). Three workers took 12 minutes against 14.5, but timed tests then failed
 # now and then: two workers until those tests no longer depend on a quiet machine.
+# The modules go longest first (tests/conftest.py, from tests/durations.json), not most tests first.
 test: lint java browser redis iproute netcat node centrifugo-js
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 	FANOUT_PURE_PYTHON=1 $(BIN)/python -m pytest -q tests/core
+
+# tests/durations.json again from a whole run: each module's seconds, which `make test` orders modules by.
+durations: lint java browser redis iproute netcat node centrifugo-js
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --record-durations tests/durations.json
 
 # The fast lane: ruff, mypy and the unit tests (in-process only, tests/conftest.py), under a minute; no Java,
 # browser or Redis needed. `make test` still runs everything. Bytecode is written even where the environment says

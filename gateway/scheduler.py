@@ -110,6 +110,10 @@ class DirectWritable(Protocol):
         """The bytes `direct_fd`'s socket gets for a frame, the same for every connection of its kind and
         `wire_variant`; `count` sockets get them."""
 
+    def gathered_wire(self, entry: bytes, frame: bytes, sinks: list[Sink]) -> bytes:
+        """The bytes for a crowd (`crowd_sink`) of connections of this kind and `wire_variant` whose batch is
+        `entry`, framed as `frame`; b"": none of it is for them (they were counted delivered all the same)."""
+
     def write_rest(self, data: bytes, sent: int) -> bool:
         """The direct write took `sent` bytes of `data` (-errno: none): the transport writes the rest; True if
         the client is ready again."""
@@ -183,6 +187,8 @@ class Scheduler:
         #: frames written straight to a socket with others (`_write_crowd`), and those a socket did not take whole
         self.direct_writes = 0
         self.direct_shortfalls = 0
+        #: of the direct writes, those to clients the engine gathered into crowds (no Python per client)
+        self.gathered_writes = 0
         #: the fan-out writer's sender (gateway/fanwrite.py: the compiled one or its Python twin)
         self.sender = Sender()
         self._sent = CrowdsSent()
@@ -430,6 +436,7 @@ class Scheduler:
             for gathered in crowds:  # first: the sender sends them while the batches are handed out
                 self._write_gathered(gathered, frames)
                 singles += len(gathered.tokens)
+                self.gathered_writes += len(gathered.tokens)
             for batch in batches:
                 client_id = batch.client_id
                 conn = conns.get(client_id)
@@ -511,7 +518,9 @@ class Scheduler:
             frame = frames[entry] = frame_batch((entry,))
         tokens, handles, sinks = crowd.tokens, crowd.handles, crowd.sinks
         count = len(tokens)
-        data = sinks[0].owner.wire(frame, count)
+        data = sinks[0].owner.gathered_wire(entry, frame, sinks)
+        if not data:
+            return
         if count <= CROWD_SLICE:
             self._submit(tokens, data, sinks, 0, handles)
             return
@@ -575,6 +584,8 @@ class Scheduler:
                                   " with other clients' (gateway/fanwrite.py)", value=self.direct_writes)
         yield CounterMetricFamily("fanout_direct_write_shortfalls", "direct writes a socket did not take whole"
                                   " (the rest went through its transport)", value=self.direct_shortfalls)
+        yield CounterMetricFamily("fanout_gathered_writes", "of the direct writes, those to clients the engine"
+                                  " gathered into crowds (no per-client work in Python)", value=self.gathered_writes)
         yield GaugeMetricFamily("fanout_write_blocked_clients", "clients whose write has not drained",
                                 value=len(self.blocked))
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")

@@ -10,9 +10,17 @@ this process only (the core, parsers, schemas and config, pipeline and load-tool
 module of unit tests says so with ``pytestmark = pytest.mark.unit``; a module that mixes both kinds names
 its unit tests in ``UNIT_TESTS`` below. Every other test is marked *integration* here. `make check` runs
 ruff, mypy and ``-m unit`` (under a minute); `make test` runs everything.
+
+Longest modules first. `make test` spreads whole modules over two workers (`--dist loadfile`); pytest-xdist
+would send the modules with the most tests first, which leaves the long single-test ones (the wheel, the chaos
+runs, Spark) for the end, where one worker runs them while the other waits. So each worker orders the modules
+by the seconds they took (tests/durations.json, written by `make durations`), longest first: a module's time
+changes slowly, and a stale figure only costs balance, never a result.
 """
 
+import json
 import os
+from collections import defaultdict
 
 import pytest
 from hypothesis import settings
@@ -69,9 +77,50 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("unit") is not None:
             continue
-        module = os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/")
+        module = _module(item)
         name = getattr(item, "originalname", item.name)
         if name in UNIT_TESTS.get(module, ()):
             item.add_marker(pytest.mark.unit)
         else:
             item.add_marker(pytest.mark.integration)
+    _longest_modules_first(items)
+
+
+def _module(item: pytest.Item) -> str:
+    return os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/")
+
+
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+#: a module not in tests/durations.json yet (a new one: usually short)
+NEW_MODULE_SECONDS = 5.0
+
+
+def _longest_modules_first(items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process runs everything anyway: the collected order
+    try:
+        with open(DURATIONS) as file:
+            seconds: dict[str, float] = json.load(file)
+    except (OSError, ValueError):
+        return
+    items.sort(key=lambda item: -seconds.get(_module(item), NEW_MODULE_SECONDS))  # stable: a module's order kept
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", metavar="PATH", help="write each module's seconds (setup, call and "
+                     "teardown of all its tests) to PATH, as tests/durations.json holds them")
+
+
+_seconds: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("--record-durations")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER") and _seconds:
+        with open(path, "w") as file:
+            json.dump({module: round(value, 1) for module, value in sorted(_seconds.items())}, file, indent=0)
+            file.write("\n")

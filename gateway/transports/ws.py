@@ -677,10 +677,10 @@ class WSConnection(StagedWriter):
         #: the window bits of our compressed frames, 0: plain (`DirectWritable.wire_variant`), and their framer
         self.wire_variant = proto.window_bits
         self.framer: PlainFramer | DeflateFramer = proto.service.framers.for_window(proto.window_bits)
-        #: what was delivered (its counters), and where the engine may gather this client into crowds: a
-        #: plain TCP socket, frames as the scheduler makes them (a Centrifugo client's are converted: no)
+        #: what was delivered (its counters), and where the engine may gather this client into crowds (a
+        #: plain TCP socket only: the fan-out writer writes to its descriptor)
         self.sink = Sink(self.fd, self.wire_variant, self.transport, self)
-        self.crowd_sink: Sink | None = self.sink if self.fd >= 0 and proto.centrifugo is None else None
+        self.crowd_sink: Sink | None = self.sink if self.fd >= 0 else None
         proto.connection = self
 
     @property

@@ -10,7 +10,8 @@ every `centrifugo.ping_interval_s` whether data flows or not, answered by a `{}`
 Once connected, `CentrifugoConnection` is the scheduler's side: the same batches as a `/ws` client's, each
 converted to the codec's frame once for every Centrifugo client that gets it (gateway/centrifugo/client_frames.py);
 its `wire_variant` (negative: one per codec, and per window when deflate was negotiated) keeps its direct writes
-apart from `/ws` frames and from the other forms'.
+and its crowds (the engine's, as on `/ws`: `gathered_wire` converts the crowd's entry once for all of it) apart
+from `/ws` frames and from the other forms'.
 
 permessage-deflate is negotiated as on `/ws` (ws_deflate.py, with `websocket.compression`): every frame such a
 client gets (replies, pings, pushes, publications) is compressed once per distinct converted frame and window
@@ -29,7 +30,7 @@ from websockets.http11 import Request
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
-from core import Batch
+from core import Batch, Sink
 
 from ..centrifugo import client_codes as codes
 from ..centrifugo.client_codec import Codec, JsonCodec
@@ -213,7 +214,7 @@ class CentrifugoConnection(WSConnection):
     def __init__(self, session: ClientSession, proto: WebSocketProtocol, framer: CentrifugoFramer,
                  deflater: FrameDeflater | None, variant: int) -> None:
         super().__init__(session, proto)
-        self.wire_variant = variant
+        self.wire_variant = self.sink.variant = variant
         self.converter = framer
         #: the compressed form of the converted frames (permessage-deflate negotiated), else None
         self.deflater = deflater
@@ -244,6 +245,20 @@ class CentrifugoConnection(WSConnection):
             return -1
         self.direct_wire = converted.wire
         return super().direct_fd(batch, frame)
+
+    def gathered_wire(self, entry: bytes, frame: bytes, sinks: list[Sink]) -> bytes:
+        # converted once for the crowd; the engine counted our frame's size, the client gets the converted one's
+        converted = self.converter.convert([entry], frame)
+        if converted.lost:
+            for sink in sinks:
+                sink.owner._drop_lost(converted.lost)
+        if extra := len(converted.wire) - len(frame):
+            for sink in sinks:
+                sink.bytes += extra
+        if not converted.wire:
+            return b""
+        self.direct_wire = converted.wire
+        return self.wire(frame, len(sinks))
 
     def wire(self, frame: bytes, count: int) -> bytes:
         converted = self.direct_wire

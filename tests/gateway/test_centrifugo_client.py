@@ -518,6 +518,27 @@ def test_one_publication_reaches_ws_json_and_protobuf_clients_each_in_its_form(g
         mixed_clients(gw, channel, cf_clients, pb_clients, ws_clients)
 
 
+def gathered_writes(gw) -> float:
+    text = httpx.get(gw.http_url + "/metrics", timeout=5, trust_env=False).text
+    return float(next(line.split()[1] for line in text.splitlines()
+                      if line.startswith("fanout_gathered_writes_total ")))
+
+
+def test_caught_up_centrifugo_subscribers_go_in_the_engines_crowds(gw):
+    """A Centrifugo client on plain TCP joins the crowds the engine gathers, as a `/ws` client does: a
+    publication is converted once per codec for the whole crowd, and every client gets each one, in order,
+    in its own form."""
+    channel = fresh("crowd")
+    before = gathered_writes(gw)
+    with contextlib.ExitStack() as stack:
+        cf_clients = [stack.enter_context(raw(gw)) for _ in range(4)]
+        pb_clients = [stack.enter_context(connect(f"ws://127.0.0.1:{gw.http_port}{PATH}?format=protobuf",
+                                                  open_timeout=5, compression=None)) for _ in range(2)]
+        mixed_clients(gw, channel, cf_clients, pb_clients, [])
+    # 20 publications, one at a time, to 6 caught-up clients: most went in crowds (not one by one)
+    assert gathered_writes(gw) - before >= 60
+
+
 def mixed_clients(gw, channel: str, cf_clients: list, pb_clients: list, ws_clients: list) -> None:
     for ws in cf_clients:
         ws.send(json.dumps({"id": 1, "connect": {}}) + "\n" + json.dumps({"id": 2, "subscribe": {"channel": channel}}))
@@ -535,7 +556,7 @@ def mixed_clients(gw, channel: str, cf_clients: list, pb_clients: list, ws_clien
             frame = ws.recv(timeout=5)
             got += frame if isinstance(frame, bytes) else frame.encode()
         answered += 1
-    assert answered == 10
+    assert answered == len(cf_clients) + len(pb_clients) + len(ws_clients)
     for n in range(20):
         publish(gw, channel, n)
     for ws in cf_clients:

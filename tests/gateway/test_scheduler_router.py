@@ -174,6 +174,9 @@ class SocketConnection(FakeConnection):
     def wire(self, frame: bytes, count: int) -> bytes:
         return b"%08d" % len(frame) + frame  # length-prefixed, so `received` can split the stream
 
+    def gathered_wire(self, entry: bytes, frame: bytes, sinks: list[Sink]) -> bytes:
+        return self.wire(frame, len(sinks))
+
     def write_rest(self, data: bytes, sent: int) -> bool:
         self.rest.append((data, sent))
         self.blocked_since = 1.0  # above the high-water mark: blocked until `write_drained`
