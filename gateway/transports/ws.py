@@ -728,6 +728,9 @@ class WSConnection(StagedWriter):
         self.counted(len(batch.entries), len(frame))
         return fd
 
+    def gathered_wire(self, entry: bytes, frame: bytes, sinks: list[Sink]) -> bytes:
+        return self.wire(frame, len(sinks))
+
     def wire(self, frame: bytes, count: int) -> bytes:
         data = self.framer.framed(frame)
         ws_counters.payload_bytes += len(frame) * count

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import orjson
 from websockets.sync.client import connect
@@ -62,6 +63,14 @@ def wait_for(predicate, what: str = "condition", timeout: float = 10.0):
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def metric(gw, name: str) -> float:
+    """One unlabelled sample of /metrics, by its exposed name (a counter's ends in `_total`)."""
+    for line in httpx.get(f"{gw.http_url}/metrics", timeout=10, trust_env=False).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
 
 
 def auth(gw) -> dict:

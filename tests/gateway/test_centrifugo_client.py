@@ -37,6 +37,7 @@ from websockets.sync.client import connect
 from websockets.typing import Subprotocol
 
 from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import metric
 from tests.gateway.test_centrifugo_client_units import replies_of
 
 RULES = {"rules": [
@@ -518,25 +519,19 @@ def test_one_publication_reaches_ws_json_and_protobuf_clients_each_in_its_form(g
         mixed_clients(gw, channel, cf_clients, pb_clients, ws_clients)
 
 
-def gathered_writes(gw) -> float:
-    text = httpx.get(gw.http_url + "/metrics", timeout=5, trust_env=False).text
-    return float(next(line.split()[1] for line in text.splitlines()
-                      if line.startswith("fanout_gathered_writes_total ")))
-
-
 def test_caught_up_centrifugo_subscribers_go_in_the_engines_crowds(gw):
     """A Centrifugo client on plain TCP joins the crowds the engine gathers, as a `/ws` client does: a
     publication is converted once per codec for the whole crowd, and every client gets each one, in order,
     in its own form."""
     channel = fresh("crowd")
-    before = gathered_writes(gw)
+    before = metric(gw, "fanout_gathered_writes_total")
     with contextlib.ExitStack() as stack:
         cf_clients = [stack.enter_context(raw(gw)) for _ in range(4)]
         pb_clients = [stack.enter_context(connect(f"ws://127.0.0.1:{gw.http_port}{PATH}?format=protobuf",
                                                   open_timeout=5, compression=None)) for _ in range(2)]
         mixed_clients(gw, channel, cf_clients, pb_clients, [])
     # 20 publications, one at a time, to 6 caught-up clients: most went in crowds (not one by one)
-    assert gathered_writes(gw) - before >= 60
+    assert metric(gw, "fanout_gathered_writes_total") - before >= 60
 
 
 def mixed_clients(gw, channel: str, cf_clients: list, pb_clients: list, ws_clients: list) -> None:

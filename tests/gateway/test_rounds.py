@@ -7,27 +7,18 @@ it drains, and nobody else waits for it.
 
 import contextlib
 import json
-import re
 
-import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
 from gateway import close_codes
 from gateway.testing import run_gateway
-from tests.gateway.gw_helpers import collect, recv_entries, send, wait_for, ws_connect
+from tests.gateway.gw_helpers import collect, metric, recv_entries, send, wait_for, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 
 RULES = {"rules": [{"pattern": "*", "anonymous": True, "capacity": 1024}]}
 BACKLOG = 200
-
-
-def metric(gw, name: str) -> float:
-    text = httpx.get(gw.http_url + "/metrics").text
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
 
 
 def publish_backlog(gw, topic: str, count: int) -> None:

@@ -19,7 +19,7 @@ import pytest
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
-from tests.gateway.gw_helpers import auth, send
+from tests.gateway.gw_helpers import auth, metric, send
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,13 +89,6 @@ def compressed(data: bytes) -> bytes:
 def publish(gw: Any, topic: str, data: Any) -> None:
     reply = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"data": data}, headers=auth(gw))
     assert reply.status_code == 200, reply.text
-
-
-def metric(gw: Any, name: str) -> float:
-    for line in httpx.get(f"{gw.http_url}/metrics", headers=auth(gw)).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name}")
 
 
 def subscribe_raw(client: RawClient, topic: str) -> None:
