@@ -18,7 +18,7 @@ _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _CHOICE = random.SystemRandom()
 
 
-def ephemeral_low() -> int:
+def _ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
     try:
         return int(_EPHEMERAL.read_text().split()[0])
@@ -29,7 +29,7 @@ def ephemeral_low() -> int:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port on `host` nothing is bound to now, below the ephemeral range (inside it if that range starts too
     low to leave room)."""
-    top = ephemeral_low()
+    top = _ephemeral_low()
     for _ in range(100):
         port = _CHOICE.randrange(LOWEST, top) if top - LOWEST >= 1000 else 0
         with socket.socket() as sock:

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, cast
 
-from .ports import free_port as _free_port
+from .ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -228,7 +228,7 @@ def ensure_iperf3(install: bool) -> str | None:
 
 
 def run_iperf3(iperf3: str, streams: int, duration: float) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [iperf3, "-s", "-B", HOST, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

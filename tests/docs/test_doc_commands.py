@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from loadtest.ports import free_port as _free_port
+from loadtest.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -146,7 +146,7 @@ def test_the_readme_demo_runs_as_written(tmp_path: Path) -> None:
     lines = _joined_lines(demo.group(1))
     typed = re.findall(r"(?m)^> (.*)$", demo.group(1))
     assert lines[0].startswith("make run") and lines[1].startswith(".venv/bin/python -m websockets ")
-    ports = {"8080": _free_port(), "7002": _free_port(), "7000": _free_port(), "7001": _free_port()}
+    ports = {"8080": free_port(), "7002": free_port(), "7000": free_port(), "7001": free_port()}
     ready = tmp_path / "ready.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     env.update(GATEWAY_SERVER_PORT=str(ports["8080"]), GATEWAY_INGEST_PORT=str(ports["7002"]),
