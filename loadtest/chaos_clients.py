@@ -16,6 +16,7 @@ import socket
 import struct
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from typing import Any
 
 import httpx
@@ -63,6 +64,13 @@ class Recorder:
 
     def closed(self, code: int, reason: str = "") -> None:
         self.closes.append((time.time(), code, reason))
+
+
+def lost_queues(entries: list[dict[str, Any]], private: Collection[str]) -> list[str]:
+    """The private topics whose queue Redis lost (`closed`, reason `lost`): docs/protocol.md says to
+    subscribe again, for a new queue that holds what is published from then on."""
+    return [e["topic"] for e in entries
+            if e.get("type") == "closed" and e.get("reason") == "lost" and e.get("topic") in private]
 
 
 class BaseClient:
@@ -156,6 +164,8 @@ class WsClient(BaseClient):
                         if e.get("type") == "closed" and e.get("reason") == "taken_over":
                             self.holds.discard(e["topic"])
                     self.rec.entries(entries, self.streams)
+                    if lost := lost_queues(entries, self.private):
+                        await ws.send(orjson.dumps([self.command(t) for t in lost]).decode())
             except ConnectionClosed as exc:
                 self.rec.closed(exc.rcvd.code if exc.rcvd else 1006, exc.rcvd.reason if exc.rcvd else "")
                 return
@@ -232,6 +242,9 @@ class SseClient(BaseClient):
                             self.rec.entries(entries, self.streams)
                             if ident is not None:
                                 self.last_id = ident
+                            if (lost := lost_queues(entries, self.private)) and sid is not None:
+                                cmds = [{"op": "subscribe", "topic": t, "ack": True} for t in lost]
+                                posts.append(asyncio.create_task(self._post(http, f"{url}/sse/{sid}", cmds)))
                             acks: dict[str, int] = {}
                             for e in entries:
                                 if e.get("type") == "msg" and e.get("topic") in self.private:
@@ -298,6 +311,9 @@ class LpClient(BaseClient):
                     if body["batch"] != ack:
                         self.rec.entries(body["entries"], self.streams)
                         ack = body["batch"]
+                        if lost := lost_queues(body["entries"], self.private):
+                            await http.post(f"{url}/lp/{sid}", content=orjson.dumps(
+                                [{"op": "subscribe", "topic": t} for t in lost]))
             finally:
                 if self.kick.is_set() or self.stop_event.is_set():
                     with contextlib.suppress(httpx.HTTPError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from loadtest.chaos_check import check_all, check_consistency, check_private, check_ring_holds, check_stream
@@ -98,3 +100,13 @@ def test_check_all_puts_it_together() -> None:
                        {"r": [msg(0), msg(1)]}, {"r": {"a": [0, 1]}})
     assert kinds(result.violations) == [("private_missing", 1, 2)]
     assert result.as_json()["streams"]["w"]["r"]["messages"] == 2
+
+
+def test_a_chaos_client_subscribes_again_to_the_private_queues_redis_lost_and_only_those() -> None:
+    from loadtest.chaos_clients import lost_queues
+
+    entries: list[dict[str, Any]] = [{"type": "closed", "topic": "private.a", "reason": "lost"},
+               {"type": "closed", "topic": "private.b", "reason": "taken_over"},
+               {"type": "closed", "topic": "chaos.ring.0", "reason": "lost"},  # not one of its private topics
+               {"type": "msg", "topic": "private.a", "seq": 3, "data": 1}]
+    assert lost_queues(entries, {"private.a", "private.b"}) == ["private.a"]
