@@ -194,6 +194,9 @@ class ClientRegistry:
     def send_direct(self, client_id: Hashable, entry: bytes) -> None:
         self.membership.send_direct(client_id, entry)
 
+    def direct_room(self, client_id: Hashable) -> int:
+        return self.membership.direct_room(client_id)
+
     def send_error(self, client_id: Hashable, exc: RequestError, request_id: object = None) -> None:
         self.membership.send_error(client_id, exc, request_id)
 

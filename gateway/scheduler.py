@@ -772,6 +772,17 @@ class Membership:
             return
         self.scheduler.wake()
 
+    def direct_room(self, client_id: Hashable) -> int:
+        """Bytes `send_direct` would queue for the client now without overflowing (core/engine.py's bounds):
+        an answer larger than this is never built."""
+        engine = self.engine
+        config, client = engine.config, engine.client(client_id)
+        if client.queued() >= config.direct_queue_max:
+            return 0
+        held = client.direct_bytes
+        return max(0, min(config.direct_queue_max_bytes - held,
+                          max(config.direct_total_max_bytes - engine.direct_bytes, client.budget - held)))
+
     def _direct_overflowed(self, client_id: Hashable) -> None:
         self.scheduler.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")
 

@@ -28,6 +28,7 @@ from . import api_requests as req
 from .api_errors import BAD_REQUEST, LIMIT_EXCEEDED, ApiError, bad_request
 from .api_methods import METHODS, NOT_SUPPORTED, as_api_error, call, in_slices
 from .context import ApiContext
+from .history import HistoryBudget
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -77,19 +78,20 @@ async def _batch(ctx: ApiContext, params: Any) -> dict[str, Any]:
     if len(batch.commands) > bound:
         raise ApiError(LIMIT_EXCEEDED, f"at most {bound} commands per batch (admin.max_publish_messages)")
     replies: list[dict[str, Any]] = []
+    budget = HistoryBudget()  # the batch's history answers together: as much as one `history` call's
     async for command in in_slices(batch.commands):
-        replies.append(await _batch_reply(ctx, command))
+        replies.append(await _batch_reply(ctx, command, budget))
     return {"replies": replies}
 
 
-async def _batch_reply(ctx: ApiContext, command: dict[str, Any]) -> dict[str, Any]:
+async def _batch_reply(ctx: ApiContext, command: dict[str, Any], budget: HistoryBudget) -> dict[str, Any]:
     if len(command) != 1:
         return {"error": ApiError(BAD_REQUEST, "a batch command is one {\"METHOD\": {...}} object").as_dict()}
     name, params = next(iter(command.items()))
     if name == "batch":
         return {"error": ApiError(BAD_REQUEST, "a batch cannot hold a batch").as_dict()}
     try:
-        return {name: await call(ctx, name, params)}
+        return {name: await call(ctx, name, params, budget)}
     except Exception as exc:
         return {"error": as_api_error(exc).as_dict()}
 

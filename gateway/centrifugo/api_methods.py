@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from importlib import metadata
 from typing import Any, TypeVar
 
+import orjson
 from msgspec import UNSET, Struct
 
 from core import RequestError, TopicConfig, TopicKind, UnknownTopic
@@ -30,7 +31,7 @@ from .api_errors import (
 )
 from .channel_glob import compile_pattern
 from .context import ApiContext
-from .history import HistoryQuery, position_only, read
+from .history import MAX_BYTES, MAX_PUBLICATIONS, History, HistoryBudget, HistoryQuery, json_publications, position_only, read
 
 T = TypeVar("T")
 
@@ -155,7 +156,15 @@ async def presence_stats(ctx: ApiContext, request: req.Channel) -> dict[str, Any
     return {"num_clients": view.clients, "num_users": view.users}
 
 
-async def history(ctx: ApiContext, request: req.History) -> dict[str, Any]:
+async def history(ctx: ApiContext, request: req.History, budget: HistoryBudget | None = None) -> dict[str, Any]:
+    """`budget`: what the call's answers may still hold (a `batch` shares one; HistoryBudget)."""
+    if budget is not None and budget.spent and (request.limit or 0) != 0:
+        raise ApiError(LIMIT_EXCEEDED, f"this call's history answers hold {MAX_PUBLICATIONS} publications or "
+                                       f"{MAX_BYTES >> 20} MiB of data already: ask for the rest in another call")
+    return _history_result(await _history(ctx, request, budget))
+
+
+async def _history(ctx: ApiContext, request: req.History, budget: HistoryBudget | None) -> History:
     hub = ctx.hub
     since = request.since
     query = HistoryQuery(request.limit or 0, None if since is None else (since.offset, since.epoch),
@@ -163,7 +172,7 @@ async def history(ctx: ApiContext, request: req.History) -> dict[str, Any]:
     query.check()
     channel = request.channel
     if hub.topics.has_topic(channel):
-        return read(hub.topics.topic(channel), query)
+        return read(hub.topics.topic(channel), query, budget)
     config = _shared_topic(ctx, channel)
     info = await hub.broker.topic_info(channel)
     if info is None:  # never published to: an empty stream
@@ -173,6 +182,11 @@ async def history(ctx: ApiContext, request: req.History) -> dict[str, Any]:
                                       "of it: its publications are read on a node that has one")
     top = info["seq"] + 1 if config.kind is TopicKind.SNAPSHOT else info["end"]
     return position_only(int(top), str(info["epoch"]))
+
+
+def _history_result(history: History) -> dict[str, Any]:
+    return {"publications": orjson.Fragment(json_publications(history.rows)), "offset": history.offset,
+            "epoch": history.epoch}
 
 
 async def channels(ctx: ApiContext, request: req.Channels) -> dict[str, Any]:
@@ -252,11 +266,14 @@ NOT_SUPPORTED = {
 }
 
 
-async def call(ctx: ApiContext, name: str, params: Any) -> dict[str, Any]:
-    """Run one method on its JSON parameters. Raises ApiError (104 for a method we do not have)."""
+async def call(ctx: ApiContext, name: str, params: Any, budget: HistoryBudget | None = None) -> dict[str, Any]:
+    """Run one method on its JSON parameters; `budget`: what the call's history answers may hold in all.
+    Raises ApiError (104 for a method we do not have)."""
     if name in NOT_SUPPORTED:
         raise ApiError(METHOD_NOT_FOUND, f"{name} is not supported by this gateway: {NOT_SUPPORTED[name]}")
     if name not in METHODS:
         raise ApiError(METHOD_NOT_FOUND, f"no method {name[:64]!r}")
     kind, method = METHODS[name]
+    if method is history:
+        return await history(ctx, req.parse(params, req.History), budget)
     return await method(ctx, req.parse(params, kind))

@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from .history import History, json_publications
+
 
 class BadFrame(Exception):
     """A frame that is not a sequence of commands of the codec: the connection is closed with 3501."""
@@ -50,6 +52,9 @@ class Codec(Protocol):
     def publication(self, topic_json: bytes, seq: int, data: bytes) -> bytes:
         """The push of a publication: channel, data (its JSON text) and offset = seq + 1."""
 
+    def history(self, command_id: int, history: History) -> bytes:
+        """The reply to a `history` command, its publications written in one pass (gateway/centrifugo/history.py)."""
+
     def decode(self, payload: bytes, text: bool) -> list[dict[str, Any]]:
         """The commands of one frame; raises BadFrame."""
 
@@ -72,6 +77,10 @@ class JsonCodec:
     def publication(self, topic_json: bytes, seq: int, data: bytes) -> bytes:
         return b"".join((b'{"push":{"channel":', topic_json, b',"pub":{"data":', data, b',"offset":',
                          str(seq + 1).encode(), b"}}}"))
+
+    def history(self, command_id: int, history: History) -> bytes:
+        return self.encode({"id": command_id, "history": {
+            "publications": Raw(json_publications(history.rows)), "offset": history.offset, "epoch": history.epoch}})
 
     def decode(self, payload: bytes, text: bool) -> list[dict[str, Any]]:
         commands = []

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from .client_codec import BadFrame, Raw
+from .history import History, Row
 
 #: wire types
 VARINT, LEN = 0, 2
@@ -130,6 +131,8 @@ def encode(name: str, message: dict[str, Any]) -> bytes:
                 out.append(_delimited(number, str(value).encode()))
         elif kind == "y":
             out.append(_delimited(number, _data_bytes(value)))
+        elif kind.startswith("*") and isinstance(value, Raw):  # the repeated field's entries, written already
+            out.append(value.text)
         elif kind.startswith("*"):
             out += [_delimited(number, encode(kind[1:], item)) for item in value]
         elif kind.startswith("map:"):
@@ -144,6 +147,24 @@ def publication(topic: str, seq: int, data: bytes) -> bytes:
     """The Reply of a publication push, written directly (once per message, shared by every subscriber)."""
     pub = _delimited(4, data) + _key(6, VARINT) + varint(seq + 1)
     return _delimited(4, _delimited(2, topic.encode()) + _delimited(4, pub))
+
+
+#: the varints of small values, looked up: a history answer writes three per publication
+_SMALL_VARINTS = [varint(value) for value in range(1 << 14)]
+_PUBLICATION_DATA, _PUBLICATION_OFFSET, _HISTORY_PUBLICATION = _key(4, LEN), _key(6, VARINT), _key(1, LEN)
+
+
+def history_publications(rows: list[Row]) -> bytes:
+    """HistoryResult's `publications` (field 1), each a Publication {data: 4, offset: 6}, written directly."""
+    small = _SMALL_VARINTS
+    out: list[bytes] = []
+    for offset, data in rows:
+        size = len(data)
+        pub = b"".join((_PUBLICATION_DATA, small[size] if size < 16384 else varint(size), data,
+                        _PUBLICATION_OFFSET, small[offset] if offset < 16384 else varint(offset)))
+        size = len(pub)
+        out += (_HISTORY_PUBLICATION, small[size] if size < 16384 else varint(size), pub)
+    return b"".join(out)
 
 
 def delimited(messages: list[bytes]) -> bytes:
@@ -248,6 +269,10 @@ class ProtobufCodec:
 
     def publication(self, topic_json: bytes, seq: int, data: bytes) -> bytes:
         return publication(orjson.loads(topic_json), seq, data)
+
+    def history(self, command_id: int, history: History) -> bytes:
+        return encode("Reply", {"id": command_id, "history": {
+            "publications": Raw(history_publications(history.rows)), "epoch": history.epoch, "offset": history.offset}})
 
     def decode(self, payload: bytes, text: bool) -> list[dict[str, Any]]:
         return decode_frame(payload)

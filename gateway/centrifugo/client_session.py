@@ -35,7 +35,7 @@ from . import client_codes as codes
 from .api_errors import ApiError
 from .client_codec import BadFrame, Codec
 from .client_frames import READY, error_reply, expiry, request_id
-from .history import HistoryQuery, position_only, read
+from .history import HistoryBudget, HistoryQuery, HistoryRead, position_only
 from .server_subs import Position, asked_positions, complete_since, subscribe_server_side
 
 if TYPE_CHECKING:
@@ -50,6 +50,13 @@ VERSION = "fanout-gateway"
 MAX_ID = (1 << 32) - 1
 #: subscribe `flag` bit: answer error 112 rather than `recovered: false`
 REJECT_UNRECOVERED = 2
+#: what a history answer leaves of the client's direct-queue room: its own bytes besides the publications
+#: (id, offset, epoch, framing) and the smaller replies after it (a 111 for each history it could not hold);
+#: each publication costs its data and ~32 bytes more (`{"data":...,"offset":N}`)
+HISTORY_RESERVE_BYTES = 16 << 10
+HISTORY_ROW_BYTES = 40
+#: publications a step of a history answer reads (~0.3 ms): a whole answer of 10,000 takes 10 steps
+HISTORY_STEP = 1000
 #: the close reason of a `send` (asynchronous messages have no equivalent here; an rpc is answered)
 SEND_REFUSAL = "`send` is not available here: use rpc"
 
@@ -71,9 +78,11 @@ class Link(Protocol):
     def close(self, code: int, reason: str) -> None:
         """Close with a Centrifugo code."""
 
-    def pause(self) -> None: ...
+    def pause(self) -> None:
+        """Read nothing and run no command (the connect hook is asked)."""
 
-    def resume(self) -> None: ...
+    def resume(self) -> None:
+        """Read again, and run the commands waiting (`CentrifugoSession.step`) in the next input turn."""
 
     def connection(self, session: ClientSession) -> Connection: ...
 
@@ -86,7 +95,7 @@ class Link(Protocol):
 class CentrifugoSession:
     """A connection's commands (module docstring)."""
 
-    __slots__ = ("hub", "codec", "link", "session", "queue", "waiting", "max_commands")
+    __slots__ = ("hub", "codec", "link", "session", "queue", "waiting", "reading", "max_commands")
 
     def __init__(self, hub: Hub, codec: Codec, link: Link) -> None:
         self.hub = hub
@@ -96,19 +105,48 @@ class CentrifugoSession:
         #: commands not run yet: the rest of a frame while the connect hook is awaited
         self.queue: deque[dict[str, Any]] = deque()
         self.waiting = False
+        #: the history answer being read, a slice a step (its command id), else None: the commands after it wait
+        self.reading: tuple[int, HistoryRead] | None = None
         #: commands one frame may hold: a reconnecting SDK sends connect and every subscribe at once
         self.max_commands = max(schema.MAX_COMMANDS_PER_FRAME, hub.config.scheduler.max_subscriptions + 2)
 
     # -- input ---------------------------------------------------------------------------------------------
 
     def received(self, payload: bytes, text: bool) -> None:
-        """One frame of the client. A failure is our bug, not the peer's: this client is closed (3004)."""
+        """One frame of the client: its commands are queued, and run one a step by `step`. A failure is our
+        bug, not the peer's: this client is closed (3004)."""
         try:
             self._received(payload, text)
         except Exception:
-            log.exception("centrifugo client %s: a command failed", self._client_id())
-            self.queue.clear()
-            self.link.close(codes.INTERNAL_CLOSE, "internal error")
+            self._failed()
+
+    @property
+    def busy(self) -> bool:
+        """Commands wait: for the connect hook's answer (`waiting`), or for their steps."""
+        return self.waiting or self.reading is not None or bool(self.queue)
+
+    def step(self) -> None:
+        """Run the next command: one step of the connection's input turn (gateway/transports/ws_turns.py), so
+        a frame of 1,002 commands takes turns among the other clients' work, as a `/ws` connection's input does."""
+        try:
+            if self.waiting or self.link.closed:
+                return
+            if self.reading is not None:
+                self._read_history()
+            elif self.queue:
+                self._command(self.queue.popleft())
+        except Exception:
+            self._failed()
+
+    def _failed(self) -> None:
+        log.exception("centrifugo client %s: a command failed", self._client_id())
+        self._drop_commands()
+        self.link.close(codes.INTERNAL_CLOSE, "internal error")
+
+    def _drop_commands(self) -> None:
+        """The connection is closed: nothing more of it runs."""
+        self.queue.clear()
+        self.reading = None
 
     def _client_id(self) -> str:
         return "(connecting)" if self.session is None else self.session.identity.client_id
@@ -123,15 +161,10 @@ class CentrifugoSession:
             self._bad(f"more than {self.max_commands} commands in one frame")
             return
         self.queue.extend(got)
-        self._run_queue()
-
-    def _run_queue(self) -> None:
-        while self.queue and not self.waiting and not self.link.closed:
-            self._command(self.queue.popleft())
 
     def _bad(self, why: str) -> None:
         self.hub.bad_input("centrifugo", "bad request: %s", why)
-        self.queue.clear()
+        self._drop_commands()
         self.link.close(codes.BAD_REQUEST_CLOSE, codes.close_reason(f"bad request: {why}"))
 
     def _command(self, command: dict[str, Any]) -> None:
@@ -176,7 +209,7 @@ class CentrifugoSession:
         if session is None:
             self.link.write_replies(self.codec.encode(reply))
             return
-        self.hub.clients.send_direct(session.identity.client_id, bytes((READY,)) + self.codec.encode(reply))
+        self._queue_ready(self.codec.encode(reply))
 
     # -- connect -------------------------------------------------------------------------------------------
 
@@ -216,13 +249,12 @@ class CentrifugoSession:
             session.gone()
             return
         self.waiting = False
-        self.link.resume()
         self._open(command_id, session, asked)
-        self._run_queue()
+        self.link.resume()  # the commands after the connect run in the link's next input turn
 
     def _refused(self, exc: RequestError) -> None:
         code = codes.close_code(exc.close_code or codes.BAD_REQUEST_CLOSE)
-        self.queue.clear()
+        self._drop_commands()
         self.link.close(code, codes.close_reason(exc.message))
 
     def _open(self, command_id: int, session: ClientSession, asked: dict[str, Position]) -> None:
@@ -344,14 +376,39 @@ class CentrifugoSession:
             self._reply(error_reply(command_id, codes.PERMISSION_DENIED, "permission denied"))
             return
         query = _history_query(params)
+        # the answer goes through the client's direct queue: never built larger than the room it has there
+        room = self.hub.clients.direct_room(identity.client_id) - HISTORY_RESERVE_BYTES
+        if query.limit != 0 and room <= 0:
+            self._reply(error_reply(command_id, codes.TOO_MANY_REQUESTS, "the connection's replies are not read yet:"
+                                                                         " ask again once they are"))
+            return
         try:
             query.check()
             topics = self.hub.topics
-            result = read(topics.topic(channel), query) if topics.has_topic(channel) else position_only(0, "")
+            budget = HistoryBudget(size=room, row_cost=HISTORY_ROW_BYTES, first_always=False)
+            reading = HistoryRead(topics.topic(channel), query, budget) if topics.has_topic(channel) else None
         except ApiError as exc:
             self._reply(error_reply(command_id, exc.code, exc.message))
             return
-        self._reply({"id": command_id, "history": result})
+        if reading is None:
+            self._queue_ready(self.codec.history(command_id, position_only(0, "")))
+            return
+        self.reading = (command_id, reading)
+        self._read_history()
+
+    def _read_history(self) -> None:
+        """A slice of the history being read (`HISTORY_STEP`); once it is whole, its reply is queued."""
+        assert self.reading is not None
+        command_id, reading = self.reading
+        if reading.step(HISTORY_STEP):
+            self.reading = None
+            self._queue_ready(self.codec.history(command_id, reading.answer))
+
+    def _queue_ready(self, reply: bytes) -> None:
+        """A reply in the codec's form through the client's direct queue."""
+        session = self.session
+        assert session is not None
+        self.hub.clients.send_direct(session.identity.client_id, bytes((READY,)) + reply)
 
 
 def _history_query(params: dict[str, Any]) -> HistoryQuery:

@@ -76,7 +76,18 @@ class CentrifugoLink(TypingProtocol):
     """A connection of Centrifugo's client protocol (gateway/transports/ws_centrifugo.py, which builds on this
     module, so this one only names what it calls)."""
 
-    def received(self, payload: bytes, text: bool) -> None: ...
+    def received(self, payload: bytes, text: bool) -> None:
+        """One message: its commands are queued, run one a step by `step` (`_handle_input`)."""
+
+    @property
+    def busy(self) -> bool:
+        """Commands of its frames wait: for their steps, or for the connect hook (`waiting`)."""
+
+    @property
+    def waiting(self) -> bool:
+        """The connect hook is asked: nothing runs, nothing is read, until the link calls `resume_input`."""
+
+    def step(self) -> None: ...
 
     def lost(self) -> None: ...
 
@@ -426,9 +437,15 @@ class WebSocketProtocol(asyncio.Protocol):
         now = time.perf_counter()
         deadline = min(now + TURN_BUDGET_S, self.service.turn.until(now))
         transport = self.transport
+        link = self.centrifugo
         while not self.closing and not transport.is_closing():
             unhandled = self.unhandled
-            if unhandled:
+            if link is not None and link.busy:  # a frame's Centrifugo commands first, one a step
+                if link.waiting:  # the connect hook is asked: reading is paused until `resume_input`
+                    self.deferred = True
+                    return
+                link.step()
+            elif unhandled:
                 self._dispatch(unhandled.popleft())
             elif self.unparsed is not None:
                 self._parse_slice()
@@ -438,7 +455,8 @@ class WebSocketProtocol(asyncio.Protocol):
                 if paused and self.held_pong is None:  # not paused for a held pong
                     transport.resume_reading()
                 return
-            if time.perf_counter() >= deadline and (self.unhandled or self.unparsed is not None):
+            if time.perf_counter() >= deadline and (self.unhandled or self.unparsed is not None
+                                                     or (link is not None and link.busy)):
                 ws_counters.input_deferrals += 1
                 transport.pause_reading()
                 self.deferred = True
@@ -449,6 +467,13 @@ class WebSocketProtocol(asyncio.Protocol):
             # read (and drop, up to LINGER_READ) what the peer still sends: its end of the stream closes the
             # connection cleanly, where a cut at the grace could reset it
             transport.resume_reading()
+
+    def resume_input(self) -> None:
+        """A Centrifugo connect hook answered: its connection's commands and input go on in the next turn."""
+        if not self.deferred:
+            self.deferred = True
+            self.transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._handle_input)
 
     def _parse_slice(self) -> None:
         view = self.unparsed

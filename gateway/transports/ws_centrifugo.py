@@ -159,7 +159,18 @@ class CentrifugoLink:
 
     def resume(self) -> None:
         if not self.closed:
-            self.transport.resume_reading()
+            self.proto.resume_input()
+
+    @property
+    def busy(self) -> bool:
+        return self.session.busy
+
+    @property
+    def waiting(self) -> bool:
+        return self.session.waiting
+
+    def step(self) -> None:
+        self.session.step()
 
     def connection(self, session: ClientSession) -> CentrifugoConnection:
         return CentrifugoConnection(session, self.proto, self.framer, self.deflater,

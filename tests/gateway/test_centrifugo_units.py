@@ -50,8 +50,8 @@ def ring_with_hole() -> Engine:
 
 def offsets(engine: Engine, limit: int, since: tuple[int, str] | None = None, reverse: bool = False) -> list[int]:
     answer = read(engine.topic("r"), HistoryQuery(limit, since, reverse))
-    assert answer["offset"] == 10
-    return [p["offset"] for p in answer["publications"]]
+    assert answer.offset == 10
+    return [offset for offset, _ in answer.rows]
 
 
 def test_history_skips_given_up_seqs_and_refuses_a_position_that_left_the_ring():

@@ -49,14 +49,16 @@ class RawWs:
     """A WebSocket client on a bare socket: it reads only when told to (a small receive buffer, so a peer
     that does not read fills it at once)."""
 
-    def __init__(self, port: int, *, rcvbuf: int = 4096, query: str = "") -> None:
+    def __init__(self, port: int, *, rcvbuf: int = 4096, query: str = "", path: str = "/ws",
+                 subprotocol: str | None = None) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.settimeout(5)
         sock.connect(("127.0.0.1", port))
         key = base64.b64encode(os.urandom(16)).decode()
-        sock.sendall((f"GET /ws{query} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        offer = f"Sec-WebSocket-Protocol: {subprotocol}\r\n" if subprotocol else ""
+        sock.sendall((f"GET {path}{query} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{offer}\r\n").encode())
         head = b""
         while b"\r\n\r\n" not in head:
             chunk = sock.recv(1)
