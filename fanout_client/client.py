@@ -10,10 +10,13 @@ A `Client` outlives its connections: it reconnects with full-jitter backoff, res
 subscription with ``since`` (its epoch and the next seq it needs), drops redeliveries, asks ``get_token``
 for a fresh token when the gateway says the token expired (``auth`` on the live connection) and on the close
 codes 4001 and 4011, and follows the close-code table of fanout.js. Every buffer has a bound: requests
-(``max_pending_requests``), each subscription's events (``max_queued_events``, policy in `Subscription`),
-frames (``max_frame_bytes``, near the largest frame a gateway builds; `RECEIVE_QUEUE_FRAMES` read ahead), writes
-(the WebSocket library's 32 KiB write buffer; replies it owes a gateway that reads nothing:
-`REPLY_BYTES_WHILE_BLOCKED`, then the connection is dropped), and log lines (`LOG_BURST` per `LOG_WINDOW_S`).
+(``max_pending_requests``; control commands: one per kind and topic, `Client._new_control`), each
+subscription's events (``max_queued_events``, policy in `Subscription`), frames (``max_frame_bytes``, near
+the largest frame a gateway builds; `RECEIVE_QUEUE_FRAMES` read ahead), writes (the WebSocket library's
+32 KiB write buffer; replies it owes a gateway that reads nothing: `REPLY_BYTES_WHILE_BLOCKED`, then the
+connection is dropped), and log lines (`LOG_BURST` per `LOG_WINDOW_S`).
+A delta that does not apply resubscribes after a backoff (`Subscription._delta_failed`), so a gateway that
+answers every resubscribe with another bad delta meets a growing delay, not a loop.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ REPLY_BYTES_WHILE_BLOCKED = 64 * 1024
 #: through and by `Client.close` (a gateway sending 338,000 such entries in 5 s made as many log records)
 LOG_BURST = 5
 LOG_WINDOW_S = 10.0
+
+
+def _full_jitter(attempt: int, base: float, maximum: float) -> float:
+    """A delay uniform in [0, min(maximum, base * 2^attempt)): the reconnects' and the delta resubscribes'."""
+    return random.uniform(0, min(maximum, base * 2 ** min(attempt, 30)))
 
 
 def restart_hint_s(code: int, reason: str) -> float | None:
@@ -250,9 +258,13 @@ class Subscription:
         self._delta = DeltaBase() if delta == "fossil" else None
         #: whether the gateway sends this subscription deltas (its last ``subscribed`` said so); None: not asked
         self.delta_granted: bool | None = None
-        #: messages rebuilt from a delta, and deltas that failed (each failure resubscribes with ``since``)
+        #: messages rebuilt from a delta, and deltas that failed (a resubscribe with ``since`` follows, after a backoff)
         self.deltas_applied = 0
         self.delta_failures = 0
+        #: failed deltas since the last message that applied: the exponent of the resubscribe's backoff
+        self._delta_retries = 0
+        #: the resubscribe after a failed delta, waiting out that backoff (None: none waits)
+        self._delta_retry: asyncio.TimerHandle | None = None
         self._stream = Stream(topic, since)
         self._queue: deque[Event] = deque()
         self._max = client.max_queued_events
@@ -321,7 +333,8 @@ class Subscription:
             self._ack()
         if self._paused and len(self._queue) <= self._max // 2:
             self._paused = False
-            self.client._resume(self)
+            if self._delta_retry is None:  # else its timer resubscribes
+                self.client._resume(self)
         return event
 
     async def get(self, timeout: float | None = None) -> Event:
@@ -358,18 +371,37 @@ class Subscription:
         data = base.of_entry(entry)
         if entry["delta"] is True:
             self.deltas_applied += 1
+        self._delta_retries = 0  # a message that applied: the next failure resubscribes quickly again
         return data
 
+    @property
+    def _held(self) -> bool:
+        """Unsubscribed on purpose (a pause, or a resubscribe waiting out its backoff): no subscribe is sent and
+        the gateway's ``subscribed`` entries for the topic are ignored."""
+        return self._paused or self._delta_retry is not None
+
     def _delta_failed(self, error: DeltaError) -> None:
-        """A delta did not apply: nothing is shown of it; subscribe again from the seq it was for (``since``),
-        and the gateway sends that message whole."""
+        """A delta did not apply: nothing is shown of it; unsubscribe, and subscribe again from the seq it was
+        for (``since``: the gateway sends that message whole) after a delay of full jitter, doubling from
+        ``backoff_base`` with each failure since the last message that applied, at most ``backoff_max``. What
+        comes for the topic meanwhile is ignored, so one resubscribe answers any number of failures."""
         self.delta_failures += 1
         self.client._log.warning("fanout_client: a delta of %r did not apply (%s): resubscribing", self.topic, error)
         if self._delta is not None:
             self._delta.reset()
-        if not self._paused:
-            self.client._pause(self)
-            self.client._resume(self)
+        self._stream.resubscribing()
+        if self._held:
+            return  # a resubscribe comes already
+        self.client._pause(self)
+        client = self.client
+        delay = _full_jitter(self._delta_retries, client.backoff_base, client.backoff_max)
+        self._delta_retries += 1
+        self._delta_retry = asyncio.get_running_loop().call_later(delay, self._resubscribe_after_delta)
+
+    def _resubscribe_after_delta(self) -> None:
+        self._delta_retry = None
+        if self.closed_reason is None and not self._paused:
+            self.client._resume(self)  # without a connection, the next one subscribes it
 
     def _ack(self) -> None:
         """Acknowledge (cumulatively) what the application was handed, as far as this gateway subscription
@@ -414,7 +446,7 @@ class Subscription:
                 await self._space.wait()
             if self.closed_reason is not None:
                 return
-        elif self._paused:
+        elif self._held:
             return  # resumed later with `since`: the gateway replays it
         elif not self._room_for(2):  # a message may come with a `gap` loss before it
             self._paused = True
@@ -429,6 +461,9 @@ class Subscription:
             return
         self.closed_reason = reason
         self._error = error
+        if self._delta_retry is not None:
+            self._delta_retry.cancel()
+            self._delta_retry = None
         if drop_queued:
             self._queue.clear()
         if not self._ready.done():
@@ -496,6 +531,8 @@ class Client:
         self._ws: ClientConnection | None = None
         self._need_token = token is None and get_token is not None
         self._pending: dict[int, _Pending] = {}
+        #: the id of the control command waiting for its answer, by kind and topic (`_new_control`)
+        self._control: dict[tuple[str, str], int] = {}
         self._outbox: dict[int, None] = {}  # request ids waiting for a connection, in order
         self._requests = 0
         self._wire: list[dict[str, Any]] = []
@@ -651,21 +688,34 @@ class Client:
         self._next_id += 1
         return self._next_id
 
-    def _send_subscribe(self, sub: Subscription) -> None:
+    def _new_control(self, pending: _Pending, topic: str = "") -> int:
+        """The id of a control command (a subscribe, an unsubscribe, an auth, the opening ping), entered in the
+        table of commands waiting for an answer. It replaces the one of the same kind and topic still waiting,
+        whose late answer is then ignored (``subscribed``, ``unsubscribed``, ``reply``) or reported (``error``):
+        whatever the gateway leaves unanswered, the table holds at most one per kind and topic, beside the
+        requests."""
         request_id = self._new_id()
-        self._pending[request_id] = _Pending("subscribe", sub=sub)
+        key = (pending.kind, topic)
+        older = self._control.get(key)
+        if older is not None:
+            self._pending.pop(older, None)
+        self._control[key] = request_id
+        self._pending[request_id] = pending
+        return request_id
+
+    def _send_subscribe(self, sub: Subscription) -> None:
+        request_id = self._new_control(_Pending("subscribe", sub=sub), sub.topic)
         sub._stream.resubscribing()
         self._send_soon(sub._command(request_id))
 
     def _unsubscribe(self, sub: Subscription) -> None:
         if self.subscriptions.get(sub.topic) is sub:
             del self.subscriptions[sub.topic]
-        if self._ws is not None and not sub._paused:
+        if self._ws is not None and not sub._held:
             self._send_unsubscribe(sub)
 
     def _send_unsubscribe(self, sub: Subscription) -> None:
-        request_id = self._new_id()
-        self._pending[request_id] = _Pending("unsubscribe", sub=sub)
+        request_id = self._new_control(_Pending("unsubscribe", sub=sub), sub.topic)
         self._send_soon({"op": "unsubscribe", "topic": sub.topic, "id": request_id})
 
     def _abandon(self, sub: Subscription) -> None:
@@ -676,7 +726,8 @@ class Client:
         sub._end("unsubscribed", None, drop_queued=True)
 
     def _pause(self, sub: Subscription) -> None:
-        """``sub``'s queue is full (ring or snapshot): stop the topic's flow until the application catches up."""
+        """Stop the topic's flow: ``sub``'s queue is full (ring or snapshot) until the application catches up,
+        or a delta did not apply until the backoff's resubscribe."""
         if self._ws is not None:
             self._send_unsubscribe(sub)
 
@@ -782,13 +833,11 @@ class Client:
         self._ws = ws
         # The opening frame: a ping (its answer makes the client `connected`: the gateway accepted us; a refused
         # token is closed before it), every subscription to restore, the requests that waited.
-        open_id = self._new_id()
-        self._pending[open_id] = _Pending("open")
+        open_id = self._new_control(_Pending("open"))
         commands: list[dict[str, Any]] = [{"op": "ping", "id": open_id}]
         for sub in self.subscriptions.values():
-            if sub.closed_reason is None and not sub._paused:
-                request_id = self._new_id()
-                self._pending[request_id] = _Pending("subscribe", sub=sub)
+            if sub.closed_reason is None and not sub._held:
+                request_id = self._new_control(_Pending("subscribe", sub=sub), sub.topic)
                 sub._stream.resubscribing()
                 commands.append(sub._command(request_id))
         for request_id in list(self._outbox):
@@ -851,9 +900,8 @@ class Client:
             return
         self.last_close = close
         self._set_state("disconnected", close)
-        cap = min(self.backoff_max, self.backoff_base * 2 ** min(self._attempt, 30))
+        delay = _full_jitter(self._attempt, self.backoff_base, self.backoff_max)
         self._attempt += 1
-        delay = random.uniform(0, cap)
         hint = restart_hint_s(close.code, close.reason)
         if hint is not None:
             delay = min(self.backoff_max, max(hint, delay))
@@ -861,6 +909,7 @@ class Client:
 
     def _drop_connection_state(self) -> None:
         self._wire = []
+        self._control.clear()  # control commands never wait for a connection: all dropped below
         lost = FanoutError("disconnected", "the connection was lost before the answer (the request may have run)")
         for request_id, pending in list(self._pending.items()):
             if request_id in self._outbox:
@@ -883,6 +932,7 @@ class Client:
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(error)
         self._pending.clear()
+        self._control.clear()
         self._outbox.clear()
         self.state = "closed"
         if by_gateway:
@@ -970,15 +1020,23 @@ class Client:
             # any other type: a newer gateway's entry, ignored
 
     def _settle(self, request_id: object) -> _Pending | None:
-        return self._pending.pop(request_id, None) if isinstance(request_id, int) else None
+        pending = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
+        if pending is not None and pending.kind != "request":
+            key = (pending.kind, pending.sub.topic if pending.sub is not None else "")
+            if self._control.get(key) == request_id:
+                del self._control[key]
+        return pending
 
     def _on_subscribed(self, entry: dict[str, Any], sub: Subscription | None) -> None:
-        asked = self._settle(entry.get("id"))
+        request_id = entry.get("id")
+        asked = self._settle(request_id)
+        if asked is None and request_id is not None:
+            return  # the answer to a subscribe replaced since (`_new_control`), or to none of ours
         # the subscription that asked (an earlier one of the same topic may have been replaced since); `id`
         # null: the gateway's own, after an epoch change under a live subscription (with a broker)
         target = asked.sub if asked is not None and asked.kind == "subscribe" else sub
         kind, epoch, seq = entry.get("kind"), entry.get("epoch"), _int(entry.get("seq"))
-        if target is None or target is not sub or sub.closed_reason is not None or sub._paused:
+        if target is None or target is not sub or sub.closed_reason is not None or sub._held:
             return
         if isinstance(kind, str) and isinstance(epoch, str) and seq is not None:
             if "delta" in entry:
@@ -1047,8 +1105,7 @@ class Client:
                 self._report(FanoutError("token_expired", "the token expired and get_token gave none"))
                 return
             if self._ws is not None:
-                request_id = self._new_id()
-                self._pending[request_id] = _Pending("auth", token=token)
+                request_id = self._new_control(_Pending("auth", token=token))
                 self._send_soon({"op": "auth", "token": token, "id": request_id})
             else:
                 self.token = token

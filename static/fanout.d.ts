@@ -103,7 +103,7 @@ export declare class Subscription {
   readonly position: Position | null;
   /** Whether the gateway sends this subscription deltas (asked with `delta: "fossil"`); null: not asked. */
   readonly deltaGranted: boolean | null;
-  /** Messages rebuilt from a delta, and deltas that did not apply (each one resubscribed with `since`). */
+  /** Messages rebuilt from a delta, and deltas that did not apply (a resubscribe with `since` follows, after a backoff). */
   readonly deltasApplied: number;
   readonly deltaFailures: number;
   on(event: "message", handler: (message: Message) => void): () => void;

@@ -438,9 +438,13 @@ export class Subscription extends Emitter {
     this.deltaBase = delta === "fossil" ? new DeltaBase() : null;
     /** @type {boolean | null} whether the gateway sends deltas (its last `subscribed` said so); null: not asked */
     this.deltaGranted = null;
-    /** messages rebuilt from a delta, and deltas that failed (each resubscribes with `since`) */
+    /** messages rebuilt from a delta, and deltas that failed (a resubscribe with `since` follows, after a backoff) */
     this.deltasApplied = 0;
     this.deltaFailures = 0;
+    /** failed deltas since the last message that applied: the exponent of the resubscribe's backoff */
+    this._deltaRetries = 0;
+    /** the resubscribe after a failed delta, waiting out that backoff (null: none waits) */
+    this._deltaRetryTimer = null;
   }
 
   /** Where to resume: pass it as `since` to a later `subscribe` (another page load) for an exact recovery. */
@@ -470,13 +474,16 @@ export class Subscription extends Emitter {
   _dataOf(entry) {
     const base = this.deltaBase;
     if (!base || entry.delta === undefined) return entry.data;
+    let data;
     if (entry.delta === true) {
-      const data = base.apply(entry.data);
+      data = base.apply(entry.data);
       this.deltasApplied++;
-      return data;
+    } else {
+      if (typeof entry.data !== "string") throw new DeltaError("a whole message of a delta subscription holds its text");
+      data = base.whole(entry.data);
     }
-    if (typeof entry.data !== "string") throw new DeltaError("a whole message of a delta subscription holds its text");
-    return base.whole(entry.data);
+    this._deltaRetries = 0; // a message that applied: the next failure resubscribes quickly again
+    return data;
   }
 
   _onSubscribed(entry) {
@@ -516,7 +523,7 @@ export class Subscription extends Emitter {
       data = this._dataOf(entry);
     } catch (error) {
       if (!(error instanceof DeltaError)) throw error;
-      // nothing is shown of it: subscribe again from its seq, and the gateway sends it whole
+      // nothing is shown of it: subscribe again from its seq (after a backoff), and the gateway sends it whole
       this.deltaFailures++;
       this.deltaBase.reset();
       this.client._resubscribe(this);
@@ -546,6 +553,8 @@ export class Subscription extends Emitter {
 
   _end(reason) {
     if (this.state === "closed") return;
+    clearTimeout(this._deltaRetryTimer);
+    this._deltaRetryTimer = null;
     this.state = "closed";
     this._emit("closed", { reason });
   }
@@ -594,6 +603,10 @@ export class Client extends Emitter {
     this._nextId = 1;
     /** id -> {kind, resolve, reject, timer, sub, sent} */
     this._pending = new Map();
+    /** topic -> the id of its subscribe waiting for an answer: one per topic in `_pending` (`_sendSubscribe`) */
+    this._subscribing = new Map();
+    /** the id of the `auth` waiting for an answer (one at most) */
+    this._authId = null;
     /** requests waiting for a connection, in order */
     this._outbox = [];
     this._wire = [];
@@ -691,6 +704,10 @@ export class Client extends Emitter {
     if (pending) {
       this._pending.delete(id);
       clearTimeout(pending.timer);
+      if (pending.kind === "subscribe" && this._subscribing.get(pending.sub.topic) === id) {
+        this._subscribing.delete(pending.sub.topic);
+      }
+      if (id === this._authId) this._authId = null;
     }
     return pending;
   }
@@ -724,23 +741,40 @@ export class Client extends Emitter {
     }
   }
 
+  /** A subscribe replaces the topic's one still waiting for an answer (a late answer to that one is then
+   * ignored), so a gateway that answers none cannot grow `_pending`: one subscribe per topic at most. */
   _sendSubscribe(sub) {
     const id = this._nextId++;
+    const older = this._subscribing.get(sub.topic);
+    if (older !== undefined) this._pending.delete(older);
+    this._subscribing.set(sub.topic, id);
     this._pending.set(id, { kind: "subscribe", sub, timer: null });
     this._send(sub._command(id));
   }
 
-  /** Unsubscribe and subscribe again from the next seq `sub` needs (a delta that did not apply). */
+  /** A delta did not apply: unsubscribe, and subscribe again from the next seq `sub` needs after a delay of
+   * full jitter, doubling from backoffBaseMs with each failure since the last message that applied, at most
+   * backoffMaxMs. What comes for the topic meanwhile is ignored, so one resubscribe answers any number of
+   * failures: a gateway answering each resubscribe with another bad delta meets a growing delay, not a loop. */
   _resubscribe(sub) {
-    if (this.state !== "connected" || sub.state === "closed") return;
+    if (sub.state === "closed" || sub._deltaRetryTimer !== null) return;
     sub.state = "subscribing"; // what comes before the new `subscribed` is dropped
-    this._send({ op: "unsubscribe", topic: sub.topic });
-    this._sendSubscribe(sub);
+    if (this.state === "connected") this._send({ op: "unsubscribe", topic: sub.topic });
+    const cap = Math.min(this.options.backoffMaxMs, this.options.backoffBaseMs * 2 ** Math.min(sub._deltaRetries, 30));
+    sub._deltaRetries++;
+    sub._deltaRetryTimer = setTimeout(() => {
+      sub._deltaRetryTimer = null;
+      // without a connection, the next one subscribes it
+      if (sub.state !== "closed" && this.state === "connected") this._sendSubscribe(sub);
+    }, Math.random() * cap);
   }
 
   _unsubscribe(sub) {
     if (this.subscriptions.get(sub.topic) === sub) this.subscriptions.delete(sub.topic);
-    if (this.state === "connected" && sub.state !== "closed") this._send({ op: "unsubscribe", topic: sub.topic });
+    // a resubscribe waiting out its backoff has unsubscribed already
+    if (this.state === "connected" && sub.state !== "closed" && sub._deltaRetryTimer === null) {
+      this._send({ op: "unsubscribe", topic: sub.topic });
+    }
   }
 
   // -- connection ------------------------------------------------------------------------------------------
@@ -812,7 +846,7 @@ export class Client extends Emitter {
     this.state = "connected"; // announced below, once the subscriptions and the waiting requests are sent
     for (const sub of this.subscriptions.values()) {
       sub.state = "subscribing";
-      this._sendSubscribe(sub);
+      if (sub._deltaRetryTimer === null) this._sendSubscribe(sub); // else its timer does
     }
     for (const id of this._outbox.splice(0)) {
       const pending = this._pending.get(id);
@@ -855,10 +889,12 @@ export class Client extends Emitter {
           sub?._onLoss(entry);
           break;
         case "subscribed": {
-          // the subscription that asked (an earlier one of the same topic may have been replaced since)
+          // the subscription that asked (an earlier one of the same topic may have been replaced since); an
+          // id not waiting: the answer to a subscribe replaced since (`_sendSubscribe`), or to none of ours
           const asked = this._settle(entry.id);
+          if (!asked && entry.id !== undefined && entry.id !== null) break;
           const target = asked?.kind === "subscribe" ? asked.sub : sub;
-          if (target && target === sub && sub.state !== "closed") sub._onSubscribed(entry);
+          if (target && target === sub && sub.state !== "closed" && sub._deltaRetryTimer === null) sub._onSubscribed(entry);
           break;
         }
         case "unsubscribed":
@@ -926,6 +962,8 @@ export class Client extends Emitter {
       this.token = token;
       if (this.state === "connected") {
         const id = this._nextId++;
+        if (this._authId !== null) this._pending.delete(this._authId); // one auth waits at most
+        this._authId = id;
         this._pending.set(id, { kind: "auth", timer: null });
         this._send({ op: "auth", token, id });
       }
@@ -948,6 +986,8 @@ export class Client extends Emitter {
         pending.reject(new FanoutError("disconnected", "the connection was lost before the answer (it may have run)"));
       }
     }
+    this._subscribing.clear();
+    this._authId = null;
     for (const sub of this.subscriptions.values()) if (sub.state === "subscribed") sub.state = "subscribing";
     this.transport = null;
     this.clientId = null;

@@ -45,11 +45,14 @@ export function checksum(bytes) {
 }
 
 /**
- * The bytes `delta` rebuilds from `base`, checked against the size and checksum it announces.
- * @param {Uint8Array} base @param {Uint8Array} delta @param {number} [maxSize]
- * @returns {Uint8Array}
+ * Reads the commands of `delta` and checks each one: numbers, copies within `base`, inserts within the delta,
+ * what they write adding up to the size announced (at most `maxSize`), the checksum last. Hands each command's
+ * bytes to `put` (none: only checks). Returns the size and the checksum announced.
+ * @param {Uint8Array} base @param {Uint8Array} delta @param {number} maxSize
+ * @param {((bytes: Uint8Array) => void) | null} put
+ * @returns {{size: number, expected: number}}
  */
-export function applyDelta(base, delta, maxSize = MAX_TARGET_BYTES) {
+function readCommands(base, delta, maxSize, put) {
   let pos = 0;
   const number = () => {
     const start = pos;
@@ -72,12 +75,11 @@ export function applyDelta(base, delta, maxSize = MAX_TARGET_BYTES) {
   const size = number();
   expect(NEWLINE, "the size");
   if (size > maxSize) throw new DeltaError(`the delta announces ${size} bytes, more than the ${maxSize} allowed`);
-  const out = new Uint8Array(size);
   let written = 0;
-  const put = (bytes) => {
+  const write = (bytes) => {
     if (written + bytes.length > size) throw new DeltaError(`the delta writes more than the ${size} bytes it announced`);
-    out.set(bytes, written);
     written += bytes.length;
+    if (put) put(bytes);
   };
   while (pos < delta.length) {
     const value = number();
@@ -89,21 +91,40 @@ export function applyDelta(base, delta, maxSize = MAX_TARGET_BYTES) {
       if (offset + value > base.length) {
         throw new DeltaError(`a copy of base bytes [${offset}, ${offset + value}) past its ${base.length} bytes`);
       }
-      put(base.subarray(offset, offset + value));
+      write(base.subarray(offset, offset + value));
     } else if (command === INSERT) {
       if (pos + value > delta.length) throw new DeltaError(`an insert of ${value} bytes past the end of the delta`);
-      put(delta.subarray(pos, pos + value));
+      write(delta.subarray(pos, pos + value));
       pos += value;
     } else if (command === END) {
       if (pos !== delta.length) throw new DeltaError(`${delta.length - pos} bytes after the checksum`);
       if (written !== size) throw new DeltaError(`the delta rebuilt ${written} bytes, not the ${size} it announced`);
-      if (checksum(out) !== value) throw new DeltaError("the rebuilt message does not match the delta's checksum");
-      return out;
+      return { size, expected: value };
     } else {
       throw new DeltaError(`unknown command ${JSON.stringify(String.fromCharCode(command))} at byte ${pos - 1}`);
     }
   }
   throw new DeltaError("the delta ends before its checksum");
+}
+
+/**
+ * The bytes `delta` rebuilds from `base`, checked against the size and checksum it announces. Every command is
+ * checked before the output is allocated, so a refused delta costs a pass over its own bytes, never the size
+ * it announces (an 11-byte delta announcing 16 MiB allocated 16 MiB); what a well-formed one builds is exactly
+ * what its commands write.
+ * @param {Uint8Array} base @param {Uint8Array} delta @param {number} [maxSize]
+ * @returns {Uint8Array}
+ */
+export function applyDelta(base, delta, maxSize = MAX_TARGET_BYTES) {
+  const { size, expected } = readCommands(base, delta, maxSize, null);
+  const out = new Uint8Array(size);
+  let written = 0;
+  readCommands(base, delta, maxSize, (bytes) => {
+    out.set(bytes, written);
+    written += bytes.length;
+  });
+  if (checksum(out) !== expected) throw new DeltaError("the rebuilt message does not match the delta's checksum");
+  return out;
 }
 
 const encoder = new TextEncoder();

@@ -3,6 +3,9 @@ them) rebuild the next message, and a delta that cannot be applied raises DeltaE
 
 from __future__ import annotations
 
+import tracemalloc
+from typing import Any
+
 import orjson
 import pytest
 from hypothesis import given
@@ -114,3 +117,37 @@ def test_reset_forgets_the_base():
     base.reset()
     with pytest.raises(DeltaError):
         base.apply(delta_entry_data(b"1", b"2"))
+
+
+def _peak_bytes_of(call: Any) -> int:
+    tracemalloc.start()
+    try:
+        call()
+    except DeltaError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        b"10000\n1:x0;",  # 11 bytes announcing 16 MiB, one byte inserted
+        # 16 MiB - 1 of copies of a 64 KiB base, then no checksum: built whole before the refusal
+        b"~~~~\n" + b"G00@0," * 255 + b"F~~@0,",
+        # the same copies, then an insert past the delta's end
+        b"~~~~\n" + b"G00@0," * 255 + b"F~~@0," + b"9:x",
+    ],
+)
+def test_a_refused_delta_costs_about_its_own_length(refused: bytes) -> None:
+    """Copies repeat the base: a 1.5 KB delta asked core.fossil.apply to build 16 MiB before it found the
+    delta malformed. Every command is checked first (fanout_client.fossil), before a byte is built."""
+    base = DeltaBase()
+    base.whole_text(orjson.dumps("b" * (64 * 1024 - 2)))  # 64 KiB of JSON text
+    assert base.text is not None and len(base.text) == 64 * 1024
+    text = refused.decode()
+    peak = _peak_bytes_of(lambda: base.apply(text))
+    assert base.text is None
+    assert peak <= 4096 + 4 * len(refused), peak  # the delta's bytes and the error (was 18.5 MB)
