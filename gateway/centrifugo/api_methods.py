@@ -193,7 +193,7 @@ async def channels(ctx: ApiContext, request: req.Channels) -> dict[str, Any]:
     """The topics with subscribers (with a broker: subscribers on this node, as GET /api/topics counts them)."""
     matches = compile_pattern(request.pattern) if request.pattern else None
     listed: dict[str, Any] = {}
-    for info in await ctx.hub.catalog.topics_info():
+    async for info in in_slices(await ctx.hub.catalog.topics_info()):
         name, count = info["name"], info.get("subscribers", 0)
         if count and (matches is None or matches(name)):
             listed[name] = {"num_clients": count}

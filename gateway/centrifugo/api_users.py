@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from core import UnknownTopic
+from core.config import MAX_SEQ
 
 from ..errors import BrokerUnavailable
 from . import api_requests as req
@@ -47,6 +48,8 @@ async def subscribe(ctx: ApiContext, request: req.Subscribe) -> dict[str, Any]:
     if ctx.hub.topics.topic_config(request.channel) is None:
         raise UnknownTopic(f"no topic {request.channel[:256]!r} and no rule creates it")
     since = request.recover_since
+    if since is not None and not 0 <= since.offset < MAX_SEQ:  # as the client protocol's subscribe refuses it
+        raise bad_request(f"recover_since.offset is an integer in [0, 2**53), not {since.offset}")
     command = {"op": "subscribe", "user": user, "topic": request.channel, "client": request.client,
                "since": None if since is None else [since.epoch, since.offset]}
     return await _control(ctx, command)
