@@ -228,3 +228,22 @@ def test_a_large_target_round_trips():
     b = a[:1000] + rng.randbytes(50) + a[1000:150_000] + a[200_000:]
     d = delta(a, b)
     assert apply(a, d) == b and len(d) < 200
+
+
+def test_the_encoder_gives_up_early_on_unrelated_texts_and_not_on_related_ones():
+    """Issue 45 item 3: with `worth_it`, texts with nothing alike cost the encoder a few KiB of its walk, not
+    the whole target (unrelated texts are its costliest: ~0.6 us a byte)."""
+    from core.fossil import GIVE_UP_BYTES, NotWorthIt
+
+    rng = random.Random(3)
+    source = bytes(rng.randrange(256) for _ in range(1 << 16))
+    unrelated = bytes(rng.randrange(256) for _ in range(1 << 16))
+    with pytest.raises(NotWorthIt):
+        delta(source, unrelated, worth_it=True)
+    assert len(delta(source, unrelated)) > len(unrelated)  # without it: a delta longer than the text
+    related = bytearray(source)
+    for at in range(0, len(related), 997):
+        related[at] ^= 0xFF
+    assert apply(source, delta(source, bytes(related), worth_it=True)) == related
+    short = unrelated[:GIVE_UP_BYTES]  # within the bytes it always tries
+    assert apply(source, delta(source, short, worth_it=True)) == short
