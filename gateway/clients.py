@@ -29,6 +29,7 @@ from .auth.token_lifetimes import TokenLifetimes
 from .auth.tokens import Principal, TokenVerifier
 from .broker.base import Broker
 from .config import GatewayConfig
+from .edge.ratelog import RateLog
 from .errors import BadToken, InternalError
 from .hooks.base import Hooks
 from .ops.tracing import Tracing
@@ -71,6 +72,8 @@ class ClientRegistry:
         self._idle_timers: TimerWheel[Hashable, None] = TimerWheel(
             self._idle_due, min(1.0, idle / 10) if idle > 0 else 1.0)
         self._watchdog: asyncio.TimerHandle | None = None
+        #: slow-consumer cuts: each counted (fanout_disconnects_total{reason="slow_consumer"}), 1 line/s logged, burst 5
+        self.slow_log = RateLog(log, 1.0, 5)
         #: the backend hooks (gateway/hooks/base.py): the disconnect event, the refresh of granted connections
         self.hooks = hooks
         #: each user's connections on this node, oldest first (dict order): O(1) per register / unregister
@@ -289,7 +292,7 @@ class ClientRegistry:
         now = time.monotonic()
         for client_id, conn in list(self.scheduler.blocked.items()):
             if conn.blocked_since is not None and now - conn.blocked_since > limit:
-                log.info("disconnecting %s: write-blocked for more than %.1f s", client_id, limit)
+                self.slow_log("disconnecting %s: write-blocked for more than %.1f s", client_id, limit)
                 self.kick(client_id, close_codes.SLOW_CONSUMER, "slow consumer", "slow_consumer")
         self._schedule_watchdog()
 

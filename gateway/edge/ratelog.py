@@ -4,6 +4,9 @@ input (a peer cannot flood the log, or the disk, by misbehaving).
 One `BadInputLog` per process (on the hub). Each call counts the event by source; at most `per_second`
 lines are written per second (a token bucket with a burst of the same size), the rest are only counted
 and exported as `fanout_bad_input_total{source}`. No traceback is ever logged for a peer's mistake.
+
+`RateLog` is the same bound for any other line that peers can cause by the thousand (the slow consumers cut,
+gateway/clients.py): the events are counted where they happen (a metric), the lines are a sample.
 """
 
 from __future__ import annotations
@@ -82,6 +85,31 @@ class AddressRates:
         """Take one token for `key` whatever is left (an empty bucket stays empty, never below)."""
         bucket = self._bucket(key)
         bucket.tokens = max(0.0, bucket.refill() - 1)
+
+
+class RateLog:
+    """A logger's lines at `per_second` on average and `burst` at once at most; a line over the rate is not
+    written, and the next line written says how many were not (the events are counted elsewhere)."""
+
+    def __init__(self, logger: logging.Logger, per_second: float, burst: float, *, level: int = logging.INFO,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.level = level
+        self.bucket = TokenBucket(per_second, burst, clock=clock)
+        self.suppressed = 0
+
+    def __call__(self, message: str, *args: object, **fields: object) -> bool:
+        """Log `message % args` if the rate allows (`fields`: the json format's fields). True if logged."""
+        if not self.bucket.take():
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            self.logger.log(self.level, message + " (%d more not logged)", *args, self.suppressed,
+                            extra={**fields, "suppressed": self.suppressed})
+            self.suppressed = 0
+        else:
+            self.logger.log(self.level, message, *args, extra=fields)
+        return True
 
 
 class BadInputLog:

@@ -7,8 +7,12 @@ per cycle). This module imports the SDK only inside `Tracing`.
 
 On: one tracer provider per hub (never the process-global one: tests run several gateways in one process),
 a `ParentBased(TraceIdRatioBased(sample_rate))` sampler (a request's `traceparent` keeps its caller's
-decision), a batch span processor exporting from its own thread (the OTEL_BSP_* variables tune it) and the
-OTLP/HTTP exporter (OTEL_EXPORTER_OTLP_* variables: headers, certificates, compression).
+decision, once the request is accepted: a refused one exports nothing on its caller's say), a batch span
+processor exporting from its own thread (the OTEL_BSP_* variables tune it) and the OTLP/HTTP exporter
+(OTEL_EXPORTER_OTLP_* variables: headers, certificates, compression), reading 64 KiB of a collector's answer
+at most (gateway/ops/tracing_export.py). A `traceparent` over 512 characters or a `tracestate` over 8,192 is
+ignored, as the propagator would, but counted and logged as bad input (`fanout_bad_input_total{source="http"}`,
+at `limits.bad_input_log_per_s`), not by the propagator once per request.
 
 The spans:
 
@@ -56,6 +60,9 @@ APPLY_WAIT_S = 10.0
 MAX_WATCHED = 64
 #: what the OTLP/HTTP trace export is POSTed to, below the collector's base URL
 TRACES_PATH = "/v1/traces"
+#: the W3C trace context headers' lengths beyond which the propagator ignores them (and would log a warning)
+TRACEPARENT_MAX_CHARS = 512
+TRACESTATE_MAX_CHARS = 8192
 
 
 def traces_url(endpoint: str) -> str:
@@ -84,8 +91,13 @@ async def traced_answer(tracing: Tracing | None, name: str, request: Request,
     it sends `traceparent`), with the method, path and status as attributes."""
     if tracing is None:
         return await answer(request)
+    peer = request.client.host if request.client else "?"
+
+    def oversized(header: str, limit: int) -> None:
+        request.app.state.hub.bad_input("http", "%s header over %d characters: ignored", header, limit, peer=peer)
+
     with tracing.server_span(name, request.headers, {"http.request.method": request.method,
-                                                     "url.path": request.url.path}) as span:
+                                                     "url.path": request.url.path}, oversized) as span:
         response = await answer(request)
         span.set_attribute("http.response.status_code", response.status_code)
         return response
@@ -103,6 +115,8 @@ class Tracing:
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        from .tracing_export import RefusalFilter, bounded_session
+
         self._context = context
         #: the OpenTelemetry trace API module
         self.api = trace
@@ -111,16 +125,19 @@ class Tracing:
         resource = Resource.create({"service.name": config.service_name, "service.instance.id": instance_id})
         self.provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(config.sample_rate)), resource=resource,
                                        shutdown_on_exit=False)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(config.otlp_endpoint))))
+        exporter = OTLPSpanExporter(endpoint=traces_url(config.otlp_endpoint), session=bounded_session())
+        self.provider.add_span_processor(RefusalFilter(BatchSpanProcessor(exporter)))
         self.tracer = self.provider.get_tracer("fanout-gateway")
 
     # -- spans ---------------------------------------------------------------------------------------------
 
-    def server_span(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]
+    def server_span(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any],
+                    oversized: Callable[[str, int], None] = lambda header, limit: None,
                     ) -> contextlib.AbstractContextManager[Span]:
         """A request's span, current while the request runs: a child of the caller's span when `headers`
-        carry a W3C `traceparent`, else the root of a new trace."""
-        parent = self.propagator.extract(headers)
+        carry a W3C `traceparent`, else the root of a new trace. A header too long is left out (as the
+        propagator would) and reported to `oversized(header, limit)` instead of the propagator's log."""
+        parent = self.propagator.extract(_trace_headers(headers, oversized))
         return self.tracer.start_as_current_span(name, context=parent, kind=self._kinds.SERVER, attributes=attributes)
 
     def span(self, name: str, attributes: dict[str, Any] | None = None) -> contextlib.AbstractContextManager[Span]:
@@ -163,6 +180,25 @@ class Tracing:
         """Export what is left (at most 2 s) and stop the exporter's thread. Blocking: run it in a thread."""
         self.provider.force_flush(2000)
         self.provider.shutdown()
+
+
+def _trace_headers(headers: Mapping[str, str], oversized: Callable[[str, int], None]) -> dict[str, str]:
+    """The trace context headers the propagator may read: those within its length limits."""
+    carrier: dict[str, str] = {}
+    parent = headers.get("traceparent")
+    if parent is None:
+        return carrier
+    if len(parent) > TRACEPARENT_MAX_CHARS:
+        oversized("traceparent", TRACEPARENT_MAX_CHARS)
+        return carrier
+    carrier["traceparent"] = parent
+    state = headers.get("tracestate")
+    if state is not None:
+        if len(state) > TRACESTATE_MAX_CHARS:
+            oversized("tracestate", TRACESTATE_MAX_CHARS)
+        else:
+            carrier["tracestate"] = state
+    return carrier
 
 
 # -- a traced publish's apply and fan-out (the scheduler's side) ------------------------------------------
