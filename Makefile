@@ -1,19 +1,49 @@
-# The two commands of the README: `make run` and `make test`. Each sets itself up.
+# The two commands of the README: `make run` and `make test`. Each sets itself up, with what it needs only:
+# `make run` what serving needs (pyproject.toml `dependencies`) and the compiled core; `make test` (`make check`,
+# `make setup`) those and every extra besides (the test toolchain, Spark, matplotlib, pyarrow: ~1 GB more).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# One stamp per set installed: the serving set (`make run`), the full set (`make setup`, `make test`, `make check`).
+RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
+# pyproject.toml's requirements, one a line, for pip: `serve` (the dependencies) or `all` (with every extra's)
+REQUIREMENTS = $(BIN)/python -c 'import sys, tomllib; project = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	extras = [r for group in project["optional-dependencies"].values() for r in group] if sys.argv[1] == "all" else []; \
+	print("\n".join(dict.fromkeys(project["dependencies"] + extras)))'
 
-.PHONY: run test durations check lint setup java browser redis iproute netcat node centrifugo-js bench clean
+# A venv set up before the serving set had a stamp of its own (only .installed, the full set) holds it already.
+ifneq ($(wildcard $(STAMP)),)
+ifeq ($(wildcard $(RUN_STAMP)),)
+$(shell touch -r $(STAMP) $(RUN_STAMP))
+endif
+endif
 
-# Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never runs
-# (core/native.py falls back to the sources).
-$(STAMP): pyproject.toml setup.py $(wildcard core/*.py)
-	@echo "setting up $(VENV): installing the dependencies and compiling the core with mypyc (about 2-3 minutes,"
-	@echo "once; again only when pyproject.toml, setup.py or core/*.py change). pip is quiet meanwhile."
+# The serving set. Also rebuilds the compiled core (setup.py) when one of its sources changes: a stale build never
+# runs (core/native.py falls back to the sources). What the build needs ([build-system]: setuptools, mypy for
+# mypyc, orjson) pip puts in a build environment of its own, not in .venv; the C compiler and the Python headers
+# (gcc, python3-dev) are the system's (without them the core runs as Python).
+$(RUN_STAMP): pyproject.toml setup.py $(wildcard core/*.py)
+	@echo "setting up $(VENV) for serving: about a minute (once; again only when pyproject.toml, setup.py or"
+	@echo "core/*.py change)"
+	@echo "[1/3] $(VENV) and a current pip"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	@echo "[2/3] what serving needs (pyproject.toml dependencies)"
+	$(REQUIREMENTS) serve > $(VENV)/requirements-serve.txt
+	$(BIN)/pip install -r $(VENV)/requirements-serve.txt
+	@echo "[3/3] the gateway itself, editable, compiling the core with mypyc (30 s on 2 cores, minutes on a slow"
+	@echo "      machine; pip is quiet meanwhile)"
+	$(BIN)/pip install -q -e .
+	touch $(RUN_STAMP)
+
+# The full set: the serving set, then every extra (pyproject.toml `[project.optional-dependencies]`: `dev`,
+# `loadtest`, `pipeline`) installed beside it, with every pin of the serving set held (no second compile).
+$(STAMP): $(RUN_STAMP)
+	@echo "[+] the test toolchain and every extra (pytest, mypy, ruff, hypothesis, Spark, matplotlib, pyarrow, ...):"
+	@echo "    about 1 GB more (half a minute from pip's cache, minutes to download)"
+	$(REQUIREMENTS) all > $(VENV)/requirements-all.txt
+	$(BIN)/pip install -r $(VENV)/requirements-all.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -49,7 +79,7 @@ centrifugo-js: node $(CENTRIFUGO_JS)/node_modules/.package-lock.json
 $(CENTRIFUGO_JS)/node_modules/.package-lock.json: $(CENTRIFUGO_JS)/package.json $(CENTRIFUGO_JS)/package-lock.json
 	npm ci --prefix $(CENTRIFUGO_JS) --no-audit --no-fund
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/gateway serve
 
 # Lint and types first (pyproject.toml: ruff; mypy strict on the sans-I/O core, the Python client and gateway/, typed

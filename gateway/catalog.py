@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from core import Published, TopicConfig
+from core.errors import TooManySubscriptions
 
 from .auth.identity import ClientIdentity
 from .broker.base import Broker
@@ -61,6 +62,18 @@ class TopicCatalog:
                               delta=delta)
         if creating:
             self.creations.charge(identity)
+
+    def check_room(self, client_id: str, topic: str) -> None:
+        """`TooManySubscriptions` when the client holds `scheduler.max_subscriptions` subscriptions and `topic`
+        is not one of them: asked before a subscribe takes a token of `limits.subscribe_rate`, so a client at
+        its cap is told so (not `rate_limited`) and spends nothing. The engine checks again when it subscribes
+        (with a broker, subscribes still attaching are not counted here)."""
+        if not self.topics.has_client(client_id):
+            return
+        subs = self.topics.client(client_id).subs
+        limit = self.topics.config.max_subscriptions
+        if len(subs) >= limit and topic not in subs:
+            raise TooManySubscriptions(f"at most {limit} subscriptions per client (scheduler.max_subscriptions)")
 
     def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
         owner = self.membership.unsubscribe(client_id, topic, request_id=request_id)

@@ -380,6 +380,8 @@ def _run_value(hub: "Hub", identity: ClientIdentity, value: Any, sent: bool) -> 
     try:
         command = schema.command(value)
         if sent and isinstance(command, (schema.Subscribe, schema.Unsubscribe)):
+            if isinstance(command, schema.Subscribe):  # at its cap: that is the answer, and it costs no token
+                hub.catalog.check_room(client_id, command.topic)
             _count_subscribe(hub, identity)
         if not _wait_behind(hub, identity, command):
             _run(hub, identity, command)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import os
+import re
 import resource
 import secrets
 import signal
@@ -63,6 +65,48 @@ def check_listener_tokens(config: GatewayConfig) -> None:
                 f"refusing to bind {what} on {cfg.host} without {section}.token: set it"
                 f" (or GATEWAY_{section.upper()}_TOKEN)"
             )
+
+
+class ListenError(ConfigError):
+    """A listening port could not be bound (in use, a host not of this machine, a port below 1024...): the
+    gateway cannot start, as with a config error (exit status 2), and the message names the port and its key."""
+
+
+#: the listening ports: (section, key, what listens there)
+LISTENERS = (("server", "port", "HTTP"), ("ingest", "port", "TCP ingest"), ("rawtcp", "sender_port", "raw TCP senders"),
+             ("rawtcp", "receiver_port", "raw TCP receivers"))
+
+
+def listen_error(exc: OSError, section: str, key: str, host: str, port: int) -> ListenError:
+    """One line for a bind that failed: which port, which key sets it (and its variable), and why."""
+    what = next(what for s, k, what in LISTENERS if (s, k) == (section, key))
+    where = f"{section}.{key}, GATEWAY_{section.upper()}_{key.upper()}"
+    if (section, key) == ("server", "port"):
+        where += " or serve --port"
+    if exc.errno == errno.EADDRINUSE:
+        return ListenError(f"port {port} ({what}: {where}) is in use on {host} by another process: stop it, or"
+                           " choose another port")
+    return ListenError(f"cannot listen on {host}:{port} ({what}: {section}.host, {where}): {exc.strerror or exc}")
+
+
+def check_listener_ports(config: GatewayConfig, worker: int = 0) -> None:
+    """Two of the gateway's own listeners on one port (0: a free one each) fail before anything starts, saying
+    which keys collide (the bind would say only that the port is in use)."""
+    seen: dict[tuple[str, int], str] = {}
+    for section, key, _what in LISTENERS:
+        cfg = getattr(config, section)
+        if section != "server" and not cfg.enabled:
+            continue
+        if section == "rawtcp" and worker != 0:  # worker 0 alone runs the raw TCP broadcaster
+            continue
+        port = getattr(cfg, key)
+        if port == 0:
+            continue
+        wildcard = cfg.host in ("", "0.0.0.0", "::")
+        for (host, other_port), other in seen.items():
+            if other_port == port and (host == cfg.host or wildcard or host in ("", "0.0.0.0", "::")):
+                raise ConfigError(f"{other} and {section}.{key} are both port {port}: give each listener its own")
+        seen[(cfg.host, port)] = f"{section}.{key}"
 
 
 class GatewayServer(uvicorn.Server):
@@ -277,15 +321,31 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
     shared = config.server.workers > 1
     tls = tls_files(config)
     check_listener_tokens(config)
+    check_listener_ports(config, worker)
     hosts = HostPolicy(config.server.allowed_hosts, config.server.host)
     hub = Hub(config)
     hub.readiness.worker = worker
     await hub.start()
-    server_cfg = config.server
     running = RunningGateway(config, hub, token, http_port=0)
+    try:
+        sock = await _bind_listeners(running, worker, shared)
+    except ListenError:
+        await running.stop()  # what did start (the hub, its broker, a listener bound before) stops again
+        raise
+    return await _serve_http(running, sock, worker, links, hosts, tls)
+
+
+async def _bind_listeners(running: RunningGateway, worker: int, shared: bool) -> socket.socket:
+    """Bind the ingest, the raw TCP ports (worker 0) and the HTTP port; the HTTP socket, not served yet.
+    ListenError when one cannot be bound, naming its port and key (docs: README, exit status 2)."""
+    config, hub = running.config, running.hub
+    server_cfg = config.server
     if config.ingest.enabled:
         running.ingest = IngestServer(IngestParts(config, hub.catalog, hub.tracing, hub.bad_input))
-        await running.ingest.start(config.ingest.host, config.ingest.port, reuse_port=shared)
+        try:
+            await running.ingest.start(config.ingest.host, config.ingest.port, reuse_port=shared)
+        except OSError as exc:
+            raise listen_error(exc, "ingest", "port", config.ingest.host, config.ingest.port) from None
         running.ingest_port = running.ingest.port
     if config.rawtcp.enabled and worker == 0:
         from core.byte_ring import ByteRingConfig
@@ -300,13 +360,30 @@ async def start_gateway(config: GatewayConfig, worker: int = 0, links: WorkerLin
             max_receivers=r.max_receivers,
         ), token=r.token, handshake_timeout=config.server.header_timeout_s,
             sender_idle_timeout=r.sender_idle_timeout_s, bad_input=hub.bad_input)
-        await raw.start(r.host, r.sender_port, r.receiver_port)
+        try:
+            await raw.start(r.host, r.sender_port, r.receiver_port)
+        except OSError as exc:
+            # which of the two: the message of asyncio's bind names the address, ('HOST', PORT) or (... PORT, 0, 0)
+            failed = r.receiver_port and re.search(rf", {r.receiver_port}[,)]", str(exc))
+            key = "receiver_port" if failed else "sender_port"
+            raise listen_error(exc, "rawtcp", key, r.host, getattr(r, key)) from None
         hub.attach_raw(raw)
         assert raw.sender_port is not None and raw.receiver_port is not None  # set by start()
         running.raw_sender_port, running.raw_receiver_port = raw.sender_port, raw.receiver_port
     raise_open_files_limit(server_cfg.max_connections, server_cfg.workers)
-    sock = _listen(server_cfg.host, server_cfg.port, reuse_port=shared)
+    try:
+        sock = _listen(server_cfg.host, server_cfg.port, reuse_port=shared)
+    except OSError as exc:
+        raise listen_error(exc, "server", "port", server_cfg.host, server_cfg.port) from None
     running.http_port = sock.getsockname()[1]
+    return sock
+
+
+async def _serve_http(running: RunningGateway, sock: socket.socket, worker: int, links: WorkerLinks | None,
+                      hosts: HostPolicy, tls: tuple[str, str] | None) -> RunningGateway:
+    """Serve the app on the bound HTTP socket (uvicorn); returns once it has started."""
+    config, hub, token = running.config, running.hub, running.admin_token
+    server_cfg = config.server
     limiter = ConnectionLimiter(server_cfg.max_connections, server_cfg.max_connections_per_ip, hub.bad_input)
     if links is not None and links.counts is not None:  # per-address limits count across the workers
         links.counts.bind(worker)
