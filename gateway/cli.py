@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--config", help="TOML file of overrides (for auth.jwt_secret and the rest)")
     check = sub.add_parser("check-config", help="check a config as `serve` would and print the values in force")
     check.add_argument("file", nargs="?", help="TOML file of overrides over config/default.toml")
+    receiver = sub.add_parser("trace-receiver", help="print the spans a gateway exports over OTLP/HTTP, one a line"
+                              " (development: docs/operations.md)")
+    receiver.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    receiver.add_argument("--port", type=int, default=4318, help="the port to listen on (default 4318, OTLP/HTTP's)")
     return parser
 
 
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         return _token(args)
     if args.command == "check-config":
         return _check_config(args.file)
+    if args.command == "trace-receiver":
+        from .ops.trace_receiver import receive
+
+        return receive(args.host, args.port)
     overrides: dict[str, Any] = {}
     if args.host:
         overrides.setdefault("server", {})["host"] = args.host

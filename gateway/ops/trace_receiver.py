@@ -110,18 +110,14 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # stdout is for the spans
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.ops.trace_receiver",
-                                     description="print the spans a gateway exports over OTLP/HTTP, one a line")
-    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=4318, help="the port to listen on (default 4318, OTLP/HTTP's)")
-    args = parser.parse_args(argv)
+def receive(host: str, port: int) -> int:
+    """Print the spans POSTed to `host:port` until interrupted (`gateway trace-receiver`); 2 when it cannot listen."""
     try:
-        server = ThreadingHTTPServer((args.host, args.port), _Handler)
+        server = ThreadingHTTPServer((host, port), _Handler)
     except OSError as exc:
-        print(f"trace receiver: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"trace receiver: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 2
-    print(f"trace receiver: spans POSTed to http://{args.host}:{server.server_address[1]}/v1/traces are printed here",
+    print(f"trace receiver: spans POSTed to http://{host}:{server.server_address[1]}/v1/traces are printed here",
           file=sys.stderr, flush=True)
     try:
         server.serve_forever()
@@ -130,6 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.ops.trace_receiver",
+                                     description="print the spans a gateway exports over OTLP/HTTP, one a line")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=4318, help="the port to listen on (default 4318, OTLP/HTTP's)")
+    args = parser.parse_args(argv)
+    return receive(args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def usage_rows() -> list[str]:
 
 
 def test_the_readme_lists_every_gateway_command() -> None:
-    assert {row.split()[1] for row in usage_rows()} == {"serve", "token", "check-config"}
+    assert {row.split()[1] for row in usage_rows()} == {"serve", "token", "check-config", "trace-receiver"}
 
 
 @pytest.mark.parametrize("row", usage_rows())

@@ -5,7 +5,7 @@
 - a collector's answer is read within EXPORT_ANSWER_MAX_BYTES, however long it is;
 - oversized `traceparent` / `tracestate` headers are counted and logged at the bad-input rate, never by the
   propagator once per request;
-- the receiver the package ships (`python -m gateway.ops.trace_receiver`) shows a trace, as the docs say.
+- the receiver the package ships (`gateway trace-receiver`) shows a trace, as the docs say.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ FOUR = {"admin publish", "broker.publish", "engine.apply", "fanout"}
 
 def test_the_documented_receiver_shows_a_publishs_trace(tmp_path: Path) -> None:
     receive, serve, publish = _receiver_block()
-    assert receive.startswith(".venv/bin/python -m gateway.ops.trace_receiver ")
+    assert receive.startswith(".venv/bin/gateway trace-receiver ")
     otlp, http = str(free_port()), str(free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OTEL_"))}
     receiver = subprocess.Popen(shlex.split(receive.replace("4318", otlp)), cwd=ROOT, env=env, text=True,
