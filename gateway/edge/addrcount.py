@@ -13,8 +13,8 @@ microsecond); two workers admitting the same address at the same instant may bot
 limit can be exceeded by at most N-1; keys that share a slot in another worker's column count together there
 (with 2^18 slots, a given address shares one with probability about addresses / 262,144), which can only
 refuse early, never admit beyond a limit. Memory: 1 MiB of address space per worker, of which only touched
-pages are resident. A worker that dies takes the others down (gateway/workers/supervisor.py), so no stale
-column outlives it.
+pages are resident. A worker that dies has its column zeroed by the supervisor before it is forked again
+(gateway/workers/supervisor.py), so no stale count outlives it.
 
 The token buckets keyed by address (`limits.topic_create_rate` / `topic_create_burst`, `auth.rate_per_ip` /
 `burst_per_ip`) are shared the same way (`SharedRate`): one table of 64-bit floats per bucket kind, a

@@ -5,9 +5,10 @@ session or an SSE stream lives in one worker's memory. So the session secret nam
 hands out `w{i}.` + 128 random bits (the prefix is public and adds nothing to guess; the random part is the
 secret, as with one worker). A request for `/lp/{secret}` or `/sse/{secret}` that reaches another worker is
 forwarded to the owner over a connection only the workers can make: the forwarder makes a connected pair of
-Unix stream sockets (`socketpair`), and hands one end to the owner through the owner's *inbox*, a datagram
-socketpair the supervisor makes per worker before forking (`SCM_RIGHTS`); the owner serves the app on it as
-on a client connection (`WorkerLinks`). No socket has an address another process could connect to (the
+Unix stream sockets (`socketpair`), and hands one end to the owner through the owner's *inbox*
+(`SCM_RIGHTS`), a datagram socketpair the supervisor makes per worker before forking and keeps, so that a
+worker forked again in place of a dead one receives on the same inbox; the owner serves the app on it as on a
+client connection (`WorkerLinks`). No socket has an address another process could connect to (the
 internal sockets used to be loopback TCP ports, which served the whole app to any local process), and the
 owner serves at most `server.max_connections` such connections at once (beyond: `503`).
 
@@ -115,7 +116,8 @@ class WorkerLinks:
 
 
 def make_inbox() -> tuple[socket.socket, socket.socket]:
-    """(receiving, sending) ends of one worker's inbox; made by the supervisor before it forks."""
+    """(receiving, sending) ends of one worker's inbox; made by the supervisor before it forks, and kept by it
+    for the worker's restarts."""
     receiving, sending = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     receiving.setblocking(False)
     sending.setblocking(False)
