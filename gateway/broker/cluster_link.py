@@ -83,6 +83,7 @@ class ClusterLink(SingleLink):
                 loop.create_task(self._probe_loop(), name="broker-probe")]
 
     async def close(self) -> None:
+        self._stop_state_lines()
         await self._close_shards()
         await self.cluster.aclose()
 

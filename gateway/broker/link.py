@@ -28,8 +28,9 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
 from core import RequestError
@@ -50,6 +51,12 @@ COMMAND_TIMEOUT_S = 5.0
 #: Redis counts as not answering at most PROBE_PERIOD_S + PROBE_TIMEOUT_S after it stopped.
 PROBE_PERIOD_S = 2.0
 PROBE_TIMEOUT_S = 2.0
+#: The broker's state lines (`SingleLink._health_changed`): one when /readyz turns `broker_unavailable`, one when
+#: it is ready again, with the seconds it was not; never one per attempt. A Redis that flaps gets at most
+#: STATE_LINES_BURST lines at once, then one per STATE_LINE_EVERY_S, which tells the state then and how many
+#: changes it stands for.
+STATE_LINES_BURST = 2
+STATE_LINE_EVERY_S = 5.0
 #: The failures that mean Redis is lost (or answered something this node cannot use); redis-py's cluster client
 #: raises RedisClusterException (not a RedisError) when it cannot map a slot to a node, e.g. during a failover.
 LINK_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError, RequestError)
@@ -87,6 +94,8 @@ class LinkHooks:
     #: Redis Cluster: a channel followed its slot to another shard and is subscribed there again; what was
     #: published on it meanwhile is not on the channel (cluster_link.py)
     moved: Callable[[str], None] = lambda channel: None
+    #: how many topics the node serves (the `back` line tells how many it resynchronises)
+    served: Callable[[], int] = lambda: 0
 
 
 class Link(Protocol):
@@ -146,6 +155,25 @@ class SingleLink:
         self.reconnect_failures = 0
         self._pubsub: AbstractConnection | None = None
         self._subscribing: dict[str, asyncio.Future[None]] = {}
+        #: when the last reconnect succeeded (monotonic): a probe's PING that began before it is stale
+        self._reconnected_at = 0.0
+        #: the state the lines told last (`_health_changed`), since when /readyz says broker_unavailable
+        #: (monotonic; None while ready), why, and what the outage cost
+        self._healthy = True
+        self.down_since: float | None = None
+        self._down_state = ""
+        self._down_reason = ""
+        self._down_s = 0.0
+        self._failures_at_down = 0
+        self._resynced = False
+        #: state changes not told yet, the line budget (STATE_LINES_BURST, STATE_LINE_EVERY_S) and the line
+        #: waiting for it
+        self._changes = 0
+        self._line_tokens = float(STATE_LINES_BURST)
+        self._line_tokens_at = time.monotonic()
+        self._line_timer: asyncio.TimerHandle | None = None
+        #: the unexpected failures logged with their traceback during this outage (`_unexpected`)
+        self._unexpected_seen: set[str] = set()
 
     def _client(self, config: BrokerConfig) -> aioredis.Redis:
         return aioredis.Redis.from_url(config.url, **client_options())
@@ -176,20 +204,20 @@ class SingleLink:
 
     def run(self) -> list[asyncio.Task[None]]:
         loop = asyncio.get_running_loop()
+        self._healthy = self.healthy
         return [loop.create_task(self._read_loop(), name="broker-reader"),
                 loop.create_task(self._probe_loop(), name="broker-probe")]
 
     async def close(self) -> None:
+        self._stop_state_lines()
         if self._pubsub is not None:
             await self._pubsub.disconnect()
         await self.redis.aclose()
 
     async def _connect(self) -> None:
         """Ping, load the scripts, open the channel connection (replacing a broken one)."""
-        # The pool's connections opened before Redis went away are dead: drop them all now, or the first
-        # command after the reconnect fails on one and the node loses Redis again (a second round, 0.5 s).
         pool = self.redis.connection_pool
-        await pool.disconnect()
+        await self._drop_idle_connections()
         await self.redis.ping()
         for name in scripts.NAMES:
             self.shas[name] = await self.redis.script_load(scripts.source(name, sharded=False))
@@ -202,14 +230,25 @@ class SingleLink:
         await pubsub.connect()  # type: ignore[no-untyped-call, unused-ignore]
         self._pubsub = pubsub
 
+    async def _drop_idle_connections(self) -> None:
+        """Close the command pool's idle connections: opened before Redis went away they are dead, and the first
+        command after the reconnect would fail on one (the node would lose Redis again, a second round). They
+        leave the pool first, so no other task takes one while it closes; a connection in use stays with its
+        command (a dead one fails it, and redis-py closes it then). Closing every connection of the pool, as
+        `ConnectionPool.disconnect()` does, closed those that other tasks were using or taking at that moment:
+        redis-py then wrote on a stream it had just set to None and raised AttributeError in that task, which
+        killed the readiness probe (tests/cluster/test_long_outage.py), at every attempt a new chance."""
+        pool = self.redis.connection_pool
+        # redis-py has no call for "take the idle connections out": its list is swapped (redis is pinned)
+        idle, pool._available_connections = pool._available_connections, []
+        await asyncio.gather(*(connection.disconnect() for connection in idle), return_exceptions=True)
+
     def lost(self, exc: BaseException) -> None:
         self.last_error = str(exc) or type(exc).__name__
         if not self.available:
             return
         self.available = False
-        log.warning("broker %s lost: %s; publishes get broker_unavailable until it is back",
-                    self.target, self.last_error,
-                    extra={"broker": self.target, "state": "lost", "reason": self.last_error})
+        self._health_changed("lost", self.last_error)
         for future in self._subscribing.values():
             if not future.done():
                 future.set_exception(BrokerUnavailable(f"broker unreachable: {self.last_error}"))
@@ -235,20 +274,31 @@ class SingleLink:
             await self._reconnect()
 
     async def _reconnect(self) -> None:
+        """Try every RETRY_S until Redis serves again, however many attempts fail: an attempt's failure of any
+        kind is that attempt's (one that is no Redis error is logged with its traceback, `_unexpected`)."""
         while True:
             await asyncio.sleep(RETRY_S)
             try:
                 await self._connect()
                 await self._resubscribe(self.hooks.channels())
                 await self.hooks.reconnected()
-                self.available = True
-            except LINK_ERRORS as exc:
+            except Exception as exc:
+                if not isinstance(exc, LINK_ERRORS):
+                    self._unexpected("a reconnect", exc)
                 self.available = False
                 self.reconnect_failures += 1
                 self.last_error = str(exc) or type(exc).__name__
                 log.debug("broker still unreachable: %s", self.last_error)
                 continue
-            self.hooks.back()
+            # this attempt's PING and scripts were answered just now: ready at once, not at the next probe
+            self.available = self.answering = True
+            self._reconnected_at = time.monotonic()
+            self._resynced = True
+            try:
+                self.hooks.back()
+            except Exception as exc:  # a bug of the broker's resync: the reader stays
+                self._unexpected("the resync after a reconnect", exc)
+            self._health_changed("back", "")
             return
 
     async def _resubscribe(self, channels: list[str]) -> None:
@@ -309,15 +359,21 @@ class SingleLink:
     # -- readiness ---------------------------------------------------------------------------------------
 
     async def _probe_loop(self) -> None:
-        """PING every PROBE_PERIOD_S (`answering`). Readiness only: publishes keep their own timeout."""
+        """PING every PROBE_PERIOD_S (`answering`). Readiness only: publishes keep their own timeout. Nothing
+        ends it but the broker's stop: a probe that fails in an unexpected way counts as not answered."""
         while True:
             await asyncio.sleep(PROBE_PERIOD_S)
-            answering = await self._answers_ping()
+            began = time.monotonic()
+            try:
+                answering = await self._answers_ping()
+            except Exception as exc:
+                self._unexpected("the readiness probe", exc)
+                answering = False
+            if not answering and began < self._reconnected_at:
+                continue  # a reconnect made while this PING waited found Redis answering: that is newer
             if answering != self.answering:
-                log.warning("broker %s %s", self.target, "answers PING again: /readyz ready" if answering
-                            else f"did not answer PING within {PROBE_TIMEOUT_S:g} s: /readyz broker_unavailable",
-                            extra={"broker": self.target, "state": "answering" if answering else "silent"})
-            self.answering = answering
+                self.answering = answering
+                self._health_changed("silent", f"did not answer PING within {PROBE_TIMEOUT_S:g} s")
 
     async def _answers_ping(self) -> bool:
         try:
@@ -325,6 +381,76 @@ class SingleLink:
         except (RedisError, OSError, asyncio.TimeoutError):
             return False
         return True
+
+    # -- the state lines -----------------------------------------------------------------------------------
+
+    def _health_changed(self, state: str, reason: str) -> None:
+        """`healthy` may have changed (`state`: "lost" or "silent" with the `reason`, or "back"): a line tells a
+        change, one when /readyz turns broker_unavailable and one when it is ready again, within the budget."""
+        healthy = self.healthy
+        if healthy == self._healthy:
+            return
+        self._healthy = healthy
+        now = time.monotonic()
+        if healthy:
+            self._down_s = now - (self.down_since if self.down_since is not None else now)
+            self.down_since = None
+        else:
+            self.down_since = now
+            self._down_state, self._down_reason = state, reason
+            self._failures_at_down = self.reconnect_failures
+            self._resynced = False
+            self._unexpected_seen.clear()
+        self._changes += 1
+        self._state_line()
+
+    def _state_line(self) -> None:
+        """Tell the state now, if the budget allows (STATE_LINES_BURST lines at once, then one per
+        STATE_LINE_EVERY_S); else once it does, with how many changes the line stands for."""
+        now = time.monotonic()
+        self._line_tokens = min(float(STATE_LINES_BURST),
+                                self._line_tokens + (now - self._line_tokens_at) / STATE_LINE_EVERY_S)
+        self._line_tokens_at = now
+        if self._line_tokens < 1.0:
+            if self._line_timer is None:
+                self._line_timer = asyncio.get_running_loop().call_later(
+                    (1.0 - self._line_tokens) * STATE_LINE_EVERY_S, self._deferred_state_line)
+            return
+        self._line_tokens -= 1.0
+        changes, self._changes = self._changes, 0
+        more = f"; {changes - 1} more changes since the last line" if changes > 1 else ""
+        if self._healthy:
+            failed = self.reconnect_failures - self._failures_at_down
+            topics = self.hooks.served()
+            resync = f", resynchronising {topics} topics" if self._resynced else ""
+            log.warning("broker %s back after %.1f s unavailable (%d failed reconnects)%s: /readyz ready%s",
+                        self.target, self._down_s, failed, more, resync,
+                        extra={"broker": self.target, "state": "back", "down_s": round(self._down_s, 3),
+                               "reconnect_failures": failed, "topics": topics})
+        else:
+            log.warning("broker %s unavailable (%s: %s)%s: publishes get broker_unavailable, /readyz 503 until it"
+                        " is back", self.target, self._down_state, self._down_reason, more,
+                        extra={"broker": self.target, "state": self._down_state, "reason": self._down_reason})
+
+    def _deferred_state_line(self) -> None:
+        self._line_timer = None
+        if self._changes:
+            self._state_line()
+
+    def _stop_state_lines(self) -> None:
+        if self._line_timer is not None:
+            self._line_timer.cancel()
+            self._line_timer = None
+
+    def _unexpected(self, where: str, exc: BaseException) -> None:
+        """A failure that is no Redis error (a bug, a race in redis-py): told with its traceback, once per place
+        and kind per outage; what failed goes on."""
+        key = f"{where}: {type(exc).__name__}"
+        if key in self._unexpected_seen:
+            return
+        self._unexpected_seen.add(key)
+        log.error("broker %s: %s failed unexpectedly (%s: %s); it goes on", self.target, where,
+                  type(exc).__name__, exc, exc_info=exc)
 
 
 class SentinelLink(SingleLink):
@@ -337,12 +463,64 @@ class SentinelLink(SingleLink):
             sentinel_kwargs={"socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": COMMAND_TIMEOUT_S},
         )
         self.target = f"sentinel {config.sentinel_master!r} at {', '.join(config.sentinel_addresses)}"
+        self.master = config.sentinel_master
+        #: the sentinels' answers that could not be read during the last attempt to connect (for its message)
+        self.malformed: list[str] = []
+        # an answer that is no list of primaries fails as that sentinel not answering (the next is asked)
+        for where, sentinel in zip(config.sentinel_addresses, self.sentinel.sentinels):
+            callbacks = sentinel.response_callbacks
+            callbacks[MASTERS] = checked_masters(callbacks[MASTERS], where, self.malformed)
         client: aioredis.Redis = self.sentinel.master_for(config.sentinel_master, **client_options())
         return client
+
+    async def _connect(self) -> None:
+        self.malformed.clear()
+        try:
+            await super()._connect()
+        except MasterNotFoundError:
+            if not self.malformed:
+                raise
+            # redis-py's message names each sentinel by its client's repr and the failure by its class only;
+            # it asks each sentinel several times: each reason once
+            raise MasterNotFoundError(f"no primary for {self.master!r} from the sentinels: "
+                                      + "; ".join(dict.fromkeys(self.malformed))) from None
 
     async def close(self) -> None:
         await super().close()
         await self.sentinel.aclose()
+
+
+#: the command that asks a sentinel for the primaries it monitors (redis-py's key for its answer's parser)
+MASTERS = "SENTINEL MASTERS"
+
+
+class MalformedSentinelAnswer(RedisConnectionError):
+    """A sentinel's `SENTINEL MASTERS` answer is not a list of primaries with their address. A ConnectionError,
+    so redis-py counts that sentinel as not reached and asks the next; with none left the connect fails as
+    for sentinels that do not answer (retried, then `BrokerUnreachable`), not with a parser's exception."""
+
+
+def checked_masters(parse: Callable[..., Any], where: str, malformed: list[str]) -> Callable[..., Any]:
+    """redis-py's parser of `SENTINEL MASTERS` for the sentinel at `where`, failing with
+    `MalformedSentinelAnswer` (and noting why in `malformed`) on an answer it cannot read (it raises
+    AttributeError, KeyError, TypeError... then) or one without what redis-py reads next: each primary's
+    flags, `ip` (text), `port` and `num-other-sentinels` (numbers)."""
+
+    def checked(response: Any, **options: Any) -> Any:
+        try:
+            masters = parse(response, **options)
+            for name, state in masters.items():  # what redis-py's discover_master and check_master_state read
+                if not (isinstance(state["ip"], str) and isinstance(state["port"], int)
+                        and isinstance(state["num-other-sentinels"], int)):
+                    raise ValueError(f"primary {name!r}: ip {state['ip']!r}, port {state['port']!r},"
+                                     f" num-other-sentinels {state['num-other-sentinels']!r}")
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            reason = f"{where} gave a malformed {MASTERS} answer ({type(exc).__name__}: {exc})"
+            malformed.append(reason)
+            raise MalformedSentinelAnswer(reason) from None
+        return masters
+
+    return checked
 
 
 def client_options() -> dict[str, Any]:

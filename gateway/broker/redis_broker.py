@@ -60,7 +60,7 @@ class RedisBroker:
         self.node_id = f"{instance_id}-{os.getpid()}"
         self.link = make_link(config, LinkHooks(
             message=self._on_message, lost=lambda: self.topic_lines.lost(), channels=self._channels,
-            reconnected=self._reconnected, back=self._back, moved=self._moved))
+            reconnected=self._reconnected, back=self._back, moved=self._moved, served=lambda: len(self.lines)))
         self.redis = self.link.redis
         self.shas = self.link.shas
         self.topic_lines = TopicLines(self.link, self.keys, events, creations, self.ttl, config.max_topics)
@@ -160,8 +160,7 @@ class RedisBroker:
         await self.queues.check_behind()
 
     def _back(self) -> None:
-        log.warning("broker %s back: resynchronising %d topics", self.link.target, len(self.lines),
-                    extra={"broker": self.link.target, "state": "back", "topics": len(self.lines)})
+        """Publishes resumed: resynchronise what lives in Redis (the link's `back` line tells how many topics)."""
         self.publisher.wake_accepting()
         self.topic_lines.back()
         self.queues.resync()
