@@ -27,8 +27,8 @@ from __future__ import annotations
 import struct
 from itertools import accumulate
 
-__all__ = ["CHAIN_LIMIT", "DIGITS", "DeltaError", "MAX_TARGET_BYTES", "NotWorthIt", "WINDOW", "apply", "checksum",
-           "delta"]
+__all__ = ["CHAIN_LIMIT", "DIGITS", "DeltaError", "MAX_TARGET_BYTES", "NotWorthIt", "WINDOW", "apply", "check",
+           "checksum", "delta"]
 
 #: the digits of the format's numbers, value 0 to 63
 DIGITS = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz~"
@@ -318,12 +318,39 @@ def _whole_characters(target: bytes, start: int, offset: int, count: int) -> tup
 def apply(source: bytes, delta: bytes, *, max_size: int = MAX_TARGET_BYTES) -> bytes:
     """The target ``delta`` rebuilds from ``source``, checked against its announced size and checksum.
     `DeltaError` for a malformed delta, one that reads outside the source, one announcing more than
-    ``max_size`` bytes, or a result whose size or checksum is not the announced one."""
+    ``max_size`` bytes, or a result whose checksum is not the announced one. Every command is checked
+    (`check`) before a byte is built: a short delta of copies (they repeat the source) refused for its
+    commands costs a pass over its own bytes, not the megabytes it announces."""
+    size, expected = check(len(source), delta, max_size)
+    out = bytearray()
+    pos = delta.index(_NEWLINE) + 1
+    while True:
+        value, pos = _read_number(delta, pos)
+        command, pos = delta[pos], pos + 1
+        if command == _COPY:
+            offset, pos = _read_number(delta, pos)
+            out += source[offset : offset + value]
+            pos += 1  # the comma
+        elif command == _INSERT:
+            out += delta[pos : pos + value]
+            pos += value
+        else:  # the end, as `check` found it
+            target = bytes(out)
+            if checksum(target) != expected:
+                raise DeltaError("the rebuilt target does not match the delta's checksum (not the source it was "
+                                 "made from?)")
+            return target
+
+
+def check(source_size: int, delta: bytes, max_size: int = MAX_TARGET_BYTES) -> tuple[int, int]:
+    """The target size and checksum ``delta`` announces, once every command is found well formed: copies
+    within the source, inserts within the delta, the writes adding up to the size it announces (at most
+    ``max_size``), the checksum last. One pass over the commands, building nothing; raises `DeltaError`."""
     size, pos = _read_number(delta, 0)
     pos = _expect(delta, pos, _NEWLINE, "the size")
     if size > max_size:
         raise DeltaError(f"the delta announces {size} bytes, more than the {max_size} allowed")
-    out = bytearray()
+    written = 0
     while pos < len(delta):
         value, pos = _read_number(delta, pos)
         if pos >= len(delta):
@@ -332,20 +359,23 @@ def apply(source: bytes, delta: bytes, *, max_size: int = MAX_TARGET_BYTES) -> b
         if command == _COPY:
             offset, pos = _read_number(delta, pos)
             pos = _expect(delta, pos, _COMMA, "a copy")
-            if offset + value > len(source):
-                raise DeltaError(f"a copy of source bytes [{offset}, {offset + value}) past its {len(source)} bytes")
-            _check_room(out, value, size)
-            out += source[offset : offset + value]
+            if offset + value > source_size:
+                raise DeltaError(f"a copy of source bytes [{offset}, {offset + value}) past its {source_size} bytes")
         elif command == _INSERT:
             if pos + value > len(delta):
                 raise DeltaError(f"an insert of {value} bytes past the end of the delta")
-            _check_room(out, value, size)
-            out += delta[pos : pos + value]
             pos += value
         elif command == _END:
-            return _checked(out, size, value, trailing=len(delta) - pos)
+            if pos != len(delta):
+                raise DeltaError(f"{len(delta) - pos} bytes after the checksum")
+            if written != size:
+                raise DeltaError(f"the delta rebuilt {written} bytes, not the {size} it announced")
+            return size, value
         else:
             raise DeltaError(f"unknown command {bytes([command])!r} at byte {pos - 1} of the delta")
+        written += value
+        if written > size:
+            raise DeltaError(f"the delta writes more than the {size} bytes it announced")
     raise DeltaError("the delta ends before its checksum")
 
 
@@ -353,19 +383,3 @@ def _expect(data: bytes, pos: int, byte: int, after: str) -> int:
     if pos >= len(data) or data[pos] != byte:
         raise DeltaError(f"{after} is not followed by {bytes([byte])!r} at byte {pos} of the delta")
     return pos + 1
-
-
-def _check_room(out: bytearray, count: int, size: int) -> None:
-    if len(out) + count > size:
-        raise DeltaError(f"the delta writes more than the {size} bytes it announced")
-
-
-def _checked(out: bytearray, size: int, expected: int, trailing: int) -> bytes:
-    if trailing:
-        raise DeltaError(f"{trailing} bytes after the checksum")
-    if len(out) != size:
-        raise DeltaError(f"the delta rebuilt {len(out)} bytes, not the {size} it announced")
-    target = bytes(out)
-    if checksum(target) != expected:
-        raise DeltaError("the rebuilt target does not match the delta's checksum (not the source it was made from?)")
-    return target

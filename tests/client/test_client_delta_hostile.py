@@ -15,21 +15,12 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
 import fanout_client
-from core.fossil import delta
 from fanout_client import Message
+from tests.client.hostile_deltas import BAD_DELTA, SUBSCRIBED, TOPIC, commands, reset_answer
 
 pytestmark = pytest.mark.timeout(60)
 
-TOPIC = "book.x"
-#: a delta with no base to apply it to: it never applies
-BAD_DELTA = {"type": "msg", "topic": TOPIC, "seq": 0, "delta": True, "data": "5\n5:hello3NPMmi;"}
-SUBSCRIBED = {"type": "subscribed", "topic": TOPIC, "kind": "ring", "epoch": "e1", "seq": 0, "delta": True,
-              "id": None}
 
-
-def _commands(frame: str | bytes) -> list[dict[str, Any]]:
-    decoded = orjson.loads(frame)
-    return decoded if isinstance(decoded, list) else [decoded]
 
 
 async def _answer_pings(ws: ServerConnection, command: dict[str, Any]) -> bool:
@@ -46,7 +37,7 @@ def test_failing_deltas_resubscribe_with_backoff_and_a_bounded_table() -> None:
         async def hostile(ws: ServerConnection) -> None:
             nonlocal subscribes
             async for frame in ws:
-                for command in _commands(frame):
+                for command in commands(frame):
                     if await _answer_pings(ws, command) or command.get("op") != "subscribe":
                         continue  # unsubscribes are never answered
                     subscribes += 1
@@ -73,29 +64,18 @@ def test_failing_deltas_resubscribe_with_backoff_and_a_bounded_table() -> None:
 
 
 def test_the_backoff_resets_on_a_message_that_applies_and_resumes_from_its_seq() -> None:
-    whole = b'{"bid":1}'
-    after = b'{"bid":2}'
-    applies = {"type": "msg", "topic": TOPIC, "seq": 1, "delta": True, "data": delta(whole, after).decode()}
-    fails = {**BAD_DELTA, "seq": 2}
-
     async def main() -> None:
         asked: list[dict[str, Any]] = []
         done = asyncio.Event()
 
         async def gateway(ws: ServerConnection) -> None:
             async for frame in ws:
-                for command in _commands(frame):
+                for command in commands(frame):
                     if await _answer_pings(ws, command) or command.get("op") != "subscribe":
                         continue
                     asked.append(command)
-                    if len(asked) <= 3:  # three failures in a row: the backoff grows
-                        entries = [{**SUBSCRIBED, "id": command["id"]}, BAD_DELTA]
-                    elif len(asked) == 4:  # then a whole message, a delta that applies, one that fails
-                        entries = [{**SUBSCRIBED, "id": command["id"]},
-                                   {"type": "msg", "topic": TOPIC, "seq": 0, "delta": False, "data": whole.decode()},
-                                   applies, fails]
-                    else:
-                        entries = [{**SUBSCRIBED, "id": command["id"], "seq": 2}]
+                    entries = reset_answer(len(asked), command)
+                    if len(asked) >= 5:
                         done.set()
                     await ws.send(orjson.dumps(entries), text=True)
 

@@ -18,7 +18,7 @@ import orjson
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from core.fossil import delta
+from tests.client.hostile_deltas import BAD_DELTA, SUBSCRIBED, TOPIC, commands, reset_answer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,10 +39,6 @@ NODE = _node_with_websocket()
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(NODE is None, reason="needs node with a WebSocket (20 or later)")]
 
-TOPIC = "book.x"
-BAD_DELTA = {"type": "msg", "topic": TOPIC, "seq": 0, "delta": True, "data": "5\n5:hello3NPMmi;"}
-SUBSCRIBED = {"type": "subscribed", "topic": TOPIC, "kind": "ring", "epoch": "e1", "seq": 0, "delta": True,
-              "id": None}
 
 SCRIPT = """
 const { connect } = await import(process.argv[1]);
@@ -74,10 +70,6 @@ async def _run_node(port: int, seconds: float, backoff_base_ms: int = 500) -> di
     return result
 
 
-def _commands(frame: str | bytes) -> list[dict[str, Any]]:
-    decoded = orjson.loads(frame)
-    return decoded if isinstance(decoded, list) else [decoded]
-
 
 def test_failing_deltas_resubscribe_with_backoff_and_a_bounded_table() -> None:
     async def main() -> tuple[int, dict[str, Any]]:
@@ -86,7 +78,7 @@ def test_failing_deltas_resubscribe_with_backoff_and_a_bounded_table() -> None:
         async def hostile(ws: ServerConnection) -> None:
             nonlocal subscribes
             async for frame in ws:
-                for command in _commands(frame):
+                for command in commands(frame):
                     if command.get("op") != "subscribe":
                         continue  # unsubscribes are not answered
                     subscribes += 1
@@ -107,27 +99,16 @@ def test_failing_deltas_resubscribe_with_backoff_and_a_bounded_table() -> None:
 
 
 def test_the_backoff_resets_on_a_message_that_applies_and_resumes_from_its_seq() -> None:
-    whole = b'{"bid":1}'
-    applies = {"type": "msg", "topic": TOPIC, "seq": 1, "delta": True, "data": delta(whole, b'{"bid":2}').decode()}
-    fails = {**BAD_DELTA, "seq": 2}
-
     async def main() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         asked: list[dict[str, Any]] = []
 
         async def gateway(ws: ServerConnection) -> None:
             async for frame in ws:
-                for command in _commands(frame):
+                for command in commands(frame):
                     if command.get("op") != "subscribe":
                         continue
                     asked.append(command)
-                    if len(asked) <= 3:  # three failures in a row: the backoff grows
-                        entries = [{**SUBSCRIBED, "id": command["id"]}, BAD_DELTA]
-                    elif len(asked) == 4:  # then a whole message, a delta that applies, one that fails
-                        entries = [{**SUBSCRIBED, "id": command["id"]},
-                                   {"type": "msg", "topic": TOPIC, "seq": 0, "delta": False, "data": whole.decode()},
-                                   applies, fails]
-                    else:
-                        entries = [{**SUBSCRIBED, "id": command["id"], "seq": 2}]
+                    entries = reset_answer(len(asked), command)
                     await ws.send(orjson.dumps(entries), text=True)
 
         async with serve(gateway, "127.0.0.1", 0) as server:
