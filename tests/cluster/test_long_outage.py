@@ -115,7 +115,7 @@ def test_readiness_comes_back_after_thousands_of_failed_reconnects(redis_server,
         refuse(redis_server, False)
         return failed, await until(lambda: node.healthy, 5.0), ended(tasks)
 
-    failed, ready_after, died = asyncio.run(with_link(url, outage))  # type: ignore[misc]
+    failed, ready_after, died = asyncio.run(with_link(url, outage))
     assert not died, f"link tasks ended during the outage: {died}"
     assert failed >= 500, failed  # a long outage, in attempts
     assert ready_after is not None, "not ready 5 s after Redis served again"
@@ -144,7 +144,7 @@ def test_a_reconnect_that_fails_with_no_redis_error_is_retried_and_told_once(red
         await until(lambda: not node.healthy, 2.0)
         return await until(lambda: node.healthy, 5.0), ended(tasks)
 
-    back_after, died = asyncio.run(with_link(url, failing_check, reconnected))  # type: ignore[misc]
+    back_after, died = asyncio.run(with_link(url, failing_check, reconnected))
     assert not died, died  # before the fix the reader ended with the KeyError: never ready again
     assert back_after is not None and back_after < READY_WITHIN_S, back_after
     assert checks == 4, checks
@@ -174,7 +174,7 @@ def test_a_flapping_redis_gets_a_bounded_number_of_state_lines(redis_server, mon
         await asyncio.sleep(1.2)  # the deferred line
         return flaps, ready
 
-    flaps, ready = asyncio.run(with_link(url, flapping))  # type: ignore[misc]
+    flaps, ready = asyncio.run(with_link(url, flapping))
     assert ready is not None
     lines = broker_lines(caplog)
     assert flaps >= 8, flaps

@@ -253,7 +253,8 @@ def test_a_worker_that_keeps_dying_is_restarted_after_growing_delays_then_the_ga
                                                      "restarting it in 1 s", "restarting it in 2 s",
                                                      "restarting it in 4 s", "stopping the gateway"], deaths
     assert "before it listened" not in deaths[0], deaths
-    assert [re.search(r"\((\d) of 5 in a row\)", d).group(1) for d in deaths[1:]] == ["1", "2", "3", "4", "5"], deaths
+    in_a_row = [re.search(r"\((\d) of 5 in a row\)", d) for d in deaths[1:]]
+    assert [m.group(1) if m else None for m in in_a_row] == ["1", "2", "3", "4", "5"], deaths
 
 
 def _fresh(method: str, url: str, **kwargs: Any) -> httpx.Response:
