@@ -159,7 +159,11 @@ def say(line: str, *, stream: TextIO | None = None, level: int = logging.INFO, *
     if _json_mode:
         _console.log(level, line, extra=fields)
     else:
-        print(line, file=stream or sys.stdout, flush=True)
+        # one write of the line and its newline: the workers and the supervisor share the stream, and a line
+        # must never be split by another process's line
+        out = stream or sys.stdout
+        out.write(line + "\n")
+        out.flush()
 
 
 def say_exception(line: str) -> None:
@@ -169,5 +173,6 @@ def say_exception(line: str) -> None:
     else:
         import traceback
 
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
         traceback.print_exc()
