@@ -620,7 +620,8 @@ class Chaos:
         records = {c.name: dict(c.rec.events) for c in self.clients}
         users = {c.name: c.rec.user for c in self.clients if c.rec.user}
         result = check_all(records, kinds, users, dict(self.acc.private), rings,
-                           {t: dict(v) for t, v in self.acc.ring.items()}, self.wipes)
+                           {t: dict(v) for t, v in self.acc.ring.items()}, self.wipes,
+                           {t: dict(v) for t, v in self.acc.unknown.items()})
         bad = {(v.client, v.topic) for v in result.violations}
         bad_users = {v.client for v in result.violations if v.kind.startswith("private")}
         self.violating = {f"{c}/{t}": ev for c, ts in records.items() for t, ev in ts.items()

@@ -248,14 +248,18 @@ def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def check_ring_holds(topic: str, ring: Sequence[Mapping[str, Any]],
-                     accepted: Mapping[str, Iterable[int]]) -> list[Violation]:
+def check_ring_holds(topic: str, ring: Sequence[Mapping[str, Any]], accepted: Mapping[str, Iterable[int]],
+                     unknown: Mapping[str, Iterable[int]] | None = None) -> list[Violation]:
     """Check 4: ``ring`` is the topic's retained messages at the end (``msg`` events of one epoch, in seq
-    order); ``accepted`` maps each publisher to the payload numbers it was told were accepted on this topic."""
+    order); ``accepted`` maps each publisher to the payload numbers it was told were accepted on this topic;
+    ``unknown`` to those whose outcome it never learned (it gave up waiting, or was refused after the record
+    may have landed). Those are in no order check: a node may still publish one after its publisher moved on
+    to another node and published newer records there."""
     held: dict[str, list[int]] = defaultdict(list)
+    unsure = {pub: set(ns) for pub, ns in (unknown or {}).items()}
     for e in ring:
         key = _payload(e.get("data"))
-        if key is not None:
+        if key is not None and key[1] not in unsure.get(key[0], ()):
             held[key[0]].append(key[1])
     out: list[Violation] = []
     for pub, ns in held.items():
@@ -286,7 +290,8 @@ class CheckResult:
 def check_all(records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], kinds: Mapping[str, str],
               users: Mapping[str, str], private_accepted: Mapping[tuple[str, str], Iterable[tuple[str, int, float]]],
               rings: Mapping[str, Sequence[Mapping[str, Any]]], ring_accepted: Mapping[str, Mapping[str, Iterable[int]]],
-              wipes: Sequence[float] = ()) -> CheckResult:
+              wipes: Sequence[float] = (),
+              ring_unknown: Mapping[str, Mapping[str, Iterable[int]]] | None = None) -> CheckResult:
     """Every check over a whole run. ``records``: client -> topic -> events; ``kinds``: topic -> kind;
     ``users``: client -> user (clients holding private queues); ``private_accepted``: (user, topic) ->
     accepted publishes; ``rings``: topic -> its messages at the end; ``ring_accepted``: topic -> publisher
@@ -310,5 +315,5 @@ def check_all(records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], 
         violations += found
         expected += exp
     for topic, ring in rings.items():
-        violations += check_ring_holds(topic, ring, ring_accepted.get(topic, {}))
+        violations += check_ring_holds(topic, ring, ring_accepted.get(topic, {}), (ring_unknown or {}).get(topic))
     return CheckResult(violations, expected, streams)

@@ -392,6 +392,8 @@ class Accepted:
         self.private: dict[tuple[str, str], list[tuple[str, int, float]]] = defaultdict(list)
         self.refused: dict[str, int] = defaultdict(int)
         self.uncertain: dict[str, int] = defaultdict(int)
+        #: ``unknown[topic][publisher]``: payload numbers whose outcome the publisher never learned
+        self.unknown: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
 
 
 class IngestPublisher:
@@ -441,10 +443,13 @@ class IngestPublisher:
                             break
                 except (OSError, asyncio.TimeoutError, ValueError):
                     self.acc.uncertain[self.name] += len(batch)
+                    for topic, n in batch.values():
+                        self.acc.unknown[topic][self.name].add(n)
                     raise
                 for ln, (topic, n) in batch.items():
                     if ln in refused:
                         self.acc.refused[self.name] += 1
+                        self.acc.unknown[topic][self.name].add(n)
                     else:
                         self.acc.ring[topic][self.name].append(n)
                 await asyncio.sleep(0.1)
@@ -492,6 +497,8 @@ class AdminPublisher:
                         self.acc.ring[topic][self.name].append(n)
                     else:
                         self.acc.refused[self.name] += 1
+                        if user is None:  # a 503 may follow a publish that landed
+                            self.acc.unknown[topic][self.name].add(n)
                         if why != self.name:
                             self.acc.refused[why] += 1
                 await asyncio.sleep(1 / self.rate)
