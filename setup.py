@@ -2,7 +2,7 @@
 
 What the wheel holds: every package setuptools finds (no hand list), plus the checkout's top-level data
 folders shipped inside the gateway package, so an installed gateway reads them with importlib.resources
-exactly as a checkout does (gateway/admin/assets.py): config/ becomes `gateway.defaults`, static/ becomes
+exactly as a checkout does (gateway/shipped_files.py): config/ becomes `gateway.defaults`, static/ becomes
 `gateway.static`.
 
 The compiled core: mypyc turns the scheduler's hot modules into C extensions at install, when a C compiler

@@ -10,7 +10,7 @@ A `Client` outlives its connections: it reconnects with full-jitter backoff, res
 subscription with ``since`` (its epoch and the next seq it needs), drops redeliveries, asks ``get_token``
 for a fresh token when the gateway says the token expired (``auth`` on the live connection) and on the close
 codes 4001 and 4011, and follows the close-code table of fanout.js. Every buffer has a bound: requests
-(``max_pending_requests``; control commands: one per kind and topic, `Client._new_control`), each
+(``max_pending_requests``; control commands: one per kind and topic, `PendingTable.new_control`), each
 subscription's events (``max_queued_events``, policy in `Subscription`), frames (``max_frame_bytes``, near
 the largest frame a gateway builds; `RECEIVE_QUEUE_FRAMES` read ahead), writes (the WebSocket library's
 32 KiB write buffer; replies it owes a gateway that reads nothing: `REPLY_BYTES_WHILE_BLOCKED`, then the
@@ -29,7 +29,7 @@ import random
 import re
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, TypeAlias, cast
@@ -42,6 +42,8 @@ from websockets.exceptions import ConnectionClosed
 
 from .events import Event, FanoutError, Message, Position, Stream, TopicKind
 from .fossil import DeltaBase, DeltaError
+from .outgoing import Outgoing
+from .pending import Pending, PendingTable
 
 __all__ = ["Client", "ClientState", "CloseInfo", "Subscription", "TokenSource", "connect"]
 
@@ -51,8 +53,6 @@ ClientState: TypeAlias = Literal["connecting", "connected", "disconnected", "clo
 #: ``get_token``: a function returning a token (or None: no token to give), or an awaitable of one
 TokenSource: TypeAlias = Callable[[], "str | None | Awaitable[str | None]"]
 
-#: commands per frame (docs/protocol.md: at most 100)
-MAX_COMMANDS = 100
 #: a connection that lived this long resets the backoff: the next reconnect is quick
 STABLE_S = 10.0
 #: close codes after which the client does not reconnect (4001 and 4011 depend on get_token)
@@ -175,16 +175,15 @@ class CloseInfo:
     reason: str
 
 
-@dataclass(slots=True)
-class _Pending:
-    """A command waiting for its answer (by id)."""
-
-    kind: Literal["request", "subscribe", "unsubscribe", "auth", "open"]
-    future: asyncio.Future[Any] | None = None
-    command: dict[str, Any] | None = None
-    sub: Subscription | None = None
-    token: str | None = None
-
+async def _ask_token(get_token: TokenSource | None) -> str | None:
+    """The application's ``get_token`` asked for a token (awaited when it gives an awaitable)."""
+    assert get_token is not None
+    value = get_token()
+    if inspect.isawaitable(value):
+        value = await value
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"get_token returned {type(value).__name__}, not str or None")
+    return value
 
 def _ws_url(url: str) -> str:
     """``http(s)://host[:port][/prefix]`` -> ``ws(s)://.../ws``; a ``ws(s)://`` URL is used as given."""
@@ -405,11 +404,11 @@ class Subscription:
 
     def _ack(self) -> None:
         """Acknowledge (cumulatively) what the application was handed, as far as this gateway subscription
-        was handed it too (an ack past that is refused): once per loop turn and topic (`Client._ack_soon`)."""
+        was handed it too (an ack past that is refused): once per loop turn and topic (`Outgoing.ack_soon`)."""
         upto = min(self._handled, self._received)
         if upto > self._acked and self.client.private_ack and self._stream.subscribed:
             self._acked = upto
-            self.client._ack_soon(self.topic, upto)
+            self.client._out.ack_soon(self.topic, upto)
 
     def _on_received(self, seq: int) -> None:
         """A private message of the current subscription (a redelivery too): it may be acknowledged now."""
@@ -530,20 +529,15 @@ class Client:
         self.subscriptions: dict[str, Subscription] = {}
         self._ws: ClientConnection | None = None
         self._need_token = token is None and get_token is not None
-        self._pending: dict[int, _Pending] = {}
-        #: the id of the control command waiting for its answer, by kind and topic (`_new_control`)
-        self._control: dict[tuple[str, str], int] = {}
-        self._outbox: dict[int, None] = {}  # request ids waiting for a connection, in order
-        self._requests = 0
-        self._wire: list[dict[str, Any]] = []
-        self._flushing = False
-        self._send_lock: asyncio.Lock | None = None
-        self._next_id = 1
+        #: the commands waiting for their answer (fanout_client/pending.py)
+        self._table = PendingTable()
+        #: the commands waiting for the next frame (fanout_client/outgoing.py)
+        self._out = Outgoing(lambda: self._ws)
+        #: the entries the gateway sends, read (`_EntryReader`)
+        self._reader = _EntryReader(self)
         self._attempt = 0
         self._ever_connected = False
-        self._refreshing = False
         self._task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._changed: asyncio.Event | None = None
         self._log = _LogBudget()
 
@@ -571,7 +565,7 @@ class Client:
         """Connect in the background (and reconnect, until `close`). Called by ``async with``."""
         if self._task is not None:
             return
-        self._send_lock = asyncio.Lock()
+        self._out.start()
         self._changed = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="fanout-client")
 
@@ -603,7 +597,7 @@ class Client:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):
                     await ws.close(1000, "client closed")
-        tasks = [t for t in (self._task, *self._tasks) if t is not None and t is not asyncio.current_task()]
+        tasks = [t for t in (self._task, *self._out.tasks) if t is not None and t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -656,27 +650,27 @@ class Client:
 
     async def _request(self, command: dict[str, Any]) -> Any:
         self._check_open()
-        if self._requests >= self.max_pending_requests:
+        table = self._table
+        if table.requests >= self.max_pending_requests:
             raise FanoutError("queue_full", f"{self.max_pending_requests} requests already wait for an answer")
-        request_id = self._new_id()
+        request_id = table.new_id()
         command["id"] = request_id
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        pending = _Pending("request", future=future, command=command)
-        self._pending[request_id] = pending
-        self._requests += 1
+        table.pending[request_id] = Pending("request", future=future, command=command)
+        table.requests += 1
         try:
             if self._ws is not None:
-                self._send_soon(command)
+                self._out.send_soon(command)
             else:
-                self._outbox[request_id] = None
+                table.outbox[request_id] = None
             async with asyncio.timeout(self.request_timeout):
                 return await future
         except TimeoutError:
             raise FanoutError("timeout", f"no answer in {self.request_timeout} s") from None
         finally:
-            self._requests -= 1
-            self._pending.pop(request_id, None)
-            self._outbox.pop(request_id, None)
+            table.requests -= 1
+            table.pending.pop(request_id, None)
+            table.outbox.pop(request_id, None)
 
     def _check_open(self) -> None:
         if self._task is None:
@@ -684,29 +678,10 @@ class Client:
         if self.state == "closed":
             raise self.close_error or FanoutError("closed", "the client is closed")
 
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
-    def _new_control(self, pending: _Pending, topic: str = "") -> int:
-        """The id of a control command (a subscribe, an unsubscribe, an auth, the opening ping), entered in the
-        table of commands waiting for an answer. It replaces the one of the same kind and topic still waiting,
-        whose late answer is then ignored (``subscribed``, ``unsubscribed``, ``reply``) or reported (``error``):
-        whatever the gateway leaves unanswered, the table holds at most one per kind and topic, beside the
-        requests."""
-        request_id = self._new_id()
-        key = (pending.kind, topic)
-        older = self._control.get(key)
-        if older is not None:
-            self._pending.pop(older, None)
-        self._control[key] = request_id
-        self._pending[request_id] = pending
-        return request_id
-
     def _send_subscribe(self, sub: Subscription) -> None:
-        request_id = self._new_control(_Pending("subscribe", sub=sub), sub.topic)
+        request_id = self._table.new_control(Pending("subscribe", sub=sub), sub.topic)
         sub._stream.resubscribing()
-        self._send_soon(sub._command(request_id))
+        self._out.send_soon(sub._command(request_id))
 
     def _unsubscribe(self, sub: Subscription) -> None:
         if self.subscriptions.get(sub.topic) is sub:
@@ -715,8 +690,8 @@ class Client:
             self._send_unsubscribe(sub)
 
     def _send_unsubscribe(self, sub: Subscription) -> None:
-        request_id = self._new_control(_Pending("unsubscribe", sub=sub), sub.topic)
-        self._send_soon({"op": "unsubscribe", "topic": sub.topic, "id": request_id})
+        request_id = self._table.new_control(Pending("unsubscribe", sub=sub), sub.topic)
+        self._out.send_soon({"op": "unsubscribe", "topic": sub.topic, "id": request_id})
 
     def _abandon(self, sub: Subscription) -> None:
         """A subscribe the caller gave up on (timeout, cancelled): end it on both sides."""
@@ -737,57 +712,13 @@ class Client:
         if self._ws is not None and sub.closed_reason is None:
             self._send_subscribe(sub)
 
-    # -- writing ----------------------------------------------------------------------------------------------
-
-    def _ack_soon(self, topic: str, seq: int) -> None:
-        """Acknowledge a private topic up to ``seq``: the acks of one loop turn go in one frame, one per topic."""
-        for command in self._wire:
-            if command.get("op") == "ack" and command.get("topic") == topic:
-                command["seq"] = max(command["seq"], seq)
-                return
-        self._send_soon({"op": "ack", "topic": topic, "seq": seq})
-
-    def _send_soon(self, command: dict[str, Any]) -> None:
-        """Queue a command for the current connection: the commands of one loop turn share one frame."""
-        self._wire.append(command)
-        if not self._flushing:
-            self._flushing = True
-            self._spawn(self._flush())
-
-    async def _flush(self) -> None:
-        assert self._send_lock is not None
-        async with self._send_lock:
-            self._flushing = False
-            commands, self._wire = self._wire, []
-            ws = self._ws
-            if ws is not None and commands:
-                await self._write(ws, commands)
-
-    async def _write(self, ws: ClientConnection, commands: list[dict[str, Any]]) -> None:
-        for i in range(0, len(commands), MAX_COMMANDS):
-            chunk = commands[i : i + MAX_COMMANDS]
-            try:
-                await ws.send(orjson.dumps(chunk[0] if len(chunk) == 1 else chunk), text=True)
-            except ConnectionClosed:
-                return  # the reader sees the close; the requests sent fail with `disconnected`
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("fanout_client: a background task failed", exc_info=task.exception())
-
     # -- the connection loop -----------------------------------------------------------------------------------
 
     async def _run(self) -> None:
         while not self.closed:
             if self._need_token:
                 try:
-                    token = await self._ask_token()
+                    token = await _ask_token(self._get_token)
                 except Exception as exc:  # noqa: BLE001 - the application's function: reported, retried
                     self._report(FanoutError("token", f"get_token failed: {exc!r}"))
                     await self._backoff(CloseInfo(1006, "get_token failed"))
@@ -833,22 +764,23 @@ class Client:
         self._ws = ws
         # The opening frame: a ping (its answer makes the client `connected`: the gateway accepted us; a refused
         # token is closed before it), every subscription to restore, the requests that waited.
-        open_id = self._new_control(_Pending("open"))
+        table = self._table
+        open_id = table.new_control(Pending("open"))
         commands: list[dict[str, Any]] = [{"op": "ping", "id": open_id}]
         for sub in self.subscriptions.values():
             if sub.closed_reason is None and not sub._held:
-                request_id = self._new_control(_Pending("subscribe", sub=sub), sub.topic)
+                request_id = table.new_control(Pending("subscribe", sub=sub), sub.topic)
                 sub._stream.resubscribing()
                 commands.append(sub._command(request_id))
-        for request_id in list(self._outbox):
-            pending = self._pending.get(request_id)
+        for request_id in list(table.outbox):
+            pending = table.pending.get(request_id)
             if pending is not None and pending.command is not None:
                 commands.append(pending.command)
-        self._outbox.clear()
-        assert self._send_lock is not None
+        table.outbox.clear()
+        assert self._out.lock is not None
         try:
-            async with self._send_lock:
-                await self._write(ws, commands)
+            async with self._out.lock:
+                await self._out.write(ws, commands)
             while True:
                 frame = await ws.recv(decode=False)  # the text frame's UTF-8 bytes, as orjson takes them
                 try:
@@ -857,7 +789,7 @@ class Client:
                     await ws.close(1007, "a frame that is not JSON")
                     break
                 if isinstance(entries, list):
-                    await self._on_batch(entries)
+                    await self._reader.batch(entries)
         except ConnectionClosed as closed:
             refused = _refusal(closed)
             if refused is not None:
@@ -879,7 +811,7 @@ class Client:
             self._set_state("disconnected", close)
             previous = self.token
             try:
-                token = await self._ask_token()
+                token = await _ask_token(self._get_token)
             except Exception as exc:  # noqa: BLE001 - the application's function: reported, retried
                 self._report(FanoutError("token", f"get_token failed: {exc!r}"))
                 return True
@@ -908,15 +840,8 @@ class Client:
         await asyncio.sleep(delay)
 
     def _drop_connection_state(self) -> None:
-        self._wire = []
-        self._control.clear()  # control commands never wait for a connection: all dropped below
-        lost = FanoutError("disconnected", "the connection was lost before the answer (the request may have run)")
-        for request_id, pending in list(self._pending.items()):
-            if request_id in self._outbox:
-                continue  # a request still waiting for a connection: not lost
-            del self._pending[request_id]
-            if pending.future is not None and not pending.future.done():
-                pending.future.set_exception(lost)
+        self._out.wire = []
+        self._table.connection_lost()
         for sub in self.subscriptions.values():
             sub._stream.resubscribing()
 
@@ -928,12 +853,7 @@ class Client:
             self.close_error = error
             self.last_close = close
         self._drop_connection_state()
-        for pending in self._pending.values():
-            if pending.future is not None and not pending.future.done():
-                pending.future.set_exception(error)
-        self._pending.clear()
-        self._control.clear()
-        self._outbox.clear()
+        self._table.close(error)
         self.state = "closed"
         if by_gateway:
             self._report(error)
@@ -968,26 +888,35 @@ class Client:
         except Exception:
             self._log.warning("fanout_client: the on_error handler failed", exc_info=True)
 
-    async def _ask_token(self) -> str | None:
-        assert self._get_token is not None
-        value = self._get_token()
-        if inspect.isawaitable(value):
-            value = await value
-        if value is not None and not isinstance(value, str):
-            raise TypeError(f"get_token returned {type(value).__name__}, not str or None")
-        return value
+    def _opened(self) -> None:
+        """The answer to the opening ping: the gateway accepted this connection."""
+        if self._ever_connected:
+            self.reconnects += 1
+        self._ever_connected = True
+        self._set_state("connected", None)
 
-    # -- reading ----------------------------------------------------------------------------------------------
 
-    async def _on_batch(self, entries: list[Any]) -> None:
+class _EntryReader:
+    """The entries a `Client`'s connection brings, each where it goes: a subscription's messages, losses and
+    ends, the answers of the commands waiting (`PendingTable`), the errors no command owns."""
+
+    __slots__ = ("client", "_refreshing")
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        #: a ``token_expired`` refresh is running (`_refresh_token`): one at a time
+        self._refreshing = False
+
+    async def batch(self, entries: list[Any]) -> None:
+        client = self.client
         for entry in entries:
-            if self._ws is None or self.state == "closed":
+            if client._ws is None or client.state == "closed":
                 return
             if not isinstance(entry, dict):
                 continue
             kind = entry.get("type")
             topic = entry.get("topic")
-            sub = self.subscriptions.get(topic) if isinstance(topic, str) else None
+            sub = client.subscriptions.get(topic) if isinstance(topic, str) else None
             if kind == "msg":
                 seq = _int(entry.get("seq"))
                 if sub is not None and seq is not None:
@@ -1004,34 +933,26 @@ class Client:
                     why = reason if isinstance(reason, str) else "gone"
                     await sub._deliver(partial(sub._stream.on_loss, start, _int(end), why))
             elif kind == "subscribed":
-                self._on_subscribed(entry, sub)
+                self._subscribed(entry, sub)
             elif kind == "unsubscribed":
-                self._settle(entry.get("id"))
+                client._table.settle(entry.get("id"))
             elif kind == "closed":
                 if sub is not None:
-                    del self.subscriptions[sub.topic]
+                    del client.subscriptions[sub.topic]
                     reason = entry.get("reason")
                     reason = reason if isinstance(reason, str) else "closed"
                     sub._end(reason, FanoutError(reason, f"the gateway ended the subscription to {sub.topic!r}"))
             elif kind == "reply":
-                self._on_reply(entry)
+                self._reply(entry)
             elif kind == "error":
-                self._on_error_entry(entry)
+                self._error(entry)
             # any other type: a newer gateway's entry, ignored
 
-    def _settle(self, request_id: object) -> _Pending | None:
-        pending = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
-        if pending is not None and pending.kind != "request":
-            key = (pending.kind, pending.sub.topic if pending.sub is not None else "")
-            if self._control.get(key) == request_id:
-                del self._control[key]
-        return pending
-
-    def _on_subscribed(self, entry: dict[str, Any], sub: Subscription | None) -> None:
+    def _subscribed(self, entry: dict[str, Any], sub: Subscription | None) -> None:
         request_id = entry.get("id")
-        asked = self._settle(request_id)
+        asked = self.client._table.settle(request_id)
         if asked is None and request_id is not None:
-            return  # the answer to a subscribe replaced since (`_new_control`), or to none of ours
+            return  # the answer to a subscribe replaced since (`PendingTable.new_control`), or to none of ours
         # the subscription that asked (an earlier one of the same topic may have been replaced since); `id`
         # null: the gateway's own, after an epoch change under a live subscription (with a broker)
         target = asked.sub if asked is not None and asked.kind == "subscribe" else sub
@@ -1043,37 +964,36 @@ class Client:
                 sub.delta_granted = entry["delta"] is True
             sub._on_subscribed(kind, epoch, seq)
 
-    def _on_reply(self, entry: dict[str, Any]) -> None:
-        pending = self._settle(entry.get("id"))
+    def _reply(self, entry: dict[str, Any]) -> None:
+        client = self.client
+        pending = client._table.settle(entry.get("id"))
         if pending is None:
             return
         result = entry.get("result")
         if pending.kind == "open":
-            if self._ever_connected:
-                self.reconnects += 1
-            self._ever_connected = True
-            self._set_state("connected", None)
+            client._opened()
         elif pending.kind == "auth":
             if pending.token is not None:
-                self.token = pending.token
+                client.token = pending.token
             if isinstance(result, dict):
                 user, expires = result.get("user"), result.get("expires_at")
-                self.user = user if isinstance(user, str) else None
-                self.expires_at = _number(expires)
+                client.user = user if isinstance(user, str) else None
+                client.expires_at = _number(expires)
         elif pending.future is not None and not pending.future.done():
             pending.future.set_result(result)
 
-    def _on_error_entry(self, entry: dict[str, Any]) -> None:
+    def _error(self, entry: dict[str, Any]) -> None:
+        client = self.client
         code, message = entry.get("code"), entry.get("message")
         error = FanoutError(code if isinstance(code, str) else "error", message if isinstance(message, str) else "")
-        pending = self._settle(entry.get("id"))
+        pending = client._table.settle(entry.get("id"))
         if pending is None:
             if error.code == "token_expired":
                 if not self._refreshing:
                     self._refreshing = True
-                    self._spawn(self._refresh_token())
+                    client._out.spawn(self._refresh_token())
                 return
-            self._report(error)
+            client._report(error)
             return
         if pending.kind == "request":
             if pending.future is not None and not pending.future.done():
@@ -1082,33 +1002,34 @@ class Client:
             if error.code == "already_subscribed":
                 return
             sub = pending.sub
-            if self.subscriptions.get(sub.topic) is sub:
-                del self.subscriptions[sub.topic]
+            if client.subscriptions.get(sub.topic) is sub:
+                del client.subscriptions[sub.topic]
             sub._end("error", error)
         elif pending.kind in ("unsubscribe", "open"):
             return  # not_subscribed after a pause: nothing to stop
         else:
-            self._report(error)  # an `auth` refused: the gateway closes with 4011, then get_token is asked again
+            client._report(error)  # an `auth` refused: the gateway closes with 4011, then get_token is asked again
 
     async def _refresh_token(self) -> None:
         """``token_expired`` on a live connection: a fresh token with ``auth`` before ``auth.expired_grace_s``."""
+        client = self.client
         try:
-            if self._get_token is None:
-                self._report(FanoutError("token_expired", "the token expired and there is no get_token"))
+            if client._get_token is None:
+                client._report(FanoutError("token_expired", "the token expired and there is no get_token"))
                 return
             try:
-                token = await self._ask_token()
+                token = await _ask_token(client._get_token)
             except Exception as exc:  # noqa: BLE001 - the application's function: reported
-                self._report(FanoutError("token", f"get_token failed: {exc!r}"))
+                client._report(FanoutError("token", f"get_token failed: {exc!r}"))
                 return
             if not token:
-                self._report(FanoutError("token_expired", "the token expired and get_token gave none"))
+                client._report(FanoutError("token_expired", "the token expired and get_token gave none"))
                 return
-            if self._ws is not None:
-                request_id = self._new_control(_Pending("auth", token=token))
-                self._send_soon({"op": "auth", "token": token, "id": request_id})
+            if client._ws is not None:
+                request_id = client._table.new_control(Pending("auth", token=token))
+                client._out.send_soon({"op": "auth", "token": token, "id": request_id})
             else:
-                self.token = token
+                client.token = token
         finally:
             self._refreshing = False
 

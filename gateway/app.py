@@ -13,7 +13,6 @@ from starlette.routing import Mount, Route
 
 from .admin import api as admin
 from .admin.pages import Pages
-from .admin.stats_feed import StatsFeed
 from .centrifugo import api as centrifugo
 from .edge.http_errors import error_response
 from .edge.origin import OriginGuard, OriginPolicy, parse_allowed_origins
@@ -21,6 +20,7 @@ from .edge.page_headers import SecurityHeaders
 from .errors import MethodNotAllowed, NotFound
 from .hub import Hub
 from .ops.readiness import readyz
+from .stats_feed import StatsFeed
 from .transports import longpoll, sse
 from .transports.handshake import TransportOff
 from .workers.forward import SessionRouter, WorkerLinks
@@ -84,6 +84,8 @@ def build_app(hub: Hub, admin_token: str, links: WorkerLinks | None = None) -> S
         + ([Middleware(SessionRouter, links=links, config=hub.config)] if links is not None else []),
     )
     app.state.hub = hub
+    #: what the client transports' endpoints reach (gateway/session_services.py), never the hub
+    app.state.services = hub.services
     app.state.admin_token = admin_token
     # now, not at the first viewer: with a broker, another node's viewer may ask this node for its summary
     app.state.stats_feed = StatsFeed(hub)

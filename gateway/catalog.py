@@ -1,4 +1,5 @@
-"""The topic catalog: the verbs transports, commands and the admin API use on topics, each through the broker.
+"""The topic catalog: the verbs transports, commands and the admin API use on topics, each through the broker;
+every subscribe and unsubscribe of a client passes here (`subscribe` asked, `grant` granted, `unsubscribe`).
 
 Subscribes, unsubscribes and publishes take one path whether the topic space is this process's engine or
 Redis (the broker routes them, gateway/broker/base.py); the catalog adds what belongs to the client asking:
@@ -63,6 +64,14 @@ class TopicCatalog:
         if creating:
             self.creations.charge(identity)
 
+    def grant(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None) -> None:
+        """Subscribe a client to what was granted it, not asked by it: the connect hook's server-side
+        subscriptions (gateway/session.py `open`, gateway/centrifugo/server_subs.py) and an operator's
+        (gateway/user_commands.py). No permission check and no creation budget (docs/integration.md: the
+        backend or the operator decided); the client gets `subscribed` with `request_id`, or an error entry."""
+        self.broker.subscribe(client_id, topic, since=since, request_id=request_id,
+                              creator=self.clients.conns[client_id].identity)
+
     def check_room(self, client_id: str, topic: str) -> None:
         """`TooManySubscriptions` when the client holds `scheduler.max_subscriptions` subscriptions and `topic`
         is not one of them: asked before a subscribe takes a token of `limits.subscribe_rate`, so a client at
@@ -76,6 +85,8 @@ class TopicCatalog:
             raise TooManySubscriptions(f"at most {limit} subscriptions per client (scheduler.max_subscriptions)")
 
     def unsubscribe(self, client_id: str, topic: str, *, request_id: Any = None) -> None:
+        """Unsubscribe, whoever asks (the client's command, an operator, a lost Centrifugo subscription): the
+        `unsubscribed` entry, presence left, the broker's holders, the unsubscribe hook's event."""
         owner = self.membership.unsubscribe(client_id, topic, request_id=request_id)
         self.broker.left(topic, owner, unsubscribed=True)
         self.clients.hooks.unsubscribed(self.clients.conns[client_id].identity, topic)  # the unsubscribe hook's event

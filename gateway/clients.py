@@ -25,17 +25,17 @@ from core.entries import encode_reply
 
 from . import close_codes
 from .auth.identity import ClientIdentity
-from .auth.token_lifetimes import TokenLifetimes
 from .auth.tokens import Principal, TokenVerifier
 from .broker.base import Broker
 from .config import GatewayConfig
 from .edge.ratelog import RateLog
 from .errors import BadToken, InternalError
 from .hooks.base import Hooks
-from .ops.tracing import Tracing
+from .ops.tracing import NO_TRACING, Tracing
 from .pending_connects import PendingConnects
 from .scheduler import Connection, Scheduler
 from .timerwheel import TimerWheel
+from .token_lifetimes import TokenLifetimes
 
 log = logging.getLogger("gateway")
 
@@ -48,7 +48,7 @@ LOGGED_KICKS = frozenset({"kicked", "disconnected", "token_revoked"})
 
 class ClientRegistry:
     def __init__(self, config: GatewayConfig, scheduler: Scheduler, broker: Broker,
-                 conns: dict[Hashable, Connection], hooks: Hooks, *, tracing: Tracing | None = None,
+                 conns: dict[Hashable, Connection], hooks: Hooks, *, tracing: Tracing = NO_TRACING,
                  on_arrival: Callable[[], None] = lambda: None, on_departure: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -65,7 +65,7 @@ class ClientRegistry:
         #: called on every arrival and departure (the GC policy counts them)
         self.on_arrival = on_arrival
         self.on_departure = on_departure
-        #: per client: its token's expiry, grace or refresh (gateway/auth/token_lifetimes.py), and its idle check,
+        #: per client: its token's expiry, grace or refresh (gateway/token_lifetimes.py), and its idle check,
         #: each on one wheel for all clients (a loop timer per connection held ~0.6 KiB)
         self.token_lifetimes = TokenLifetimes(config, hooks, conns, self.kick, self.send_error)
         idle = config.limits.idle_timeout_s
@@ -125,14 +125,6 @@ class ClientRegistry:
             self._add_user_connection(identity.principal.user, cid)
         if self.config.limits.idle_timeout_s > 0:
             self._arm_idle(cid, self.config.limits.idle_timeout_s)
-        if identity.proxy_topics:  # the connect hook's server-side subscriptions: no command, no permission check
-            for name in identity.proxy_topics:
-                if cid not in self.conns:
-                    break  # cut by an earlier one (direct queue)
-                try:
-                    self.broker.subscribe(cid, name, since=None, request_id=None, creator=identity)
-                except RequestError as exc:
-                    self.send_error(cid, exc)
 
     def unregister(self, client_id: Hashable, reason: str) -> None:
         """Forget a connection everywhere. Every step runs even when one before it failed (each failure is
@@ -226,26 +218,20 @@ class ClientRegistry:
 
     # -- identity ------------------------------------------------------------------------------------------
 
-    def authenticate(self, client_id: str, token: object) -> Principal:
-        """Verify a token for a connected client: a first token makes an anonymous connection its user's,
-        a later one refreshes the same user's token (new expiry and patterns). Raises BadToken, TokenExpired."""
-        principal = self.tokens.verify(token)
-        identity = self.conns[client_id].identity
-        if identity.principal is not None and identity.principal.user != principal.user:
-            raise BadToken("the token is for another user than the connection's")
-        if identity.principal is None:
-            try:
-                self.membership.set_owner(client_id, principal.user)
-            except CoreUsageError:
-                raise BadToken("this connection holds private queues of its own: reconnect with the token") from None
-        anonymous = identity.principal is None
-        identity.principal = principal
-        if principal.info is not None:
-            identity.info = principal.info
+    def claim_owner(self, client_id: str, user: str) -> None:
+        """An anonymous connection becomes `user`'s (its first token, `ClientSession.authenticate`): its
+        private queues, if any, are its own. Raises BadToken when it holds private queues already."""
+        try:
+            self.membership.set_owner(client_id, user)
+        except CoreUsageError:
+            raise BadToken("this connection holds private queues of its own: reconnect with the token") from None
+
+    def authenticated(self, client_id: str, principal: Principal, *, first: bool) -> None:
+        """The connection holds `principal` now (`ClientSession.authenticate`): its expiry is armed, and a
+        `first` one indexes the connection under its user."""
         self.token_lifetimes.arm(client_id, principal)
-        if anonymous:
+        if first:
             self._add_user_connection(principal.user, client_id)
-        return principal
 
     def _add_user_connection(self, user: str, client_id: Hashable) -> None:
         """Index the connection under its user; past `limits.max_connections_per_user` on this node the
@@ -274,7 +260,7 @@ class ClientRegistry:
         if conn is None:
             return
         limit = self.config.limits.idle_timeout_s
-        quiet = time.monotonic() - conn.identity.last_command
+        quiet = time.monotonic() - conn.session.state.last_command
         if self.scheduler.topics.client(client_id).subs:
             self._arm_idle(client_id, limit)
         elif quiet < limit:

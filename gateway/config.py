@@ -10,6 +10,7 @@ and the default file's keys the same, section by section.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import os
 import tomllib
@@ -23,7 +24,7 @@ import msgspec
 
 from core import EngineConfig, TopicConfig, TopicRule
 
-from .admin.assets import default_config_path, static_root
+from .shipped_files import default_config_path, static_root
 
 DEFAULT_CONFIG = default_config_path()
 ENV_PREFIX = "GATEWAY_"
@@ -479,13 +480,29 @@ def _check_broker(broker: BrokerConfig) -> None:
                 raise ConfigError(f'broker.{key}: {text!r} is not "host:port"')
 
 
+#: what tracing on imports (gateway/ops/tracing.py): the packages of the `tracing` extra (pyproject.toml)
+TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+
+def _tracing_installed() -> bool:
+    """Whether TRACING_MODULES can be imported (found, not imported: only their parent packages are)."""
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in TRACING_MODULES)
+    except (ImportError, ValueError):  # a parent package missing (or unimportable)
+        return False
+
+
 def _check_tracing(tracing: TracingConfig) -> None:
-    """[tracing]: an http(s) collector URL (empty: tracing off), a service name, a rate in [0, 1]."""
+    """[tracing]: an http(s) collector URL (empty: tracing off), a service name, a rate in [0, 1]; on, the
+    `tracing` extra installed (checked before the start, so a gateway without it refuses in one line)."""
     url = tracing.otlp_endpoint
     if url:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"tracing.otlp_endpoint must be an http:// or https:// URL (or empty: off), not {url!r}")
+        if not _tracing_installed():
+            raise ConfigError("tracing.otlp_endpoint is set, but OpenTelemetry (the tracing extra) is not installed: "
+                              "pip install 'fanout-gateway[tracing]' (in a checkout, `make setup` installs every extra)")
     if not tracing.service_name.strip():
         raise ConfigError("tracing.service_name must not be empty")
     if not 0 <= tracing.sample_rate <= 1:

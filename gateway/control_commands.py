@@ -12,6 +12,7 @@ from typing import Any
 
 from . import close_codes
 from .auth.revocations import Revocation
+from .catalog import TopicCatalog
 from .clients import ClientRegistry
 from .errors import BadRequest
 from .topic_view import TopicView
@@ -19,12 +20,12 @@ from .user_commands import UserCommands
 
 
 class ControlCommands:
-    def __init__(self, clients: ClientRegistry, topics: TopicView) -> None:
+    def __init__(self, clients: ClientRegistry, topics: TopicView, catalog: TopicCatalog) -> None:
         self.clients = clients
         #: the engine's clients, read for `list`
         self.topics = topics
         #: subscribe, unsubscribe, refresh of a user's connections (gateway/user_commands.py)
-        self.users = UserCommands(clients, topics)
+        self.users = UserCommands(clients, topics, catalog)
 
     def run(self, command: dict[str, Any]) -> dict[str, Any]:
         """Run one control command on this node: `kick` (`client`), `disconnect` (`user`, optional `client`,

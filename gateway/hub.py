@@ -18,12 +18,10 @@ to the one made later. docs/architecture.md draws the whole.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import secrets
 from collections.abc import Callable, Hashable
 
-from .admin.stats_feed import StatsFeed
+from . import commands
 from .broker import Broker, make_broker
 from .catalog import TopicCatalog
 from .clients import ClientRegistry
@@ -39,10 +37,12 @@ from .ops.metrics import Metrics, engine_families, loop_families, stats_families
 from .ops.readiness import Readiness
 from .ops.tracing import Tracing, from_config
 from .scheduler import Connection, Scheduler
+from .session_services import SessionServices
+from .session_store import SessionStore
+from .stats_feed import StatsFeed
 from .topic_budget import CreationBudget
 from .topic_view import TopicView
 from .transports.rawtcp import RawBroadcastServer
-from .transports.sessions import SessionStore
 
 
 class Hub:
@@ -65,23 +65,29 @@ class Hub:
         self.broker: Broker = make_broker(config, self.scheduler.membership, self.creations, self.instance_id,
                                           lambda command: self.control.run(command),
                                           lambda watched: self.stats.node_summary(watched))
-        #: OpenTelemetry traces ([tracing], gateway/ops/tracing.py); None (and nothing imported) when off
-        self.tracing: Tracing | None = from_config(config.tracing, self.instance_id)
+        #: OpenTelemetry traces ([tracing], gateway/ops/tracing.py); a null object (nothing imported) when off
+        self.tracing: Tracing = from_config(config.tracing, self.instance_id)
         #: the backend hooks (gateway/hooks/base.py): over HTTP ([proxy], gateway/hooks/backend.py), or `NoHooks` without a URL
         self.hooks: Hooks = hooks_from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input,
                                               self.tracing)
         self.clients = ClientRegistry(config, self.scheduler, self.broker, conns, self.hooks, tracing=self.tracing,
                                       on_arrival=self.gc.arrived, on_departure=self.gc.departed)
-        self.control = ControlCommands(self.clients, self.topics)
         self.catalog = TopicCatalog(self.scheduler.membership, self.clients, self.broker, self.creations)
-        #: long-poll sessions and SSE streams by their secret, and what outlives them (transports/sessions.py)
+        self.control = ControlCommands(self.clients, self.topics, self.catalog)
+        #: long-poll sessions and SSE streams by their secret, and what outlives them (session_store.py)
         self.sessions = SessionStore(config)
+        #: all a client connection reaches of the gateway (gateway/session_services.py): no part under the
+        #: session (commands, client protocols, transports) holds the hub
+        self.services = SessionServices(
+            config=config, clients=self.clients, catalog=self.catalog, hooks=self.hooks, topics=self.topics,
+            presence=self.broker.presence, members=self.scheduler.presence, scheduler=self.scheduler,
+            sessions=self.sessions, tracing=self.tracing, bad_input=self.bad_input, commands=commands)
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled (`attach_raw`)
         self.limiter: ConnectionLimiter | None = None  # the HTTP port's accounting, once it listens
         #: called when the server shuts down, after the clients were closed: streams that are not clients
         #: (the admin stats stream) end too, so shutdown never waits for them
         self.closing_hooks: list[Callable[[], None]] = []
-        #: the admin stats stream's sampler (gateway/admin/stats_feed.py), made now, not at the first viewer: with a
+        #: the admin stats stream's sampler (gateway/stats_feed.py), made now, not at the first viewer: with a
         #: broker, another node's viewer may ask this node for its summary
         self.stats = StatsFeed(self)
         #: what GET /readyz answers (gateway/ops/readiness.py): set started and draining by gateway/server.py
@@ -125,9 +131,7 @@ class Hub:
         await self.hooks.aclose()  # after the clients' disconnect events were queued
         await self.clients.tokens.stop()
         await self.broker.stop()
-        if self.tracing is not None:  # the spans left are exported off the event loop; a dead collector: 3 s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.to_thread(self.tracing.shutdown), 3)
+        await self.tracing.close()  # the spans left, exported off the event loop; a dead collector: 3 s
 
     def drain(self, spread_s: float) -> list[str]:
         """Graceful drain: every client closed with 1012 and its own reconnect hint (ClientRegistry.drain), the

@@ -1,5 +1,5 @@
 """New clients on their way from the handshake to their registration (`ClientRegistry.pending`; the
-handshake's `Admission`, gateway/auth/admission.py), which the backend's connect hook can make last
+handshake's `Admission`, gateway/admission.py), which the backend's connect hook can make last
 up to `proxy.timeout_s`:
 
 - per address, how many wait for the connect hook (`hooks_by_ip`, bounded by

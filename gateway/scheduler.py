@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -37,6 +37,9 @@ from .ops.tracing import ExpectedApply, Fanout, count_fanouts, end_fanouts, forg
 from .presence import Member, Presence, PresenceStore
 from .topic_view import TopicView
 
+if TYPE_CHECKING:
+    from .auth.tokens import Principal
+
 log = logging.getLogger("gateway")
 
 #: a linger due within this much is ended now: the loop's timers tick in milliseconds and may fire early
@@ -52,10 +55,29 @@ Kick = Callable[[Hashable, int, str, str], bool]
 Commits = Callable[[list[tuple[str, Hashable, int]]], None]
 
 
+class IdleClock(Protocol):
+    #: when the client's last command came (monotonic)
+    last_command: float
+
+
+class OwningSession(Protocol):
+    """What the registry needs of a connection's session (gateway/session.py `ClientSession`): named here so
+    that the scheduler does not import the session, which sits above it."""
+
+    @property
+    def state(self) -> IdleClock: ...
+
+    def authenticate(self, principal: Principal) -> Principal: ...
+
+
 class Connection(Protocol):
     """What the scheduler and the client registry need of a transport's connection."""
 
     identity: ClientIdentity
+
+    @property
+    def session(self) -> OwningSession:
+        """Its client's session: the registry reads its idle clock and renews its identity."""
     #: when its last write stopped draining (monotonic), None while it drains: the watchdog's input
     blocked_since: float | None
 

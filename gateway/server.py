@@ -144,6 +144,18 @@ class GatewayServer(uvicorn.Server):
 
             serve_inbox(inbox, serve)
 
+    #: set by `RunningGateway.stop`: the main loop ends at once, not at its next 0.1 s tick
+    exit_now: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        # uvicorn's loop (on_tick every 0.1 s: the Date header, should_exit), also woken by `exit_now`
+        self.exit_now = asyncio.Event()
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.exit_now.wait(), 0.1)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # not recorded in `_captured_signals`: uvicorn would raise it again once stopped, ending the process by
         # the signal instead of with status 0 after the drain. A second SIGINT still forces the exit.
@@ -301,6 +313,8 @@ class RunningGateway:
         self.hub.readiness.draining = True
         if self.server is not None:
             self.server.should_exit = True
+            if self.server.exit_now is not None:
+                self.server.exit_now.set()
         await self.hub.stop()
         if self.task is not None:
             try:
@@ -402,8 +416,8 @@ async def _serve_http(running: RunningGateway, sock: socket.socket, worker: int,
         http=http_protocol_class(limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes,
                                  server_cfg.max_headers, hosts),
         # our WebSocket protocol (gateway/transports/ws.py) takes every upgrade request
-        ws=protocol_class(hub, limiter, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins)), hub.bad_input,
-                          centrifugo_endpoint(hub)),
+        ws=protocol_class(hub.services, limiter, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins)), hub.bad_input,
+                          centrifugo_endpoint(hub.services)),
         lifespan="off",
         # X-Forwarded-For is not believed (uvicorn would from loopback peers): every per-address limit
         # counts the peer's own address, on every transport alike (docs/security.md, In production)

@@ -1,5 +1,5 @@
 """Tables of the session transports that outlive a session, held by the hub's session store (`Hub.sessions`,
-gateway/transports/sessions.py: `closed`, `checkpoints`): the final body of long-poll sessions closed between
+gateway/session_store.py: `closed`, `checkpoints`): the final body of long-poll sessions closed between
 two polls (gateway/transports/longpoll.py), and the checkpoints of SSE's compact `id:` form
 (gateway/transports/sse.py). Each is bounded in count and time."""
 

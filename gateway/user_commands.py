@@ -15,15 +15,18 @@ from collections.abc import Hashable
 from core import RequestError
 
 from . import close_codes
+from .catalog import TopicCatalog
 from .clients import ClientRegistry
 from .topic_view import TopicView
 
 
 class UserCommands:
-    def __init__(self, clients: ClientRegistry, topics: TopicView) -> None:
+    def __init__(self, clients: ClientRegistry, topics: TopicView, catalog: TopicCatalog) -> None:
         self.clients = clients
         #: the engine, read-only: which topics a connection holds
         self.topics = topics
+        #: where the subscribes and unsubscribes go, as every other one (gateway/catalog.py)
+        self.catalog = catalog
 
     def connections(self, user: str, client: str | None) -> list[Hashable]:
         """The user's connections on this node (only `client`, when given and the user's)."""
@@ -43,7 +46,7 @@ class UserCommands:
             if conn is None or self._holds(client_id, topic):
                 continue
             try:
-                self.clients.broker.subscribe(str(client_id), topic, since=since, request_id=None, creator=conn.identity)
+                self.catalog.grant(str(client_id), topic, since=since)
             except RequestError as exc:
                 self.clients.send_error(client_id, exc)
                 continue
@@ -58,9 +61,7 @@ class UserCommands:
             conn = self.clients.conns.get(client_id)
             if conn is None or not self._holds(client_id, topic):
                 continue
-            owner = self.clients.membership.unsubscribe(str(client_id), topic)
-            self.clients.broker.left(topic, owner, unsubscribed=True)
-            self.clients.hooks.unsubscribed(conn.identity, topic)
+            self.catalog.unsubscribe(str(client_id), topic)
             done += 1
         return done
 
@@ -76,8 +77,8 @@ class UserCommands:
             if expired:
                 done += self.clients.kick(client_id, close_codes.TOKEN_EXPIRED, "expired by admin", "token_expired")
                 continue
-            renewed = dataclasses.replace(principal, expires_at=math.inf if expire_at is None else expire_at)
-            conn.identity.principal = renewed
-            self.clients.token_lifetimes.arm(str(client_id), renewed)
+            # the session renews the identity and re-arms the expiry timer
+            conn.session.authenticate(dataclasses.replace(principal, expires_at=math.inf if expire_at is None
+                                                          else expire_at))
             done += 1
         return done

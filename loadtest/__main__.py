@@ -38,7 +38,7 @@ DELEGATED = {"core": "loadtest.core_bench", "rawtcp": "loadtest.rawtcp_bench", "
 #: exit status when a run saw silent loss: the one figure that is a broken promise, not a slow one
 EXIT_SILENT_LOSS = 3
 #: what the `loadtest` extra (pyproject.toml) brings that the runs import: a plain install of the wheel has none
-EXTRA_MODULES = frozenset({"numpy", "matplotlib", "pyarrow"})
+EXTRA_MODULES = frozenset({"numpy", "matplotlib", "pyarrow", "rich"})
 #: exit status of a command whose extra is not installed (as a usage error: nothing ran)
 EXIT_MISSING_EXTRA = 2
 

@@ -45,7 +45,7 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
 
-from gateway.transports.wsframes import text_frame_header
+from gateway.wsframes import text_frame_header
 from loadtest.serverproc import ServerProcess
 
 HOST = "127.0.0.1"

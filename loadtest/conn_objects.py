@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients-of-port", type=int, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     raise_nofile_limit()
-    import uvloop  # the gateway's loop (uvicorn[standard])
+    import uvloop  # the gateway's loop (a dependency, pyproject.toml)
 
     if args.clients_of_port is not None:
         uvloop.run(_clients(args.clients_of_port))

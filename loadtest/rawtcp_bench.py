@@ -36,7 +36,7 @@ MIB = 1024 * 1024
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+    except ImportError:  # pragma: no cover - uvloop is a dependency of the gateway
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
 

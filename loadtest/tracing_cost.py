@@ -19,7 +19,7 @@ from typing import Any
 from core import Batch
 from core.entries import encode_message
 from gateway.config import TracingConfig
-from gateway.ops.tracing import Fanout, Tracing, count_fanouts
+from gateway.ops.tracing import Fanout, OtlpTracing, count_fanouts
 
 SUBSCRIBERS = 1000
 
@@ -44,7 +44,7 @@ class _NoSpan:
 
 
 def span_costs(rate: float, endpoint: str) -> None:
-    tracing = Tracing(TracingConfig(endpoint, "tracing-cost", rate), "bench")
+    tracing = OtlpTracing(TracingConfig(endpoint, "tracing-cost", rate), "bench")
     attributes = {"fanout.ingest.lines": 5, "fanout.ingest.bytes": 500, "fanout.ingest.accepted": 5,
                   "fanout.ingest.errors": 0}
 

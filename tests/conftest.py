@@ -26,8 +26,15 @@ import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
+# `make check`'s profile (FANOUT_HYPOTHESIS=quick): at most QUICK_EXAMPLES examples for a test that sets no count
+# of its own (one with `@settings(max_examples=...)` keeps it), for a fast lane; `make test` and CI draw them all.
+QUICK_EXAMPLES = 20
+QUICK = not os.environ.get("CI") and os.environ.get("FANOUT_HYPOTHESIS") == "quick"
+settings.register_profile("quick", max_examples=QUICK_EXAMPLES)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+elif QUICK:
+    settings.load_profile("quick")
 
 #: modules with both kinds: their unit tests by function name (the others start a server, a process or Spark)
 UNIT_TESTS: dict[str, frozenset[str]] = {
@@ -70,14 +77,39 @@ UNIT_TESTS: dict[str, frozenset[str]] = {
 }
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: how a module marks unit tests (``pytestmark = pytest.mark.unit`` or ``@pytest.mark.unit``): a module whose
+#: source never says it, and is not in UNIT_TESTS, holds none
+_UNIT_MARK = "mark.unit"
+
+
+def _may_hold_unit_tests(module: str) -> bool:
+    if module in UNIT_TESTS:
+        return True
+    try:
+        with open(os.path.join(_ROOT, module), encoding="utf-8") as file:
+            return _UNIT_MARK in file.read()
+    except OSError:
+        return True
+
+
+def pytest_ignore_collect(collection_path: "os.PathLike[str]", config: pytest.Config) -> bool | None:
+    """Under ``-m unit`` alone (`make check`), skip importing the modules that hold no unit test: each worker
+    would import every integration module (Spark, Playwright, the load tool) only to deselect all it collected."""
+    name = os.path.basename(collection_path)
+    if config.getoption("markexpr") != "unit" or not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    return None if _may_hold_unit_tests(os.path.relpath(collection_path, _ROOT).replace(os.sep, "/")) else True
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.get_closest_marker("unit") is not None:
-            continue
         module = _module(item)
+        if item.get_closest_marker("unit") is not None:
+            if not _may_hold_unit_tests(module):  # `make check` would not collect it (pytest_ignore_collect)
+                raise pytest.UsageError(f"{item.nodeid} is marked unit in a way {module} does not say in its "
+                                        f"source ({_UNIT_MARK!r}): name it in UNIT_TESTS (tests/conftest.py)")
+            continue
         name = getattr(item, "originalname", item.name)
         if name in UNIT_TESTS.get(module, ()):
             item.add_marker(pytest.mark.unit)

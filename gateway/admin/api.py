@@ -26,9 +26,9 @@ from ..edge.http_errors import error_response
 from ..errors import BadJson, BadRequest, BrokerUnavailable, Disabled, Unauthorized, UnknownClient
 from ..hub import Hub
 from ..ops.tracing import MAX_WATCHED, Tracing, traced_answer
+from ..stats_feed import SnapshotStream, StatsFeed
 from ..transports.ingest import ingest_counters
 from .openapi import OPENAPI
-from .stats_feed import SnapshotStream, StatsFeed
 
 UNAUTHORIZED = Unauthorized("a valid `Authorization: Bearer <token>` header is required")
 DISABLED = Disabled("the raw TCP broadcaster is disabled")
@@ -142,16 +142,16 @@ async def publish(request: Request) -> Response:
     if topic_config is None:
         raise UnknownTopic(f"no topic {name!r} and no rule creates it")
     tracing = hub.tracing
-    if tracing is None or not tracing.recording():  # not sampled: no span below the request's
+    if not tracing.recording():  # not sampled (or tracing off): no span below the request's
         return await _publish_items(hub, name, items, body, topic_config)
     with tracing.span("broker.publish", {"messaging.destination.name": name, "fanout.messages": len(items)}):
-        return await _publish_items(hub, name, items, body, topic_config, tracing)
+        return await _publish_items(hub, name, items, body, topic_config, traced=True)
 
 
 async def _publish_items(hub: Hub, name: str, items: list[Any], body: schema.PublishBody, config: TopicConfig,
-                         tracing: Tracing | None = None) -> Response:
-    """Publish each item through the broker; `tracing`: the last one's apply and fan-out are traced beneath
-    the current span (gateway/ops/tracing.py) when it is sampled."""
+                         traced: bool = False) -> Response:
+    """Publish each item through the broker; `traced`: the last one's apply and fan-out are traced beneath
+    the current (sampled) span (gateway/ops/tracing.py)."""
     timeout = hub.config.admin.publish_timeout_s
     seqs: list[int] = []
     slice_started = time.perf_counter()
@@ -161,8 +161,8 @@ async def _publish_items(hub: Hub, name: str, items: list[Any], body: schema.Pub
             # A publish that lands at once (in-process) never awaits: yield, so other clients are served.
             await asyncio.sleep(0)
             slice_started = time.perf_counter()
-        if tracing is not None and index == last:
-            _expect_apply(hub, name, tracing)
+        if traced and index == last:
+            _expect_apply(hub, name, hub.tracing)
         try:
             private = config.kind is TopicKind.PRIVATE  # a full queue holds the publish up to `timeout`
             result = await hub.catalog.publish(name, data, owner=body.client, seq=body.seq,
@@ -338,7 +338,7 @@ async def get_rule(request: Request) -> Response:
 routes.append(Route("/rules/{name:path}", get_rule, methods=["GET"]))
 
 
-# -- the live stats stream: GET /api/stats/stream, read by the dashboard at /admin/ (gateway/admin/stats_feed.py) --
+# -- the live stats stream: GET /api/stats/stream, read by the dashboard at /admin/ (gateway/stats_feed.py) --
 
 
 def _feed(request: Request) -> StatsFeed:

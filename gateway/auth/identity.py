@@ -1,7 +1,7 @@
 """Who a connection is and what it may do: identity, topic permissions and per-client limits, in one place.
 
 Every transport gets its client's `ClientIdentity` from the one handshake (`open_client`,
-gateway/auth/admission.py) and asks it before acting on a client's command, so the same request gets
+gateway/admission.py) and asks it before acting on a client's command, so the same request gets
 the same answer on WebSocket, long-poll and SSE.
 
 Permissions (docs/security.md):
@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import fnmatch
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from core import TopicConfig, TopicKind
 
-from ..edge.ratelog import TokenBucket
 from .tokens import Principal
 
 #: patterns a refusal's message lists at most (a token may hold 256)
@@ -45,7 +43,10 @@ def _shown(patterns: tuple[str, ...]) -> str:
 
 @dataclass(slots=True)
 class ClientIdentity:
-    """A connection's identity and its per-client counters (the core sees it as opaque `info`)."""
+    """Who a connection is (the core sees it as opaque `info`): set by its handshake and the connect hook,
+    changed once it is registered only by its session's `authenticate` (gateway/session.py). What it spends
+    (rate buckets, hook calls, the idle clock) is its session's `SessionState`; the creation counts are the
+    topic budget's (gateway/topic_budget.py)."""
 
     client_id: str
     transport: str
@@ -59,26 +60,9 @@ class ClientIdentity:
     created_topics: int = 0
     #: its publishes and subscribes in flight to a broker that may create a topic (gateway/topic_budget.py)
     creating: int = 0
-    #: client publishes (limits.publish_rate / publish_burst); made on first publish
-    publish_bucket: TokenBucket | None = None
-    #: subscribe and unsubscribe commands (limits.subscribe_rate / subscribe_burst); made on first use
-    subscribe_bucket: TokenBucket | None = None
-    #: hook calls in flight for its commands plus commands waiting behind them (gateway/commands.py),
-    #: bounded by proxy.max_calls_per_connection
-    hook_calls: int = 0
-    #: topics with a hooked command of this connection in flight, each with the commands waiting behind it
-    #: (gateway/commands.py: a connection's commands on a topic take effect in the order sent); made on
-    #: its first hooked command
-    waiting: dict[str, deque[Any]] | None = None
-    #: `auth` and `rpc topics` (auth.rate_per_connection / burst_per_connection); made on first use
-    costly_bucket: TokenBucket | None = None
-    #: monotonic time of the last command, for the idle timeout
-    last_command: float = field(default_factory=time.monotonic)
     #: what the application says about the client (presence members' `info`): a token's `info` claim, or the
     #: connect hook's `info` (gateway/hooks/backend.py); None when neither gave one
     info: dict[str, Any] | None = None
-    #: server-side subscriptions granted by the connect hook, made when the connection registers
-    proxy_topics: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.info is None and self.principal is not None:

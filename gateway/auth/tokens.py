@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from ..config import AuthConfig, ConfigError
 from ..edge.ratelog import AddressRates
 from ..errors import BadToken, TokenExpired, TokenRevoked, TooManyTokenChecks
-from ..ops.tracing import Tracing
+from ..ops.tracing import NO_TRACING, Tracing
 from .jwks import JWKS_ALGORITHMS, JwksKeys
 from .owners import check_user_id
 from .revocations import RevocationTable
@@ -105,7 +105,7 @@ def _public_key(setting: str, file: str) -> tuple[Any, str]:
 
 
 class TokenVerifier:
-    def __init__(self, auth: AuthConfig, tracing: Tracing | None = None) -> None:
+    def __init__(self, auth: AuthConfig, tracing: Tracing = NO_TRACING) -> None:
         #: the HMAC secrets, current first: a token is tried with each in turn (rotation)
         self.secrets = [s for s in (auth.jwt_secret, auth.jwt_previous_secret) if s]
         #: the PEM public keys, current first, each with the one algorithm it checks
@@ -122,7 +122,7 @@ class TokenVerifier:
         self.leeway = auth.leeway_s
         #: revoked tokens (`POST /api/revocations`): refused by `verify`, wherever the token comes from
         self.revocations = RevocationTable(auth.max_revocations)
-        #: when [tracing] is on: a check against the JWKS key set is an `auth.verify` span
+        #: a check against the JWKS key set is an `auth.verify` span (with [tracing] on)
         self.tracing = tracing
 
     @property
@@ -157,7 +157,7 @@ class TokenVerifier:
             raise BadToken(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
         try:
             header = jwt.get_unverified_header(token)
-            if self.tracing is not None and self.jwks is not None and header.get("alg") in JWKS_ALGORITHMS:
+            if self.jwks is not None and header.get("alg") in JWKS_ALGORITHMS:
                 with self.tracing.span("auth.verify", {"fanout.auth.alg": str(header.get("alg")),
                                                        "fanout.auth.kid": str(header.get("kid"))[:128]}):
                     claims = self._claims(token, header["alg"], self._keys_for(header))

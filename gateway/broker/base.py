@@ -172,7 +172,7 @@ class Broker(Protocol):
     clustered: bool
     #: this node's client summary for the other nodes' stats streams, or None; called every second by the
     #: stats refresher with whether some node's stream has a viewer (given at construction: the stats feed's,
-    #: gateway/admin/stats_feed.py; never called in-process)
+    #: gateway/stats_feed.py; never called in-process)
     node_summary: Callable[[bool], dict[str, Any] | None]
 
     async def cluster_nodes(self, watch_s: float) -> list[dict[str, Any]] | None:

@@ -2,7 +2,7 @@
 every topic in Redis for `GET /api/topics` and `GET /api/topics/NAME`, and every node's counters for
 `GET /api/stats`, which this node writes to `P:node:ID` every second (the stats refresher, which also keeps
 this node's private queues alive in Redis), with, while some node's stats stream has a viewer
-(`P:stats:watched`), this node's client summary for that dashboard (`dash`, gateway/admin/stats_feed.py)."""
+(`P:stats:watched`), this node's client summary for that dashboard (`dash`, gateway/stats_feed.py)."""
 
 from __future__ import annotations
 

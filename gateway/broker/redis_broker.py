@@ -80,7 +80,7 @@ class RedisBroker:
         #: the operators' commands on every node (control.py); `control` runs one on this node
         self.control_handler = control
         self.controls = ControlChannel(self)
-        #: this node's summary for the dashboards of the cluster (set by the stats feed, gateway/admin/stats_feed.py)
+        #: this node's summary for the dashboards of the cluster (set by the stats feed, gateway/stats_feed.py)
         self.node_summary = node_summary
 
     # -- the link's state, for the helpers (node.py) and readiness --------------------------------------

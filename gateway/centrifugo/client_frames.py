@@ -5,10 +5,11 @@ codec's replies and pushes, joined into one WebSocket frame. The conversion depe
 a frame many subscribers get (a publication) is converted once for all of them (`CentrifugoFramer` keeps the
 cycle's frames), and a message entry once for every frame it is in.
 
-Per-client answers carry what they need in their request id, a string `"N:method[:flags]"` (N: the
-Centrifugo command's id; gateway/centrifugo/client_session.py makes them): a `subscribed` entry becomes the
-subscribe reply, a `reply` the method's result, an `error` the reply's error. Entries queued by the
-Centrifugo session itself are already in the codec's form, marked by a leading zero byte (`READY`).
+Per-client answers carry the Centrifugo command's id as their request id; how to answer it (the method,
+the subscribe's flags) is in the connection's table of `Answers` keyed by that id, made as the command is
+decoded (gateway/centrifugo/client_session.py) and taken as its answer is converted: a `subscribed` entry
+becomes the subscribe reply, a `reply` the method's result, an `error` the reply's error. Entries queued by
+the Centrifugo session itself are already in the codec's form, marked by a leading zero byte (`READY`).
 
 Centrifugo's streams have no loss notice: a `loss` entry becomes an `unsubscribe` push with code 2500
 (insufficient state), which makes the SDK subscribe again, recovering from its position or saying
@@ -19,7 +20,6 @@ frame's entries of that topic are left out.
 from __future__ import annotations
 
 import math
-import re
 import time
 from typing import Any
 
@@ -27,7 +27,7 @@ import orjson
 
 from core.entries import split_message
 
-from ..transports.wsframes import FrameCache, text_frame_header
+from ..wsframes import FrameCache, text_frame_header
 from . import client_codes as codes
 from .client_codec import Codec, Raw
 
@@ -37,28 +37,30 @@ READY = 0
 #: converted message entries; past either the cache starts again
 CACHE_BYTES = 1 << 20
 #: the request id of the unsubscribe that drops a lost subscription: its `unsubscribed` entry is not shown
-LOST_ID = "0:lost"
+#: (negative: never a command's id, which is a uint32)
+LOST_ID = -1
 #: the request id of a server-side subscription made by `connect` (gateway/centrifugo/server_subs.py): the
 #: connect result carries it, so its `subscribed` entry (and a late refusal's error) is not shown
-SERVER_SUB_ID = "0:csub"
+SERVER_SUB_ID = -2
 #: unsubscribe push codes: below 2500 the SDK stays unsubscribed, from 2500 it subscribes again
 SERVER_UNSUBSCRIBE = 2000
 INSUFFICIENT_STATE = 2500
 
-_ID = re.compile(r"(\d+):([a-z_]+)(?::([a-z]*))?")
+#: how to answer a command, by its id: (method, flags); flags of a subscribe: k recoverable, p positioned,
+#: w was recovering, r recovered (its publications follow in the frame)
+Answer = tuple[str, str]
+Answers = dict[int, Answer]
+#: the answers of the gateway's own request ids, the same for every connection
+OWN_ANSWERS: dict[int, Answer] = {LOST_ID: ("lost", ""), SERVER_SUB_ID: ("csub", "")}
 
 
-def request_id(command_id: int, method: str, flags: str = "") -> str:
-    return f"{command_id}:{method}:{flags}" if flags else f"{command_id}:{method}"
-
-
-def _parsed_id(value: Any) -> tuple[int, str, str] | None:
-    if not isinstance(value, str):
+def _answer(answers: Answers | None, request_id: Any) -> tuple[int, str, str] | None:
+    """The command an entry answers (its id, method, flags), taken from the table: None for an entry that
+    answers no command of the client (a server-side subscription's, an expiry's notice)."""
+    if type(request_id) is not int:
         return None
-    match = _ID.fullmatch(value)
-    if match is None:
-        return None
-    return int(match[1]), match[2], match[3] or ""
+    answer = OWN_ANSWERS.get(request_id) if request_id < 0 or answers is None else answers.pop(request_id, None)
+    return None if answer is None else (request_id, *answer)
 
 
 #: the kinds of entries that are the same for every client that gets them (the others answer one client)
@@ -90,18 +92,22 @@ class CentrifugoFramer:
         self.last_frame = b""
         self.last = Converted(b"", (), True)
 
-    def convert(self, entries: list[bytes], frame: bytes) -> Converted:
+    def convert(self, entries: list[bytes], frame: bytes, answers: Answers | None = None) -> Converted:
+        """The frame in the codec's form; `answers`: the table of the connection it goes to, whose entries
+        for the commands the frame answers are taken (a frame of one client's answers is converted once:
+        its connection keeps it, `CentrifugoConnection`)."""
         if frame is self.last_frame:
             return self.last
         converted = self.frames.items.get(frame)
         if converted is None:
-            converted = self._convert(entries)
-            if converted.shared:  # one client's answers are converted for it alone: not kept
-                self.frames.put(frame, converted)
+            converted = self._convert(entries, answers)
+            if not converted.shared:  # one client's answers are converted for it alone: not kept
+                return converted
+            self.frames.put(frame, converted)
         self.last_frame, self.last = frame, converted
         return converted
 
-    def _convert(self, entries: list[bytes]) -> Converted:
+    def _convert(self, entries: list[bytes], answers: Answers | None) -> Converted:
         codec = self.codec
         lost: list[str] = []
         replies: list[bytes | dict[str, Any]] = []
@@ -131,7 +137,7 @@ class CentrifugoFramer:
                 continue
             if shared and entry[:entry.find(b",")] not in SHARED_KINDS:
                 shared = False
-            reply = convert_entry(orjson.loads(entry), lost)
+            reply = convert_entry(orjson.loads(entry), lost, answers)
             if reply is not None:
                 replies.append(reply)
                 publications = reply.get("subscribe", {}).get("publications")
@@ -153,21 +159,22 @@ class CentrifugoFramer:
 
 # -- one entry ------------------------------------------------------------------------------------------------
 
-def convert_entry(entry: dict[str, Any], lost: list[str]) -> dict[str, Any] | None:
+def convert_entry(entry: dict[str, Any], lost: list[str], answers: Answers | None = None) -> dict[str, Any] | None:
     """One entry (other than a message) as a Centrifugo reply or push; None when it has none. `lost`: the
-    topics of the frame whose subscription an earlier entry ended (their entries are left out), appended to."""
+    topics of the frame whose subscription an earlier entry ended (their entries are left out), appended to;
+    `answers`: the connection's table, what an answer entry answers is taken from it."""
     kind = entry.get("type")
     topic = entry.get("topic")
     if topic is not None and topic in lost:
         return None
     if kind == "reply":
-        return _reply(entry)
+        return _reply(entry, answers)
     if kind == "error":
-        return _error(entry)
+        return _error(entry, answers)
     if kind == "subscribed":
-        return _subscribed(entry)
+        return _subscribed(entry, answers)
     if kind == "unsubscribed":
-        return _unsubscribed(entry)
+        return _unsubscribed(entry, answers)
     if kind == "loss":
         lost.append(str(topic))
         return _push(topic, "unsubscribe", {"code": INSUFFICIENT_STATE, "reason": "insufficient state"})
@@ -184,8 +191,8 @@ def _push(channel: Any, kind: str, body: dict[str, Any]) -> dict[str, Any]:
     return {"push": {"channel": channel, kind: body}}
 
 
-def _subscribed(entry: dict[str, Any]) -> dict[str, Any] | None:
-    parsed = _parsed_id(entry.get("id"))
+def _subscribed(entry: dict[str, Any], answers: Answers | None) -> dict[str, Any] | None:
+    parsed = _answer(answers, entry.get("id"))
     body: dict[str, Any] = {}
     if parsed is None:  # a server-side subscription (the connect hook's, the API's `subscribe`)
         if entry.get("id") is not None:
@@ -207,8 +214,8 @@ def _subscribed(entry: dict[str, Any]) -> dict[str, Any] | None:
     return {"id": command_id, "subscribe": body}
 
 
-def _unsubscribed(entry: dict[str, Any]) -> dict[str, Any] | None:
-    parsed = _parsed_id(entry.get("id"))
+def _unsubscribed(entry: dict[str, Any], answers: Answers | None) -> dict[str, Any] | None:
+    parsed = _answer(answers, entry.get("id"))
     if parsed is not None:
         return None if parsed[1] == "lost" else {"id": parsed[0], "unsubscribe": {}}
     if entry.get("id") is not None:
@@ -216,8 +223,8 @@ def _unsubscribed(entry: dict[str, Any]) -> dict[str, Any] | None:
     return _push(entry.get("topic"), "unsubscribe", {"code": SERVER_UNSUBSCRIBE, "reason": "server unsubscribe"})
 
 
-def _error(entry: dict[str, Any]) -> dict[str, Any] | None:
-    parsed = _parsed_id(entry.get("id"))
+def _error(entry: dict[str, Any], answers: Answers | None) -> dict[str, Any] | None:
+    parsed = _answer(answers, entry.get("id"))
     if parsed is None:  # about no command of the client (an expiry's notice: the refresh is the SDK's)
         return None
     command_id, method, _ = parsed
@@ -240,8 +247,8 @@ def error_reply(command_id: int, code: int, message: str) -> dict[str, Any]:
     return {"id": command_id, "error": error}
 
 
-def _reply(entry: dict[str, Any]) -> dict[str, Any] | None:
-    parsed = _parsed_id(entry.get("id"))
+def _reply(entry: dict[str, Any], answers: Answers | None) -> dict[str, Any] | None:
+    parsed = _answer(answers, entry.get("id"))
     if parsed is None:
         return None
     command_id, method, _ = parsed

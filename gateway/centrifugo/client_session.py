@@ -4,17 +4,20 @@ run strictly in the order sent, on our machinery.
 No session exists before the `connect` command, which carries the token: it opens one as every transport
 does (`ClientSession.begin`: the bounds, the token, the connect hook, revocations, the per-user limit), and
 its reply is written before anything else of the connection. Any other command first is a bad request
-(close 3501). Once connected, each command becomes one of ours (gateway/commands.py `run_command`: its
-checks, limits and hooks) with a request id that tells the framer (gateway/centrifugo/client_frames.py) how
-to answer it; `history` is read here, and answered in the codec's form through the same direct queue, so
-every answer keeps its place among the data.
+(close 3501). Once connected, each command is decoded into one of ours, the same typed commands as our JSON
+protocol's (gateway/client_protocol.py; a subscribe is a `Subscribing`, with its join/leave choice), run by
+gateway/commands.py `run` (its checks, limits and hooks) with the command's id as request id; how to answer
+it (the method, the subscribe's flags) goes in the connection's table (`answers`), which the framer
+(gateway/centrifugo/client_frames.py) takes from. `connect`, `history` and `sub_refresh` are this module's own
+verbs over the session; `history` is answered in the codec's form through the same direct queue, so every
+answer keeps its place among the data.
 
 Recovery is decided before the subscribe, from the ring as it is then: complete (same epoch, nothing after
 the client's offset left the ring or given up) -> subscribe from the offset, `recovered: true`, the missed
 publications pushed right after the reply; else -> from the end, `recovered: false`, none. The connect
 hook's server-side subscriptions recover the same way, from the positions of `connect` `subs`
 (gateway/centrifugo/server_subs.py). A subscription gets join/leave pushes only when its subscribe asked
-(`join_leave`): the others decline them in the presence tracker, where they are queued.
+(`join_leave`): the others decline them in the presence tracker, where they are queued (gateway/commands.py).
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ from core.config import MAX_SEQ
 from core.errors import RequestError
 
 from .. import commands, schema
+from ..client_protocol import Decoded, Subscribing, decode_value
 from ..errors import TokenExpired
 from ..session import ClientSession, LateRefused
 from . import client_codes as codes
 from .api_errors import ApiError
 from .client_codec import BadFrame, Codec
-from .client_frames import READY, error_reply, expiry, request_id
+from .client_frames import READY, Answer, Answers, error_reply, expiry
 from .history import HistoryBudget, HistoryQuery, HistoryRead, position_only
 from .server_subs import Position, asked_positions, complete_since, subscribe_server_side
 
 if TYPE_CHECKING:
-    from ..hub import Hub
     from ..scheduler import Connection
+    from ..session_services import SessionServices
 
 log = logging.getLogger("gateway.centrifugo")
 
@@ -57,6 +61,9 @@ HISTORY_RESERVE_BYTES = 16 << 10
 HISTORY_ROW_BYTES = 40
 #: publications a step of a history answer reads (~0.3 ms): a whole answer of 10,000 takes 10 steps
 HISTORY_STEP = 1000
+#: commands of a connection run and not answered yet (their answers queued behind its unread data, or
+#: awaiting a hook or the broker): past it a command is refused with 111
+MAX_ANSWERS = 16384
 #: the close reason of a `send` (asynchronous messages have no equivalent here; an rpc is answered)
 SEND_REFUSAL = "`send` is not available here: use rpc"
 
@@ -95,10 +102,10 @@ class Link(Protocol):
 class CentrifugoSession:
     """A connection's commands (module docstring)."""
 
-    __slots__ = ("hub", "codec", "link", "session", "queue", "waiting", "reading", "max_commands")
+    __slots__ = ("services", "codec", "link", "session", "queue", "waiting", "reading", "max_commands", "answers")
 
-    def __init__(self, hub: Hub, codec: Codec, link: Link) -> None:
-        self.hub = hub
+    def __init__(self, services: SessionServices, codec: Codec, link: Link) -> None:
+        self.services = services
         self.codec = codec
         self.link = link
         self.session: ClientSession | None = None
@@ -108,7 +115,10 @@ class CentrifugoSession:
         #: the history answer being read, a slice a step (its command id), else None: the commands after it wait
         self.reading: tuple[int, HistoryRead] | None = None
         #: commands one frame may hold: a reconnecting SDK sends connect and every subscribe at once
-        self.max_commands = max(schema.MAX_COMMANDS_PER_FRAME, hub.config.scheduler.max_subscriptions + 2)
+        self.max_commands = max(schema.MAX_COMMANDS_PER_FRAME, services.config.scheduler.max_subscriptions + 2)
+        #: how to answer each command run and not answered yet, by its id (gateway/centrifugo/client_frames.py
+        #: takes each as it converts the answer), at most `MAX_ANSWERS`
+        self.answers: Answers = {}
 
     # -- input ---------------------------------------------------------------------------------------------
 
@@ -163,7 +173,7 @@ class CentrifugoSession:
         self.queue.extend(got)
 
     def _bad(self, why: str) -> None:
-        self.hub.bad_input("centrifugo", "bad request: %s", why)
+        self.services.bad_input("centrifugo", "bad request: %s", why)
         self._drop_commands()
         self.link.close(codes.BAD_REQUEST_CLOSE, codes.close_reason(f"bad request: {why}"))
 
@@ -224,7 +234,7 @@ class CentrifugoSession:
             self._bad(str(exc))
             return
         try:
-            session = ClientSession.begin(self.hub, "centrifugo", self.link.peer, token=token)
+            session = ClientSession.begin(self.services, "centrifugo", self.link.peer, token=token)
         except TokenExpired as exc:  # the SDK asks its app for a fresh token (getToken), else gives up
             self._reply(error_reply(command_id, codes.TOKEN_EXPIRED, exc.message))
             return
@@ -261,15 +271,15 @@ class CentrifugoSession:
         identity = session.identity
         # the hook's server-side subscriptions are made here, with the recovery `subs` asks for, not by the
         # registry (gateway/centrifugo/server_subs.py)
-        server_side, identity.proxy_topics = identity.proxy_topics, ()
+        server_side, session.state.granted = session.state.granted, ()
         try:
             session.open(self.link.connection(session))
         except LateRefused as late:
             self._refused(late)
             return
         self.session = session
-        subs = subscribe_server_side(self.hub, identity, server_side, asked)
-        ping = self.hub.config.centrifugo.ping_interval_s
+        subs = subscribe_server_side(session, server_side, asked)
+        ping = self.services.config.centrifugo.ping_interval_s
         result: dict[str, Any] = {"client": identity.client_id, "version": VERSION, "ping": max(1, round(ping)),
                                   "pong": True}
         if identity.principal is not None:
@@ -304,21 +314,19 @@ class CentrifugoSession:
         if method == "history":
             self._history(session, command_id, params, channel)
             return
+        answer = method
         if method == "unsubscribe":
-            ours = {"op": "unsubscribe", "topic": channel, "id": request_id(command_id, "unsub")}
+            ours, answer = {"op": "unsubscribe", "topic": channel}, "unsub"
         elif method == "publish":
             if "data" not in params:
                 raise ValueError("`data` is required")
-            ours = {"op": "publish", "topic": channel, "data": self.codec.data(params["data"]),
-                    "id": request_id(command_id, "pub")}
+            ours, answer = {"op": "publish", "topic": channel, "data": self.codec.data(params["data"])}, "pub"
         elif method in ("presence", "presence_stats"):
-            ours = {"op": method, "topic": channel, "id": request_id(command_id, "presence" if method == "presence"
-                                                                     else "stats")}
+            ours, answer = {"op": method, "topic": channel}, "presence" if method == "presence" else "stats"
         elif method == "rpc":
-            ours = {"op": "rpc", "method": params.get("method", ""), "params": self.codec.data(params.get("data")),
-                    "id": request_id(command_id, "rpc")}
+            ours = {"op": "rpc", "method": params.get("method", ""), "params": self.codec.data(params.get("data"))}
         elif method == "refresh":
-            ours = {"op": "auth", "token": params.get("token"), "id": request_id(command_id, "refresh")}
+            ours = {"op": "auth", "token": params.get("token")}
         elif method in ("sub_refresh", "ping"):
             self._reply({"id": command_id, method: {}})
             return
@@ -326,19 +334,30 @@ class CentrifugoSession:
             self._reply(error_reply(command_id, codes.METHOD_NOT_FOUND, f"no method {method[:32]!r}"))
             return
         # an unsubscribe is answered {} whatever happens, so it must happen: not within the subscribe rate
-        commands.run_command(session, ours, sent=method != "unsubscribe")
+        self._send(session, command_id, (answer, ""), decode_value({**ours, "id": command_id}),
+                   sent=method != "unsubscribe")
+
+    def _send(self, session: ClientSession, command_id: int, answer: Answer, command: Decoded, *, sent: bool) -> None:
+        """Run one of our commands for the client's command `command_id`, remembering how to answer it (the
+        framer takes `answer` from the table as it converts the entry that answers it)."""
+        if len(self.answers) >= MAX_ANSWERS and command_id not in self.answers:
+            self._reply(error_reply(command_id, codes.TOO_MANY_REQUESTS, f"{MAX_ANSWERS} commands of this connection"
+                                                                         " are not answered yet"))
+            return
+        self.answers[command_id] = answer
+        commands.run_decoded(session, command, sent=sent)
 
     def _subscribe(self, session: ClientSession, command_id: int, params: dict[str, Any], channel: str) -> None:
         if params.get("tf"):
             raise ValueError("publication filters (`tf`) are not supported")
-        config = self.hub.topics.topic_config(channel)
+        config = self.services.topics.topic_config(channel)
         ring = config is not None and config.kind is TopicKind.RING
         flags = ""
         if ring and (params.get("recoverable") or params.get("recover")):
             flags += "k"
         if config is not None and config.kind is not TopicKind.PRIVATE and params.get("positioned"):
             flags += "p"
-        ours: dict[str, Any] = {"op": "subscribe", "topic": channel}
+        ours: dict[str, Any] = {"op": "subscribe", "topic": channel, "id": command_id}
         if "data" in params:  # for the subscribe hook (docs/integration.md)
             ours["data"] = self.codec.data(params["data"])
         if ring and params.get("recover"):
@@ -346,29 +365,22 @@ class CentrifugoSession:
             if type(offset) is not int or not 0 <= offset < MAX_SEQ or not isinstance(epoch, str):
                 raise ValueError("`offset` is an integer in [0, 2**53), `epoch` a string")
             flags += "w"
-            if complete_since(self.hub.topics, channel, offset, epoch):
+            if complete_since(self.services.topics, channel, offset, epoch):
                 flags += "r"
                 ours["since"] = {"epoch": epoch, "seq": offset}
             elif isinstance(params.get("flag"), int) and params["flag"] & REJECT_UNRECOVERED:
                 self._reply(error_reply(command_id, codes.UNRECOVERABLE_POSITION, "unrecoverable position"))
                 return
-        ours["id"] = request_id(command_id, "sub", flags)
-        self._choose_join_leave(session, channel, config is not None and config.join_leave
-                                and not params.get("join_leave"))
-        commands.run_command(session, ours, sent=True)
-
-    def _choose_join_leave(self, session: ClientSession, channel: str, declined: bool) -> None:
-        """A Centrifugo subscription gets join/leave pushes only when its subscribe asked (`join_leave`):
-        the others decline them where they are queued (gateway/presence.py). Not for a topic it holds (105)."""
-        hub, client_id = self.hub, session.identity.client_id
-        if channel not in hub.topics.client(client_id).subs:
-            hub.scheduler.presence.decline_join_leave(client_id, channel, declined,
-                                                      hub.config.scheduler.max_subscriptions)
+        command = decode_value(ours)
+        if isinstance(command, schema.Subscribe):  # the same command as ours, with the join/leave choice
+            command = Subscribing(topic=command.topic, since=command.since, data=command.data, id=command.id,
+                                  join_leave=bool(params.get("join_leave")))
+        self._send(session, command_id, ("sub", flags), command, sent=True)
 
     def _history(self, session: ClientSession, command_id: int, params: dict[str, Any], channel: str) -> None:
         identity = session.identity
-        identity.last_command = time.monotonic()
-        config = self.hub.topics.topic_config(channel)
+        session.state.last_command = time.monotonic()
+        config = self.services.topics.topic_config(channel)
         if config is None:
             self._reply(error_reply(command_id, codes.UNKNOWN_CHANNEL, f"no channel {channel[:256]!r}"))
             return
@@ -377,14 +389,14 @@ class CentrifugoSession:
             return
         query = _history_query(params)
         # the answer goes through the client's direct queue: never built larger than the room it has there
-        room = self.hub.clients.direct_room(identity.client_id) - HISTORY_RESERVE_BYTES
+        room = self.services.clients.direct_room(identity.client_id) - HISTORY_RESERVE_BYTES
         if query.limit != 0 and room <= 0:
             self._reply(error_reply(command_id, codes.TOO_MANY_REQUESTS, "the connection's replies are not read yet:"
                                                                          " ask again once they are"))
             return
         try:
             query.check()
-            topics = self.hub.topics
+            topics = self.services.topics
             budget = HistoryBudget(size=room, row_cost=HISTORY_ROW_BYTES, first_always=False)
             reading = HistoryRead(topics.topic(channel), query, budget) if topics.has_topic(channel) else None
         except ApiError as exc:
@@ -408,7 +420,7 @@ class CentrifugoSession:
         """A reply in the codec's form through the client's direct queue."""
         session = self.session
         assert session is not None
-        self.hub.clients.send_direct(session.identity.client_id, bytes((READY,)) + reply)
+        session.send(bytes((READY,)) + reply)
 
 
 def _history_query(params: dict[str, Any]) -> HistoryQuery:

@@ -2,7 +2,7 @@
 recovery its SDK asks for in the command's `subs` (docs/centrifugo.md, "Client protocol").
 
 A reconnecting SDK sends `subs: {CHANNEL: {recover, offset, epoch}}` for the server-side subscriptions it had.
-Each channel the hook grants is subscribed here (not by the registry, gateway/clients.py) in the step that
+Each channel the hook grants is subscribed here (`catalog.grant`, not by the session's `open`) in the step that
 opens the connection, and answered in the connect result's `subs` as Centrifugo answers it: a ring topic is
 `recoverable` and `positioned`; a recovery is decided from the ring as a client `subscribe`'s is (complete:
 `recovered: true`, the missed publications in `publications`, `offset` the request's; else `recovered: false`,
@@ -25,8 +25,7 @@ from .client_codec import Raw
 from .client_frames import SERVER_SUB_ID
 
 if TYPE_CHECKING:
-    from ..auth.identity import ClientIdentity
-    from ..hub import Hub
+    from ..session import ClientSession
     from ..topic_view import TopicView
 
 #: a recovery asked for: (offset, epoch)
@@ -60,15 +59,16 @@ def complete_since(topics: TopicView, channel: str, offset: int, epoch: str) -> 
     return isinstance(topic, RingTopic) and epoch == topic.epoch and topic.retains_all_from(offset)
 
 
-def subscribe_server_side(hub: Hub, identity: ClientIdentity, channels: tuple[str, ...],
+def subscribe_server_side(session: ClientSession, channels: tuple[str, ...],
                           asked: dict[str, Position]) -> dict[str, dict[str, Any]]:
     """Subscribe the connection to `channels` (no permission check: the hook granted them), recovering those
     `asked` names; returns the connect result's `subs`. A refusal is the client's error entry (no result)."""
-    topics, client_id = hub.topics, identity.client_id
-    budget = hub.config.scheduler.cycle_budget_bytes  # bytes of publications the result may still hold
+    services = session.services
+    topics, client_id = services.topics, session.identity.client_id
+    budget = services.config.scheduler.cycle_budget_bytes  # bytes of publications the result may still hold
     results: dict[str, dict[str, Any]] = {}
     for channel in channels:
-        if client_id not in hub.clients.conns:
+        if not session.live:
             break  # cut by an earlier one (its direct queue)
         position = asked.get(channel)
         config = topics.topic_config(channel)
@@ -83,9 +83,9 @@ def subscribe_server_side(hub: Hub, identity: ClientIdentity, channels: tuple[st
             budget -= size
             since = (epoch, offset + len(publications))
         try:
-            hub.broker.subscribe(client_id, channel, since=since, request_id=SERVER_SUB_ID, creator=identity)
+            services.catalog.grant(client_id, channel, since=since, request_id=SERVER_SUB_ID)
         except RequestError as exc:
-            hub.clients.send_error(client_id, exc)
+            session.send_error(exc)
             continue
         results[channel] = _result(topics, client_id, channel, position, publications if recovering else None)
     return results

@@ -41,7 +41,7 @@ from ..edge.bodies import AnswerRefused, read_answer
 from ..edge.ratelog import BadInputLog
 from ..errors import BackendUnavailable, ConnectRefused
 from ..ops.metrics import BucketHistogram
-from ..ops.tracing import Tracing, redacted
+from ..ops.tracing import NO_TRACING, Tracing, redacted
 from .base import Allowed, Hooks, NoHooks, Refused, client_body
 
 HOOKS = ("connect", "subscribe", "publish", "rpc", "refresh", "disconnect", "unsubscribe")
@@ -138,7 +138,7 @@ def _quiet_httpx() -> None:
 
 
 def hooks_from_config(config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog,
-                      tracing: Tracing | None = None) -> Hooks:
+                      tracing: Tracing = NO_TRACING) -> Hooks:
     """The process's hooks: over HTTP when a hook URL is set, else `NoHooks`."""
     urls = (config.connect_url, config.subscribe_url, config.publish_url, config.rpc_url, config.refresh_url,
             config.disconnect_url, config.unsubscribe_url)
@@ -147,7 +147,7 @@ def hooks_from_config(config: ProxyConfig, max_subscriptions: int, bad_input: Ba
 
 class HttpHooks:
     def __init__(self, config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing = NO_TRACING) -> None:
         self.config = config
         self.max_subscriptions = max_subscriptions
         #: the hub's bounded log: a hook's failures (a dead backend logs at that rate, not once per call)
@@ -177,8 +177,10 @@ class HttpHooks:
         self._senders: list[asyncio.Task[None]] = []
         #: calls in flight for connections and commands (kept so they are not collected, cancelled at close)
         self._tasks: set[asyncio.Task[Any]] = set()
-        #: with [tracing] on: each call is a client span, its `traceparent` sent along
+        #: each call is a client span, its `traceparent` sent along (with [tracing] on)
         self.tracing = tracing
+        #: the hooks' URLs as a span shows them, redacted once
+        self._span_urls = {hook: redacted(url) for hook, url in self.urls.items()}
 
     # -- calls ---------------------------------------------------------------------------------------------
 
@@ -198,10 +200,8 @@ class HttpHooks:
         reachable; a status other than 200; a body that is not the hook's answer, or longer than
         `max_answer_bytes`, or encoded). A failure is logged through the bounded bad-input log."""
         tracing = self.tracing
-        if tracing is None:
-            return await self._call(hook, body, answer, REQUEST_HEADERS)
         headers = dict(REQUEST_HEADERS)
-        with tracing.client_span(f"hook {hook}", headers, {"fanout.hook": hook, "url.full": redacted(self.urls[hook])}) as span:
+        with tracing.client_span(f"hook {hook}", headers, {"fanout.hook": hook, "url.full": self._span_urls[hook]}) as span:
             try:
                 converted = await self._call(hook, body, answer, headers)
             except Refused:
@@ -289,9 +289,9 @@ class HttpHooks:
         `connect_always`."""
         return self._asks_connect and (identity.principal is None or self.config.connect_always)
 
-    async def connect(self, identity: ClientIdentity, header_values: Callable[[str], list[str]]) -> None:
+    async def connect(self, identity: ClientIdentity, header_values: Callable[[str], list[str]]) -> tuple[str, ...]:
         """Ask the connect hook about a new client and apply its grant to `identity` (user, patterns, expiry
-        as its `Principal`; `info`; server-side `topics`). Raises ConnectRefused or BackendUnavailable."""
+        as its `Principal`; `info`); returns its server-side `topics`. Raises ConnectRefused or BackendUnavailable."""
         headers = {}
         for name in self.forward_headers:
             values = header_values(name)
@@ -319,7 +319,7 @@ class HttpHooks:
                 issued_at=token.issued_at if token is not None else None)
         if grant.info is not None:
             identity.info = grant.info
-        identity.proxy_topics = tuple(grant.topics)
+        return tuple(grant.topics)
 
     def _check(self, grant: Grant) -> str | None:
         if len(grant.user) > MAX_USER_CHARS:

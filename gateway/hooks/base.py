@@ -81,8 +81,9 @@ class Hooks(Protocol):
 
     # -- asks ------------------------------------------------------------------------------------------
 
-    async def connect(self, identity: ClientIdentity, header_values: Callable[[str], list[str]]) -> None:
-        """Admit a new client, applying the grant to `identity`. Raises ConnectRefused, BackendUnavailable."""
+    async def connect(self, identity: ClientIdentity, header_values: Callable[[str], list[str]]) -> tuple[str, ...]:
+        """Admit a new client, applying the grant to `identity`; returns the server-side subscriptions it
+        grants (made as the client's session opens). Raises ConnectRefused, BackendUnavailable."""
 
     async def call(self, hook: str, body: dict[str, Any], answer: type[T]) -> T:
         """Ask `hook` with `body`; its answer as `answer`. Raises Refused, BackendUnavailable."""
@@ -132,8 +133,8 @@ class NoHooks:
     def wants_connect(self, identity: ClientIdentity) -> bool:
         return False
 
-    async def connect(self, identity: ClientIdentity, header_values: Callable[[str], list[str]]) -> None:
-        return None
+    async def connect(self, identity: ClientIdentity, header_values: Callable[[str], list[str]]) -> tuple[str, ...]:
+        return ()
 
     async def call(self, hook: str, body: dict[str, Any], answer: type[T]) -> T:
         """The allowance `{}`: a command goes through as the client sent it."""

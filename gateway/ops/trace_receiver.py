@@ -111,7 +111,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def receive(host: str, port: int) -> int:
-    """Print the spans POSTed to `host:port` until interrupted (`gateway trace-receiver`); 2 when it cannot listen."""
+    """Print the spans POSTed to `host:port` until interrupted (`gateway trace-receiver`); 2 when it cannot listen
+    or the `tracing` extra, which reads the exports, is not installed."""
+    try:
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: F401 - what reads each export
+    except ImportError:
+        print("trace receiver: needs opentelemetry-proto, which the tracing extra installs: "
+              "pip install 'fanout-gateway[tracing]' (in a checkout, `make setup` installs every extra)", file=sys.stderr)
+        return 2
     try:
         server = ThreadingHTTPServer((host, port), _Handler)
     except OSError as exc:

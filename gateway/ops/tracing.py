@@ -1,9 +1,10 @@
 """OpenTelemetry traces (`[tracing]`, docs/operations.md "Tracing"), exported over OTLP/HTTP.
 
-Off (`tracing.otlp_endpoint` empty, the default) `from_config` returns None and nothing of OpenTelemetry is
-imported, not even its API: each site costs one check, `hub.tracing is None` (admin API requests, ingest
-batches, hook calls, token checks) or an empty dict (the scheduler's `traced_applies` per publish, `fanouts`
-per cycle). This module imports the SDK only inside `Tracing`.
+The hub always holds a `Tracing`. Off (`tracing.otlp_endpoint` empty, the default) it is `NO_TRACING`, a
+null object, and nothing of OpenTelemetry is imported, not even its API: its spans are one shared no-op
+context (no span object is made), an admin request is answered as if untraced, `recording()` is False, and
+the ingest's per-turn bookkeeping is skipped on `enabled`; the scheduler's side costs an empty dict
+(`traced_applies` per publish, `fanouts` per cycle). On, it is `OtlpTracing`, the only place the SDK is imported.
 
 On: one tracer provider per hub (never the process-global one: tests run several gateways in one process),
 a `ParentBased(TraceIdRatioBased(sample_rate))` sampler (a request's `traceparent` keeps its caller's
@@ -33,10 +34,11 @@ every subscriber the topic had at the apply got it, or FANOUT_WAIT_S after the a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from core import Batch
@@ -80,31 +82,136 @@ def redacted(url: str) -> str:
     return parts._replace(netloc=f"REDACTED:REDACTED@{host}").geturl()
 
 
-def from_config(config: TracingConfig, instance_id: str) -> Tracing | None:
-    """The hub's tracing, None when `otlp_endpoint` is empty (then nothing is imported)."""
-    return Tracing(config, instance_id) if config.otlp_endpoint else None
+def from_config(config: TracingConfig, instance_id: str) -> Tracing:
+    """The hub's tracing: `NO_TRACING` when `otlp_endpoint` is empty (then nothing is imported)."""
+    return OtlpTracing(config, instance_id) if config.otlp_endpoint else NO_TRACING
 
 
-async def traced_answer(tracing: Tracing | None, name: str, request: Request,
+async def traced_answer(tracing: Tracing, name: str, request: Request,
                         answer: Callable[[Request], Awaitable[Response]]) -> Response:
     """An HTTP API request's answer, in its server span when tracing is on (a child of the caller's span when
     it sends `traceparent`), with the method, path and status as attributes."""
-    if tracing is None:
+    return await tracing.answer(name, request, answer)
+
+
+class TraceSpan(Protocol):
+    """What the call sites do with a span (an OpenTelemetry `Span`, or `NO_SPAN` with tracing off)."""
+
+    def set_attribute(self, key: str, value: Any) -> None: ...
+
+    def set_status(self, status: Any, description: str | None = None) -> None: ...
+
+
+class Tracing(Protocol):
+    """The hub's tracing: `OtlpTracing` when on, else `NoTracing` (every call a no-op, no span made)."""
+
+    #: whether spans are made at all: a hot path skips the bookkeeping of a span it would not make
+    enabled: bool
+
+    async def answer(self, name: str, request: Request,
+                     answer: Callable[[Request], Awaitable[Response]]) -> Response:
+        """`answer(request)`, in a server span named `name` (`traced_answer`)."""
+        ...
+
+    def span(self, name: str, attributes: dict[str, Any] | None = None,
+             ) -> contextlib.AbstractContextManager[TraceSpan]:
+        """A span beneath the current one (a new trace when there is none), current within the block."""
+        ...
+
+    def root_span(self, name: str, attributes: dict[str, Any]) -> contextlib.AbstractContextManager[TraceSpan]:
+        """The root of a new trace, whatever is current (a client's command, ...)."""
+        ...
+
+    def client_span(self, name: str, headers: dict[str, str], attributes: dict[str, Any],
+                    ) -> contextlib.AbstractContextManager[TraceSpan]:
+        """An outgoing call's span beneath the current one; `headers` get its `traceparent`."""
+        ...
+
+    def record(self, name: str, started_ns: int, attributes: dict[str, Any]) -> None:
+        """A finished span, started at `started_ns` (time.time_ns) and ending now, the root of a new trace."""
+        ...
+
+    def ok(self, span: TraceSpan) -> None:
+        """The span's work was answered as designed (a backend's refusal): not an error."""
+        ...
+
+    def recording(self) -> bool:
+        """Whether the current span is sampled (its children would be)."""
+        ...
+
+    def expect_apply(self) -> ExpectedApply | None:
+        """What the next apply of a publish sent now continues (None: not sampled)."""
+        ...
+
+    async def close(self) -> None:
+        """Export what is left and stop exporting (at most 3 s, off the event loop)."""
+        ...
+
+
+class _NoSpan:
+    """Tracing off: the one span every block gets, doing nothing; its own context manager, so entering a
+    block makes no object."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NoSpan:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        return None
+
+    def set_status(self, status: Any, description: str | None = None) -> None:
+        return None
+
+
+NO_SPAN = _NoSpan()
+
+
+class NoTracing:
+    """Tracing off (`[tracing]` without `otlp_endpoint`): a null object, nothing of OpenTelemetry imported."""
+
+    __slots__ = ()
+    enabled = False
+
+    async def answer(self, name: str, request: Request,
+                     answer: Callable[[Request], Awaitable[Response]]) -> Response:
         return await answer(request)
-    peer = request.client.host if request.client else "?"
 
-    def oversized(header: str, limit: int) -> None:
-        request.app.state.hub.bad_input("http", "%s header over %d characters: ignored", header, limit, peer=peer)
+    def span(self, name: str, attributes: dict[str, Any] | None = None) -> _NoSpan:
+        return NO_SPAN
 
-    with tracing.server_span(name, request.headers, {"http.request.method": request.method,
-                                                     "url.path": request.url.path}, oversized) as span:
-        response = await answer(request)
-        span.set_attribute("http.response.status_code", response.status_code)
-        return response
+    def root_span(self, name: str, attributes: dict[str, Any]) -> _NoSpan:
+        return NO_SPAN
+
+    def client_span(self, name: str, headers: dict[str, str], attributes: dict[str, Any]) -> _NoSpan:
+        return NO_SPAN
+
+    def record(self, name: str, started_ns: int, attributes: dict[str, Any]) -> None:
+        return None
+
+    def ok(self, span: TraceSpan) -> None:
+        return None
+
+    def recording(self) -> bool:
+        return False
+
+    def expect_apply(self) -> ExpectedApply | None:
+        return None
+
+    async def close(self) -> None:
+        return None
 
 
-class Tracing:
+NO_TRACING = NoTracing()
+
+
+class OtlpTracing:
     """An enabled tracer and the helpers the call sites use (the only place the SDK is imported)."""
+
+    enabled = True
 
     def __init__(self, config: TracingConfig, instance_id: str) -> None:
         from opentelemetry import context, trace
@@ -130,6 +237,20 @@ class Tracing:
         self.tracer = self.provider.get_tracer("fanout-gateway")
 
     # -- spans ---------------------------------------------------------------------------------------------
+
+    async def answer(self, name: str, request: Request,
+                     answer: Callable[[Request], Awaitable[Response]]) -> Response:
+        peer = request.client.host if request.client else "?"
+
+        def oversized(header: str, limit: int) -> None:
+            request.app.state.hub.bad_input("http", "%s header over %d characters: ignored", header, limit,
+                                            peer=peer)
+
+        with self.server_span(name, request.headers, {"http.request.method": request.method,
+                                                      "url.path": request.url.path}, oversized) as span:
+            response = await answer(request)
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
 
     def server_span(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any],
                     oversized: Callable[[str, int], None] = lambda header, limit: None,
@@ -161,7 +282,7 @@ class Tracing:
         self.tracer.start_span(name, context=self._context.Context(), start_time=started_ns,
                                attributes=attributes).end()
 
-    def ok(self, span: Span) -> None:
+    def ok(self, span: TraceSpan) -> None:
         """The span's work was answered as designed (a backend's refusal): not an error."""
         span.set_status(self.api.Status(self.api.StatusCode.OK))
 
@@ -180,6 +301,11 @@ class Tracing:
         """Export what is left (at most 2 s) and stop the exporter's thread. Blocking: run it in a thread."""
         self.provider.force_flush(2000)
         self.provider.shutdown()
+
+    async def close(self) -> None:
+        # the spans left are exported off the event loop; a dead collector: 3 s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.to_thread(self.shutdown), 3)
 
 
 def _trace_headers(headers: Mapping[str, str], oversized: Callable[[str, int], None]) -> dict[str, str]:
@@ -209,7 +335,7 @@ class ExpectedApply:
 
     __slots__ = ("tracing", "context", "deadline")
 
-    def __init__(self, tracing: Tracing, context: Context, deadline: float) -> None:
+    def __init__(self, tracing: OtlpTracing, context: Context, deadline: float) -> None:
         self.tracing = tracing
         self.context = context
         self.deadline = deadline

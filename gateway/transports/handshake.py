@@ -1,5 +1,5 @@
 """How the HTTP transports (SSE, long-poll) answer a refused handshake (the refusals themselves, and which
-transport gets which: gateway/auth/admission.py), the close reason a WebSocket gets for one, and the one
+transport gets which: gateway/admission.py), the close reason a WebSocket gets for one, and the one
 answer of every route of a transport that is switched off (`TransportOff`)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from starlette.types import Receive, Scope, Send
 from core.errors import RequestError
 
 from .. import close_codes
-from ..auth.admission import TooManyPendingConnects
+from ..admission import TooManyPendingConnects
 from ..config import GatewayConfig
 from ..edge.http_errors import error_response
 from ..errors import BackendUnavailable, Closed, NotFound
@@ -62,7 +62,7 @@ def close_reason(exc: RequestError) -> str:
 class TransportOff:
     """The endpoint of every route of an HTTP transport that is switched off (`longpoll.enabled`,
     `sse.enabled`): `404 not_found` naming the key. (`websocket.enabled` off: the WebSocket protocol answers
-    every handshake 403 itself, gateway/transports/ws.py.)"""
+    every handshake 403 itself, gateway/transports/ws_handshake.py.)"""
 
     def __init__(self, name: str, key: str) -> None:
         self.refusal = NotFound(f"the {name} transport is disabled ({key})")

@@ -111,7 +111,7 @@ class IngestParts(NamedTuple):
     config: GatewayConfig
     catalog: TopicCatalog
     #: one span per turn that took records, when tracing is on
-    tracing: Tracing | None
+    tracing: Tracing
     bad_input: BadInputLog
 
 
@@ -214,7 +214,7 @@ class IngestProtocol(asyncio.Protocol):
 
     def _process(self) -> None:
         tracing = self.parts.tracing
-        if tracing is None:
+        if not tracing.enabled:  # off: not even the counts a span would carry
             self._process_records()
             return
         # one span per turn that took records (gateway/ops/tracing.py), made after the fact: an empty turn makes none

@@ -159,7 +159,7 @@ class IngestParser:
             return self._refuse(f"no auth line in the first {AUTH_LINE_MAX} bytes")
         try:
             record = schema.record(orjson.loads(line))
-        except (orjson.JSONDecodeError, BadRecord):
+        except (orjson.JSONDecodeError, BadRecord, BadSeq):  # any record but an auth one: refused alike
             record = None
         if not isinstance(record, schema.AuthRecord):
             return self._refuse('the first line must be {"auth": TOKEN}')

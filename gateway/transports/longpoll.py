@@ -22,12 +22,12 @@ from core import Batch, RequestError
 
 from ..edge.http_errors import error_response
 from ..errors import BadAck, Closed, UnknownSession
-from ..hub import Hub
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused, session_store
+from ..session_services import SessionServices
+from ..session_store import new_secret
 from .handshake import http_refusal, late_refusal_response
 from .posted import accept_commands, backend_refusal
-from .sessions import new_secret
 
 EMPTY_BODY = b'{"batch":null,"entries":[]}'
 UNKNOWN_SESSION = UnknownSession("no such long-poll session (expired or closed)")
@@ -129,18 +129,19 @@ class LongPollSession:
 
 
 def _session(request: Request) -> LongPollSession | None:
-    session = session_store(request.app.state.hub).longpoll.get(request.path_params["session"])
+    session = session_store(request.app.state.services).longpoll.get(request.path_params["session"])
     return session if isinstance(session, LongPollSession) else None
 
 
 async def create_session(request: Request) -> Response:
     """`Authorization: Bearer TOKEN` makes the session its user's (docs/security.md); none: anonymous."""
-    hub: Hub = request.app.state.hub
+    services: SessionServices = request.app.state.services
     try:
-        session = ClientSession.begin(hub, "longpoll", request.client, authorization=request.headers.get("authorization", ""))
+        session = ClientSession.begin(services, "longpoll", request.client,
+                                      authorization=request.headers.get("authorization", ""))
     except RequestError as exc:  # 401 for a refused token, 429 / 503 (retry later) for the others
-        return http_refusal(hub.config, exc)
-    refusal = await backend_refusal(hub, session, request)
+        return http_refusal(services.config, exc)
+    refusal = await backend_refusal(session, request)
     if refusal is not None:
         return refusal
     conn = LongPollSession(session, request.app.state.session_prefix)
@@ -155,7 +156,7 @@ async def create_session(request: Request) -> Response:
 async def poll(request: Request) -> Response:
     conn = _session(request)
     if conn is None:
-        final = session_store(request.app.state.hub).closed.take(request.path_params["session"])
+        final = session_store(request.app.state.services).closed.take(request.path_params["session"])
         if final is not None:
             return Response(final, media_type="application/json")
         return error_response(UNKNOWN_SESSION)

@@ -12,12 +12,11 @@ from core import RequestError
 from ..edge.bodies import read_body
 from ..edge.http_errors import error_response
 from ..errors import BadJson
-from ..hub import Hub
 from ..session import ClientSession
 from .handshake import http_refusal
 
 
-async def backend_refusal(hub: Hub, session: ClientSession, request: Request) -> Response | None:
+async def backend_refusal(session: ClientSession, request: Request) -> Response | None:
     """The connect hook for an HTTP transport (long-poll, SSE), when the client must pass it: None once the
     backend admitted it, else the answer: 403 `forbidden` (refused), 503 `backend_unavailable` with
     `Retry-After` (no answer in time)."""
@@ -26,7 +25,7 @@ async def backend_refusal(hub: Hub, session: ClientSession, request: Request) ->
     try:
         await session.pass_backend(request.headers.getlist)
     except RequestError as exc:
-        return http_refusal(hub.config, exc)
+        return http_refusal(session.config, exc)
     return None
 
 

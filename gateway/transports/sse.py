@@ -34,17 +34,17 @@ from core.config import MAX_SEQ
 from core.errors import RequestError, TooManySubscriptions
 
 from .. import schema
-from ..auth.admission import TooManyPendingConnects
+from ..admission import TooManyPendingConnects
 from ..edge.http_errors import error_response
 from ..edge.netguard import SCOPE_KEY, GuardedHttpToolsProtocol
 from ..errors import BadRequest, UnknownSession
-from ..hub import Hub
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused, session_store
+from ..session_services import SessionServices
+from ..session_store import new_secret
 from ..session_tables import Checkpoints
 from .handshake import http_refusal
 from .posted import accept_commands, backend_refusal
-from .sessions import new_secret
 from .staging import StagedWriter
 from .streams import KICK_GRACE_S, tune_stream
 
@@ -232,7 +232,9 @@ class SseConnection(StagedWriter):
     session: ClientSession
 
     def __init__(self, session: ClientSession, proto: GuardedHttpToolsProtocol, secret_prefix: str = "") -> None:
-        super().__init__(session)
+        #: the write pause, kept here: the HTTP protocol tells the stream (`on_pause`, `on_resume`)
+        self.paused = False
+        super().__init__(session, self)
         self.config = session.config
         self.store = session.store
         self.proto = proto
@@ -445,22 +447,23 @@ class _Stream(Response):
 
 async def stream(request: Request) -> Response:
     """`GET /sse?topics=a,b[&token=JWT][&since=POSITIONS]` (docs/protocol.md `## SSE`)."""
-    hub: Hub = request.app.state.hub
+    services: SessionServices = request.app.state.services
     query = request.query_params
     proto = request.scope.get("extensions", {}).get(SCOPE_KEY)
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
         raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.edge.netguard.GuardedHttpToolsProtocol)")
     try:
-        session = ClientSession.begin(hub, "sse", request.client, token=query.get("token"), requested_id=query.get("id"))
+        session = ClientSession.begin(services, "sse", request.client, token=query.get("token"),
+                                      requested_id=query.get("id"))
     except RequestError as exc:
         if exc.close_code is None or isinstance(exc, TooManyPendingConnects):  # the bounds: an HTTP error
-            return http_refusal(hub.config, exc)
+            return http_refusal(services.config, exc)
         return close_only(exc.close_code, exc.message)  # ?id=, the token: a stream an EventSource can read
-    refusal = await backend_refusal(hub, session, request)
+    refusal = await backend_refusal(session, request)
     if refusal is not None:
         return refusal
     refusals: list[RequestError] = []
-    max_subs = hub.config.scheduler.max_subscriptions
+    max_subs = services.config.scheduler.max_subscriptions
     topics = [name for name in ",".join(query.getlist("topics")).split(",") if name]
     if len(topics) > max_subs:
         refusals.append(TooManySubscriptions(f"{len(topics) - max_subs} topics beyond scheduler.max_subscriptions"
@@ -480,7 +483,7 @@ async def stream(request: Request) -> Response:
 
 def _stream_of(request: Request) -> SseConnection | Response:
     """The stream the path names, or the error response (no such session)."""
-    conn = session_store(request.app.state.hub).sse.get(request.path_params["session"])
+    conn = session_store(request.app.state.services).sse.get(request.path_params["session"])
     if not isinstance(conn, SseConnection):
         return error_response(UNKNOWN_SESSION)
     return conn

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..scheduler import Delivered
 from ..session import ClientSession
@@ -36,19 +36,27 @@ if TYPE_CHECKING:
 DONE, STAGED, CAUGHT_UP, BLOCKED = Delivered.DONE, Delivered.STAGED, Delivered.CAUGHT_UP, Delivered.BLOCKED
 
 
+class WritePause(Protocol):
+    """Who keeps a connection's write pause: whoever asyncio's `pause_writing` and `resume_writing` reach (the
+    WebSocket protocol; an SSE stream, which its HTTP protocol tells). A `StagedWriter` only reads it."""
+
+    #: the transport is above its high-water mark (`pause_writing` until `resume_writing`)
+    paused: bool
+
+
 class StagedWriter:
     """The write side of a streaming connection (WebSocket, SSE): staging and flow control; the class names
     its transport. Made with its client's `ClientSession` (gateway/session.py), which hears of its write
-    state."""
+    state, and with the keeper of its write pause (`WritePause`)."""
 
-    __slots__ = ("session", "scheduler", "identity", "paused", "blocked_since", "_staged", "_staged_bytes")
+    __slots__ = ("session", "scheduler", "identity", "pause", "blocked_since", "_staged", "_staged_bytes")
 
-    def __init__(self, session: ClientSession) -> None:
+    def __init__(self, session: ClientSession, pause: WritePause) -> None:
         self.session = session
         self.scheduler = session.scheduler
         self.identity: ClientIdentity = session.identity
-        #: the transport is above its high-water mark (`pause_writing` until `resume_writing`)
-        self.paused = False
+        #: whose `paused` says the transport is above its high-water mark (read here, never set)
+        self.pause = pause
         #: set while a batch waits for the transport to drain (the client is not ready)
         self.blocked_since: float | None = None
         self._staged: list[bytes] = []  # this round's frames, not written yet
@@ -129,7 +137,7 @@ class StagedWriter:
             transport.writelines(parts)
         self.scheduler.staged_writes += 1
         self._written()
-        if self.paused:  # pause_writing ran inside the write: above the high-water mark
+        if self.pause.paused:  # pause_writing ran inside the write: above the high-water mark
             self._blocked()
             return False
         return True

@@ -5,11 +5,15 @@ makes an instance of the class `protocol_class` returned (with its `config`, `se
 which this protocol does not need), calls `connection_made` and `data_received` with the request's bytes, and
 makes it the transport's protocol. From there the connection is this module's, as websockets' own asyncio
 server does it: bytes in go to websockets (`receive_data`, then `events_received`), bytes out come from it
-(`data_to_send`). The handshake is answered here (path, Origin, `?token=`, `?id=`, the connect hook, the
-101), each command message goes to gateway/commands.py as it is parsed, and the scheduler writes each batch
+(`data_to_send`). The handshake is answered by ws_handshake.py (path, Origin, `?token=`, `?id=`, the connect
+hook, the 101), each command message goes to gateway/commands.py as it is parsed, and the scheduler writes each batch
 as one pre-built text frame straight to the transport (`WSConnection`), never awaiting: a client whose writes
 are paused is not ready until asyncio calls `resume_writing`. A connection to `centrifugo.path` speaks
 Centrifugo's client protocol instead (gateway/transports/ws_centrifugo.py): its messages go to its link.
+
+The connection's life is one state value (ws_state.py: handshake, awaiting the connect hook, open, closing,
+closed), changed only by `move`; asyncio's `pause_writing` and `resume_writing` set the one write-pause flag,
+`paused`, which the scheduler's side (`WSConnection`, gateway/transports/staging.py) reads.
 
 Between two messages, nothing of the next one read, a connection holds no websockets object: the frame
 parser it used goes back to a small pool of the server's and the next read takes one (`_park`). The frame
@@ -22,21 +26,14 @@ close frames this side starts are serialized here.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from typing import Any, cast
-from typing import Protocol as TypingProtocol
-from urllib.parse import parse_qs
 
-import orjson
-from websockets.datastructures import Headers
 from websockets.frames import Close, Frame, Opcode
-from websockets.http11 import Request, Response
-from websockets.protocol import OPEN, SERVER, Event, Protocol
-from websockets.server import ServerProtocol
+from websockets.protocol import OPEN, Event, Protocol
 
-from core import Batch, RequestError, Sink
+from core import Batch, Sink
 
 from .. import close_codes
 from ..centrifugo.client_codes import close_code as centrifugo_close_code
@@ -44,126 +41,25 @@ from ..centrifugo.client_codes import close_reason as centrifugo_close_reason
 from ..edge.netguard import ConnectionLimiter
 from ..edge.origin import OriginPolicy
 from ..edge.ratelog import BadInputLog
-from ..errors import Forbidden, NotFound
 from ..fanwrite import raw_fd
-from ..hub import Hub
 from ..scheduler import Delivered
 from ..session import ClientSession, LateRefused
+from ..session_services import SessionServices
+from ..wsframes import frames_fed
 from .handshake import close_reason
 from .staging import BLOCKED, StagedWriter
 from .streams import KICK_GRACE_S, tune_stream
 from .ws_counters import WSCounters, ws_counters
-from .ws_deflate import DeflateFramer, Framers, PlainFramer, inflating_parser, negotiated_window, offer_factory
-from .ws_keepalive import Keepalive
-from .ws_turns import PARSE_SLICE, TURN_BUDGET_S, InputTurn
-from .wsframes import frames_fed
+from .ws_deflate import DeflateFramer, PlainFramer
+from .ws_handshake import Handshake
+from .ws_service import CentrifugoEndpoint, CentrifugoLink, WSService
+from .ws_state import WS_CLOSING, WS_OPEN, WSState, checked_move
+from .ws_turns import PARSE_SLICE, TURN_BUDGET_S
 
 __all__ = ["WSConnection", "WSCounters", "WebSocketProtocol", "protocol_class", "ws_counters"]
 
-#: websockets' own log: it logs each connection's opening at INFO, one line per client
-FRAMES_LOG = logging.getLogger("gateway.ws.protocol")
-FRAMES_LOG.setLevel(logging.WARNING)
-
-#: the route this protocol serves; any other path of an upgrade request is answered 404
-WS_PATH = "/ws"
 #: bytes a closing connection is read for (and dropped) before it is not read any more
 LINGER_READ = 16384
-#: parked frame parsers a server keeps for the next reads (`ParserPool`)
-PARSER_POOL = 64
-
-
-class CentrifugoLink(TypingProtocol):
-    """A connection of Centrifugo's client protocol (gateway/transports/ws_centrifugo.py, which builds on this
-    module, so this one only names what it calls)."""
-
-    def received(self, payload: bytes, text: bool) -> None:
-        """One message: its commands are queued, run one a step by `step` (`_handle_input`)."""
-
-    @property
-    def busy(self) -> bool:
-        """Commands of its frames wait: for their steps, or for the connect hook (`waiting`)."""
-
-    @property
-    def waiting(self) -> bool:
-        """The connect hook is asked: nothing runs, nothing is read, until the link calls `resume_input`."""
-
-    def step(self) -> None: ...
-
-    def lost(self) -> None: ...
-
-
-class CentrifugoEndpoint(TypingProtocol):
-    """Centrifugo's client protocol at its path (gateway/transports/ws_centrifugo.py)."""
-
-    @property
-    def path(self) -> str: ...
-
-    def handshake(self, max_size: int, logger: Any) -> ServerProtocol: ...
-
-    def codec_name(self, subprotocol: str | None, query: str) -> str: ...
-
-    def link(self, proto: WebSocketProtocol, request: Request, codec_name: str) -> CentrifugoLink: ...
-
-
-class ParserPool:
-    """Frame parsers (websockets `Protocol`, state OPEN) at a frame boundary, no message begun, kept for the
-    next connection with input: one per connection while it reads, none while it is idle. Two kinds: plain,
-    and inflating for the connections that negotiated permessage-deflate (ws_deflate.py)."""
-
-    __slots__ = ("max_message_bytes", "free", "free_inflating")
-
-    def __init__(self, max_message_bytes: int) -> None:
-        self.max_message_bytes = max_message_bytes
-        self.free: list[Protocol] = []
-        self.free_inflating: list[Protocol] = []
-
-    def take(self, inflating: bool) -> Protocol:
-        free = self.free_inflating if inflating else self.free
-        if free:
-            return free.pop()
-        if inflating:
-            return inflating_parser(self.max_message_bytes, FRAMES_LOG)
-        return Protocol(SERVER, state=OPEN, max_size=self.max_message_bytes, logger=FRAMES_LOG)
-
-    def give_back(self, parser: Protocol, inflating: bool) -> None:
-        free = self.free_inflating if inflating else self.free
-        if len(free) < PARSER_POOL:
-            free.append(parser)
-
-
-class WSService:
-    """What the WebSocket connections of one server share: the hub, the HTTP port's connection accounting
-    (an upgraded connection holds its slot until it is lost here), the Origin policy, the turn's input budget,
-    the keepalive wheel and the parser pool."""
-
-    def __init__(self, hub: Hub, limiter: ConnectionLimiter, origins: OriginPolicy, bad_input: BadInputLog) -> None:
-        self.hub = hub
-        self.config = hub.config.websocket
-        self.limiter = limiter
-        self.origins = origins
-        #: where a peer's protocol errors are counted, and logged at a bounded rate
-        self.bad_input = bad_input
-        self.turn = InputTurn()
-        self.keepalive = Keepalive(self.config.ping_interval_s, self.config.ping_timeout_s)
-        self.parsers = ParserPool(self.config.max_frame_bytes)
-        #: permessage-deflate as offered to handshakes (none: declined), and the frames' framers
-        self.extensions = [offer_factory()] if self.config.compression == "deflate" else None
-        self.framers = Framers(self.config.compression_min_bytes)
-        #: the server's open connections (uvicorn's, which its shutdown closes and waits for)
-        self.connections: set[Any] | None = None
-        #: Centrifugo's client protocol at `centrifugo.path` (gateway/transports/ws_centrifugo.py), when enabled
-        self.centrifugo: CentrifugoEndpoint | None = None
-
-
-def _json_refusal(handshake: ServerProtocol, status: int, error: RequestError) -> Response:
-    """A refused handshake's answer with our JSON error body (websockets' `reject` gives plain text)."""
-    response = handshake.reject(status, "")
-    body = orjson.dumps({"error": {"code": error.code, "message": error.message}})
-    headers = Headers([(k, v) for k, v in response.headers.raw_items() if k.lower() not in
-                       ("content-type", "content-length")])
-    headers["Content-Type"] = "application/json"
-    headers["Content-Length"] = str(len(body))
-    return Response(response.status_code, response.reason_phrase, headers, body)
 
 
 def _control_frame(opcode: Opcode, data: bytes) -> bytes:
@@ -174,7 +70,7 @@ class WebSocketProtocol(asyncio.Protocol):
     """One `/ws` connection from its upgrade request to its loss (module docstring)."""
 
     __slots__ = (
-        "transport", "peer", "ws", "connection", "upgraded", "closing", "dropped", "unparsed", "unhandled",
+        "transport", "peer", "state", "handshake", "ws", "connection", "dropped", "unparsed", "unhandled",
         "deferred", "raw_fd", "held_pong", "paused", "frame_left", "frame_head", "message", "message_text", "ping_payload",
         "ping_sent_at", "ping_rtt", "frames_at_ping", "in_message", "window_bits", "centrifugo",
     )
@@ -189,14 +85,13 @@ class WebSocketProtocol(asyncio.Protocol):
         if service.connections is None and server_state is not None:
             service.connections = server_state.connections
         self.peer: tuple[str, int] | None = None
-        #: the handshake's `ServerProtocol`, then the frame parser while input is handled, else None (`_park`)
-        self.ws: Protocol | None = ServerProtocol(extensions=service.extensions, max_size=service.config.max_frame_bytes,
-                                                  logger=FRAMES_LOG)
+        #: where the connection's life is (ws_state.py); changed by `move` only
+        self.state = WSState.HANDSHAKE
+        #: the upgrade (ws_handshake.py) until it is answered, then None
+        self.handshake: Handshake | None = Handshake(self)
+        #: the frame parser while input is handled, else None (`_park`)
+        self.ws: Protocol | None = None
         self.connection: WSConnection | None = None
-        #: the 101 is written: the connection is a WebSocket
-        self.upgraded = False
-        #: our close frame (or a refusal) is written: what the peer still sends is dropped until it closes
-        self.closing = False
         #: bytes read and dropped while closing
         self.dropped = 0
         #: the part of the last read not fed to the parser yet, and the parsed events not handled yet: what is
@@ -210,7 +105,8 @@ class WebSocketProtocol(asyncio.Protocol):
         #: the pong answering the peer's latest ping, held while our writes are paused (at most one waits,
         #: RFC 6455 §5.5.3); reading is paused with it, so a peer that pings and never reads is not read either
         self.held_pong: bytes | None = None
-        #: the transport is above its high-water mark
+        #: the transport is above its high-water mark (`pause_writing` until `resume_writing`): the one flag,
+        #: which the scheduler's side reads (`WSConnection`, gateway/transports/staging.py)
         self.paused = False
         #: where the client's frames stand (wsframes.py `frames_fed`: bytes of the current frame still to come,
         #: a header read in part; 0 and b"" at a frame boundary), and whether the frames left a fragmented
@@ -242,15 +138,15 @@ class WebSocketProtocol(asyncio.Protocol):
             self.service.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.closing:
-            # dropped; past LINGER_READ the peer is not read any more (it is cut at the grace): a kicked peer
-            # that floods made the gateway read and drop ~2 GB/s for the grace
-            self.dropped += len(data)
-            if self.dropped > LINGER_READ and not self.transport.is_closing():
-                self.transport.pause_reading()
-            return
-        if not self.upgraded:
-            self._handshake_input(data)
+        if self.state is not WS_OPEN:
+            if self.state is WS_CLOSING:
+                # dropped; past LINGER_READ the peer is not read any more (it is cut at the grace): a kicked
+                # peer that floods made the gateway read and drop ~2 GB/s for the grace
+                self.dropped += len(data)
+                if self.dropped > LINGER_READ and not self.transport.is_closing():
+                    self.transport.pause_reading()
+            elif self.handshake is not None:
+                self.handshake.received(data)
             return
         unparsed = self.unparsed
         if unparsed is not None:  # read while the rest of the last read waits (reading is paused then)
@@ -269,7 +165,7 @@ class WebSocketProtocol(asyncio.Protocol):
         pong = self.held_pong
         if pong is not None:
             self.held_pong = None
-            if not self.transport.is_closing() and not self.closing:
+            if self.state is WS_OPEN and not self.transport.is_closing():
                 self.transport.write(pong)
                 if not self.deferred:  # else reading resumes once the input left for later is handled
                     self.transport.resume_reading()
@@ -277,6 +173,8 @@ class WebSocketProtocol(asyncio.Protocol):
             self.connection.on_resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.move(WSState.CLOSED)
+        self.handshake = None
         service = self.service
         service.limiter.release(self.transport)
         if service.connections is not None:
@@ -293,92 +191,26 @@ class WebSocketProtocol(asyncio.Protocol):
     def shutdown(self) -> None:
         """uvicorn's server shutting down: the clients were closed already (`Hub.close_all_clients`); one
         still in its handshake is closed now."""
-        if self.upgraded:
+        state = self.state
+        if state is WS_OPEN:
             self.close_with(close_codes.GOING_AWAY, "server shutting down")
-        elif not self.closing and not self.transport.is_closing():
-            self.closing = True
+        elif state in (WSState.HANDSHAKE, WSState.AWAITING_HOOK) and not self.transport.is_closing():
+            self.move(WSState.CLOSING)
             self.transport.close()
 
-    # -- the handshake ------------------------------------------------------------------------------------
+    def move(self, new: WSState) -> None:
+        """The one place the state changes (ws_state.py `MOVES`; another move is our bug: `IllegalMove`).
+        From CLOSING on no frame goes, not even a crowd's: the sink is shut with it."""
+        self.state = checked_move(self.state, new)
+        if new is WS_CLOSING and self.connection is not None:
+            self.connection.sink.open = False
 
-    def _handshake_input(self, data: bytes) -> None:
-        handshake = self.ws
-        assert isinstance(handshake, ServerProtocol)
-        handshake.receive_data(data)
-        events = handshake.events_received()
-        if not events and handshake.handshake_exc is not None:
-            self._refused_by_websockets(handshake)
-            return
-        # uvicorn hands over the request's bytes alone (and the peer is not read while the connect hook is
-        # asked), so the request is the only event; it is answered in this step, or after the hook
-        for event in events:
-            if isinstance(event, Request) and not self.closing:
-                self._on_request(handshake, event)
+    # -- the handshake's end (ws_handshake.py) ---------------------------------------------------------------
 
-    def _on_request(self, handshake: ServerProtocol, request: Request) -> None:
-        service = self.service
-        path, _, query = request.path.partition("?")
-        centrifugo = service.centrifugo
-        if path != WS_PATH and (centrifugo is None or path != centrifugo.path):
-            self._answer_and_close(handshake, _json_refusal(handshake, 404, NotFound(
-                f"no WebSocket endpoint at {path[:100]!r}: the WebSocket is at {WS_PATH}")))
-            return
-        if not service.config.enabled:
-            self._answer_and_close(handshake, _json_refusal(handshake, 403, Forbidden(
-                "the WebSocket transport is disabled (websocket.enabled)")))
-            return
-        origin = request.headers.get("Origin")
-        if origin is not None and not service.origins.allows(origin, request.headers.get("Host")):
-            service.bad_input("ws", "origin %r refused (server.allowed_origins)", origin[:100])
-            self._answer_and_close(handshake, _json_refusal(handshake, 403, Forbidden(
-                "origin not allowed (server.allowed_origins)")))
-            return
-        if path != WS_PATH:
-            assert centrifugo is not None
-            self._open_centrifugo(centrifugo, request, query)
-            return
-        response = handshake.accept(request)
-        if response.status_code != 101:  # not a valid upgrade: websockets says why
-            self._answer_and_close(handshake, response)
-            return
-        try:
-            session = begin_ws_session(service.hub, query, self.peer)
-        except RequestError as exc:
-            self._upgrade(handshake, response)
-            assert exc.close_code is not None  # every refusal of the handshake ends a WebSocket with a code
-            self.close_with(exc.close_code, close_reason(exc))
-            return
-        if session.awaits_hook:
-            # the 101 waits for the backend's connect hook; the peer is not read meanwhile
-            self.transport.pause_reading()
-            session.spawn(self._connect_via_backend(handshake, session, request, response))
-            return
-        self._open(handshake, session, response)
-
-    async def _connect_via_backend(self, handshake: ServerProtocol, session: ClientSession, request: Request,
-                                   response: Response) -> None:
-        """The connect hook (gateway/hooks/base.py), then the 101 and the registration; a refusal is the 101 and
-        at once a close with 4003 (the backend's message as the reason), no answer 1013 "backend unavailable"."""
-        refusal: RequestError | None = None
-        try:
-            await session.pass_backend(request.headers.get_all)
-        except RequestError as exc:
-            refusal = exc
-        if self.transport.is_closing() or self.closing:
-            session.gone()
-            return  # the peer left while the backend was asked
-        self.transport.resume_reading()
-        if refusal is not None:
-            self._upgrade(handshake, response)
-            assert refusal.close_code is not None
-            self.close_with(refusal.close_code, close_reason(refusal))
-            return
-        self._open(handshake, session, response)
-
-    def _open(self, handshake: ServerProtocol, session: ClientSession, response: Response) -> None:
-        """The 101, then the registration; or, when a revocation, a user's disconnect or the drain came first
-        (gateway/pending_connects.py), the close they give a registered client."""
-        self._upgrade(handshake, response)
+    def open_session(self, session: ClientSession) -> None:
+        """The 101 is written: keepalive, then the registration; or, when a revocation, a user's disconnect or
+        the drain came first (gateway/pending_connects.py), the close they give a registered client."""
+        self.service.keepalive.start(self)
         connection = WSConnection(session, self)
         try:
             session.open(connection)
@@ -386,44 +218,6 @@ class WebSocketProtocol(asyncio.Protocol):
             self.connection = None
             assert late.close_code is not None
             self.close_with(late.close_code, close_reason(late))
-
-    def _open_centrifugo(self, endpoint: CentrifugoEndpoint, request: Request, query: str) -> None:
-        """A Centrifugo connection: the 101 with the SDK's subprotocol (and permessage-deflate as on `/ws`),
-        and no session until its `connect` command (gateway/transports/ws_centrifugo.py); its pings are
-        Centrifugo's, not ours. The link is made once upgraded: its frames depend on the negotiated window."""
-        handshake = endpoint.handshake(self.service.config.max_frame_bytes, FRAMES_LOG)
-        response = handshake.accept(request)
-        if response.status_code != 101:
-            self._answer_and_close(handshake, response)
-            return
-        self._upgrade(handshake, response, keepalive=False)
-        self.centrifugo = endpoint.link(self, request, endpoint.codec_name(handshake.subprotocol, query))
-
-    def _upgrade(self, handshake: ServerProtocol, response: Response, *, keepalive: bool = True) -> None:
-        """Write the 101: the connection is a WebSocket from here on; the handshake's protocol is done."""
-        handshake.send_response(response)
-        self.transport.write(b"".join(handshake.data_to_send()))
-        self.window_bits = negotiated_window(handshake.extensions) if response.status_code == 101 else 0
-        self.ws = None
-        self.upgraded = True
-        if keepalive:
-            self.service.keepalive.start(self)
-
-    def _answer_and_close(self, handshake: ServerProtocol, response: Response) -> None:
-        self.closing = True
-        self.ws = None
-        handshake.send_response(response)
-        self.transport.write(b"".join(handshake.data_to_send()))
-        self.transport.close()
-
-    def _refused_by_websockets(self, handshake: ServerProtocol) -> None:
-        """websockets refused the request itself (a line over 8 KiB, over 128 headers, not HTTP): it queued
-        its answer (414, 431; nothing for a non-HTTP request) but gives no event. Answer and close."""
-        self.closing = True
-        self.ws = None
-        self.service.limiter.refuse("header_too_large", self.peer[0] if self.peer else "")
-        self.transport.write(b"".join(handshake.data_to_send()))
-        self.linger_close(KICK_GRACE_S)
 
     # -- input --------------------------------------------------------------------------------------------
 
@@ -438,7 +232,7 @@ class WebSocketProtocol(asyncio.Protocol):
         deadline = min(now + TURN_BUDGET_S, self.service.turn.until(now))
         transport = self.transport
         link = self.centrifugo
-        while not self.closing and not transport.is_closing():
+        while self.state is WS_OPEN and not transport.is_closing():
             unhandled = self.unhandled
             if link is not None and link.busy:  # a frame's Centrifugo commands first, one a step
                 if link.waiting:  # the connect hook is asked: reading is paused until `resume_input`
@@ -463,7 +257,7 @@ class WebSocketProtocol(asyncio.Protocol):
                 asyncio.get_running_loop().call_soon(self._handle_input)
                 return
         self.unhandled = self.unparsed = None  # closing: nothing more is handled
-        if paused and self.closing and not transport.is_closing():
+        if paused and self.state is WS_CLOSING and not transport.is_closing():
             # read (and drop, up to LINGER_READ) what the peer still sends: its end of the stream closes the
             # connection cleanly, where a cut at the grace could reset it
             transport.resume_reading()
@@ -575,21 +369,25 @@ class WebSocketProtocol(asyncio.Protocol):
         pongs without bound (+169 MiB in 6 s)."""
         parser = self.ws
         assert parser is not None
-        pong = b"".join(parser.data_to_send())
-        if not self.paused:
-            self.transport.write(pong)
+        pongs = parser.data_to_send()  # one per frame: the pongs of every ping of this slice
+        if not pongs:  # went (or waits) with the first ping of the slice
             return
+        if not self.paused:
+            self.transport.write(b"".join(pongs))
+            return
+        coalesced = len(pongs) - 1
         if self.held_pong is not None:
-            ws_counters.pongs_coalesced += 1
+            coalesced += 1
         else:
             self.transport.pause_reading()
-        self.held_pong = pong
+        ws_counters.pongs_coalesced += coalesced
+        self.held_pong = pongs[-1]
 
     def _peer_closed(self) -> None:
         """The peer's close frame: websockets queued the echo; write it and close, the client is gone."""
         parser = self.ws
         assert parser is not None
-        self._closing()
+        self.move(WSState.CLOSING)
         self.transport.write(b"".join(parser.data_to_send()))
         self.transport.close()
         self._unregister("closed")
@@ -613,7 +411,7 @@ class WebSocketProtocol(asyncio.Protocol):
     # -- keepalive (gateway/transports/ws_keepalive.py) ------------------------------------------------
 
     def can_ping(self) -> bool:
-        return not self.closing and not self.transport.is_closing()
+        return self.state is WS_OPEN and not self.transport.is_closing()
 
     def frames_flowed(self) -> bool:
         conn = self.connection
@@ -628,7 +426,7 @@ class WebSocketProtocol(asyncio.Protocol):
     def keepalive_timed_out(self) -> None:
         """The pong did not come: close frame, then linger and cut (a peer that never reads never drains
         the buffer a plain close would wait for)."""
-        if self.closing or self.transport.is_closing():
+        if self.state is not WS_OPEN or self.transport.is_closing():
             return
         self.close_with(close_codes.INTERNAL_ERROR, "keepalive ping timeout")
         self._unregister("closed")
@@ -637,7 +435,7 @@ class WebSocketProtocol(asyncio.Protocol):
 
     def close_with(self, code: int, reason: str) -> None:
         """Write a close frame and linger (`linger_close`); the connection is not registered, or no more."""
-        if self.transport.is_closing() or self.closing:
+        if self.state is not WS_OPEN or self.transport.is_closing():
             return
         if self.centrifugo is not None:  # never one of our 4xxx codes there (gateway/centrifugo/client_codes.py)
             code, reason = centrifugo_close_code(code), centrifugo_close_reason(reason)
@@ -649,7 +447,7 @@ class WebSocketProtocol(asyncio.Protocol):
         send RST, which can destroy the close frame (and its code) before the peer reads it. So: shut our
         side once the buffer (close frame included) is written, drop what the peer still sends, close when
         it closes, and cut it after `grace` seconds if it never does (or never reads)."""
-        self._closing()
+        self.move(WSState.CLOSING)
         self.service.keepalive.stop(self)
         transport = self.transport
         if transport.is_closing():
@@ -659,12 +457,6 @@ class WebSocketProtocol(asyncio.Protocol):
             return
         transport.write_eof()
         asyncio.get_running_loop().call_later(grace, transport.abort)
-
-    def _closing(self) -> None:
-        """Our close begun: no frame goes after it, not even a crowd's."""
-        self.closing = True
-        if self.connection is not None:
-            self.connection.sink.open = False
 
     def forget(self) -> None:
         """Closed by its Centrifugo session before it registered: nothing more to do with it."""
@@ -677,11 +469,11 @@ class WebSocketProtocol(asyncio.Protocol):
             conn.session.gone(reason)
 
 
-def protocol_class(hub: Hub, limiter: ConnectionLimiter, origins: OriginPolicy,
+def protocol_class(services: SessionServices, limiter: ConnectionLimiter, origins: OriginPolicy,
                    bad_input: BadInputLog, centrifugo: CentrifugoEndpoint | None = None) -> type[WebSocketProtocol]:
     """The class uvicorn instantiates per upgraded connection of one server (its `ws` setting); `centrifugo`:
     Centrifugo's client protocol at its path (gateway/transports/ws_centrifugo.py `centrifugo_endpoint`)."""
-    service = WSService(hub, limiter, origins, bad_input)
+    service = WSService(services, limiter, origins, bad_input)
     service.centrifugo = centrifugo
     return type("ServedWebSocketProtocol", (WebSocketProtocol,), {"__slots__": (), "service": service})
 
@@ -692,7 +484,7 @@ class WSConnection(StagedWriter):
     __slots__ = ("proto", "sink", "crowd_sink", "closed", "fd", "transport", "framer", "wire_variant")
 
     def __init__(self, session: ClientSession, proto: WebSocketProtocol) -> None:
-        super().__init__(session)
+        super().__init__(session, proto)
         self.proto = proto
         #: nothing more is written (kicked, closing, lost)
         self.closed = False
@@ -726,7 +518,7 @@ class WSConnection(StagedWriter):
     def _sink_state(self) -> None:
         """A crowd's frame may go straight to the socket only with nothing staged before it and no close
         begun (the transport's own state is asked at each send: `Sender.submit`)."""
-        self.sink.open = not self.closed and self.fd >= 0 and not self._staged and not self.proto.closing
+        self.sink.open = not self.closed and self.fd >= 0 and not self._staged and self.proto.state is WS_OPEN
 
     # -- fan-out writes ----------------------------------------------------------------------------------
 
@@ -734,7 +526,7 @@ class WSConnection(StagedWriter):
         if self.closed:
             return BLOCKED
         self.counted(len(batch.entries), len(frame))
-        if self.transport.is_closing() or self.proto.closing:  # closed, or our side already shut
+        if self.transport.is_closing() or self.proto.state is not WS_OPEN:  # closed, or our side already shut
             return BLOCKED
         data = self.framer.framed(frame)
         ws_counters.payload_bytes += len(frame)
@@ -745,7 +537,8 @@ class WSConnection(StagedWriter):
         # Caught up, nothing staged or buffered before it, writable: the frame may go straight to the
         # socket (gateway/fanwrite.py); counted as delivered here, like `deliver` does.
         fd = self.fd
-        if fd < 0 or self._staged or self.paused or self.proto.closing:
+        proto = self.proto
+        if fd < 0 or self._staged or proto.paused or proto.state is not WS_OPEN:
             return -1
         transport = self.transport
         if transport.get_write_buffer_size() or transport.is_closing():
@@ -767,17 +560,15 @@ class WSConnection(StagedWriter):
         return self._write_parts((data[sent:] if sent > 0 else data,))
 
     def _stream(self) -> asyncio.Transport | None:
-        if self.transport.is_closing() or self.proto.closing:
+        if self.transport.is_closing() or self.proto.state is not WS_OPEN:
             return None
         return self.transport
 
     def on_pause(self) -> None:
-        self.paused = True
         if self.blocked_since is None:  # paused by what the protocol writes itself (pongs): watched as well
             self._blocked()
 
     def on_resume(self) -> None:
-        self.paused = False
         self._drained()
 
     def on_lost(self) -> None:
@@ -808,11 +599,3 @@ class WSConnection(StagedWriter):
             "write_blocked": self.blocked_since is not None,
         }
 
-
-def begin_ws_session(hub: Hub, query: str, peer: tuple[str, int] | None) -> ClientSession:
-    """The session of a `/ws` handshake (its query string, `?token=`, `?id=`): gateway/session.py. Raises the
-    refusal (`RequestError`), whose `close_code` and `close_reason` are the close frame the peer gets."""
-    params = parse_qs(query, keep_blank_values=True)
-    tokens, ids = params.get("token"), params.get("id")
-    return ClientSession.begin(hub, "ws", peer, token=tokens[-1] if tokens else None,
-                               requested_id=ids[-1] if ids else None)

@@ -34,18 +34,19 @@ from core import Batch, Sink
 
 from ..centrifugo import client_codes as codes
 from ..centrifugo.client_codec import Codec, JsonCodec
-from ..centrifugo.client_frames import LOST_ID, CentrifugoFramer
+from ..centrifugo.client_frames import LOST_ID, Answers, CentrifugoFramer, Converted
 from ..centrifugo.client_proto import ProtobufCodec
 from ..centrifugo.client_session import CentrifugoSession
-from ..hub import Hub
 from ..scheduler import Delivered
 from ..session import ClientSession
+from ..session_services import SessionServices
+from ..wsframes import payload_offset, text_frame_header
 from .staging import BLOCKED, DONE
 from .ws import WebSocketProtocol, WSConnection
 from .ws_counters import ws_counters
 from .ws_deflate import FrameDeflater, offer_factory
 from .ws_keepalive import Keepalive
-from .wsframes import payload_offset, text_frame_header
+from .ws_state import WS_OPEN
 
 #: the subprotocols, in the order preferred when a client offers both
 JSON_SUBPROTOCOL = Subprotocol("centrifuge-json")
@@ -68,14 +69,14 @@ def wire_variant(codec_variant: int, window_bits: int) -> int:
 class CentrifugoEndpoint:
     """What a server's Centrifugo connections share: the path, the codecs and their framers, the ping wheel."""
 
-    def __init__(self, hub: Hub) -> None:
-        self.hub = hub
-        self.config = hub.config.centrifugo
+    def __init__(self, services: SessionServices) -> None:
+        self.services = services
+        self.config = services.config.centrifugo
         self.path = self.config.path
         self.codecs: dict[str, Codec] = {"json": JsonCodec(), "protobuf": ProtobufCodec()}
         self.framers = {name: CentrifugoFramer(codec) for name, codec in self.codecs.items()}
         self.keepalive = Keepalive(self.config.ping_interval_s, self.config.pong_timeout_s)
-        self.deflate = hub.config.websocket.compression == "deflate"
+        self.deflate = services.config.websocket.compression == "deflate"
 
     def handshake(self, max_size: int, logger: Any) -> ServerProtocol:
         """The handshake's protocol: websockets' own, choosing the SDK's subprotocol and accepting
@@ -95,9 +96,9 @@ class CentrifugoEndpoint:
         return CentrifugoLink(self, proto, codec_name, request)
 
 
-def centrifugo_endpoint(hub: Hub) -> CentrifugoEndpoint | None:
+def centrifugo_endpoint(services: SessionServices) -> CentrifugoEndpoint | None:
     """The server's Centrifugo endpoint (`ws.protocol_class`), None when `centrifugo.enabled` is false."""
-    return CentrifugoEndpoint(hub) if hub.config.centrifugo.enabled else None
+    return CentrifugoEndpoint(services) if services.config.centrifugo.enabled else None
 
 
 class CentrifugoLink:
@@ -118,7 +119,7 @@ class CentrifugoLink:
         self.transport: asyncio.Transport = proto.transport
         self.ping_payload: bytes | None = None
         self.ping_sent_at = self.ping_rtt = 0.0
-        self.session = CentrifugoSession(endpoint.hub, self.codec, self)
+        self.session = CentrifugoSession(endpoint.services, self.codec, self)
         self.stale_timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
             endpoint.config.connect_timeout_s, self._stale)
 
@@ -128,7 +129,7 @@ class CentrifugoLink:
 
     @property
     def closed(self) -> bool:
-        return self.proto.closing or self.transport.is_closing()
+        return self.proto.state is not WS_OPEN or self.transport.is_closing()
 
     def received(self, payload: bytes, text: bool) -> None:
         self.session.received(payload, text)
@@ -174,7 +175,7 @@ class CentrifugoLink:
 
     def connection(self, session: ClientSession) -> CentrifugoConnection:
         return CentrifugoConnection(session, self.proto, self.framer, self.deflater,
-                                    wire_variant(self.codec.variant, self.proto.window_bits))
+                                    wire_variant(self.codec.variant, self.proto.window_bits), self.session.answers)
 
     def connected(self) -> None:
         self._stop_stale()
@@ -220,10 +221,10 @@ class CentrifugoLink:
 class CentrifugoConnection(WSConnection):
     """The scheduler's side of a Centrifugo client: its batches converted (module docstring)."""
 
-    __slots__ = ("converter", "deflater", "direct_wire")
+    __slots__ = ("converter", "deflater", "direct_wire", "answers", "own_frame", "own")
 
     def __init__(self, session: ClientSession, proto: WebSocketProtocol, framer: CentrifugoFramer,
-                 deflater: FrameDeflater | None, variant: int) -> None:
+                 deflater: FrameDeflater | None, variant: int, answers: Answers) -> None:
         super().__init__(session, proto)
         self.wire_variant = self.sink.variant = variant
         self.converter = framer
@@ -232,9 +233,19 @@ class CentrifugoConnection(WSConnection):
         #: the converted frame `direct_fd` let go to the fan-out writer: what `wire` gives for it (a client
         #: gets one batch per cycle, so the crowd's first member holds its frame's bytes)
         self.direct_wire = b""
+        #: how to answer the client's commands (its Centrifugo session's table, gateway/centrifugo/client_frames.py)
+        self.answers = answers
+        #: the last frame of this client's own answers and its conversion (which took their table entries):
+        #: `direct_fd` and `deliver` of one batch convert it once
+        self.own_frame: bytes | None = None
+        self.own: Converted | None = None
 
     def deliver(self, batch: Batch, frame: bytes) -> Delivered:
-        converted = self.converter.convert(batch.entries, frame)
+        converted = self.own
+        if converted is None or frame is not self.own_frame:
+            converted = self.converter.convert(batch.entries, frame, self.answers)
+        else:  # converted by `direct_fd`, its answers taken from the table then
+            self.own_frame = self.own = None
         if converted.lost:
             self._drop_lost(converted.lost)
         if self.closed:
@@ -243,7 +254,7 @@ class CentrifugoConnection(WSConnection):
         self.counted(len(batch.entries), len(frame))
         if not frame:
             return DONE
-        if self.transport.is_closing() or self.proto.closing:
+        if self.transport.is_closing() or self.proto.state is not WS_OPEN:
             return BLOCKED
         data = frame if self.deflater is None else self.deflater.deflated(frame, converted.shared)
         ws_counters.payload_bytes += len(frame) - payload_offset(frame)
@@ -251,15 +262,18 @@ class CentrifugoConnection(WSConnection):
         return self.write_batch((data,), len(data), batch.more)
 
     def direct_fd(self, batch: Batch, frame: bytes) -> int:
-        converted = self.converter.convert(batch.entries, frame)
-        if converted.lost or not converted.wire or not converted.shared:  # one client's answers: `deliver`
+        converted = self.converter.convert(batch.entries, frame, self.answers)
+        if not converted.shared:  # one client's answers: `deliver` writes what was converted here
+            self.own_frame, self.own = frame, converted
+            return -1
+        if converted.lost or not converted.wire:
             return -1
         self.direct_wire = converted.wire
         return super().direct_fd(batch, frame)
 
     def gathered_wire(self, entry: bytes, frame: bytes, sinks: list[Sink]) -> bytes:
         # converted once for the crowd; the engine counted our frame's size, the client gets the converted one's
-        converted = self.converter.convert([entry], frame)
+        converted = self.converter.convert([entry], frame, self.answers)
         if converted.lost:
             for sink in sinks:
                 sink.owner._drop_lost(converted.lost)
@@ -287,12 +301,12 @@ class CentrifugoConnection(WSConnection):
         session = self.session
         if not session.live:
             return
-        hub = session.hub
+        services = session.services
         client_id = self.identity.client_id
-        subs = hub.topics.client(client_id).subs
+        subs = services.topics.client(client_id).subs
         for topic in topics:
             if topic in subs:
-                hub.catalog.unsubscribe(client_id, topic, request_id=LOST_ID)
+                services.catalog.unsubscribe(client_id, topic, request_id=LOST_ID)
 
     def describe(self) -> dict[str, Any]:
         described = super().describe()

@@ -24,8 +24,8 @@ from websockets.http11 import Request
 from websockets.protocol import OPEN
 from websockets.server import ServerProtocol
 
+from ..wsframes import COMPRESSED_TEXT, RSV1, FrameCache, payload_offset, text_frame_header
 from .ws_counters import ws_counters
-from .wsframes import COMPRESSED_TEXT, RSV1, FrameCache, payload_offset, text_frame_header
 
 #: zlib's default level: on a 600-byte batch the same time as level 1 (~12 µs, paid once per distinct frame)
 #: and a few percent smaller
@@ -53,7 +53,7 @@ def inflating_parser(max_size: int, logger: logging.Logger) -> ServerProtocol:
     """A frame parser (state OPEN) that inflates the messages a client compressed, made by a handshake of its
     own through websockets' public API, which negotiates the extension. Without context takeover it holds no
     state between two messages, so, like a plain parser, it serves any connection that negotiated deflate
-    and goes back to the server's pool between reads (gateway/transports/ws.py, `ParserPool`). It inflates
+    and goes back to the server's pool between reads (gateway/transports/ws_service.py, `ParserPool`). It inflates
     with the largest window, which reads whatever window the client compressed with."""
     parser = ServerProtocol(extensions=[offer_factory()], max_size=max_size, logger=logger)
     parser.receive_data(_OFFER)

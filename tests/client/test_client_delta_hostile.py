@@ -50,7 +50,7 @@ def test_failing_deltas_resubscribe_with_backoff_and_a_bounded_table() -> None:
                 sub = await client.subscribe(TOPIC, delta="fossil")
                 peak_pending = 0
                 for _ in range(300):  # 3 s
-                    peak_pending = max(peak_pending, len(client._pending))
+                    peak_pending = max(peak_pending, len(client._table.pending))
                     await asyncio.sleep(0.01)
                 assert sub.closed_reason is None and client.reconnects == 0
                 # 0.5 s doubling, full jitter: ~4 expected in 3 s (without the backoff: tens of thousands)

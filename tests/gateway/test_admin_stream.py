@@ -96,7 +96,7 @@ def test_snapshots_come_at_the_interval_with_rates_of_real_traffic():
 
 
 def test_the_snapshot_lists_the_busiest_and_sums_the_rest():
-    from gateway.admin import stats_feed
+    from gateway import stats_feed
     with run_gateway(admin={"stats_interval_s": INTERVAL}) as gw, \
             httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         top = stats_feed.STREAM_TOP

@@ -15,7 +15,7 @@ from core.entries import encode_error, encode_loss, encode_message, encode_reply
 from gateway import close_codes
 from gateway.centrifugo import client_codes as codes
 from gateway.centrifugo.client_codec import BadFrame, JsonCodec, Raw
-from gateway.centrifugo.client_frames import CentrifugoFramer, request_id
+from gateway.centrifugo.client_frames import CentrifugoFramer
 from gateway.centrifugo.client_proto import ProtobufCodec, decode_frame, delimited, encode, publication
 
 pytestmark = pytest.mark.unit
@@ -96,23 +96,25 @@ def payload_of(wire: bytes) -> bytes:
     return wire[2:] if length < 126 else wire[4:] if length == 126 else wire[10:]
 
 
-def json_lines(framer: CentrifugoFramer, entries: list[bytes]) -> list[dict]:
-    converted = framer.convert(entries, b"[" + b",".join(entries) + b"]")
+def json_lines(framer: CentrifugoFramer, entries: list[bytes], answers=None) -> list[dict]:
+    converted = framer.convert(entries, b"[" + b",".join(entries) + b"]", answers)
     assert converted.wire[0] == 0x81  # a text frame
     return [orjson.loads(line) for line in payload_of(converted.wire).split(b"\n")] if converted.wire else []
 
 
 def test_entries_as_replies_and_pushes():
     framer = CentrifugoFramer(JsonCodec())
-    entries = [encode_subscribed("t", "ring", "e-1", 5, request_id(9, "sub", "kwr")),
+    # how the connection answers each of its commands, by id (gateway/centrifugo/client_session.py makes it)
+    answers = {9: ("sub", "kwr"), 10: ("pub", ""), 11: ("unsub", ""), 12: ("rpc", ""), 13: ("sub", "")}
+    entries = [encode_subscribed("t", "ring", "e-1", 5, 9),
                encode_message("t", 5, {"n": 5}), encode_message("t", 6, {"n": 6}),
                encode_message("u", 0, "x"),
-               encode_reply(request_id(10, "pub"), {"seq": 7}),
-               encode_error("not_subscribed", "no", request_id(11, "unsub")),
-               encode_error("rpc_error", "403: not you", request_id(12, "rpc")),
-               encode_error("forbidden", "no", request_id(13, "sub")),
+               encode_reply(10, {"seq": 7}),
+               encode_error("not_subscribed", "no", 11),
+               encode_error("rpc_error", "403: not you", 12),
+               encode_error("forbidden", "no", 13),
                encode_error("token_expired", "expired")]
-    assert json_lines(framer, entries) == [
+    assert json_lines(framer, entries, answers) == [
         {"id": 9, "subscribe": {"recoverable": True, "positioned": True, "epoch": "e-1", "offset": 5,
                                 "was_recovering": True, "recovered": True,
                                 "publications": [{"data": {"n": 5}, "offset": 6}, {"data": {"n": 6}, "offset": 7}]}},
@@ -122,6 +124,7 @@ def test_entries_as_replies_and_pushes():
         {"id": 12, "error": {"code": 403, "message": "not you"}},
         {"id": 13, "error": {"code": 103, "message": "no"}},
     ]
+    assert answers == {}  # each answer taken as its entry was converted: the table holds what is in flight
 
 
 def test_a_loss_is_an_unsubscribe_push_and_the_rest_of_the_topic_is_left_out():
@@ -138,7 +141,7 @@ def test_a_loss_is_an_unsubscribe_push_and_the_rest_of_the_topic_is_left_out():
     ]
     assert framer.convert(entries, frame) is converted  # once per frame, for every client that gets it
     assert converted.shared  # the same for every client: may go to the fan-out writer's crowds
-    reply = [encode_reply(request_id(1, "pub"), {"seq": 1})]
+    reply = [encode_reply(1, {"seq": 1})]
     assert not framer.convert(reply, b"[" + reply[0] + b"]").shared  # one client's answer
 
 

@@ -15,9 +15,10 @@ from gateway.auth.identity import ClientIdentity
 from gateway.config import load_config
 from gateway.edge.ratelog import TokenBucket
 from gateway.hub import Hub
+from gateway.session import SessionState
+from gateway.session_store import SessionStore, SessionTable
 from gateway.session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 from gateway.testing import DEFAULTS
-from gateway.transports.sessions import SessionStore, SessionTable
 
 pytestmark = pytest.mark.unit
 
@@ -39,12 +40,15 @@ def test_the_hub_holds_the_session_transports_tables_from_the_start():
     assert isinstance(sessions.checkpoints, Checkpoints) and sessions.checkpoints.ttl == CHECKPOINT_TTL_S
 
 
-def test_a_connections_rate_buckets_are_fields_of_its_identity():
-    fields = {f.name: f for f in dataclasses.fields(ClientIdentity)}
-    for name in ("publish_bucket", "costly_bucket"):
-        assert fields[name].type == "TokenBucket | None" and fields[name].default is None
-    identity = ClientIdentity("ws-0123456789abcdef", "ws")
-    identity.costly_bucket = TokenBucket(1, 5)
+def test_a_connections_rate_buckets_are_fields_of_its_session_state_not_its_identity():
+    fields = {f.name for f in dataclasses.fields(ClientIdentity)}
+    for name in ("publish_bucket", "subscribe_bucket", "costly_bucket", "hook_calls", "waiting", "last_command"):
+        assert name in SessionState.__slots__ and name not in fields
+    state = SessionState()
+    assert state.publish_bucket is None and state.costly_bucket is None and state.hook_calls == 0
+    state.costly_bucket = TokenBucket(1, 5)
+    with pytest.raises(AttributeError):
+        state.unknown = 1  # slotted: no attribute is added by name
 
 
 def test_no_transport_adds_attributes_to_the_hub_or_an_identity_by_name():

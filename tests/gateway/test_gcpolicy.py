@@ -52,8 +52,11 @@ def test_interval_zero_keeps_the_default_collector():
     asyncio.run(scenario())
 
 
-def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval():
+def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval(monkeypatch):
     from gateway.ops import gcpolicy
+    tick = 0.05  # the policy's tick (1 s in service), shortened: the test counts ticks, not seconds
+    monkeypatch.setattr(gcpolicy, "FREEZE_PERIOD_S", tick)
+
     async def scenario():
         policy = GcPolicy(full_interval_s=3600)
         policy.start()
@@ -64,10 +67,12 @@ def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval():
             assert policy.full_collections == 1
             for _ in range(gcpolicy.DEPARTURES_MIN - 1):
                 policy.departed()
-            await asyncio.sleep(gcpolicy.FREEZE_PERIOD_S * 1.5)
+            await asyncio.sleep(tick * 4)  # ticks that could collect, and must not
             assert policy.full_collections == 1  # fewer than half left: the interval's collection will do
             policy.departed()
-            await asyncio.sleep(gcpolicy.FREEZE_PERIOD_S * 2.5)  # one tick sees the last departure, the next runs it
+            deadline = asyncio.get_running_loop().time() + 5  # the interval is an hour: a collection now is a tick's
+            while policy.full_collections == 1 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(tick / 5)  # one tick sees the last departure, the next runs it
             assert policy.full_collections == 2 and policy.open == gcpolicy.DEPARTURES_MIN
         finally:
             policy.stop()

@@ -1,4 +1,4 @@
-"""The one handshake of the client transports (gateway/auth/admission.py): what `open_client` admits,
+"""The one handshake of the client transports (gateway/admission.py): what `open_client` admits,
 refuses and in which order, and that each transport gives a refusal the same wire form on every path it
 has; `TransportOff` for every disabled HTTP route, the WebSocket protocol's 403 when /ws is off."""
 
@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from core.errors import RequestError
 from gateway import commands
-from gateway.auth.admission import ClientIdRefused, bearer_token, open_client
+from gateway.admission import ClientIdRefused, bearer_token, open_client
 from gateway.config import load_config
 from gateway.errors import BadToken, TokenExpired, TooManySessions, TooManySessionsFromAddress, TooManyTokenChecks
 from gateway.hub import Hub

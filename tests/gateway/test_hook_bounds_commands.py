@@ -75,7 +75,7 @@ def test_an_rpc_flood_through_a_slow_hook_costs_another_client_nothing(app):
                                           "id": frame * 100 + i} for i in range(100)]))
             send(other, op="rpc", method="slow", params="mine", id="other")
             assert collect(other, lambda g: g, timeout=5) == [{"type": "reply", "id": "other", "result": "mine"}]
-            assert gw.call(lambda: max(c.identity.hook_calls for c in gw.hub.clients.conns.values())) <= 16
+            assert gw.call(lambda: max(c.session.state.hook_calls for c in gw.hub.clients.conns.values())) <= 16
             got = collect(flooder, lambda g: len(g) >= 3000, timeout=10)
             assert Counter(outcome(e) for e in got) == {"too_many_calls": 3000 - 16, "reply": 16}
             assert sorted(e["id"] for e in got if e["type"] == "reply") == list(range(16))

@@ -29,7 +29,7 @@ def test_no_hooks_is_a_hooks_that_asks_nothing() -> None:
     assert hooks.body(identity, topic="news") == {"client": "c1", "user": None, "transport": "ws", "topic": "news"}
 
     async def asked() -> None:
-        await hooks.connect(identity, lambda name: [])
+        assert await hooks.connect(identity, lambda name: []) == ()  # no server-side subscription granted
         assert identity.principal is None  # admitted as it came
         assert await hooks.call("subscribe", {}, Allowed) == Allowed()
         assert await hooks.call("publish", {}, PublishAnswer) == PublishAnswer()  # the data kept

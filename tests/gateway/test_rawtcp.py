@@ -20,7 +20,7 @@ MIB = 1024 * KIB
 
 try:
     import uvloop
-except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+except ImportError:  # pragma: no cover - uvloop is a dependency of the gateway
     uvloop = None  # type: ignore[assignment]
 
 LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(uvloop is None, reason="no uvloop"))]

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 from core import QueueFull, Sink
 from gateway import close_codes, scheduler
 from gateway.auth.identity import ClientIdentity
+from gateway.auth.tokens import Principal
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.scheduler import Delivered
@@ -27,11 +29,27 @@ from gateway.testing import DEFAULTS
 pytestmark = pytest.mark.unit
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.last_command = time.monotonic()
+
+
+class FakeSession:
+    """What the registry reads of a connection's session: its idle clock; no token ever renews it here."""
+
+    def __init__(self) -> None:
+        self.state = FakeClock()
+
+    def authenticate(self, principal: Principal) -> Principal:
+        raise AssertionError("not renewed in these tests")
+
+
 class FakeConnection:
     """A transport's connection as the scheduler sees it: `deliver`, `flush`, `kick`, `describe`."""
 
     def __init__(self, client_id: str, *, drains: bool = True, breaks: bool = False) -> None:
         self.identity = ClientIdentity(client_id, "fake", ip="127.0.0.1")
+        self.session = FakeSession()
         self.blocked_since: float | None = None
         self.drains = drains
         self.breaks = breaks

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from core.errors import BadSeq
 from gateway import schema
-from gateway.auth.identity import ClientIdentity
-from gateway.commands import handle_payload
+from gateway.commands import handle
 from gateway.config import load_config
 from gateway.hub import Hub
 from gateway.scheduler import Delivered
+from gateway.session import ClientSession
 from gateway.testing import DEFAULTS, make_token, run_gateway
 from tests.gateway.test_protocol_contract import section, table_rows, ticked
 
@@ -55,8 +55,9 @@ def wrong_type(field: str, value) -> bool:
 class Recording:
     blocked_since: float | None = None
 
-    def __init__(self, client_id):
-        self.identity = ClientIdentity(client_id, "test")
+    def __init__(self, session):
+        self.session = session
+        self.identity = session.identity
 
     def deliver(self, batch, frame):
         return Delivered.DONE
@@ -73,8 +74,9 @@ class Recording:
 
 async def answers(command: dict) -> list[dict]:
     hub = Hub(load_config(overrides=DEFAULTS, environ={}), instance_id="prop")
-    hub.clients.register(Recording("c"), ready=True)
-    handle_payload(hub, "c", json.dumps(command))  # stdlib: it writes integers of any size, as a peer may
+    session = ClientSession.begin(hub.services, "ws", ("127.0.0.1", 1))
+    session.open(Recording(session))
+    handle(session, json.dumps(command))  # stdlib: it writes integers of any size, as a peer may
     raw = [e for batch in hub.scheduler.engine.run_cycle() for e in batch.entries]
     for entry in raw:
         msgspec.json.decode(entry, type=schema.Entry, strict=True)  # every entry has its declared shape

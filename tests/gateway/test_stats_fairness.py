@@ -1,4 +1,4 @@
-"""The dashboard's fairness figure, computed by hand (gateway/admin/stats_feed.py): each client's share of what it
+"""The dashboard's fairness figure, computed by hand (gateway/stats_feed.py): each client's share of what it
 asked for in a stats window, delivered / (delivered + still waiting), and Jain's index of the shares from
 their count, sum and sum of squares (so a cluster's is exact from its nodes' sums)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admin.stats_feed import delivery_share, jain
+from gateway.stats_feed import delivery_share, jain
 
 pytestmark = pytest.mark.unit
 

@@ -15,13 +15,13 @@ from collections.abc import Callable, Hashable, Mapping
 
 from core import RequestError
 
-from .. import close_codes
-from ..config import GatewayConfig
-from ..errors import BackendUnavailable, TokenExpired
-from ..hooks.base import Hooks, Refused
-from ..scheduler import Connection
-from ..timerwheel import TimerWheel
-from .tokens import Principal
+from . import close_codes
+from .auth.tokens import Principal
+from .config import GatewayConfig
+from .errors import BackendUnavailable, TokenExpired
+from .hooks.base import Hooks, Refused
+from .scheduler import Connection
+from .timerwheel import TimerWheel
 
 #: the token timers' tick (gateway/timerwheel.py): an expiry, its grace or a refresh is at most this late
 TOKEN_RESOLUTION_S = 0.25
@@ -115,9 +115,8 @@ class TokenLifetimes:
         if expires_at <= time.time():
             self.kick(client_id, close_codes.TOKEN_EXPIRED, "expired: the backend did not extend it", "token_expired")
             return
-        renewed = dataclasses.replace(principal, expires_at=expires_at)
-        self.conns[client_id].identity.principal = renewed
-        self.arm(client_id, renewed)
+        # through the session, the one writer of a registered client's identity; it re-arms the expiry
+        self.conns[client_id].session.authenticate(dataclasses.replace(principal, expires_at=expires_at))
 
     def _still(self, client_id: str, principal: Principal) -> bool:
         """Whether the client is connected with that principal still (no `auth` replaced it meanwhile)."""

@@ -29,7 +29,7 @@ time), with no JWT, no user, no client id and no per-address client count, so th
 handshakes (gateway/transports/ingest_parser.py, rawtcp.py).
 
 How each transport writes a refusal (an HTTP answer, a close frame) is its own: gateway/transports/handshake.py
-for the HTTP ones, gateway/transports/ws.py for the WebSocket.
+for the HTTP ones, gateway/transports/ws_handshake.py for the WebSocket.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING
 
 from core.errors import RequestError
 
-from .. import close_codes
-from ..errors import (
+from . import close_codes
+from .auth.identity import ClientIdentity
+from .errors import (
     BadToken,
     RateLimited,
     TokenExpired,
@@ -50,11 +51,10 @@ from ..errors import (
     TooManySessionsFromAddress,
     TooManyTokenChecks,
 )
-from ..pending_connects import LateRefusal
-from .identity import ClientIdentity
+from .pending_connects import LateRefusal
 
 if TYPE_CHECKING:
-    from ..hub import Hub
+    from .session_services import SessionServices
 
 
 class ClientIdRefused(RequestError):
@@ -93,10 +93,10 @@ _DOORS = {
 }
 
 
-def _per_address_limit(hub: Hub, transport: str) -> int:
+def _per_address_limit(services: SessionServices, transport: str) -> int:
     """How many clients of `transport` one address may hold (0: no bound; WebSocket: the HTTP port's
     `server.max_connections_per_ip`, checked before the handshake by gateway/edge/netguard.py)."""
-    config = hub.config
+    config = services.config
     if transport == "sse":
         return config.sse.max_sessions_per_ip
     if transport == "longpoll":
@@ -116,7 +116,7 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 def open_client(
-    hub: Hub,
+    services: SessionServices,
     transport: str,
     peer: tuple[str, int] | None,
     *,
@@ -132,14 +132,14 @@ def open_client(
     (`bearer_token`), verified within the address's token-check rate (`BadToken`, `TokenExpired`,
     `TooManyTokenChecks`). Returns the identity to register (anonymous without a token); the caller
     registers it with its connection. Refusals of a peer's input are counted and logged at a bounded rate
-    (`hub.bad_input`), under the transport's name."""
+    (`services.bad_input`), under the transport's name."""
     door = _DOORS[transport]
     host, port = peer if peer else ("", 0)
-    if transport == "longpoll" and hub.sessions.longpoll.full():
+    if transport == "longpoll" and services.sessions.longpoll.full():
         raise TooManySessions("the long-poll session limit is reached")
-    per_address = _per_address_limit(hub, transport)
-    if per_address and hub.clients.clients_by_ip[(transport, host)] >= per_address:
-        hub.bad_input(transport, "%s holds its maximum of %d %s", host, per_address, door.logged_noun)
+    per_address = _per_address_limit(services, transport)
+    if per_address and services.clients.clients_by_ip[(transport, host)] >= per_address:
+        services.bad_input(transport, "%s holds its maximum of %d %s", host, per_address, door.logged_noun)
         raise TooManySessionsFromAddress(f"at most {per_address} {door.per_address_noun} per address")
     if requested_id is not None:
         raise ClientIdRefused("?id= is not accepted: identity comes from ?token=")
@@ -148,14 +148,14 @@ def open_client(
         if authorization is not None:
             token = bearer_token(authorization)
         if token is not None:
-            principal = hub.clients.tokens.verify(token, host)
+            principal = services.clients.tokens.verify(token, host)
     except TooManyTokenChecks as exc:  # auth.rate_per_ip: not checked at all
-        hub.bad_input(transport, "token not checked: %s", exc, peer=host)
+        services.bad_input(transport, "token not checked: %s", exc, peer=host)
         raise
     except (BadToken, TokenExpired) as exc:
-        hub.bad_input(transport, "token refused: %s", exc, peer=host)
+        services.bad_input(transport, "token refused: %s", exc, peer=host)
         raise
-    identity = ClientIdentity(hub.clients.new_client_id(door.id_prefix), transport, f"{host}:{port}", host, principal)
+    identity = ClientIdentity(services.clients.new_client_id(door.id_prefix), transport, f"{host}:{port}", host, principal)
     if principal is not None and principal.info is not None:
         identity.info = principal.info
     return identity
@@ -170,12 +170,12 @@ class Admission:
     meanwhile (`ClientRegistry.pending`). `release` gives every place back; `settle` and a failed
     `pass_backend` call it, and a transport whose client goes away before either."""
 
-    __slots__ = ("hub", "identity", "hooks", "awaits_hook", "granted", "_pending", "_address_key", "_longpoll", "_hook_ip")
+    __slots__ = ("services", "identity", "hooks", "awaits_hook", "granted", "_pending", "_address_key", "_longpoll", "_hook_ip")
 
-    def __init__(self, hub: Hub, identity: ClientIdentity) -> None:
-        self.hub = hub
+    def __init__(self, services: SessionServices, identity: ClientIdentity) -> None:
+        self.services = services
         self.identity = identity
-        self.hooks = hub.hooks
+        self.hooks = services.hooks
         #: it must pass the connect hook (`pass_backend`) before it registers: there is one, and the client
         #: has no token or `connect_always` is on
         self.awaits_hook = self.hooks.wants_connect(identity)
@@ -183,20 +183,20 @@ class Admission:
         self.granted = False
         self._hook_ip: str | None = None
         if self.awaits_hook:
-            self._wait_for_hook(hub.clients.pending.hooks_by_ip, hub.config.proxy.max_pending_connects_per_ip)
-        self._pending = hub.clients.pending.add(identity)
+            self._wait_for_hook(services.clients.pending.hooks_by_ip, services.config.proxy.max_pending_connects_per_ip)
+        self._pending = services.clients.pending.add(identity)
         self._address_key: tuple[str, str] | None = None
-        if _per_address_limit(hub, identity.transport):
+        if _per_address_limit(services, identity.transport):
             self._address_key = (identity.transport, identity.ip)
-            hub.clients.clients_by_ip[self._address_key] += 1
+            services.clients.clients_by_ip[self._address_key] += 1
         self._longpoll = identity.transport == "longpoll"
         if self._longpoll:
-            hub.sessions.longpoll.reserved += 1
+            services.sessions.longpoll.reserved += 1
 
     def _wait_for_hook(self, waiting: Counter[str], limit: int) -> None:
         ip = self.identity.ip
         if limit and waiting[ip] >= limit:
-            self.hub.bad_input(self.identity.transport, "%s has its maximum of %d clients awaiting the connect hook",
+            self.services.bad_input(self.identity.transport, "%s has its maximum of %d clients awaiting the connect hook",
                                ip, limit)
             raise TooManyPendingConnects(f"{limit} connections from this address await the backend already"
                                          " (proxy.max_pending_connects_per_ip): retry later")
@@ -207,30 +207,31 @@ class Admission:
         ip = self._hook_ip
         if ip is not None:
             self._hook_ip = None
-            waiting = self.hub.clients.pending.hooks_by_ip
+            waiting = self.services.clients.pending.hooks_by_ip
             waiting[ip] -= 1
             if waiting[ip] <= 0:
                 del waiting[ip]
 
-    async def pass_backend(self, header_values: Callable[[str], list[str]]) -> None:
-        """The connect hook, when this client must pass it (`awaits_hook`). Raises ConnectRefused,
-        BackendUnavailable (every place released: the client is refused)."""
+    async def pass_backend(self, header_values: Callable[[str], list[str]]) -> tuple[str, ...]:
+        """The connect hook, when this client must pass it (`awaits_hook`): the server-side subscriptions it
+        granted. Raises ConnectRefused, BackendUnavailable (every place released: the client is refused)."""
         if not self.awaits_hook:
-            return
+            return ()
         try:
-            await self.hooks.connect(self.identity, header_values)
+            granted = await self.hooks.connect(self.identity, header_values)
         except BaseException:
             self.release()
             raise
         finally:
             self._hook_done()
         self.granted = True
+        return granted
 
     def settle(self) -> LateRefusal | None:
         """Give every place back, and say how the client must be closed instead of registered (a revocation,
         a disconnect or the drain came first: gateway/pending_connects.py), or None: register it now, in this
         step of the event loop."""
-        refusal = self.hub.clients.pending.refusal(self._pending)
+        refusal = self.services.clients.pending.refusal(self._pending)
         self.release()
         if refusal is not None and self.granted:
             self.hooks.disconnected(self.identity, refusal.cause)  # the backend admitted it: it hears of its end
@@ -238,23 +239,23 @@ class Admission:
 
     def release(self) -> None:
         """Give every place back (again: nothing more)."""
-        hub = self.hub
+        services = self.services
         self._hook_done()
-        hub.clients.pending.remove(self._pending)
+        services.clients.pending.remove(self._pending)
         key = self._address_key
         if key is not None:
             self._address_key = None
-            counts = hub.clients.clients_by_ip
+            counts = services.clients.clients_by_ip
             counts[key] -= 1
             if not counts[key]:
                 del counts[key]
         if self._longpoll:
             self._longpoll = False
-            hub.sessions.longpoll.reserved -= 1
+            services.sessions.longpoll.reserved -= 1
 
 
 def admit(
-    hub: Hub,
+    services: SessionServices,
     transport: str,
     peer: tuple[str, int] | None,
     *,
@@ -263,7 +264,7 @@ def admit(
     requested_id: str | None = None,
 ) -> Admission:
     """`open_client`, then the new client's `Admission` (raises its refusals, and TooManyPendingConnects)."""
-    identity = open_client(hub, transport, peer, token=token, authorization=authorization, requested_id=requested_id)
-    return Admission(hub, identity)
+    identity = open_client(services, transport, peer, token=token, authorization=authorization, requested_id=requested_id)
+    return Admission(services, identity)
 
 

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from operator import itemgetter
-from typing import Any, Hashable, Protocol
+from typing import Any, Hashable, NamedTuple, Protocol
 
 import orjson
 from starlette.responses import Response
@@ -25,15 +25,15 @@ from starlette.types import Receive, Scope, Send
 from core.client import Client
 from core.topics import Topic
 
-from ..broker.base import Broker
-from ..clients import ClientRegistry
-from ..config import GatewayConfig
-from ..edge.http_errors import error_response
-from ..errors import BrokerUnavailable, TooManyViewers
-from ..scheduler import Scheduler
-from ..topic_view import TopicView
-from ..transports.rawtcp import RawBroadcastServer
-from ..transports.ws_counters import ws_counters
+from .broker.base import Broker
+from .clients import ClientRegistry
+from .config import GatewayConfig
+from .edge.http_errors import error_response
+from .errors import BrokerUnavailable, TooManyViewers
+from .scheduler import Scheduler
+from .topic_view import TopicView
+from .transports.rawtcp import RawBroadcastServer
+from .transports.ws_counters import ws_counters
 
 log = logging.getLogger("gateway.admin")
 
@@ -93,6 +93,78 @@ def _ratio(counters: dict[str, int], prev: dict[str, int]) -> float | None:
 
 def _per_s(delta: float, dt: float | None) -> float | None:
     return round(delta / dt, 3) if dt else None
+
+
+class _ClientsSample(NamedTuple):
+    """One pass over the connections (`StatsFeed._sample_clients`)."""
+
+    #: the listed clients' rows, the busiest first
+    rows: list[dict[str, Any]]
+    #: connections seen
+    seen: int
+    #: the delivery_share of each client that asked for something in the window
+    shares: list[float]
+    #: the entries per second of each client that received any
+    receiving: list[float]
+    total_rate: float
+    listed_rate: float
+
+
+def _position(topic: Topic) -> int | None:
+    """A ring's available end, else a snapshot's seq; None for a private topic (a queue per user)."""
+    position: int | None = getattr(topic, "end", None)
+    return position if position is not None else getattr(topic, "seq", None)
+
+
+def _waiting(view: TopicView, client_id: Hashable) -> int:
+    """What still waits for a client at the window's end (its lag, unread, and its direct queue)."""
+    client = view.client(client_id) if view.has_client(client_id) else None
+    if client is not None and (client.active or client.direct):
+        return _lag(client, unread=True) + client.queued()
+    return 0
+
+
+def _client_row(view: TopicView, client_id: Hashable, conn: Any, rate: float | None) -> dict[str, Any]:
+    client = view.client(client_id) if view.has_client(client_id) else None
+    return {
+        "id": client_id,
+        "user": conn.identity.user,
+        "state": client.state.value if client is not None else None,
+        "subscription_count": len(client.subs) if client is not None else 0,
+        "active_handles": len(client.active) if client is not None else 0,
+        "direct_queued": client.queued() if client is not None else 0,
+        "lag": _lag(client) if client is not None else 0,
+        "rate": rate,
+        **conn.describe(),
+    }
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
+
+
+def _fairness(clients: _ClientsSample) -> dict[str, Any]:
+    shares, receiving = clients.shares, clients.receiving
+    return {
+        "clients": len(shares),
+        "jain": jain(len(shares), sum(shares), sum(x * x for x in shares)),
+        "share_min": round(min(shares), 4) if shares else None,
+        "receiving": len(receiving),
+        "min": round(min(receiving), 3) if receiving else None,
+        "max": round(max(receiving), 3) if receiving else None,
+    }
+
+
+def _node_summary(now_s: float, dt: float | None, totals: dict[str, Any], clients: _ClientsSample) -> dict[str, Any]:
+    """This node's compact summary of a sample, for the other nodes' streams (`StatsFeed.node_summary`)."""
+    shares, receiving = clients.shares, clients.receiving
+    return {
+        "time": now_s, "dt": _rounded(dt, 4), "totals": totals,
+        "fairness": {"clients": len(shares), "share_sum": sum(shares), "share_sq": sum(x * x for x in shares),
+                     "share_min": min(shares) if shares else None, "receiving": len(receiving),
+                     "min": min(receiving) if receiving else None, "max": max(receiving) if receiving else None},
+        "clients": clients.rows[:NODE_TOP],
+    }
 
 
 class StatsSource(Protocol):
@@ -214,21 +286,55 @@ class StatsFeed:
 
     async def sample(self, now: float) -> dict[str, Any]:
         hub = self.hub
-        view = hub.topics
         dt = now - self._prev_at if self._prev_at is not None else None
         self._prev_at = now
+        topics, topics_seen = await self._sample_topics(dt)
+        clients = await self._sample_clients(dt)
+        counters, prev_counters = self._sample_counters()
+        histograms = self._sample_histograms()
+        node_id = hub.broker.node_id if hub.broker.clustered else None
+        if node_id:  # with a broker: which node each listed client is on
+            for row in clients.rows:
+                row["node"] = node_id
+        totals = self._totals(counters, prev_counters, dt, clients)
+        now_s = time.time()
+        if node_id:
+            self.summary = _node_summary(now_s, dt, totals, clients)
+        cluster = await self._cluster(now_s) if node_id and self.viewers else None
+        raw = hub.raw
+        return {
+            "time": now_s,
+            "interval_s": self.interval,
+            "dt": _rounded(dt, 4),
+            "instance": hub.instance_id,
+            "node": node_id,
+            "viewers": self.viewers,
+            "totals": totals,
+            # Jain's index of the clients' shares of what they asked for (delivery_share), not of their raw
+            # rates (clients of busier topics get more, rightly): 1.0 when every client is caught up; beside
+            # it the spread of the raw rates of the clients that received anything
+            "fairness": _fairness(clients),
+            "topics": topics,
+            "clients": clients.rows,
+            "others": {"topics": topics_seen - len(topics), "clients": clients.seen - len(clients.rows),
+                       "rate": round(clients.total_rate - clients.listed_rate, 3) if dt else None},
+            "histograms": histograms,
+            "raw": {"stats": raw.stats(), "receivers": raw.receivers()} if raw is not None else None,
+            "cluster": cluster,
+        }
 
-        # topics: O(topics), a few attribute reads each (the rate is a float for the listed ones only);
-        # info() (O(1), private topics O(their queues)) for the listed ones. Keyed by the topic object: a
-        # topic deleted and created again is another object, whose position starts over.
+    async def _sample_topics(self, dt: float | None) -> tuple[list[dict[str, Any]], int]:
+        """The STREAM_TOP topics that moved most since the last sample, and how many topics there are.
+
+        O(topics), a few attribute reads each (the rate is a float for the listed ones only); info() (O(1),
+        private topics O(their queues)) for the listed ones. Keyed by the topic object: a topic deleted and
+        created again is another object, whose position starts over."""
         prev_topics, positions = self._prev_topics, {}
         moved: list[tuple[int, Topic]] = []
-        for count, topic in enumerate(view.topics(), 1):
+        for count, topic in enumerate(self.hub.topics.topics(), 1):
             if not count % SAMPLE_CHUNK:
                 await asyncio.sleep(0)
-            position = getattr(topic, "end", None)  # a ring's available end, else a snapshot's seq
-            if position is None:
-                position = getattr(topic, "seq", None)
+            position = _position(topic)
             if position is None:  # private: a queue per user, no shared position
                 moved.append((0, topic))
                 continue
@@ -236,17 +342,22 @@ class StatsFeed:
             before = prev_topics.get(topic)
             moved.append((position - before if before is not None else 0, topic))
         self._prev_topics = positions
-        topics = [{**topic.info(), "rate": _per_s(delta, dt) if topic in prev_topics and topic in positions else None}
-                  for delta, topic in heapq.nlargest(STREAM_TOP, moved, key=itemgetter(0))]
+        listed = heapq.nlargest(STREAM_TOP, moved, key=itemgetter(0))
+        return [{**topic.info(), "rate": _per_s(delta, dt) if topic in prev_topics and topic in positions else None}
+                for delta, topic in listed], len(moved)
 
-        # clients: O(clients), the same way; describe() only for the listed ones, the lag for them and for
-        # the fairness index (O(active handles): none for a caught-up client)
+    async def _sample_clients(self, dt: float | None) -> _ClientsSample:
+        """The STREAM_TOP clients handed most since the last sample, and the fairness index's shares.
+
+        O(clients), the same way; describe() only for the listed ones, the lag for them and for the
+        fairness index (O(active handles): none for a caught-up client)."""
+        view = self.hub.topics
         prev_clients, sent_now = self._prev_clients, {}
         deliveries: list[tuple[int, Hashable, Any]] = []
         # the fairness index: each client's delivery_share over the window, for the clients that asked for
         # something in it, in this same pass (once per interval)
         shares: list[float] = []
-        for count, (client_id, conn) in enumerate(list(hub.clients.conns.items()), 1):
+        for count, (client_id, conn) in enumerate(list(self.hub.clients.conns.items()), 1):
             if not count % SAMPLE_CHUNK:
                 await asyncio.sleep(0)
             sent = getattr(conn, "entries_sent", None)  # every transport that counts its deliveries
@@ -259,58 +370,48 @@ class StatsFeed:
             deliveries.append((delta, client_id, conn))
             if before is None:  # connected during the window: what it was handed in it is not known
                 continue
-            waiting = 0
-            client = view.client(client_id) if view.has_client(client_id) else None
-            if client is not None and (client.active or client.direct):
-                waiting = _lag(client, unread=True) + client.queued()
-            share = delivery_share(delta, waiting)
+            share = delivery_share(delta, _waiting(view, client_id))
             if share is not None:
                 shares.append(share)
         self._prev_clients = sent_now
         listed = heapq.nlargest(STREAM_TOP, deliveries, key=itemgetter(0))
-        clients = []
-        for delta, client_id, conn in listed:
-            client = view.client(client_id) if view.has_client(client_id) else None
-            clients.append({
-                "id": client_id,
-                "user": conn.identity.user,
-                "state": client.state.value if client is not None else None,
-                "subscription_count": len(client.subs) if client is not None else 0,
-                "active_handles": len(client.active) if client is not None else 0,
-                "direct_queued": client.queued() if client is not None else 0,
-                "lag": _lag(client) if client is not None else 0,
-                "rate": _per_s(delta, dt) if conn in prev_clients and conn in sent_now else None,
-                **conn.describe(),
-            })
+        rows = [_client_row(view, client_id, conn,
+                            _per_s(delta, dt) if conn in prev_clients and conn in sent_now else None)
+                for delta, client_id, conn in listed]
         receiving = [delta / dt for delta, _, _ in deliveries if delta > 0] if dt else []
-        total_rate = sum(receiving)
         listed_rate = sum(delta for delta, _, _ in listed) / dt if dt else 0.0
+        return _ClientsSample(rows, len(deliveries), shares, receiving, sum(receiving), listed_rate)
 
-        # the WebSocket's bytes (gateway/transports/ws_counters.py) beside the core's counters
-        counters = {**view.counters.as_dict(), "ws_wire_bytes": ws_counters.wire_bytes,
+    def _sample_counters(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The core's counters with the WebSocket's bytes (gateway/transports/ws_counters.py) beside them, and
+        the previous sample's (empty on the first)."""
+        counters = {**self.hub.topics.counters.as_dict(), "ws_wire_bytes": ws_counters.wire_bytes,
                     "ws_payload_bytes": ws_counters.payload_bytes}
         prev_counters, self._prev_counters = self._prev_counters, counters
+        return counters, prev_counters
 
-        def counter_rate(name: str) -> float | None:
-            return _per_s(counters[name] - prev_counters[name], dt) if prev_counters else None
-
+    def _sample_histograms(self) -> dict[str, dict[str, Any]]:
+        """The scheduler's histograms, each with its buckets' counts since the last sample (`recent`)."""
         histograms = {}
-        for name, histogram in (("cycle_seconds", hub.scheduler.cycle_seconds),
-                                ("entries_per_batch", hub.scheduler.entries_per_batch)):
+        for name, histogram in (("cycle_seconds", self.hub.scheduler.cycle_seconds),
+                                ("entries_per_batch", self.hub.scheduler.entries_per_batch)):
             snap = histogram.snapshot()
             before_counts = self._prev_hist.get(name)
             snap["recent"] = ([c - b for c, b in zip(snap["counts"], before_counts)]
                               if before_counts is not None else None)
             self._prev_hist[name] = snap["counts"]
             histograms[name] = snap
+        return histograms
 
-        raw = hub.raw
-        node_id = hub.broker.node_id if hub.broker.clustered else None
-        if node_id:  # with a broker: which node each listed client is on
-            for row in clients:
-                row["node"] = node_id
-        totals = {
-            "topics": view.topic_count,
+    def _totals(self, counters: dict[str, int], prev_counters: dict[str, int], dt: float | None,
+                clients: _ClientsSample) -> dict[str, Any]:
+        hub = self.hub
+
+        def counter_rate(name: str) -> float | None:
+            return _per_s(counters[name] - prev_counters[name], dt) if prev_counters else None
+
+        return {
+            "topics": hub.topics.topic_count,
             "clients": len(hub.clients.conns),
             "clients_by_transport": dict(hub.clients.by_transport),
             "write_blocked": len(hub.scheduler.blocked),
@@ -319,51 +420,13 @@ class StatsFeed:
             "entries_per_s": counter_rate("entries_emitted"),
             "lost_per_s": counter_rate("messages_lost"),
             "cycles_per_s": counter_rate("cycles"),
-            "client_delivery_per_s": round(total_rate, 3) if dt else None,
+            "client_delivery_per_s": round(clients.total_rate, 3) if dt else None,
             # WebSocket data frames: bytes out on the wire per second, and wire / payload bytes in the interval
             # (below 1 with permessage-deflate; None when nothing was sent)
             "ws_bytes_per_s": counter_rate("ws_wire_bytes"),
             "ws_wire_ratio": _ratio(counters, prev_counters),
             # since start: what a first sample (no rates yet) can already show
             "counters": counters,
-        }
-        share_sum, share_sq = sum(shares), sum(x * x for x in shares)
-        now_s = time.time()
-        if node_id:
-            self.summary = {
-                "time": now_s, "dt": round(dt, 4) if dt is not None else None, "totals": totals,
-                "fairness": {"clients": len(shares), "share_sum": share_sum, "share_sq": share_sq,
-                             "share_min": min(shares) if shares else None, "receiving": len(receiving),
-                             "min": min(receiving) if receiving else None, "max": max(receiving) if receiving else None},
-                "clients": clients[:NODE_TOP],
-            }
-        cluster = await self._cluster(now_s) if node_id and self.viewers else None
-        return {
-            "time": now_s,
-            "interval_s": self.interval,
-            "dt": round(dt, 4) if dt is not None else None,
-            "instance": hub.instance_id,
-            "node": node_id,
-            "viewers": self.viewers,
-            "totals": totals,
-            # Jain's index of the clients' shares of what they asked for (delivery_share), not of their raw
-            # rates (clients of busier topics get more, rightly): 1.0 when every client is caught up; beside
-            # it the spread of the raw rates of the clients that received anything
-            "fairness": {
-                "clients": len(shares),
-                "jain": jain(len(shares), share_sum, share_sq),
-                "share_min": round(min(shares), 4) if shares else None,
-                "receiving": len(receiving),
-                "min": round(min(receiving), 3) if receiving else None,
-                "max": round(max(receiving), 3) if receiving else None,
-            },
-            "topics": topics,
-            "clients": clients,
-            "others": {"topics": len(moved) - len(topics), "clients": len(deliveries) - len(clients),
-                       "rate": round(total_rate - listed_rate, 3) if dt else None},
-            "histograms": histograms,
-            "raw": {"stats": raw.stats(), "receivers": raw.receivers()} if raw is not None else None,
-            "cluster": cluster,
         }
 
     async def _cluster(self, now: float) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import contextlib
 from importlib import resources
 from pathlib import Path
 
-_CHECKOUT = Path(__file__).resolve().parents[2]
+_CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def _shipped_file(package: str, checkout_folder: str, name: str) -> Path:

@@ -3,7 +3,7 @@ secret, and what outlives a session (gateway/session_tables.py): the final body 
 between two polls, and the checkpoints of SSE's compact `id:` form. Every table is bounded:
 
 - `longpoll`: the live long-poll sessions (gateway/transports/longpoll.py); at most `longpoll.max_sessions`
-  (the handshake, gateway/auth/admission.py, refuses one more with 503; a client awaiting the connect
+  (the handshake, gateway/admission.py, refuses one more with 503; a client awaiting the connect
   hook holds its place from the handshake on) and `longpoll.max_sessions_per_ip` per address;
 - `sse`: the live SSE streams (gateway/transports/sse.py); at most `sse.max_sessions_per_ip` per address,
   and each is one of the HTTP port's bounded connections;
@@ -21,8 +21,8 @@ from __future__ import annotations
 import secrets
 from typing import Generic, Protocol, TypeVar
 
-from ..config import GatewayConfig
-from ..session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
+from .config import GatewayConfig
+from .session_tables import CHECKPOINT_TTL_S, Checkpoints, ClosedSessions
 
 
 def new_secret(prefix: str = "") -> str:
@@ -45,7 +45,7 @@ S = TypeVar("S", bound=Session)
 class SessionTable(Generic[S]):
     """The live sessions of one transport by their secret; `limit`: how many it may hold (None: no bound of
     its own), asked by the handshake before a session is made (`full`), counting the places `reserved` by
-    new clients that await the connect hook (gateway/auth/admission.py, `Admission`)."""
+    new clients that await the connect hook (gateway/admission.py, `Admission`)."""
 
     __slots__ = ("limit", "reserved", "_by_secret")
 
