@@ -102,11 +102,19 @@ iproute:
 netcat:
 	@command -v nc >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q netcat-openbsd)
 
-# The image test builds the Containerfile on bases mmdebstrap makes and runs it with podman on runc
+# `make image` and the image test build the Containerfile on bases mmdebstrap makes and run it with podman on runc
 # (tests/deploy/test_container.py; docs/operations.md, "Container and Kubernetes").
 podman:
 	@command -v podman >/dev/null 2>&1 && command -v runc >/dev/null 2>&1 && command -v mmdebstrap >/dev/null 2>&1 || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q podman runc mmdebstrap)
+
+# The container image (Containerfile), as `fanout-gateway`, by deploy/container/build-image.py (--help): on Debian
+# bookworm bases that mmdebstrap makes here (cached in ~/.cache/fanout-gateway/; about two minutes, once), its Python
+# packages from a wheelhouse pip fills on this machine, so no container registry is needed; about a minute once the
+# bases are cached. `make image BASE_IMAGE=python:3.11-slim` builds on that registry image instead, the usual way.
+BASE_IMAGE ?=
+image: podman $(RUN_STAMP)
+	$(BIN)/python deploy/container/build-image.py$(if $(BASE_IMAGE), --base-image $(BASE_IMAGE))
 
 # The browser library's reconnect logic is also tested under Node.js (tests/client/test_fanout_js_drain.py).
 node:
@@ -123,16 +131,16 @@ run: $(RUN_STAMP)
 	$(BIN)/gateway serve
 
 # Lint and types first (pyproject.toml: ruff; mypy strict on the sans-I/O core, the Python client and gateway/, typed
-# definitions in loadtest/, pipeline/ and tests/). Two mypy runs, each with its own cache: a cache holds one set of
-# options, so runs with different ones sharing it would recheck everything each time. Lint (and so `make check`) sets
-# up .venv when it is missing or older than pyproject.toml, $(CONSTRAINTS) or setup.py, but not for an edit of
-# core/*.py: the core then runs from its sources (a stale build never runs); `make setup`, `make test`, `make
-# durations` and `make run` compile it again.
+# definitions in loadtest/, pipeline/, tests/ and deploy/container/). Two mypy runs, each with its own cache: a cache
+# holds one set of options, so runs with different ones sharing it would recheck everything each time. Lint (and so
+# `make check`) sets up .venv when it is missing or older than pyproject.toml, $(CONSTRAINTS) or setup.py, but not
+# for an edit of core/*.py: the core then runs from its sources (a stale build never runs); `make setup`, `make
+# test`, `make durations` and `make run` compile it again.
 LINT_SETUP = $(shell test $(STAMP) -nt pyproject.toml -a $(STAMP) -nt $(CONSTRAINTS) -a $(STAMP) -nt setup.py || echo $(STAMP))
 lint: $(LINT_SETUP)
-	$(BIN)/ruff check core gateway fanout_client loadtest pipeline tests
+	$(BIN)/ruff check core gateway fanout_client loadtest pipeline tests deploy/container
 	$(BIN)/mypy --strict core fanout_client gateway
-	$(BIN)/mypy --cache-dir .mypy_cache/typed loadtest pipeline tests
+	$(BIN)/mypy --cache-dir .mypy_cache/typed loadtest pipeline tests deploy/container
 
 # Then every test, on both cores (pytest-xdist; a module's tests stay together in one worker, so its fixtures and
 # ports are its own), with the 15 slowest named; then the core's own tests once more on its pure-Python fallback

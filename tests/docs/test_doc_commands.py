@@ -5,7 +5,8 @@ What each test holds to, for every command of a ```sh block and every inline `co
 program of ours:
 - no program needs an activated venv: never a bare `python -m ...` (the venv's `.venv/bin/...` or a console
   script), and every `.venv/bin/X` named exists after the set-up;
-- our programs know every flag the command passes (`PROGRAM [SUBCOMMAND] --help` lists it);
+- our programs (the console scripts, our modules run with `-m`, a script of the checkout run by the venv's
+  python) know every flag the command passes (`PROGRAM [SUBCOMMAND] --help` lists it);
 - the README's one-minute demo runs for real: the gateway, a subscriber, the curl publish and the ingest
   line, with the ports and the admin token substituted (the commands that run long — benchmarks, Spark on a
   cluster — are held to the first two rules; docs/pipeline.md's are run by tests/pipeline).
@@ -119,6 +120,13 @@ def _our_program(seg: list[str]) -> tuple[list[str], list[str]] | None:
     if name.startswith("python") and seg[0].startswith(".venv/bin/") and len(seg) > 2 and seg[1] == "-m":
         if seg[2] in OUR_MODULES:
             return [str(VENV_BIN / "python"), "-m", seg[2]], seg[3:]
+    # a script of the checkout's, by its path (deploy/container/build-image.py); not a file of the reader's, such
+    # as docs/client.md's example.py
+    if name.startswith("python") and seg[0].startswith(".venv/bin/") and len(seg) > 1 and "/" in seg[1] \
+            and seg[1].endswith(".py"):
+        script = ROOT / seg[1]
+        assert script.is_file(), f"{seg[1]} is not in the checkout"
+        return [str(VENV_BIN / "python"), str(script)], seg[2:]
     return None
 
 
