@@ -29,7 +29,7 @@ from core.config import MAX_SEQ
 from core.errors import RequestError, UnknownTopic
 
 from . import close_codes, schema
-from .client_protocol import Decoded, Subscribing, Unread, decode_value
+from .client_protocol import Decoded, Subscribing, Unread
 from .edge.ratelog import TokenBucket
 from .errors import BadCommand, Forbidden, RateLimited, RpcError, TooManyCalls, UnknownMethod
 from .hooks.base import Allowed, PublishAnswer, Refused, RpcAnswer
@@ -76,11 +76,6 @@ def run_decoded(session: ClientSession, command: Decoded, *, sent: bool = False)
         session.refuse(command.error, command.request_id)
     else:
         run(session, command, sent=sent)
-
-
-def run_value(session: ClientSession, value: Any, *, sent: bool = False) -> None:
-    """`run` for a command given as its JSON value (SSE: the subscriptions its request names)."""
-    run_decoded(session, decode_value(value), sent=sent)
 
 
 def run(session: ClientSession, command: schema.Command, *, sent: bool = False) -> None:

@@ -144,18 +144,6 @@ class GatewayServer(uvicorn.Server):
 
             serve_inbox(inbox, serve)
 
-    #: set by `RunningGateway.stop`: the main loop ends at once, not at its next 0.1 s tick
-    exit_now: asyncio.Event | None = None
-
-    async def main_loop(self) -> None:
-        # uvicorn's loop (on_tick every 0.1 s: the Date header, should_exit), also woken by `exit_now`
-        self.exit_now = asyncio.Event()
-        counter = 0
-        while not await self.on_tick(counter):
-            counter = (counter + 1) % 864000
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.exit_now.wait(), 0.1)
-
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # not recorded in `_captured_signals`: uvicorn would raise it again once stopped, ending the process by
         # the signal instead of with status 0 after the drain. A second SIGINT still forces the exit.
@@ -313,8 +301,6 @@ class RunningGateway:
         self.hub.readiness.draining = True
         if self.server is not None:
             self.server.should_exit = True
-            if self.server.exit_now is not None:
-                self.server.exit_now.set()
         await self.hub.stop()
         if self.task is not None:
             try:
