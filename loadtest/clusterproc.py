@@ -46,14 +46,19 @@ class ClusterNodeProcess(RedisProcess):
     def __init__(self, workdir: Path) -> None:
         # the cluster bus on a free port of its own (by default port + 10000, maybe taken or past 65535)
         self.bus_port = free_port()
-        super().__init__(workdir, extra=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                         "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                                         "--cluster-port", str(self.bus_port),
-                                         # a replica in sync at once (not after diskless sync's 5 s wait), and
-                                         # promoted however long it was cut off (a chaos run's faults follow
-                                         # one another)
-                                         "--repl-diskless-sync-delay", "0",
-                                         "--cluster-replica-validity-factor", "0"))
+        super().__init__(workdir, extra=self._options())
+
+    def _options(self) -> tuple[str, ...]:
+        return ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-port", str(self.bus_port),
+                # a replica in sync at once (not after diskless sync's 5 s wait), and promoted however long it
+                # was cut off (a chaos run's faults follow one another)
+                "--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0")
+
+    def pick_ports(self) -> None:
+        super().pick_ports()
+        self.bus_port = free_port()
+        self.extra = self._options()
 
     def role(self) -> str:
         for line in self.reply("INFO", "replication").splitlines():
@@ -79,7 +84,7 @@ class ClusterTopology:
 
     def start(self, timeout: float = 20.0) -> None:
         for node in self.nodes:
-            node.start()
+            node.start_first()
         if len(self.nodes) == 2:
             self.create_one()
         else:
