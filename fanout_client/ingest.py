@@ -461,10 +461,11 @@ class AsyncIngestConnection(asyncio.Protocol):
 
     async def sync(self, sync_id: int | str | None, timeout: float) -> Synced:
         """Write ``{"sync": sync_id}`` and wait up to ``timeout`` seconds for its answer."""
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Synced] = asyncio.get_running_loop().create_future()
         self._synced[sync_id] = future
         self.write(sync_line(sync_id))
-        return await asyncio.wait_for(future, timeout)
+        async with asyncio.timeout(timeout):
+            return await future
 
     def close(self) -> None:
         if self.transport is not None:

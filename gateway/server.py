@@ -304,8 +304,9 @@ class RunningGateway:
         await self.hub.stop()
         if self.task is not None:
             try:
-                await asyncio.wait_for(self.task, 10)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+                async with asyncio.timeout(10):
+                    await self.task
+            except (TimeoutError, asyncio.CancelledError):
                 pass
         if self.ingest is not None:
             await self.ingest.stop()

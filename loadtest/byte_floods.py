@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.aio import within
 from loadtest.floodprobe import ROOT, FloodGateway, FloodSampler, recv_until, ws_frame
 
 FLOODS = ("ping", "echo", "topics", "ingest", "fragments", "auth")
@@ -59,7 +60,7 @@ async def _ws_open(port: int) -> socket.socket:
                             b"Upgrade\r\nSec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
     head = b""
     while b"\r\n\r\n" not in head:
-        chunk = await asyncio.wait_for(loop.sock_recv(sock, 1), 5)
+        chunk = await within(loop.sock_recv(sock, 1), 5)
         if not chunk:
             raise OSError("closed during the handshake")
         head += chunk
@@ -78,11 +79,11 @@ async def _ws_flood(port: int, until: float, stats: dict, chunk: bytes, *, read:
         stats["connections"] += 1
         try:
             while time.monotonic() < until:
-                await asyncio.wait_for(loop.sock_sendall(sock, chunk), 1.0)
+                await within(loop.sock_sendall(sock, chunk), 1.0)
                 stats["bytes"] += len(chunk)
                 if read:
                     try:
-                        while await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 0.001):
+                        while await within(loop.sock_recv(sock, 1 << 20), 0.001):
                             pass
                     except asyncio.TimeoutError:
                         pass
@@ -90,7 +91,7 @@ async def _ws_flood(port: int, until: float, stats: dict, chunk: bytes, *, read:
             stats["stalled"] += 1  # the gateway stopped reading: hold the connection until it cuts it
             try:
                 while time.monotonic() < until:
-                    if not await asyncio.wait_for(loop.sock_recv(sock, 1), until - time.monotonic()):
+                    if not await within(loop.sock_recv(sock, 1), until - time.monotonic()):
                         break
             except (OSError, asyncio.TimeoutError):
                 pass
@@ -109,7 +110,7 @@ async def _ingest_flood(port: int, until: float, stats: dict) -> None:
     junk = b"x\n" * 32768
     try:
         while time.monotonic() < until:
-            await asyncio.wait_for(loop.sock_sendall(sock, junk), max(0.01, until - time.monotonic()))
+            await within(loop.sock_sendall(sock, junk), max(0.01, until - time.monotonic()))
             stats["bytes"] += len(junk)
     except (OSError, asyncio.TimeoutError):
         stats["stalled"] += 1

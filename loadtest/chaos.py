@@ -34,6 +34,7 @@ import httpx
 import orjson
 from websockets.asyncio.client import connect as ws_connect
 
+from loadtest.aio import within
 from loadtest.chaos_check import check_all
 from loadtest.chaos_clients import (
     Accepted,
@@ -610,7 +611,7 @@ class Chaos:
                                         "since": {"epoch": epoch, "seq": 0}}).decode())
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and (not got or got[-1]["seq"] < end - 1):
-                for e in orjson.loads(await asyncio.wait_for(ws.recv(), 15)):
+                for e in orjson.loads(await within(ws.recv(), 15)):
                     if e.get("type") == "msg" and e.get("topic") == topic:
                         got.append({"ev": "msg", "seq": e["seq"], "data": e["data"]})
         return got

@@ -26,6 +26,8 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from fanout_client.events import Stream
 
+from .aio import within
+
 #: a client that hears nothing for this long drops its connection (publishers never pause that long)
 SILENCE_S = 8.0
 
@@ -155,7 +157,7 @@ class WsClient(BaseClient):
                         self.take.clear()
                         await ws.send(orjson.dumps([self.command(t) for t in self.private]).decode())
                     try:
-                        frame = await asyncio.wait_for(ws.recv(), SILENCE_S)
+                        frame = await within(ws.recv(), SILENCE_S)
                     except asyncio.TimeoutError:
                         self.rec.closed(0, "silence")
                         return
@@ -417,7 +419,7 @@ class IngestPublisher:
             await asyncio.sleep(0.2)
 
     async def _session(self, port: int) -> None:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 3)
+        reader, writer = await within(asyncio.open_connection("127.0.0.1", port), 3)
         line = 0
         try:
             while not self.stop_event.is_set():
@@ -436,7 +438,7 @@ class IngestPublisher:
                     await writer.drain()
                     refused: set[int] = set()
                     while True:
-                        answer = orjson.loads(await asyncio.wait_for(reader.readline(), 15))
+                        answer = orjson.loads(await within(reader.readline(), 15))
                         if answer.get("type") == "error":
                             refused.add(int(answer.get("line", 0)))
                         elif answer.get("type") == "synced":
@@ -516,7 +518,7 @@ async def ws_burst(url: str, topic: str, count: int, acc: Accepted, name: str = 
         pending = count
         deadline = time.monotonic() + 15
         while pending and time.monotonic() < deadline:
-            for e in orjson.loads(await asyncio.wait_for(ws.recv(), 15)):
+            for e in orjson.loads(await within(ws.recv(), 15)):
                 if e.get("type") == "reply" and isinstance(e.get("id"), int):
                     acc.ring[topic][name].append(e["id"])
                     answers["accepted"] += 1
@@ -577,7 +579,7 @@ class FaultyProxy:
             writer.transport.abort()
             return
         try:
-            up_r, up_w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.upstream_port), 3)
+            up_r, up_w = await within(asyncio.open_connection("127.0.0.1", self.upstream_port), 3)
         except (OSError, asyncio.TimeoutError):
             writer.transport.abort()
             return

@@ -26,6 +26,7 @@ from pathlib import Path
 import orjson
 from websockets.asyncio.client import connect
 
+from loadtest.aio import within
 from loadtest.procstat import read_stat, tree
 from loadtest.redisproc import RedisProcess
 
@@ -101,7 +102,7 @@ async def _subscriber(port: int, topics: list[str], counts: list[int], latencies
             ready.set()
         while not stop.is_set():
             try:
-                frame = await asyncio.wait_for(ws.recv(), 0.5)
+                frame = await within(ws.recv(), 0.5)
             except asyncio.TimeoutError:
                 continue
             now = time.time()
@@ -143,7 +144,7 @@ async def _load(sub_ports: list[int], pub_port: int, pids: list[int], clients: i
     tasks = [asyncio.create_task(_subscriber(sub_ports[i % len(sub_ports)],
                                              [names[(i + k) % topics] for k in range(per_client)],
                                              counts, latencies, ready, clients, stop)) for i in range(clients)]
-    await asyncio.wait_for(ready.wait(), 60)
+    await within(ready.wait(), 60)
     cpu0 = sum(_cpu(p) for p in pids)
     t0 = time.monotonic()
     sent = await _publish(pub_port, names, rate, duration)

@@ -25,6 +25,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from gateway.testing import run_gateway
+from loadtest.aio import within
 from loadtest.clusterproc import ClusterNodeProcess, ClusterTopology
 
 ADMIN = "shards-admin-token"
@@ -47,7 +48,7 @@ async def subscribe_all(url: str, topics: list[str]) -> Any:
         await ws.send(orjson.dumps({"op": "subscribe", "topic": topic, "id": topic}).decode())
     pending = set(topics)
     while pending:
-        for entry in orjson.loads(await asyncio.wait_for(ws.recv(), 30)):
+        for entry in orjson.loads(await within(ws.recv(), 30)):
             if entry.get("type") in ("subscribed", "error"):
                 pending.discard(entry.get("id"))
     return ws

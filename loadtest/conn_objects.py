@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from loadtest.aio import within
 from loadtest.gatewayproc import config_text
 from loadtest.procstat import raise_nofile_limit, read_stat
 
@@ -70,7 +71,7 @@ async def _clients(port: int) -> None:
                 fresh.extend(await asyncio.gather(*batch))
             for i, conn in enumerate(fresh):
                 conn.send_text(b'{"op":"subscribe","topic":"idle.%d"}' % ((len(conns) + i) % TOPICS))
-            await asyncio.wait_for(acked.wait(), 120)
+            await within(acked.wait(), 120)
             conns.extend(fresh)
         elif line[0] == "close":
             for conn in conns:
@@ -91,7 +92,7 @@ class Crowd:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(line.encode() + b"\n")
         await self.proc.stdin.drain()
-        answer = await asyncio.wait_for(self.proc.stdout.readline(), 180)
+        answer = await within(self.proc.stdout.readline(), 180)
         if not answer.startswith(b"ok"):
             raise RuntimeError(f"the clients' process answered {answer!r}")
 

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.aio import within
 from loadtest.floodprobe import ROOT, FloodGateway, FloodSampler, prober_get
 
 ATTACKERS = 8
@@ -49,12 +50,12 @@ async def _headers_attacker(port: int, until: float, stats: dict) -> None:
         try:
             await loop.sock_sendall(sock, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
             while sent < HUGE and time.monotonic() < until:
-                await asyncio.wait_for(loop.sock_sendall(sock, piece), 1.0)
+                await within(loop.sock_sendall(sock, piece), 1.0)
                 sent += CHUNK
         except (OSError, asyncio.TimeoutError):
             pass  # the gateway answered and shut, or stopped reading
         try:
-            answer = await asyncio.wait_for(loop.sock_recv(sock, 4096), 0.5)
+            answer = await within(loop.sock_recv(sock, 4096), 0.5)
         except (OSError, asyncio.TimeoutError):
             answer = b""
         stats["connections"] += 1
@@ -73,7 +74,7 @@ async def _ws_size_attacker(port: int, until: float, stats: dict, held: list[soc
         try:
             await loop.sock_connect(sock, ("127.0.0.1", port))
             await loop.sock_sendall(sock, request)
-            answer = await asyncio.wait_for(loop.sock_recv(sock, 4096), 1.0)
+            answer = await within(loop.sock_recv(sock, 4096), 1.0)
         except (OSError, asyncio.TimeoutError):
             answer = b""
         stats["connections"] += 1

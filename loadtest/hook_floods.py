@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from loadtest.aio import within
 from loadtest.floodprobe import ADMIN_TOKEN, PROBER_ADDRESS, ROOT, FloodGateway, delay_figures
 
 #: how long the backend takes to answer each hook
@@ -122,7 +123,7 @@ class Victims:
             try:
                 while not stop.is_set():
                     try:
-                        frame = await asyncio.wait_for(ws.recv(), 0.5)
+                        frame = await within(ws.recv(), 0.5)
                     except asyncio.TimeoutError:
                         continue
                     now = time.time()
@@ -166,7 +167,7 @@ async def toggle(url: str, stop: asyncio.Event) -> str:
                 frames += 1
                 try:
                     while True:
-                        for entry in json.loads(await asyncio.wait_for(ws.recv(), 0.001)):
+                        for entry in json.loads(await within(ws.recv(), 0.001)):
                             refused += entry["type"] == "error"
                 except asyncio.TimeoutError:
                     pass
@@ -237,7 +238,7 @@ async def victim_handshakes(url: str, stop: asyncio.Event, outcomes: dict[str, i
             async with websockets.connect(url, local_addr=(PROBER_ADDRESS, 0), compression=None,
                                           open_timeout=10) as ws:
                 await ws.send(json.dumps({"op": "ping", "id": 1}))
-                await asyncio.wait_for(ws.recv(), 10)
+                await within(ws.recv(), 10)
                 key = "open"
                 times.append((time.perf_counter() - started) * 1000)
         except websockets.ConnectionClosed as exc:

@@ -15,6 +15,8 @@ from typing import cast
 
 import h11
 
+from .aio import within
+
 #: a response head longer than this is not from a server we talk to
 MAX_HEAD = 64 * 1024
 
@@ -157,7 +159,7 @@ class HttpConnection(asyncio.Protocol):
         waiter = self.waiter
         self.transport.write(data)
         try:
-            return await (waiter if timeout is None else asyncio.wait_for(waiter, timeout))
+            return await (waiter if timeout is None else within(waiter, timeout))
         except (asyncio.TimeoutError, asyncio.CancelledError):
             # the response may still come: this connection is no longer in a known state
             self.waiter = None
@@ -173,7 +175,7 @@ class HttpConnection(asyncio.Protocol):
 async def open_connection(host: str, port: int, timeout: float = 10.0, source: str | None = None) -> HttpConnection:
     """A keep-alive connection; ``source``: the local address to connect from (any port)."""
     loop = asyncio.get_running_loop()
-    _transport, conn = await asyncio.wait_for(
+    _transport, conn = await within(
         loop.create_connection(lambda: HttpConnection(host, port), host, port,
                                local_addr=(source, 0) if source else None), timeout)
     return conn

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from loadtest.aio import within
 from loadtest.gatewayproc import GatewayProcess
 from loadtest.procstat import raise_nofile_limit, read_stat
 from loadtest.target import Target
@@ -94,7 +95,7 @@ async def crowd(target: Target, clients: int, hold_s: float, settle_s: float,
         conns.extend(await asyncio.gather(*batch))
     for i, conn in enumerate(conns):
         conn.send_text(b'{"op":"subscribe","topic":"idle.%d"}' % (i % TOPICS))
-    await asyncio.wait_for(acked.wait(), 120)
+    await within(acked.wait(), 120)
     connect_s = time.monotonic() - started
     with_clients = await settle(target.pid, hold_s)
     for conn in conns:

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from fanout_client.fossil import DeltaBase, DeltaError
-from loadtest.aio import run_loop
+from loadtest.aio import run_loop, within
 from loadtest.book import intact
 from loadtest.httpclient import HttpConnection, open_connection
 from loadtest.procstat import raise_nofile_limit
@@ -442,7 +442,7 @@ class Worker:
         s.error = ""
         s.subscribe()
         try:
-            await asyncio.wait_for(asyncio.shield(s.ready), max(0.1, deadline - time.monotonic()))
+            await within(asyncio.shield(s.ready), max(0.1, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             s.error = f"not subscribed after {self.spec.connect_timeout} s"
 

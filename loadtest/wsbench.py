@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from websockets.utils import accept_key
 
-from loadtest.aio import run_loop
+from loadtest.aio import run_loop, within
 
 
 def _frame(payload: bytes) -> bytes:
@@ -51,7 +51,7 @@ async def _blast(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, str
     writer.write(b"\x88\x02\x03\xe8")  # close 1000
     await writer.drain()
     try:
-        await asyncio.wait_for(reader.read(), 5)
+        await within(reader.read(), 5)
     except (asyncio.TimeoutError, ConnectionError):
         pass
     writer.close()

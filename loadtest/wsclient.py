@@ -25,6 +25,8 @@ from websockets.http11 import Response
 from websockets.protocol import State
 from websockets.uri import parse_uri
 
+from .aio import within
+
 #: largest message accepted; batches are bounded by the server's cycle budget, far below this
 MAX_MESSAGE = 16 * 2**20
 #: longest response head waited for before websockets is handed it (its own limit refuses it)
@@ -286,11 +288,11 @@ async def connect(host: str, port: int, path: str, listener: Listener, timeout: 
     ``source``: the local address to connect from (any port); ``compression``: offer permessage-deflate."""
     loop = asyncio.get_running_loop()
     url = f"ws://{host}:{port}{path}"
-    _transport, client = await asyncio.wait_for(
+    _transport, client = await within(
         loop.create_connection(lambda: WsClient(url, listener, compression), host, port,
                                local_addr=(source, 0) if source else None), timeout)
     try:
-        await asyncio.wait_for(asyncio.shield(client.opened), timeout)
+        await within(asyncio.shield(client.opened), timeout)
     except BaseException:
         if client.transport is not None:
             client.transport.abort()

@@ -194,8 +194,9 @@ class JwksKeys:
     async def _refresh_loop(self, next_in: float) -> None:
         assert self._wake is not None
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), next_in)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(next_in):
+                    await self._wake.wait()
             wait_more = self.refresh_min_s - (time.monotonic() - self._last_fetch)
             if wait_more > 0:  # the floor holds for every fetch, whatever woke this one
                 await asyncio.sleep(wait_more)

@@ -134,8 +134,9 @@ class ClusterLink(SingleLink):
 
     async def _answers_ping(self) -> bool:
         try:
-            await asyncio.wait_for(self.cluster.ping(target_nodes=RedisCluster.PRIMARIES), PROBE_TIMEOUT_S)
-        except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError):
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                await self.cluster.ping(target_nodes=RedisCluster.PRIMARIES)
+        except (RedisError, RedisClusterException, OSError, TimeoutError):
             return False
         return True
 
@@ -154,7 +155,8 @@ class ClusterLink(SingleLink):
     async def subscribe_channels(self, channels: list[str]) -> None:
         waiting = self._awaiting_confirmations(channels)
         await self._send_subscribes(channels)
-        await asyncio.wait_for(asyncio.gather(*waiting), COMMAND_TIMEOUT_S)
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await asyncio.gather(*waiting)
 
     async def _send_subscribes(self, channels: list[str]) -> None:
         """SSUBSCRIBE each channel on its slot's primary (one command per channel: a command's channels

@@ -75,7 +75,8 @@ class InProcessBroker:
             try:
                 if remaining <= 0:
                     raise QueueFull(f"private queue {topic!r} of {owner!r} is full")
-                await asyncio.wait_for(self.events.space_freed(topic, owner), remaining)
+                async with asyncio.timeout(remaining):
+                    await self.events.space_freed(topic, owner)
                 future.set_result(self.events.apply(topic, data, seq=seq, owner=owner))
             except QueueFull as exc:
                 if deadline - time.monotonic() <= 0:

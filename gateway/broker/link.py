@@ -319,7 +319,8 @@ class SingleLink:
                 else:
                     self._on_reply(reply)
 
-        await asyncio.wait_for(confirmations(), COMMAND_TIMEOUT_S)
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await confirmations()
 
     def _awaiting_confirmations(self, channels: list[str]) -> list[asyncio.Future[None]]:
         """A future per channel, done when Redis confirms its subscription (`_on_reply`)."""
@@ -334,7 +335,8 @@ class SingleLink:
         waiting = self._awaiting_confirmations(channels)
         assert self._pubsub is not None
         await self._pubsub.send_command("SUBSCRIBE", *channels)
-        await asyncio.wait_for(asyncio.gather(*waiting), COMMAND_TIMEOUT_S)
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await asyncio.gather(*waiting)
 
     def unsubscribe_channel(self, channel: str) -> None:
         if self.available and self._pubsub is not None:
@@ -377,8 +379,9 @@ class SingleLink:
 
     async def _answers_ping(self) -> bool:
         try:
-            await asyncio.wait_for(self.redis.ping(), PROBE_TIMEOUT_S)
-        except (RedisError, OSError, asyncio.TimeoutError):
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                await self.redis.ping()
+        except (RedisError, OSError, TimeoutError):
             return False
         return True
 

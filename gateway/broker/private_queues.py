@@ -449,8 +449,9 @@ class PrivateQueues:
                         continue
                     wait = backoff if head.deadline is None else max(0.0, min(backoff, head.deadline - time.monotonic()))
                     try:
-                        await asyncio.wait_for(events.space_freed(outbox.topic, outbox.owner), wait)
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(wait):
+                            await events.space_freed(outbox.topic, outbox.owner)
+                    except TimeoutError:
                         pass
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
                     continue

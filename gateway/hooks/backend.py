@@ -398,7 +398,8 @@ class HttpHooks:
         waiting = [queue.queue.join() for queue in self._events.values() if queue.queue.qsize()]
         if waiting:
             try:
-                await asyncio.wait_for(asyncio.gather(*waiting), min(self.config.timeout_s, 5.0))
+                async with asyncio.timeout(min(self.config.timeout_s, 5.0)):
+                    await asyncio.gather(*waiting)
             except TimeoutError:
                 pass
         for task in (*self._senders, *self._tasks):

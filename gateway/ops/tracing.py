@@ -305,7 +305,8 @@ class OtlpTracing:
     async def close(self) -> None:
         # the spans left are exported off the event loop; a dead collector: 3 s
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.to_thread(self.shutdown), 3)
+            async with asyncio.timeout(3):
+                await asyncio.to_thread(self.shutdown)
 
 
 def _trace_headers(headers: Mapping[str, str], oversized: Callable[[str, int], None]) -> dict[str, str]:

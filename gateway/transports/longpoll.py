@@ -118,8 +118,9 @@ class LongPollSession:
         self.poll = future
         session.ready()
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.settings.poll_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.settings.poll_timeout_s):
+                return await asyncio.shield(future)
+        except TimeoutError:
             if future.done():
                 return future.result()
             if self.poll is future:

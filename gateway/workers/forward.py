@@ -271,8 +271,8 @@ class SessionRouter:
         try:
             outbox = self.links.outboxes[owner]
             assert outbox is not None  # not this worker's own
-            reader, stream = await asyncio.wait_for(
-                asyncio.open_connection(sock=_connect(outbox), limit=READ_CHUNK), CONNECT_TIMEOUT_S)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, stream = await asyncio.open_connection(sock=_connect(outbox), limit=READ_CHUNK)
             writer = stream
             stream.write(request)
             loop = asyncio.get_running_loop()
@@ -281,10 +281,12 @@ class SessionRouter:
                 event = upstream.next_event()
                 if event is h11.NEED_DATA:
                     if begun:  # a piece of the body
-                        data = await asyncio.wait_for(reader.read(READ_CHUNK), RESPONSE_TIMEOUT_S)
+                        async with asyncio.timeout(RESPONSE_TIMEOUT_S):
+                            data = await reader.read(READ_CHUNK)
                     else:  # no more than the head's bound is ever buffered (h11 checks it once a read is in)
                         size = max(1, MAX_HEAD_BYTES - len(upstream.trailing_data[0]))
-                        data = await asyncio.wait_for(reader.read(size), head_by - loop.time())
+                        async with asyncio.timeout_at(head_by):
+                            data = await reader.read(size)
                     upstream.receive_data(data)  # b"": the owner closed (h11 says whether the response is whole)
                 elif isinstance(event, h11.Response):
                     if not event.http_version.startswith(b"1."):  # h11 parses any HTTP/d.d status line
