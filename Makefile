@@ -139,6 +139,7 @@ run: $(RUN_STAMP)
 LINT_SETUP = $(shell test $(STAMP) -nt pyproject.toml -a $(STAMP) -nt $(CONSTRAINTS) -a $(STAMP) -nt setup.py || echo $(STAMP))
 lint: $(LINT_SETUP)
 	$(BIN)/ruff check core gateway fanout_client loadtest pipeline tests deploy/container
+	$(BIN)/ruff format --check core gateway fanout_client loadtest pipeline tests deploy/container
 	$(BIN)/mypy --strict core fanout_client gateway
 	$(BIN)/mypy --cache-dir .mypy_cache/typed loadtest pipeline tests deploy/container
 

@@ -94,8 +94,8 @@ def extensions() -> list:
 
 
 setup(
-    packages=find_packages(include=["core", "gateway", "gateway.*", "fanout_client", "fanout_client.*",
-                                    "loadtest", "pipeline"]) + list(DATA_PACKAGES),
+    packages=find_packages(include=["core", "gateway", "gateway.*", "fanout_client", "fanout_client.*", "loadtest", "pipeline"])
+    + list(DATA_PACKAGES),
     package_dir=DATA_PACKAGES,
     package_data={
         "gateway.defaults": ["*.toml"],

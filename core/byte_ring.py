@@ -138,15 +138,11 @@ class ByteRingConfig:
                 f"resume={self.resume_watermark_pct!r} pause={self.pause_watermark_pct!r}"
             )
         if self.hard_lag_bytes < self.soft_lag_bytes:
-            raise ValueError(
-                f"hard_lag_bytes ({self.hard_lag_bytes}) must be >= soft_lag_bytes ({self.soft_lag_bytes})"
-            )
+            raise ValueError(f"hard_lag_bytes ({self.hard_lag_bytes}) must be >= soft_lag_bytes ({self.soft_lag_bytes})")
         # Resuming needs 2 * recv_chunk_bytes free (docs/design/byte-ring.md §5): an emptied ring must
         # allow it.
         if self.capacity_bytes < 2 * self.recv_chunk_bytes:
-            raise ValueError(
-                f"capacity_bytes ({self.capacity_bytes}) must be >= 2 * recv_chunk_bytes ({self.recv_chunk_bytes})"
-            )
+            raise ValueError(f"capacity_bytes ({self.capacity_bytes}) must be >= 2 * recv_chunk_bytes ({self.recv_chunk_bytes})")
         # The slowest receiver bounds what is stored: the sender is paused once used_bytes reaches the
         # pause watermark (or free < recv_chunk_bytes). If a stalled receiver could never get past
         # hard_lag_bytes before that, it would never be kicked and would hold every other receiver
@@ -315,9 +311,7 @@ class ByteRing:
         if rid in self._receivers:
             raise ValueError(f"receiver {rid!r} is already registered")
         if len(self._receivers) >= self._cfg.max_receivers:
-            raise TooManyReceivers(
-                f"at most {self._cfg.max_receivers} receivers (docs/design/byte-ring.md §1); refused {rid!r}"
-            )
+            raise TooManyReceivers(f"at most {self._cfg.max_receivers} receivers (docs/design/byte-ring.md §1); refused {rid!r}")
         self._receivers[rid] = _Receiver(self._write_pos, now_ns)
         self._total_connections += 1
         return self._write_pos
@@ -362,9 +356,7 @@ class ByteRing:
         """
         r = self._get(rid)
         if nbytes < 0 or r.send_pos + nbytes > self._write_pos:
-            raise ValueError(
-                f"advance({rid!r}, {nbytes}): only {self._write_pos - r.send_pos} bytes were readable"
-            )
+            raise ValueError(f"advance({rid!r}, {nbytes}): only {self._write_pos - r.send_pos} bytes were readable")
         send_pos = r.send_pos + nbytes
         read_pos = send_pos - in_flight
         if in_flight < 0 or read_pos < r.read_pos:
@@ -553,4 +545,3 @@ class ByteRing:
             f"<ByteRing capacity={self._cap} write_pos={self._write_pos} used={self.used_bytes} "
             f"receivers={len(self._receivers)} paused={self._paused}>"
         )
-

@@ -22,8 +22,7 @@ class ClientState(Enum):
 class Subscription:
     """One client's handle on one topic. Ring and snapshot handles hold a cursor only (docs/design/shared-rings.md §2)."""
 
-    __slots__ = ("client", "topic", "cursor", "active", "queue", "queued_bytes", "peeked", "waiting", "ack", "delta",
-                 "base")
+    __slots__ = ("client", "topic", "cursor", "active", "queue", "queued_bytes", "peeked", "waiting", "ack", "delta", "base")
 
     def __init__(self, client: "Client", topic: "Topic") -> None:
         self.client = client
@@ -86,8 +85,7 @@ class Crowd:
 
 
 class Client:
-    __slots__ = ("id", "owner", "state", "direct", "direct_bytes", "active", "subs", "budget", "peeked_subs", "info",
-                 "sink")
+    __slots__ = ("id", "owner", "state", "direct", "direct_bytes", "active", "subs", "budget", "peeked_subs", "info", "sink")
 
     def __init__(self, client_id: Hashable, budget: int, ready: bool, info: Any = None, owner: Hashable = None) -> None:
         self.id = client_id

@@ -138,9 +138,7 @@ class Engine:
 
     # -- topics ----------------------------------------------------------------------------------------
 
-    def create_topic(
-        self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None, start: int = 0
-    ) -> Topic:
+    def create_topic(self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None, start: int = 0) -> Topic:
         """A new topic. `epoch` and `start` (a broker's stream, docs/cluster.md §3): the topic's epoch and
         first seq; by default a new epoch of this engine, from seq 0."""
         if name in self._topics:
@@ -301,7 +299,12 @@ class Engine:
     # -- clients ---------------------------------------------------------------------------------------
 
     def connect(
-        self, client_id: Hashable, *, ready: bool = True, info: Any = None, budget: int | None = None,
+        self,
+        client_id: Hashable,
+        *,
+        ready: bool = True,
+        info: Any = None,
+        budget: int | None = None,
         owner: Hashable = None,
     ) -> Client:
         """`owner`: whose private queues the client reads (default: the client id itself)."""
@@ -351,8 +354,15 @@ class Engine:
         client.owner = owner
 
     def subscribe(
-        self, client_id: Hashable, name: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-        queue_start: tuple[str, int] | None = None, ack: bool = False, delta: bool | None = None,
+        self,
+        client_id: Hashable,
+        name: str,
+        *,
+        since: tuple[str, int] | None = None,
+        request_id: Any = None,
+        queue_start: tuple[str, int] | None = None,
+        ack: bool = False,
+        delta: bool | None = None,
     ) -> Subscribed:
         """`queue_start` (private topics, a broker's queue, docs/cluster.md §8): the queue's (epoch, first
         seq) held outside; a new local queue starts at that seq and `subscribed` carries that epoch.
@@ -387,8 +397,7 @@ class Engine:
         self._retained.pop(topic, None)
         topic.subs[sub] = None
         client.subs[topic.name] = sub  # the topic's own string, not one more per subscriber (`name` is equal)
-        self._queue(client, encode_subscribed(name, topic.kind, epoch, start, request_id,
-                                              None if delta is None else sub.delta))
+        self._queue(client, encode_subscribed(name, topic.kind, epoch, start, request_id, None if delta is None else sub.delta))
         if extra is not None:
             self._queue(client, extra)
         if topic.has_data(sub):
@@ -421,11 +430,14 @@ class Engine:
         config = self.config
         held = client.direct_bytes + size
         if held > config.direct_queue_max_bytes:
-            raise DirectQueueFull(f"direct queue of {client.id!r} would hold {held} bytes"
-                                  f" (at most {config.direct_queue_max_bytes})")
+            raise DirectQueueFull(
+                f"direct queue of {client.id!r} would hold {held} bytes (at most {config.direct_queue_max_bytes})"
+            )
         if self.direct_bytes + size > config.direct_total_max_bytes and held > client.budget:
-            raise DirectQueueFull(f"direct queues hold {self.direct_bytes} bytes in all"
-                                  f" (at most {config.direct_total_max_bytes}), {held} of them for {client.id!r}")
+            raise DirectQueueFull(
+                f"direct queues hold {self.direct_bytes} bytes in all"
+                f" (at most {config.direct_total_max_bytes}), {held} of them for {client.id!r}"
+            )
 
     def _queue(self, client: Client, entry: bytes) -> None:
         """Append to the client's direct queue, counting its bytes (every append goes through here)."""
@@ -439,9 +451,7 @@ class Engine:
 
     # -- publishing ------------------------------------------------------------------------------------
 
-    def publish(
-        self, name: str, data: Any, *, seq: int | None = None, owner: Hashable = None, now: float = 0.0
-    ) -> Published:
+    def publish(self, name: str, data: Any, *, seq: int | None = None, owner: Hashable = None, now: float = 0.0) -> Published:
         """Publish one message. Private topics need `owner`, whose queue it goes to (a client's owner);
         shared topics (ring, snapshot) ignore it: their message goes to every subscriber.
 
@@ -659,8 +669,15 @@ class Engine:
                 emitted += size
                 more = bool(client.active or client.direct)
                 sink = client.sink
-                if (crowding and sink is not None and sink.open and not more and len(out) == 1 and not replies
-                        and not client.peeked_subs):
+                if (
+                    crowding
+                    and sink is not None
+                    and sink.open
+                    and not more
+                    and len(out) == 1
+                    and not replies
+                    and not client.peeked_subs
+                ):
                     entry = out[0]
                     if crowd is None or crowd.entry is not entry or crowd.variant != sink.variant:
                         crowd = self._crowd_of(gathered, crowds, entry, sink.variant)

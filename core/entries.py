@@ -38,10 +38,10 @@ def split_message(entry: bytes) -> tuple[bytes, int, bytes] | None:
     at_data = entry.find(DATA_KEY, at_seq)
     if at_seq < 0 or at_data < 0:
         return None
-    seq_text = entry[at_seq + len(SEQ_KEY):at_data]
+    seq_text = entry[at_seq + len(SEQ_KEY) : at_data]
     if not seq_text.isdigit():
         return None
-    return entry[len(MSG_HEAD):at_seq], int(seq_text), entry[at_data + len(DATA_KEY):-1]
+    return entry[len(MSG_HEAD) : at_seq], int(seq_text), entry[at_data + len(DATA_KEY) : -1]
 
 
 def encode_loss(topic: str, begin: int, end: int | None, reason: str) -> bytes:
@@ -49,8 +49,7 @@ def encode_loss(topic: str, begin: int, end: int | None, reason: str) -> bytes:
     return _dumps({"type": "loss", "topic": topic, "from": begin, "to": end, "reason": reason})
 
 
-def encode_subscribed(topic: str, kind: str, epoch: str, seq: int, request_id: Any = None,
-                      delta: bool | None = None) -> bytes:
+def encode_subscribed(topic: str, kind: str, epoch: str, seq: int, request_id: Any = None, delta: bool | None = None) -> bytes:
     """`delta`: whether deltas were granted, given only when the subscribe asked for them."""
     entry = {"type": "subscribed", "topic": topic, "kind": kind, "epoch": epoch, "seq": seq, "id": request_id}
     if delta is not None:

@@ -27,8 +27,18 @@ from __future__ import annotations
 import struct
 from itertools import accumulate
 
-__all__ = ["CHAIN_LIMIT", "DIGITS", "DeltaError", "MAX_TARGET_BYTES", "NotWorthIt", "WINDOW", "apply", "check",
-           "checksum", "delta"]
+__all__ = [
+    "CHAIN_LIMIT",
+    "DIGITS",
+    "DeltaError",
+    "MAX_TARGET_BYTES",
+    "NotWorthIt",
+    "WINDOW",
+    "apply",
+    "check",
+    "checksum",
+    "delta",
+]
 
 #: the digits of the format's numbers, value 0 to 63
 DIGITS = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz~"
@@ -72,6 +82,7 @@ class NotWorthIt(Exception):
 
 # -- checksum and numbers -----------------------------------------------------------------------------------
 
+
 def checksum(data: bytes) -> int:
     """Fossil's 32-bit checksum: the sum, modulo 2**32, of the data read as big-endian 32-bit words (the last
     one padded with zero bytes)."""
@@ -114,6 +125,7 @@ def _read_number(data: bytes, pos: int) -> tuple[int, int]:
 
 
 # -- encoding -----------------------------------------------------------------------------------------------
+
 
 def delta(source: bytes, target: bytes, *, worth_it: bool = False) -> bytes:
     """The delta that turns ``source`` into ``target``. With ``worth_it``, raises `NotWorthIt` (early) where the
@@ -238,8 +250,9 @@ def _realigned(source: bytes, target: bytes, base: int, source_end: int) -> tupl
     return None
 
 
-def _best_match(source: bytes, target: bytes, index: _SourceIndex, block: int, base: int,
-                ahead: int) -> tuple[int, int, int] | None:
+def _best_match(
+    source: bytes, target: bytes, index: _SourceIndex, block: int, base: int, ahead: int
+) -> tuple[int, int, int] | None:
     """(target start, source offset, length) of the longest copy worth its command among ``block`` and the
     blocks of the same hash after it, each match grown forward from the window and backward down to ``base``."""
     here = base + ahead
@@ -315,6 +328,7 @@ def _whole_characters(target: bytes, start: int, offset: int, count: int) -> tup
 
 # -- decoding -----------------------------------------------------------------------------------------------
 
+
 def apply(source: bytes, delta: bytes, *, max_size: int = MAX_TARGET_BYTES) -> bytes:
     """The target ``delta`` rebuilds from ``source``, checked against its announced size and checksum.
     `DeltaError` for a malformed delta, one that reads outside the source, one announcing more than
@@ -337,8 +351,7 @@ def apply(source: bytes, delta: bytes, *, max_size: int = MAX_TARGET_BYTES) -> b
         else:  # the end, as `check` found it
             target = bytes(out)
             if checksum(target) != expected:
-                raise DeltaError("the rebuilt target does not match the delta's checksum (not the source it was "
-                                 "made from?)")
+                raise DeltaError("the rebuilt target does not match the delta's checksum (not the source it was made from?)")
             return target
 
 

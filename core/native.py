@@ -35,8 +35,7 @@ class _SourceFirst:
     def __init__(self, names: set[str]) -> None:
         self.modules = {f"{_PACKAGE}.{name}": _HERE / f"{name}.py" for name in names}
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> ModuleSpec | None:
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None) -> ModuleSpec | None:
         source = self.modules.get(fullname)
         return None if source is None else importlib.util.spec_from_file_location(fullname, source)
 
@@ -56,8 +55,7 @@ def _compiled_from() -> dict[str, str]:
 def _stale(built: Sequence[str]) -> list[str]:
     """The built modules whose source is not the one recorded at build time (or was never recorded)."""
     record = _compiled_from()
-    return sorted(name for name in built
-                  if record.get(name) != hashlib.sha256((_HERE / f"{name}.py").read_bytes()).hexdigest())
+    return sorted(name for name in built if record.get(name) != hashlib.sha256((_HERE / f"{name}.py").read_bytes()).hexdigest())
 
 
 def _choose() -> tuple[bool, str]:

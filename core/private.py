@@ -84,9 +84,7 @@ class PrivateTopic(Topic):
     def activity(self) -> int:
         return 0  # a queue lives with its handle: an unused private topic retains nothing
 
-    def publish(
-        self, data: Any, seq: int | None, owner: Hashable, now: float
-    ) -> tuple[int, Collection[Subscription]]:
+    def publish(self, data: Any, seq: int | None, owner: Hashable, now: float) -> tuple[int, Collection[Subscription]]:
         """Queue one message for `owner`'s handle. Returns (seq, the handle if it was parked, else ()): an
         active handle reads the entry when it is next served."""
         if owner is None:
@@ -166,8 +164,7 @@ class PrivateTopic(Topic):
         if count <= 0:
             return False  # acknowledged already (cumulative acks)
         if count > sub.peeked:
-            raise BadAck(f"seq {seq} of private {self.name!r} was not delivered"
-                         f" (delivered up to {head + sub.peeked - 1})")
+            raise BadAck(f"seq {seq} of private {self.name!r} was not delivered (delivered up to {head + sub.peeked - 1})")
         return self._shift(sub, count)
 
     def rollback(self, sub: Subscription) -> bool:

@@ -69,9 +69,7 @@ class RingTopic(Topic):
         self.next_id += count
         return first, self.next_id
 
-    def publish(
-        self, data: Any, seq: int | None, owner: Hashable, now: float
-    ) -> tuple[int, Collection[Subscription]]:
+    def publish(self, data: Any, seq: int | None, owner: Hashable, now: float) -> tuple[int, Collection[Subscription]]:
         """Store one message. Returns (seq, the caught-up subscribers if `end` moved, else ()).
 
         `owner` is ignored: every subscriber reads the ring."""

@@ -23,9 +23,7 @@ class SnapshotTopic(Topic):
     #: the value before `latest` when its seq is `seq - 1` (the base of a delta, core/delta.py), else None
     previous: bytes | None = None
 
-    def publish(
-        self, data: Any, seq: int | None, owner: Hashable, now: float
-    ) -> tuple[int, Collection[Subscription]]:
+    def publish(self, data: Any, seq: int | None, owner: Hashable, now: float) -> tuple[int, Collection[Subscription]]:
         """Replace the latest value. Returns (seq, the caught-up subscribers). `owner` is ignored."""
         if seq is not None and seq <= self.seq:
             # Last value wins by seq: an older update arriving late must not replace a newer one.

@@ -127,9 +127,7 @@ class Topic:
 
     # -- producers ---------------------------------------------------------------------------------------
 
-    def publish(
-        self, data: Any, seq: int | None, owner: Hashable, now: float
-    ) -> tuple[int, Collection[Subscription]]:
+    def publish(self, data: Any, seq: int | None, owner: Hashable, now: float) -> tuple[int, Collection[Subscription]]:
         """Store one message (`seq` None: the next one). Returns (its seq, the handles it woke): parked handles
         that now have something to read, none of them active; the engine moves them into their clients'
         active sets. A shared kind hands over its whole `idle` set (as `take_idle`) when the message is

@@ -135,8 +135,9 @@ class _GuardedConnection(ClientConnection):
             return
         self._replies_while_blocked += max(0, writes.get_write_buffer_size() - before)
         if self._replies_while_blocked > REPLY_BYTES_WHILE_BLOCKED:
-            self.dropped_because = (f"the gateway does not read: {self._replies_while_blocked} bytes of replies "
-                                    f"(pongs) wait to be written")
+            self.dropped_because = (
+                f"the gateway does not read: {self._replies_while_blocked} bytes of replies (pongs) wait to be written"
+            )
             writes.abort()
 
 
@@ -162,8 +163,12 @@ class _LogBudget:
 
     def flush(self) -> None:
         if self.suppressed:
-            log.warning("fanout_client: %d more errors were not logged (at most %d lines per %g s)",
-                        self.suppressed, LOG_BURST, LOG_WINDOW_S)
+            log.warning(
+                "fanout_client: %d more errors were not logged (at most %d lines per %g s)",
+                self.suppressed,
+                LOG_BURST,
+                LOG_WINDOW_S,
+            )
             self.suppressed = 0
 
 
@@ -184,6 +189,7 @@ async def _ask_token(get_token: TokenSource | None) -> str | None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"get_token returned {type(value).__name__}, not str or None")
     return value
+
 
 def _ws_url(url: str) -> str:
     """``http(s)://host[:port][/prefix]`` -> ``ws(s)://.../ws``; a ``ws(s)://`` URL is used as given."""
@@ -1074,9 +1080,20 @@ def connect(
       again on the next one, duplicates dropped by seq. False: entries leave the queue once written.
     """
     return Client(
-        url, token=token, get_token=get_token, connect_timeout=connect_timeout, ping_interval=ping_interval,
-        ping_timeout=ping_timeout, backoff_base=backoff_base, backoff_max=backoff_max, request_timeout=request_timeout,
-        max_pending_requests=max_pending_requests, max_queued_events=max_queued_events, max_frame_bytes=max_frame_bytes,
-        start_timeout=start_timeout, on_state=on_state, on_error=on_error, private_ack=private_ack,
+        url,
+        token=token,
+        get_token=get_token,
+        connect_timeout=connect_timeout,
+        ping_interval=ping_interval,
+        ping_timeout=ping_timeout,
+        backoff_base=backoff_base,
+        backoff_max=backoff_max,
+        request_timeout=request_timeout,
+        max_pending_requests=max_pending_requests,
+        max_queued_events=max_queued_events,
+        max_frame_bytes=max_frame_bytes,
+        start_timeout=start_timeout,
+        on_state=on_state,
+        on_error=on_error,
+        private_ack=private_ack,
     )
-

@@ -23,6 +23,7 @@ from core.fossil import MAX_TARGET_BYTES, DeltaError, apply
 
 __all__ = ["DeltaBase", "DeltaError"]
 
+
 class DeltaBase:
     """One topic's base: the JSON text of its last message. ``max_bytes`` bounds what a delta may rebuild."""
 

@@ -89,6 +89,7 @@ class AuthRefused(IngestError):
 
 # -- lines out ----------------------------------------------------------------------------------------------
 
+
 def json_line(value: Any) -> bytes:
     """Any JSON value as one line (orjson never writes a raw newline inside a value)."""
     return orjson.dumps(value, option=orjson.OPT_APPEND_NEWLINE)
@@ -112,6 +113,7 @@ def auth_line(token: str) -> bytes:
 
 
 # -- answers in ---------------------------------------------------------------------------------------------
+
 
 class Authed(msgspec.Struct, frozen=True, tag_field="type", tag="authed"):
     pass
@@ -244,6 +246,7 @@ def _decode(line: bytes) -> Answer | None:
 
 # -- blocking -----------------------------------------------------------------------------------------------
 
+
 class IngestSocket:
     """A blocking ingest connection at the byte level: every byte read goes to ``received`` as it arrives
     (``b""`` once when the gateway closed the connection), also while a write is under way.
@@ -329,8 +332,9 @@ class IngestConnection:
     `errors`. Use as a context manager.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
         self.timeout = timeout
         self.reader = AnswerReader()
         #: answers read and not taken yet
@@ -400,6 +404,7 @@ class IngestConnection:
 
 
 # -- asyncio ------------------------------------------------------------------------------------------------
+
 
 class AsyncIngestConnection(asyncio.Protocol):
     """The asyncio variant: ``write`` lines (buffered by the transport), ``await drain()`` to respect flow

@@ -196,10 +196,13 @@ class Admission:
     def _wait_for_hook(self, waiting: Counter[str], limit: int) -> None:
         ip = self.identity.ip
         if limit and waiting[ip] >= limit:
-            self.services.bad_input(self.identity.transport, "%s has its maximum of %d clients awaiting the connect hook",
-                               ip, limit)
-            raise TooManyPendingConnects(f"{limit} connections from this address await the backend already"
-                                         " (proxy.max_pending_connects_per_ip): retry later")
+            self.services.bad_input(
+                self.identity.transport, "%s has its maximum of %d clients awaiting the connect hook", ip, limit
+            )
+            raise TooManyPendingConnects(
+                f"{limit} connections from this address await the backend already"
+                " (proxy.max_pending_connects_per_ip): retry later"
+            )
         waiting[ip] += 1
         self._hook_ip = ip
 
@@ -266,5 +269,3 @@ def admit(
     """`open_client`, then the new client's `Admission` (raises its refusals, and TooManyPendingConnects)."""
     identity = open_client(services, transport, peer, token=token, authorization=authorization, requested_id=requested_id)
     return Admission(services, identity)
-
-

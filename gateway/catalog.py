@@ -25,8 +25,7 @@ from .topic_budget import CreationBudget
 
 
 class TopicCatalog:
-    def __init__(self, membership: Membership, clients: ClientRegistry, broker: Broker,
-                 creations: CreationBudget) -> None:
+    def __init__(self, membership: Membership, clients: ClientRegistry, broker: Broker, creations: CreationBudget) -> None:
         self.membership = membership
         #: the engine, read-only (gateway/topic_view.py)
         self.topics = membership.topics
@@ -51,16 +50,23 @@ class TopicCatalog:
 
     # -- subscribing ---------------------------------------------------------------------------------------
 
-    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  ack: bool = False, delta: bool | None = None) -> None:
+    def subscribe(
+        self,
+        client_id: str,
+        topic: str,
+        *,
+        since: tuple[str, int] | None = None,
+        request_id: Any = None,
+        ack: bool = False,
+        delta: bool | None = None,
+    ) -> None:
         """Subscribe now, or once the broker has the topic (the answer, `subscribed` or an error entry, then
         comes from there). `ack`: a private queue's entries leave on the client's `ack` (`Engine.subscribe`).
         A subscribe that creates the topic here is within the client's creation budget, and charged to it.
         `delta`: the client asked for deltas (None: it did not say; core/delta.py)."""
         identity = self.clients.conns[client_id].identity
         creating = self._creating(identity, topic)  # raises when this client may create no more
-        self.broker.subscribe(client_id, topic, since=since, request_id=request_id, creator=identity, ack=ack,
-                              delta=delta)
+        self.broker.subscribe(client_id, topic, since=since, request_id=request_id, creator=identity, ack=ack, delta=delta)
         if creating:
             self.creations.charge(identity)
 
@@ -69,8 +75,9 @@ class TopicCatalog:
         subscriptions (gateway/session.py `open`, gateway/centrifugo/server_subs.py) and an operator's
         (gateway/user_commands.py). No permission check and no creation budget (docs/integration.md: the
         backend or the operator decided); the client gets `subscribed` with `request_id`, or an error entry."""
-        self.broker.subscribe(client_id, topic, since=since, request_id=request_id,
-                              creator=self.clients.conns[client_id].identity)
+        self.broker.subscribe(
+            client_id, topic, since=since, request_id=request_id, creator=self.clients.conns[client_id].identity
+        )
 
     def check_room(self, client_id: str, topic: str) -> None:
         """`TooManySubscriptions` when the client holds `scheduler.max_subscriptions` subscriptions and `topic`
@@ -115,8 +122,16 @@ class TopicCatalog:
         through the broker (then `publish`)."""
         return self.broker.publish_nowait(topic, data, seq=seq, owner=owner)
 
-    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
-                creator: ClientIdentity | None = None, timeout: float | None = None) -> asyncio.Future[Published]:
+    def publish(
+        self,
+        topic: str,
+        data: Any,
+        *,
+        seq: int | None = None,
+        owner: Hashable = None,
+        creator: ClientIdentity | None = None,
+        timeout: float | None = None,
+    ) -> asyncio.Future[Published]:
         """Publish through the broker: a future of the `Published`. `timeout`: how long a full private queue
         holds the publish before `QueueFull` (None: at once)."""
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -45,8 +45,7 @@ def write_ready_file(path: str, info: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0,
-                 links: WorkerLinks | None = None) -> None:
+async def _serve(config: GatewayConfig, ready_file: str | None, worker: int = 0, links: WorkerLinks | None = None) -> None:
     running = await start_gateway(config, worker, links)
     generated = not config.server.admin_token
     if ready_file:
@@ -71,21 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML file of overrides over config/default.toml")
     serve.add_argument("--host", help="override server.host")
     serve.add_argument("--port", type=int, help="override server.port")
-    serve.add_argument("--ready-file", help="write the bound ports (and a generated admin token) here as JSON,"
-                       " mode 0600, once listening")
-    token = sub.add_parser("token", help="mint an HS256 token with auth.jwt_secret, iat and a random jti"
-                           " (development and tests)")
+    serve.add_argument(
+        "--ready-file", help="write the bound ports (and a generated admin token) here as JSON, mode 0600, once listening"
+    )
+    token = sub.add_parser("token", help="mint an HS256 token with auth.jwt_secret, iat and a random jti (development and tests)")
     token.add_argument("--sub", required=True, help="the user (the token's sub claim)")
-    token.add_argument("--subscribe", action="append", default=[], metavar="PATTERN",
-                       help="a topic pattern the user may subscribe to (repeat for more)")
-    token.add_argument("--publish", action="append", default=[], metavar="PATTERN",
-                       help="a topic pattern the user may publish to (repeat for more)")
+    token.add_argument(
+        "--subscribe",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="a topic pattern the user may subscribe to (repeat for more)",
+    )
+    token.add_argument(
+        "--publish",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="a topic pattern the user may publish to (repeat for more)",
+    )
     token.add_argument("--ttl", type=float, default=3600.0, metavar="SECONDS", help="lifetime (default 3600)")
     token.add_argument("--config", help="TOML file of overrides (for auth.jwt_secret and the rest)")
     check = sub.add_parser("check-config", help="check a config as `serve` would and print the values in force")
     check.add_argument("file", nargs="?", help="TOML file of overrides over config/default.toml")
-    receiver = sub.add_parser("trace-receiver", help="print the spans a gateway exports over OTLP/HTTP, one a line"
-                              " (development: docs/operations.md)")
+    receiver = sub.add_parser(
+        "trace-receiver", help="print the spans a gateway exports over OTLP/HTTP, one a line (development: docs/operations.md)"
+    )
     receiver.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     receiver.add_argument("--port", type=int, default=4318, help="the port to listen on (default 4318, OTLP/HTTP's)")
     return parser
@@ -140,8 +150,7 @@ def _check_config(path: str | None) -> int:
         return 2
     print(json.dumps(effective, indent=2))
     # the rules for a human: what a config's rules replaced is easy to miss in the JSON
-    print("gateway: topic rules in force (the first whose pattern matches a new topic's name creates it):",
-          file=sys.stderr)
+    print("gateway: topic rules in force (the first whose pattern matches a new topic's name creates it):", file=sys.stderr)
     print("\n".join(describe_rules(config)), file=sys.stderr)
     note = rules_note(config)
     if note:
@@ -170,8 +179,7 @@ def _tag_worker_logs(links: WorkerLinks | None) -> None:
         logformat.tag(links.index)
 
 
-def _serve_worker(config: GatewayConfig, ready_file: str | None, worker: int,
-                  links: WorkerLinks | None = None) -> int:
+def _serve_worker(config: GatewayConfig, ready_file: str | None, worker: int, links: WorkerLinks | None = None) -> int:
     """Run one gateway until it stops; the exit status: 2 when it could not start (a config the checks before
     the start could not see, the broker unreachable), else 0 (docs/cluster.md, "Failures")."""
     _tag_worker_logs(links)

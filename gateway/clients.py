@@ -47,9 +47,18 @@ LOGGED_KICKS = frozenset({"kicked", "disconnected", "token_revoked"})
 
 
 class ClientRegistry:
-    def __init__(self, config: GatewayConfig, scheduler: Scheduler, broker: Broker,
-                 conns: dict[Hashable, Connection], hooks: Hooks, *, tracing: Tracing = NO_TRACING,
-                 on_arrival: Callable[[], None] = lambda: None, on_departure: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        scheduler: Scheduler,
+        broker: Broker,
+        conns: dict[Hashable, Connection],
+        hooks: Hooks,
+        *,
+        tracing: Tracing = NO_TRACING,
+        on_arrival: Callable[[], None] = lambda: None,
+        on_departure: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
         self.scheduler = scheduler
         #: the scheduler's verbs on clients and subscriptions: the registry's only way to change the engine
@@ -69,8 +78,7 @@ class ClientRegistry:
         #: each on one wheel for all clients (a loop timer per connection held ~0.6 KiB)
         self.token_lifetimes = TokenLifetimes(config, hooks, conns, self.kick, self.send_error)
         idle = config.limits.idle_timeout_s
-        self._idle_timers: TimerWheel[Hashable, None] = TimerWheel(
-            self._idle_due, min(1.0, idle / 10) if idle > 0 else 1.0)
+        self._idle_timers: TimerWheel[Hashable, None] = TimerWheel(self._idle_due, min(1.0, idle / 10) if idle > 0 else 1.0)
         self._watchdog: asyncio.TimerHandle | None = None
         #: slow-consumer cuts: each counted (fanout_disconnects_total{reason="slow_consumer"}), 1 line/s logged, burst 5
         self.slow_log = RateLog(log, 1.0, 5)
@@ -102,8 +110,9 @@ class ClientRegistry:
         drained = 0
         for client_id in list(self.conns):
             retry_ms = random.randint(0, int(spread_s * 1000))
-            drained += self.kick(client_id, close_codes.SERVICE_RESTART, f"restarting: reconnect in {retry_ms} ms",
-                                 "drain", retry_ms)
+            drained += self.kick(
+                client_id, close_codes.SERVICE_RESTART, f"restarting: reconnect in {retry_ms} ms", "drain", retry_ms
+            )
         return drained
 
     # -- arrivals and departures ---------------------------------------------------------------------------
@@ -134,8 +143,12 @@ class ClientRegistry:
             return
         identity = conn.identity
         steps: tuple[Callable[[], None], ...] = (
-            lambda: self._forget_address_and_user(client_id, identity), lambda: self._leave_topics(client_id),
-            lambda: self._count_departure(identity, reason), self.on_departure, self.scheduler.space)
+            lambda: self._forget_address_and_user(client_id, identity),
+            lambda: self._leave_topics(client_id),
+            lambda: self._count_departure(identity, reason),
+            self.on_departure,
+            self.scheduler.space,
+        )
         for step in steps:
             try:
                 step()
@@ -173,16 +186,26 @@ class ClientRegistry:
         self.disconnects[(identity.transport, reason)] += 1
         self.hooks.disconnected(identity, reason)
 
-    def kick(self, client_id: Hashable, code: int, reason: str, metric_reason: str,
-             retry_ms: int | None = None) -> bool:
+    def kick(self, client_id: Hashable, code: int, reason: str, metric_reason: str, retry_ms: int | None = None) -> bool:
         conn = self.conns.get(client_id)
         if conn is None:
             return False
         conn.kick(code, reason, retry_ms)
         if metric_reason in LOGGED_KICKS:
-            log.info("kicked %s (%s): %s, close %d", client_id, metric_reason, reason, code,
-                     extra={"client": str(client_id), "user": conn.identity.user, "reason": metric_reason,
-                            "transport": conn.identity.transport, "code": code})
+            log.info(
+                "kicked %s (%s): %s, close %d",
+                client_id,
+                metric_reason,
+                reason,
+                code,
+                extra={
+                    "client": str(client_id),
+                    "user": conn.identity.user,
+                    "reason": metric_reason,
+                    "transport": conn.identity.transport,
+                    "code": code,
+                },
+            )
         self.unregister(client_id, metric_reason)
         return True
 
@@ -195,8 +218,9 @@ class ClientRegistry:
     def send_error(self, client_id: Hashable, exc: RequestError, request_id: object = None) -> None:
         self.membership.send_error(client_id, exc, request_id)
 
-    def reply_when_done(self, client_id: Hashable, request_id: Any, future: asyncio.Future[T],
-                        result: Callable[[T], Any], what: str) -> None:
+    def reply_when_done(
+        self, client_id: Hashable, request_id: Any, future: asyncio.Future[T], result: Callable[[T], Any], what: str
+    ) -> None:
         """Answer a command whose outcome is `future` (now, or when the broker answers): its `reply` with
         `result(value)`, or its error entry; nothing once the client is gone."""
 
@@ -293,5 +317,6 @@ class ClientRegistry:
         for (transport, reason), count in sorted(self.disconnects.items()):
             disconnects.add_metric([transport, reason], count)
         yield disconnects
-        yield CounterMetricFamily("fanout_auth_rate_limited", "token checks refused past auth.rate_per_ip",
-                                  value=self.tokens.per_address.refused)
+        yield CounterMetricFamily(
+            "fanout_auth_rate_limited", "token checks refused past auth.rate_per_ip", value=self.tokens.per_address.refused
+        )

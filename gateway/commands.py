@@ -46,13 +46,13 @@ RPC_TOPICS_MAX = 1000
 #: the rpc methods the gateway answers itself; others go to the backend's rpc hook when one is set
 BUILTIN_METHODS = frozenset(("echo", "time", "whoami", "topics"))
 #: the commands that name a topic: one waits while a hooked command of its connection on that topic is pending
-TOPIC_COMMANDS = (schema.Subscribe, schema.Unsubscribe, schema.Publish, schema.Ack, schema.Presence,
-                  schema.PresenceStats)
+TOPIC_COMMANDS = (schema.Subscribe, schema.Unsubscribe, schema.Publish, schema.Ack, schema.Presence, schema.PresenceStats)
 
 T = TypeVar("T")
 
 
 # -- running ---------------------------------------------------------------------------------------------------
+
 
 def handle(session: ClientSession, payload: bytes | str) -> int:
     """Run every command of one message of `session`'s client, as its protocol reads it (ours: JSON, one
@@ -115,8 +115,14 @@ def _run(session: ClientSession, command: schema.Command) -> None:
         _presence(session, command)
     elif isinstance(command, schema.Rpc):
         if services.hooks.answers_rpc and command.method not in BUILTIN_METHODS:
-            _ask_backend(session, "rpc", {"method": command.method, "params": command.params}, RpcAnswer,
-                         command.id, lambda answer: session.reply(command.id, answer.result))
+            _ask_backend(
+                session,
+                "rpc",
+                {"method": command.method, "params": command.params},
+                RpcAnswer,
+                command.id,
+                lambda answer: session.reply(command.id, answer.result),
+            )
             return
         session.reply(command.id, _rpc(session, command.method, command.params))
     else:  # schema.Ping: the union is closed
@@ -124,6 +130,7 @@ def _run(session: ClientSession, command: schema.Command) -> None:
 
 
 # -- checks ------------------------------------------------------------------------------------------------------
+
 
 def _topic_config(services: SessionServices, name: str) -> TopicConfig:
     config = services.topics.topic_config(name)
@@ -165,8 +172,7 @@ def _count_subscribe(session: ClientSession) -> None:
     if bucket is None:
         bucket = state.subscribe_bucket = TokenBucket(limits.subscribe_rate, limits.subscribe_burst)
     if not bucket.take():
-        raise RateLimited(f"subscribe/unsubscribe above {limits.subscribe_rate:g}/s on this connection"
-                          " (limits.subscribe_rate)")
+        raise RateLimited(f"subscribe/unsubscribe above {limits.subscribe_rate:g}/s on this connection (limits.subscribe_rate)")
 
 
 def _costly(session: ClientSession, what: str) -> None:
@@ -180,11 +186,11 @@ def _costly(session: ClientSession, what: str) -> None:
     if bucket is None:
         bucket = state.costly_bucket = TokenBucket(auth.rate_per_connection, auth.burst_per_connection)
     if not bucket.take():
-        raise RateLimited(f"`{what}` above {auth.rate_per_connection:g}/s on this connection"
-                          " (auth.rate_per_connection)")
+        raise RateLimited(f"`{what}` above {auth.rate_per_connection:g}/s on this connection (auth.rate_per_connection)")
 
 
 # -- the commands ------------------------------------------------------------------------------------------------
+
 
 def _subscribe(session: ClientSession, command: schema.Subscribe) -> None:
     services = session.services
@@ -202,8 +208,15 @@ def _subscribe(session: ClientSession, command: schema.Subscribe) -> None:
     delta = None if command.delta is None else True  # granted where the topic allows (`subscribed` says)
     if config.proxy_subscribe and services.hooks.asks_subscribe:
         asked = {"topic": name} if command.data is msgspec.UNSET else {"topic": name, "data": command.data}
-        _ask_backend(session, "subscribe", asked, Allowed, command.id,
-                     lambda _: _subscribe_now(session, name, since, command.id, ack, delta), topic=name)
+        _ask_backend(
+            session,
+            "subscribe",
+            asked,
+            Allowed,
+            command.id,
+            lambda _: _subscribe_now(session, name, since, command.id, ack, delta),
+            topic=name,
+        )
         return
     _subscribe_now(session, name, since, command.id, ack, delta)
 
@@ -216,10 +229,15 @@ def _choose_join_leave(session: ClientSession, name: str, declined: bool) -> Non
         services.members.decline_join_leave(client_id, name, declined, services.config.scheduler.max_subscriptions)
 
 
-def _subscribe_now(session: ClientSession, name: str, since: tuple[str, int] | None, request_id: Any,
-                   ack: bool = False, delta: bool | None = None) -> None:
-    session.services.catalog.subscribe(session.identity.client_id, name, since=since, request_id=request_id, ack=ack,
-                                       delta=delta)
+def _subscribe_now(
+    session: ClientSession,
+    name: str,
+    since: tuple[str, int] | None,
+    request_id: Any,
+    ack: bool = False,
+    delta: bool | None = None,
+) -> None:
+    session.services.catalog.subscribe(session.identity.client_id, name, since=since, request_id=request_id, ack=ack, delta=delta)
 
 
 def _ack(session: ClientSession, command: schema.Ack) -> None:
@@ -245,11 +263,12 @@ def _publish(session: ClientSession, command: schema.Publish) -> None:
     if not bucket.take():
         raise RateLimited(f"publish rate above {limits.publish_rate:g}/s")
     if config.proxy_publish and services.hooks.asks_publish:
+
         def publish(answer: PublishAnswer) -> None:
             data = command.data if answer.data is msgspec.UNSET else answer.data
             _publish_now(session, name, data, command.id)
-        _ask_backend(session, "publish", {"topic": name, "data": command.data}, PublishAnswer, command.id,
-                     publish, topic=name)
+
+        _ask_backend(session, "publish", {"topic": name, "data": command.data}, PublishAnswer, command.id, publish, topic=name)
         return
     _publish_now(session, name, command.data, command.id)
 
@@ -306,8 +325,17 @@ def _rpc(session: ClientSession, method: str, params: Any) -> Any:
 
 # -- hooked commands ---------------------------------------------------------------------------------------------
 
-def _ask_backend(session: ClientSession, hook: str, extra: dict[str, Any], answer: type[T], request_id: Any,
-                 then: Callable[[T], None], *, topic: str | None = None) -> None:
+
+def _ask_backend(
+    session: ClientSession,
+    hook: str,
+    extra: dict[str, Any],
+    answer: type[T],
+    request_id: Any,
+    then: Callable[[T], None],
+    *,
+    topic: str | None = None,
+) -> None:
     """A command that waits for a backend hook (gateway/hooks/base.py): `then(answer)` runs once the backend
     allowed it, if the client is still connected. A refusal is the command's `forbidden` error entry (rpc:
     `rpc_error`), no answer `backend_unavailable`. Answers of later commands may come first (match the ids),
@@ -368,8 +396,7 @@ def _hold(session: ClientSession) -> None:
     bound = session.services.config.proxy.max_calls_per_connection
     state = session.state
     if state.hook_calls >= bound:
-        raise TooManyCalls(f"{bound} commands of this connection already wait for the backend"
-                           " (proxy.max_calls_per_connection)")
+        raise TooManyCalls(f"{bound} commands of this connection already wait for the backend (proxy.max_calls_per_connection)")
     state.hook_calls += 1
 
 

@@ -407,12 +407,12 @@ def _env_overrides(environ: Mapping[str, str], sections: Mapping[str, Any]) -> d
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        rest = name[len(ENV_PREFIX):].lower()
+        rest = name[len(ENV_PREFIX) :].lower()
         section = _env_section(rest, sections)
         if section is None:
             ignored.append(name)
             continue
-        key = rest[len(section) + 1:]
+        key = rest[len(section) + 1 :]
         if section == TOPICS:
             raise ConfigError(
                 f"environment variable {name}: topics.rules is a list of tables and cannot be set from the"
@@ -439,7 +439,8 @@ def _env_overrides(environ: Mapping[str, str], sections: Mapping[str, Any]) -> d
     if ignored:
         log.warning(
             "ignoring environment variable(s) %s: not GATEWAY_<SECTION>_<KEY> of a config section (%s)",
-            ", ".join(sorted(ignored)), ", ".join(sections),
+            ", ".join(sorted(ignored)),
+            ", ".join(sections),
         )
     return out
 
@@ -454,8 +455,9 @@ def _check_jwks(auth: AuthConfig) -> None:
     if auth.jwks_refresh_min_s < 1:
         raise ConfigError(f"auth.jwks_refresh_min_s must be >= 1, not {auth.jwks_refresh_min_s}")
     if auth.jwks_cache_max_s < auth.jwks_refresh_min_s:
-        raise ConfigError(f"auth.jwks_cache_max_s ({auth.jwks_cache_max_s}) must be >= auth.jwks_refresh_min_s"
-                          f" ({auth.jwks_refresh_min_s})")
+        raise ConfigError(
+            f"auth.jwks_cache_max_s ({auth.jwks_cache_max_s}) must be >= auth.jwks_refresh_min_s ({auth.jwks_refresh_min_s})"
+        )
     url = auth.jwks_url
     if not url:
         return
@@ -501,8 +503,10 @@ def _check_tracing(tracing: TracingConfig) -> None:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"tracing.otlp_endpoint must be an http:// or https:// URL (or empty: off), not {url!r}")
         if not _tracing_installed():
-            raise ConfigError("tracing.otlp_endpoint is set, but OpenTelemetry (the tracing extra) is not installed: "
-                              "pip install 'fanout-gateway[tracing]' (in a checkout, `make setup` installs every extra)")
+            raise ConfigError(
+                "tracing.otlp_endpoint is set, but OpenTelemetry (the tracing extra) is not installed: "
+                "pip install 'fanout-gateway[tracing]' (in a checkout, `make setup` installs every extra)"
+            )
     if not tracing.service_name.strip():
         raise ConfigError("tracing.service_name must not be empty")
     if not 0 <= tracing.sample_rate <= 1:
@@ -513,12 +517,16 @@ def _check_centrifugo(centrifugo: CentrifugoConfig) -> None:
     """The Centrifugo server API's prefix: a path of its own, its methods appended as `PREFIX/publish`."""
     prefix = centrifugo.api_prefix
     if not prefix.startswith("/") or prefix.endswith("/") or any(c.isspace() or c in "?#{}" for c in prefix):
-        raise ConfigError(f'centrifugo.api_prefix must be a path such as "/api", starting with "/" and not ending'
-                          f" with one, without whitespace, ?, # or braces; not {prefix!r}")
+        raise ConfigError(
+            f'centrifugo.api_prefix must be a path such as "/api", starting with "/" and not ending'
+            f" with one, without whitespace, ?, # or braces; not {prefix!r}"
+        )
     path = centrifugo.path
     if not path.startswith("/") or path == "/ws" or any(c.isspace() or c in "?#" for c in path):
-        raise ConfigError(f'centrifugo.path must be a path such as "/connection/websocket", other than "/ws" and'
-                          f" without whitespace, ? or #; not {path!r}")
+        raise ConfigError(
+            f'centrifugo.path must be a path such as "/connection/websocket", other than "/ws" and'
+            f" without whitespace, ? or #; not {path!r}"
+        )
     for key in ("ping_interval_s", "pong_timeout_s", "connect_timeout_s"):
         if getattr(centrifugo, key) <= 0:
             raise ConfigError(f"centrifugo.{key} must be > 0")
@@ -553,15 +561,17 @@ def load_config(
         raise ConfigError(f"scheduler.write_coalesce_cycles must be >= 1, not {config.scheduler.write_coalesce_cycles}")
     if config.scheduler.write_coalesce_ms < 0:
         raise ConfigError(f"scheduler.write_coalesce_ms must be >= 0, not {config.scheduler.write_coalesce_ms}")
-    for key, value in (("limits.topic_create_rate", config.limits.topic_create_rate),
-                       ("limits.topic_create_burst", config.limits.topic_create_burst),
-                       ("limits.max_client_topics", config.limits.max_client_topics),
-                       ("limits.topic_history_ttl_s", config.limits.topic_history_ttl_s),
-                       ("limits.max_connections_per_user", config.limits.max_connections_per_user),
-                       ("auth.revocation_ttl_s", config.auth.revocation_ttl_s),
-                       ("broker.max_topics", config.broker.max_topics),
-                       ("broker.max_pending_bytes", config.broker.max_pending_bytes),
-                       ("proxy.max_pending_connects_per_ip", config.proxy.max_pending_connects_per_ip)):
+    for key, value in (
+        ("limits.topic_create_rate", config.limits.topic_create_rate),
+        ("limits.topic_create_burst", config.limits.topic_create_burst),
+        ("limits.max_client_topics", config.limits.max_client_topics),
+        ("limits.topic_history_ttl_s", config.limits.topic_history_ttl_s),
+        ("limits.max_connections_per_user", config.limits.max_connections_per_user),
+        ("auth.revocation_ttl_s", config.auth.revocation_ttl_s),
+        ("broker.max_topics", config.broker.max_topics),
+        ("broker.max_pending_bytes", config.broker.max_pending_bytes),
+        ("proxy.max_pending_connects_per_ip", config.proxy.max_pending_connects_per_ip),
+    ):
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, not {value}")
     if config.limits.subscribe_rate <= 0 or config.limits.subscribe_burst < 1:
@@ -575,8 +585,7 @@ def load_config(
         raise ConfigError("proxy: timeout_s must be > 0, max_concurrent and event_queue_max >= 1, event_retries >= 0")
     if proxy.event_queue_per_client < 1 or proxy.max_answer_bytes < 1:
         raise ConfigError("proxy: event_queue_per_client and max_answer_bytes must be >= 1")
-    for name in ("connect_url", "subscribe_url", "publish_url", "rpc_url", "refresh_url", "disconnect_url",
-                 "unsubscribe_url"):
+    for name in ("connect_url", "subscribe_url", "publish_url", "rpc_url", "refresh_url", "disconnect_url", "unsubscribe_url"):
         url = getattr(proxy, name)
         if url and not url.startswith(("http://", "https://")):
             raise ConfigError(f"proxy.{name} must be an http:// or https:// URL (or empty: hook off), not {url!r}")

@@ -37,9 +37,14 @@ class ControlCommands:
         if op == "kick":
             return {"kicked": self.clients.kick(str(command.get("client")), close_codes.KICKED, "kicked by admin", "kicked")}
         if op == "disconnect":
-            return {"disconnected": self.disconnect_user(str(command.get("user")), _text(command, "client"),
-                                                         frozenset(command.get("keep") or ()),
-                                                         _text(command, "reason") or "disconnected by admin")}
+            return {
+                "disconnected": self.disconnect_user(
+                    str(command.get("user")),
+                    _text(command, "client"),
+                    frozenset(command.get("keep") or ()),
+                    _text(command, "reason") or "disconnected by admin",
+                )
+            }
         if op in ("subscribe", "unsubscribe", "refresh"):
             return self._user_command(op, str(command.get("user")), command)
         if op == "revoke":
@@ -52,8 +57,9 @@ class ControlCommands:
             return {"clients": self.describe(limit), "total": len(self.clients.conns)}
         raise BadRequest(f"unknown control command {str(op)[:32]!r}")
 
-    def disconnect_user(self, user: str, client: str | None = None, keep: frozenset[str] = frozenset(),
-                        reason: str = "disconnected by admin") -> int:
+    def disconnect_user(
+        self, user: str, client: str | None = None, keep: frozenset[str] = frozenset(), reason: str = "disconnected by admin"
+    ) -> int:
         """Close every connection of `user` on this node (4005), or only `client`, or all but those in `keep`.
         Returns how many."""
         if client is None:
@@ -75,8 +81,9 @@ class ControlCommands:
         if op == "unsubscribe":
             return {"unsubscribed": self.users.unsubscribe(user, topic, client)}
         since = command.get("since")
-        if since is not None and not (isinstance(since, list) and len(since) == 2 and isinstance(since[0], str)
-                                      and isinstance(since[1], int)):
+        if since is not None and not (
+            isinstance(since, list) and len(since) == 2 and isinstance(since[0], str) and isinstance(since[1], int)
+        ):
             raise BadRequest("`since` must be [epoch, seq]")
         return {"subscribed": self.users.subscribe(user, topic, client, None if since is None else (since[0], since[1]))}
 
@@ -106,15 +113,17 @@ class ControlCommands:
             if len(clients) >= limit:
                 break
             client = self.topics.client(client_id)
-            clients.append({
-                "id": client.id,
-                "user": conn.identity.user,
-                "state": client.state.value,
-                "subscriptions": sorted(client.subs),
-                "direct_queued": client.queued(),
-                "active_handles": len(client.active),
-                **conn.describe(),
-            })
+            clients.append(
+                {
+                    "id": client.id,
+                    "user": conn.identity.user,
+                    "state": client.state.value,
+                    "subscriptions": sorted(client.subs),
+                    "direct_queued": client.queued(),
+                    "active_handles": len(client.active),
+                    **conn.describe(),
+                }
+            )
         return clients
 
 

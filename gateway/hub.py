@@ -51,9 +51,12 @@ class Hub:
         self.instance_id = instance_id or secrets.token_hex(4)
         conns: dict[Hashable, Connection] = {}
         # The registry is made after the scheduler (it uses it): a connection that broke is kicked through it.
-        self.scheduler = Scheduler(config, conns, instance_id=self.instance_id,
-                                   kick=lambda client_id, code, reason, metric: self.clients.kick(
-                                       client_id, code, reason, metric))
+        self.scheduler = Scheduler(
+            config,
+            conns,
+            instance_id=self.instance_id,
+            kick=lambda client_id, code, reason, metric: self.clients.kick(client_id, code, reason, metric),
+        )
         #: the engine, read-only: the scheduler is its only writer
         self.topics: TopicView = self.scheduler.topics
         self.gc = GcPolicy(config.server.gc_full_interval_s)
@@ -62,16 +65,28 @@ class Hub:
         self.creations = CreationBudget(config.limits, lambda: self.topics.topic_count)
         # The control commands and the stats feed are made after the broker (they use the registry, which
         # uses the broker): what the broker asks of them forwards.
-        self.broker: Broker = make_broker(config, self.scheduler.membership, self.creations, self.instance_id,
-                                          lambda command: self.control.run(command),
-                                          lambda watched: self.stats.node_summary(watched))
+        self.broker: Broker = make_broker(
+            config,
+            self.scheduler.membership,
+            self.creations,
+            self.instance_id,
+            lambda command: self.control.run(command),
+            lambda watched: self.stats.node_summary(watched),
+        )
         #: OpenTelemetry traces ([tracing], gateway/ops/tracing.py); a null object (nothing imported) when off
         self.tracing: Tracing = from_config(config.tracing, self.instance_id)
         #: the backend hooks (gateway/hooks/base.py): over HTTP ([proxy], gateway/hooks/backend.py), or `NoHooks` without a URL
-        self.hooks: Hooks = hooks_from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input,
-                                              self.tracing)
-        self.clients = ClientRegistry(config, self.scheduler, self.broker, conns, self.hooks, tracing=self.tracing,
-                                      on_arrival=self.gc.arrived, on_departure=self.gc.departed)
+        self.hooks: Hooks = hooks_from_config(config.proxy, config.scheduler.max_subscriptions, self.bad_input, self.tracing)
+        self.clients = ClientRegistry(
+            config,
+            self.scheduler,
+            self.broker,
+            conns,
+            self.hooks,
+            tracing=self.tracing,
+            on_arrival=self.gc.arrived,
+            on_departure=self.gc.departed,
+        )
         self.catalog = TopicCatalog(self.scheduler.membership, self.clients, self.broker, self.creations)
         self.control = ControlCommands(self.clients, self.topics, self.catalog)
         #: long-poll sessions and SSE streams by their secret, and what outlives them (session_store.py)
@@ -79,9 +94,19 @@ class Hub:
         #: all a client connection reaches of the gateway (gateway/session_services.py): no part under the
         #: session (commands, client protocols, transports) holds the hub
         self.services = SessionServices(
-            config=config, clients=self.clients, catalog=self.catalog, hooks=self.hooks, topics=self.topics,
-            presence=self.broker.presence, members=self.scheduler.presence, scheduler=self.scheduler,
-            sessions=self.sessions, tracing=self.tracing, bad_input=self.bad_input, commands=commands)
+            config=config,
+            clients=self.clients,
+            catalog=self.catalog,
+            hooks=self.hooks,
+            topics=self.topics,
+            presence=self.broker.presence,
+            members=self.scheduler.presence,
+            scheduler=self.scheduler,
+            sessions=self.sessions,
+            tracing=self.tracing,
+            bad_input=self.bad_input,
+            commands=commands,
+        )
         self.raw: RawBroadcastServer | None = None  # the raw TCP broadcaster, when enabled (`attach_raw`)
         self.limiter: ConnectionLimiter | None = None  # the HTTP port's accounting, once it listens
         #: called when the server shuts down, after the clients were closed: streams that are not clients
@@ -93,8 +118,16 @@ class Hub:
         #: what GET /readyz answers (gateway/ops/readiness.py): set started and draining by gateway/server.py
         self.readiness = Readiness(lambda: self.broker.healthy)
         self.metrics = Metrics()
-        for collect in (lambda: engine_families(self.topics), loop_families, self.scheduler.collect, self.clients.collect,
-                        self.creations.collect, self.broker.collect, self.gc.collect, self.bad_input.collect):
+        for collect in (
+            lambda: engine_families(self.topics),
+            loop_families,
+            self.scheduler.collect,
+            self.clients.collect,
+            self.creations.collect,
+            self.broker.collect,
+            self.gc.collect,
+            self.bad_input.collect,
+        ):
             self.metrics.add(collect)
         self.metrics.add(self.readiness.collect)
         self.metrics.add(self.hooks.collect)
@@ -108,8 +141,7 @@ class Hub:
     def attach_raw(self, raw: RawBroadcastServer) -> None:
         """The raw TCP broadcaster runs beside the hub: the admin API and /metrics show it."""
         self.raw = raw
-        self.metrics.add(lambda: stats_families("fanout_raw_", "raw TCP broadcaster (docs/design/byte-ring.md §8)",
-                                                raw.stats()))
+        self.metrics.add(lambda: stats_families("fanout_raw_", "raw TCP broadcaster (docs/design/byte-ring.md §8)", raw.stats()))
 
     def attach_limiter(self, limiter: ConnectionLimiter) -> None:
         """The HTTP port's connection accounting, once the server listens (/metrics)."""

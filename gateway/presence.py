@@ -158,8 +158,14 @@ class Presence:
     """The scheduler's presence tracking: joins and leaves to the broker's store, join/leave entries to the
     topic's local subscribers, coalesced per cycle."""
 
-    def __init__(self, topics: TopicView, send: Callable[[Hashable, bytes], None],
-                 kick_overflowed: Callable[[Hashable], None], max_members: int, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        topics: TopicView,
+        send: Callable[[Hashable, bytes], None],
+        kick_overflowed: Callable[[Hashable], None],
+        max_members: int,
+        wake: Callable[[], None],
+    ) -> None:
         self.topics = topics
         #: queue one direct entry for a client (the engine's own, raising `DirectQueueFull`: no wake-up per
         #: entry, the flush runs just before a cycle)
@@ -285,8 +291,10 @@ class Presence:
             if len(now_sent) > MAX_CHANGES_PER_FLUSH:
                 later += [(topic, kind, member) for _, (kind, member) in now_sent[MAX_CHANGES_PER_FLUSH:]]
                 now_sent = now_sent[:MAX_CHANGES_PER_FLUSH]
-            entries = [(client, (encode_join if kind == "join" else encode_leave)(topic, member.user, client))
-                       for client, (kind, member) in now_sent]
+            entries = [
+                (client, (encode_join if kind == "join" else encode_leave)(topic, member.user, client))
+                for client, (kind, member) in now_sent
+            ]
             for sub in t.subs:
                 client_id = sub.client.id
                 if client_id in overflowed:

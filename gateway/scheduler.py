@@ -78,6 +78,7 @@ class Connection(Protocol):
     @property
     def session(self) -> OwningSession:
         """Its client's session: the registry reads its idle clock and renews its identity."""
+
     #: when its last write stopped draining (monotonic), None while it drains: the watchdog's input
     blocked_since: float | None
 
@@ -163,8 +164,9 @@ class CrowdsSent:
 
 
 class Scheduler:
-    def __init__(self, config: GatewayConfig, conns: Mapping[Hashable, Connection], *, kick: Kick,
-                 instance_id: str = "0") -> None:
+    def __init__(
+        self, config: GatewayConfig, conns: Mapping[Hashable, Connection], *, kick: Kick, instance_id: str = "0"
+    ) -> None:
         self.config = config
         self.engine = Engine(config.engine_config(), instance_id=instance_id)
         #: the engine for everyone else: read-only (changes go through `membership` or the verbs below)
@@ -200,9 +202,11 @@ class Scheduler:
         self._space_waiters: dict[tuple[str, Hashable], list[asyncio.Future[None]]] = {}
         #: the sampled delivery log ([deliverylog], gateway/ops/deliverylog.py), when enabled: its writer thread
         #: ends with the scheduler's task
-        self.delivery_log = (DeliveryLog(config.deliverylog, instance_id,
-                                         lambda: self._task is not None and self._task.done())
-                             if config.deliverylog.enabled else None)
+        self.delivery_log = (
+            DeliveryLog(config.deliverylog, instance_id, lambda: self._task is not None and self._task.done())
+            if config.deliverylog.enabled
+            else None
+        )
         #: rounds run, and write calls of staged data (`/metrics`: batches written / writes = what rounds save)
         self.rounds = 0
         self.staged_writes = 0
@@ -550,8 +554,9 @@ class Scheduler:
             end = start + CROWD_SLICE
             self._submit(tokens[start:end], data, sinks, start, handles[start:end])
 
-    def _submit(self, fds: list[int], data: bytes, members: list[DirectWritable] | list[Sink], offset: int,
-                transports: list[Any] | None) -> None:
+    def _submit(
+        self, fds: list[int], data: bytes, members: list[DirectWritable] | list[Sink], offset: int, transports: list[Any] | None
+    ) -> None:
         sent = self._sent
         sent.starts.append(sent.count)
         sent.wires.append(data)
@@ -598,18 +603,28 @@ class Scheduler:
 
     def collect(self) -> Iterator[Metric]:
         """The scheduler's families for /metrics."""
-        yield CounterMetricFamily("fanout_rounds", "scheduler rounds (cycles written together,"
-                                  " gateway/transports/staging.py)", value=self.rounds)
-        yield CounterMetricFamily("fanout_staged_writes", "write calls of staged batches (WebSocket, SSE)",
-                                  value=self.staged_writes)
-        yield CounterMetricFamily("fanout_direct_writes", "frames written to a caught-up client's socket together"
-                                  " with other clients' (gateway/fanwrite.py)", value=self.direct_writes)
-        yield CounterMetricFamily("fanout_direct_write_shortfalls", "direct writes a socket did not take whole"
-                                  " (the rest went through its transport)", value=self.direct_shortfalls)
-        yield CounterMetricFamily("fanout_gathered_writes", "of the direct writes, those to clients the engine"
-                                  " gathered into crowds (no per-client work in Python)", value=self.gathered_writes)
-        yield GaugeMetricFamily("fanout_write_blocked_clients", "clients whose write has not drained",
-                                value=len(self.blocked))
+        yield CounterMetricFamily(
+            "fanout_rounds", "scheduler rounds (cycles written together, gateway/transports/staging.py)", value=self.rounds
+        )
+        yield CounterMetricFamily(
+            "fanout_staged_writes", "write calls of staged batches (WebSocket, SSE)", value=self.staged_writes
+        )
+        yield CounterMetricFamily(
+            "fanout_direct_writes",
+            "frames written to a caught-up client's socket together with other clients' (gateway/fanwrite.py)",
+            value=self.direct_writes,
+        )
+        yield CounterMetricFamily(
+            "fanout_direct_write_shortfalls",
+            "direct writes a socket did not take whole (the rest went through its transport)",
+            value=self.direct_shortfalls,
+        )
+        yield CounterMetricFamily(
+            "fanout_gathered_writes",
+            "of the direct writes, those to clients the engine gathered into crowds (no per-client work in Python)",
+            value=self.gathered_writes,
+        )
+        yield GaugeMetricFamily("fanout_write_blocked_clients", "clients whose write has not drained", value=len(self.blocked))
         yield self.cycle_seconds.family("fanout_cycle_duration_seconds", "run_cycle plus hand-off time")
         yield self.entries_per_batch.family("fanout_entries_per_batch", "entries per batch written")
 
@@ -626,8 +641,13 @@ class Membership:
         self.topics: TopicView = scheduler.engine
         self.conns = scheduler.conns
         #: presence members of topics with `presence` (gateway/presence.py); the broker gives it its store
-        self.presence = Presence(self.topics, self.engine.send_direct, self._direct_overflowed,
-                                 scheduler.config.limits.presence_max_members, scheduler._presence_noted)
+        self.presence = Presence(
+            self.topics,
+            self.engine.send_direct,
+            self._direct_overflowed,
+            scheduler.config.limits.presence_max_members,
+            scheduler._presence_noted,
+        )
 
     def attach_broker(self, presence: PresenceStore, commits: Commits | None) -> None:
         """The broker, once, as it is made: where presence members are kept, and where private queues'
@@ -725,17 +745,33 @@ class Membership:
         self.scheduler.wake()
         return True
 
-    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  queue_start: tuple[str, int] | None = None, ack: bool = False, delta: bool | None = None) -> None:
+    def subscribe(
+        self,
+        client_id: str,
+        topic: str,
+        *,
+        since: tuple[str, int] | None = None,
+        request_id: Any = None,
+        queue_start: tuple[str, int] | None = None,
+        ack: bool = False,
+        delta: bool | None = None,
+    ) -> None:
         """The engine's subscribe (raises its errors), then the client joins the topic's presence: the one
         place a shared-topic subscription is made."""
-        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start, ack=ack,
-                              delta=delta)
+        self.engine.subscribe(client_id, topic, since=since, request_id=request_id, queue_start=queue_start, ack=ack, delta=delta)
         self.presence.joined(client_id, topic)
         self.scheduler.wake()
 
-    def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-               queue_start: tuple[str, int] | None = None, delta: bool | None = None) -> None:
+    def joined(
+        self,
+        client_id: str,
+        topic: str,
+        *,
+        since: tuple[str, int] | None = None,
+        request_id: Any = None,
+        queue_start: tuple[str, int] | None = None,
+        delta: bool | None = None,
+    ) -> None:
         if client_id not in self.conns:
             return
         try:
@@ -771,8 +807,9 @@ class Membership:
         """The local topic, created on first use by its rule (raises the rule's errors: unknown topic)."""
         self.engine.resolve(topic)
 
-    def create_topic(self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None,
-                     start: int = 0) -> dict[str, Any]:
+    def create_topic(
+        self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None, start: int = 0
+    ) -> dict[str, Any]:
         """A new local topic (raises `TopicExists`, `TooManyTopics`); `epoch` and `start`: a broker's stream
         (docs/cluster.md §3). Returns its INFO."""
         info: dict[str, Any] = self.engine.create_topic(name, config, epoch=epoch, start=start).info()
@@ -802,8 +839,13 @@ class Membership:
         if client.queued() >= config.direct_queue_max:
             return 0
         held = client.direct_bytes
-        return max(0, min(config.direct_queue_max_bytes - held,
-                          max(config.direct_total_max_bytes - engine.direct_bytes, client.budget - held)))
+        return max(
+            0,
+            min(
+                config.direct_queue_max_bytes - held,
+                max(config.direct_total_max_bytes - engine.direct_bytes, client.budget - held),
+            ),
+        )
 
     def _direct_overflowed(self, client_id: Hashable) -> None:
         self.scheduler.kick(client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", "direct_queue_full")

@@ -49,6 +49,7 @@ class _Wire(Struct, forbid_unknown_fields=True, frozen=True):
 
 # -- commands (WebSocket frames, long-poll bodies) ------------------------------------------------------
 
+
 class Since(_Wire, frozen=True):
     epoch: str
     seq: int
@@ -121,6 +122,7 @@ MAX_COMMANDS_PER_FRAME = 100
 
 
 # -- TCP ingest records ---------------------------------------------------------------------------------
+
 
 class PublishRecord(_Wire, frozen=True):
     topic: TopicName
@@ -225,8 +227,9 @@ class RevokeBody(_Wire, frozen=True):
         if self.jti is not UNSET and self.issued_before is not UNSET:
             raise BadRequest("`issued_before` goes with `user`")
         if self.user is not UNSET and self.expires_at is not UNSET:
-            raise BadRequest("`expires_at` goes with `jti` (a user's revocation lasts auth.revocation_ttl_s"
-                             " after `issued_before`)")
+            raise BadRequest(
+                "`expires_at` goes with `jti` (a user's revocation lasts auth.revocation_ttl_s after `issued_before`)"
+            )
 
 
 class UserDisconnected(_Wire, frozen=True):
@@ -252,6 +255,7 @@ class ErrorBody(_Wire, frozen=True):
 # -- entries (server -> client) -------------------------------------------------------------------------
 # The core encodes entries itself, once each (core/entries.py, orjson: the hot path); these declare their
 # shape, and the tests decode everything the gateway emits with them, strictly.
+
 
 class _Entry(Struct, forbid_unknown_fields=True, frozen=True, tag_field="type"):
     """Base of the entries: the `type` field tells which."""
@@ -320,13 +324,22 @@ class LeaveEntry(_Entry, frozen=True, tag="leave"):
     client: str
 
 
-Entry = Union[MsgEntry, LossEntry, SubscribedEntry, UnsubscribedEntry, ReplyEntry, ErrorEntry, ClosedEntry, JoinEntry,
-              LeaveEntry]
-ENTRIES: tuple[type[Struct], ...] = (MsgEntry, LossEntry, SubscribedEntry, UnsubscribedEntry, ReplyEntry, ErrorEntry,
-                                     ClosedEntry, JoinEntry, LeaveEntry)
+Entry = Union[MsgEntry, LossEntry, SubscribedEntry, UnsubscribedEntry, ReplyEntry, ErrorEntry, ClosedEntry, JoinEntry, LeaveEntry]
+ENTRIES: tuple[type[Struct], ...] = (
+    MsgEntry,
+    LossEntry,
+    SubscribedEntry,
+    UnsubscribedEntry,
+    ReplyEntry,
+    ErrorEntry,
+    ClosedEntry,
+    JoinEntry,
+    LeaveEntry,
+)
 
 
 # -- conversion -----------------------------------------------------------------------------------------
+
 
 def _convert(value: Any, kind: Any, error: type[RequestError]) -> Any:
     try:
@@ -373,8 +386,11 @@ def request_id_of(value: Any) -> Any:
     if isinstance(value, dict):
         request_id = value.get("id")
         kind = type(request_id)
-        if request_id is None or (kind is int and -(2**53 - 1) <= request_id <= 2**53 - 1) or (
-                kind is str and len(request_id) <= MAX_REQUEST_ID_CHARS):
+        if (
+            request_id is None
+            or (kind is int and -(2**53 - 1) <= request_id <= 2**53 - 1)
+            or (kind is str and len(request_id) <= MAX_REQUEST_ID_CHARS)
+        ):
             return request_id  # valid as it is (what the conversion below would say, without its ~1.3 us)
         try:
             return msgspec.convert(request_id, RequestId, strict=True)

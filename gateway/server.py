@@ -62,8 +62,7 @@ def check_listener_tokens(config: GatewayConfig) -> None:
         cfg = getattr(config, section)
         if cfg.enabled and not cfg.token and not _is_loopback(cfg.host):
             raise ConfigError(
-                f"refusing to bind {what} on {cfg.host} without {section}.token: set it"
-                f" (or GATEWAY_{section.upper()}_TOKEN)"
+                f"refusing to bind {what} on {cfg.host} without {section}.token: set it (or GATEWAY_{section.upper()}_TOKEN)"
             )
 
 
@@ -73,8 +72,12 @@ class ListenError(ConfigError):
 
 
 #: the listening ports: (section, key, what listens there)
-LISTENERS = (("server", "port", "HTTP"), ("ingest", "port", "TCP ingest"), ("rawtcp", "sender_port", "raw TCP senders"),
-             ("rawtcp", "receiver_port", "raw TCP receivers"))
+LISTENERS = (
+    ("server", "port", "HTTP"),
+    ("ingest", "port", "TCP ingest"),
+    ("rawtcp", "sender_port", "raw TCP senders"),
+    ("rawtcp", "receiver_port", "raw TCP receivers"),
+)
 
 
 def listen_error(exc: OSError, section: str, key: str, host: str, port: int) -> ListenError:
@@ -84,8 +87,9 @@ def listen_error(exc: OSError, section: str, key: str, host: str, port: int) -> 
     if (section, key) == ("server", "port"):
         where += " or serve --port"
     if exc.errno == errno.EADDRINUSE:
-        return ListenError(f"port {port} ({what}: {where}) is in use on {host} by another process: stop it, or"
-                           " choose another port")
+        return ListenError(
+            f"port {port} ({what}: {where}) is in use on {host} by another process: stop it, or choose another port"
+        )
     return ListenError(f"cannot listen on {host}:{port} ({what}: {section}.host, {where}): {exc.strerror or exc}")
 
 
@@ -178,8 +182,13 @@ class GatewayServer(uvicorn.Server):
             ingest = asyncio.get_running_loop().create_task(self.ingest.drain(cfg.drain_timeout_s))
         clients = len(self.hub.clients.conns)
         pending = self.hub.drain(cfg.drain_spread_s)
-        log.info("draining: %d clients told to reconnect (1012) within %g s; waiting up to %g s",
-                 clients, cfg.drain_spread_s, cfg.drain_timeout_s, extra={"clients": clients})
+        log.info(
+            "draining: %d clients told to reconnect (1012) within %g s; waiting up to %g s",
+            clients,
+            cfg.drain_spread_s,
+            cfg.drain_timeout_s,
+            extra={"clients": clients},
+        )
         closed = self.hub.sessions.closed
         while pending and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
@@ -201,18 +210,28 @@ class GatewayServer(uvicorn.Server):
             ingest.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ingest
-        self.drain_report = {"seconds": time.monotonic() - started, "clients": clients,
-                             "connections_left": len(connections), "longpoll_unfetched": len(pending)}
-        log.info("drained in %.2f s: %d connections left (closed now), %d long-poll bodies not fetched",
-                 self.drain_report["seconds"], len(connections), len(pending), extra=self.drain_report)
+        self.drain_report = {
+            "seconds": time.monotonic() - started,
+            "clients": clients,
+            "connections_left": len(connections),
+            "longpoll_unfetched": len(pending),
+        }
+        log.info(
+            "drained in %.2f s: %d connections left (closed now), %d long-poll bodies not fetched",
+            self.drain_report["seconds"],
+            len(connections),
+            len(pending),
+            extra=self.drain_report,
+        )
 
     async def _announce_drain(self, delay_s: float) -> None:
         """Keep serving `server.drain_delay_s` with /readyz answering 503 `draining`, so a load balancer or
         Kubernetes stops sending new clients before the port closes (docs/operations.md)."""
         if delay_s <= 0:
             return
-        log.info("draining: /readyz answers 503 draining; serving %g s more before the drain", delay_s,
-                 extra={"reason": "draining"})
+        log.info(
+            "draining: /readyz answers 503 draining; serving %g s more before the drain", delay_s, extra={"reason": "draining"}
+        )
         deadline = time.monotonic() + delay_s
         while time.monotonic() < deadline and not self.force_exit:  # a second SIGINT: no more waiting
             await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -267,9 +286,14 @@ def raise_open_files_limit(max_connections: int, workers: int = 1) -> None:
     sockets = max_connections * (3 if workers > 1 else 1)
     if max_connections and soft != resource.RLIM_INFINITY and soft < sockets + FD_RESERVE:
         what = "server.max_connections" if workers == 1 else "3 x server.max_connections (forwards between workers)"
-        log.warning("open-files limit %d is below %s + %d (%d): descriptors run out first;"
-                    " raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower server.max_connections",
-                    soft, what, FD_RESERVE, sockets + FD_RESERVE)
+        log.warning(
+            "open-files limit %d is below %s + %d (%d): descriptors run out first;"
+            " raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower server.max_connections",
+            soft,
+            what,
+            FD_RESERVE,
+            sockets + FD_RESERVE,
+        )
 
 
 @dataclass
@@ -354,13 +378,22 @@ async def _bind_listeners(running: RunningGateway, worker: int, shared: bool) ->
         from .transports.rawtcp import RawBroadcastServer
 
         r = config.rawtcp
-        raw = RawBroadcastServer(ByteRingConfig(
-            capacity_bytes=r.capacity_bytes, soft_lag_bytes=r.soft_lag_bytes, hard_lag_bytes=r.hard_lag_bytes,
-            kick_grace_ms=r.kick_grace_ms, pause_watermark_pct=r.pause_watermark_pct,
-            resume_watermark_pct=r.resume_watermark_pct, recv_chunk_bytes=r.recv_chunk_bytes,
-            max_receivers=r.max_receivers,
-        ), token=r.token, handshake_timeout=config.server.header_timeout_s,
-            sender_idle_timeout=r.sender_idle_timeout_s, bad_input=hub.bad_input)
+        raw = RawBroadcastServer(
+            ByteRingConfig(
+                capacity_bytes=r.capacity_bytes,
+                soft_lag_bytes=r.soft_lag_bytes,
+                hard_lag_bytes=r.hard_lag_bytes,
+                kick_grace_ms=r.kick_grace_ms,
+                pause_watermark_pct=r.pause_watermark_pct,
+                resume_watermark_pct=r.resume_watermark_pct,
+                recv_chunk_bytes=r.recv_chunk_bytes,
+                max_receivers=r.max_receivers,
+            ),
+            token=r.token,
+            handshake_timeout=config.server.header_timeout_s,
+            sender_idle_timeout=r.sender_idle_timeout_s,
+            bad_input=hub.bad_input,
+        )
         try:
             await raw.start(r.host, r.sender_port, r.receiver_port)
         except OSError as exc:
@@ -380,8 +413,14 @@ async def _bind_listeners(running: RunningGateway, worker: int, shared: bool) ->
     return sock
 
 
-async def _serve_http(running: RunningGateway, sock: socket.socket, worker: int, links: WorkerLinks | None,
-                      hosts: HostPolicy, tls: tuple[str, str] | None) -> RunningGateway:
+async def _serve_http(
+    running: RunningGateway,
+    sock: socket.socket,
+    worker: int,
+    links: WorkerLinks | None,
+    hosts: HostPolicy,
+    tls: tuple[str, str] | None,
+) -> RunningGateway:
     """Serve the app on the bound HTTP socket (uvicorn); returns once it has started."""
     config, hub, token = running.config, running.hub, running.admin_token
     server_cfg = config.server
@@ -393,18 +432,23 @@ async def _serve_http(running: RunningGateway, sock: socket.socket, worker: int,
         # the token buckets keyed by address too: one bucket per address across the workers
         limits = config.limits
         hub.creations.rates = links.counts.rate("topic_create", limits.topic_create_rate, limits.topic_create_burst)
-        hub.clients.tokens.per_address.rates = links.counts.rate("token_check", config.auth.rate_per_ip,
-                                                          config.auth.burst_per_ip)
+        hub.clients.tokens.per_address.rates = links.counts.rate("token_check", config.auth.rate_per_ip, config.auth.burst_per_ip)
     hub.attach_limiter(limiter)
     hub.metrics.add(ws_counters.collect)
     hub.metrics.add(ingest_counters.collect)
     uv_config = uvicorn.Config(
         build_app(hub, token, links),
-        http=http_protocol_class(limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes,
-                                 server_cfg.max_headers, hosts),
+        http=http_protocol_class(
+            limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes, server_cfg.max_headers, hosts
+        ),
         # our WebSocket protocol (gateway/transports/ws.py) takes every upgrade request
-        ws=protocol_class(hub.services, limiter, OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins)), hub.bad_input,
-                          centrifugo_endpoint(hub.services)),
+        ws=protocol_class(
+            hub.services,
+            limiter,
+            OriginPolicy(parse_allowed_origins(server_cfg.allowed_origins)),
+            hub.bad_input,
+            centrifugo_endpoint(hub.services),
+        ),
         lifespan="off",
         # X-Forwarded-For is not believed (uvicorn would from loopback peers): every per-address limit
         # counts the peer's own address, on every transport alike (docs/security.md, In production)
@@ -423,9 +467,17 @@ async def _serve_http(running: RunningGateway, sock: socket.socket, worker: int,
     running.server.ingest = running.ingest
     if links is not None:
         internal_limiter = ConnectionLimiter(server_cfg.max_connections or MAX_FORWARDS_UNLIMITED, 0, hub.bad_input)
-        running.server.internal = (links.inbox, http_protocol_class(
-            internal_limiter, server_cfg.header_timeout_s, server_cfg.max_header_bytes, server_cfg.max_headers,
-            hosts, internal=True))
+        running.server.internal = (
+            links.inbox,
+            http_protocol_class(
+                internal_limiter,
+                server_cfg.header_timeout_s,
+                server_cfg.max_header_bytes,
+                server_cfg.max_headers,
+                hosts,
+                internal=True,
+            ),
+        )
     running.task = asyncio.get_running_loop().create_task(running.server.serve(sockets=[sock]))
     while not running.server.started:
         if running.task.done():
@@ -434,6 +486,7 @@ async def _serve_http(running: RunningGateway, sock: socket.socket, worker: int,
         await asyncio.sleep(0.01)
     hub.readiness.started = True
     host = server_cfg.host
-    log.info("gateway on %s://%s:%d (WebSocket /ws, long-poll /lp, admin /api)", "https" if tls else "http", host,
-             running.http_port)
+    log.info(
+        "gateway on %s://%s:%d (WebSocket /ws, long-poll /lp, admin /api)", "https" if tls else "http", host, running.http_port
+    )
     return running

@@ -73,8 +73,7 @@ class SessionState:
     """What a connection spends and holds while it lives, written by its commands (gateway/commands.py)
     and read by the registry's idle check; its `ClientIdentity` says only who it is."""
 
-    __slots__ = ("publish_bucket", "subscribe_bucket", "costly_bucket", "hook_calls", "waiting", "last_command",
-                 "granted")
+    __slots__ = ("publish_bucket", "subscribe_bucket", "costly_bucket", "hook_calls", "waiting", "last_command", "granted")
 
     def __init__(self) -> None:
         #: client publishes (limits.publish_rate / publish_burst); made on first publish
@@ -102,8 +101,7 @@ class ClientSession:
 
     __slots__ = ("identity", "state", "connection", "services", "protocol", "_admission")
 
-    def __init__(self, services: SessionServices, admission: Admission,
-                 protocol: ClientProtocol = JSON_PROTOCOL) -> None:
+    def __init__(self, services: SessionServices, admission: Admission, protocol: ClientProtocol = JSON_PROTOCOL) -> None:
         self.services = services
         self._admission: Admission | None = admission
         self.identity: ClientIdentity = admission.identity
@@ -126,15 +124,22 @@ class ClientSession:
     # -- the open ------------------------------------------------------------------------------------------
 
     @classmethod
-    def begin(cls, services: SessionServices, transport: str, peer: tuple[str, int] | None, *,
-              token: str | None = None, authorization: str | None = None, requested_id: str | None = None,
-              protocol: ClientProtocol = JSON_PROTOCOL) -> ClientSession:
+    def begin(
+        cls,
+        services: SessionServices,
+        transport: str,
+        peer: tuple[str, int] | None,
+        *,
+        token: str | None = None,
+        authorization: str | None = None,
+        requested_id: str | None = None,
+        protocol: ClientProtocol = JSON_PROTOCOL,
+    ) -> ClientSession:
         """The handshake of a new client of `transport` ("ws", "sse", "longpoll", "centrifugo") from `peer`:
         its bounds, `requested_id` (any `?id=` is refused), the token of the query or of an `Authorization`
         header. Raises the refusal (`RequestError`, gateway/admission.py's table); the session holds the
         client's places in its bounds until `open` or `gone`."""
-        admission = admit(services, transport, peer, token=token, authorization=authorization,
-                          requested_id=requested_id)
+        admission = admit(services, transport, peer, token=token, authorization=authorization, requested_id=requested_id)
         return cls(services, admission, protocol)
 
     @property
@@ -240,13 +245,11 @@ class ClientSession:
         """The error entry of a refused request; a client that does not read its replies (its direct queue
         full) is closed instead."""
         if isinstance(exc, DirectQueueFull):
-            self.services.clients.kick(self.identity.client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow",
-                                       exc.code)
+            self.services.clients.kick(self.identity.client_id, close_codes.DIRECT_OVERFLOW, "direct queue overflow", exc.code)
         else:
             self.services.clients.send_error(self.identity.client_id, exc, request_id)
 
-    def reply_when_done(self, request_id: Any, future: asyncio.Future[T], result: Callable[[T], Any],
-                        what: str) -> None:
+    def reply_when_done(self, request_id: Any, future: asyncio.Future[T], result: Callable[[T], Any], what: str) -> None:
         """The reply of a request whose outcome is `future` (now, or when the broker answers)."""
         self.services.clients.reply_when_done(self.identity.client_id, request_id, future, result, what)
 

@@ -25,12 +25,37 @@ if TYPE_CHECKING:
 class SessionServices:
     """The one door from a connection to the gateway (module docstring). One per hub; read-only after."""
 
-    __slots__ = ("config", "clients", "catalog", "hooks", "topics", "presence", "members", "scheduler", "sessions",
-                 "tracing", "bad_input", "commands")
+    __slots__ = (
+        "config",
+        "clients",
+        "catalog",
+        "hooks",
+        "topics",
+        "presence",
+        "members",
+        "scheduler",
+        "sessions",
+        "tracing",
+        "bad_input",
+        "commands",
+    )
 
-    def __init__(self, *, config: GatewayConfig, clients: ClientRegistry, catalog: TopicCatalog, hooks: Hooks,
-                 topics: TopicView, presence: PresenceStore, members: Presence, scheduler: Scheduler,
-                 sessions: SessionStore, tracing: Tracing, bad_input: BadInputLog, commands: CommandRunner) -> None:
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        clients: ClientRegistry,
+        catalog: TopicCatalog,
+        hooks: Hooks,
+        topics: TopicView,
+        presence: PresenceStore,
+        members: Presence,
+        scheduler: Scheduler,
+        sessions: SessionStore,
+        tracing: Tracing,
+        bad_input: BadInputLog,
+        commands: CommandRunner,
+    ) -> None:
         self.config = config
         #: the registry: registration, kicks, the direct queue, tokens, the per-address counts
         self.clients = clients

@@ -159,10 +159,18 @@ def _node_summary(now_s: float, dt: float | None, totals: dict[str, Any], client
     """This node's compact summary of a sample, for the other nodes' streams (`StatsFeed.node_summary`)."""
     shares, receiving = clients.shares, clients.receiving
     return {
-        "time": now_s, "dt": _rounded(dt, 4), "totals": totals,
-        "fairness": {"clients": len(shares), "share_sum": sum(shares), "share_sq": sum(x * x for x in shares),
-                     "share_min": min(shares) if shares else None, "receiving": len(receiving),
-                     "min": min(receiving) if receiving else None, "max": max(receiving) if receiving else None},
+        "time": now_s,
+        "dt": _rounded(dt, 4),
+        "totals": totals,
+        "fairness": {
+            "clients": len(shares),
+            "share_sum": sum(shares),
+            "share_sq": sum(x * x for x in shares),
+            "share_min": min(shares) if shares else None,
+            "receiving": len(receiving),
+            "min": min(receiving) if receiving else None,
+            "max": max(receiving) if receiving else None,
+        },
         "clients": clients.rows[:NODE_TOP],
     }
 
@@ -316,8 +324,11 @@ class StatsFeed:
             "fairness": _fairness(clients),
             "topics": topics,
             "clients": clients.rows,
-            "others": {"topics": topics_seen - len(topics), "clients": clients.seen - len(clients.rows),
-                       "rate": round(clients.total_rate - clients.listed_rate, 3) if dt else None},
+            "others": {
+                "topics": topics_seen - len(topics),
+                "clients": clients.seen - len(clients.rows),
+                "rate": round(clients.total_rate - clients.listed_rate, 3) if dt else None,
+            },
             "histograms": histograms,
             "raw": {"stats": raw.stats(), "receivers": raw.receivers()} if raw is not None else None,
             "cluster": cluster,
@@ -343,8 +354,10 @@ class StatsFeed:
             moved.append((position - before if before is not None else 0, topic))
         self._prev_topics = positions
         listed = heapq.nlargest(STREAM_TOP, moved, key=itemgetter(0))
-        return [{**topic.info(), "rate": _per_s(delta, dt) if topic in prev_topics and topic in positions else None}
-                for delta, topic in listed], len(moved)
+        return [
+            {**topic.info(), "rate": _per_s(delta, dt) if topic in prev_topics and topic in positions else None}
+            for delta, topic in listed
+        ], len(moved)
 
     async def _sample_clients(self, dt: float | None) -> _ClientsSample:
         """The STREAM_TOP clients handed most since the last sample, and the fairness index's shares.
@@ -375,9 +388,10 @@ class StatsFeed:
                 shares.append(share)
         self._prev_clients = sent_now
         listed = heapq.nlargest(STREAM_TOP, deliveries, key=itemgetter(0))
-        rows = [_client_row(view, client_id, conn,
-                            _per_s(delta, dt) if conn in prev_clients and conn in sent_now else None)
-                for delta, client_id, conn in listed]
+        rows = [
+            _client_row(view, client_id, conn, _per_s(delta, dt) if conn in prev_clients and conn in sent_now else None)
+            for delta, client_id, conn in listed
+        ]
         receiving = [delta / dt for delta, _, _ in deliveries if delta > 0] if dt else []
         listed_rate = sum(delta for delta, _, _ in listed) / dt if dt else 0.0
         return _ClientsSample(rows, len(deliveries), shares, receiving, sum(receiving), listed_rate)
@@ -385,26 +399,31 @@ class StatsFeed:
     def _sample_counters(self) -> tuple[dict[str, int], dict[str, int]]:
         """The core's counters with the WebSocket's bytes (gateway/transports/ws_counters.py) beside them, and
         the previous sample's (empty on the first)."""
-        counters = {**self.hub.topics.counters.as_dict(), "ws_wire_bytes": ws_counters.wire_bytes,
-                    "ws_payload_bytes": ws_counters.payload_bytes}
+        counters = {
+            **self.hub.topics.counters.as_dict(),
+            "ws_wire_bytes": ws_counters.wire_bytes,
+            "ws_payload_bytes": ws_counters.payload_bytes,
+        }
         prev_counters, self._prev_counters = self._prev_counters, counters
         return counters, prev_counters
 
     def _sample_histograms(self) -> dict[str, dict[str, Any]]:
         """The scheduler's histograms, each with its buckets' counts since the last sample (`recent`)."""
         histograms = {}
-        for name, histogram in (("cycle_seconds", self.hub.scheduler.cycle_seconds),
-                                ("entries_per_batch", self.hub.scheduler.entries_per_batch)):
+        for name, histogram in (
+            ("cycle_seconds", self.hub.scheduler.cycle_seconds),
+            ("entries_per_batch", self.hub.scheduler.entries_per_batch),
+        ):
             snap = histogram.snapshot()
             before_counts = self._prev_hist.get(name)
-            snap["recent"] = ([c - b for c, b in zip(snap["counts"], before_counts)]
-                              if before_counts is not None else None)
+            snap["recent"] = [c - b for c, b in zip(snap["counts"], before_counts)] if before_counts is not None else None
             self._prev_hist[name] = snap["counts"]
             histograms[name] = snap
         return histograms
 
-    def _totals(self, counters: dict[str, int], prev_counters: dict[str, int], dt: float | None,
-                clients: _ClientsSample) -> dict[str, Any]:
+    def _totals(
+        self, counters: dict[str, int], prev_counters: dict[str, int], dt: float | None, clients: _ClientsSample
+    ) -> dict[str, Any]:
         hub = self.hub
 
         def counter_rate(name: str) -> float | None:
@@ -449,7 +468,8 @@ class StatsFeed:
         delivered: float | None = None
         client_rate: float | None = None
         for entry in [{"node": own, "pid": os.getpid(), "dash": self.summary}] + [
-                n for n in stored or () if n.get("node") != own]:
+            n for n in stored or () if n.get("node") != own
+        ]:
             dash = entry.get("dash")
             node_id = entry.get("node")
             since_start = dash["totals"].get("counters") if isinstance(dash, dict) else entry.get("core")
@@ -458,10 +478,24 @@ class StatsFeed:
             if isinstance(dash, dict):
                 totals = dash["totals"]
                 fair = dash["fairness"]
-                node = {"node": node_id, "pid": entry.get("pid"), "age_s": round(max(0.0, now - dash["time"]), 3),
-                        "listed": len(dash["clients"]), **{k: totals[k] for k in (
-                            "clients", "topics", "write_blocked", "published_per_s", "delivered_per_s",
-                            "lost_per_s", "client_delivery_per_s")}}
+                node = {
+                    "node": node_id,
+                    "pid": entry.get("pid"),
+                    "age_s": round(max(0.0, now - dash["time"]), 3),
+                    "listed": len(dash["clients"]),
+                    **{
+                        k: totals[k]
+                        for k in (
+                            "clients",
+                            "topics",
+                            "write_blocked",
+                            "published_per_s",
+                            "delivered_per_s",
+                            "lost_per_s",
+                            "client_delivery_per_s",
+                        )
+                    },
+                }
                 for k, v in totals["clients_by_transport"].items():
                     by_transport[k] = by_transport.get(k, 0) + v
                 blocked += totals["write_blocked"]
@@ -481,10 +515,19 @@ class StatsFeed:
                 for row in dash["clients"]:
                     rows.append({**row, "node": node_id})
             else:  # no summary yet (its refresher has not seen the cluster watched), or an older version
-                node = {"node": node_id, "pid": entry.get("pid"), "age_s": None, "listed": None,
-                        "clients": entry.get("clients", 0), "topics": entry.get("topics"), "write_blocked": None,
-                        "published_per_s": None, "delivered_per_s": None, "lost_per_s": None,
-                        "client_delivery_per_s": None}
+                node = {
+                    "node": node_id,
+                    "pid": entry.get("pid"),
+                    "age_s": None,
+                    "listed": None,
+                    "clients": entry.get("clients", 0),
+                    "topics": entry.get("topics"),
+                    "write_blocked": None,
+                    "published_per_s": None,
+                    "delivered_per_s": None,
+                    "lost_per_s": None,
+                    "client_delivery_per_s": None,
+                }
             clients += node["clients"] or 0
             nodes.append(node)
         listed = heapq.nlargest(STREAM_TOP, rows, key=lambda row: row.get("rate") or 0.0)
@@ -492,17 +535,28 @@ class StatsFeed:
         return {
             "nodes": sorted(nodes, key=lambda n: str(n["node"])),
             "error": error,
-            "totals": {"nodes": len(nodes), "clients": clients, "clients_by_transport": by_transport,
-                       "write_blocked": blocked, "delivered_per_s": round(delivered, 3) if delivered is not None else None,
-                       "client_delivery_per_s": round(client_rate, 3) if client_rate is not None else None,
-                       "counters": counters},
-            "fairness": {"clients": share_n, "jain": jain(share_n, share_sum, share_sq),
-                         "share_min": round(min(share_min), 4) if share_min else None,
-                         "receiving": receiving, "min": round(min(fair_min), 3) if fair_min else None,
-                         "max": round(max(fair_max), 3) if fair_max else None},
+            "totals": {
+                "nodes": len(nodes),
+                "clients": clients,
+                "clients_by_transport": by_transport,
+                "write_blocked": blocked,
+                "delivered_per_s": round(delivered, 3) if delivered is not None else None,
+                "client_delivery_per_s": round(client_rate, 3) if client_rate is not None else None,
+                "counters": counters,
+            },
+            "fairness": {
+                "clients": share_n,
+                "jain": jain(share_n, share_sum, share_sq),
+                "share_min": round(min(share_min), 4) if share_min else None,
+                "receiving": receiving,
+                "min": round(min(fair_min), 3) if fair_min else None,
+                "max": round(max(fair_max), 3) if fair_max else None,
+            },
             "clients": listed,
-            "others": {"clients": clients - len(listed),
-                       "rate": round(client_rate - shown_rate, 3) if client_rate is not None else None},
+            "others": {
+                "clients": clients - len(listed),
+                "rate": round(client_rate - shown_rate, 3) if client_rate is not None else None,
+            },
         }
 
 

@@ -80,12 +80,12 @@ class GatewayHandle:
 
     def client_of(self, user: str) -> str:
         """The client id of the (one) connection authenticated as `user`."""
-        client: str = self.call(
-            lambda: next(c for c, conn in self.hub.clients.conns.items() if conn.identity.user == user))
+        client: str = self.call(lambda: next(c for c, conn in self.hub.clients.conns.items() if conn.identity.user == user))
         return client
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the gateway's loop (the hub is not thread-safe) and return its result."""
+
         async def run() -> Any:
             return fn(*args)
 

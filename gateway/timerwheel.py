@@ -28,8 +28,7 @@ V = TypeVar("V")
 
 
 class TimerWheel(Generic[K, V]):
-    __slots__ = ("resolution", "fire", "_due", "_buckets", "_ticks", "_handle", "_armed", "_firing", "_loop",
-                 "fired", "wakeups")
+    __slots__ = ("resolution", "fire", "_due", "_buckets", "_ticks", "_handle", "_armed", "_firing", "_loop", "fired", "wakeups")
 
     def __init__(self, fire: Callable[[K, V], None], resolution: float = 1.0) -> None:
         if not resolution > 0:

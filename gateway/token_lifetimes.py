@@ -30,8 +30,14 @@ REFRESH, EXPIRED, GRACE_OVER = 0, 1, 2
 
 
 class TokenLifetimes:
-    def __init__(self, config: GatewayConfig, hooks: Hooks, conns: Mapping[Hashable, Connection],
-                 kick: Callable[[Hashable, int, str, str], bool], send_error: Callable[[Hashable, RequestError], None]) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        hooks: Hooks,
+        conns: Mapping[Hashable, Connection],
+        kick: Callable[[Hashable, int, str, str], bool],
+        send_error: Callable[[Hashable, RequestError], None],
+    ) -> None:
         self.config = config
         self.hooks = hooks
         #: the registry's connections, read-only here

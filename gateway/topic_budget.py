@@ -41,8 +41,9 @@ ADDRESSES_MAX = 65_536
 
 
 class CreationBudget:
-    def __init__(self, limits: "LimitsConfig", topic_count: Callable[[], int], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, limits: "LimitsConfig", topic_count: Callable[[], int], *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.per_connection = limits.max_created_topics
         self.rate = limits.topic_create_rate
         self.burst = float(limits.topic_create_burst)
@@ -60,8 +61,7 @@ class CreationBudget:
         if identity.created_topics + identity.creating >= self.per_connection:
             return "connection", f"this connection may create at most {self.per_connection} topics"
         if self.burst > 0 and self.rates.tokens(identity.ip) - identity.creating < 1:
-            return "address", (f"topics created from your address above {self.rate:g}/s"
-                               f" (burst {self.burst:g}): retry later")
+            return "address", (f"topics created from your address above {self.rate:g}/s (burst {self.burst:g}): retry later")
         if self.total > 0 and self.topic_count() >= self.total:
             return "total", f"the gateway holds {self.total} topics: clients may create no more"
         return None
@@ -92,9 +92,14 @@ class CreationBudget:
             self.charge(identity)
 
     def collect(self) -> Iterator[Metric]:
-        yield counter_family("fanout_topic_creations_refused", "client topic creations refused (too_many_topics) by"
-                             " bound: connection (limits.max_created_topics), address (limits.topic_create_rate),"
-                             " total (limits.max_client_topics), cluster (broker.max_topics)", "bound", self.refused)
+        yield counter_family(
+            "fanout_topic_creations_refused",
+            "client topic creations refused (too_many_topics) by"
+            " bound: connection (limits.max_created_topics), address (limits.topic_create_rate),"
+            " total (limits.max_client_topics), cluster (broker.max_topics)",
+            "bound",
+            self.refused,
+        )
 
     def charge(self, identity: "ClientIdentity") -> None:
         """`identity` created a topic."""

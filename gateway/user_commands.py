@@ -78,7 +78,6 @@ class UserCommands:
                 done += self.clients.kick(client_id, close_codes.TOKEN_EXPIRED, "expired by admin", "token_expired")
                 continue
             # the session renews the identity and re-arms the expiry timer
-            conn.session.authenticate(dataclasses.replace(principal, expires_at=math.inf if expire_at is None
-                                                          else expire_at))
+            conn.session.authenticate(dataclasses.replace(principal, expires_at=math.inf if expire_at is None else expire_at))
             done += 1
         return done

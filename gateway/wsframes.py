@@ -42,7 +42,7 @@ def frames_fed(left: int, head: bytes, data: bytes) -> tuple[int, bytes]:
             left -= step
             pos += step
             continue
-        known = head + data[pos:pos + 14]  # a header has at most 14 bytes
+        known = head + data[pos : pos + 14]  # a header has at most 14 bytes
         need = _header_size(known)
         if need is None or len(known) < need:
             return 0, known  # the rest of `data` is part of a header

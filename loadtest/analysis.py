@@ -36,16 +36,36 @@ class RunData:
 
 def merge(dumps: list[dict[str, Any]], plan: Plan, published: dict[str, Any]) -> RunData:
     """Concatenate the worker dumps (rows of a client stay in arrival order)."""
-    types = {"topic": np.int32, "client": np.int32, "seq": np.int64, "publish_ns": np.int64,
-             "deliver_ns": np.int64, "batch_id": np.int64}
-    columns = {name: np.concatenate([np.frombuffer(d["arrays"][name], dtype) for d in dumps])
-               if dumps else np.zeros(0, dtype) for name, dtype in types.items()}
-    log = DeliveryLog(plan.topics, tuple(c.name for c in plan.clients), columns["topic"], columns["seq"],
-                      columns["client"], columns["publish_ns"], columns["deliver_ns"], columns["batch_id"])
+    types = {
+        "topic": np.int32,
+        "client": np.int32,
+        "seq": np.int64,
+        "publish_ns": np.int64,
+        "deliver_ns": np.int64,
+        "batch_id": np.int64,
+    }
+    columns = {
+        name: np.concatenate([np.frombuffer(d["arrays"][name], dtype) for d in dumps]) if dumps else np.zeros(0, dtype)
+        for name, dtype in types.items()
+    }
+    log = DeliveryLog(
+        plan.topics,
+        tuple(c.name for c in plan.clients),
+        columns["topic"],
+        columns["seq"],
+        columns["client"],
+        columns["publish_ns"],
+        columns["deliver_ns"],
+        columns["batch_id"],
+    )
     losses = [row for d in dumps for row in d["losses"] if row[1] >= 0]
-    notices = Notices(np.array([r[0] for r in losses], np.int32), np.array([r[1] for r in losses], np.int32),
-                      np.array([r[2] for r in losses], np.int64), np.array([r[3] for r in losses], np.int64),
-                      tuple(r[4] for r in losses))
+    notices = Notices(
+        np.array([r[0] for r in losses], np.int32),
+        np.array([r[1] for r in losses], np.int32),
+        np.array([r[2] for r in losses], np.int64),
+        np.array([r[3] for r in losses], np.int64),
+        tuple(r[4] for r in losses),
+    )
     starts: dict[tuple[int, int], int] = {}
     clients: dict[int, dict[str, Any]] = {}
     for d in dumps:
@@ -59,8 +79,7 @@ def _role_codes(plan: Plan, role: str) -> np.ndarray:
     return np.array([i for i, c in enumerate(plan.clients) if c.role == role], np.int64)
 
 
-def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns: int,
-              stall_resumes: bool) -> dict[str, Any]:
+def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns: int, stall_resumes: bool) -> dict[str, Any]:
     """The figures of one run (JSON-ready). CPU figures are added by the runner."""
     log = data.log
     light = _role_codes(plan, "light")
@@ -80,19 +99,23 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
         if codes.size == 0:
             continue
         mask_n = np.isin(data.notices.client, codes)
-        role_notices = Notices(data.notices.client[mask_n], data.notices.topic[mask_n],
-                               data.notices.start[mask_n], data.notices.end[mask_n],
-                               tuple(r for r, m in zip(data.notices.reason, mask_n) if m))
+        role_notices = Notices(
+            data.notices.client[mask_n],
+            data.notices.topic[mask_n],
+            data.notices.start[mask_n],
+            data.notices.end[mask_n],
+            tuple(r for r, m in zip(data.notices.reason, mask_n) if m),
+        )
         role_starts = {k: v for k, v in data.starts.items() if plan.clients[k[0]].role == role}
-        figures = delivery_stats.loss_figures(log.select(np.isin(log.client, codes)), role_notices, role_starts,
-                                       expected_end, reading)
+        figures = delivery_stats.loss_figures(
+            log.select(np.isin(log.client, codes)), role_notices, role_starts, expected_end, reading
+        )
         loss_by_role[role] = dataclasses.asdict(figures)
 
     # fairness over the light clients that were ready: raw delivery counts, and the share of what was
     # published on their own topics (1.0 each when nobody misses anything)
     light_ready = np.array([c for c in light if c in ready], np.int64)
-    counts = delivery_stats.per_client_counts(light_log, len(plan.clients))[light_ready] if light_ready.size else \
-        np.zeros(0)
+    counts = delivery_stats.per_client_counts(light_log, len(plan.clients))[light_ready] if light_ready.size else np.zeros(0)
     topic_accepted = np.array([accepted.get(t, 0) for t in plan.topics], np.float64)
     owed = np.array([topic_accepted[list(plan.clients[c].topics)].sum() for c in light_ready], np.float64)
     shares = np.divide(counts, owed, out=np.zeros(counts.size), where=owed > 0)
@@ -111,8 +134,9 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
     if len(transports) > 1:
         for transport in transports:
             codes = np.array([c for c in light if plan.clients[c].transport == transport], np.int64)
-            by_transport[transport] = delivery_stats.ms(delivery_stats.percentiles(
-                delivery_stats.latencies(light_log.select(np.isin(light_log.client, codes)))))
+            by_transport[transport] = delivery_stats.ms(
+                delivery_stats.percentiles(delivery_stats.latencies(light_log.select(np.isin(light_log.client, codes))))
+            )
 
     stalled_codes = _role_codes(plan, "stalled")
     publish_s = max(1e-9, (data.published.get("last_ns", go_ns) - data.published.get("first_ns", go_ns)) / 1e9)
@@ -120,13 +144,13 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
         "scenario": dataclasses.asdict(scenario),
         "target": target,
         "clients": {
-            "planned": len(plan.clients), "ready": len(ready), "failed": len(plan.clients) - len(ready),
+            "planned": len(plan.clients),
+            "ready": len(ready),
+            "failed": len(plan.clients) - len(ready),
             "closed_during_run": len(closed),
-            "closed_by_role": {r: sum(1 for c in closed if plan.clients[c].role == r)
-                               for r in ("light", "stalled", "dominator")},
+            "closed_by_role": {r: sum(1 for c in closed if plan.clients[c].role == r) for r in ("light", "stalled", "dominator")},
             "first_errors": sorted({st["error"] for st in data.clients.values() if st.get("error")})[:5],
-            "close_reasons": sorted({st["closed_reason"] for st in data.clients.values()
-                                     if st.get("closed_reason")})[:5],
+            "close_reasons": sorted({st["closed_reason"] for st in data.clients.values() if st.get("closed_reason")})[:5],
         },
         "published": {
             "sent": data.published.get("sent", 0),
@@ -137,7 +161,8 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
             "error_samples": data.published.get("error_samples", []),
         },
         "deliveries": {
-            "total": len(log), "light": len(light_log),
+            "total": len(log),
+            "light": len(light_log),
             "per_s": round(len(log) / (window_ns / 1e9), 1) if window_ns > 0 else 0.0,
             "peak_per_s": float(series.max()) if series.size else 0.0,
             "frames": int(sum(w["frames"] for w in data.workers)),
@@ -147,20 +172,23 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
         },
         "latency_ms": delivery_stats.ms(delivery_stats.percentiles(lat)),
         "latency_ms_by_transport": by_transport,
-        "latency_ms_stalled": delivery_stats.ms(delivery_stats.percentiles(
-            delivery_stats.latencies(log.select(np.isin(log.client, stalled_codes)))))
-        if stalled_codes.size else {},
+        "latency_ms_stalled": delivery_stats.ms(
+            delivery_stats.percentiles(delivery_stats.latencies(log.select(np.isin(log.client, stalled_codes))))
+        )
+        if stalled_codes.size
+        else {},
         "skew_ms": delivery_stats.ms(delivery_stats.percentiles(skew)),
         # per publish: until the last of its subscribers (light clients) had it
         "time_to_last_ms": delivery_stats.ms(delivery_stats.percentiles(delivery_stats.time_to_last(light_log))),
         "loss": dataclasses.asdict(loss),
         "loss_by_role": loss_by_role,
-        "fairness": {"jain_rate": round(delivery_stats.jain(counts), 4),
-                     "jain_share": round(delivery_stats.jain(shares), 4),
-                     "clients": int(light_ready.size),
-                     "share_min": round(float(shares.min()), 4) if shares.size else 0.0},
-        "batch_entries": {k: (v if k == "n" else round(v, 2))
-                          for k, v in delivery_stats.percentiles(sizes).items()},
+        "fairness": {
+            "jain_rate": round(delivery_stats.jain(counts), 4),
+            "jain_share": round(delivery_stats.jain(shares), 4),
+            "clients": int(light_ready.size),
+            "share_min": round(float(shares.min()), 4) if shares.size else 0.0,
+        },
+        "batch_entries": {k: (v if k == "n" else round(v, 2)) for k, v in delivery_stats.percentiles(sizes).items()},
         "topic_classes_ms": classes,
         "client_errors": _sum_counters(w["errors"] for w in data.workers),
         "client_error_samples": [s for w in data.workers for s in w["error_samples"]][:10],
@@ -169,8 +197,9 @@ def summarize(data: RunData, scenario: Scenario, plan: Plan, target: str, go_ns:
         summary["storm"] = storm_figures(data, scenario, loss)
     if "dominator" in {c.role for c in plan.clients}:
         dom = _role_codes(plan, "dominator")
-        summary["latency_ms_dominator"] = delivery_stats.ms(delivery_stats.percentiles(
-            delivery_stats.latencies(log.select(np.isin(log.client, dom)))))
+        summary["latency_ms_dominator"] = delivery_stats.ms(
+            delivery_stats.percentiles(delivery_stats.latencies(log.select(np.isin(log.client, dom))))
+        )
     return summary
 
 
@@ -194,29 +223,39 @@ def storm_figures(data: RunData, scenario: Scenario, loss: delivery_stats.LossFi
         open_ns[c], resub_ns[c] = st["open_ns"], st["resub_ns"]
     log = data.log
     client = log.client.astype(np.int64)
-    replay = (open_ns[client] > 0) & (log.deliver_ns >= open_ns[client]) & (log.publish_ns >= 0) & (
-        log.publish_ns < resub_ns[client])
+    replay = (
+        (open_ns[client] > 0) & (log.deliver_ns >= open_ns[client]) & (log.publish_ns >= 0) & (log.publish_ns < resub_ns[client])
+    )
     caught = np.zeros(n, np.int64)
     np.maximum.at(caught, client[replay], log.deliver_ns[replay])
     for c, st in back.items():
         caught[c] = max(int(caught[c]), st["back_ns"])
     back_codes = np.array(sorted(back), np.int64)
     opens = np.array([st["open_ns"] for st in back.values()], np.int64)
-    first_try = min(st["retry_ns"] for st in stormed.values() if st["retry_ns"]) if any(
-        st["retry_ns"] for st in stormed.values()) else storm_ns
+    first_try = (
+        min(st["retry_ns"] for st in stormed.values() if st["retry_ns"])
+        if any(st["retry_ns"] for st in stormed.values())
+        else storm_ns
+    )
     accept_s = (int(opens.max()) - first_try) / 1e9 if opens.size else 0.0
     attempts = sum(st["attempts"] for st in stormed.values())
     mismatched = sum(1 for _c, _t, since, seq, _ns in data.resumes if seq != since)
     gaps = loss.silent + loss.announced + loss.epoch_resets + loss.undelivered
     reconnect = np.array([st["back_ns"] - st["retry_ns"] for st in back.values()], np.int64)
     out: dict[str, Any] = {
-        "clients": len(stormed), "back": len(back), "not_back": len(stormed) - len(back),
+        "clients": len(stormed),
+        "back": len(back),
+        "not_back": len(stormed) - len(back),
         "spread_s": scenario.storm_spread,
         # the headline: from the storm until the last client was back and had its replay
         "last_caught_up_s": round((int(caught[back_codes].max()) - storm_ns) / 1e9, 3) if back else None,
         "last_back_s": round((max(st["back_ns"] for st in back.values()) - storm_ns) / 1e9, 3) if back else None,
-        "caught_up_s": {k: (v if k == "n" else round(v / 1e9, 3)) for k, v in
-                        delivery_stats.percentiles(caught[back_codes] - storm_ns).items()} if back else {},
+        "caught_up_s": {
+            k: (v if k == "n" else round(v / 1e9, 3))
+            for k, v in delivery_stats.percentiles(caught[back_codes] - storm_ns).items()
+        }
+        if back
+        else {},
         # one client's comeback, from its first attempt until every topic was subscribed again
         "reconnect_ms": delivery_stats.ms(delivery_stats.percentiles(reconnect)),
         "accept_per_s": {
@@ -224,11 +263,14 @@ def storm_figures(data: RunData, scenario: Scenario, loss: delivery_stats.LossFi
             "mean": round(opens.size / accept_s, 1) if accept_s > 0 else None,
             "peak_1s": delivery_stats.window_peak(opens, 1_000_000_000),
         },
-        "attempts": attempts, "failed_attempts": attempts - len(back),
+        "attempts": attempts,
+        "failed_attempts": attempts - len(back),
         "first_errors": sorted({st["error"] for st in stormed.values() if st["error"]})[:5],
-        "resubscribes": len(data.resumes), "since_mismatch": mismatched,
+        "resubscribes": len(data.resumes),
+        "since_mismatch": mismatched,
         "replayed": int(np.count_nonzero(replay)),
-        "gaps": gaps, "duplicates": loss.duplicates,
+        "gaps": gaps,
+        "duplicates": loss.duplicates,
     }
     out["ok"] = bool(out["not_back"] == 0 and mismatched == 0 and gaps == 0 and loss.duplicates == 0)
     return out
@@ -314,10 +356,8 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "clients cpu %": cpu.get("loadgen", {}).get("by_role_pct", {}).get("clients", 0.0),
         "other cpu % (not ours)": cpu.get("machine", {}).get("other_pct", 0.0),
         # CPU seconds over the measured window (start of publishing to the end of the drain) per delivery
-        "server cpu us/delivery": round(1e6 * cpu.get("server", {}).get("cpu_s", 0.0) / delivered, 3)
-        if delivered else 0.0,
-        "loadgen cpu us/delivery": round(1e6 * cpu.get("loadgen", {}).get("cpu_s", 0.0) / delivered, 3)
-        if delivered else 0.0,
+        "server cpu us/delivery": round(1e6 * cpu.get("server", {}).get("cpu_s", 0.0) / delivered, 3) if delivered else 0.0,
+        "loadgen cpu us/delivery": round(1e6 * cpu.get("loadgen", {}).get("cpu_s", 0.0) / delivered, 3) if delivered else 0.0,
     }
     # TCP data segments the server sent its subscribers (0: not measured). On loopback the sending call pays
     # for both ends of a segment, so these two explain much of the server's CPU per delivery.

@@ -103,7 +103,7 @@ class BareServer(ServerProcess):
             if not subscribers:
                 continue
             for i in range(0, len(entries), step):
-                payload = b"[" + b",".join(entries[i:i + step]) + b"]"
+                payload = b"[" + b",".join(entries[i : i + step]) + b"]"
                 frame = text_frame_header(len(payload)) + payload
                 for conn in subscribers:
                     conn.transport.write(frame)
@@ -122,10 +122,25 @@ class BareServer(ServerProcess):
         log = open(self.workdir / "bare.log", "ab")
         raise_nofile_limit()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loadtest.bare_server", "--port", "0", "--ingest-port", "0",
-             "--ready-file", str(ready), "--batch", str(self.batch)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=raise_nofile_limit,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "loadtest.bare_server",
+                "--port",
+                "0",
+                "--ingest-port",
+                "0",
+                "--ready-file",
+                str(ready),
+                "--batch",
+                str(self.batch),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=raise_nofile_limit,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
@@ -216,15 +231,29 @@ class WsConnection(asyncio.Protocol):
                     if self not in topic.subscribers:
                         topic.subscribers[self] = None
                         self.topics.append(topic)
-                    answers.append({"type": "subscribed", "topic": name, "kind": "ring", "epoch": server.epoch,
-                                    "seq": topic.next_seq, "id": ident})
+                    answers.append(
+                        {
+                            "type": "subscribed",
+                            "topic": name,
+                            "kind": "ring",
+                            "epoch": server.epoch,
+                            "seq": topic.next_seq,
+                            "id": ident,
+                        }
+                    )
                 else:
                     if topic.subscribers.pop(self, 0) is None:
                         self.topics.remove(topic)
                     answers.append({"type": "unsubscribed", "topic": name, "id": ident})
             else:
-                answers.append({"type": "error", "code": "bad_command", "id": ident,
-                                "message": "the bare server knows only subscribe and unsubscribe {op, topic}"})
+                answers.append(
+                    {
+                        "type": "error",
+                        "code": "bad_command",
+                        "id": ident,
+                        "message": "the bare server knows only subscribe and unsubscribe {op, topic}",
+                    }
+                )
         self.transport.write(text_frame(orjson.dumps(answers)))
 
 
@@ -261,24 +290,33 @@ class BareIngestProtocol(asyncio.Protocol):
                     topic = server.topic(name)
                     seq = topic.next_seq
                     topic.next_seq = seq + 1
-                    pending.setdefault(topic, []).append(b"%s%d,\"data\":%s}" % (topic.prefix, seq,
-                                                                                dumps(record["data"])))
+                    pending.setdefault(topic, []).append(b'%s%d,"data":%s}' % (topic.prefix, seq, dumps(record["data"])))
                     self.accepted += 1
                     continue
                 if "sync" in record and len(record) == 1:
                     server.publish(pending)  # everything before the sync is out before its answer
                     pending = {}
-                    answers.append(dumps({"type": "synced", "id": record["sync"], "accepted": self.accepted,
-                                          "refused": self.refused}) + b"\n")
+                    answers.append(
+                        dumps({"type": "synced", "id": record["sync"], "accepted": self.accepted, "refused": self.refused})
+                        + b"\n"
+                    )
                     self.accepted = self.refused = 0
                     continue
                 if "auth" in record and len(record) == 1 and self.line == 1:
                     answers.append(b'{"type":"authed"}\n')
                     continue
             self.refused += 1
-            answers.append(dumps({"type": "error", "line": self.line, "code": "bad_record",
-                                  "message": "the bare server takes {topic, data}, {sync} and a first {auth}"})
-                           + b"\n")
+            answers.append(
+                dumps(
+                    {
+                        "type": "error",
+                        "line": self.line,
+                        "code": "bad_record",
+                        "message": "the bare server takes {topic, data}, {sync} and a first {auth}",
+                    }
+                )
+                + b"\n"
+            )
         server.publish(pending)
         if answers:
             self.transport.write(b"".join(answers))
@@ -289,14 +327,17 @@ async def serve(host: str, port: int, ingest_port: int, ready_file: Path | None,
     server = BareServer(batch=batch)
     ws = await loop.create_server(lambda: WsConnection(server), host, port, backlog=4096)
     ingest = await loop.create_server(lambda: BareIngestProtocol(server), host, ingest_port, backlog=128)
-    info = {"http_port": ws.sockets[0].getsockname()[1], "ingest_port": ingest.sockets[0].getsockname()[1],
-            "pid": os.getpid(), "batch": batch}
+    info = {
+        "http_port": ws.sockets[0].getsockname()[1],
+        "ingest_port": ingest.sockets[0].getsockname()[1],
+        "pid": os.getpid(),
+        "batch": batch,
+    }
     if ready_file is not None:
         partial = ready_file.with_name(ready_file.name + ".tmp")
         partial.write_text(json.dumps(info))
         partial.replace(ready_file)
-    print(f"bare server: ws {host}:{info['http_port']}{WS_PATH}, ingest {host}:{info['ingest_port']}, "
-          f"batch {batch}", flush=True)
+    print(f"bare server: ws {host}:{info['http_port']}{WS_PATH}, ingest {host}:{info['ingest_port']}, batch {batch}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -310,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=HOST)
     parser.add_argument("--port", type=int, default=0, help="WebSocket port (0: ephemeral)")
     parser.add_argument("--ingest-port", type=int, default=0, help="TCP ingest port (0: ephemeral)")
-    parser.add_argument("--ready-file", type=Path, help='written as JSON {"http_port", "ingest_port", "pid", '
-                        '"batch"} once listening')
+    parser.add_argument(
+        "--ready-file", type=Path, help='written as JSON {"http_port", "ingest_port", "pid", "batch"} once listening'
+    )
     parser.add_argument("--batch", type=int, default=1, help="most messages of a topic per frame (default 1)")
     args = parser.parse_args(argv)
     if args.batch < 1:

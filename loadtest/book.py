@@ -30,8 +30,10 @@ class Books:
     def _fresh(self, topic: int) -> dict[str, list[dict[str, str]]]:
         """Levels as exchanges send them: decimal strings, price and size named."""
         mid = 100 * (topic + 1)
-        return {side: [{"price": f"{mid + sign * 0.05 * (i + 1):.2f}", "size": self._size()} for i in range(DEPTH)]
-                for side, sign in (("bids", -1), ("asks", 1))}
+        return {
+            side: [{"price": f"{mid + sign * 0.05 * (i + 1):.2f}", "size": self._size()} for i in range(DEPTH)]
+            for side, sign in (("bids", -1), ("asks", 1))
+        }
 
     def _size(self) -> str:
         return f"{self.random.randint(1, 500000) / 100:.2f}"

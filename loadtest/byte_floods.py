@@ -40,14 +40,13 @@ def _rsa_key(workdir: Path) -> tuple[Path, bytes]:
 
     key = rsa.generate_private_key(public_exponent=65537, key_size=4096)
     path = workdir / "rs256.pem"
-    path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     return path, private
 
 
 # -- the attackers (in their own process) ------------------------------------------------------------------
+
 
 async def _ws_open(port: int) -> socket.socket:
     loop = asyncio.get_running_loop()
@@ -56,8 +55,11 @@ async def _ws_open(port: int) -> socket.socket:
     sock.setblocking(False)
     await loop.sock_connect(sock, ("127.0.0.1", port))
     key = base64.b64encode(os.urandom(16))
-    await loop.sock_sendall(sock, b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: "
-                            b"Upgrade\r\nSec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    await loop.sock_sendall(
+        sock,
+        b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: "
+        b"Upgrade\r\nSec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    )
     head = b""
     while b"\r\n\r\n" not in head:
         chunk = await within(loop.sock_recv(sock, 1), 5)
@@ -164,8 +166,7 @@ def seed_topics(port: int, count: int) -> None:
 def run(kind: str, seconds: float, root: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="byte-flood-") as tmp:
         key_file, private = _rsa_key(Path(tmp)) if kind == "auth" else (None, b"")
-        gateway = FloodGateway(Path(tmp), {"auth": {"jwt_public_key_file": str(key_file)}} if key_file else {},
-                               root=root)
+        gateway = FloodGateway(Path(tmp), {"auth": {"jwt_public_key_file": str(key_file)}} if key_file else {}, root=root)
         try:
             if kind == "topics":
                 seed_topics(gateway.info["ingest_port"], 5000)
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose gateway runs (default: this)")
     args = parser.parse_args(argv)
-    for kind in (FLOODS if args.flood == "all" else (args.flood,)):
+    for kind in FLOODS if args.flood == "all" else (args.flood,):
         print(json.dumps(run(kind, args.seconds, args.root.resolve())), flush=True)
     return 0
 

@@ -33,9 +33,15 @@ class CentrifugoSubscriber(WsSubscriber):
         spec = self.worker.spec
         self.asked = {}
         self.next_seqs: dict[str, int] = {}
-        self.ws = await connect(spec.target.host, spec.target.http_port, PATH, self,
-                                timeout=spec.connect_timeout, source=self.source,
-                                compression=spec.compression == "deflate")
+        self.ws = await connect(
+            spec.target.host,
+            spec.target.http_port,
+            PATH,
+            self,
+            timeout=spec.connect_timeout,
+            source=self.source,
+            compression=spec.compression == "deflate",
+        )
 
     def subscribe(self) -> None:
         if self.ws is None:
@@ -75,8 +81,7 @@ class CentrifugoSubscriber(WsSubscriber):
                 self.next_seqs[channel] = offset
                 return {"type": "msg", "topic": channel, "seq": offset - 1, "data": pub.get("data")}
             if "unsubscribe" in push:
-                return {"type": "loss", "topic": channel, "from": self.next_seqs.get(channel, 0), "to": None,
-                        "reason": "lagged"}
+                return {"type": "loss", "topic": channel, "from": self.next_seqs.get(channel, 0), "to": None, "reason": "lagged"}
             return None
         if not reply:  # the server's ping
             if self.ws is not None:
@@ -91,6 +96,5 @@ class CentrifugoSubscriber(WsSubscriber):
         if type(result) is dict and topic is not None:
             offset = int(result.get("offset", 0))
             self.next_seqs[topic] = offset
-            return {"type": "subscribed", "topic": topic, "kind": "ring", "epoch": result.get("epoch", ""),
-                    "seq": offset}
+            return {"type": "subscribed", "topic": topic, "kind": "ring", "epoch": result.get("epoch", ""), "seq": offset}
         return None

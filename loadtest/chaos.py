@@ -53,24 +53,58 @@ from loadtest.sentinelproc import SentinelTopology
 
 ADMIN = "chaos-admin-token"
 SECRET = "chaos-jwt-secret-0123456789abcdef0123456789"
-FAULTS = ("node-kill", "redis-restart", "redis-wipe", "redis-stall", "path-delay", "path-cut", "path-stall",
-          "path-lossy", "slow-reader", "storm", "burst", "takeover", "crowd")
+FAULTS = (
+    "node-kill",
+    "redis-restart",
+    "redis-wipe",
+    "redis-stall",
+    "path-delay",
+    "path-cut",
+    "path-stall",
+    "path-lossy",
+    "slow-reader",
+    "storm",
+    "burst",
+    "takeover",
+    "crowd",
+)
 #: the faults of a Sentinel run (`--redis sentinel`): the single Redis's faults give way to the primary's
 #: kill -9, its replica promoted by the sentinels (the killed process comes back as the new replica)
-SENTINEL_FAULTS = ("node-kill", "primary-kill", "path-delay", "path-cut", "path-stall", "path-lossy", "slow-reader",
-                   "storm", "burst", "takeover", "crowd")
+SENTINEL_FAULTS = (
+    "node-kill",
+    "primary-kill",
+    "path-delay",
+    "path-cut",
+    "path-stall",
+    "path-lossy",
+    "slow-reader",
+    "storm",
+    "burst",
+    "takeover",
+    "crowd",
+)
 #: the faults of a Redis Cluster run (`--redis cluster`): the primary of the shard holding the first ring topic
 #: killed -9 (its replica promoted by the cluster; the killed process comes back as its replica), and that
 #: topic's slot moved to another primary under load
-CLUSTER_FAULTS = ("node-kill", "shard-kill", "slot-move", "path-delay", "path-cut", "path-stall", "path-lossy",
-                  "slow-reader", "storm", "burst", "takeover", "crowd")
+CLUSTER_FAULTS = (
+    "node-kill",
+    "shard-kill",
+    "slot-move",
+    "path-delay",
+    "path-cut",
+    "path-stall",
+    "path-lossy",
+    "slow-reader",
+    "storm",
+    "burst",
+    "takeover",
+    "crowd",
+)
 #: how long a `primary-kill` waits for the sentinels to name the replica primary
 PROMOTION_MAX_S = 30.0
 RING = ["chaos.ring.0", "chaos.ring.1"]
 SNAP = "chaos.snap"
 PRIVATE = "private.chaos"
-
-
 
 
 class Node:
@@ -138,10 +172,14 @@ client_publish = true
         ready = self.dir / "ready.json"
         ready.unlink(missing_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(self.dir / "gateway.toml"),
-                                      "--ready-file", str(ready)], env={**env, "PYTHONSAFEPATH": "1"},
-                                     stdout=open(self.dir / "gateway.log", "ab"), stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(self.dir / "gateway.toml"), "--ready-file", str(ready)],
+            env={**env, "PYTHONSAFEPATH": "1"},
+            stdout=open(self.dir / "gateway.log", "ab"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 40
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -224,10 +262,22 @@ def token_for(user: str) -> str:
 
 
 class Chaos:
-    def __init__(self, workdir: Path, duration: float, faults: list[str], seed: int, sample_s: float,
-                 warmup: float, workers: int = 1, pause: tuple[float, float] = (6.0, 9.0),
-                 settle_s: float | None = None, rounds: int | None = None, tail_s: float = 14.0,
-                 idle_samples: int = 0, redis: str = "single") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        duration: float,
+        faults: list[str],
+        seed: int,
+        sample_s: float,
+        warmup: float,
+        workers: int = 1,
+        pause: tuple[float, float] = (6.0, 9.0),
+        settle_s: float | None = None,
+        rounds: int | None = None,
+        tail_s: float = 14.0,
+        idle_samples: int = 0,
+        redis: str = "single",
+    ) -> None:
         self.workdir = workdir
         self.workers = workers
         self.duration = duration
@@ -248,8 +298,13 @@ class Chaos:
         self.topology = SentinelTopology(workdir / "sentinel") if redis == "sentinel" else None
         #: `--redis cluster`: the Redis Cluster (`redis` is one of its nodes, sampled for memory)
         self.cluster = ClusterTopology(workdir / "cluster") if redis == "cluster" else None
-        self.redis = self.topology.primary if self.topology else \
-            self.cluster.nodes[0] if self.cluster else RedisProcess(workdir / "redis", appendonly=True)
+        self.redis = (
+            self.topology.primary
+            if self.topology
+            else self.cluster.nodes[0]
+            if self.cluster
+            else RedisProcess(workdir / "redis", appendonly=True)
+        )
         self.nodes: list[Node] = []
         #: each shared topic's epoch and range on each node at the end (`node_views`)
         self.views: dict[str, dict[str, Any]] = {}
@@ -269,8 +324,10 @@ class Chaos:
         self.t0 = time.time()
         if self.topology is not None:
             await asyncio.to_thread(self.topology.start)
-            broker = (f"sentinel_addresses = {json.dumps(self.topology.addresses)}\n"
-                      f"sentinel_master = \"{self.topology.broker_section()['sentinel_master']}\"")
+            broker = (
+                f"sentinel_addresses = {json.dumps(self.topology.addresses)}\n"
+                f'sentinel_master = "{self.topology.broker_section()["sentinel_master"]}"'
+            )
         elif self.cluster is not None:
             await asyncio.to_thread(self.cluster.start)
             broker = f"cluster_addresses = {json.dumps(self.cluster.addresses)}"
@@ -289,12 +346,15 @@ class Chaos:
         shared = [*RING, SNAP]
         tok = {u: token_for(u) for u in ("u0", "u1", "u2", "u3")}
         self.clients: list[Any] = [
-            WsClient("ws-a1", [pa, pb], shared), WsClient("ws-b1", [pb, pa], shared),
+            WsClient("ws-a1", [pa, pb], shared),
+            WsClient("ws-b1", [pb, pa], shared),
             WsClient("ws-slow", [pa, pb], shared),
             WsClient("priv-u0-a", [pa, pb], [*shared, PRIVATE], token=tok["u0"], user="u0", private=(PRIVATE,)),
             WsClient("priv-u0-b", [pb, pa], [*shared, PRIVATE], token=tok["u0"], user="u0", private=(PRIVATE,)),
-            SseClient("sse-a", [pa, pb], shared), SseClient("sse-b", [pb, pa], shared),
-            LpClient("lp-a", [pa, pb], shared), LpClient("lp-b", [pb, pa], shared),
+            SseClient("sse-a", [pa, pb], shared),
+            SseClient("sse-b", [pb, pa], shared),
+            LpClient("lp-a", [pa, pb], shared),
+            LpClient("lp-b", [pb, pa], shared),
             LibClient("lib-a", pa, [*shared, PRIVATE], token=tok["u1"], user="u1"),
             # private queues over SSE (acks POSTed) and long-poll (acknowledged by the next poll)
             SseClient("sse-priv-u2", [pb, pa], shared, token=tok["u2"], user="u2", private=(PRIVATE,)),
@@ -304,8 +364,16 @@ class Chaos:
         tasks = [asyncio.create_task(c.run()) for c in self.clients]
         await asyncio.sleep(2.0)  # subscriptions (and private queues) exist before the publishers start
         ingest = IngestPublisher("ingest", [n.ingest_port for n in self.nodes], RING, 60.0, self.acc)
-        admin = AdminPublisher("admin", [n.url for n in self.nodes], ADMIN, RING[:1], [SNAP],
-                               [(u, PRIVATE) for u in ("u0", "u1", "u2", "u3")], 5.0, self.acc)
+        admin = AdminPublisher(
+            "admin",
+            [n.url for n in self.nodes],
+            ADMIN,
+            RING[:1],
+            [SNAP],
+            [(u, PRIVATE) for u in ("u0", "u1", "u2", "u3")],
+            5.0,
+            self.acc,
+        )
         publishers: list[Any] = [ingest, admin]
         ptasks = [asyncio.create_task(p.run()) for p in publishers]
         sampler = asyncio.create_task(self.sample_loop())
@@ -367,8 +435,11 @@ class Chaos:
             waiting = [c for c in waiting if not served_since(c, fault)]
             if waiting:
                 await asyncio.sleep(0.05)
-        self.say(f"  {fault.name}: every client served again" if not waiting else
-                 f"  {fault.name}: not served again after {bound:g} s: {', '.join(c.name for c in waiting)}")
+        self.say(
+            f"  {fault.name}: every client served again"
+            if not waiting
+            else f"  {fault.name}: not served again after {bound:g} s: {', '.join(c.name for c in waiting)}"
+        )
 
     async def sample_loop(self) -> None:
         async with httpx.AsyncClient(timeout=2.0) as http:
@@ -383,8 +454,12 @@ class Chaos:
             if node.proc is not None and node.proc.poll() is None:
                 got = proc_sample(node.proc.pid)
                 if got:
-                    row[f"node-{node.name}"] = {"pid": node.proc.pid, "rss": got[0], "fds": got[1],
-                                                "tasks": await event_loop_tasks(http, node.port)}
+                    row[f"node-{node.name}"] = {
+                        "pid": node.proc.pid,
+                        "rss": got[0],
+                        "fds": got[1],
+                        "tasks": await event_loop_tasks(http, node.port),
+                    }
                 for i, pid in enumerate(sorted(node.worker_pids())):
                     got = proc_sample(pid)
                     if got:
@@ -457,8 +532,9 @@ class Chaos:
             async with httpx.AsyncClient(timeout=15, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
                 base = 1_000_000 + len(self.fault_log) * 1000
                 msgs = [{"p": "burst-admin", "n": base + k, "t": time.time()} for k in range(200)]
-                reply = await http.post(f"{self.nodes[0].url}/api/topics/{RING[1]}/publish",
-                                        content=orjson.dumps({"messages": msgs}))
+                reply = await http.post(
+                    f"{self.nodes[0].url}/api/topics/{RING[1]}/publish", content=orjson.dumps({"messages": msgs})
+                )
                 if reply.status_code == 200:
                     self.acc.ring[RING[1]]["burst-admin"].extend(base + k for k in range(200))
             return {"ws_answers": answers, "admin_status": reply.status_code}
@@ -468,14 +544,17 @@ class Chaos:
             taker.take_over()
             return {"taker": taker.name}
         elif name == "crowd":
+
             async def one() -> None:
                 try:
-                    async with ws_connect(self.nodes[0].url.replace("http", "ws") + "/ws", compression=None,
-                                          open_timeout=5) as ws:
+                    async with ws_connect(
+                        self.nodes[0].url.replace("http", "ws") + "/ws", compression=None, open_timeout=5
+                    ) as ws:
                         await ws.send(orjson.dumps({"op": "subscribe", "topic": RING[0]}).decode())
                         await asyncio.sleep(3.0)
                 except OSError:
                     pass
+
             await asyncio.gather(*(one() for _ in range(100)))
         return None
 
@@ -500,8 +579,7 @@ class Chaos:
         accepted_s = await accepted
         victim.extra = ("--replicaof", "127.0.0.1", str(survivor.port))
         await asyncio.to_thread(victim.start)
-        return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s,
-                "healed_at": killed_at}
+        return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s, "healed_at": killed_at}
 
     def ring_slot(self) -> int:
         return key_slot(f"fanout:{{{RING[0]}}}:c")
@@ -525,17 +603,30 @@ class Chaos:
         accepted_s = await accepted
         served_s = await self.served_on(RING[0], killed_at)
         await asyncio.to_thread(victim.start)  # its nodes.conf: it rejoins, as the new primary's replica
-        return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s,
-                "served_s": served_s, "healed_at": killed_at}
+        return {
+            "promoted": True,
+            "promoted_s": round(promoted_s, 2),
+            "accepted_s": accepted_s,
+            "served_s": served_s,
+            "healed_at": killed_at,
+        }
 
     async def served_on(self, topic: str, since: float) -> float | None:
         """Seconds from `since` (wall clock) until every client got a message of `topic` published after it
         (the killed shard's topic: its messages flow again only after the failover); None: not within 15 s."""
         deadline = time.monotonic() + 15.0
         while time.monotonic() < deadline:
-            firsts = [next((e["t"] for e in c.rec.events.get(topic, []) if e["ev"] == "msg"
-                            and isinstance(e["data"], dict) and e["data"].get("t", 0) >= since), None)
-                      for c in self.clients]
+            firsts = [
+                next(
+                    (
+                        e["t"]
+                        for e in c.rec.events.get(topic, [])
+                        if e["ev"] == "msg" and isinstance(e["data"], dict) and e["data"].get("t", 0) >= since
+                    ),
+                    None,
+                )
+                for c in self.clients
+            ]
             if all(t is not None for t in firsts):
                 return round(max(t for t in firsts if t is not None) - since, 2)
             await asyncio.sleep(0.1)
@@ -550,8 +641,7 @@ class Chaos:
         target = next(p for p in await asyncio.to_thread(cluster.primaries) if p is not source)
         t0 = time.monotonic()
         keys = await asyncio.to_thread(cluster.move_slot, slot, target)
-        return {"slot": slot, "keys": keys, "from": source.port, "to": target.port,
-                "moved_s": round(time.monotonic() - t0, 2)}
+        return {"slot": slot, "keys": keys, "from": source.port, "to": target.port, "moved_s": round(time.monotonic() - t0, 2)}
 
     async def accepted_again(self, since: float) -> float | None:
         """Seconds from `since` (monotonic) until an admin publish is accepted again (None: not within
@@ -559,8 +649,10 @@ class Chaos:
         async with httpx.AsyncClient(timeout=5.0, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
             while time.monotonic() - since < PROMOTION_MAX_S:
                 try:
-                    reply = await http.post(f"{self.nodes[0].url}/api/topics/chaos.probe/publish",
-                                            content=orjson.dumps({"data": {"probe": time.time()}}))
+                    reply = await http.post(
+                        f"{self.nodes[0].url}/api/topics/chaos.probe/publish",
+                        content=orjson.dumps({"data": {"probe": time.time()}}),
+                    )
                     if reply.status_code == 200:
                         return round(time.monotonic() - since, 2)
                 except httpx.HTTPError:
@@ -607,8 +699,7 @@ class Chaos:
         epoch, end = info["epoch"], int(info["end"])
         got: list[dict[str, Any]] = []
         async with ws_connect(node.url.replace("http", "ws") + "/ws", max_size=None, compression=None) as ws:
-            await ws.send(orjson.dumps({"op": "subscribe", "topic": topic,
-                                        "since": {"epoch": epoch, "seq": 0}}).decode())
+            await ws.send(orjson.dumps({"op": "subscribe", "topic": topic, "since": {"epoch": epoch, "seq": 0}}).decode())
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and (not got or got[-1]["seq"] < end - 1):
                 for e in orjson.loads(await within(ws.recv(), 15)):
@@ -620,27 +711,45 @@ class Chaos:
         kinds = {t: "ring" for t in RING} | {SNAP: "snapshot", PRIVATE: "private"}
         records = {c.name: dict(c.rec.events) for c in self.clients}
         users = {c.name: c.rec.user for c in self.clients if c.rec.user}
-        result = check_all(records, kinds, users, dict(self.acc.private), rings,
-                           {t: dict(v) for t, v in self.acc.ring.items()}, self.wipes,
-                           {t: dict(v) for t, v in self.acc.unknown.items()})
+        result = check_all(
+            records,
+            kinds,
+            users,
+            dict(self.acc.private),
+            rings,
+            {t: dict(v) for t, v in self.acc.ring.items()},
+            self.wipes,
+            {t: dict(v) for t, v in self.acc.unknown.items()},
+        )
         bad = {(v.client, v.topic) for v in result.violations}
         bad_users = {v.client for v in result.violations if v.kind.startswith("private")}
-        self.violating = {f"{c}/{t}": ev for c, ts in records.items() for t, ev in ts.items()
-                          if (c, t) in bad or (users.get(c) in bad_users and kinds.get(t) == "private")}
-        self.violating["accepted"] = [{"user": u, "topic": t, "accepted": v} for (u, t), v in self.acc.private.items()
-                                      if u in bad_users]
+        self.violating = {
+            f"{c}/{t}": ev
+            for c, ts in records.items()
+            for t, ev in ts.items()
+            if (c, t) in bad or (users.get(c) in bad_users and kinds.get(t) == "private")
+        }
+        self.violating["accepted"] = [
+            {"user": u, "topic": t, "accepted": v} for (u, t), v in self.acc.private.items() if u in bad_users
+        ]
         return {
-            "duration_s": self.duration, "faults": [f.__dict__ for f in self.fault_log],
+            "duration_s": self.duration,
+            "faults": [f.__dict__ for f in self.fault_log],
             "check": result.as_json(),
             # each shared topic's [epoch, end or seq] by node, and the topics on which they differ
             "views": self.views,
             "disagree": sorted(t for t, by_node in self.views.items() if len({str(v) for v in by_node.values()}) > 1),
             "recovery": recovery(self.fault_log, self.clients),
-            "clients": {c.name: {"transport": c.rec.transport, "connects": c.rec.connects,
-                                 "closes": close_counts(c.rec.closes)} for c in self.clients},
-            "published": {"ring_accepted": {t: {p: len(ns) for p, ns in v.items()} for t, v in self.acc.ring.items()},
-                          "private_accepted": {f"{u}/{t}": len(v) for (u, t), v in self.acc.private.items()},
-                          "refused": dict(self.acc.refused), "uncertain": dict(self.acc.uncertain)},
+            "clients": {
+                c.name: {"transport": c.rec.transport, "connects": c.rec.connects, "closes": close_counts(c.rec.closes)}
+                for c in self.clients
+            },
+            "published": {
+                "ring_accepted": {t: {p: len(ns) for p, ns in v.items()} for t, v in self.acc.ring.items()},
+                "private_accepted": {f"{u}/{t}": len(v) for (u, t), v in self.acc.private.items()},
+                "refused": dict(self.acc.refused),
+                "uncertain": dict(self.acc.uncertain),
+            },
             "growth": growth(self.samples, self.warmup),
             "samples": self.samples,
             "logs": scan_logs([n.dir / "gateway.log" for n in self.nodes]),
@@ -681,8 +790,9 @@ def recovery(faults: list[FaultRecord], clients: list[Any]) -> dict[str, Any]:
     per: dict[str, dict[str, Any]] = {}
     for i, f in enumerate(faults):
         window_end = faults[i + 1].start if i + 1 < len(faults) else float("inf")
-        entry = per.setdefault(f.name, {"times": [], "unserved": 0, "losses": {}, "lost_seqs": 0, "closes": {},
-                                        "count": 0, "duration_s": []})
+        entry = per.setdefault(
+            f.name, {"times": [], "unserved": 0, "losses": {}, "lost_seqs": 0, "closes": {}, "count": 0, "duration_s": []}
+        )
         entry["count"] += 1
         entry["duration_s"].append(f.healed - f.start)
         for c in clients:
@@ -692,8 +802,12 @@ def recovery(faults: list[FaultRecord], clients: list[Any]) -> dict[str, Any]:
                     t = e.get("t", 0.0)
                     if not (f.start <= t < window_end):
                         continue
-                    if e["ev"] == "msg" and topic != PRIVATE and isinstance(e["data"], dict) and \
-                            e["data"].get("t", 0) >= f.healed:
+                    if (
+                        e["ev"] == "msg"
+                        and topic != PRIVATE
+                        and isinstance(e["data"], dict)
+                        and e["data"].get("t", 0) >= f.healed
+                    ):
                         first = t if first is None else min(first, t)
                         break
                     if e["ev"] == "loss":
@@ -712,8 +826,11 @@ def recovery(faults: list[FaultRecord], clients: list[Any]) -> dict[str, Any]:
     for name, e in per.items():
         times = e.pop("times")
         e["duration_s"] = round(statistics.mean(e["duration_s"]), 2)
-        e["recovery_s"] = ({"p50": round(_pct(times, 0.5), 3), "p99": round(_pct(times, 0.99), 3),
-                            "max": round(max(times), 3), "n": len(times)} if times else None)
+        e["recovery_s"] = (
+            {"p50": round(_pct(times, 0.5), 3), "p99": round(_pct(times, 0.99), 3), "max": round(max(times), 3), "n": len(times)}
+            if times
+            else None
+        )
         out[name] = e
     return out
 
@@ -764,30 +881,37 @@ def report(result: dict[str, Any]) -> str:
     check = result["check"]
     lines.append(f"violations: {len(check['violations'])}")
     for v in check["violations"][:50]:
-        lines.append(f"  {v['kind']}: client {v['client']} topic {v['topic']} [{v['from_seq']}, {v['to_seq']}) "
-                     f"{v['detail']}")
+        lines.append(f"  {v['kind']}: client {v['client']} topic {v['topic']} [{v['from_seq']}, {v['to_seq']}) {v['detail']}")
     if check["expected_losses"]:
         lines.append(f"expected (documented) losses: {len(check['expected_losses'])}")
     lines.append("recovery per fault (s from the fault's end to a message published after it, per client):")
-    lines.append(f"  {'fault':14} {'n':>2} {'lasts':>6} {'p50':>7} {'p99':>7} {'max':>7} {'unserved':>8}  "
-                 "loss notices (seqs)  closes")
+    lines.append(
+        f"  {'fault':14} {'n':>2} {'lasts':>6} {'p50':>7} {'p99':>7} {'max':>7} {'unserved':>8}  loss notices (seqs)  closes"
+    )
     for name, e in result["recovery"].items():
         r = e["recovery_s"] or {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
         losses = ", ".join(f"{k} {v}" for k, v in sorted(e["losses"].items())) or "-"
         closes = ", ".join(f"{k}: {v}" for k, v in sorted(e["closes"].items())) or "-"
-        lines.append(f"  {name:14} {e['count']:>2} {e['duration_s']:>6.1f} {r['p50']:>7.3f} {r['p99']:>7.3f} "
-                     f"{r['max']:>7.3f} {e['unserved']:>8}  {losses} ({e['lost_seqs']})  {closes}")
+        lines.append(
+            f"  {name:14} {e['count']:>2} {e['duration_s']:>6.1f} {r['p50']:>7.3f} {r['p99']:>7.3f} "
+            f"{r['max']:>7.3f} {e['unserved']:>8}  {losses} ({e['lost_seqs']})  {closes}"
+        )
     lines.append("growth after warm-up (first vs last samples):")
     for key, g in result["growth"].items():
-        parts = [f"{m} {g[m]['start']}->{g[m]['end']} ({g[m]['growth_pct']:+.1f}%)"
-                 for m in ("rss", "fds", "tasks", "used_memory") if m in g]
+        parts = [
+            f"{m} {g[m]['start']}->{g[m]['end']} ({g[m]['growth_pct']:+.1f}%)"
+            for m in ("rss", "fds", "tasks", "used_memory")
+            if m in g
+        ]
         lines.append(f"  {key:24} {g['span_s']:>6.0f} s  " + ", ".join(parts))
     lines.append(f"log lines with a traceback or ERROR: {result['logs']['bad_lines']}")
     for line in result["logs"]["first"][:10]:
         lines.append(f"  {line}")
     pub = result["published"]
-    lines.append(f"published: ring {pub['ring_accepted']}, private {pub['private_accepted']}, refused "
-                 f"{pub['refused']}, uncertain {pub['uncertain']}")
+    lines.append(
+        f"published: ring {pub['ring_accepted']}, private {pub['private_accepted']}, refused "
+        f"{pub['refused']}, uncertain {pub['uncertain']}"
+    )
     return "\n".join(lines)
 
 
@@ -801,18 +925,29 @@ def parse_faults(text: str, known: tuple[str, ...] = FAULTS) -> list[str]:
     return names
 
 
-def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_s: float = 5.0,
-        warmup: float | None = None, keep: bool = False, workers: int = 1, pause: tuple[float, float] = (6.0, 9.0),
-        settle_s: float | None = None, rounds: int | None = None, tail_s: float = 14.0,
-        idle_samples: int = 0, redis: str = "single") -> dict[str, Any]:
+def run(
+    duration: float,
+    faults: list[str],
+    out: Path | None,
+    seed: int,
+    sample_s: float = 5.0,
+    warmup: float | None = None,
+    keep: bool = False,
+    workers: int = 1,
+    pause: tuple[float, float] = (6.0, 9.0),
+    settle_s: float | None = None,
+    rounds: int | None = None,
+    tail_s: float = 14.0,
+    idle_samples: int = 0,
+    redis: str = "single",
+) -> dict[str, Any]:
     """`duration` bounds the run; with `rounds` it ends once the fault list ran that many times (and `tail_s`
     seconds of traffic after). `settle_s`: after each fault, wait until every client is served again (at most
     that long) before the `pause` (seconds, drawn between the two bounds). `idle_samples`: samples taken 1 s
     apart once every client left, the last ones of the growth figures (what the run left behind)."""
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     warm = warmup if warmup is not None else min(60.0, max(10.0, duration * 0.15))
-    chaos = Chaos(workdir, duration, faults, seed, sample_s, warm, workers, pause, settle_s, rounds, tail_s,
-                  idle_samples, redis)
+    chaos = Chaos(workdir, duration, faults, seed, sample_s, warm, workers, pause, settle_s, rounds, tail_s, idle_samples, redis)
     try:
         result = asyncio.run(chaos.run())
     finally:
@@ -844,20 +979,32 @@ def run(duration: float, faults: list[str], out: Path | None, seed: int, sample_
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fanout-loadtest chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds (default 1800: the soak)")
-    parser.add_argument("--faults", default="all",
-                        help=f"comma-separated, in turn (default all: {','.join(FAULTS)}; with --redis sentinel:"
-                        f" {','.join(SENTINEL_FAULTS)}; with --redis cluster: {','.join(CLUSTER_FAULTS)}); '' for"
-                        " none")
+    parser.add_argument(
+        "--faults",
+        default="all",
+        help=f"comma-separated, in turn (default all: {','.join(FAULTS)}; with --redis sentinel:"
+        f" {','.join(SENTINEL_FAULTS)}; with --redis cluster: {','.join(CLUSTER_FAULTS)}); '' for"
+        " none",
+    )
     parser.add_argument("--out", type=Path, help="results directory (default results/chaos-TIME)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the pauses between faults")
     parser.add_argument("--sample", type=float, default=5.0, help="seconds between RSS / fd / Redis samples")
-    parser.add_argument("--warmup", type=float, help="seconds before faults and growth counting "
-                        "(default 15%% of the duration, 10 to 60)")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="N > 1: one node with server.workers = N instead of two nodes (node-kill: one worker -9)")
-    parser.add_argument("--redis", choices=("single", "sentinel", "cluster"), default="single",
-                        help="one redis-server (default), a primary, a replica and three sentinels, or a Redis"
-                        " Cluster of three primaries and three replicas")
+    parser.add_argument(
+        "--warmup", type=float, help="seconds before faults and growth counting (default 15%% of the duration, 10 to 60)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="N > 1: one node with server.workers = N instead of two nodes (node-kill: one worker -9)",
+    )
+    parser.add_argument(
+        "--redis",
+        choices=("single", "sentinel", "cluster"),
+        default="single",
+        help="one redis-server (default), a primary, a replica and three sentinels, or a Redis"
+        " Cluster of three primaries and three replicas",
+    )
     args = parser.parse_args(argv)
     try:
         known = {"sentinel": SENTINEL_FAULTS, "cluster": CLUSTER_FAULTS}.get(args.redis, FAULTS)
@@ -868,8 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
         print("redis-server is missing (make redis installs it)", file=sys.stderr)
         return 2
     out = args.out or Path("results") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = run(args.duration, faults, out, args.seed, args.sample, args.warmup, workers=args.workers,
-                 redis=args.redis)
+    result = run(args.duration, faults, out, args.seed, args.sample, args.warmup, workers=args.workers, redis=args.redis)
     print(report(result))
     print(f"written: {out / 'chaos.json'}")
     return 1 if result["check"]["violations"] else 0

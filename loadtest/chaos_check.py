@@ -51,8 +51,7 @@ class Violation:
     detail: str = ""
 
     def __str__(self) -> str:
-        return (f"{self.kind}: client {self.client} topic {self.topic} "
-                f"[{self.from_seq}, {self.to_seq}) {self.detail}").rstrip()
+        return (f"{self.kind}: client {self.client} topic {self.topic} [{self.from_seq}, {self.to_seq}) {self.detail}").rstrip()
 
 
 @dataclass
@@ -65,17 +64,16 @@ class StreamStats:
     closed: dict[str, int] = field(default_factory=dict)
 
 
-def check_stream(client: str, topic: str, kind: str, events: Sequence[Mapping[str, Any]]
-                 ) -> tuple[list[Violation], StreamStats]:
+def check_stream(client: str, topic: str, kind: str, events: Sequence[Mapping[str, Any]]) -> tuple[list[Violation], StreamStats]:
     """Check 1 and 2 (per client) for one client's record of one topic."""
     out: list[Violation] = []
     stats = StreamStats()
     epoch: str | None = None
     nxt: int | None = None
-    epoch_loss_seen = False     # an `epoch` loss since the last `subscribed` (it may precede the new one)
-    need_epoch_loss = False     # a `subscribed` changed the epoch: an `epoch` loss must come before any msg
-    just_subscribed = False     # no msg since the last `subscribed` (redeliveries allowed then)
-    top = -1                    # private: the highest seq had in this epoch (redeliveries stay below it)
+    epoch_loss_seen = False  # an `epoch` loss since the last `subscribed` (it may precede the new one)
+    need_epoch_loss = False  # a `subscribed` changed the epoch: an `epoch` loss must come before any msg
+    just_subscribed = False  # no msg since the last `subscribed` (redeliveries allowed then)
+    top = -1  # private: the highest seq had in this epoch (redeliveries stay below it)
 
     def violation(kind_: str, a: int | None, b: int | None, detail: str = "") -> None:
         out.append(Violation(kind_, client, topic, a, b, detail))
@@ -165,8 +163,9 @@ def check_stream(client: str, topic: str, kind: str, events: Sequence[Mapping[st
     return out, stats
 
 
-def check_consistency(records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
-                      kinds: Mapping[str, str]) -> list[Violation]:
+def check_consistency(
+    records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], kinds: Mapping[str, str]
+) -> list[Violation]:
     """Check 3: the same (topic, epoch, seq) carries the same data for every client (shared topics only)."""
     seen: dict[tuple[str, str, int], tuple[str, Any]] = {}
     out: list[Violation] = []
@@ -182,8 +181,16 @@ def check_consistency(records: Mapping[str, Mapping[str, Sequence[Mapping[str, A
                     key = (topic, epoch, int(e["seq"]))
                     first = seen.setdefault(key, (client, e["data"]))
                     if first[1] != e["data"]:
-                        out.append(Violation("mismatch", client, topic, key[2], key[2] + 1,
-                                             f"epoch {epoch}: {e['data']!r} here, {first[1]!r} at {first[0]}"))
+                        out.append(
+                            Violation(
+                                "mismatch",
+                                client,
+                                topic,
+                                key[2],
+                                key[2] + 1,
+                                f"epoch {epoch}: {e['data']!r} here, {first[1]!r} at {first[0]}",
+                            )
+                        )
     return out
 
 
@@ -193,9 +200,14 @@ def _payload(data: Any) -> tuple[str, int] | None:
     return None
 
 
-def check_private(user: str, topic: str, streams: Mapping[str, Sequence[Mapping[str, Any]]],
-                  accepted: Iterable[tuple[str, int, float]], wipes: Sequence[float] = (),
-                  wipe_window_s: float = 1.0) -> tuple[list[Violation], list[Violation]]:
+def check_private(
+    user: str,
+    topic: str,
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    accepted: Iterable[tuple[str, int, float]],
+    wipes: Sequence[float] = (),
+    wipe_window_s: float = 1.0,
+) -> tuple[list[Violation], list[Violation]]:
     """Check 2 (per user): ``streams`` are the user's clients' records of ``topic``; ``accepted`` the
     (publisher, n, accepted at) of every publish to this user's queue a publisher was told was accepted.
     Returns (violations, expected losses)."""
@@ -214,8 +226,16 @@ def check_private(user: str, topic: str, streams: Mapping[str, Sequence[Mapping[
                 continue
             delivered[key] = delivered.get(key, 0) + 1
             if key[1] < order.get(f"{client}/{key[0]}", -1):
-                out.append(Violation("private_order", client, topic, key[1], key[1] + 1,
-                                     f"user {user}: publisher {key[0]} n={key[1]} after a later one"))
+                out.append(
+                    Violation(
+                        "private_order",
+                        client,
+                        topic,
+                        key[1],
+                        key[1] + 1,
+                        f"user {user}: publisher {key[0]} n={key[1]} after a later one",
+                    )
+                )
             order[f"{client}/{key[0]}"] = max(order.get(f"{client}/{key[0]}", -1), key[1])
     expected: list[Violation] = []
     missing: dict[str, list[int]] = defaultdict(list)
@@ -225,15 +245,31 @@ def check_private(user: str, topic: str, streams: Mapping[str, Sequence[Mapping[
         if any(t >= at for t in lost_at):
             continue  # announced: the queue was closed `lost` after it was accepted
         if any(0 <= w - at <= wipe_window_s for w in wipes):
-            expected.append(Violation("private_lost_in_wipe", user, topic, n, n + 1,
-                                      f"publisher {pub}: accepted {min(w - at for w in wipes if w >= at):.3f} s "
-                                      "before Redis lost its data (docs/cluster.md §8)"))
+            expected.append(
+                Violation(
+                    "private_lost_in_wipe",
+                    user,
+                    topic,
+                    n,
+                    n + 1,
+                    f"publisher {pub}: accepted {min(w - at for w in wipes if w >= at):.3f} s "
+                    "before Redis lost its data (docs/cluster.md §8)",
+                )
+            )
             continue
         missing[pub].append(n)
     for pub, ns in missing.items():
         for a, b in _runs(sorted(ns)):
-            out.append(Violation("private_missing", user, topic, a, b,
-                                 f"publisher {pub}: accepted, never delivered to any connection of the user"))
+            out.append(
+                Violation(
+                    "private_missing",
+                    user,
+                    topic,
+                    a,
+                    b,
+                    f"publisher {pub}: accepted, never delivered to any connection of the user",
+                )
+            )
     return out, expected
 
 
@@ -248,8 +284,12 @@ def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def check_ring_holds(topic: str, ring: Sequence[Mapping[str, Any]], accepted: Mapping[str, Iterable[int]],
-                     unknown: Mapping[str, Iterable[int]] | None = None) -> list[Violation]:
+def check_ring_holds(
+    topic: str,
+    ring: Sequence[Mapping[str, Any]],
+    accepted: Mapping[str, Iterable[int]],
+    unknown: Mapping[str, Iterable[int]] | None = None,
+) -> list[Violation]:
     """Check 4: ``ring`` is the topic's retained messages at the end (``msg`` events of one epoch, in seq
     order); ``accepted`` maps each publisher to the payload numbers it was told were accepted on this topic;
     ``unknown`` to those whose outcome it never learned (it gave up waiting, or was refused after the record
@@ -270,8 +310,16 @@ def check_ring_holds(topic: str, ring: Sequence[Mapping[str, Any]], accepted: Ma
         oldest = min(ns)
         missing = sorted(n for n in set(accepted.get(pub, ())) if n > oldest and n not in present)
         for a, b in _runs(missing):
-            out.append(Violation("ring_missing", "ring", topic, a, b,
-                                 f"publisher {pub}: accepted, newer than n={oldest} the ring holds, not in it"))
+            out.append(
+                Violation(
+                    "ring_missing",
+                    "ring",
+                    topic,
+                    a,
+                    b,
+                    f"publisher {pub}: accepted, newer than n={oldest} the ring holds, not in it",
+                )
+            )
     return out
 
 
@@ -282,16 +330,23 @@ class CheckResult:
     streams: dict[str, dict[str, StreamStats]]
 
     def as_json(self) -> dict[str, Any]:
-        return {"violations": [asdict(v) for v in self.violations],
-                "expected_losses": [asdict(v) for v in self.expected],
-                "streams": {c: {t: asdict(s) for t, s in ts.items()} for c, ts in self.streams.items()}}
+        return {
+            "violations": [asdict(v) for v in self.violations],
+            "expected_losses": [asdict(v) for v in self.expected],
+            "streams": {c: {t: asdict(s) for t, s in ts.items()} for c, ts in self.streams.items()},
+        }
 
 
-def check_all(records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], kinds: Mapping[str, str],
-              users: Mapping[str, str], private_accepted: Mapping[tuple[str, str], Iterable[tuple[str, int, float]]],
-              rings: Mapping[str, Sequence[Mapping[str, Any]]], ring_accepted: Mapping[str, Mapping[str, Iterable[int]]],
-              wipes: Sequence[float] = (),
-              ring_unknown: Mapping[str, Mapping[str, Iterable[int]]] | None = None) -> CheckResult:
+def check_all(
+    records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+    kinds: Mapping[str, str],
+    users: Mapping[str, str],
+    private_accepted: Mapping[tuple[str, str], Iterable[tuple[str, int, float]]],
+    rings: Mapping[str, Sequence[Mapping[str, Any]]],
+    ring_accepted: Mapping[str, Mapping[str, Iterable[int]]],
+    wipes: Sequence[float] = (),
+    ring_unknown: Mapping[str, Mapping[str, Iterable[int]]] | None = None,
+) -> CheckResult:
     """Every check over a whole run. ``records``: client -> topic -> events; ``kinds``: topic -> kind;
     ``users``: client -> user (clients holding private queues); ``private_accepted``: (user, topic) ->
     accepted publishes; ``rings``: topic -> its messages at the end; ``ring_accepted``: topic -> publisher

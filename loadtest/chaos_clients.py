@@ -71,8 +71,7 @@ class Recorder:
 def lost_queues(entries: list[dict[str, Any]], private: Collection[str]) -> list[str]:
     """The private topics whose queue Redis lost (`closed`, reason `lost`): docs/protocol.md says to
     subscribe again, for a new queue that holds what is published from then on."""
-    return [e["topic"] for e in entries
-            if e.get("type") == "closed" and e.get("reason") == "lost" and e.get("topic") in private]
+    return [e["topic"] for e in entries if e.get("type") == "closed" and e.get("reason") == "lost" and e.get("topic") in private]
 
 
 class BaseClient:
@@ -87,8 +86,8 @@ class BaseClient:
         self.rec = Recorder(name, self.transport, user)
         self.streams = {t: Stream(t) for t in topics}
         self.stop_event = asyncio.Event()
-        self.stall_until = 0.0          # a slow reader: do not read until then
-        self.kick = asyncio.Event()      # drop the connection now (a reconnect storm)
+        self.stall_until = 0.0  # a slow reader: do not read until then
+        self.kick = asyncio.Event()  # drop the connection now (a reconnect storm)
         self._turn = random.randrange(len(urls))
 
     def next_url(self) -> str:
@@ -124,8 +123,15 @@ class WsClient(BaseClient):
 
     transport = "ws"
 
-    def __init__(self, name: str, urls: list[str], topics: list[str], token: str | None = None,
-                 user: str | None = None, private: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        topics: list[str],
+        token: str | None = None,
+        user: str | None = None,
+        private: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(name, urls, topics, user)
         self.token = token
         self.private = set(private)
@@ -143,8 +149,7 @@ class WsClient(BaseClient):
 
     async def session(self, url: str) -> None:
         ws_url = url.replace("http://", "ws://") + "/ws" + (f"?token={self.token}" if self.token else "")
-        async with ws_connect(ws_url, max_size=None, compression=None, open_timeout=5, ping_interval=None,
-                              close_timeout=1) as ws:
+        async with ws_connect(ws_url, max_size=None, compression=None, open_timeout=5, ping_interval=None, close_timeout=1) as ws:
             self.ws = ws
             self.rec.connects += 1
             cmds = [self.command(t) for t in self.topics if t not in self.private or t in self.holds]
@@ -188,8 +193,15 @@ class SseClient(BaseClient):
 
     transport = "sse"
 
-    def __init__(self, name: str, urls: list[str], topics: list[str], token: str | None = None,
-                 user: str | None = None, private: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        topics: list[str],
+        token: str | None = None,
+        user: str | None = None,
+        private: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(name, urls, topics, user)
         self.token = token
         self.private = private
@@ -270,8 +282,15 @@ class LpClient(BaseClient):
 
     transport = "lp"
 
-    def __init__(self, name: str, urls: list[str], topics: list[str], token: str | None = None,
-                 user: str | None = None, private: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        topics: list[str],
+        token: str | None = None,
+        user: str | None = None,
+        private: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(name, urls, topics, user)
         self.token = token
         self.private = set(private)
@@ -314,8 +333,9 @@ class LpClient(BaseClient):
                         self.rec.entries(body["entries"], self.streams)
                         ack = body["batch"]
                         if lost := lost_queues(body["entries"], self.private):
-                            await http.post(f"{url}/lp/{sid}", content=orjson.dumps(
-                                [{"op": "subscribe", "topic": t} for t in lost]))
+                            await http.post(
+                                f"{url}/lp/{sid}", content=orjson.dumps([{"op": "subscribe", "topic": t} for t in lost])
+                            )
             finally:
                 if self.kick.is_set() or self.stop_event.is_set():
                     with contextlib.suppress(httpx.HTTPError):
@@ -329,8 +349,7 @@ class LibClient:
 
     transport = "fanout_client"
 
-    def __init__(self, name: str, url: str, topics: list[str], token: str | None = None,
-                 user: str | None = None) -> None:
+    def __init__(self, name: str, url: str, topics: list[str], token: str | None = None, user: str | None = None) -> None:
         self.name = name
         self.url = url
         self.topics = topics
@@ -351,8 +370,9 @@ class LibClient:
             elif state == "connected":
                 self.rec.connects += 1
 
-        async with fanout_client.connect(self.url, token=token, max_queued_events=4096, on_state=on_state,
-                                         ping_interval=3.0, ping_timeout=3.0, backoff_max=2.0) as client:
+        async with fanout_client.connect(
+            self.url, token=token, max_queued_events=4096, on_state=on_state, ping_interval=3.0, ping_timeout=3.0, backoff_max=2.0
+        ) as client:
             self.client = client
 
             async def consume(topic: str) -> None:
@@ -462,11 +482,19 @@ class IngestPublisher:
 class AdminPublisher:
     """The admin API: one message at a time to ring and snapshot topics, and to users' private queues."""
 
-    def __init__(self, name: str, urls: list[str], token: str, ring: list[str], snapshot: list[str],
-                 private: list[tuple[str, str]], rate: float, acc: Accepted) -> None:
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        token: str,
+        ring: list[str],
+        snapshot: list[str],
+        private: list[tuple[str, str]],
+        rate: float,
+        acc: Accepted,
+    ) -> None:
         self.name, self.urls, self.token, self.acc, self.rate = name, urls, token, acc, rate
-        self.targets: list[tuple[str, str | None]] = ([(t, None) for t in ring + snapshot]
-                                                      + [(t, u) for u, t in private])
+        self.targets: list[tuple[str, str | None]] = [(t, None) for t in ring + snapshot] + [(t, u) for u, t in private]
         self.private_topics = {t for _, t in private}
         self.stop_event = asyncio.Event()
         self.counters: dict[str, itertools.count[int]] = defaultdict(itertools.count)
@@ -512,8 +540,10 @@ async def ws_burst(url: str, topic: str, count: int, acc: Accepted, name: str = 
     answers: dict[str, int] = defaultdict(int)
     async with ws_connect(url.replace("http://", "ws://") + "/ws", compression=None, open_timeout=5) as ws:
         for start in range(0, count, 100):
-            cmds = [{"op": "publish", "topic": topic, "id": n,
-                     "data": {"p": name, "n": n, "t": time.time()}} for n in range(start, min(count, start + 100))]
+            cmds = [
+                {"op": "publish", "topic": topic, "id": n, "data": {"p": name, "n": n, "t": time.time()}}
+                for n in range(start, min(count, start + 100))
+            ]
             await ws.send(orjson.dumps(cmds).decode())
         pending = count
         deadline = time.monotonic() + 15

@@ -68,9 +68,12 @@ anonymous = true
 """)
         ready = workdir / "ready.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config),
-                                      "--ready-file", str(ready)], env=env,
-                                     stdout=open(workdir / "gateway.log", "ab"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
+            env=env,
+            stdout=open(workdir / "gateway.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -89,8 +92,9 @@ anonymous = true
                 self.proc.kill()
 
 
-async def _subscriber(port: int, topics: list[str], counts: list[int], latencies: list[float],
-                      ready: asyncio.Event, want: int, stop: asyncio.Event) -> None:
+async def _subscriber(
+    port: int, topics: list[str], counts: list[int], latencies: list[float], ready: asyncio.Event, want: int, stop: asyncio.Event
+) -> None:
     async with connect(f"ws://127.0.0.1:{port}/ws", max_size=None, compression=None) as ws:
         for topic in topics:
             await ws.send(orjson.dumps({"op": "subscribe", "topic": topic}).decode())
@@ -122,9 +126,12 @@ async def _publish(port: int, topics: list[str], rate: float, duration: float) -
         due = int(elapsed * rate) - sent
         if due > 0:
             now = time.time()
-            writer.write(b"".join(orjson.dumps({"topic": topics[(sent + i) % len(topics)],
-                                                "data": {"t": now, "pad": "x" * 64}}) + b"\n"
-                                  for i in range(due)))
+            writer.write(
+                b"".join(
+                    orjson.dumps({"topic": topics[(sent + i) % len(topics)], "data": {"t": now, "pad": "x" * 64}}) + b"\n"
+                    for i in range(due)
+                )
+            )
             sent += due
             await writer.drain()
         await asyncio.sleep(tick)
@@ -135,15 +142,27 @@ async def _publish(port: int, topics: list[str], rate: float, duration: float) -
     return sent
 
 
-async def _load(sub_ports: list[int], pub_port: int, pids: list[int], clients: int, topics: int,
-                per_client: int, rate: float, duration: float) -> dict:
+async def _load(
+    sub_ports: list[int], pub_port: int, pids: list[int], clients: int, topics: int, per_client: int, rate: float, duration: float
+) -> dict:
     names = [f"bench.{i}" for i in range(topics)]
     counts = [0, 0]
     latencies: list[float] = []
     ready, stop = asyncio.Event(), asyncio.Event()
-    tasks = [asyncio.create_task(_subscriber(sub_ports[i % len(sub_ports)],
-                                             [names[(i + k) % topics] for k in range(per_client)],
-                                             counts, latencies, ready, clients, stop)) for i in range(clients)]
+    tasks = [
+        asyncio.create_task(
+            _subscriber(
+                sub_ports[i % len(sub_ports)],
+                [names[(i + k) % topics] for k in range(per_client)],
+                counts,
+                latencies,
+                ready,
+                clients,
+                stop,
+            )
+        )
+        for i in range(clients)
+    ]
     await within(ready.wait(), 60)
     cpu0 = sum(_cpu(p) for p in pids)
     t0 = time.monotonic()
@@ -156,9 +175,12 @@ async def _load(sub_ports: list[int], pub_port: int, pids: list[int], clients: i
     latencies.sort()
     delivered = counts[0]
     return {
-        "published": sent, "delivered": delivered, "deliveries_per_s": delivered / elapsed,
+        "published": sent,
+        "delivered": delivered,
+        "deliveries_per_s": delivered / elapsed,
         "expected": sent * clients * per_client // topics,
-        "cpu_s": cpu, "cpu_us_per_delivery": cpu / max(1, delivered) * 1e6,
+        "cpu_s": cpu,
+        "cpu_us_per_delivery": cpu / max(1, delivered) * 1e6,
         "p50_ms": latencies[len(latencies) // 2] * 1e3 if latencies else None,
         "p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3 if latencies else None,
     }
@@ -183,8 +205,7 @@ async def _recovery(a: Gateway, b: Gateway, messages: int) -> dict:
     writer.write(b"".join(orjson.dumps({"topic": topic, "data": {"t": i}}) + b"\n" for i in range(messages)))
     await writer.drain()
     async with connect(f"ws://127.0.0.1:{b.port}/ws", compression=None) as ws:
-        await ws.send(orjson.dumps({"op": "subscribe", "topic": topic,
-                                    "since": {"epoch": epoch, "seq": last + 1}}).decode())
+        await ws.send(orjson.dumps({"op": "subscribe", "topic": topic, "since": {"epoch": epoch, "seq": last + 1}}).decode())
         got, lost = 0, 0
         while got + lost < messages:
             for e in orjson.loads(await ws.recv()):
@@ -210,28 +231,36 @@ def main(argv: list[str] | None = None) -> int:
     assert redis.proc is not None  # started
     redis_pid = redis.proc.pid
     load = (args.clients, args.topics, args.per_client, args.rate, args.duration)
-    print(f"load: {args.clients} clients x {args.per_client} of {args.topics} topics, {args.rate:g} publishes/s"
-          f" for {args.duration:g} s (TCP ingest), ring capacity 1024")
+    print(
+        f"load: {args.clients} clients x {args.per_client} of {args.topics} topics, {args.rate:g} publishes/s"
+        f" for {args.duration:g} s (TCP ingest), ring capacity 1024"
+    )
     try:
-        for label, broker, workers in (("1 worker, in-process", "", 1), ("1 worker, Redis", redis.url, 1),
-                                       ("2 workers, Redis", redis.url, 2)):
+        for label, broker, workers in (
+            ("1 worker, in-process", "", 1),
+            ("1 worker, Redis", redis.url, 1),
+            ("2 workers, Redis", redis.url, 2),
+        ):
             gw = Gateway(workdir / label.replace(" ", "").replace(",", "-"), broker, workers)
             try:
                 redis_cpu0 = _cpu(redis_pid)
                 figures = asyncio.run(_load([gw.port], gw.ingest_port, [gw.proc.pid], *load))
                 figures["redis_cpu_s"] = _cpu(redis_pid) - redis_cpu0
-                print(f"{label:24} " + json.dumps({k: round(v, 2) if isinstance(v, float) else v
-                                                   for k, v in figures.items()}))
+                print(f"{label:24} " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in figures.items()}))
             finally:
                 gw.stop()
         a, b = Gateway(workdir / "a", redis.url), Gateway(workdir / "b", redis.url)
         try:
             figures = asyncio.run(_load([a.port], b.ingest_port, [a.proc.pid, b.proc.pid], *load))
-            print(f"{'cross-node (sub A, pub B)':24} p50 {figures['p50_ms']:.2f} ms, p99 {figures['p99_ms']:.2f} ms,"
-                  f" {figures['deliveries_per_s']:.0f} deliveries/s")
+            print(
+                f"{'cross-node (sub A, pub B)':24} p50 {figures['p50_ms']:.2f} ms, p99 {figures['p99_ms']:.2f} ms,"
+                f" {figures['deliveries_per_s']:.0f} deliveries/s"
+            )
             rec = asyncio.run(_recovery(a, b, 500))
-            print(f"{'recovery after kill -9':24} {rec['recovery_ms']:.0f} ms to reconnect to B and recover"
-                  f" {rec['recovered']} messages ({rec['announced_lost']} announced lost)")
+            print(
+                f"{'recovery after kill -9':24} {rec['recovery_ms']:.0f} ms to reconnect to B and recover"
+                f" {rec['recovered']} messages ({rec['announced_lost']} announced lost)"
+            )
         finally:
             a.stop()
             b.stop()

@@ -73,30 +73,34 @@ def measure(shards: int, topics: int, per_topic: int, concurrency: int = 16) -> 
         cluster = ClusterTopology(Path(tmp) / "cluster", shards=shards)
         cluster.start()
         try:
-            with run_gateway(broker={"cluster_addresses": cluster.addresses}, server={"admin_token": ADMIN},
-                             topics={"rules": [{"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True}]}
-                             ) as gw:
+            with run_gateway(
+                broker={"cluster_addresses": cluster.addresses},
+                server={"admin_token": ADMIN},
+                topics={"rules": [{"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True}]},
+            ) as gw:
                 base = f"http://127.0.0.1:{gw.http_port}"
                 loop_result = asyncio.run(_run(base, names, per_topic, cluster, concurrency))
             primaries = cluster.primaries()
-            return {"shards": shards, "topics": topics, "concurrency": concurrency,
-                    "publishes": loop_result["published"],
-                    "keys_per_shard": shape([int(p.command("DBSIZE").lstrip(":")) for p in primaries]),
-                    "channels_per_shard": shape(loop_result["channels"]),
-                    "redis_cpu_us_per_publish": round(loop_result["cpu"] / max(1, loop_result["published"]) * 1e6, 2),
-                    "publish_s": loop_result["publish_s"]}
+            return {
+                "shards": shards,
+                "topics": topics,
+                "concurrency": concurrency,
+                "publishes": loop_result["published"],
+                "keys_per_shard": shape([int(p.command("DBSIZE").lstrip(":")) for p in primaries]),
+                "channels_per_shard": shape(loop_result["channels"]),
+                "redis_cpu_us_per_publish": round(loop_result["cpu"] / max(1, loop_result["published"]) * 1e6, 2),
+                "publish_s": loop_result["publish_s"],
+            }
         finally:
             cluster.stop()
 
 
-async def _run(base: str, names: list[str], per_topic: int, cluster: ClusterTopology,
-               concurrency: int) -> dict[str, Any]:
+async def _run(base: str, names: list[str], per_topic: int, cluster: ClusterTopology, concurrency: int) -> dict[str, Any]:
     await publish_all(base, names, 1)  # the admin API creates the topics (a client may create only a few)
     ws = await subscribe_all(base.replace("http", "ws") + "/ws", names)
     try:
         primaries = cluster.primaries()
-        channels = [len([c for c in p.reply("PUBSUB", "SHARDCHANNELS").split("\r\n") if "{bench." in c])
-                    for p in primaries]
+        channels = [len([c for c in p.reply("PUBSUB", "SHARDCHANNELS").split("\r\n") if "{bench." in c]) for p in primaries]
         idle = sum(cpu_s(p) for p in primaries)
         await asyncio.sleep(IDLE_S)  # what the primaries spend doing nothing (cluster bus, cron, probes)
         before = sum(cpu_s(p) for p in primaries)

@@ -32,7 +32,7 @@ def key_slot(key: str) -> int:
     if start >= 0:
         end = key.find("}", start + 1)
         if end > start + 1:
-            key = key[start + 1:end]
+            key = key[start + 1 : end]
     crc = 0
     for byte in key.encode():
         crc ^= byte << 8
@@ -49,11 +49,22 @@ class ClusterNodeProcess(RedisProcess):
         super().__init__(workdir, extra=self._options())
 
     def _options(self) -> tuple[str, ...]:
-        return ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-port", str(self.bus_port),
-                # a replica in sync at once (not after diskless sync's 5 s wait), and promoted however long it
-                # was cut off (a chaos run's faults follow one another)
-                "--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0")
+        return (
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            str(NODE_TIMEOUT_MS),
+            "--cluster-port",
+            str(self.bus_port),
+            # a replica in sync at once (not after diskless sync's 5 s wait), and promoted however long it
+            # was cut off (a chaos run's faults follow one another)
+            "--repl-diskless-sync-delay",
+            "0",
+            "--cluster-replica-validity-factor",
+            "0",
+        )
 
     def pick_ports(self) -> None:
         super().pick_ports()
@@ -107,8 +118,20 @@ class ClusterTopology:
             time.sleep(0.1)
 
     def create(self) -> None:
-        subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
-                        "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                REDIS_CLI,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
 
     def live(self) -> list[ClusterNodeProcess]:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
@@ -117,7 +140,8 @@ class ClusterTopology:
         """Every live node says `cluster_state:ok` and every live replica is in sync with its primary."""
         try:
             return all("cluster_state:ok" in n.reply("CLUSTER", "INFO") for n in self.live()) and all(
-                "master_link_status:up" in n.reply("INFO", "replication") for n in self.live() if n.role() == "slave")
+                "master_link_status:up" in n.reply("INFO", "replication") for n in self.live() if n.role() == "slave"
+            )
         except OSError:
             return False
 
@@ -159,8 +183,9 @@ class ClusterTopology:
             raise RuntimeError("the replica did not catch up")
         # one connection for both: once the password is set, a new connection could not run the second
         with socket.create_connection(("127.0.0.1", primary.port), timeout=2) as sock:
-            sock.sendall(command("CONFIG", "SET", "requirepass", "replicas-keep-out")
-                         + command("CLIENT", "KILL", "TYPE", "replica"))
+            sock.sendall(
+                command("CONFIG", "SET", "requirepass", "replicas-keep-out") + command("CLIENT", "KILL", "TYPE", "replica")
+            )
             answer = b""
             while answer.count(b"\r\n") < 2:
                 answer += sock.recv(4096)
@@ -195,8 +220,7 @@ class ClusterTopology:
         """Move `slot` to `target` (a primary) with its keys, as `redis-cli --cluster reshard` does. Returns
         how many keys moved."""
         source = self.primary_of(slot)
-        source_id, target_id = self.cli(source.port, "CLUSTER", "MYID").strip(), \
-            self.cli(target.port, "CLUSTER", "MYID").strip()
+        source_id, target_id = self.cli(source.port, "CLUSTER", "MYID").strip(), self.cli(target.port, "CLUSTER", "MYID").strip()
         self.cli(target.port, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", source_id)
         self.cli(source.port, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", target_id)
         moved = 0

@@ -27,10 +27,17 @@ from loadtest import analysis, nchan, report, runner
 from loadtest.scenarios import Scenario
 
 
-def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds: int = 1,
-            console: Console | None = None, progress: bool = True,
-            others: dict[str, runner.TargetFactory] | None = None, with_nchan: bool = True,
-            **options: Any) -> dict[str, Any]:
+def compare(
+    scenario: Scenario,
+    gateway: runner.TargetFactory,
+    out: Path,
+    rounds: int = 1,
+    console: Console | None = None,
+    progress: bool = True,
+    others: dict[str, runner.TargetFactory] | None = None,
+    with_nchan: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
     """Run ``scenario`` against the gateway, nginx + nchan (unless not ``with_nchan``) and ``others`` (label ->
     factory: the bare server, the gateway with more workers), alternating, and print each figure's median per
     target with the ratio of every other target to nchan (to the gateway without nchan)."""
@@ -38,12 +45,15 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
     if with_nchan:
         nchan.ensure_installed(console)
     if scenario.batch_depth != 1 or scenario.linger:
-        console.print(f"gateway: batch_depth {scenario.batch_depth}, linger {scenario.linger} s; nchan has no "
-                      "equivalent (one message per WebSocket frame, sent at once)")
+        console.print(
+            f"gateway: batch_depth {scenario.batch_depth}, linger {scenario.linger} s; nchan has no "
+            "equivalent (one message per WebSocket frame, sent at once)"
+        )
     factories: dict[str, runner.TargetFactory] = {"gateway": gateway}
     if with_nchan:
-        factories["nchan"] = lambda workdir: nchan.NchanServer(workdir, scenario.capacity,
-                                                               deflate=scenario.compression == "deflate")
+        factories["nchan"] = lambda workdir: nchan.NchanServer(
+            workdir, scenario.capacity, deflate=scenario.compression == "deflate"
+        )
     factories.update(others or {})
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in factories}
     for r in range(rounds):
@@ -59,22 +69,40 @@ def compare(scenario: Scenario, gateway: runner.TargetFactory, out: Path, rounds
             columns[f"{label}/{base}"] = ratios(medians[label], medians[base])
     depth = f", gateway batch depth {scenario.batch_depth}" if scenario.batch_depth != 1 else ""
     depth += f", linger {scenario.linger} s" if scenario.linger else ""
-    report.print_comparison(console, columns, f"{scenario.name}: {' vs '.join(factories)} "
-                                              f"(median of {rounds} round{'s' * (rounds > 1)}{depth})",
-                            ratio_columns=len(columns) - len(medians))
-    report.write_overlay(out / "compare_latency_cdf.png",
-                         {label: out / f"{label}-1" / "deliveries.parquet" for label in factories})
-    result = {"scenario": scenario.name, "rounds": rounds, "batch_depth": scenario.batch_depth,
-              "settings": dataclasses.asdict(scenario), "targets": list(factories), "median": medians,
-              "ratios": {label: columns[label] for label in columns if label not in medians}, "runs": runs}
+    report.print_comparison(
+        console,
+        columns,
+        f"{scenario.name}: {' vs '.join(factories)} (median of {rounds} round{'s' * (rounds > 1)}{depth})",
+        ratio_columns=len(columns) - len(medians),
+    )
+    report.write_overlay(
+        out / "compare_latency_cdf.png", {label: out / f"{label}-1" / "deliveries.parquet" for label in factories}
+    )
+    result = {
+        "scenario": scenario.name,
+        "rounds": rounds,
+        "batch_depth": scenario.batch_depth,
+        "settings": dataclasses.asdict(scenario),
+        "targets": list(factories),
+        "median": medians,
+        "ratios": {label: columns[label] for label in columns if label not in medians},
+        "runs": runs,
+    }
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
     return result
 
 
-def compare_depths(scenario: Scenario, depths: list[int | str], gateway: Callable[[int | str], runner.TargetFactory],
-                   out: Path, rounds: int = 1, console: Console | None = None, progress: bool = True,
-                   **options: Any) -> dict[str, Any]:
+def compare_depths(
+    scenario: Scenario,
+    depths: list[int | str],
+    gateway: Callable[[int | str], runner.TargetFactory],
+    out: Path,
+    rounds: int = 1,
+    console: Console | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
     """Run ``scenario`` against the gateway once per batch depth per round, alternating; ``gateway(depth)``
     makes the target factory. Prints the medians side by side, each depth's ratio to the first one, and
     writes ``depths.json`` (every round's figures)."""
@@ -91,21 +119,36 @@ def compare_depths(scenario: Scenario, depths: list[int | str], gateway: Callabl
     first = next(iter(medians))
     columns = dict(medians)
     for label in list(medians)[1:]:
-        columns[f"{label}/{first}"] = {name: (value / medians[first][name] if medians[first][name] else 0.0)
-                                       for name, value in medians[label].items()}
-    report.print_comparison(console, columns, f"{scenario.name}: gateway batch depths "
-                                              f"(median of {rounds} round{'s' * (rounds > 1)})")
-    result = {"scenario": scenario.name, "rounds": rounds, "depths": depths,
-              "settings": dataclasses.asdict(scenario), "median": medians, "runs": runs}
+        columns[f"{label}/{first}"] = {
+            name: (value / medians[first][name] if medians[first][name] else 0.0) for name, value in medians[label].items()
+        }
+    report.print_comparison(
+        console, columns, f"{scenario.name}: gateway batch depths (median of {rounds} round{'s' * (rounds > 1)})"
+    )
+    result = {
+        "scenario": scenario.name,
+        "rounds": rounds,
+        "depths": depths,
+        "settings": dataclasses.asdict(scenario),
+        "median": medians,
+        "runs": runs,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "depths.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
     return result
 
 
-def compare_baseline(scenario: Scenario, gateway: runner.TargetFactory, batches: list[int], out: Path,
-                     rounds: int = 1, console: Console | None = None, progress: bool = True,
-                     **options: Any) -> dict[str, Any]:
+def compare_baseline(
+    scenario: Scenario,
+    gateway: runner.TargetFactory,
+    batches: list[int],
+    out: Path,
+    rounds: int = 1,
+    console: Console | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
     """Run ``scenario`` against the gateway and the bare reference server (loadtest/bare_server.py) at each
     of ``batches`` messages per frame, alternating (gateway, bare 1, bare 8, gateway, ...). Prints the
     medians side by side with the ratio gateway / bare for each batch, and writes ``baseline.json``."""
@@ -123,21 +166,32 @@ def compare_baseline(scenario: Scenario, gateway: runner.TargetFactory, batches:
     for r in range(rounds):
         for label, factory in factories.items():
             console.rule(f"round {r + 1}/{rounds}: {label}")
-            summary = runner.run(scenario, factory, out / f"{label.replace(' ', '-')}-{r + 1}", console, progress,
-                                 **options)
+            summary = runner.run(scenario, factory, out / f"{label.replace(' ', '-')}-{r + 1}", console, progress, **options)
             runs[label].append(analysis.figures(summary))
     medians = _medians(runs, console)
     columns = dict(medians)
     for label in list(medians)[1:]:
-        columns[f"gateway/{label}"] = {name: (value / medians[label][name] if medians[label].get(name) else 0.0)
-                                       for name, value in medians["gateway"].items()}
+        columns[f"gateway/{label}"] = {
+            name: (value / medians[label][name] if medians[label].get(name) else 0.0)
+            for name, value in medians["gateway"].items()
+        }
     depth = f", gateway batch depth {scenario.batch_depth}" if scenario.batch_depth != 1 else ""
-    report.print_comparison(console, columns, f"{scenario.name}: gateway vs the bare server at {batches} "
-                                              f"messages per frame (median of {rounds} round"
-                                              f"{'s' * (rounds > 1)}{depth})")
-    result = {"scenario": scenario.name, "rounds": rounds, "bare_batches": batches,
-              "batch_depth": scenario.batch_depth, "settings": dataclasses.asdict(scenario),
-              "median": medians, "runs": runs}
+    report.print_comparison(
+        console,
+        columns,
+        f"{scenario.name}: gateway vs the bare server at {batches} "
+        f"messages per frame (median of {rounds} round"
+        f"{'s' * (rounds > 1)}{depth})",
+    )
+    result = {
+        "scenario": scenario.name,
+        "rounds": rounds,
+        "bare_batches": batches,
+        "batch_depth": scenario.batch_depth,
+        "settings": dataclasses.asdict(scenario),
+        "median": medians,
+        "runs": runs,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "baseline.json").write_text(json.dumps(result, indent=2))
     console.print(f"results in {out}")
@@ -155,12 +209,15 @@ SATURATED_PCT = 90.0
 
 def _medians(runs: dict[str, list[dict[str, float]]], console: Console) -> dict[str, dict[str, float]]:
     """Each target's median of each figure over its rounds; warns of a target whose load saturated a core."""
-    medians = {label: {name: statistics.median(f[name] for f in figures) for name in figures[0]}
-               for label, figures in runs.items()}
+    medians = {
+        label: {name: statistics.median(f[name] for f in figures) for name in figures[0]} for label, figures in runs.items()
+    }
     for label, figures in medians.items():
         busiest = figures.get("loadgen busiest proc %", 0.0)
         if busiest >= SATURATED_PCT:
-            console.print(f"[yellow]against {label} the busiest load process ran at {busiest:.0f}% of a core: "
-                          "its latency and CPU figures are partly the load tool's; spread the clients with "
-                          "--procs N (docs/loadtest.md)")
+            console.print(
+                f"[yellow]against {label} the busiest load process ran at {busiest:.0f}% of a core: "
+                "its latency and CPU figures are partly the load tool's; spread the clients with "
+                "--procs N (docs/loadtest.md)"
+            )
     return medians

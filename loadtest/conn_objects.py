@@ -47,6 +47,7 @@ INTERESTING = ("/gateway/", "/core/", "/uvicorn/", "/websockets/", "/uvloop/", "
 
 # -- the client side (a child process) ------------------------------------------------------------------------
 
+
 async def _clients(port: int) -> None:
     """Reads commands on stdin: `open K` connects K more clients (each subscribes; answered `ok N` once all
     are subscribed), `close` closes all (answered `ok 0`), end of input ends it."""
@@ -66,8 +67,10 @@ async def _clients(port: int) -> None:
             acked, counter = asyncio.Event(), [0]
             fresh: list[WsClient] = []
             for wave in range(0, count, CONNECT_WAVE):
-                batch = [connect("127.0.0.1", port, "/ws", Subscriber(acked, counter, count))
-                         for _ in range(wave, min(count, wave + CONNECT_WAVE))]
+                batch = [
+                    connect("127.0.0.1", port, "/ws", Subscriber(acked, counter, count))
+                    for _ in range(wave, min(count, wave + CONNECT_WAVE))
+                ]
                 fresh.extend(await asyncio.gather(*batch))
             for i, conn in enumerate(fresh):
                 conn.send_text(b'{"op":"subscribe","topic":"idle.%d"}' % ((len(conns) + i) % TOPICS))
@@ -81,6 +84,7 @@ async def _clients(port: int) -> None:
 
 
 # -- the gateway side ---------------------------------------------------------------------------------------
+
 
 class Crowd:
     """The child process of clients, driven line by line."""
@@ -133,9 +137,9 @@ def _short(filename: str) -> str:
     for key in ("site-packages/", "/gateway/", "/core/", "/loadtest/"):
         at = filename.rfind(key)
         if at >= 0:
-            return filename[at + 1:] if key != "site-packages/" else filename[at + len(key):]
+            return filename[at + 1 :] if key != "site-packages/" else filename[at + len(key) :]
     at = filename.find("/lib/python3.")
-    return filename[filename.index("/", at + 5) + 1:] if at >= 0 else filename
+    return filename[filename.index("/", at + 5) + 1 :] if at >= 0 else filename
 
 
 def _source(trace: tracemalloc.Traceback) -> str:
@@ -144,8 +148,18 @@ def _source(trace: tracemalloc.Traceback) -> str:
 
 
 def _skip(obj: object) -> bool:
-    return isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType,
-                            types.MethodDescriptorType, types.WrapperDescriptorType))
+    return isinstance(
+        obj,
+        (
+            type,
+            types.ModuleType,
+            types.FunctionType,
+            types.BuiltinFunctionType,
+            types.CodeType,
+            types.MethodDescriptorType,
+            types.WrapperDescriptorType,
+        ),
+    )
 
 
 def walk(roots: Iterable[object], before: set[int], stop: set[int]) -> tuple[int, Counter[str], Counter[str]]:
@@ -176,18 +190,27 @@ async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="conn-objects-"))
     config_path = workdir / "gateway.toml"
     config_path.write_text(config_text("conn-objects-admin-token"))
-    config = load_config(config_path, environ={"GATEWAY_SERVER_MAX_CONNECTIONS": str(3 * clients + 1000),
-                                               "GATEWAY_SERVER_LOG_LEVEL": "warning"})
+    config = load_config(
+        config_path, environ={"GATEWAY_SERVER_MAX_CONNECTIONS": str(3 * clients + 1000), "GATEWAY_SERVER_LOG_LEVEL": "warning"}
+    )
     running = await start_gateway(config)
     hub = running.hub
     assert running.server is not None
     connections = running.server.server_state.connections
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "loadtest.conn_objects", "--clients-of-port", str(running.http_port),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, preexec_fn=raise_nofile_limit)
+        sys.executable,
+        "-m",
+        "loadtest.conn_objects",
+        "--clients-of-port",
+        str(running.http_port),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        preexec_fn=raise_nofile_limit,
+    )
     crowd = Crowd(proc)
     result: dict[str, Any] = {"clients": clients}
     try:
+
         async def arrive(count: int) -> None:
             expected = len(hub.clients.conns) + count
             await crowd.command(f"open {count}")
@@ -240,13 +263,18 @@ async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
         by_file = snap_with.compare_to(snap_before, "filename")
         traced = sum(stat.size_diff for stat in by_file)
         result["traced_per_conn"] = traced / clients
-        result["sites"] = [(stat.size_diff / clients, stat.count_diff / clients, _where(stat.traceback),
-                            _source(stat.traceback)) for stat in by_site[:top] if stat.size_diff > 0]
-        result["files"] = [(stat.size_diff / clients, _short(stat.traceback[0].filename))
-                           for stat in by_file[:top] if stat.size_diff > 0]
-        result["types"] = [(name, (types_with[name] - types_before.get(name, 0)) / clients,
-                            sizes_with[name] / max(1, types_with[name]))
-                           for name, _ in (types_with - types_before).most_common(top)]
+        result["sites"] = [
+            (stat.size_diff / clients, stat.count_diff / clients, _where(stat.traceback), _source(stat.traceback))
+            for stat in by_site[:top]
+            if stat.size_diff > 0
+        ]
+        result["files"] = [
+            (stat.size_diff / clients, _short(stat.traceback[0].filename)) for stat in by_file[:top] if stat.size_diff > 0
+        ]
+        result["types"] = [
+            (name, (types_with[name] - types_before.get(name, 0)) / clients, sizes_with[name] / max(1, types_with[name]))
+            for name, _ in (types_with - types_before).most_common(top)
+        ]
         # one connection, object by object
         protos = [c for c in connections if isinstance(c, WebSocketProtocol) and c.connection is not None]
         stop = {id(p) for p in protos} | {id(p.transport) for p in protos} | {id(p.connection) for p in protos}
@@ -276,8 +304,10 @@ def report(result: dict[str, Any]) -> None:
     print(f"{k} idle subscribed WebSocket clients (gateway in this process, clients in a child process)")
     print(f"  RSS per connection:    {result['rss_per_conn']:8.0f} B ({result['rss_per_conn'] / 1024:.2f} KiB)")
     print(f"  traced per connection: {result['traced_per_conn']:8.0f} B (tracemalloc: Python's allocators)")
-    print(f"  untraced:              {result['rss_per_conn'] - result['traced_per_conn']:8.0f} B"
-          " (RSS - traced: glibc overhead, libuv, allocator slack)")
+    print(
+        f"  untraced:              {result['rss_per_conn'] - result['traced_per_conn']:8.0f} B"
+        " (RSS - traced: glibc overhead, libuv, allocator slack)"
+    )
     print("\nby allocation site (bytes and blocks per connection):")
     for size, count, where, line in result["sites"]:
         print(f"  {size:7.0f} B {count:5.2f}  {where}\n{'':20}{line}")
@@ -287,15 +317,18 @@ def report(result: dict[str, Any]) -> None:
     print("\nnew objects by type (gc-tracked: count per connection, mean getsizeof):")
     for name, count, mean in result["types"]:
         print(f"  {count:6.2f} x {mean:6.0f} B  {name}")
-    print(f"\none connection walked from its protocol, transport, WSConnection and core Client:"
-          f" {result['walk_bytes']} B (getsizeof, objects not shared)")
+    print(
+        f"\none connection walked from its protocol, transport, WSConnection and core Client:"
+        f" {result['walk_bytes']} B (getsizeof, objects not shared)"
+    )
     for name, count, size in result["walk"]:
         print(f"  {size:6d} B  {count:3d} x {name}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest conn-objects", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest conn-objects", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clients", type=int, default=2000)
     parser.add_argument("--frames", type=int, default=10, help="tracemalloc frames per allocation")
     parser.add_argument("--top", type=int, default=25, help="lines of each table")

@@ -36,8 +36,16 @@ class DeliveryLog:
 
     def select(self, mask: np.ndarray) -> DeliveryLog:
         """The rows where ``mask`` holds, same name tables."""
-        return DeliveryLog(self.topics, self.clients, self.topic[mask], self.seq[mask], self.client[mask],
-                           self.publish_ns[mask], self.deliver_ns[mask], self.batch_id[mask])
+        return DeliveryLog(
+            self.topics,
+            self.clients,
+            self.topic[mask],
+            self.seq[mask],
+            self.client[mask],
+            self.publish_ns[mask],
+            self.deliver_ns[mask],
+            self.batch_id[mask],
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,9 +201,13 @@ def _covered(a: int, b: int, ranges: list[tuple[int, int]]) -> int:
     return sum(max(0, min(b, e) - max(a, s)) for s, e in ranges)
 
 
-def loss_figures(log: DeliveryLog, notices: Notices, starts: dict[tuple[int, int], int] | None = None,
-                 expected_end: dict[int, int] | None = None,
-                 reading_at_end: set[int] | None = None) -> LossFigures:
+def loss_figures(
+    log: DeliveryLog,
+    notices: Notices,
+    starts: dict[tuple[int, int], int] | None = None,
+    expected_end: dict[int, int] | None = None,
+    reading_at_end: set[int] | None = None,
+) -> LossFigures:
     """Classify every missing seq of every (client, topic) stream as announced or silent.
 
     ``starts`` maps (client, topic) to the first seq the stream promised (the ``subscribed`` entry); without
@@ -239,8 +251,7 @@ def loss_figures(log: DeliveryLog, notices: Notices, starts: dict[tuple[int, int
         is_first[gstart] = True
         # the expected next seq: after the running max, or the promised start for a stream's first row
         first_keys = key[gstart]
-        promised = np.array([starts.get((int(k // n_topics), int(k % n_topics)), -1) for k in first_keys],
-                            dtype=np.int64)
+        promised = np.array([starts.get((int(k // n_topics), int(k % n_topics)), -1) for k in first_keys], dtype=np.int64)
         expected = prev_max + 1
         expected[gstart] = np.where(promised >= 0, promised, seq[gstart])
         duplicates = int(np.count_nonzero(~is_first & (seq <= prev_max)))
@@ -273,9 +284,16 @@ def loss_figures(log: DeliveryLog, notices: Notices, starts: dict[tuple[int, int
             if b > a:
                 undelivered += b - a - _covered(a, b, ranges.get(stream, []))
 
-    return LossFigures(delivered=len(log), announced=announced, silent=silent, silent_gaps=silent_gaps,
-                       duplicates=duplicates, undelivered=undelivered, epoch_resets=epoch_resets,
-                       by_reason=dict(by_reason))
+    return LossFigures(
+        delivered=len(log),
+        announced=announced,
+        silent=silent,
+        silent_gaps=silent_gaps,
+        duplicates=duplicates,
+        undelivered=undelivered,
+        epoch_resets=epoch_resets,
+        by_reason=dict(by_reason),
+    )
 
 
 def ms(stats: dict[str, float]) -> dict[str, float]:

@@ -14,14 +14,16 @@ import pyarrow.parquet as pq
 
 from loadtest.delivery_stats import DeliveryLog
 
-SCHEMA = pa.schema([
-    ("topic", pa.string()),
-    ("seq", pa.int64()),
-    ("client", pa.string()),
-    ("publish_ns", pa.int64()),
-    ("deliver_ns", pa.int64()),
-    ("batch_id", pa.int64()),
-])
+SCHEMA = pa.schema(
+    [
+        ("topic", pa.string()),
+        ("seq", pa.int64()),
+        ("client", pa.string()),
+        ("publish_ns", pa.int64()),
+        ("deliver_ns", pa.int64()),
+        ("batch_id", pa.int64()),
+    ]
+)
 
 
 def _decode(codes: np.ndarray, names: tuple[str, ...]) -> pa.Array:
@@ -33,14 +35,17 @@ def _decode(codes: np.ndarray, names: tuple[str, ...]) -> pa.Array:
 
 
 def to_table(log: DeliveryLog) -> pa.Table:
-    return pa.Table.from_arrays([
-        _decode(log.topic, log.topics),
-        pa.array(log.seq, pa.int64()),
-        _decode(log.client, log.clients),
-        pa.array(log.publish_ns, pa.int64()),
-        pa.array(log.deliver_ns, pa.int64()),
-        pa.array(log.batch_id, pa.int64()),
-    ], schema=SCHEMA)
+    return pa.Table.from_arrays(
+        [
+            _decode(log.topic, log.topics),
+            pa.array(log.seq, pa.int64()),
+            _decode(log.client, log.clients),
+            pa.array(log.publish_ns, pa.int64()),
+            pa.array(log.deliver_ns, pa.int64()),
+            pa.array(log.batch_id, pa.int64()),
+        ],
+        schema=SCHEMA,
+    )
 
 
 def from_table(table: pa.Table) -> DeliveryLog:
@@ -59,8 +64,7 @@ def from_table(table: pa.Table) -> DeliveryLog:
     def ints(column: str) -> np.ndarray:
         return table.column(column).to_numpy().astype(np.int64)
 
-    return DeliveryLog(topics, clients, topic, ints("seq"), client, ints("publish_ns"), ints("deliver_ns"),
-                       ints("batch_id"))
+    return DeliveryLog(topics, clients, topic, ints("seq"), client, ints("publish_ns"), ints("deliver_ns"), ints("batch_id"))
 
 
 def write(path: Path, log: DeliveryLog) -> None:

@@ -39,6 +39,7 @@ MAX_HELD = 800
 
 # -- the attackers (in their own process) ------------------------------------------------------------------
 
+
 async def _headers_attacker(port: int, until: float, stats: dict) -> None:
     loop = asyncio.get_running_loop()
     piece = b"a" * CHUNK
@@ -66,8 +67,10 @@ async def _headers_attacker(port: int, until: float, stats: dict) -> None:
 
 async def _ws_size_attacker(port: int, until: float, stats: dict, held: list[socket.socket]) -> None:
     loop = asyncio.get_running_loop()
-    request = (b"GET /ws?x=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
-               b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    request = (
+        b"GET /ws?x=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     while time.monotonic() < until:
         sock = socket.socket()
         sock.setblocking(False)
@@ -129,8 +132,14 @@ def run(kind: str, seconds: float, root: Path) -> dict:
             sampler.settle(0.5)
         finally:
             gateway.stop()
-    return {"flood": kind, "seconds": seconds, "attacker": stats, "connections_held_at_end": held,
-            "connections_held_3s_later": held_later, **sampler.figures()}
+    return {
+        "flood": kind,
+        "seconds": seconds,
+        "attacker": stats,
+        "connections_held_at_end": held,
+        "connections_held_3s_later": held_later,
+        **sampler.figures(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose gateway runs (default: this)")
     args = parser.parse_args(argv)
-    for kind in (("headers", "ws-size") if args.flood == "all" else (args.flood,)):
+    for kind in ("headers", "ws-size") if args.flood == "all" else (args.flood,):
         print(json.dumps(run(kind, args.seconds, args.root.resolve())), flush=True)
     return 0
 

@@ -26,6 +26,7 @@ PROBER_ADDRESS = "127.0.0.2"
 
 # -- the gateway's process ---------------------------------------------------------------------------------
 
+
 def _stat(pid: int) -> tuple[int, float, int]:
     stat = read_stat(pid)
     if stat is None:
@@ -46,11 +47,20 @@ class FloodGateway:
     admin token `ADMIN_TOKEN`, warnings only, no raw TCP; ``sections`` adds to (or overrides) that config, and
     ``rules`` (topic rules) replace the shipped ones."""
 
-    def __init__(self, workdir: Path, sections: dict[str, dict[str, Any]] | None = None, *, root: Path = ROOT,
-                 timeout: float = 60.0, rules: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        sections: dict[str, dict[str, Any]] | None = None,
+        *,
+        root: Path = ROOT,
+        timeout: float = 60.0,
+        rules: list[dict[str, Any]] | None = None,
+    ) -> None:
         config: dict[str, dict[str, Any]] = {
             "server": {"host": "127.0.0.1", "port": 0, "admin_token": ADMIN_TOKEN, "log_level": "warning"},
-            "ingest": {"port": 0}, "rawtcp": {"enabled": False}}
+            "ingest": {"port": 0},
+            "rawtcp": {"enabled": False},
+        }
         for name, values in (sections or {}).items():
             config.setdefault(name, {}).update(values)
         lines = []
@@ -67,9 +77,13 @@ class FloodGateway:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
         env["PYTHONPATH"] = str(root)
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config_file),
-                                          "--ready-file", str(ready)], cwd=root, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve", "--config", str(config_file), "--ready-file", str(ready)],
+                cwd=root,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + timeout
         while not ready.exists() or not ready.read_text().strip():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -93,6 +107,7 @@ class FloodGateway:
 
 
 # -- raw peers ---------------------------------------------------------------------------------------------
+
 
 def ws_frame(opcode: int, payload: bytes, *, fin: bool = True) -> bytes:
     """A masked client frame (mask key 0: the payload goes as is)."""
@@ -119,6 +134,7 @@ def recv_until(sock: socket.socket, marker: bytes | None, size: int = 65536) -> 
 
 
 # -- the prober --------------------------------------------------------------------------------------------
+
 
 def prober_get(port: int, path: str, until: bytes | None = None) -> bytes:
     """``GET path`` on a fresh connection from `PROBER_ADDRESS`: the answer, up to ``until`` (or its end)."""
@@ -176,8 +192,19 @@ class FloodSampler:
     def figures(self) -> dict[str, Any]:
         """``rss_mib`` (start, peak, end, peak_minus_start), ``gateway_cpu_s``, ``healthz_ms``."""
         p50, p99, worst = delay_figures(self.delays)
-        return {"rss_mib": {"start": round(self.rss_start, 1), "peak": round(self.peak, 1),
-                            "end": round(self.rss_end, 1), "peak_minus_start": round(self.peak - self.rss_start, 1)},
-                "gateway_cpu_s": round(self.cpu, 2),
-                "healthz_ms": {"before_max": round(max(self.before_ms), 1), "probes": len(self.delays),
-                               "p50": round(p50, 1), "p99": round(p99, 1), "max": round(worst, 1)}}
+        return {
+            "rss_mib": {
+                "start": round(self.rss_start, 1),
+                "peak": round(self.peak, 1),
+                "end": round(self.rss_end, 1),
+                "peak_minus_start": round(self.peak - self.rss_start, 1),
+            },
+            "gateway_cpu_s": round(self.cpu, 2),
+            "healthz_ms": {
+                "before_max": round(max(self.before_ms), 1),
+                "probes": len(self.delays),
+                "p50": round(p50, 1),
+                "p99": round(p99, 1),
+                "max": round(worst, 1),
+            },
+        }

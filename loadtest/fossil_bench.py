@@ -46,8 +46,16 @@ def book_update(rng: random.Random, book: dict[str, Any]) -> dict[str, Any]:
 
 
 def tick(seq: int, bid: float) -> dict[str, Any]:
-    return {"symbol": "EURUSD", "venue": "LMAX", "bid": f"{bid:.5f}", "ask": f"{bid + 0.00003:.5f}",
-            "bid_size": "1000000", "ask_size": "2500000", "ts": 1_764_201_600_123 + seq * 37, "seq": seq}
+    return {
+        "symbol": "EURUSD",
+        "venue": "LMAX",
+        "bid": f"{bid:.5f}",
+        "ask": f"{bid + 0.00003:.5f}",
+        "bid_size": "1000000",
+        "ask_size": "2500000",
+        "ts": 1_764_201_600_123 + seq * 37,
+        "seq": seq,
+    }
 
 
 def deflated(data: bytes) -> int:
@@ -64,22 +72,31 @@ def report(name: str, previous: bytes, current: bytes, rounds: int) -> None:
     encoded = delta(previous, current)
     assert apply(previous, encoded) == current
     print(f"{name}:")
-    print(f"  whole {len(current)} B (deflated {deflated(current)} B), delta {len(encoded)} B "
-          f"(deflated {deflated(encoded)} B): delta/whole {len(encoded) / len(current):.3f}, "
-          f"deflated delta/whole {deflated(encoded) / len(current):.3f}")
-    print(f"  delta {microseconds(lambda: delta(previous, current), rounds):.1f} us, "
-          f"apply {microseconds(lambda: apply(previous, encoded), rounds):.1f} us")
+    print(
+        f"  whole {len(current)} B (deflated {deflated(current)} B), delta {len(encoded)} B "
+        f"(deflated {deflated(encoded)} B): delta/whole {len(encoded) / len(current):.3f}, "
+        f"deflated delta/whole {deflated(encoded) / len(current):.3f}"
+    )
+    print(
+        f"  delta {microseconds(lambda: delta(previous, current), rounds):.1f} us, "
+        f"apply {microseconds(lambda: apply(previous, encoded), rounds):.1f} us"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.fossil_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.fossil_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=2000, help="calls per timed run (default 2000)")
     args = parser.parse_args(argv)
     rng = random.Random(1)
     book = order_book(rng)
-    report(f"order book ({LEVELS} levels a side, {CHANGED_LEVELS} changed)", orjson.dumps(book),
-           orjson.dumps(book_update(rng, book)), args.rounds)
+    report(
+        f"order book ({LEVELS} levels a side, {CHANGED_LEVELS} changed)",
+        orjson.dumps(book),
+        orjson.dumps(book_update(rng, book)),
+        args.rounds,
+    )
     report("price tick", orjson.dumps(tick(1041, 1.08412)), orjson.dumps(tick(1042, 1.08415)), args.rounds)
 
 

@@ -57,8 +57,9 @@ def _workers_text(workers: int, broker_url: str | list[str]) -> tuple[str, str]:
     return f"workers = {int(workers)}\n", f'[broker]\nurl = "{broker_url}"\n'
 
 
-def shipped_config_text(admin_token: str, max_connections: int | None = None, workers: int = 1,
-                        broker_url: str | list[str] = "") -> str:
+def shipped_config_text(
+    admin_token: str, max_connections: int | None = None, workers: int = 1, broker_url: str | list[str] = ""
+) -> str:
     """The gateway as shipped (config/default.toml) with only what a load run needs: ephemeral loopback
     ports, a known admin token, ``server.max_connections`` when the clients need more than the shipped
     value, and with ``workers`` > 1 the broker they need. The per-address limits and the topic rules stay as
@@ -80,8 +81,14 @@ receiver_port = 0
 {broker}"""
 
 
-def config_text(admin_token: str, capacity: int = 64, batch_depth: int | str = 1, linger: float = 0.0,
-                workers: int = 1, broker_url: str | list[str] = "") -> str:
+def config_text(
+    admin_token: str,
+    capacity: int = 64,
+    batch_depth: int | str = 1,
+    linger: float = 0.0,
+    workers: int = 1,
+    broker_url: str | list[str] = "",
+) -> str:
     """The gateway config of a load run: loopback, ephemeral ports, every topic a ring of ``capacity``
     messages from which a subscription gives up to ``batch_depth`` messages per cycle (``"auto"``: a slice
     sized by its backlog), holding caught-up subscribers back ``linger`` seconds after a publish."""
@@ -129,10 +136,20 @@ class GatewayProcess(ServerProcess):
     stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
     stop_timeout = STOP_TIMEOUT
 
-    def __init__(self, workdir: Path, command: str | None = None, capacity: int = 64,
-                 batch_depth: int | str = 1, linger: float = 0.0, env: dict[str, str] | None = None, *,
-                 shipped: bool = False, max_connections: int | None = None, workers: int = 1,
-                 redis: str = "single") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        command: str | None = None,
+        capacity: int = 64,
+        batch_depth: int | str = 1,
+        linger: float = 0.0,
+        env: dict[str, str] | None = None,
+        *,
+        shipped: bool = False,
+        max_connections: int | None = None,
+        workers: int = 1,
+        redis: str = "single",
+    ) -> None:
         self.workdir = Path(workdir)
         #: the shipped config (capacity, batch_depth and linger are then the shipped rules', not these)
         self.shipped = shipped
@@ -175,8 +192,7 @@ class GatewayProcess(ServerProcess):
         if self.shipped:
             config.write_text(shipped_config_text(token, self.max_connections, self.workers, broker_url))
         else:
-            config.write_text(config_text(token, self.capacity, self.batch_depth, self.linger, self.workers,
-                                          broker_url))
+            config.write_text(config_text(token, self.capacity, self.batch_depth, self.linger, self.workers, broker_url))
         ready.unlink(missing_ok=True)
         log = open(self.workdir / "gateway.log", "ab")
         raise_nofile_limit()
@@ -184,8 +200,13 @@ class GatewayProcess(ServerProcess):
         # from would shadow one that `--gateway-cmd "env PYTHONPATH=..."` names (an A/B of two checkouts).
         self.proc = subprocess.Popen(
             [*self.command, "serve", "--config", str(config), "--ready-file", str(ready)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env, "PYTHONSAFEPATH": "1"}, preexec_fn=raise_nofile_limit, start_new_session=True)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env, "PYTHONSAFEPATH": "1"},
+            preexec_fn=raise_nofile_limit,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
@@ -199,8 +220,7 @@ class GatewayProcess(ServerProcess):
                     info = None
                 if info:
                     broker = self.redis.proc.pid if self.redis is not None and self.redis.proc else None
-                    return Target("gateway", HOST, int(info["http_port"]), int(info["ingest_port"]),
-                                  token, self.proc.pid, broker)
+                    return Target("gateway", HOST, int(info["http_port"]), int(info["ingest_port"]), token, self.proc.pid, broker)
             time.sleep(0.05)
         raise TimeoutError(f"gateway not ready after {STARTUP_TIMEOUT} s (see {self.workdir}/gateway.log)")
 

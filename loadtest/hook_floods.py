@@ -54,8 +54,9 @@ class SlowBackend:
         self.url = ""
 
     def start(self) -> str:
-        self.proc = subprocess.Popen([sys.executable, "-m", "loadtest.hook_floods", "backend"], cwd=ROOT,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loadtest.hook_floods", "backend"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
         assert self.proc.stdout is not None
         self.url = self.proc.stdout.readline().strip()
         return self.url
@@ -87,8 +88,7 @@ def serve_backend() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off", limit_concurrency=10_000)).run(
-        sockets=[sock])
+    uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off", limit_concurrency=10_000)).run(sockets=[sock])
 
 
 class Victims:
@@ -235,8 +235,7 @@ async def victim_handshakes(url: str, stop: asyncio.Event, outcomes: dict[str, i
     while not stop.is_set():
         started = time.perf_counter()
         try:
-            async with websockets.connect(url, local_addr=(PROBER_ADDRESS, 0), compression=None,
-                                          open_timeout=10) as ws:
+            async with websockets.connect(url, local_addr=(PROBER_ADDRESS, 0), compression=None, open_timeout=10) as ws:
                 await ws.send(json.dumps({"op": "ping", "id": 1}))
                 await within(ws.recv(), 10)
                 key = "open"
@@ -267,14 +266,20 @@ async def run(gateway: FloodGateway, flood: str, seconds: float, victim_fps: flo
     attacker_report = await attacker
     ticks = await ticker
     await asyncio.gather(*tasks, return_exceptions=True)
-    figures: dict[str, Any] = {"flood": flood, "seconds": seconds, "victim_fps": victim_fps, "attacker": attacker_report,
-                               "ticks_published": ticks, "victims": VICTIMS,
-                               "victim_messages": len(victims.delays), "victim_closes": victims.closes,
-                               "victim_join_leave_entries": victims.join_leave}
+    figures: dict[str, Any] = {
+        "flood": flood,
+        "seconds": seconds,
+        "victim_fps": victim_fps,
+        "attacker": attacker_report,
+        "ticks_published": ticks,
+        "victims": VICTIMS,
+        "victim_messages": len(victims.delays),
+        "victim_closes": victims.closes,
+        "victim_join_leave_entries": victims.join_leave,
+    }
     if victims.delays:
         p50, p99, worst = delay_figures(victims.delays)
-        figures["victim_delay_ms"] = {"p50": round(p50 * 1000, 1), "p99": round(p99 * 1000, 1),
-                                      "max": round(worst * 1000, 1)}
+        figures["victim_delay_ms"] = {"p50": round(p50 * 1000, 1), "p99": round(p99 * 1000, 1), "max": round(worst * 1000, 1)}
     if flood == "rpc":
         figures["victim_rpc"] = dict(sorted(victims.rpc_outcomes.items()))
         if victims.rpc_ms:
@@ -295,9 +300,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("flood", choices=["toggle", "rpc", "connect", "none"])
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--victim-fps", type=float, default=20.0,
-                        help="frames a second each victim reads at most (0: as fast as they come); default 20, as"
-                             " the finding's members")
+    parser.add_argument(
+        "--victim-fps",
+        type=float,
+        default=20.0,
+        help="frames a second each victim reads at most (0: as fast as they come); default 20, as the finding's members",
+    )
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose gateway runs (default: this one)")
     args = parser.parse_args()
     backend = SlowBackend()
@@ -305,12 +313,10 @@ def main() -> None:
     proxy: dict[str, Any] = {"rpc_url": f"{backend_url}/rpc"}
     if args.flood == "connect":
         proxy["connect_url"] = f"{backend_url}/connect"
-    rules = [{"pattern": "room.*", "anonymous": True, "presence": True, "join_leave": True},
-             {"pattern": "*", "anonymous": True}]
+    rules = [{"pattern": "room.*", "anonymous": True, "presence": True, "join_leave": True}, {"pattern": "*", "anonymous": True}]
     workdir = Path(tempfile.mkdtemp(prefix="hook-floods-"))
     try:
-        gateway = FloodGateway(workdir, {"proxy": proxy, "server": {"max_connections_per_ip": 0}}, root=args.root,
-                               rules=rules)
+        gateway = FloodGateway(workdir, {"proxy": proxy, "server": {"max_connections_per_ip": 0}}, root=args.root, rules=rules)
         try:
             figures = asyncio.run(run(gateway, args.flood, args.seconds, args.victim_fps))
         finally:

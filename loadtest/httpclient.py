@@ -141,8 +141,9 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    async def request(self, method: str, target: str, body: bytes = b"",
-                      headers: dict[str, str] | None = None, timeout: float | None = None) -> HttpResponse:
+    async def request(
+        self, method: str, target: str, body: bytes = b"", headers: dict[str, str] | None = None, timeout: float | None = None
+    ) -> HttpResponse:
         """Send a request and wait for its response. Raises ConnectionError when the connection is gone."""
         if self.closed or self.transport is None:
             raise ConnectionError("connection closed")
@@ -176,6 +177,7 @@ async def open_connection(host: str, port: int, timeout: float = 10.0, source: s
     """A keep-alive connection; ``source``: the local address to connect from (any port)."""
     loop = asyncio.get_running_loop()
     _transport, conn = await within(
-        loop.create_connection(lambda: HttpConnection(host, port), host, port,
-                               local_addr=(source, 0) if source else None), timeout)
+        loop.create_connection(lambda: HttpConnection(host, port), host, port, local_addr=(source, 0) if source else None),
+        timeout,
+    )
     return conn

@@ -79,8 +79,7 @@ async def settle(pid: int, seconds: float, period: float = 0.5) -> int:
     return rss(pid)
 
 
-async def crowd(target: Target, clients: int, hold_s: float, settle_s: float,
-                compression: bool = False) -> dict[str, float]:
+async def crowd(target: Target, clients: int, hold_s: float, settle_s: float, compression: bool = False) -> dict[str, float]:
     """N clients connect and subscribe, stay `hold_s`, then all leave: the resident set with them, and
     `settle_s` after the last one left."""
     assert target.pid is not None and target.admin_token is not None
@@ -89,9 +88,10 @@ async def crowd(target: Target, clients: int, hold_s: float, settle_s: float,
     conns: list[WsClient] = []
     started = time.monotonic()
     for wave in range(0, clients, CONNECT_WAVE):
-        batch = [connect(target.host, target.http_port, "/ws", Subscriber(acked, counter, clients),
-                         compression=compression)
-                 for _ in range(wave, min(clients, wave + CONNECT_WAVE))]
+        batch = [
+            connect(target.host, target.http_port, "/ws", Subscriber(acked, counter, clients), compression=compression)
+            for _ in range(wave, min(clients, wave + CONNECT_WAVE))
+        ]
         conns.extend(await asyncio.gather(*batch))
     for i, conn in enumerate(conns):
         conn.send_text(b'{"op":"subscribe","topic":"idle.%d"}' % (i % TOPICS))
@@ -106,12 +106,23 @@ async def crowd(target: Target, clients: int, hold_s: float, settle_s: float,
         await asyncio.sleep(0.5)
     collections = full_collections(target.http_port)
     after = await settle(target.pid, settle_s)
-    return {"connect_s": connect_s, "rss_with_clients": with_clients, "rss_after": after,
-            "full_collections_after": full_collections(target.http_port) - collections}
+    return {
+        "connect_s": connect_s,
+        "rss_with_clients": with_clients,
+        "rss_after": after,
+        "full_collections_after": full_collections(target.http_port) - collections,
+    }
 
 
-async def measure(clients: int, settle_s: float, crowds: int = 1, hold_s: float = 5.0,
-                  warm_s: float = 5.0, gateway_cmd: str | None = None, compression: bool = False) -> dict[str, Any]:
+async def measure(
+    clients: int,
+    settle_s: float,
+    crowds: int = 1,
+    hold_s: float = 5.0,
+    warm_s: float = 5.0,
+    gateway_cmd: str | None = None,
+    compression: bool = False,
+) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="idle-memory-"))
     with GatewayProcess(workdir, gateway_cmd, env={"GATEWAY_SERVER_MAX_CONNECTIONS": str(clients + 1000)}) as target:
         assert target.pid is not None
@@ -130,8 +141,14 @@ async def measure(clients: int, settle_s: float, crowds: int = 1, hold_s: float 
         "settle_s": settle_s,
         "full_collections_after": first["full_collections_after"],
         # each crowd in turn: memory a crowd left behind is reused by the next, or it grows
-        "crowds": [{"rss_with_clients_mb": run["rss_with_clients"] / 2**20, "rss_after_mb": run["rss_after"] / 2**20,
-                    "after_over_before": run["rss_after"] / before} for run in runs],
+        "crowds": [
+            {
+                "rss_with_clients_mb": run["rss_with_clients"] / 2**20,
+                "rss_after_mb": run["rss_after"] / 2**20,
+                "after_over_before": run["rss_after"] / before,
+            }
+            for run in runs
+        ],
     }
 
 
@@ -140,22 +157,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=10_000)
     parser.add_argument("--settle", type=float, default=10.0, help="seconds to wait after the last client left")
     parser.add_argument("--crowds", type=int, default=1, help="crowds in turn, each N clients that come and leave")
-    parser.add_argument("--gateway-cmd", help="command that starts the gateway instead of 'python -m gateway', e.g."
-                        " another checkout: 'env PYTHONPATH=/path/to/checkout .venv/bin/python -m gateway'")
-    parser.add_argument("--compression", choices=("off", "deflate"), default="off",
-                        help="deflate: the clients negotiate permessage-deflate, as browsers do")
+    parser.add_argument(
+        "--gateway-cmd",
+        help="command that starts the gateway instead of 'python -m gateway', e.g."
+        " another checkout: 'env PYTHONPATH=/path/to/checkout .venv/bin/python -m gateway'",
+    )
+    parser.add_argument(
+        "--compression",
+        choices=("off", "deflate"),
+        default="off",
+        help="deflate: the clients negotiate permessage-deflate, as browsers do",
+    )
     args = parser.parse_args(argv)
     if args.clients < 1 or args.crowds < 1:
         parser.error("--clients and --crowds must be at least 1")
     raise_nofile_limit()
-    result = asyncio.run(measure(args.clients, args.settle, args.crowds, gateway_cmd=args.gateway_cmd,
-                                 compression=args.compression == "deflate"))
+    result = asyncio.run(
+        measure(args.clients, args.settle, args.crowds, gateway_cmd=args.gateway_cmd, compression=args.compression == "deflate")
+    )
     print(f"{result['clients']} idle WebSocket clients (connected in {result['connect_s']:.1f} s)")
-    print(f"  RSS before {result['rss_before_mb']:.1f} MiB, with clients {result['rss_with_clients_mb']:.1f} MiB,"
-          f" after they left {result['rss_after_mb']:.1f} MiB ({result['settle_s']:g} s after the last left,"
-          f" {result['full_collections_after']} full collection(s) meanwhile)")
+    print(
+        f"  RSS before {result['rss_before_mb']:.1f} MiB, with clients {result['rss_with_clients_mb']:.1f} MiB,"
+        f" after they left {result['rss_after_mb']:.1f} MiB ({result['settle_s']:g} s after the last left,"
+        f" {result['full_collections_after']} full collection(s) meanwhile)"
+    )
     print(f"  {result['bytes_per_client'] / 1024:.1f} KiB per idle client; after/before = {result['after_over_before']:.2f}")
     for number, run in enumerate(result["crowds"][1:], 2):
-        print(f"  crowd {number}: RSS with clients {run['rss_with_clients_mb']:.1f} MiB, after they left"
-              f" {run['rss_after_mb']:.1f} MiB; after/before = {run['after_over_before']:.2f}")
+        print(
+            f"  crowd {number}: RSS with clients {run['rss_with_clients_mb']:.1f} MiB, after they left"
+            f" {run['rss_after_mb']:.1f} MiB; after/before = {run['after_over_before']:.2f}"
+        )
     return 0

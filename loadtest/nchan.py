@@ -56,8 +56,12 @@ def ensure_installed(console: Console) -> None:
         POLICY_RC.chmod(0o755)
     try:
         subprocess.run(["apt-get", "update", "-q"], check=True, env=env, stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES], check=True,
-                       env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
     finally:
         if made_policy:
             POLICY_RC.unlink(missing_ok=True)
@@ -70,8 +74,14 @@ def config_text(prefix: Path, port: int, capacity: int = 64, deflate: bool = Fal
     permessage-deflate (its own compress-once)."""
     nofile = raise_nofile_limit()
     return Template(TEMPLATE.read_text()).substitute(
-        module=str(MODULE), prefix=str(prefix), port=port, capacity=capacity,
-        nofile=nofile, connections=max(1024, nofile - 100), deflate="on" if deflate else "off")
+        module=str(MODULE),
+        prefix=str(prefix),
+        port=port,
+        capacity=capacity,
+        nofile=nofile,
+        connections=max(1024, nofile - 100),
+        deflate="on" if deflate else "off",
+    )
 
 
 class NchanServer(ServerProcess):
@@ -95,14 +105,19 @@ class NchanServer(ServerProcess):
         conf = self.prefix / "nginx.conf"
         conf.write_text(config_text(self.prefix, port, self.capacity, self.deflate))
         log = open(self.prefix / "stderr.log", "ab")
-        self.proc = subprocess.Popen([binary, "-p", str(self.prefix), "-c", str(conf)], stdout=log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=raise_nofile_limit, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [binary, "-p", str(self.prefix), "-c", str(conf)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=raise_nofile_limit,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                errors = (self.prefix / "error.log")
+                errors = self.prefix / "error.log"
                 tail = errors.read_text(errors="replace")[-2000:] if errors.exists() else ""
                 raise RuntimeError(f"nginx exited with {self.proc.returncode}:\n{tail}")
             try:

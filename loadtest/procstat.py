@@ -31,7 +31,7 @@ def read_stat(pid: int) -> tuple[int, float, int] | None:
     except OSError:
         return None
     # comm (field 2) may hold spaces and parentheses: split after the last ')'
-    rest = raw[raw.rfind(b")") + 2:].split()
+    rest = raw[raw.rfind(b")") + 2 :].split()
     return int(rest[1]), (int(rest[11]) + int(rest[12])) / _CLK, int(rest[21]) * _PAGE
 
 
@@ -117,10 +117,13 @@ class TreeSampler:
         cpu = last[1] - first[1]
         before, after = self.per_pid[inside[0]], self.per_pid[inside[-1]]
         busiest = max((after[p] - before.get(p, 0.0) for p in after), default=0.0)
-        return {"cpu_pct": round(100 * cpu / wall, 1), "cpu_s": round(cpu, 3),
-                "rss_max_mb": round(max(self.samples[i][2] for i in inside) / 2**20, 1),
-                # one process near 100% is a bottleneck whatever the total says
-                "busiest_pct": round(100 * busiest / wall, 1)}
+        return {
+            "cpu_pct": round(100 * cpu / wall, 1),
+            "cpu_s": round(cpu, 3),
+            "rss_max_mb": round(max(self.samples[i][2] for i in inside) / 2**20, 1),
+            # one process near 100% is a bottleneck whatever the total says
+            "busiest_pct": round(100 * busiest / wall, 1),
+        }
 
 
 def tree_rss(root: int) -> int:

@@ -144,7 +144,10 @@ class Publisher:
         self.pool: list[HttpConnection] = []
         kind = "nchan" if spec.target.kind == "nchan" else spec.via
         self.send: Callable[[list[int]], Awaitable[None]] = {
-            "ingest": self._send_ingest, "admin": self._send_admin, "nchan": self._send_nchan}[kind]
+            "ingest": self._send_ingest,
+            "admin": self._send_admin,
+            "nchan": self._send_nchan,
+        }[kind]
         self.kind = kind
 
     async def open(self) -> None:
@@ -154,7 +157,8 @@ class Publisher:
                 raise ValueError("publishing through the ingest needs its port (--ingest HOST:PORT)")
             loop = asyncio.get_running_loop()
             _t, self.ingest = await loop.create_connection(
-                lambda: AsyncIngestConnection(self._ingest_error, WRITE_HIGH_WATER), target.host, target.ingest_port)
+                lambda: AsyncIngestConnection(self._ingest_error, WRITE_HIGH_WATER), target.host, target.ingest_port
+            )
         else:
             self.pool = [await open_connection(target.host, target.http_port) for _ in range(HTTP_CONNECTIONS)]
 
@@ -168,7 +172,7 @@ class Publisher:
             self.errors.clear()
             return
         for chunk_start in range(0, len(topics), HTTP_CONNECTIONS):
-            chunk = topics[chunk_start:chunk_start + HTTP_CONNECTIONS]
+            chunk = topics[chunk_start : chunk_start + HTTP_CONNECTIONS]
             await asyncio.gather(*(self._post(conn, t, [-1]) for conn, t in zip(self.pool, chunk)))
         self.accepted.clear()
 
@@ -214,8 +218,9 @@ class Publisher:
             body = b'{"data":%s}' % datas[0] if len(datas) == 1 else b'{"messages":[%s]}' % b",".join(datas)
             headers = {"Content-Type": "application/json", "Authorization": f"Bearer {target.admin_token}"}
         try:
-            response = await conn.request("POST", target.publish_path(self.spec.topics[topic]), body, headers,
-                                          timeout=HTTP_TIMEOUT)
+            response = await conn.request(
+                "POST", target.publish_path(self.spec.topics[topic]), body, headers, timeout=HTTP_TIMEOUT
+            )
         except (ConnectionError, asyncio.TimeoutError) as exc:
             self.errors["connection"] += 1
             self._sample(f"{type(exc).__name__}: {exc}")
@@ -311,10 +316,16 @@ class Publisher:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         if self.window_resets:
             self.errors["window_resets"] += self.window_resets
-        return {"sent": sent, "accepted": {spec.topics[t]: n for t, n in accepted.items()},
-                "errors": dict(self.errors), "error_samples": self.error_samples[:10],
-                "first_ns": first_ns, "last_ns": last_ns,
-                "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss}
+        return {
+            "sent": sent,
+            "accepted": {spec.topics[t]: n for t, n in accepted.items()},
+            "errors": dict(self.errors),
+            "error_samples": self.error_samples[:10],
+            "first_ns": first_ns,
+            "last_ns": last_ns,
+            "cpu_s": usage.ru_utime + usage.ru_stime,
+            "maxrss_kb": usage.ru_maxrss,
+        }
 
     def _delivered(self) -> int:
         """Messages received or announced lost so far by the clients that read (all worker processes)."""

@@ -54,8 +54,10 @@ def serve_child(config_json: str) -> None:
         loop = asyncio.get_running_loop()
         server = RawBroadcastServer(ByteRingConfig(**json.loads(config_json)))
         await server.start(HOST, 0, 0)
-        print(json.dumps({"sender_port": server.sender_port, "receiver_port": server.receiver_port,
-                          "loop": type(loop).__module__}), flush=True)
+        print(
+            json.dumps({"sender_port": server.sender_port, "receiver_port": server.receiver_port, "loop": type(loop).__module__}),
+            flush=True,
+        )
         done = loop.create_future()
 
         def answer() -> None:
@@ -86,7 +88,12 @@ class _Child:
         code = "import sys; from loadtest.rawtcp_bench import serve_child; serve_child(sys.argv[1])"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, json.dumps(config)],
-            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
@@ -229,17 +236,16 @@ def ensure_iperf3(install: bool) -> str | None:
 
 def run_iperf3(iperf3: str, streams: int, duration: float) -> dict[str, Any]:
     port = free_port()
-    server = subprocess.Popen(
-        [iperf3, "-s", "-B", HOST, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    server = subprocess.Popen([iperf3, "-s", "-B", HOST, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         report: dict[str, Any] = {}
         for _ in range(20):  # until the server listens (no probe: iperf3 -s counts every connection)
             time.sleep(0.1)
             out = subprocess.run(
-                [iperf3, "-c", HOST, "-p", str(port), "-P", str(streams), "-t", str(max(1, round(duration))),
-                 "-J"],
-                capture_output=True, text=True, timeout=duration + 30,
+                [iperf3, "-c", HOST, "-p", str(port), "-P", str(streams), "-t", str(max(1, round(duration))), "-J"],
+                capture_output=True,
+                text=True,
+                timeout=duration + 30,
             )
             report = json.loads(out.stdout or "{}")
             if "unable to connect" not in str(report.get("error", "")):
@@ -247,8 +253,11 @@ def run_iperf3(iperf3: str, streams: int, duration: float) -> dict[str, Any]:
         if "error" in report or "end" not in report:
             raise RuntimeError(f"iperf3: {report.get('error', out.stderr.strip())}")
         received = report["end"]["sum_received"]["bits_per_second"]
-        return {"aggregate_gbps": round(received / 1e9, 3), "streams": streams,
-                "version": report.get("start", {}).get("version", "")}
+        return {
+            "aggregate_gbps": round(received / 1e9, 3),
+            "streams": streams,
+            "version": report.get("start", {}).get("version", ""),
+        }
     finally:
         server.terminate()
         server.wait(timeout=5)
@@ -277,18 +286,23 @@ def main(argv: list[str] | None = None) -> int:
     if capacity != 256 * MIB:  # keep the default lag limits (docs/design/byte-ring.md §7) in proportion to the ring
         config.update(soft_lag_bytes=capacity // 8, hard_lag_bytes=capacity * 3 // 8)
 
-    print(f"rawtcp broadcaster: 1 sender -> {args.receivers} receivers, {args.duration:g} s "
-          f"(ring {args.capacity_mib} MiB, recv chunk {args.recv_chunk_kib} KiB, {os.cpu_count()} CPUs)")
+    print(
+        f"rawtcp broadcaster: 1 sender -> {args.receivers} receivers, {args.duration:g} s "
+        f"(ring {args.capacity_mib} MiB, recv chunk {args.recv_chunk_kib} KiB, {os.cpu_count()} CPUs)"
+    )
     ours = run_broadcaster(config, args.receivers, args.duration, args.warmup)
     gw = ours["gateway_stats"]
     print(f"  gateway loop: {ours['gateway_loop']}")
     print(f"  sender -> gateway: {ours['sender_rate_gbps']:.2f} Gbit/s")
-    print(f"  aggregate receiver throughput: {ours['aggregate_gbps']:.2f} Gbit/s "
-          f"(per receiver {ours['per_receiver_gbps_min']:.2f}..{ours['per_receiver_gbps_max']:.2f})")
-    print(f"  sender pauses: {gw['sender_recv_pause_count']} ({gw['sender_recv_pause_ns'] / 1e9:.2f} s), "
-          f"lag disconnections: {gw['disconnections_lag']}, receivers lost: {ours['receivers_disconnected']}")
-    summary: dict[str, Any] = {"broadcaster": {k: v for k, v in ours.items() if k != "gateway_stats"},
-                               "gateway_stats": gw}
+    print(
+        f"  aggregate receiver throughput: {ours['aggregate_gbps']:.2f} Gbit/s "
+        f"(per receiver {ours['per_receiver_gbps_min']:.2f}..{ours['per_receiver_gbps_max']:.2f})"
+    )
+    print(
+        f"  sender pauses: {gw['sender_recv_pause_count']} ({gw['sender_recv_pause_ns'] / 1e9:.2f} s), "
+        f"lag disconnections: {gw['disconnections_lag']}, receivers lost: {ours['receivers_disconnected']}"
+    )
+    summary: dict[str, Any] = {"broadcaster": {k: v for k, v in ours.items() if k != "gateway_stats"}, "gateway_stats": gw}
 
     if not args.no_iperf:
         iperf3 = ensure_iperf3(args.install)
@@ -301,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  iperf3: failed: {exc}")
             else:
                 ratio = ours["aggregate_gbps"] / ref["aggregate_gbps"] if ref["aggregate_gbps"] else 0.0
-                print(f"  iperf3 {ref['version']} -P {args.receivers} loopback aggregate: "
-                      f"{ref['aggregate_gbps']:.2f} Gbit/s")
+                print(f"  iperf3 {ref['version']} -P {args.receivers} loopback aggregate: {ref['aggregate_gbps']:.2f} Gbit/s")
                 print(f"  ratio broadcaster / iperf3: {ratio:.3f}")
                 summary["iperf3"] = ref
                 summary["ratio"] = round(ratio, 4)

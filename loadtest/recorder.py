@@ -270,12 +270,20 @@ class Recorder:
         """Write everything to ``path`` (pickle; read back with :func:`load`)."""
         usage = resource.getrusage(resource.RUSAGE_SELF)
         state = {
-            "arrays": {name: getattr(self, name).tobytes()
-                       for name in ("topic", "client", "seq", "publish_ns", "deliver_ns", "batch_id")},
-            "losses": self.losses, "starts": self.starts, "resumes": self.resumes, "errors": dict(self.errors),
+            "arrays": {
+                name: getattr(self, name).tobytes() for name in ("topic", "client", "seq", "publish_ns", "deliver_ns", "batch_id")
+            },
+            "losses": self.losses,
+            "starts": self.starts,
+            "resumes": self.resumes,
+            "errors": dict(self.errors),
             "error_samples": [repr(s)[:300] for s in self.error_samples],
-            "frames": self.frames, "foreign": self.foreign, "dropped_rows": self.dropped_rows,
-            "clients": clients, "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss,
+            "frames": self.frames,
+            "foreign": self.foreign,
+            "dropped_rows": self.dropped_rows,
+            "clients": clients,
+            "cpu_s": usage.ru_utime + usage.ru_stime,
+            "maxrss_kb": usage.ru_maxrss,
         }
         with open(path, "wb") as f:
             pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)

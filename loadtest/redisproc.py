@@ -40,9 +40,22 @@ class RedisProcess:
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         binary = redis_binary() or REDIS_SERVER
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence, "--dir", str(self.dir),
-             *self.extra],
-            stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT)
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                *persistence,
+                "--dir",
+                str(self.dir),
+                *self.extra,
+            ],
+            stdout=open(self.dir / "redis.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
         self.wait_for_pong("redis-server")
 
     def start_first(self, attempts: int = 3) -> None:

@@ -77,8 +77,7 @@ def write_plots(out: Path, log: DeliveryLog, plan: Plan, go_ns: int) -> dict[str
     skew_ms = delivery_stats.skews(light) / 1e6
     _cdf(ax, np.maximum(skew_ms, 1e-3), "messages seen by 2+ clients")
     ax.set_title(PLOTS["skew_cdf.png"])
-    _finish(fig, ax, out / "skew_cdf.png", "max - min delivery time (ms)", "fraction of messages",
-            log_x=skew_ms.size > 0)
+    _finish(fig, ax, out / "skew_cdf.png", "max - min delivery time (ms)", "fraction of messages", log_x=skew_ms.size > 0)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     t, rate = delivery_stats.rate_series(log.deliver_ns, go_ns, 0.1)
@@ -122,18 +121,20 @@ def write(out: Path, log: DeliveryLog, summary: dict[str, Any], plan: Plan, go_n
     """Plots, ``topics.json`` and ``report.html`` of one run."""
     per_topic = write_plots(out, log, plan, go_ns)
     classes = dict(zip(plan.topics, plan.classes))
-    (out / "topics.json").write_text(json.dumps(
-        {name: {"class": classes[name], **stats} for name, stats in per_topic.items()}, indent=1))
+    (out / "topics.json").write_text(
+        json.dumps({name: {"class": classes[name], **stats} for name, stats in per_topic.items()}, indent=1)
+    )
     write_html(out / "report.html", summary, list(PLOTS))
 
 
 def write_html(path: Path, summary: dict[str, Any], images: list[str]) -> None:
     title = f"{summary['scenario']['name']} against {summary['target']}"
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v}</td></tr>"
-                   for k, v in analysis.figures(summary).items())
-    figures = "".join(f'<figure><img src="{name}" alt="{html.escape(PLOTS.get(name, name))}">'
-                      f"<figcaption>{html.escape(PLOTS.get(name, name))}</figcaption></figure>"
-                      for name in images)
+    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v}</td></tr>" for k, v in analysis.figures(summary).items())
+    figures = "".join(
+        f'<figure><img src="{name}" alt="{html.escape(PLOTS.get(name, name))}">'
+        f"<figcaption>{html.escape(PLOTS.get(name, name))}</figcaption></figure>"
+        for name in images
+    )
     body = json.dumps(summary, indent=2, default=str)
     path.write_text(f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -141,7 +142,7 @@ def write_html(path: Path, summary: dict[str, Any], images: list[str]) -> None:
 td{{border:1px solid #ccc;padding:2px 8px}}td:last-child{{text-align:right}}
 figure{{display:inline-block;margin:1em}}pre{{background:#f6f6f6;padding:1em;font-size:80%}}</style>
 </head><body><h1>{html.escape(title)}</h1>
-<p>{html.escape(summary['scenario'].get('description', ''))}</p>
+<p>{html.escape(summary["scenario"].get("description", ""))}</p>
 <table>{rows}</table>
 {figures}
 <h2>summary.json</h2><pre>{html.escape(body)}</pre>
@@ -168,18 +169,25 @@ def print_summary(console: Console, summary: dict[str, Any], title: str) -> None
         table.add_row(name, _fmt(value), style=style)
     console.print(table)
     clients = summary["clients"]
-    console.print(f"clients {clients['ready']}/{clients['planned']} subscribed, {clients['closed_during_run']} "
-                  f"closed during the run; published {summary['published']['sent']:,} "
-                  f"({summary['published']['per_s']:,.0f}/s), delivered {summary['deliveries']['total']:,}; "
-                  f"loss by reason {summary['loss']['by_reason']}")
+    console.print(
+        f"clients {clients['ready']}/{clients['planned']} subscribed, {clients['closed_during_run']} "
+        f"closed during the run; published {summary['published']['sent']:,} "
+        f"({summary['published']['per_s']:,.0f}/s), delivered {summary['deliveries']['total']:,}; "
+        f"loss by reason {summary['loss']['by_reason']}"
+    )
     if summary["published"]["errors"]:
         console.print(f"[yellow]publisher errors: {summary['published']['errors']}")
     if summary["client_errors"]:
         console.print(f"[yellow]client errors: {summary['client_errors']}")
 
 
-def print_comparison(console: Console, columns: dict[str, dict[str, float]] | dict[str, dict[str, float | None]],
-                     title: str, ratio: tuple[str, str] | None = None, ratio_columns: int = 0) -> None:
+def print_comparison(
+    console: Console,
+    columns: dict[str, dict[str, float]] | dict[str, dict[str, float | None]],
+    title: str,
+    ratio: tuple[str, str] | None = None,
+    ratio_columns: int = 0,
+) -> None:
     """Figures side by side (every figure any column has, in first-seen order); with exactly two columns,
     also their ratio (``ratio`` = (numerator, denominator) labels, default first / second). The last
     ``ratio_columns`` columns are ratios already (printed to two decimals, "-" where undefined)."""
@@ -196,8 +204,7 @@ def print_comparison(console: Console, columns: dict[str, dict[str, float]] | di
     first_ratio = len(labels) - ratio_columns
     for name in names:
         values = [columns[label].get(name) for label in labels]
-        row = [name, *(("-" if v is None else (f"{v:.2f}" if i >= first_ratio else _fmt(v)))
-                       for i, v in enumerate(values))]
+        row = [name, *(("-" if v is None else (f"{v:.2f}" if i >= first_ratio else _fmt(v))) for i, v in enumerate(values))]
         if pair:
             a, b = columns[num].get(name), columns[den].get(name)
             row.append(f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-")

@@ -63,8 +63,16 @@ def _split(items: tuple[Any, ...], parts: int) -> list[tuple[Any, ...]]:
 class LoadRun:
     """Drives one run against a live target; :meth:`execute` returns the summary dict."""
 
-    def __init__(self, scenario: Scenario, target: Target, out: Path, console: Console, progress: bool,
-                 connect_timeout: float = 20.0, max_rows: int = recorder.DEFAULT_MAX_ROWS) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        target: Target,
+        out: Path,
+        console: Console,
+        progress: bool,
+        connect_timeout: float = 20.0,
+        max_rows: int = recorder.DEFAULT_MAX_ROWS,
+    ) -> None:
         self.scenario = scenario
         self.plan: Plan = plan(scenario)
         self.target = target
@@ -118,20 +126,46 @@ class LoadRun:
             if c.role != "stalled":
                 for t in c.topics:
                     fanout[t] += 1
-        pub_spec = publisher.PublisherSpec(target, p.topics, p.rates, s.rate is not None, s.duration, s.messages,
-                                           s.payload, s.publish_via,
-                                           window=s.window * sum(fanout) if closed_loop else 0,
-                                           fanout=tuple(fanout), procs=procs)
+        pub_spec = publisher.PublisherSpec(
+            target,
+            p.topics,
+            p.rates,
+            s.rate is not None,
+            s.duration,
+            s.messages,
+            s.payload,
+            s.publish_via,
+            window=s.window * sum(fanout) if closed_loop else 0,
+            fanout=tuple(fanout),
+            procs=procs,
+        )
         pub = self._start(publisher.main, pub_spec, pub_counter, counters, name="loadtest-publisher")
         # the client processes start (imports take a while) while the publisher primes the topics
         workers = []
         indexed = tuple(enumerate(p.clients))
         period = worker.FAST_COUNTER_PERIOD if closed_loop else worker.COUNTER_PERIOD
         for slot, part in enumerate(_split(indexed, procs)):
-            spec = worker.WorkerSpec(slot, target, p.topics, part, len(p.clients), stall_at, stall_for,
-                                     str(self.out / f"worker{slot}.pickle"), self.connect_timeout, self.max_rows,
-                                     period, s.source_addrs, s.storm_at, s.storm_spread, s.seed,
-                                     s.compression, s.delta, s.payload == BOOK, s.protocol)
+            spec = worker.WorkerSpec(
+                slot,
+                target,
+                p.topics,
+                part,
+                len(p.clients),
+                stall_at,
+                stall_for,
+                str(self.out / f"worker{slot}.pickle"),
+                self.connect_timeout,
+                self.max_rows,
+                period,
+                s.source_addrs,
+                s.storm_at,
+                s.storm_spread,
+                s.seed,
+                s.compression,
+                s.delta,
+                s.payload == BOOK,
+                s.protocol,
+            )
             workers.append(self._start(worker.main, spec, counters, name=f"loadtest-clients{slot}"))
         _, error = _recv(pub, PRIME_TIMEOUT, "publisher")
         if error:
@@ -192,8 +226,11 @@ class LoadRun:
                 if now - last_rate_check[0] >= 1.0:
                     rate = (delivered - last_rate_check[1]) / (now - last_rate_check[0])
                     last_rate_check = (now, delivered)
-                bar.update(task, completed=min(s.duration, max(0.0, now - t_go)),
-                           description=self._status(pub_counter[0], delivered, rate, tot, server))
+                bar.update(
+                    task,
+                    completed=min(s.duration, max(0.0, now - t_go)),
+                    description=self._status(pub_counter[0], delivered, rate, tot, server),
+                )
             else:
                 self.console.print("[red]publisher did not finish in time; abandoning it")
             bar.update(task, completed=s.duration)
@@ -239,33 +276,47 @@ class LoadRun:
         delivered = end["msgs_light"] + end["msgs_stalled"]
         # bytes the WebSocket clients read (the server's TCP payload to them: frames, headers, compressed
         # where negotiated) per message delivered
-        summary["wire"] = {"bytes": end["wire_bytes"] - wire_at_go, "per_delivery": round(
-            (end["wire_bytes"] - wire_at_go) / delivered, 1) if delivered else None,
-            "compression": s.compression, "delta": s.delta, "payload": s.payload}
+        summary["wire"] = {
+            "bytes": end["wire_bytes"] - wire_at_go,
+            "per_delivery": round((end["wire_bytes"] - wire_at_go) / delivered, 1) if delivered else None,
+            "compression": s.compression,
+            "delta": s.delta,
+            "payload": s.payload,
+        }
         summary["cpu"] = self._cpu(server, loadgen, machine, t_go, t_end, dumps, published)
         if broker is not None:
             summary["cpu"]["broker"] = broker.window(t_go, t_end)
         if "server" in summary["cpu"] and ready:
             run_max = max((rss for _t, _c, rss in server.samples), default=0) if server is not None else 0
             summary["cpu"]["server"].update(
-                rss_before_mb=round(rss_before / 2**20, 1), rss_connected_mb=round(rss_connected / 2**20, 1),
+                rss_before_mb=round(rss_before / 2**20, 1),
+                rss_connected_mb=round(rss_connected / 2**20, 1),
                 # KB of server memory per client connected and subscribed; and at the run's largest
                 rss_per_conn_kb=round((rss_connected - rss_before) / 1024 / ready, 2),
-                rss_per_conn_run_kb=round((max(run_max, rss_connected) - rss_before) / 1024 / ready, 2))
+                rss_per_conn_run_kb=round((max(run_max, rss_connected) - rss_before) / 1024 / ready, 2),
+            )
         # TCP data segments the server sent to its WebSocket clients (None: `ss` unavailable)
         summary["server_segments"] = segments.sent_between(segments_before, segments_after)
-        summary["timing"] = {"go_ns": go_ns, "publish_s": round(
-            (published.get("last_ns", go_ns) - published.get("first_ns", go_ns)) / 1e9, 3),
-            "measured_s": round(t_end - t_go, 3)}
+        summary["timing"] = {
+            "go_ns": go_ns,
+            "publish_s": round((published.get("last_ns", go_ns) - published.get("first_ns", go_ns)) / 1e9, 3),
+            "measured_s": round(t_end - t_go, 3),
+        }
         self._write(data, summary, go_ns)
         return summary
 
     def _progress(self) -> Progress:
-        return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                        console=self.console, transient=False, disable=not self.progress)
+        return Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+            disable=not self.progress,
+        )
 
-    def _status(self, sent: int, delivered: int, rate: float, tot: dict[str, int],
-                server: TreeSampler | None) -> str:
+    def _status(self, sent: int, delivered: int, rate: float, tot: dict[str, int], server: TreeSampler | None) -> str:
         text = f"published {sent:,}  delivered {delivered:,} ({rate:,.0f}/s)"
         if tot["lost_light"] or tot["lost_stalled"]:
             text += f"  lost {tot['lost_light'] + tot['lost_stalled']:,}"
@@ -276,8 +327,16 @@ class LoadRun:
             text += f"  server cpu {100 * (c1 - c0) / max(t1 - t0, 1e-9):.0f}% rss {rss / 2**20:.0f}MB"
         return text
 
-    def _cpu(self, server: TreeSampler | None, loadgen: TreeSampler, machine: MachineSampler, t0: float,
-             t1: float, dumps: list[dict[str, Any]], published: dict[str, Any]) -> dict[str, Any]:
+    def _cpu(
+        self,
+        server: TreeSampler | None,
+        loadgen: TreeSampler,
+        machine: MachineSampler,
+        t0: float,
+        t1: float,
+        dumps: list[dict[str, Any]],
+        published: dict[str, Any],
+    ) -> dict[str, Any]:
         out: dict[str, Any] = {"loadgen": loadgen.window(t0, t1)}
         out["loadgen"]["procs"] = len(dumps) + 1
         # the publisher is the first process started, the client workers the rest
@@ -286,7 +345,8 @@ class LoadRun:
             "runner": loadgen.pids_pct(t0, t1, [os.getpid()]),
             "publisher": loadgen.pids_pct(t0, t1, pids[:1]),
             "clients": loadgen.pids_pct(t0, t1, pids[1:]),
-            "busiest_client_proc": max((loadgen.pids_pct(t0, t1, [p]) for p in pids[1:]), default=0.0)}
+            "busiest_client_proc": max((loadgen.pids_pct(t0, t1, [p]) for p in pids[1:]), default=0.0),
+        }
         out["loadgen"]["client_rss_max_mb"] = round(max((d["maxrss_kb"] for d in dumps), default=0) / 1024, 1)
         if server is not None and self.target.pid:
             out["server"] = server.window(t0, t1)
@@ -303,8 +363,10 @@ class LoadRun:
         out, p = self.out, self.plan
         deliverylog.write(out / "deliveries.parquet", data.log)
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        clients = [{**dataclasses.asdict(c), "topics": [p.topics[t] for t in c.topics],
-                    **data.clients.get(i, {})} for i, c in enumerate(p.clients)]
+        clients = [
+            {**dataclasses.asdict(c), "topics": [p.topics[t] for t in c.topics], **data.clients.get(i, {})}
+            for i, c in enumerate(p.clients)
+        ]
         (out / "clients.json").write_text(json.dumps(clients, indent=1))
         report.write(out, data.log, summary, p, go_ns)
 
@@ -322,8 +384,14 @@ def _quiet(console: Console, limit_s: float) -> None:
 PAIRS = ("without", "with", "alone", "beside")
 
 
-def run(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console | None = None,
-        progress: bool = True, **options: Any) -> dict[str, Any]:
+def run(
+    scenario: Scenario,
+    target_factory: TargetFactory,
+    out: Path,
+    console: Console | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
     """Run a scenario against a fresh target from ``target_factory`` and write its results under ``out``.
 
     A scenario with a dominator (``dominator_topics > 0``) runs twice, without then with the dominator
@@ -348,9 +416,15 @@ def run(scenario: Scenario, target_factory: TargetFactory, out: Path, console: C
     return summary
 
 
-def _run_pair(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console, progress: bool,
-              halves: tuple[tuple[str, str, Scenario], tuple[str, str, Scenario]],
-              **options: Any) -> dict[str, dict[str, Any]]:
+def _run_pair(
+    scenario: Scenario,
+    target_factory: TargetFactory,
+    out: Path,
+    console: Console,
+    progress: bool,
+    halves: tuple[tuple[str, str, Scenario], tuple[str, str, Scenario]],
+    **options: Any,
+) -> dict[str, dict[str, Any]]:
     """Two runs on fresh targets, each in its own subdirectory; returns their summaries by label."""
     results = {}
     wait = options.pop("wait_quiet")
@@ -364,56 +438,88 @@ def _run_pair(scenario: Scenario, target_factory: TargetFactory, out: Path, cons
     return results
 
 
-def _run_dominator(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console,
-                   progress: bool, **options: Any) -> dict[str, Any]:
-    results = _run_pair(scenario, target_factory, out, console, progress, (
-        ("without", "without the dominator client", dataclasses.replace(scenario, dominator=False)),
-        ("with", "with the dominator client", dataclasses.replace(scenario, dominator=True))), **options)
+def _run_dominator(
+    scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console, progress: bool, **options: Any
+) -> dict[str, Any]:
+    results = _run_pair(
+        scenario,
+        target_factory,
+        out,
+        console,
+        progress,
+        (
+            ("without", "without the dominator client", dataclasses.replace(scenario, dominator=False)),
+            ("with", "with the dominator client", dataclasses.replace(scenario, dominator=True)),
+        ),
+        **options,
+    )
     without, with_ = results["without"]["latency_ms"], results["with"]["latency_ms"]
     summary = {
-        "scenario": dataclasses.asdict(scenario), "target": results["with"]["target"],
+        "scenario": dataclasses.asdict(scenario),
+        "target": results["with"]["target"],
         "dominator": {
-            "light_p50_ms_without": without["p50"], "light_p50_ms_with": with_["p50"],
-            "light_p99_ms_without": without["p99"], "light_p99_ms_with": with_["p99"],
+            "light_p50_ms_without": without["p50"],
+            "light_p50_ms_with": with_["p50"],
+            "light_p99_ms_without": without["p99"],
+            "light_p99_ms_with": with_["p99"],
             "p99_ratio": round(with_["p99"] / without["p99"], 3) if without["p99"] else None,
             "dominator_latency_ms": results["with"].get("latency_ms_dominator", {}),
         },
-        "without": results["without"], "with": results["with"],
+        "without": results["without"],
+        "with": results["with"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    report.print_comparison(console, {"without": analysis.figures(results["without"]),
-                                      "with": analysis.figures(results["with"])},
-                            f"{scenario.name}: light clients without / with the dominator",
-                            ratio=("with", "without"))
-    console.print(f"light clients p99: {without['p99']} ms without, {with_['p99']} ms with the dominator; "
-                  f"results in {out}")
+    report.print_comparison(
+        console,
+        {"without": analysis.figures(results["without"]), "with": analysis.figures(results["with"])},
+        f"{scenario.name}: light clients without / with the dominator",
+        ratio=("with", "without"),
+    )
+    console.print(f"light clients p99: {without['p99']} ms without, {with_['p99']} ms with the dominator; results in {out}")
     return summary
 
 
-def _run_coldhot(scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console,
-                 progress: bool, **options: Any) -> dict[str, Any]:
-    results = _run_pair(scenario, target_factory, out, console, progress, (
-        ("alone", "with the hot topics silent (cold topics alone)", dataclasses.replace(scenario, hot_silent=True)),
-        ("beside", "with the hot topics published (cold beside hot)", dataclasses.replace(scenario,
-                                                                                          hot_silent=False))),
-        **options)
+def _run_coldhot(
+    scenario: Scenario, target_factory: TargetFactory, out: Path, console: Console, progress: bool, **options: Any
+) -> dict[str, Any]:
+    results = _run_pair(
+        scenario,
+        target_factory,
+        out,
+        console,
+        progress,
+        (
+            ("alone", "with the hot topics silent (cold topics alone)", dataclasses.replace(scenario, hot_silent=True)),
+            ("beside", "with the hot topics published (cold beside hot)", dataclasses.replace(scenario, hot_silent=False)),
+        ),
+        **options,
+    )
     alone = results["alone"]["topic_classes_ms"].get("cold", {})
     beside = results["beside"]["topic_classes_ms"].get("cold", {})
     hot = results["beside"]["topic_classes_ms"].get("hot", {})
     summary = {
-        "scenario": dataclasses.asdict(scenario), "target": results["beside"]["target"],
+        "scenario": dataclasses.asdict(scenario),
+        "target": results["beside"]["target"],
         "coldhot": {
-            "cold_p50_ms_alone": alone.get("p50", 0.0), "cold_p50_ms_beside": beside.get("p50", 0.0),
-            "cold_p99_ms_alone": alone.get("p99", 0.0), "cold_p99_ms_beside": beside.get("p99", 0.0),
+            "cold_p50_ms_alone": alone.get("p50", 0.0),
+            "cold_p50_ms_beside": beside.get("p50", 0.0),
+            "cold_p99_ms_alone": alone.get("p99", 0.0),
+            "cold_p99_ms_beside": beside.get("p99", 0.0),
             "p99_ratio": round(beside["p99"] / alone["p99"], 3) if alone.get("p99") and beside else None,
             "hot_latency_ms": hot,
         },
-        "alone": results["alone"], "beside": results["beside"],
+        "alone": results["alone"],
+        "beside": results["beside"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    report.print_comparison(console, {"alone": analysis.figures(results["alone"]),
-                                      "beside": analysis.figures(results["beside"])},
-                            f"{scenario.name}: cold topics alone / beside a hot topic", ratio=("beside", "alone"))
-    console.print(f"cold topics p99: {alone.get('p99')} ms alone, {beside.get('p99')} ms beside the hot topic "
-                  f"(ratio {summary['coldhot']['p99_ratio']}); results in {out}")
+    report.print_comparison(
+        console,
+        {"alone": analysis.figures(results["alone"]), "beside": analysis.figures(results["beside"])},
+        f"{scenario.name}: cold topics alone / beside a hot topic",
+        ratio=("beside", "alone"),
+    )
+    console.print(
+        f"cold topics p99: {alone.get('p99')} ms alone, {beside.get('p99')} ms beside the hot topic "
+        f"(ratio {summary['coldhot']['p99_ratio']}); results in {out}"
+    )
     return summary

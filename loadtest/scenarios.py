@@ -164,8 +164,10 @@ class Scenario:
         if self.protocol == "centrifugo" and (self.transport != "ws" or self.delta != "off" or self.storm_at is not None):
             raise ValueError("protocol centrifugo needs WebSocket clients (--transport ws), no --delta, no storm")
         if self.delta != "off" and (self.transport != "ws" or self.shipped):
-            raise ValueError("delta needs WebSocket clients (--transport ws) and the load tool's gateway config"
-                             " (--no-shipped): the shipped topic rules have no delta")
+            raise ValueError(
+                "delta needs WebSocket clients (--transport ws) and the load tool's gateway config"
+                " (--no-shipped): the shipped topic rules have no delta"
+            )
         if self.batch_depth != AUTO and not (isinstance(self.batch_depth, int) and self.batch_depth >= 1):
             raise ValueError(f'batch_depth must be an integer >= 1 or "{AUTO}"')
         if not 0.0 <= self.linger <= MAX_LINGER:
@@ -179,14 +181,17 @@ class Scenario:
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
         if self.shipped and (self.capacity != SHIPPED_CAPACITY or self.batch_depth != 1 or self.linger):
-            raise ValueError(f"a shipped gateway's topics follow the shipped '*' rule (capacity {SHIPPED_CAPACITY}, "
-                             "batch_depth 1, no linger): use --no-shipped to set --capacity, --batch-depth or --linger")
+            raise ValueError(
+                f"a shipped gateway's topics follow the shipped '*' rule (capacity {SHIPPED_CAPACITY}, "
+                "batch_depth 1, no linger): use --no-shipped to set --capacity, --batch-depth or --linger"
+            )
         if self.storm_at is not None:
             if self.storm_at < 0 or self.storm_spread < 0:
                 raise ValueError("storm_at and storm_spread must be >= 0")
             if self.storm_at + self.storm_spread >= self.duration:
-                raise ValueError("storm_at + storm_spread must be below the duration: publishing goes on while the "
-                                 "clients come back")
+                raise ValueError(
+                    "storm_at + storm_spread must be below the duration: publishing goes on while the clients come back"
+                )
             if self.transport != "ws":
                 raise ValueError("a reconnect storm needs WebSocket clients: transport ws")
             if self.stall_frac or self.dominator_topics or self.coldhot:
@@ -263,41 +268,138 @@ def plan(s: Scenario) -> Plan:
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("smoke", "a few clients, a quick sanity run", clients=20, topics=10, subs=3, rate=500,
-                 duration=3, drain=2),
-        Scenario("fanout", "many clients sharing topics at a steady rate", clients=1000, topics=100,
-                 subs=10, rate=1000, duration=10),
-        Scenario("throughput", "publish as fast as the gateway takes it", clients=200, topics=20, subs=5,
-                 rate=None, duration=10, messages=500_000),
-        Scenario("longpoll", "HTTP long-poll clients only", clients=300, topics=50, subs=5, rate=500,
-                 transport="longpoll", duration=10),
-        Scenario("mixed", "half WebSocket, half long-poll", clients=600, topics=100, subs=5, rate=1000,
-                 transport="mixed", duration=10),
-        Scenario("stall", "10% of the clients stop reading for half the run", clients=300, topics=30,
-                 subs=5, rate=1000, duration=10, stall_frac=0.1),
-        Scenario("starvation", "one hot topic beside nine cold ones on every client", clients=200,
-                 topics=44, subs=10, rate=2000, hot_topics=4, hot_share=0.9, duration=10),
-        Scenario("dominator", "one client on 100 busy topics beside many light clients (run with and "
-                 "without it)", clients=300, topics=30, subs=3, rate=300, dominator_topics=100,
-                 dominator_rate=5000, duration=10),
+        Scenario("smoke", "a few clients, a quick sanity run", clients=20, topics=10, subs=3, rate=500, duration=3, drain=2),
+        Scenario(
+            "fanout", "many clients sharing topics at a steady rate", clients=1000, topics=100, subs=10, rate=1000, duration=10
+        ),
+        Scenario(
+            "throughput",
+            "publish as fast as the gateway takes it",
+            clients=200,
+            topics=20,
+            subs=5,
+            rate=None,
+            duration=10,
+            messages=500_000,
+        ),
+        Scenario(
+            "longpoll", "HTTP long-poll clients only", clients=300, topics=50, subs=5, rate=500, transport="longpoll", duration=10
+        ),
+        Scenario(
+            "mixed", "half WebSocket, half long-poll", clients=600, topics=100, subs=5, rate=1000, transport="mixed", duration=10
+        ),
+        Scenario(
+            "stall",
+            "10% of the clients stop reading for half the run",
+            clients=300,
+            topics=30,
+            subs=5,
+            rate=1000,
+            duration=10,
+            stall_frac=0.1,
+        ),
+        Scenario(
+            "starvation",
+            "one hot topic beside nine cold ones on every client",
+            clients=200,
+            topics=44,
+            subs=10,
+            rate=2000,
+            hot_topics=4,
+            hot_share=0.9,
+            duration=10,
+        ),
+        Scenario(
+            "dominator",
+            "one client on 100 busy topics beside many light clients (run with and without it)",
+            clients=300,
+            topics=30,
+            subs=3,
+            rate=300,
+            dominator_topics=100,
+            dominator_rate=5000,
+            duration=10,
+        ),
         # the benchmark targets (docs/benchmarks.md): 100-byte messages (PAYLOAD_100 bytes of padding)
-        Scenario("onetopic", "1000 clients on one topic, published as fast as the clients take it",
-                 clients=1000, topics=1, subs=1, rate=None, window=32, payload=PAYLOAD_100, duration=5, drain=3),
-        Scenario("spread", "1000 clients, each on 4 of 100 topics, published as fast as the clients take it",
-                 clients=1000, topics=100, subs=4, rate=None, window=32, payload=PAYLOAD_100, duration=5, drain=3),
-        Scenario("steady200", "1000 clients on one topic at a fixed 200 msgs/s (200k deliveries/s offered)",
-                 clients=1000, topics=1, subs=1, rate=200, payload=PAYLOAD_100, duration=5, drain=3),
+        Scenario(
+            "onetopic",
+            "1000 clients on one topic, published as fast as the clients take it",
+            clients=1000,
+            topics=1,
+            subs=1,
+            rate=None,
+            window=32,
+            payload=PAYLOAD_100,
+            duration=5,
+            drain=3,
+        ),
+        Scenario(
+            "spread",
+            "1000 clients, each on 4 of 100 topics, published as fast as the clients take it",
+            clients=1000,
+            topics=100,
+            subs=4,
+            rate=None,
+            window=32,
+            payload=PAYLOAD_100,
+            duration=5,
+            drain=3,
+        ),
+        Scenario(
+            "steady200",
+            "1000 clients on one topic at a fixed 200 msgs/s (200k deliveries/s offered)",
+            clients=1000,
+            topics=1,
+            subs=1,
+            rate=200,
+            payload=PAYLOAD_100,
+            duration=5,
+            drain=3,
+        ),
         # the crowd targets (docs/benchmarks.md): the gateway as shipped, clients over 250 source addresses
         # (40 each, the shipped per-address limit is 256), 100-byte messages, 50,000 deliveries/s in both
-        Scenario("crowd", "10,000 clients on one topic at 5 msgs/s, the gateway as shipped", clients=10_000,
-                 topics=1, subs=1, rate=5, payload=PAYLOAD_100, duration=20, procs=2, source_addrs=250,
-                 shipped=True, drain=5),
-        Scenario("rooms", "10,000 clients over 1,000 topics (rooms of 10), 5 msgs/s per topic, the gateway as "
-                 "shipped", clients=10_000, topics=1000, subs=1, rate=5000, payload=PAYLOAD_100, duration=20,
-                 procs=2, source_addrs=250, shipped=True, drain=5),
-        Scenario("coldhot", "cold topics' latency alone (hot topic silent) and beside a hot topic (run twice)",
-                 clients=500, topics=11, subs=2, rate=100, hot_topics=1, hot_share=0.5, coldhot=True,
-                 payload=PAYLOAD_100, duration=8, drain=3),
+        Scenario(
+            "crowd",
+            "10,000 clients on one topic at 5 msgs/s, the gateway as shipped",
+            clients=10_000,
+            topics=1,
+            subs=1,
+            rate=5,
+            payload=PAYLOAD_100,
+            duration=20,
+            procs=2,
+            source_addrs=250,
+            shipped=True,
+            drain=5,
+        ),
+        Scenario(
+            "rooms",
+            "10,000 clients over 1,000 topics (rooms of 10), 5 msgs/s per topic, the gateway as shipped",
+            clients=10_000,
+            topics=1000,
+            subs=1,
+            rate=5000,
+            payload=PAYLOAD_100,
+            duration=20,
+            procs=2,
+            source_addrs=250,
+            shipped=True,
+            drain=5,
+        ),
+        Scenario(
+            "coldhot",
+            "cold topics' latency alone (hot topic silent) and beside a hot topic (run twice)",
+            clients=500,
+            topics=11,
+            subs=2,
+            rate=100,
+            hot_topics=1,
+            hot_share=0.5,
+            coldhot=True,
+            payload=PAYLOAD_100,
+            duration=8,
+            drain=3,
+        ),
     )
 }
 
@@ -311,12 +413,19 @@ _FLAGS: dict[str, tuple[str, _Parse | str, str]] = {
     "--topics": ("topics", int, "number of base topics"),
     "--subs": ("subs", int, "subscriptions per client"),
     "--rate": ("rate", "rate", "total publish rate in msgs/s, or 'max'"),
-    "--payload": ("payload", "payload", 'padding bytes per message, or "book": an order book of 20 levels a side,'
-                  " 3 changed per update"),
+    "--payload": (
+        "payload",
+        "payload",
+        'padding bytes per message, or "book": an order book of 20 levels a side, 3 changed per update',
+    ),
     "--compression": ("compression", str, 'WebSocket clients offer permessage-deflate ("deflate") or not ("off")'),
     "--delta": ("delta", str, 'WebSocket clients subscribe with fossil deltas ("fossil") or not ("off")'),
-    "--protocol": ("protocol", str, 'WebSocket clients speak our protocol at /ws ("fanout") or Centrifugo\'s at'
-                   ' /connection/websocket ("centrifugo"; the gateway only)'),
+    "--protocol": (
+        "protocol",
+        str,
+        'WebSocket clients speak our protocol at /ws ("fanout") or Centrifugo\'s at'
+        ' /connection/websocket ("centrifugo"; the gateway only)',
+    ),
     "--transport": ("transport", str, "ws, longpoll or mixed"),
     "--duration": ("duration", float, "publish for this many seconds"),
     "--messages": ("messages", int, "stop publishing after this many messages"),
@@ -333,18 +442,34 @@ _FLAGS: dict[str, tuple[str, _Parse | str, str]] = {
     "--drain": ("drain", float, "max seconds to wait for in-flight deliveries at the end"),
     "--capacity": ("capacity", int, "ring capacity of the gateway's topics"),
     "--window": ("window", int, "rate max: messages per subscription in flight (0: open loop)"),
-    "--batch-depth": ("batch_depth", "depth", "messages a ring subscription may give per cycle, or 'auto' "
-                      "(gateway topic rule batch_depth; nchan has no equivalent)"),
-    "--linger": ("linger", float, "seconds the gateway's topics hold caught-up subscribers back after a publish "
-                 "(gateway topic rule linger; nchan has no equivalent)"),
-    "--source-addrs": ("source_addrs", int, "client i connects from loopback address number i %% K (127.0.1.1, "
-                       "127.0.1.2, ...); 0: all from 127.0.0.1"),
-    "--workers": ("workers", int, "gateway processes (server.workers); above 1 on a Redis broker the load tool "
-                  "starts"),
-    "--storm-at": ("storm_at", float, "reconnect storm: seconds after publishing starts when every client drops "
-                   "its connection and comes back with since (gateway only)"),
-    "--storm-spread": ("storm_spread", float, "reconnect storm: clients come back at random moments within this "
-                       "many seconds (default 5)"),
+    "--batch-depth": (
+        "batch_depth",
+        "depth",
+        "messages a ring subscription may give per cycle, or 'auto' (gateway topic rule batch_depth; nchan has no equivalent)",
+    ),
+    "--linger": (
+        "linger",
+        float,
+        "seconds the gateway's topics hold caught-up subscribers back after a publish "
+        "(gateway topic rule linger; nchan has no equivalent)",
+    ),
+    "--source-addrs": (
+        "source_addrs",
+        int,
+        "client i connects from loopback address number i %% K (127.0.1.1, 127.0.1.2, ...); 0: all from 127.0.0.1",
+    ),
+    "--workers": ("workers", int, "gateway processes (server.workers); above 1 on a Redis broker the load tool starts"),
+    "--storm-at": (
+        "storm_at",
+        float,
+        "reconnect storm: seconds after publishing starts when every client drops "
+        "its connection and comes back with since (gateway only)",
+    ),
+    "--storm-spread": (
+        "storm_spread",
+        float,
+        "reconnect storm: clients come back at random moments within this many seconds (default 5)",
+    ),
 }
 
 
@@ -384,11 +509,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the scenario positional and the override flags (all default to the scenario's values)."""
     parser.add_argument("scenario", choices=sorted(SCENARIOS), help="named scenario")
     for flag, (_field, kind, help_text) in _FLAGS.items():
-        parser.add_argument(flag, type=_PARSERS[kind] if isinstance(kind, str) else kind, default=argparse.SUPPRESS,
-                            help=help_text)
-    parser.add_argument("--shipped", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                        help="the gateway runs its shipped config, only ports, admin token and (when the clients "
-                             "need more) server.max_connections overridden (default: on for crowd and rooms)")
+        parser.add_argument(
+            flag, type=_PARSERS[kind] if isinstance(kind, str) else kind, default=argparse.SUPPRESS, help=help_text
+        )
+    parser.add_argument(
+        "--shipped",
+        action=argparse.BooleanOptionalAction,
+        default=argparse.SUPPRESS,
+        help="the gateway runs its shipped config, only ports, admin token and (when the clients "
+        "need more) server.max_connections overridden (default: on for crowd and rooms)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Scenario:

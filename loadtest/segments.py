@@ -28,8 +28,9 @@ def read(port: int) -> dict[str, int] | None:
     if ss is None:
         return None
     try:
-        done = subprocess.run([ss, "-tinH", "state", "established", f"( sport = :{port} )"],
-                              capture_output=True, text=True, timeout=10, check=True)
+        done = subprocess.run(
+            [ss, "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True, timeout=10, check=True
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return parse(done.stdout)

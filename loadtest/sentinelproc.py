@@ -33,15 +33,19 @@ class SentinelProcess(RedisProcess):
         self.dir.mkdir(parents=True, exist_ok=True)
         conf = self.dir / "sentinel.conf"  # the sentinel rewrites it: written once, kept across restarts
         if not conf.exists():
-            conf.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
-                            f"sentinel monitor {MASTER} 127.0.0.1 {self.primary_port} 2\n"
-                            f"sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n"
-                            f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n"
-                            f"sentinel parallel-syncs {MASTER} 1\n")
-        self.proc = subprocess.Popen([redis_binary() or REDIS_SERVER, str(conf), "--sentinel"],
-                                     stdout=open(self.dir / "sentinel.log", "ab"), stderr=subprocess.STDOUT)
+            conf.write_text(
+                f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {MASTER} 127.0.0.1 {self.primary_port} 2\n"
+                f"sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n"
+                f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n"
+                f"sentinel parallel-syncs {MASTER} 1\n"
+            )
+        self.proc = subprocess.Popen(
+            [redis_binary() or REDIS_SERVER, str(conf), "--sentinel"],
+            stdout=open(self.dir / "sentinel.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
         self.wait_for_pong("redis-server --sentinel")
-
 
     def primary(self) -> int | None:
         """The port of the primary this sentinel names now (None: it names none it can reach)."""

@@ -63,9 +63,11 @@ class Probe(threading.Thread):
 
     def report(self, start_rss: float, end_rss: float) -> str:
         median, p99, worst = delay_figures(self.delays)
-        return (f"RSS start {start_rss:.1f} MiB, peak {max(self.rss):.1f} MiB (+{max(self.rss) - start_rss:.1f}),"
-                f" end {end_rss:.1f} MiB; /healthz by another client: {len(self.delays)} probes, max"
-                f" {worst * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, median {median * 1000:.1f} ms")
+        return (
+            f"RSS start {start_rss:.1f} MiB, peak {max(self.rss):.1f} MiB (+{max(self.rss) - start_rss:.1f}),"
+            f" end {end_rss:.1f} MiB; /healthz by another client: {len(self.delays)} probes, max"
+            f" {worst * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, median {median * 1000:.1f} ms"
+        )
 
 
 def measure(gateway: FloodGateway, flood: Callable[[], str]) -> None:
@@ -104,10 +106,13 @@ def flood_topics(gateway: FloodGateway, seconds: float) -> str:
         await asyncio.gather(*(attacker(n) for n in range(8)))
 
     asyncio.run(main())
-    topics = httpx.get(f"{gateway.url}/api/topics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-                       timeout=30).json()["topics"]
-    return (f"topics flood, {seconds:g} s: {counts['connections']} connections, {counts['ok']} publishes"
-            f" accepted (creations), {counts['refused']} refused too_many_topics; topics held: {len(topics)}")
+    topics = httpx.get(f"{gateway.url}/api/topics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30).json()[
+        "topics"
+    ]
+    return (
+        f"topics flood, {seconds:g} s: {counts['connections']} connections, {counts['ok']} publishes"
+        f" accepted (creations), {counts['refused']} refused too_many_topics; topics held: {len(topics)}"
+    )
 
 
 def _stall_publishers(port: int, seconds: float, out: Queue[tuple[int, int]]) -> None:
@@ -155,8 +160,7 @@ def flood_stall(gateway: FloodGateway, redis: RedisProcess, seconds: float) -> s
     finally:
         redis.stall(False)
     pending = [line for line in metrics.splitlines() if line.startswith("fanout_broker_")]
-    return (f"stall flood, {seconds:g} s with Redis stopped: {sent} records sent, {answers} answer lines; "
-            + "; ".join(pending))
+    return f"stall flood, {seconds:g} s with Redis stopped: {sent} records sent, {answers} answer lines; " + "; ".join(pending)
 
 
 def flood_bulk(gateway: FloodGateway, seconds: float, count: int, huge_too: bool) -> str:
@@ -172,8 +176,10 @@ def flood_bulk(gateway: FloodGateway, seconds: float, count: int, huge_too: bool
             if huge_too:
                 reply = http.post("/api/topics/chat.bulk/publish", content=huge, headers=headers)
                 done["refused_huge"] += reply.status_code == 413
-    return (f"bulk flood, {seconds:g} s: {done['bulk']} publishes of {count} messages, {done['refused_huge']}"
-            f" bodies of 2 M messages refused 413")
+    return (
+        f"bulk flood, {seconds:g} s: {done['bulk']} publishes of {count} messages, {done['refused_huge']}"
+        f" bodies of 2 M messages refused 413"
+    )
 
 
 def main() -> None:

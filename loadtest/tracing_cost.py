@@ -45,8 +45,7 @@ class _NoSpan:
 
 def span_costs(rate: float, endpoint: str) -> None:
     tracing = OtlpTracing(TracingConfig(endpoint, "tracing-cost", rate), "bench")
-    attributes = {"fanout.ingest.lines": 5, "fanout.ingest.bytes": 500, "fanout.ingest.accepted": 5,
-                  "fanout.ingest.errors": 0}
+    attributes = {"fanout.ingest.lines": 5, "fanout.ingest.bytes": 500, "fanout.ingest.accepted": 5, "fanout.ingest.errors": 0}
 
     def ingest_turn() -> None:
         tracing.record("ingest batch", time.time_ns(), attributes)
@@ -57,8 +56,10 @@ def span_costs(rate: float, endpoint: str) -> None:
                 with tracing.span("broker.publish", {"messaging.destination.name": "t", "fanout.messages": 1}):
                     tracing.expect_apply()
 
-    print(f"sample_rate {rate}: an ingest turn's span {per_call_ns(ingest_turn, 20000):,.0f} ns, "
-          f"an admin publish's spans {per_call_ns(admin_request, 20000):,.0f} ns")
+    print(
+        f"sample_rate {rate}: an ingest turn's span {per_call_ns(ingest_turn, 20000):,.0f} ns, "
+        f"an admin publish's spans {per_call_ns(admin_request, 20000):,.0f} ns"
+    )
     tracing.provider.shutdown()
 
 
@@ -91,8 +92,11 @@ def sink(port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sink", type=int, metavar="PORT", help="run a discarding OTLP/HTTP receiver instead")
-    parser.add_argument("--endpoint", default="http://127.0.0.1:14318",
-                        help="where the measured tracer exports (run a --sink there, or its spans are dropped)")
+    parser.add_argument(
+        "--endpoint",
+        default="http://127.0.0.1:14318",
+        help="where the measured tracer exports (run a --sink there, or its spans are dropped)",
+    )
     args = parser.parse_args()
     if args.sink is not None:
         sink(args.sink)

@@ -39,8 +39,7 @@ from loadtest.wsclient import WsClient, connect
 
 #: ``--payload book`` runs of at most this many clients check every book they get (`Worker.checks_books`)
 BOOK_CHECK_CLIENTS = 1000
-COUNTERS = ("ready", "closed", "msgs_light", "msgs_stalled", "lost_light", "lost_stalled", "frames", "errors",
-            "wire_bytes")
+COUNTERS = ("ready", "closed", "msgs_light", "msgs_stalled", "lost_light", "lost_stalled", "frames", "errors", "wire_bytes")
 #: handshakes in flight per process: a burst of thousands overflows the server's accept backlog
 CONNECT_CONCURRENCY = 64
 CONNECT_ATTEMPTS = 3
@@ -122,13 +121,24 @@ class Subscriber:
             self.worker.closed += 1
 
     def state(self) -> dict[str, Any]:
-        out = {"name": self.plan.name, "ready": self.ready.done() and not self.ready.cancelled(),
-               "connected_ns": self.connected_ns, "closed_ns": self.closed_ns,
-               "closed_reason": self.closed_reason, "error": self.error}
+        out = {
+            "name": self.plan.name,
+            "ready": self.ready.done() and not self.ready.cancelled(),
+            "connected_ns": self.connected_ns,
+            "closed_ns": self.closed_ns,
+            "closed_reason": self.closed_reason,
+            "error": self.error,
+        }
         if self.storm_ns:
-            out["storm"] = {"storm_ns": self.storm_ns, "retry_ns": self.retry_ns, "open_ns": self.open_ns,
-                            "resub_ns": self.resub_ns, "back_ns": self.back_ns, "attempts": self.attempts,
-                            "error": self.storm_error}
+            out["storm"] = {
+                "storm_ns": self.storm_ns,
+                "retry_ns": self.retry_ns,
+                "open_ns": self.open_ns,
+                "resub_ns": self.resub_ns,
+                "back_ns": self.back_ns,
+                "attempts": self.attempts,
+                "error": self.storm_error,
+            }
         return out
 
 
@@ -163,9 +173,15 @@ class WsSubscriber(Subscriber):
         topics = [spec.topics[t] for t in self.plan.topics]
         if spec.delta == "fossil":
             self.bases = {name: DeltaBase() for name in topics}
-        self.ws = await connect(target.host, target.http_port, target.ws_path(topics), self,
-                                timeout=spec.connect_timeout, source=self.source,
-                                compression=spec.compression == "deflate")
+        self.ws = await connect(
+            target.host,
+            target.http_port,
+            target.ws_path(topics),
+            self,
+            timeout=spec.connect_timeout,
+            source=self.source,
+            compression=spec.compression == "deflate",
+        )
 
     @property
     def bytes_received(self) -> int:
@@ -238,8 +254,7 @@ class WsSubscriber(Subscriber):
 
     def subscribe(self) -> None:
         if self.worker.spec.target.kind != "nchan" and self.ws is not None:  # gateway, bare
-            commands: list[dict[str, Any]] = [{"op": "subscribe", "topic": self.worker.spec.topics[t]}
-                                              for t in self.plan.topics]
+            commands: list[dict[str, Any]] = [{"op": "subscribe", "topic": self.worker.spec.topics[t]} for t in self.plan.topics]
             if self.bases is not None:
                 for command in commands:
                     command["delta"] = "fossil"
@@ -264,8 +279,9 @@ class WsSubscriber(Subscriber):
         while not worker.stopping:
             self.attempts += 1
             try:
-                ws = await connect(target.host, target.http_port, target.ws_path([]), self,
-                                   timeout=spec.connect_timeout, source=self.source)
+                ws = await connect(
+                    target.host, target.http_port, target.ws_path([]), self, timeout=spec.connect_timeout, source=self.source
+                )
             except Exception as exc:
                 self.storm_error = self.storm_error or f"{type(exc).__name__}: {exc}"[:300]
                 pause = min(STORM_BACKOFF_MAX, STORM_BACKOFF * self.attempts)
@@ -280,8 +296,13 @@ class WsSubscriber(Subscriber):
             for t in self.plan.topics:
                 seq = since[t]
                 self.recorder.resuming[(self.index, t)] = seq
-                commands.append({"op": "subscribe", "topic": spec.topics[t],
-                                 "since": {"epoch": self.recorder.epochs.get((self.index, t), ""), "seq": seq}})
+                commands.append(
+                    {
+                        "op": "subscribe",
+                        "topic": spec.topics[t],
+                        "since": {"epoch": self.recorder.epochs.get((self.index, t), ""), "seq": seq},
+                    }
+                )
             self.resub_ns = time.time_ns()
             ws.send_text(orjson.dumps(commands))
             return
@@ -469,8 +490,9 @@ class Worker:
             return
         loop = asyncio.get_running_loop()
         storm_ns = time.time_ns()
-        stormed = [s for s in self.subscribers
-                   if isinstance(s, WsSubscriber) and s.ws is not None and not s.closed_ns and s.ready.done()]
+        stormed = [
+            s for s in self.subscribers if isinstance(s, WsSubscriber) and s.ws is not None and not s.closed_ns and s.ready.done()
+        ]
         for s in stormed:
             s.drop(storm_ns)
         since = self.recorder.next_seqs({s.index for s in stormed})
@@ -489,14 +511,26 @@ class Worker:
         r = self.recorder
         counters, base = self.counters, self.base
         if full:
-            values = (sum(1 for s in self.subscribers if s.ready.done() and not s.ready.cancelled()), self.closed,
-                      r.msgs[0], r.msgs[1], r.lost[0], r.lost[1], r.frames, sum(r.errors.values()),
-                      sum(s.bytes_received for s in self.subscribers if isinstance(s, WsSubscriber)))
+            values = (
+                sum(1 for s in self.subscribers if s.ready.done() and not s.ready.cancelled()),
+                self.closed,
+                r.msgs[0],
+                r.msgs[1],
+                r.lost[0],
+                r.lost[1],
+                r.frames,
+                sum(r.errors.values()),
+                sum(s.bytes_received for s in self.subscribers if isinstance(s, WsSubscriber)),
+            )
             for i, v in enumerate(values):
                 counters[base + i] = v
             return
         counters[base + 2], counters[base + 3], counters[base + 4], counters[base + 5] = (
-            r.msgs[0], r.msgs[1], r.lost[0], r.lost[1])
+            r.msgs[0],
+            r.msgs[1],
+            r.lost[0],
+            r.lost[1],
+        )
 
     async def _publish_counters(self) -> None:
         # the delivery counts every period; the rest (O(clients) to count) about every 0.1 s
@@ -512,4 +546,3 @@ def main(spec: WorkerSpec, counters: Any, conn: Connection) -> None:
     """Process entry point (multiprocessing target)."""
     raise_nofile_limit()
     run_loop(Worker(spec, conn, counters).run())
-

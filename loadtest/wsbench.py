@@ -34,19 +34,28 @@ def _frame(payload: bytes) -> bytes:
 
 
 def batch(entries: int, pad: int) -> bytes:
-    items = [orjson.dumps({"type": "msg", "topic": f"t{i % 10:04d}", "seq": i,
-                           "data": {"ts": time.time_ns(), "t": f"t{i % 10:04d}", "n": i, "pad": "x" * pad}})
-             for i in range(entries)]
+    items = [
+        orjson.dumps(
+            {
+                "type": "msg",
+                "topic": f"t{i % 10:04d}",
+                "seq": i,
+                "data": {"ts": time.time_ns(), "t": f"t{i % 10:04d}", "n": i, "pad": "x" * pad},
+            }
+        )
+        for i in range(entries)
+    ]
     return b"[" + b",".join(items) + b"]"
 
 
 async def _blast(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream: bytes) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
-    key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
-               if line.lower().startswith(b"sec-websocket-key"))
+    key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n") if line.lower().startswith(b"sec-websocket-key"))
     accept = accept_key(key.decode()).encode()
-    writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+    writer.write(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
+    )
     writer.write(stream)
     writer.write(b"\x88\x02\x03\xe8")  # close 1000
     await writer.drain()
@@ -62,6 +71,7 @@ def _server(sock: socket.socket, stream: bytes) -> None:
         server = await asyncio.start_server(lambda r, w: _blast(r, w, stream), sock=sock)
         async with server:
             await server.serve_forever()
+
     run_loop(main())
 
 
@@ -137,9 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for kind in ("ours", "websockets"):
                 r: dict[str, Any] = measure(kind, sock.getsockname()[1], args.frames)
-                table.add_row(str(entries), "wsclient (sans-I/O)" if kind == "ours" else "websockets asyncio",
-                              f"{r['frames_per_s']:,.0f}", f"{r['frames_per_s'] * entries:,.0f}",
-                              f"{r['cpu_us_per_frame']:.1f}")
+                table.add_row(
+                    str(entries),
+                    "wsclient (sans-I/O)" if kind == "ours" else "websockets asyncio",
+                    f"{r['frames_per_s']:,.0f}",
+                    f"{r['frames_per_s'] * entries:,.0f}",
+                    f"{r['cpu_us_per_frame']:.1f}",
+                )
         finally:
             server.terminate()
             server.join()

@@ -77,8 +77,15 @@ class WsClient(asyncio.Protocol):
 
     def __init__(self, url: str, listener: Listener, compression: bool = False) -> None:
         self.listener = listener
-        offer = [ClientPerMessageDeflateFactory(server_no_context_takeover=True, client_no_context_takeover=True,
-                                                client_max_window_bits=None)] if compression else None
+        offer = (
+            [
+                ClientPerMessageDeflateFactory(
+                    server_no_context_takeover=True, client_no_context_takeover=True, client_max_window_bits=None
+                )
+            ]
+            if compression
+            else None
+        )
         self.protocol = ClientProtocol(parse_uri(url), extensions=offer, max_size=MAX_MESSAGE)
         #: permessage-deflate was negotiated: frames with RSV1 are inflated here
         self.inflating = False
@@ -126,7 +133,7 @@ class WsClient(asyncio.Protocol):
             if len(self._head) > MAX_HEAD:  # websockets says what is wrong with it
                 return self._through_websockets(bytes(self._head))
             return []
-        head, rest = bytes(self._head[:end + 4]), bytes(self._head[end + 4:])
+        head, rest = bytes(self._head[: end + 4]), bytes(self._head[end + 4 :])
         self._head = bytearray()
         messages = self._through_websockets(head)
         if self.protocol.state is State.OPEN:
@@ -191,11 +198,11 @@ class WsClient(asyncio.Protocol):
             if length == 126:
                 if end - pos < 4:
                     break
-                length, head = int.from_bytes(data[pos + 2:pos + 4], "big"), 4
+                length, head = int.from_bytes(data[pos + 2 : pos + 4], "big"), 4
             elif length == 127:
                 if end - pos < 10:
                     break
-                length, head = int.from_bytes(data[pos + 2:pos + 10], "big"), 10
+                length, head = int.from_bytes(data[pos + 2 : pos + 10], "big"), 10
             if length > MAX_MESSAGE:
                 self._direct = False
                 return messages + self._through_websockets(data[pos:])
@@ -204,11 +211,11 @@ class WsClient(asyncio.Protocol):
                 self._need = stop - pos
                 break
             if first == 0x81 or first == 0x82:  # a whole text or binary message: nearly every frame
-                messages.append(data[pos + head:stop])
+                messages.append(data[pos + head : stop])
             elif first == 0xC1:  # a whole compressed text message (permessage-deflate, no context takeover)
-                messages.append(INFLATER.inflate(data[pos + head:stop]))
+                messages.append(INFLATER.inflate(data[pos + head : stop]))
             elif first & 0x0F <= 2:  # a fragment
-                self._data_frame(first & 0x0F, bool(first & 0x80), data[pos + head:stop], messages)
+                self._data_frame(first & 0x0F, bool(first & 0x80), data[pos + head : stop], messages)
             else:  # ping, pong, close (or an opcode websockets rejects): one whole frame, at a frame boundary
                 messages += self._through_websockets(data[pos:stop])
             pos = stop
@@ -282,15 +289,25 @@ class WsClient(asyncio.Protocol):
             self.listener.ws_closed(reason)
 
 
-async def connect(host: str, port: int, path: str, listener: Listener, timeout: float = 10.0,
-                  source: str | None = None, compression: bool = False) -> WsClient:
+async def connect(
+    host: str,
+    port: int,
+    path: str,
+    listener: Listener,
+    timeout: float = 10.0,
+    source: str | None = None,
+    compression: bool = False,
+) -> WsClient:
     """Open a connection to ``ws://host:port/path`` and wait for the handshake; raises on failure.
     ``source``: the local address to connect from (any port); ``compression``: offer permessage-deflate."""
     loop = asyncio.get_running_loop()
     url = f"ws://{host}:{port}{path}"
     _transport, client = await within(
-        loop.create_connection(lambda: WsClient(url, listener, compression), host, port,
-                               local_addr=(source, 0) if source else None), timeout)
+        loop.create_connection(
+            lambda: WsClient(url, listener, compression), host, port, local_addr=(source, 0) if source else None
+        ),
+        timeout,
+    )
     try:
         await within(asyncio.shield(client.opened), timeout)
     except BaseException:

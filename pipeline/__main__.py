@@ -23,8 +23,13 @@ __all__ = ["build_parser", "main"]
 
 def _verbose(parser: argparse.ArgumentParser, top: bool) -> None:
     # accepted before and after the subcommand; a subcommand's flag must not reset the top-level one
-    parser.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
-                        help="log every micro-batch and print the traceback of a failure")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
+        help="log every micro-batch and print the traceback of a failure",
+    )
 
 
 def _spark_options(parser: argparse.ArgumentParser) -> None:
@@ -62,13 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--rows-per-second", type=int, default=1000, help="rate without --rows-per-batch (default 1000)")
     src.add_argument("--start-timestamp-ms", type=int, default=0, help="rate-micro-batch: event time of row 0")
     src.add_argument("--topics", type=int, default=4, help="rate: number of topics (default 4)")
-    src.add_argument("--topic-prefix", default="feed.rate-",
-                     help="rate: topic name prefix (default feed.rate-: the shipped feed.* rule)")
-    src.add_argument("--bad-records", metavar="DIR",
-                     help="files: write malformed records (file, line, reason) to DIR/batch-N.jsonl and go on "
-                          "(default: the first one fails the feed)")
-    src.add_argument("--max-bad-records", type=int, default=1000,
-                     help="with --bad-records: more bad records than this in one micro-batch still fails it (1000)")
+    src.add_argument(
+        "--topic-prefix", default="feed.rate-", help="rate: topic name prefix (default feed.rate-: the shipped feed.* rule)"
+    )
+    src.add_argument(
+        "--bad-records",
+        metavar="DIR",
+        help="files: write malformed records (file, line, reason) to DIR/batch-N.jsonl and go on "
+        "(default: the first one fails the feed)",
+    )
+    src.add_argument(
+        "--max-bad-records",
+        type=int,
+        default=1000,
+        help="with --bad-records: more bad records than this in one micro-batch still fails it (1000)",
+    )
     sink = feed.add_argument_group("sink")
     sink.add_argument("--host", default="127.0.0.1", help="gateway TCP ingest host (default 127.0.0.1)")
     sink.add_argument("--port", type=int, default=ingest.DEFAULT_PORT, help="gateway TCP ingest port (default 7002)")
@@ -88,42 +101,65 @@ def build_parser() -> argparse.ArgumentParser:
     sink.add_argument(
         "--timeout", type=float, default=ingest.DEFAULT_TIMEOUT, help="seconds to wait for the gateway (default 30)"
     )
-    sink.add_argument("--sync-every", type=int, default=ingest.DEFAULT_SYNC_EVERY,
-                      help=f"records between two syncs of a connection (default {ingest.DEFAULT_SYNC_EVERY:,})")
-    sink.add_argument("--retries", type=int, default=DEFAULT_RETRY.attempts,
-                      help=f"reconnect attempts while the gateway is down (default {DEFAULT_RETRY.attempts})")
-    sink.add_argument("--backoff", type=float, default=DEFAULT_RETRY.initial,
-                      help=f"first wait before reconnecting, doubled each time (default {DEFAULT_RETRY.initial} s)")
-    sink.add_argument("--backoff-max", type=float, default=DEFAULT_RETRY.maximum,
-                      help=f"longest wait between attempts (default {DEFAULT_RETRY.maximum} s)")
+    sink.add_argument(
+        "--sync-every",
+        type=int,
+        default=ingest.DEFAULT_SYNC_EVERY,
+        help=f"records between two syncs of a connection (default {ingest.DEFAULT_SYNC_EVERY:,})",
+    )
+    sink.add_argument(
+        "--retries",
+        type=int,
+        default=DEFAULT_RETRY.attempts,
+        help=f"reconnect attempts while the gateway is down (default {DEFAULT_RETRY.attempts})",
+    )
+    sink.add_argument(
+        "--backoff",
+        type=float,
+        default=DEFAULT_RETRY.initial,
+        help=f"first wait before reconnecting, doubled each time (default {DEFAULT_RETRY.initial} s)",
+    )
+    sink.add_argument(
+        "--backoff-max",
+        type=float,
+        default=DEFAULT_RETRY.maximum,
+        help=f"longest wait between attempts (default {DEFAULT_RETRY.maximum} s)",
+    )
     admin = feed.add_argument_group("gateway admin API (topic settings, epochs)")
     admin.add_argument("--admin-url", default=DEFAULT_ADMIN_URL, help=f"default {DEFAULT_ADMIN_URL}")
     admin.add_argument("--admin-token", help=f"bearer token (default: ${TOKEN_VARIABLE})")
-    admin.add_argument("--no-admin", action="store_true",
-                       help="do not read topic settings: no plan check, and only skipped_seq answers count as loss")
+    admin.add_argument(
+        "--no-admin",
+        action="store_true",
+        help="do not read topic settings: no plan check, and only skipped_seq answers count as loss",
+    )
     run = feed.add_argument_group("query")
     run.add_argument("--checkpoint", help="checkpoint directory (default: a temporary one, no recovery)")
     run.add_argument("--available-now", action="store_true", help="process what is available, then stop")
     run.add_argument("--trigger-seconds", type=float, help="micro-batch interval (default: as fast as possible)")
     run.add_argument("--max-seconds", type=float, help="stop the query after this many seconds")
-    run.add_argument("--allow-loss", action="store_true",
-                     help="commit micro-batches that lost records (still reported) instead of failing")
-    run.add_argument("--metrics-file", metavar="PATH",
-                     help="write the query's metrics to PATH (Prometheus text format) after every micro-batch")
+    run.add_argument(
+        "--allow-loss", action="store_true", help="commit micro-batches that lost records (still reported) instead of failing"
+    )
+    run.add_argument(
+        "--metrics-file",
+        metavar="PATH",
+        help="write the query's metrics to PATH (Prometheus text format) after every micro-batch",
+    )
 
     audit = sub.add_parser("audit", help="delivery log (Parquet) -> fairness report")
     _verbose(audit, top=False)
     _spark_options(audit)
-    audit.add_argument("log", help="delivery log: Parquet file or directory (--follow: the gateway's [deliverylog] "
-                                   "directory)")
-    audit.add_argument("out", help="output directory (report.json and Parquet tables; --follow: windows.jsonl, "
-                                   "latest.json)")
+    audit.add_argument("log", help="delivery log: Parquet file or directory (--follow: the gateway's [deliverylog] directory)")
+    audit.add_argument("out", help="output directory (report.json and Parquet tables; --follow: windows.jsonl, latest.json)")
     live = audit.add_argument_group("live audit of the gateway's sampled delivery log")
-    live.add_argument("--follow", action="store_true",
-                      help="Structured Streaming over the directory: windowed figures as windows finish")
+    live.add_argument(
+        "--follow", action="store_true", help="Structured Streaming over the directory: windowed figures as windows finish"
+    )
     live.add_argument("--window", type=float, default=60.0, help="window length in seconds (default 60)")
-    live.add_argument("--watermark", type=float, default=30.0,
-                      help="how late (s) a delivery may be logged and still count (default 30)")
+    live.add_argument(
+        "--watermark", type=float, default=30.0, help="how late (s) a delivery may be logged and still count (default 30)"
+    )
     live.add_argument("--checkpoint", help="checkpoint directory (default: a temporary one)")
     live.add_argument("--max-seconds", type=float, help="stop after this many seconds")
     live.add_argument("--available-now", action="store_true", help="read what is there, then stop")
@@ -161,9 +197,11 @@ EXIT_MISSING_EXTRA = 2
 
 def _missing_extra(command: str, exc: ModuleNotFoundError) -> int:
     module = (exc.name or "").partition(".")[0]
-    print(f"{command}: fanout-pipeline needs {module}, which the pipeline extra installs: pip install "
-          "'fanout-gateway[pipeline]' (and Java 17+ for Spark; in a checkout, `make setup` installs every extra)",
-          file=sys.stderr)
+    print(
+        f"{command}: fanout-pipeline needs {module}, which the pipeline extra installs: pip install "
+        "'fanout-gateway[pipeline]' (and Java 17+ for Spark; in a checkout, `make setup` installs every extra)",
+        file=sys.stderr,
+    )
     return EXIT_MISSING_EXTRA
 
 
@@ -262,8 +300,10 @@ def _follow(args: argparse.Namespace) -> int:
     finally:
         if started_here:
             spark.stop()
-    print(f"audit: {stats.windows} windows of {args.window:g} s finished ({stats.rows} deliveries); figures in "
-          f"{args.out}/windows.jsonl, the last in {args.out}/latest.json")
+    print(
+        f"audit: {stats.windows} windows of {args.window:g} s finished ({stats.rows} deliveries); figures in "
+        f"{args.out}/windows.jsonl, the last in {args.out}/latest.json"
+    )
     return 0
 
 

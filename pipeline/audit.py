@@ -40,9 +40,7 @@ _PAIRS_SCHEMA = (
     "first_deliver_ns long, last_deliver_ns long, max_deliver_gap_ns long, max_publish_gap_ns long, "
     "expected long, missing long, loss_rate double, excess_ns long"
 )
-_CLIENTS_SCHEMA = (
-    "client string, deliveries long, first_deliver_ns long, last_deliver_ns long, span_ns long, rate_per_s double"
-)
+_CLIENTS_SCHEMA = "client string, deliveries long, first_deliver_ns long, last_deliver_ns long, span_ns long, rate_per_s double"
 _PAIR_COLUMNS = [c.split()[0] for c in _PAIRS_SCHEMA.split(", ")]
 _CLIENT_COLUMNS = [c.split()[0] for c in _CLIENTS_SCHEMA.split(", ")]
 _LATENCY_SCHEMA = "topic string, count long, p50 double, p90 double, p99 double, max long"
@@ -60,17 +58,20 @@ Summary = dict[str, Any]
 
 
 @overload
-def _summaries(df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *,
-               total: Literal[False] = False) -> dict[str, Summary]: ...
+def _summaries(
+    df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *, total: Literal[False] = False
+) -> dict[str, Summary]: ...
 
 
 @overload
-def _summaries(df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *,
-               total: Literal[True]) -> tuple[dict[str, Summary], Summary]: ...
+def _summaries(
+    df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *, total: Literal[True]
+) -> tuple[dict[str, Summary], Summary]: ...
 
 
-def _summaries(df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *,
-               total: bool = False) -> dict[str, Summary] | tuple[dict[str, Summary], Summary]:
+def _summaries(
+    df: DataFrame, value: str, ps: tuple[float, ...], count_key: str, exact: bool, accuracy: int, *, total: bool = False
+) -> dict[str, Summary] | tuple[dict[str, Summary], Summary]:
     """Per-topic summaries ``{topic: {count_key, p.., max}}`` of column ``value``, and with ``total`` also the
     summary over all topics (one pass: ``rollup``)."""
     aggs = [
@@ -111,8 +112,10 @@ def read_log(spark: SparkSession, log_path: str) -> DataFrame:
     types = dict(log.dtypes)
     for column, kind in figures.DELIVERY_LOG_COLUMNS.items():
         if column not in types:
-            raise BadLog(f"delivery log {log_path} has no column {column!r} ({kind}); its columns: "
-                         f"{', '.join(f'{c} {t}' for c, t in log.dtypes)}")
+            raise BadLog(
+                f"delivery log {log_path} has no column {column!r} ({kind}); its columns: "
+                f"{', '.join(f'{c} {t}' for c, t in log.dtypes)}"
+            )
         if types[column] not in _SPARK_TYPES[kind]:
             raise BadLog(f"delivery log {log_path}: column {column!r} is {types[column]}, not {kind}")
     return log.select(*(F.col(c).cast("string" if k == "string" else "long") for c, k in figures.DELIVERY_LOG_COLUMNS.items()))
@@ -149,9 +152,7 @@ def audit(
     )
     try:
         multi = messages.where(F.col("deliveries") >= 2)
-        skew_by_topic, skew = _summaries(
-            multi, "skew_ns", figures.SKEW_PERCENTILES, "messages", exact, accuracy, total=True
-        )
+        skew_by_topic, skew = _summaries(multi, "skew_ns", figures.SKEW_PERCENTILES, "messages", exact, accuracy, total=True)
         publish_gaps = (
             messages.select("topic", _largest_gap("publish_ns", ["topic"]).alias("gap"))
             .groupBy("topic")
@@ -222,8 +223,14 @@ def _pair_parts(pairs: DataFrame, out_dir: str) -> dict:
     clients.write.mode("overwrite").parquet(os.path.join(out_dir, "clients"))
     written = pairs.sparkSession.read.parquet(os.path.join(out_dir, "clients"))
     rate = F.col("rate_per_s")
-    c = written.agg(F.count(F.lit(1)).alias("clients"), F.count(rate).alias("n"), F.sum(rate).alias("s1"),
-                    F.sum(rate * rate).alias("s2"), F.min(rate).alias("min"), F.max(rate).alias("max")).collect()[0]
+    c = written.agg(
+        F.count(F.lit(1)).alias("clients"),
+        F.count(rate).alias("n"),
+        F.sum(rate).alias("s1"),
+        F.sum(rate * rate).alias("s2"),
+        F.min(rate).alias("min"),
+        F.max(rate).alias("max"),
+    ).collect()[0]
     p = pairs.agg(F.count(F.lit(1)).alias("pairs"), F.sum("expected").alias("expected"), F.sum("missing").alias("missing"),
                   F.sum(F.when(F.col("missing") > 0, 1).otherwise(0)).alias("with_loss")).collect()[0]  # fmt: skip
     worst_excess = pairs.orderBy(F.desc("excess_ns"), "client", "topic").limit(figures.WORST).collect()

@@ -48,8 +48,10 @@ def bad_reason(fmt: str) -> Column:
     return (
         F.when(F.col(CORRUPT).isNotNull(), F.lit(_MALFORMED[fmt]))
         .when(F.col("topic").isNull() | (F.col("topic") == ""), F.lit("no topic"))
-        .when(seq.isNotNull() & ((seq < 0) | (seq >= MAX_SEQ)), F.concat(F.lit("seq "), seq.cast("string"),
-                                                                          F.lit(" outside [0, 2^53)")))
+        .when(
+            seq.isNotNull() & ((seq < 0) | (seq >= MAX_SEQ)),
+            F.concat(F.lit("seq "), seq.cast("string"), F.lit(" outside [0, 2^53)")),
+        )
         .when(data.isNotNull() & F.try_parse_json(data).isNull(), F.lit("data is not JSON text"))
     )
 
@@ -122,16 +124,18 @@ def _csv_lines(path: Path, records: list[BadRecord]) -> None:
         if index == 0:  # the header
             start = end + 1
             continue
-        raw = "\n".join(physical[start - 1:end])
+        raw = "\n".join(physical[start - 1 : end])
         for bad in pending:
             if isinstance(bad.record, str):
                 hit = raw == bad.record or physical[start - 1] == bad.record
             else:
                 fields = dict(zip(("topic", "data", "seq"), row))
                 want = bad.record
-                hit = (fields.get("topic") == want.get("topic")
-                       and fields.get("seq", "") == ("" if want.get("seq") is None else str(want.get("seq")))
-                       and fields.get("data") == want.get("data"))
+                hit = (
+                    fields.get("topic") == want.get("topic")
+                    and fields.get("seq", "") == ("" if want.get("seq") is None else str(want.get("seq")))
+                    and fields.get("data") == want.get("data")
+                )
             if hit:
                 bad.line = start
                 pending.remove(bad)

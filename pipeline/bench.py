@@ -183,8 +183,16 @@ def _write_records(work: Path, batch: int, rows: int, topics: int) -> None:
     start = batch * rows
     with staging.open("wb") as f:
         for value in range(start, start + rows):
-            f.write(orjson.dumps({"topic": f"feed.files-{value % topics}", "seq": value // topics,
-                                  "data": orjson.dumps({"v": value}).decode()}, option=orjson.OPT_APPEND_NEWLINE))
+            f.write(
+                orjson.dumps(
+                    {
+                        "topic": f"feed.files-{value % topics}",
+                        "seq": value // topics,
+                        "data": orjson.dumps({"v": value}).decode(),
+                    },
+                    option=orjson.OPT_APPEND_NEWLINE,
+                )
+            )
     staging.rename(work / "in" / staging.name)
 
 
@@ -208,8 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     feed.add_argument("--no-admin", action="store_true", help="do not read topic settings")
     feed.add_argument("--in-process-gateway", action="store_true", help="start gateway.testing.run_gateway")
     feed.add_argument("--reorder-window", type=int, help="with --in-process-gateway: reorder_window of every topic")
-    feed.add_argument("--source", choices=("rate", "files"), default="rate",
-                      help="rate-micro-batch, or one JSON-lines file per micro-batch (written before each run)")
+    feed.add_argument(
+        "--source",
+        choices=("rate", "files"),
+        default="rate",
+        help="rate-micro-batch, or one JSON-lines file per micro-batch (written before each run)",
+    )
     feed.add_argument("--rows-per-batch", type=int, default=100_000)
     feed.add_argument("--batches", type=int, default=4)
     feed.add_argument("--topics", type=int, default=4)

@@ -214,9 +214,12 @@ class FeedStats:
     def summary(self) -> str:
         """The feed's last line: delivered vs lost, and what else happened."""
         rate = self.records / self.seconds_in_batches if self.seconds_in_batches else 0.0
-        parts = [f"{self.batches} batches, {self.records} records: {self.delivered} delivered into the ring "
-                 f"({self.accepted} accepted now, {self.landed_earlier} landed earlier"
-                 + (f", {self.unverified} of them unverified" if self.unverified else "") + f"), {self.lost} lost"]
+        parts = [
+            f"{self.batches} batches, {self.records} records: {self.delivered} delivered into the ring "
+            f"({self.accepted} accepted now, {self.landed_earlier} landed earlier"
+            + (f", {self.unverified} of them unverified" if self.unverified else "")
+            + f"), {self.lost} lost"
+        ]
         if self.lost_by_topic:
             worst = sorted(self.lost_by_topic.items(), key=lambda kv: -kv[1])[:3]
             parts[-1] += " (" + ", ".join(f"{t} {n}" for t, n in worst) + ")"
@@ -231,8 +234,10 @@ class FeedStats:
         if self.restarts:
             parts.append(f"gateway restarted (new epoch) {self.restarts} times")
         if self.earlier_lost:
-            parts.append(f"earlier runs on this checkpoint lost {self.earlier_lost} records "
-                         f"(batches {', '.join(map(str, self.earlier_lossy_batches[:5]))})")
+            parts.append(
+                f"earlier runs on this checkpoint lost {self.earlier_lost} records "
+                f"(batches {', '.join(map(str, self.earlier_lossy_batches[:5]))})"
+            )
         parts.append(f"{rate:,.0f} records/s while publishing")
         return "; ".join(parts)
 
@@ -252,8 +257,11 @@ def build_source(spark: SparkSession, opts: FeedOptions) -> DataFrame:
             reader = spark.readStream.schema(FEED_SCHEMA)
         else:
             schema = T.StructType([*FEED_SCHEMA.fields, T.StructField(badrecords.CORRUPT, T.StringType())])
-            reader = (spark.readStream.schema(schema).option("mode", "PERMISSIVE")
-                      .option("columnNameOfCorruptRecord", badrecords.CORRUPT))
+            reader = (
+                spark.readStream.schema(schema)
+                .option("mode", "PERMISSIVE")
+                .option("columnNameOfCorruptRecord", badrecords.CORRUPT)
+            )
         if opts.max_files_per_trigger:
             reader = reader.option("maxFilesPerTrigger", opts.max_files_per_trigger)
         if opts.format == "json":
@@ -353,16 +361,26 @@ def _records(rows: Iterable[Row], outcome: ingest.PartitionOutcome) -> Iterator[
         yield topic, seq, row[2]
 
 
-def send_partition(rows: Iterable[Row], *, batch_id: int, host: str, port: int, chunk_size: int, timeout: float,
-                   retry: RetryPolicy, sync_every: int) -> Iterator[ingest.PartitionOutcome]:
+def send_partition(
+    rows: Iterable[Row],
+    *,
+    batch_id: int,
+    host: str,
+    port: int,
+    chunk_size: int,
+    timeout: float,
+    retry: RetryPolicy,
+    sync_every: int,
+) -> Iterator[ingest.PartitionOutcome]:
     """Publish one partition (``mapPartitions`` body, runs in a Python worker): groups of ``sync_every``
     records, each written in chunks of ``chunk_size`` lines and synced, over one connection that is made
     again after a failure (:class:`pipeline.ingest.Publisher`). Yields the partition's outcome; an empty
     partition opens no connection."""
     context = TaskContext.get()
     partition_id = context.partitionId() if context is not None else 0
-    publisher = ingest.Publisher(host, port, timeout=timeout, retry=retry, chunk_size=chunk_size,
-                                 sync_base=_sync_id(batch_id, partition_id) * 10_000)
+    publisher = ingest.Publisher(
+        host, port, timeout=timeout, retry=retry, chunk_size=chunk_size, sync_base=_sync_id(batch_id, partition_id) * 10_000
+    )
     input_duplicates = ingest.PartitionOutcome()
     with publisher:
         for group in ingest.chunks(_records(rows, input_duplicates), sync_every):
@@ -373,8 +391,15 @@ def send_partition(rows: Iterable[Row], *, batch_id: int, host: str, port: int, 
 
 
 def send_partition_lockstep(
-    rows: Iterable[Row], *, batch_id: int, host: str, port: int, chunk_size: int, timeout: float,
-    retry: RetryPolicy, coordinator: tuple[str, int],
+    rows: Iterable[Row],
+    *,
+    batch_id: int,
+    host: str,
+    port: int,
+    chunk_size: int,
+    timeout: float,
+    retry: RetryPolicy,
+    coordinator: tuple[str, int],
 ) -> Iterator[ingest.PartitionOutcome]:
     """Barrier-stage body: publish one chunk per round, sync it, then wait for every partition's round.
 
@@ -387,8 +412,9 @@ def send_partition_lockstep(
     input_duplicates = ingest.PartitionOutcome()
     pending = ingest.chunks(_records(rows, input_duplicates), chunk_size)
     chunk = next(pending, None)
-    publisher = ingest.Publisher(host, port, timeout=timeout, retry=retry, chunk_size=chunk_size,
-                                 sync_base=_sync_id(batch_id, partition_id) * 10_000)
+    publisher = ingest.Publisher(
+        host, port, timeout=timeout, retry=retry, chunk_size=chunk_size, sync_base=_sync_id(batch_id, partition_id) * 10_000
+    )
     rounds = RoundClient(coordinator, timeout)
     try:
         while True:
@@ -429,17 +455,31 @@ def publish_batch(batch_df: DataFrame, batch_id: int, opts: FeedOptions) -> list
     """Publish one micro-batch, one connection per partition; the partitions' outcomes."""
     prepared = prepare_batch(batch_df, opts.num_partitions, opts.by_topic)
     if not opts.lockstep:
-        body = functools.partial(send_partition, batch_id=batch_id, host=opts.host, port=opts.port,
-                                 chunk_size=opts.chunk_size, timeout=opts.timeout, retry=opts.retry,
-                                 sync_every=opts.sync_every)
+        body = functools.partial(
+            send_partition,
+            batch_id=batch_id,
+            host=opts.host,
+            port=opts.port,
+            chunk_size=opts.chunk_size,
+            timeout=opts.timeout,
+            retry=opts.retry,
+            sync_every=opts.sync_every,
+        )
         return prepared.rdd.mapPartitions(body).collect()
     sc = batch_df.sparkSession.sparkContext
     # A barrier stage runs all its tasks at once; the coordinator listens where executors reach the driver
     # (loopback in local mode).
     with RoundCoordinator(opts.num_partitions, sc.getConf().get("spark.driver.host", "127.0.0.1"), opts.timeout) as rc:
-        barrier_body = functools.partial(send_partition_lockstep, batch_id=batch_id, host=opts.host, port=opts.port,
-                                         chunk_size=opts.chunk_size, timeout=opts.timeout, retry=opts.retry,
-                                         coordinator=rc.address)
+        barrier_body = functools.partial(
+            send_partition_lockstep,
+            batch_id=batch_id,
+            host=opts.host,
+            port=opts.port,
+            chunk_size=opts.chunk_size,
+            timeout=opts.timeout,
+            retry=opts.retry,
+            coordinator=rc.address,
+        )
         return prepared.rdd.barrier().mapPartitions(barrier_body).collect()
 
 
@@ -488,8 +528,12 @@ def batch_facts(batch: DataFrame, files: bool) -> tuple[list[TopicFacts], int, d
 
 
 def collect_bad(batch: DataFrame, fmt: str, limit: int) -> list[badrecords.BadRecord]:
-    rows = (batch.where(F.col("_bad").isNotNull())
-            .select("_file", badrecords.CORRUPT, "topic", "seq", "data", "_bad").limit(limit).collect())
+    rows = (
+        batch.where(F.col("_bad").isNotNull())
+        .select("_file", badrecords.CORRUPT, "topic", "seq", "data", "_bad")
+        .limit(limit)
+        .collect()
+    )
     bad = [
         badrecords.BadRecord(
             file=row["_file"], reason=row["_bad"],
@@ -559,8 +603,11 @@ class _Run:
 
     def note_epochs(self, batch_id: int, epochs: dict[str, str | None], during: bool) -> bool:
         """Compare with the epochs seen before; say so when the gateway restarted. Whether it did."""
-        changed = [(t, self.epochs[t], e) for t, e in sorted(epochs.items())
-                   if self.epochs.get(t) is not None and e != self.epochs[t] and e != UNKNOWN_EPOCH]
+        changed = [
+            (t, self.epochs[t], e)
+            for t, e in sorted(epochs.items())
+            if self.epochs.get(t) is not None and e != self.epochs[t] and e != UNKNOWN_EPOCH
+        ]
         # a topic gone with the restart (None) takes its new epoch later without a second report
         self.epochs.update(epochs)
         if not changed:
@@ -569,8 +616,13 @@ class _Run:
         shown = ", ".join(f"{t} epoch {a} -> {b or '(not created yet)'}" for t, a, b in changed[:3])
         more = f" and {len(changed) - 3} more topics" if len(changed) > 3 else ""
         when = f"during micro-batch {batch_id}" if during else f"before micro-batch {batch_id}"
-        log.warning("gateway restarted (new epoch) %s: %s%s; what was published before is not in the new epoch "
-                    "(subscribers that resume get an `epoch` loss notice)", when, shown, more)
+        log.warning(
+            "gateway restarted (new epoch) %s: %s%s; what was published before is not in the new epoch "
+            "(subscribers that resume get an `epoch` loss notice)",
+            when,
+            shown,
+            more,
+        )
         return True
 
     # -- one micro-batch -----------------------------------------------------------------------------------
@@ -595,8 +647,14 @@ class _Run:
             topics = [f.topic for f in facts]
             states = self.topic_states(topics) if topics else None
             if states is not None:
-                problems = plan_problems(states, facts, by_topic=opts.by_topic, lockstep=opts.lockstep,
-                                         chunk_size=opts.chunk_size, partitions=opts.num_partitions)
+                problems = plan_problems(
+                    states,
+                    facts,
+                    by_topic=opts.by_topic,
+                    lockstep=opts.lockstep,
+                    chunk_size=opts.chunk_size,
+                    partitions=opts.num_partitions,
+                )
                 if problems:
                     more = f" (and {len(problems) - 1} more topics)" if len(problems) > 1 else ""
                     raise PlanError(f"micro-batch {batch_id}: {problems[0]}{more}")
@@ -604,8 +662,12 @@ class _Run:
             restarted = self.note_epochs(batch_id, {t: s["epoch"] for t, s in start.items()}, during=False)
             prior, start, attempt = self.ledger.begin(batch_id, start)
             if attempt > 1:
-                log.warning("micro-batch %d: attempt %d (a replay): records that landed before are refused and "
-                            "counted as landed earlier, those recorded as lost stay lost", batch_id, attempt)
+                log.warning(
+                    "micro-batch %d: attempt %d (a replay): records that landed before are refused and "
+                    "counted as landed earlier, those recorded as lost stay lost",
+                    batch_id,
+                    attempt,
+                )
             publish_started = time.perf_counter()
             parts = publish_batch(good.select("topic", "seq", "data"), batch_id, opts) if topics else []
             publish_seconds = time.perf_counter() - publish_started
@@ -637,13 +699,18 @@ class _Run:
                      total["answers"], outcome.reconnects, outcome.seconds, facts_done - started,
                      publish_seconds)  # fmt: skip
             if outcome.unsequenced_resent:
-                log.warning("micro-batch %d: %d records without a seq were written again after a reconnect: they "
-                            "may have been published twice (only explicit seqs make publishing idempotent)",
-                            batch_id, outcome.unsequenced_resent)
+                log.warning(
+                    "micro-batch %d: %d records without a seq were written again after a reconnect: they "
+                    "may have been published twice (only explicit seqs make publishing idempotent)",
+                    batch_id,
+                    outcome.unsequenced_resent,
+                )
             if outcome.lost:
-                text = (f"micro-batch {batch_id}: {outcome.lost_count} of {outcome.records} records lost "
-                        f"({outcome.lost_text()}): refused as skipped_seq, or given up by the gateway (reorder "
-                        f"window, hole_timeout) and gone from the ring")
+                text = (
+                    f"micro-batch {batch_id}: {outcome.lost_count} of {outcome.records} records lost "
+                    f"({outcome.lost_text()}): refused as skipped_seq, or given up by the gateway (reorder "
+                    f"window, hole_timeout) and gone from the ring"
+                )
                 if not opts.allow_loss:
                     raise LossError(f"{text}; not committed: a re-run reports the same loss, --allow-loss goes on")
                 log.warning("%s; committed (--allow-loss)", text)
@@ -655,13 +722,17 @@ class _Run:
         opts = self.opts
         if opts.bad_records is None or bad_count > opts.max_bad_records:
             first = collect_bad(batch, opts.format, 1)[0]
-            hint = ("--bad-records DIR sets them aside" if opts.bad_records is None else
-                    f"more than --max-bad-records {opts.max_bad_records}: is --format right?")
+            hint = (
+                "--bad-records DIR sets them aside"
+                if opts.bad_records is None
+                else f"more than --max-bad-records {opts.max_bad_records}: is --format right?"
+            )
             raise BadInput(f"{first.one_line()} ({bad_count} bad records in micro-batch {batch_id}; {hint})")
         bad = collect_bad(batch, opts.format, bad_count)
         path = badrecords.write_dead_letters(opts.bad_records, batch_id, bad)
-        log.warning("micro-batch %d: %d bad input records set aside in %s; the first: %s", batch_id, len(bad), path,
-                    bad[0].one_line())
+        log.warning(
+            "micro-batch %d: %d bad input records set aside in %s; the first: %s", batch_id, len(bad), path, bad[0].one_line()
+        )
 
 
 def make_batch_writer(run: _Run, gate: _Gate | None = None) -> Callable[[DataFrame, int], None]:
@@ -696,8 +767,9 @@ def _check_plan_at_start(admin: AdminClient, opts: FeedOptions) -> None:
     states = admin.topics([f.topic for f in facts])
     for state in states.values():
         log.info("%s", state.describe())
-    problems = plan_problems(states, facts, by_topic=opts.by_topic, lockstep=opts.lockstep,
-                             chunk_size=opts.chunk_size, partitions=opts.num_partitions)
+    problems = plan_problems(
+        states, facts, by_topic=opts.by_topic, lockstep=opts.lockstep, chunk_size=opts.chunk_size, partitions=opts.num_partitions
+    )
     if problems:
         more = f" (and {len(problems) - 1} more topics)" if len(problems) > 1 else ""
         raise PlanError(f"{problems[0]}{more}")

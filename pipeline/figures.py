@@ -277,8 +277,13 @@ def report_from_parts(
             "rate": missing / expected if expected else None,
             "pairs_with_loss": pairs_with_loss,
             "worst": [
-                {"client": p.client, "topic": p.topic, "expected": p.expected, "missing": p.missing,
-                 "rate": p.missing / p.expected}
+                {
+                    "client": p.client,
+                    "topic": p.topic,
+                    "expected": p.expected,
+                    "missing": p.missing,
+                    "rate": p.missing / p.expected,
+                }
                 for p in worst_loss[:WORST]
             ],
         },

@@ -65,8 +65,10 @@ class TopicState:
 
     def describe(self) -> str:
         where = "topic" if self.exists else f"rule {self.pattern!r} for"
-        return (f"{where} {self.name!r}: {self.kind}, capacity {self.capacity}, reorder_window {self.reorder_window}, "
-                f"batch_depth {self.batch_depth}, hole_timeout {self.hole_timeout} s")
+        return (
+            f"{where} {self.name!r}: {self.kind}, capacity {self.capacity}, reorder_window {self.reorder_window}, "
+            f"batch_depth {self.batch_depth}, hole_timeout {self.hole_timeout} s"
+        )
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -74,8 +76,9 @@ def _retryable(exc: BaseException) -> bool:
 
 
 class AdminClient:
-    def __init__(self, url: str = DEFAULT_ADMIN_URL, token: str | None = None, *, timeout: float = 10.0,
-                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
+    def __init__(
+        self, url: str = DEFAULT_ADMIN_URL, token: str | None = None, *, timeout: float = 10.0, retry: RetryPolicy = DEFAULT_RETRY
+    ) -> None:
         parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"--admin-url wants http://HOST:PORT, got {url!r}")
@@ -163,8 +166,10 @@ class AdminClient:
             return body
         if status == 404 and self._code(body) == "unknown_topic":
             return None
-        raise AdminRefused(f"GET {path} at {self.address}: {status} {self._code(body)}: "
-                           f"{(body or {}).get('error', {}).get('message', '') if isinstance(body, dict) else body}")
+        raise AdminRefused(
+            f"GET {path} at {self.address}: {status} {self._code(body)}: "
+            f"{(body or {}).get('error', {}).get('message', '') if isinstance(body, dict) else body}"
+        )
 
     def topic_info(self, name: str) -> dict | None:
         return self._get_or_none(f"/api/topics/{urllib.parse.quote(name, safe='')}")
@@ -177,8 +182,10 @@ class AdminClient:
         if status == 404 and self._code(body) == "unknown_topic":
             return None
         if status == 404:
-            raise AdminRefused(f"the gateway at {self.address} has no GET /api/rules (an older gateway): create "
-                               f"topic {name!r} first (POST /api/topics) so the feed can read its settings")
+            raise AdminRefused(
+                f"the gateway at {self.address} has no GET /api/rules (an older gateway): create "
+                f"topic {name!r} first (POST /api/topics) so the feed can read its settings"
+            )
         raise AdminRefused(f"GET {path} at {self.address}: {status} {self._code(body)}")
 
     def topics(self, names: list[str]) -> dict[str, TopicState]:
@@ -203,7 +210,9 @@ class AdminClient:
                 continue
             rule = self.rule_info(name)
             if rule is None:
-                raise AdminRefused(f"no topic {name!r} at the gateway ({self.address}) and no rule creates it: add a "
-                                   f"[[topics.rules]] entry or create it with POST /api/topics")
+                raise AdminRefused(
+                    f"no topic {name!r} at the gateway ({self.address}) and no rule creates it: add a "
+                    f"[[topics.rules]] entry or create it with POST /api/topics"
+                )
             out[name] = TopicState.from_info(rule, exists=False)
         return out

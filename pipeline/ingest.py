@@ -285,8 +285,7 @@ class IngestClient:
         elif isinstance(answer, Closed):
             self._closed()
         elif isinstance(answer, BadAnswer):
-            raise IngestProtocolError(f"gateway answered a line that is not an answer ({answer.reason}): "
-                                      f"{answer.text[:200]!r}")
+            raise IngestProtocolError(f"gateway answered a line that is not an answer ({answer.reason}): {answer.text[:200]!r}")
         # Authed: we send no auth line, and the answer changes nothing.
 
     def _error(self, answer: ErrorAnswer) -> None:
@@ -294,8 +293,9 @@ class IngestClient:
         if answer.code not in SEQ_ANSWERS:
             raise IngestRefused(answer.code, answer.line, answer.message, record)
         if record is None:
-            raise IngestProtocolError(f"gateway answered {answer.code} for line {answer.line}, which is no "
-                                      f"record of ours awaiting an answer")
+            raise IngestProtocolError(
+                f"gateway answered {answer.code} for line {answer.line}, which is no record of ours awaiting an answer"
+            )
         if answer.code == "duplicate_seq":
             self.duplicates += 1
         elif answer.code == "stale_seq":
@@ -318,11 +318,15 @@ class IngestClient:
             )
         if refused != landed:
             raise IngestProtocolError(
-                f"gateway refused {refused} records but answered {landed} of them as "
-                f"duplicate_seq/stale_seq/skipped_seq"
+                f"gateway refused {refused} records but answered {landed} of them as duplicate_seq/stale_seq/skipped_seq"
             )
         self.result = SyncResult(
-            self._sync_id, self.records, before.accepted + accepted, self.refused, self.duplicates, self.stale,
+            self._sync_id,
+            self.records,
+            before.accepted + accepted,
+            self.refused,
+            self.duplicates,
+            self.stale,
             self.skipped,
         )
         self._sync_line = self.answered_line = self._pending_sync_line
@@ -375,6 +379,7 @@ class PipelineIngestSender:
             )
         assert self.client.result is not None
         return self.client.result
+
 
 def publish(
     records: Iterable[Record],
@@ -468,8 +473,16 @@ class Publisher:
     the gateway had not processed. Raises :class:`IngestRefused`, :class:`IngestProtocolError` (not
     retryable), :class:`GatewayUnreachable` (the retries ran out) and ``ValueError`` (a malformed record)."""
 
-    def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT, retry: RetryPolicy = DEFAULT_RETRY,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, sync_base: int = 0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        sync_base: int = 0,
+    ) -> None:
         self.host = host
         self.port = port
         self.chunk_size = chunk_size

@@ -177,7 +177,8 @@ def classify(
                 outcome.already_present += 1
     outcome.lost = {
         topic: {"epoch": start.get(topic, {}).get("epoch"), "ranges": intervals(seqs)}
-        for topic, seqs in sorted(lost.items()) if seqs
+        for topic, seqs in sorted(lost.items())
+        if seqs
     }
     return outcome
 
@@ -193,7 +194,7 @@ class CheckpointStore:
         scheme = root.split("://", 1)[0] if "://" in root else ""
         self.local = scheme in ("", "file")
         if self.local:
-            self._dir = Path(root[len("file://"):] if root.startswith("file://") else root)
+            self._dir = Path(root[len("file://") :] if root.startswith("file://") else root)
             self._dir.mkdir(parents=True, exist_ok=True)
         else:
             if spark is None:
@@ -286,8 +287,7 @@ class Ledger:
         self.store.write(self._name(outcome.batch), orjson.dumps(record))
         lossy = self.summary.setdefault("lossy", {})
         if outcome.lost:
-            lossy[str(outcome.batch)] = {"lost": outcome.lost_count, "allowed": outcome.allowed,
-                                         "topics": sorted(outcome.lost)}
+            lossy[str(outcome.batch)] = {"lost": outcome.lost_count, "allowed": outcome.allowed, "topics": sorted(outcome.lost)}
         else:
             lossy.pop(str(outcome.batch), None)
         self.summary.setdefault("epochs", {}).update({t: e for t, e in outcome.epochs.items() if e is not None})

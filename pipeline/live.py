@@ -41,15 +41,17 @@ __all__ = ["LIVE_SCHEMA", "FollowStats", "follow", "window_figures"]
 
 log = logging.getLogger(__name__)
 
-LIVE_SCHEMA = T.StructType([
-    T.StructField("client", T.StringType()),
-    T.StructField("transport", T.StringType()),
-    T.StructField("topic", T.StringType()),
-    T.StructField("seq", T.LongType()),
-    T.StructField("publish_ns", T.LongType()),
-    T.StructField("deliver_ns", T.LongType()),
-    T.StructField("batch_id", T.LongType()),
-])
+LIVE_SCHEMA = T.StructType(
+    [
+        T.StructField("client", T.StringType()),
+        T.StructField("transport", T.StringType()),
+        T.StructField("topic", T.StringType()),
+        T.StructField("seq", T.LongType()),
+        T.StructField("publish_ns", T.LongType()),
+        T.StructField("deliver_ns", T.LongType()),
+        T.StructField("batch_id", T.LongType()),
+    ]
+)
 
 
 @dataclass
@@ -73,8 +75,12 @@ def window_figures(start_ns: int, end_ns: int, rows: list[tuple]) -> dict:
     cold_latencies = sorted(r[4] - r[3] for r in stamped if r[0] in set(cold))
 
     def summary(values: list[int]) -> dict:
-        return {"count": len(values), "p50": figures.percentile(values, 0.5), "p99": figures.percentile(values, 0.99),
-                "max": values[-1] if values else None}
+        return {
+            "count": len(values),
+            "p50": figures.percentile(values, 0.5),
+            "p99": figures.percentile(values, 0.99),
+            "max": values[-1] if values else None,
+        }
 
     return {
         "window": {"start_ns": start_ns, "end_ns": end_ns},
@@ -85,8 +91,7 @@ def window_figures(start_ns: int, end_ns: int, rows: list[tuple]) -> dict:
         "latency_ns": summary(latencies),
         "cold_topics": {"topics": cold, "latency_ns": summary(cold_latencies)},
         "skew_ns": {k: report["skew_ns"][k] for k in ("messages", "p50", "p99", "max")},
-        "starvation": {"max_excess_ns": report["starvation"]["max_excess_ns"],
-                       "worst": report["starvation"]["worst"][:3]},
+        "starvation": {"max_excess_ns": report["starvation"]["max_excess_ns"], "worst": report["starvation"]["worst"][:3]},
         "loss": {k: report["loss"][k] for k in ("expected", "missing", "rate", "pairs_with_loss")},
         "fairness": report["fairness"],
     }
@@ -158,8 +163,13 @@ def follow(
             stats.windows += 1
             stats.rows += len(rows)
             stats.written.append((end, time.time_ns()))
-            log.info("window %s: %d deliveries, loss rate %s, Jain %s", result["window"], len(rows),
-                     result["loss"]["rate"], result["fairness"]["jain"])
+            log.info(
+                "window %s: %d deliveries, loss rate %s, Jain %s",
+                result["window"],
+                len(rows),
+                result["loss"]["rate"],
+                result["fairness"]["jain"],
+            )
 
     writer = (grouped.writeStream.queryName("pipeline-audit-follow").outputMode("append")
               .option("checkpointLocation", checkpoint).foreachBatch(write_windows))  # fmt: skip

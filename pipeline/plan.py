@@ -48,41 +48,52 @@ def needed_window(facts: TopicFacts, *, by_topic: bool, lockstep: bool, chunk_si
     return facts.span
 
 
-def check_topic(state: TopicState, facts: TopicFacts, *, by_topic: bool, lockstep: bool, chunk_size: int,
-                partitions: int) -> str | None:
+def check_topic(
+    state: TopicState, facts: TopicFacts, *, by_topic: bool, lockstep: bool, chunk_size: int, partitions: int
+) -> str | None:
     """The reason this plan cannot work for this topic, in one line, or None."""
     where = f"topic {state.name!r}" if state.exists else f"topic {state.name!r} (rule {state.pattern!r})"
     if state.kind == "private":
         return f"{where} is a private topic: the feed publishes to shared topics only (no per-user `client`)"
     if state.kind == "snapshot":
         if not by_topic and partitions > 1 and facts.sequenced:
-            return (f"{where} is a snapshot topic: out-of-order seqs are refused as stale, so spread mode cannot "
-                    f"feed it; use --by-topic")
+            return (
+                f"{where} is a snapshot topic: out-of-order seqs are refused as stale, so spread mode cannot "
+                f"feed it; use --by-topic"
+            )
         return None
     window = needed_window(facts, by_topic=by_topic, lockstep=lockstep, chunk_size=chunk_size, partitions=partitions)
     if window > state.reorder_window:
-        why = (f"--lockstep reorders by up to chunk size x partitions = {chunk_size} x {partitions}" if lockstep and
-               window == chunk_size * partitions else
-               f"spread mode puts its seqs up to {window} apart in one micro-batch ({facts.sequenced} records, seqs "
-               f"{facts.min_seq}..{facts.max_seq})")
-        return (f"{where}: reorder_window {state.reorder_window} < {window}: {why}, so the gateway would give up "
-                f"holes and lose records; raise reorder_window (config [[topics.rules]]), or use --by-topic, "
-                f"--lockstep or smaller micro-batches")
+        why = (
+            f"--lockstep reorders by up to chunk size x partitions = {chunk_size} x {partitions}"
+            if lockstep and window == chunk_size * partitions
+            else f"spread mode puts its seqs up to {window} apart in one micro-batch ({facts.sequenced} records, seqs "
+            f"{facts.min_seq}..{facts.max_seq})"
+        )
+        return (
+            f"{where}: reorder_window {state.reorder_window} < {window}: {why}, so the gateway would give up "
+            f"holes and lose records; raise reorder_window (config [[topics.rules]]), or use --by-topic, "
+            f"--lockstep or smaller micro-batches"
+        )
     slots = max(facts.records, facts.span)
     if slots > state.capacity:
-        return (f"{where}: ring capacity {state.capacity} < {slots} records in one micro-batch: live subscribers "
-                f"would lose all but the last {state.capacity} of every micro-batch (lagged); raise capacity "
-                f"(config [[topics.rules]]) or make micro-batches smaller (--rows-per-batch, "
-                f"--max-files-per-trigger)")
+        return (
+            f"{where}: ring capacity {state.capacity} < {slots} records in one micro-batch: live subscribers "
+            f"would lose all but the last {state.capacity} of every micro-batch (lagged); raise capacity "
+            f"(config [[topics.rules]]) or make micro-batches smaller (--rows-per-batch, "
+            f"--max-files-per-trigger)"
+        )
     return None
 
 
-def plan_problems(states: dict[str, TopicState], facts: list[TopicFacts], *, by_topic: bool, lockstep: bool,
-                  chunk_size: int, partitions: int) -> list[str]:
+def plan_problems(
+    states: dict[str, TopicState], facts: list[TopicFacts], *, by_topic: bool, lockstep: bool, chunk_size: int, partitions: int
+) -> list[str]:
     problems = []
     for f in facts:
-        problem = check_topic(states[f.topic], f, by_topic=by_topic, lockstep=lockstep, chunk_size=chunk_size,
-                              partitions=partitions)
+        problem = check_topic(
+            states[f.topic], f, by_topic=by_topic, lockstep=lockstep, chunk_size=chunk_size, partitions=partitions
+        )
         if problem is not None:
             problems.append(problem)
     return problems

@@ -41,8 +41,12 @@ class RetryPolicy:
         """Seconds spent waiting when every attempt fails."""
         return sum(self.delays())
 
-    def call(self, fn: Callable[[], T], retryable: Callable[[BaseException], bool],
-             on_retry: Callable[[BaseException, float], None] | None = None) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        retryable: Callable[[BaseException], bool],
+        on_retry: Callable[[BaseException, float], None] | None = None,
+    ) -> T:
         """``fn()``, called again after each retryable failure until the attempts run out (then the last
         failure is raised)."""
         delays = self.delays()

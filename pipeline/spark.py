@@ -121,18 +121,22 @@ def _ship_package(spark: SparkSession) -> list[str]:
     shipped = []
     if not found["pipeline.feed"]:
         if not _PACKAGE_DIR.is_dir():
-            raise RuntimeError(f"the executors cannot import `pipeline` and {_PACKAGE_DIR} is not a directory to "
-                               f"ship: pass the package with spark-submit --py-files")
-        files = [(p, str(Path("pipeline") / p.relative_to(_PACKAGE_DIR))) for p in sorted(_PACKAGE_DIR.rglob("*"))
-                 if p.is_file() and "__pycache__" not in p.parts]
+            raise RuntimeError(
+                f"the executors cannot import `pipeline` and {_PACKAGE_DIR} is not a directory to "
+                f"ship: pass the package with spark-submit --py-files"
+            )
+        files = [
+            (p, str(Path("pipeline") / p.relative_to(_PACKAGE_DIR)))
+            for p in sorted(_PACKAGE_DIR.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts
+        ]
         shipped.append(_zip(files, "fanout-pipeline"))
     if not found["fanout_client.ingest"]:
         spec = importlib.util.find_spec("fanout_client.ingest")
         if spec is None or spec.origin is None or not Path(spec.origin).is_file():
             raise RuntimeError("the executors cannot import fanout_client.ingest and it is no file here to ship")
         client_dir = Path(spec.origin).parent
-        shipped.append(_zip([(client_dir / name, f"fanout_client/{name}") for name in _CLIENT_MODULES],
-                            "fanout-client"))
+        shipped.append(_zip([(client_dir / name, f"fanout_client/{name}") for name in _CLIENT_MODULES], "fanout-client"))
     for archive in shipped:
         spark.sparkContext.addPyFile(archive)
     return shipped
@@ -153,7 +157,7 @@ def _copy_lines(source: int, target: int) -> None:
                 continue
             with contextlib.suppress(OSError):
                 while line:
-                    line = line[os.write(target, line):]
+                    line = line[os.write(target, line) :]
     os.close(target)
 
 

@@ -39,41 +39,49 @@ elif QUICK:
 #: modules with both kinds: their unit tests by function name (the others start a server, a process or Spark)
 UNIT_TESTS: dict[str, frozenset[str]] = {
     # one test imports the ingest client in a fresh interpreter
-    "tests/client/test_stream.py": frozenset({
-        "test_duplicates_dropped_losses_passed_on_holes_reported_epochs_restart",
-        "test_snapshot_jumps_are_conflation_and_private_takeovers_drop_redeliveries",
-    }),
+    "tests/client/test_stream.py": frozenset(
+        {
+            "test_duplicates_dropped_losses_passed_on_holes_reported_epochs_restart",
+            "test_snapshot_jumps_are_conflation_and_private_takeovers_drop_redeliveries",
+        }
+    ),
     # one test forks a second worker
-    "tests/security/test_edge_addrcount.py": frozenset({
-        "test_counts_read_the_cluster_and_writes_stay_exact_per_worker",
-        "test_another_worker_changing_its_count_between_our_read_and_write_is_not_taken_for_ours",
-        "test_shared_token_buckets_count_every_workers_takes_and_refill_at_the_rate",
-    }),
+    "tests/security/test_edge_addrcount.py": frozenset(
+        {
+            "test_counts_read_the_cluster_and_writes_stay_exact_per_worker",
+            "test_another_worker_changing_its_count_between_our_read_and_write_is_not_taken_for_ours",
+            "test_shared_token_buckets_count_every_workers_takes_and_refill_at_the_rate",
+        }
+    ),
     # the sans-I/O client; publish() and Publisher run against a socket server (pipeline_ingest_double.py)
-    "tests/pipeline/test_pipeline_ingest.py": frozenset({
-        "test_encode_record_reencodes_data_as_json_value",
-        "test_encode_record_refuses_data_that_is_not_one_json_value",
-        "test_encode_record_refuses_missing_topic",
-        "test_client_counts_lines_and_accepts_already_landed",
-        "test_client_checks_each_sync_of_a_connection_separately",
-        "test_client_sums_the_syncs_of_a_connection",
-        "test_client_reassembles_answers_split_anywhere",
-        "test_client_raises_the_gateway_message_for_other_errors",
-        "test_client_rejects_inconsistent_answers",
-        "test_client_fails_when_the_connection_closes_before_synced",
-        "test_client_refuses_misuse",
-        "test_client_answer_parser_never_raises_anything_else",
-        "test_compress_expand_round_trip",
-    }),
+    "tests/pipeline/test_pipeline_ingest.py": frozenset(
+        {
+            "test_encode_record_reencodes_data_as_json_value",
+            "test_encode_record_refuses_data_that_is_not_one_json_value",
+            "test_encode_record_refuses_missing_topic",
+            "test_client_counts_lines_and_accepts_already_landed",
+            "test_client_checks_each_sync_of_a_connection_separately",
+            "test_client_sums_the_syncs_of_a_connection",
+            "test_client_reassembles_answers_split_anywhere",
+            "test_client_raises_the_gateway_message_for_other_errors",
+            "test_client_rejects_inconsistent_answers",
+            "test_client_fails_when_the_connection_closes_before_synced",
+            "test_client_refuses_misuse",
+            "test_client_answer_parser_never_raises_anything_else",
+            "test_compress_expand_round_trip",
+        }
+    ),
     # the ledger's classification and files; one test runs the feed on Spark
-    "tests/pipeline/test_pipeline_ledger.py": frozenset({
-        "test_intervals",
-        "test_first_attempt",
-        "test_replay_after_a_recorded_outcome_uses_it",
-        "test_replay_after_an_attempt_that_died_is_landed_but_unverified",
-        "test_replay_in_a_new_epoch_is_a_first_attempt_there",
-        "test_ledger_round_trip",
-    }),
+    "tests/pipeline/test_pipeline_ledger.py": frozenset(
+        {
+            "test_intervals",
+            "test_first_attempt",
+            "test_replay_after_a_recorded_outcome_uses_it",
+            "test_replay_after_an_attempt_that_died_is_landed_but_unverified",
+            "test_replay_in_a_new_epoch_is_a_first_attempt_there",
+            "test_ledger_round_trip",
+        }
+    ),
 }
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,8 +115,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = _module(item)
         if item.get_closest_marker("unit") is not None:
             if not _may_hold_unit_tests(module):  # `make check` would not collect it (pytest_ignore_collect)
-                raise pytest.UsageError(f"{item.nodeid} is marked unit in a way {module} does not say in its "
-                                        f"source ({_UNIT_MARK!r}): name it in UNIT_TESTS (tests/conftest.py)")
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked unit in a way {module} does not say in its "
+                    f"source ({_UNIT_MARK!r}): name it in UNIT_TESTS (tests/conftest.py)"
+                )
             continue
         name = getattr(item, "originalname", item.name)
         if name in UNIT_TESTS.get(module, ()):
@@ -139,8 +149,12 @@ def _longest_modules_first(items: list[pytest.Item]) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--record-durations", metavar="PATH", help="write each module's seconds (setup, call and "
-                     "teardown of all its tests) to PATH, as tests/durations.json holds them")
+    parser.addoption(
+        "--record-durations",
+        metavar="PATH",
+        help="write each module's seconds (setup, call and "
+        "teardown of all its tests) to PATH, as tests/durations.json holds them",
+    )
 
 
 _seconds: defaultdict[str, float] = defaultdict(float)

@@ -72,12 +72,19 @@ def say(line: str) -> None:
     print(f"build-image: {line}", flush=True)
 
 
-def run(*args: str, env: dict[str, str], timeout: float = 900, check: bool = True, quiet: bool = True
-        ) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, env: dict[str, str], timeout: float = 900, check: bool = True, quiet: bool = True
+) -> subprocess.CompletedProcess[str]:
     """`args`, its output captured (shown when it fails); `quiet=False` lets it print as it goes."""
     try:
-        done = subprocess.run(args, env=env, timeout=timeout, text=True,
-                              stdout=subprocess.PIPE if quiet else None, stderr=subprocess.PIPE if quiet else None)
+        done = subprocess.run(
+            args,
+            env=env,
+            timeout=timeout,
+            text=True,
+            stdout=subprocess.PIPE if quiet else None,
+            stderr=subprocess.PIPE if quiet else None,
+        )
     except FileNotFoundError:
         raise BuildError(f"{args[0]} is not installed (`make podman` installs podman, runc and mmdebstrap)") from None
     except subprocess.TimeoutExpired:
@@ -110,8 +117,9 @@ def local_base(name: str, cache: Path, env: dict[str, str]) -> str:
         say(f"making the {name} base with mmdebstrap ({SUITE}: {' '.join(packages)}; about a minute, once)")
         cache.mkdir(parents=True, exist_ok=True)
         partial = tarball.with_name(tarball.stem + ".partial.tar")  # mmdebstrap: the suffix says the format
-        run("mmdebstrap", "--variant=minbase", *SLIM, "--include=" + ",".join(packages), SUITE, str(partial),
-            env=env, timeout=900)
+        run(
+            "mmdebstrap", "--variant=minbase", *SLIM, "--include=" + ",".join(packages), SUITE, str(partial), env=env, timeout=900
+        )
         partial.rename(tarball)
         run("podman", "rmi", "-f", tag, env=env, check=False)
     if run("podman", "image", "exists", tag, env=env, check=False).returncode != 0:
@@ -125,19 +133,35 @@ def fill_wheelhouse(wheelhouse: Path, base: str, env: dict[str, str]) -> None:
     lock is resolved on a newer 3.11: redis needs async-timeout below 3.11.3, which bookworm's 3.11.2 is)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     wanted = ["pip", "setuptools", *project["project"]["dependencies"], *project["build-system"]["requires"]]
-    probe = "import json, platform; print(json.dumps({'python_full_version': platform.python_version(), " \
-            "'python_version': '.'.join(platform.python_version_tuple()[:2]), 'implementation_version': " \
-            "platform.python_version(), 'platform_machine': platform.machine()}))"
+    probe = (
+        "import json, platform; print(json.dumps({'python_full_version': platform.python_version(), "
+        "'python_version': '.'.join(platform.python_version_tuple()[:2]), 'implementation_version': "
+        "platform.python_version(), 'platform_machine': platform.machine()}))"
+    )
     theirs = json.loads(run("podman", "run", "--rm", base, "python3", "-c", probe, env=env).stdout)
     if theirs["platform_machine"] != platform.machine():
-        raise BuildError(f"the base is {theirs['platform_machine']}, this machine {platform.machine()}: the "
-                         "wheelhouse is filled with this machine's wheels")
+        raise BuildError(
+            f"the base is {theirs['platform_machine']}, this machine {platform.machine()}: the "
+            "wheelhouse is filled with this machine's wheels"
+        )
     markers = {**{key: str(value) for key, value in default_environment().items()}, **theirs}
     wheelhouse.mkdir(parents=True, exist_ok=True)
     missing: set[str] = set()
     for _ in range(5):
-        run(sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(wheelhouse),
-            "-c", str(ROOT / "constraints.txt"), *wanted, env=env)
+        run(
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--only-binary=:all:",
+            "-d",
+            str(wheelhouse),
+            "-c",
+            str(ROOT / "constraints.txt"),
+            *wanted,
+            env=env,
+        )
         have = {canonicalize_name(parse_wheel_filename(w.name)[0]) for w in wheelhouse.glob("*.whl")}
         missing = set()
         for wheel in wheelhouse.glob("*.whl"):
@@ -147,8 +171,9 @@ def fill_wheelhouse(wheelhouse: Path, base: str, env: dict[str, str]) -> None:
             for line in lines:
                 if line.startswith("Requires-Dist: "):
                     requirement = Requirement(line.removeprefix("Requires-Dist: "))
-                    if (not requirement.marker or requirement.marker.evaluate({**markers, "extra": ""})) \
-                            and canonicalize_name(requirement.name) not in have:
+                    if (not requirement.marker or requirement.marker.evaluate({**markers, "extra": ""})) and canonicalize_name(
+                        requirement.name
+                    ) not in have:
                         missing.add(str(requirement).split(";")[0])
         if not missing:
             return
@@ -191,28 +216,61 @@ def build(args: argparse.Namespace) -> Report:
     replaced = image_id(args.tag, env)
     say(f"podman build -t {args.tag} (most of it compiling the core: about a minute)")
     started = time.monotonic()
-    run("podman", "build", "--format", "docker", "--network", "host", "-f", str(ROOT / "Containerfile"),
-        "--build-arg", f"BASE_IMAGE={base}", "--build-arg", f"BUILD_IMAGE={build_base}", *build_args, *volumes,
-        "-t", args.tag, str(ROOT), env=env, timeout=1800, quiet=args.quiet)
+    run(
+        "podman",
+        "build",
+        "--format",
+        "docker",
+        "--network",
+        "host",
+        "-f",
+        str(ROOT / "Containerfile"),
+        "--build-arg",
+        f"BASE_IMAGE={base}",
+        "--build-arg",
+        f"BUILD_IMAGE={build_base}",
+        *build_args,
+        *volumes,
+        "-t",
+        args.tag,
+        str(ROOT),
+        env=env,
+        timeout=1800,
+        quiet=args.quiet,
+    )
     built = time.monotonic() - started
     if replaced and replaced != image_id(args.tag, env) and not tags(replaced, env):
         run("podman", "rmi", replaced, env=env, check=False)  # the build this one replaced, if no tag or container has it
-    return Report(image=args.tag, base=base, build_image=build_base, build_s=round(built, 1), size=size(args.tag, env),
-                  base_size=size(base, env), containers_conf=env.get("CONTAINERS_CONF"))
+    return Report(
+        image=args.tag,
+        base=base,
+        build_image=build_base,
+        build_s=round(built, 1),
+        size=size(args.tag, env),
+        base_size=size(base, env),
+        containers_conf=env.get("CONTAINERS_CONF"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="build-image.py", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-image", metavar="IMAGE",
-                        help="a registry image with python3 (3.11+) and apt, such as python:3.11-slim: the usual build, "
-                             "its packages from PyPI. Default: local Debian bases made with mmdebstrap, and a wheelhouse")
+        prog="build-image.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--base-image",
+        metavar="IMAGE",
+        help="a registry image with python3 (3.11+) and apt, such as python:3.11-slim: the usual build, "
+        "its packages from PyPI. Default: local Debian bases made with mmdebstrap, and a wheelhouse",
+    )
     parser.add_argument("--build-image", metavar="IMAGE", help="the build stage's image, with --base-image (default: the same)")
     parser.add_argument("--tag", default=DEFAULT_TAG, help=f"the image's name (default {DEFAULT_TAG})")
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, metavar="DIR",
-                        help=f"the bases' tarballs, the wheelhouse and the containers.conf (default {DEFAULT_CACHE}; "
-                             "FANOUT_IMAGE_CACHE)")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=DEFAULT_CACHE,
+        metavar="DIR",
+        help=f"the bases' tarballs, the wheelhouse and the containers.conf (default {DEFAULT_CACHE}; FANOUT_IMAGE_CACHE)",
+    )
     parser.add_argument("--report", type=Path, metavar="FILE", help="also write the figures (seconds, bytes) as JSON")
     parser.add_argument("--quiet", action="store_true", help="keep podman build's output (shown if it fails)")
     args = parser.parse_args(argv)
@@ -226,9 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         args.report.write_text(json.dumps(report, indent=1) + "\n")
     conf = f"CONTAINERS_CONF={report['containers_conf']} " if report["containers_conf"] else ""
-    say(f"built {args.tag}: {report['size'] / 1e6:.0f} MB (base {report['base_size'] / 1e6:.0f} MB) in "
-        f"{report['build_s']:.0f} s. Run it (`podman stop -t 30` drains it):")
-    print(f"  {conf}podman run --rm --network host -e GATEWAY_SERVER_ADMIN_TOKEN=\"$(openssl rand -hex 16)\" {args.tag}")
+    say(
+        f"built {args.tag}: {report['size'] / 1e6:.0f} MB (base {report['base_size'] / 1e6:.0f} MB) in "
+        f"{report['build_s']:.0f} s. Run it (`podman stop -t 30` drains it):"
+    )
+    print(f'  {conf}podman run --rm --network host -e GATEWAY_SERVER_ADMIN_TOKEN="$(openssl rand -hex 16)" {args.tag}')
     return 0
 
 

@@ -148,8 +148,9 @@ async def publish(request: Request) -> Response:
         return await _publish_items(hub, name, items, body, topic_config, traced=True)
 
 
-async def _publish_items(hub: Hub, name: str, items: list[Any], body: schema.PublishBody, config: TopicConfig,
-                         traced: bool = False) -> Response:
+async def _publish_items(
+    hub: Hub, name: str, items: list[Any], body: schema.PublishBody, config: TopicConfig, traced: bool = False
+) -> Response:
     """Publish each item through the broker; `traced`: the last one's apply and fan-out are traced beneath
     the current (sampled) span (gateway/ops/tracing.py)."""
     timeout = hub.config.admin.publish_timeout_s
@@ -165,13 +166,14 @@ async def _publish_items(hub: Hub, name: str, items: list[Any], body: schema.Pub
             _expect_apply(hub, name, hub.tracing)
         try:
             private = config.kind is TopicKind.PRIVATE  # a full queue holds the publish up to `timeout`
-            result = await hub.catalog.publish(name, data, owner=body.client, seq=body.seq,
-                                              timeout=timeout if private else None)
+            result = await hub.catalog.publish(name, data, owner=body.client, seq=body.seq, timeout=timeout if private else None)
         except BrokerUnavailable as exc:
             return error_response(exc, {"Retry-After": "1"})
         except (QueueFull, asyncio.TimeoutError):
-            return error_response(QueueFull(f"private queue still full after {timeout} s; "
-                                            f"{len(seqs)} of {len(items)} published"), {"Retry-After": "1"})
+            return error_response(
+                QueueFull(f"private queue still full after {timeout} s; {len(seqs)} of {len(items)} published"),
+                {"Retry-After": "1"},
+            )
         seqs.append(result.seq)
     return Response(msgspec.json.encode(schema.PublishReply(name, seqs)), media_type="application/json")
 
@@ -206,8 +208,9 @@ async def list_clients(request: Request) -> Response:
     for answer in answers:
         clients += [{**client, "node": answer["node"]} for client in answer.get("clients", ())]
     total = sum(answer.get("total", 0) for answer in answers)
-    return JSONResponse({"clients": clients[:CLIENTS_LIST_MAX], "total": total, "nodes": len(answers),
-                         "truncated": total > CLIENTS_LIST_MAX})
+    return JSONResponse(
+        {"clients": clients[:CLIENTS_LIST_MAX], "total": total, "nodes": len(answers), "truncated": total > CLIENTS_LIST_MAX}
+    )
 
 
 @guarded
@@ -252,16 +255,17 @@ async def revoke(request: Request) -> Response:
     else:
         assert isinstance(body.user, str)
         issued_before = float(body.issued_before) if body.issued_before is not UNSET else now
-        entry = Revocation(issued_before + auth.revocation_ttl_s + auth.leeway_s, user=body.user,
-                           issued_before=issued_before)
+        entry = Revocation(issued_before + auth.revocation_ttl_s + auth.leeway_s, user=body.user, issued_before=issued_before)
     if entry.expires_at <= now:
         raise BadRequest("the tokens this names have all expired: nothing to revoke")
     try:
         answers = await _control(hub, {"op": "revoke", "entry": entry.as_dict()})
     except BrokerUnavailable as exc:
         return error_response(exc, {"Retry-After": "1"})
-    return JSONResponse({"revoked": answers[0]["entry"], "disconnected": sum(a.get("disconnected", 0) for a in answers),
-                         "nodes": len(answers)}, status_code=201)
+    return JSONResponse(
+        {"revoked": answers[0]["entry"], "disconnected": sum(a.get("disconnected", 0) for a in answers), "nodes": len(answers)},
+        status_code=201,
+    )
 
 
 @guarded
@@ -285,19 +289,21 @@ async def stats(request: Request) -> Response:
     hub = _hub(request)
     counters = hub.topics.counters.as_dict()
     cycles = counters["cycles"] or 1
-    return JSONResponse({
-        "instance": hub.instance_id,
-        "core": counters,
-        "entries_per_cycle": counters["entries_emitted"] / cycles,
-        "entries_per_batch": counters["entries_emitted"] / (counters["clients_served"] or 1),
-        "clients": dict(hub.clients.by_transport),
-        "write_blocked": len(hub.scheduler.blocked),
-        "topics": hub.topics.topic_count,
-        "disconnects": {f"{t}:{r}": n for (t, r), n in hub.clients.disconnects.items()},
-        "ingest": {"records": ingest_counters.records, "errors": ingest_counters.errors},
-        "raw": hub.raw.stats() if hub.raw is not None else None,
-        "cluster": await hub.broker.cluster_stats(),
-    })
+    return JSONResponse(
+        {
+            "instance": hub.instance_id,
+            "core": counters,
+            "entries_per_cycle": counters["entries_emitted"] / cycles,
+            "entries_per_batch": counters["entries_emitted"] / (counters["clients_served"] or 1),
+            "clients": dict(hub.clients.by_transport),
+            "write_blocked": len(hub.scheduler.blocked),
+            "topics": hub.topics.topic_count,
+            "disconnects": {f"{t}:{r}": n for (t, r), n in hub.clients.disconnects.items()},
+            "ingest": {"records": ingest_counters.records, "errors": ingest_counters.errors},
+            "raw": hub.raw.stats() if hub.raw is not None else None,
+            "cluster": await hub.broker.cluster_stats(),
+        }
+    )
 
 
 async def openapi(request: Request) -> Response:

@@ -19,8 +19,13 @@ from ..edge.origin import parse_allowed_origins
 from ..server import check_listener_tokens, resolve_admin_token, tls_files
 
 #: Keys whose values are secrets: printed as "<set>" (or "" when empty), never as themselves.
-SECRET_KEYS = {("server", "admin_token"), ("auth", "jwt_secret"), ("auth", "jwt_previous_secret"), ("ingest", "token"),
-               ("rawtcp", "token")}
+SECRET_KEYS = {
+    ("server", "admin_token"),
+    ("auth", "jwt_secret"),
+    ("auth", "jwt_previous_secret"),
+    ("ingest", "token"),
+    ("rawtcp", "token"),
+}
 
 
 def mint_token(config: GatewayConfig, sub: str, *, subscribe: list[str], publish: list[str], ttl: float) -> str:
@@ -38,8 +43,12 @@ def mint_token(config: GatewayConfig, sub: str, *, subscribe: list[str], publish
     now = time.time()
     # iat to the millisecond (a JWT NumericDate may be fractional): a token minted within the second after a
     # revocation is still issued after it
-    claims: dict[str, Any] = {"sub": sub, "exp": math.ceil(now + ttl), "iat": math.floor(now * 1000) / 1000,
-                              "jti": secrets.token_urlsafe(16)}
+    claims: dict[str, Any] = {
+        "sub": sub,
+        "exp": math.ceil(now + ttl),
+        "iat": math.floor(now * 1000) / 1000,
+        "jti": secrets.token_urlsafe(16),
+    }
     if subscribe:
         claims["subscribe"] = subscribe
     if publish:
@@ -64,8 +73,9 @@ def check(config: GatewayConfig) -> dict[str, Any]:
         if not isinstance(values, dict):
             effective[section] = values
             continue
-        effective[section] = {key: ("<set>" if value else "") if (section, key) in SECRET_KEYS else value
-                              for key, value in values.items()}
+        effective[section] = {
+            key: ("<set>" if value else "") if (section, key) in SECRET_KEYS else value for key, value in values.items()
+        }
     effective["topics"] = {"rules": rules_in_force(config)}
     return effective
 
@@ -87,8 +97,11 @@ def describe_rules(config: GatewayConfig) -> list[str]:
     lines = []
     for rule in rules_in_force(config):
         shown = [f"{key}={str(rule[key]).lower()}" for key in _ALWAYS_SHOWN]
-        shown += [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in rule.items()
-                  if key not in ("pattern", "kind", *_ALWAYS_SHOWN) and value != _DEFAULTS[key]]
+        shown += [
+            f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in rule.items()
+            if key not in ("pattern", "kind", *_ALWAYS_SHOWN) and value != _DEFAULTS[key]
+        ]
         lines.append(f"  {rule['pattern']:<16} {rule['kind']:<8} {' '.join(shown)}")
     return lines
 
@@ -108,6 +121,8 @@ def rules_note(config: GatewayConfig) -> str | None:
     if rules == shipped:
         return None
     patterns = ", ".join(str(rule["pattern"]) for rule in rules) or "none"
-    return (f"topics.rules: the config's {len(rules)} rule(s) replace the {len(shipped)} shipped rules (a config's"
-            f" [[topics.rules]] replaces the whole list); a topic that matches none of them ({patterns}) is"
-            " unknown_topic until created through the admin API")
+    return (
+        f"topics.rules: the config's {len(rules)} rule(s) replace the {len(shipped)} shipped rules (a config's"
+        f" [[topics.rules]] replaces the whole list); a topic that matches none of them ({patterns}) is"
+        " unknown_topic until created through the admin API"
+    )

@@ -223,12 +223,23 @@ class JwksKeys:
         except (httpx.HTTPError, JwksError, OSError, TimeoutError) as exc:
             self.failures += 1
             reason = str(exc) or type(exc).__name__  # a timeout says nothing itself
-            log.warning("auth.jwks_url %s: fetch failed (%s); keeping the %d keys loaded before, next try in %g s",
-                        self.url, reason, len(self.keys), self.refresh_min_s, extra={"url": self.url, "reason": reason})
+            log.warning(
+                "auth.jwks_url %s: fetch failed (%s); keeping the %d keys loaded before, next try in %g s",
+                self.url,
+                reason,
+                len(self.keys),
+                self.refresh_min_s,
+                extra={"url": self.url, "reason": reason},
+            )
             return self.refresh_min_s
         if set(keys) != set(self.keys):
-            log.info("auth.jwks_url %s: %d keys (%s)", self.url, len(keys), ", ".join(sorted(keys))[:200],
-                     extra={"url": self.url, "keys": len(keys)})
+            log.info(
+                "auth.jwks_url %s: %d keys (%s)",
+                self.url,
+                len(keys),
+                ", ".join(sorted(keys))[:200],
+                extra={"url": self.url, "keys": len(keys)},
+            )
         self.keys = keys
         self.loaded += 1
         self._loaded_from = self._last_fetch
@@ -251,10 +262,10 @@ class JwksKeys:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("fanout_auth_jwks_keys", "keys of the auth.jwks_url set in use", value=len(self.keys))
-        fetches = CounterMetricFamily("fanout_auth_jwks_fetches", "fetches of auth.jwks_url, by result",
-                                      labels=["result"])
+        fetches = CounterMetricFamily("fanout_auth_jwks_fetches", "fetches of auth.jwks_url, by result", labels=["result"])
         fetches.add_metric(["ok"], self.loaded)
         fetches.add_metric(["failed"], self.failures)
         yield fetches
-        yield CounterMetricFamily("fanout_auth_jwks_unknown_kid", "tokens refused for a kid the key set lacks",
-                                  value=self.unknown_kids)
+        yield CounterMetricFamily(
+            "fanout_auth_jwks_unknown_kid", "tokens refused for a kid the key set lacks", value=self.unknown_kids
+        )

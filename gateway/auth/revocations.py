@@ -98,16 +98,21 @@ class RevocationTable:
         assert name is not None
         old = table.get(name)
         if old is not None and old.expires_at > now:
-            if entry.jti is None and old.issued_before is not None and entry.issued_before is not None \
-                    and old.issued_before >= entry.issued_before:
+            if (
+                entry.jti is None
+                and old.issued_before is not None
+                and entry.issued_before is not None
+                and old.issued_before >= entry.issued_before
+            ):
                 return old  # the entry in force already names every token this one does
             if entry.jti is not None and old.expires_at >= entry.expires_at:
                 return old
         elif len(self) >= self.max_entries:
             self.purge(now)
             if len(self) >= self.max_entries:
-                raise TooManyRevocations(f"the revocation table holds its maximum of {self.max_entries} live"
-                                         " entries (auth.max_revocations)")
+                raise TooManyRevocations(
+                    f"the revocation table holds its maximum of {self.max_entries} live entries (auth.max_revocations)"
+                )
         table[name] = entry
         return entry
 

@@ -38,8 +38,11 @@ HMAC_ALGORITHMS = ("HS256",)
 PUBLIC_KEY_ALGORITHMS = ("RS256", "ES256", "EdDSA")
 #: the one algorithm each kind of public key checks: a token of another one is refused as any bad token
 #: (PyJWT would raise InvalidKeyError, which is not an InvalidTokenError)
-_KEY_ALGORITHMS: tuple[tuple[type, str], ...] = ((RSAPublicKey, "RS256"), (EllipticCurvePublicKey, "ES256"),
-                                                 (Ed25519PublicKey, "EdDSA"))
+_KEY_ALGORITHMS: tuple[tuple[type, str], ...] = (
+    (RSAPublicKey, "RS256"),
+    (EllipticCurvePublicKey, "ES256"),
+    (Ed25519PublicKey, "EdDSA"),
+)
 #: addresses whose token checks are counted (`CheckLimiter`); past it the least recently seen are forgotten
 MAX_TRACKED_ADDRESSES = 65536
 #: A token is a few hundred bytes; 8 KiB leaves room for long pattern lists and bounds the work per check.
@@ -109,9 +112,14 @@ class TokenVerifier:
         #: the HMAC secrets, current first: a token is tried with each in turn (rotation)
         self.secrets = [s for s in (auth.jwt_secret, auth.jwt_previous_secret) if s]
         #: the PEM public keys, current first, each with the one algorithm it checks
-        self.public_keys = [_public_key(setting, file) for setting, file in (
-            ("jwt_public_key_file", auth.jwt_public_key_file),
-            ("jwt_previous_public_key_file", auth.jwt_previous_public_key_file)) if file]
+        self.public_keys = [
+            _public_key(setting, file)
+            for setting, file in (
+                ("jwt_public_key_file", auth.jwt_public_key_file),
+                ("jwt_previous_public_key_file", auth.jwt_previous_public_key_file),
+            )
+            if file
+        ]
         #: the key set at `auth.jwks_url`, refreshed in the background (`start`); None when not configured
         self.jwks = JwksKeys(auth.jwks_url, auth.jwks_refresh_min_s, auth.jwks_cache_max_s) if auth.jwks_url else None
         #: token checks per address (`auth.rate_per_ip`, `burst_per_ip`); per connection, the `auth` commands
@@ -142,8 +150,9 @@ class TokenVerifier:
         """Count one token check from `address`; TooManyTokenChecks past `auth.rate_per_ip`."""
         if address is not None and not self.per_address.take(address):
             self.per_address.refused += 1
-            raise TooManyTokenChecks(f"too many token checks from this address (auth.rate_per_ip ="
-                              f" {self.per_address.rate:g}/s); retry later")
+            raise TooManyTokenChecks(
+                f"too many token checks from this address (auth.rate_per_ip = {self.per_address.rate:g}/s); retry later"
+            )
 
     def verify(self, token: object, address: str | None = None) -> Principal:
         """The token's principal; BadToken or TokenExpired saying why it is refused, TooManyTokenChecks
@@ -158,8 +167,9 @@ class TokenVerifier:
         try:
             header = jwt.get_unverified_header(token)
             if self.jwks is not None and header.get("alg") in JWKS_ALGORITHMS:
-                with self.tracing.span("auth.verify", {"fanout.auth.alg": str(header.get("alg")),
-                                                       "fanout.auth.kid": str(header.get("kid"))[:128]}):
+                with self.tracing.span(
+                    "auth.verify", {"fanout.auth.alg": str(header.get("alg")), "fanout.auth.kid": str(header.get("kid"))[:128]}
+                ):
                     claims = self._claims(token, header["alg"], self._keys_for(header))
             else:
                 keys = self._keys_for(header)  # raises unless `alg` is one a key checks
@@ -203,7 +213,12 @@ class TokenVerifier:
 
     def _decode(self, token: str, key: Any, algorithm: str) -> dict[str, Any]:
         claims: dict[str, Any] = jwt.decode(
-            token, key, algorithms=[algorithm], audience=self.audience, issuer=self.issuer, leeway=self.leeway,
+            token,
+            key,
+            algorithms=[algorithm],
+            audience=self.audience,
+            issuer=self.issuer,
+            leeway=self.leeway,
             options={"require": ["sub", "exp"]},
         )
         return claims
@@ -231,5 +246,12 @@ def _principal(claims: dict[str, Any]) -> Principal:
     if jti is not None and (not isinstance(jti, str) or not 0 < len(jti) <= MAX_JTI_CHARS):
         raise BadToken(f"claim 'jti' must be a string of 1..{MAX_JTI_CHARS} characters")
     iat = claims.get("iat")  # PyJWT checked it is a number when present
-    return Principal(user, float(exp), _patterns(claims, "subscribe"), _patterns(claims, "publish"), info=info,
-                     jti=jti, issued_at=float(iat) if iat is not None else None)
+    return Principal(
+        user,
+        float(exp),
+        _patterns(claims, "subscribe"),
+        _patterns(claims, "publish"),
+        info=info,
+        jti=jti,
+        issued_at=float(iat) if iat is not None else None,
+    )

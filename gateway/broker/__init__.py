@@ -14,9 +14,14 @@ from .inprocess import InProcessBroker
 __all__ = ["Broker", "BrokerEvents", "BrokerUnreachable", "InProcessBroker", "make_broker"]
 
 
-def make_broker(config: GatewayConfig, events: BrokerEvents, creations: CreationBudget, instance_id: str,
-                control: Callable[[dict[str, Any]], dict[str, Any]],
-                node_summary: Callable[[bool], dict[str, Any] | None]) -> Broker:
+def make_broker(
+    config: GatewayConfig,
+    events: BrokerEvents,
+    creations: CreationBudget,
+    instance_id: str,
+    control: Callable[[dict[str, Any]], dict[str, Any]],
+    node_summary: Callable[[bool], dict[str, Any] | None],
+) -> Broker:
     """`control`: runs an operator's control command on this node (`Broker.control`); `node_summary`: this
     node's client summary for the other nodes' stats streams (`Broker.node_summary`)."""
     if not config.broker.configured:

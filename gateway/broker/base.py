@@ -35,16 +35,16 @@ class BrokerEvents(Protocol):
     #: below
     topics: TopicView
 
-    def attach_broker(self, presence: PresenceStore,
-                      commits: Callable[[list[tuple[str, Hashable, int]]], None] | None) -> None:
+    def attach_broker(self, presence: PresenceStore, commits: Callable[[list[tuple[str, Hashable, int]]], None] | None) -> None:
         """Called once by the broker as it is made: where presence members are kept, and where private
         queues' commits go (None: nowhere, the queues live in this engine)."""
 
     def resolve(self, topic: str) -> None:
         """The local topic, created on first use by its rule (raises the rule's errors: unknown topic)."""
 
-    def create_topic(self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None,
-                     start: int = 0) -> dict[str, Any]:
+    def create_topic(
+        self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None, start: int = 0
+    ) -> dict[str, Any]:
         """A new local topic (`TopicExists`, `TooManyTopics`); `epoch`, `start`: a broker's stream. Its INFO."""
 
     def restart_topic(self, name: str, epoch: str, start: int) -> None:
@@ -62,15 +62,32 @@ class BrokerEvents(Protocol):
     def evicted(self, topic: str, owner: Hashable, reason: str) -> bool:
         """A private queue's local handle is closed (taken over elsewhere, or lost)."""
 
-    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-                  queue_start: tuple[str, int] | None = None, ack: bool = False, delta: bool | None = None) -> None:
+    def subscribe(
+        self,
+        client_id: str,
+        topic: str,
+        *,
+        since: tuple[str, int] | None = None,
+        request_id: Any = None,
+        queue_start: tuple[str, int] | None = None,
+        ack: bool = False,
+        delta: bool | None = None,
+    ) -> None:
         """Subscribe a local client now (raises the engine's errors); it joins the topic's presence."""
 
     def presence_changed(self, topic: str, kind: str, member: Member) -> None:
         """A client of another node joined or left `topic` ("join" / "leave"): local subscribers are told."""
 
-    def joined(self, client_id: str, topic: str, *, since: tuple[str, int] | None = None, request_id: Any = None,
-               queue_start: tuple[str, int] | None = None, delta: bool | None = None) -> None:
+    def joined(
+        self,
+        client_id: str,
+        topic: str,
+        *,
+        since: tuple[str, int] | None = None,
+        request_id: Any = None,
+        queue_start: tuple[str, int] | None = None,
+        delta: bool | None = None,
+    ) -> None:
         """A subscribe that waited for the broker goes on now (its answer, or its error, reaches the client)."""
 
     def refused(self, client_id: str, error: RequestError, request_id: Any = None) -> None:
@@ -97,6 +114,7 @@ class Broker(Protocol):
     def congested(self) -> bool:
         """The publishes waiting for the broker met their byte bound: it takes none until they drain
         (`when_accepting`); publishers that can wait hold theirs (the ingest), others get `BrokerUnavailable`."""
+
     #: where presence members are kept (gateway/presence.py): this process's memory, or Redis
     presence: PresenceStore
 
@@ -119,8 +137,16 @@ class Broker(Protocol):
         """Publish at once when the topic lives in this engine: its `Published`, or raise (`QueueFull` is
         back-pressure). None: the topic lives in the broker, so use `publish` (the ingest's fast path)."""
 
-    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
-                creator: ClientIdentity | None = None, deadline: float | None = None) -> asyncio.Future[Published]:
+    def publish(
+        self,
+        topic: str,
+        data: Any,
+        *,
+        seq: int | None = None,
+        owner: Hashable = None,
+        creator: ClientIdentity | None = None,
+        deadline: float | None = None,
+    ) -> asyncio.Future[Published]:
         """Publish; the future gives the `Published` (at once in-process, after Redis's script otherwise).
         Raises at once what can be told at once (`BrokerUnavailable`, `BadData`, `MessageTooLarge`, `BadSeq`);
         the future fails with the rest. `owner`: the user whose private queue gets it. `deadline`
@@ -134,8 +160,17 @@ class Broker(Protocol):
         """Whether a client's first use of `topic` creates it in this engine (the topic catalog charges the
         client's creation budget); False when the broker creates it (and charges the budget itself)."""
 
-    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity, ack: bool = False, delta: bool | None = None) -> None:
+    def subscribe(
+        self,
+        client_id: str,
+        topic: str,
+        *,
+        since: tuple[str, int] | None,
+        request_id: Any,
+        creator: ClientIdentity,
+        ack: bool = False,
+        delta: bool | None = None,
+    ) -> None:
         """Subscribe now, or once the broker has brought the topic in (the answer then comes through
         `BrokerEvents.joined` / `refused`). Raises what can be told at once. `ack`: private topics, entries
         leave the queue on the client's `ack` (docs/design/private-queues.md §9). `delta`: shared topics,

@@ -54,8 +54,12 @@ class ClusterInfo:
         topics = self.broker.events.topics
         config = config_from(settings) or topics.topic_config(name) or TopicConfig()
         local = topics.topic(name) if topics.has_topic(name) else None
-        info: dict[str, Any] = {"name": name, "epoch": epoch.decode(),
-                                "subscribers": len(local.subs) if local is not None else 0, **config.as_dict()}
+        info: dict[str, Any] = {
+            "name": name,
+            "epoch": epoch.decode(),
+            "subscribers": len(local.subs) if local is not None else 0,
+            **config.as_dict(),
+        }
         top = int(top or 0)
         if config.kind is TopicKind.SNAPSHOT:
             info["seq"] = top - 1
@@ -92,8 +96,14 @@ class ClusterInfo:
     def _node_stats(self) -> dict[str, Any]:
         broker = self.broker
         events = broker.events
-        return {"node": broker.node_id, "pid": os.getpid(), "core": events.topics.counters.as_dict(),
-                "clients": events.client_count(), "topics": events.topics.topic_count, "attached": len(broker.lines)}
+        return {
+            "node": broker.node_id,
+            "pid": os.getpid(),
+            "core": events.topics.counters.as_dict(),
+            "clients": events.client_count(),
+            "topics": events.topics.topic_count,
+            "attached": len(broker.lines),
+        }
 
     async def _stats_loop(self) -> None:
         broker = self.broker
@@ -131,8 +141,7 @@ class ClusterInfo:
         keys = broker.keys
         try:
             # the node index, not SCAN: on Redis Cluster a SCAN sees one shard (the node keys share one slot)
-            listed: list[Any] = await broker.redis.zrangebyscore(keys.node_index, time.time() - NODE_INDEX_STALE_S,
-                                                                   "+inf")
+            listed: list[Any] = await broker.redis.zrangebyscore(keys.node_index, time.time() - NODE_INDEX_STALE_S, "+inf")
             values = await broker.redis.mget([keys.node(n.decode()) for n in listed]) if listed else []
         except (RedisError, OSError) as exc:
             raise BrokerUnavailable(f"broker unreachable: {exc}") from None

@@ -79,8 +79,10 @@ class ClusterLink(SingleLink):
 
     def run(self) -> list[asyncio.Task[None]]:
         loop = asyncio.get_running_loop()
-        return [loop.create_task(self._supervise(), name="broker-cluster"),
-                loop.create_task(self._probe_loop(), name="broker-probe")]
+        return [
+            loop.create_task(self._supervise(), name="broker-cluster"),
+            loop.create_task(self._probe_loop(), name="broker-probe"),
+        ]
 
     async def close(self) -> None:
         self._stop_state_lines()

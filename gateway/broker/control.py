@@ -94,8 +94,13 @@ class ControlChannel:
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             raise BrokerUnavailable(f"broker unreachable: {exc}; ran on {len(answers)} node(s)") from None
         if len(answers) - 1 < expected:
-            log.warning("control %s: %d of %d other nodes answered within %.1f s", command.get("op"),
-                        len(answers) - 1, expected, CONTROL_REPLY_TIMEOUT_S)
+            log.warning(
+                "control %s: %d of %d other nodes answered within %.1f s",
+                command.get("op"),
+                len(answers) - 1,
+                expected,
+                CONTROL_REPLY_TIMEOUT_S,
+            )
         return answers
 
     async def _store(self, entry: dict[str, Any]) -> None:

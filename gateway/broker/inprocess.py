@@ -27,9 +27,13 @@ class InProcessBroker:
     pending_bytes = 0
     backlog_refused = 0
 
-    def __init__(self, events: BrokerEvents, node_id: str = "",
-                 control: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {},
-                 node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None) -> None:
+    def __init__(
+        self,
+        events: BrokerEvents,
+        node_id: str = "",
+        control: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {},
+        node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None,
+    ) -> None:
         self.events = events
         self.presence: PresenceStore = MemoryPresence()
         events.attach_broker(self.presence, None)  # private queues live here: nothing to acknowledge
@@ -54,8 +58,16 @@ class InProcessBroker:
     def publish_nowait(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published:
         return self.events.apply(topic, data, seq=seq, owner=owner)
 
-    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
-                creator: ClientIdentity | None = None, deadline: float | None = None) -> asyncio.Future[Published]:
+    def publish(
+        self,
+        topic: str,
+        data: Any,
+        *,
+        seq: int | None = None,
+        owner: Hashable = None,
+        creator: ClientIdentity | None = None,
+        deadline: float | None = None,
+    ) -> asyncio.Future[Published]:
         future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
         try:
             future.set_result(self.events.apply(topic, data, seq=seq, owner=owner))
@@ -67,8 +79,9 @@ class InProcessBroker:
             task.add_done_callback(self._held.discard)
         return future
 
-    async def _when_space(self, future: asyncio.Future[Published], topic: str, data: Any, seq: int | None,
-                          owner: Hashable, deadline: float) -> None:
+    async def _when_space(
+        self, future: asyncio.Future[Published], topic: str, data: Any, seq: int | None, owner: Hashable, deadline: float
+    ) -> None:
         """A full private queue: try again each time it frees space, until `deadline`."""
         while not future.done():
             remaining = deadline - time.monotonic()
@@ -89,8 +102,17 @@ class InProcessBroker:
     def creates_here(self, topic: str) -> bool:
         return not self.events.topics.has_topic(topic)
 
-    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity, ack: bool = False, delta: bool | None = None) -> None:
+    def subscribe(
+        self,
+        client_id: str,
+        topic: str,
+        *,
+        since: tuple[str, int] | None,
+        request_id: Any,
+        creator: ClientIdentity,
+        ack: bool = False,
+        delta: bool | None = None,
+    ) -> None:
         self.events.subscribe(client_id, topic, since=since, request_id=request_id, ack=ack, delta=delta)
 
     def left(self, topic: str, owner: Hashable, *, unsubscribed: bool) -> None:

@@ -63,15 +63,18 @@ class Keys:
 
     def topic_of(self, channel: str) -> str:
         """The topic a channel name belongs to (`channel`'s inverse)."""
-        return channel[len(self.prefix) + 2:-3]
+        return channel[len(self.prefix) + 2 : -3]
 
     def queue(self, topic: str, owner: str) -> tuple[str, str, str]:
         """A private queue (docs/cluster.md §8): its hash (`e` epoch, `n` next seq, `b` bytes, `h` holder),
         its list (the queued data, oldest first) and its channel (`n NEXT` after an append, `t NODE` when
         a node takes it over). The owner comes last, so no owner's names collide with another's."""
         topic = _topic(topic)
-        return (f"{self.prefix}:{{{topic}}}:qm:{owner}", f"{self.prefix}:{{{topic}}}:ql:{owner}",
-                f"{self.prefix}:{{{topic}}}:qc:{owner}")
+        return (
+            f"{self.prefix}:{{{topic}}}:qm:{owner}",
+            f"{self.prefix}:{{{topic}}}:ql:{owner}",
+            f"{self.prefix}:{{{topic}}}:qc:{owner}",
+        )
 
     def presence_nodes(self, topic: str) -> str:
         """Set: the nodes holding presence members of the topic (gateway/broker/presence_store.py)."""

@@ -194,19 +194,27 @@ class SingleLink:
                 break
             except (RedisError, OSError) as exc:
                 if time.monotonic() >= deadline:
-                    raise BrokerUnreachable(f"broker {self.target}: unreachable after {timeout:g} s"
-                                            f" ({attempt} attempts): {exc}") from None
-                log.warning("broker %s unreachable (attempt %d): %s; retrying in %.1f s",
-                            self.target, attempt, exc, RETRY_S,
-                            extra={"broker": self.target, "state": "unreachable", "attempt": attempt})
+                    raise BrokerUnreachable(
+                        f"broker {self.target}: unreachable after {timeout:g} s ({attempt} attempts): {exc}"
+                    ) from None
+                log.warning(
+                    "broker %s unreachable (attempt %d): %s; retrying in %.1f s",
+                    self.target,
+                    attempt,
+                    exc,
+                    RETRY_S,
+                    extra={"broker": self.target, "state": "unreachable", "attempt": attempt},
+                )
                 await asyncio.sleep(RETRY_S)
         self.available = True
 
     def run(self) -> list[asyncio.Task[None]]:
         loop = asyncio.get_running_loop()
         self._healthy = self.healthy
-        return [loop.create_task(self._read_loop(), name="broker-reader"),
-                loop.create_task(self._probe_loop(), name="broker-probe")]
+        return [
+            loop.create_task(self._read_loop(), name="broker-reader"),
+            loop.create_task(self._probe_loop(), name="broker-probe"),
+        ]
 
     async def close(self) -> None:
         self._stop_state_lines()
@@ -411,13 +419,13 @@ class SingleLink:
         """Tell the state now, if the budget allows (STATE_LINES_BURST lines at once, then one per
         STATE_LINE_EVERY_S); else once it does, with how many changes the line stands for."""
         now = time.monotonic()
-        self._line_tokens = min(float(STATE_LINES_BURST),
-                                self._line_tokens + (now - self._line_tokens_at) / STATE_LINE_EVERY_S)
+        self._line_tokens = min(float(STATE_LINES_BURST), self._line_tokens + (now - self._line_tokens_at) / STATE_LINE_EVERY_S)
         self._line_tokens_at = now
         if self._line_tokens < 1.0:
             if self._line_timer is None:
                 self._line_timer = asyncio.get_running_loop().call_later(
-                    (1.0 - self._line_tokens) * STATE_LINE_EVERY_S, self._deferred_state_line)
+                    (1.0 - self._line_tokens) * STATE_LINE_EVERY_S, self._deferred_state_line
+                )
             return
         self._line_tokens -= 1.0
         changes, self._changes = self._changes, 0
@@ -426,14 +434,30 @@ class SingleLink:
             failed = self.reconnect_failures - self._failures_at_down
             topics = self.hooks.served()
             resync = f", resynchronising {topics} topics" if self._resynced else ""
-            log.warning("broker %s back after %.1f s unavailable (%d failed reconnects)%s: /readyz ready%s",
-                        self.target, self._down_s, failed, more, resync,
-                        extra={"broker": self.target, "state": "back", "down_s": round(self._down_s, 3),
-                               "reconnect_failures": failed, "topics": topics})
+            log.warning(
+                "broker %s back after %.1f s unavailable (%d failed reconnects)%s: /readyz ready%s",
+                self.target,
+                self._down_s,
+                failed,
+                more,
+                resync,
+                extra={
+                    "broker": self.target,
+                    "state": "back",
+                    "down_s": round(self._down_s, 3),
+                    "reconnect_failures": failed,
+                    "topics": topics,
+                },
+            )
         else:
-            log.warning("broker %s unavailable (%s: %s)%s: publishes get broker_unavailable, /readyz 503 until it"
-                        " is back", self.target, self._down_state, self._down_reason, more,
-                        extra={"broker": self.target, "state": self._down_state, "reason": self._down_reason})
+            log.warning(
+                "broker %s unavailable (%s: %s)%s: publishes get broker_unavailable, /readyz 503 until it is back",
+                self.target,
+                self._down_state,
+                self._down_reason,
+                more,
+                extra={"broker": self.target, "state": self._down_state, "reason": self._down_reason},
+            )
 
     def _deferred_state_line(self) -> None:
         self._line_timer = None
@@ -452,8 +476,9 @@ class SingleLink:
         if key in self._unexpected_seen:
             return
         self._unexpected_seen.add(key)
-        log.error("broker %s: %s failed unexpectedly (%s: %s); it goes on", self.target, where,
-                  type(exc).__name__, exc, exc_info=exc)
+        log.error(
+            "broker %s: %s failed unexpectedly (%s: %s); it goes on", self.target, where, type(exc).__name__, exc, exc_info=exc
+        )
 
 
 class SentinelLink(SingleLink):
@@ -485,8 +510,9 @@ class SentinelLink(SingleLink):
                 raise
             # redis-py's message names each sentinel by its client's repr and the failure by its class only;
             # it asks each sentinel several times: each reason once
-            raise MasterNotFoundError(f"no primary for {self.master!r} from the sentinels: "
-                                      + "; ".join(dict.fromkeys(self.malformed))) from None
+            raise MasterNotFoundError(
+                f"no primary for {self.master!r} from the sentinels: " + "; ".join(dict.fromkeys(self.malformed))
+            ) from None
 
     async def close(self) -> None:
         await super().close()
@@ -513,10 +539,15 @@ def checked_masters(parse: Callable[..., Any], where: str, malformed: list[str])
         try:
             masters = parse(response, **options)
             for name, state in masters.items():  # what redis-py's discover_master and check_master_state read
-                if not (isinstance(state["ip"], str) and isinstance(state["port"], int)
-                        and isinstance(state["num-other-sentinels"], int)):
-                    raise ValueError(f"primary {name!r}: ip {state['ip']!r}, port {state['port']!r},"
-                                     f" num-other-sentinels {state['num-other-sentinels']!r}")
+                if not (
+                    isinstance(state["ip"], str)
+                    and isinstance(state["port"], int)
+                    and isinstance(state["num-other-sentinels"], int)
+                ):
+                    raise ValueError(
+                        f"primary {name!r}: ip {state['ip']!r}, port {state['port']!r},"
+                        f" num-other-sentinels {state['num-other-sentinels']!r}"
+                    )
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
             reason = f"{where} gave a malformed {MASTERS} answer ({type(exc).__name__}: {exc})"
             malformed.append(reason)
@@ -528,7 +559,9 @@ def checked_masters(parse: Callable[..., Any], where: str, malformed: list[str])
 
 def client_options() -> dict[str, Any]:
     """The command client's options, whatever the topology."""
-    return {"socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": COMMAND_TIMEOUT_S,
-            # a failure is reported at once: publishes are refused, not delayed
-            "retry": Retry(NoBackoff(), 0)}
-
+    return {
+        "socket_timeout": COMMAND_TIMEOUT_S,
+        "socket_connect_timeout": COMMAND_TIMEOUT_S,
+        # a failure is reported at once: publishes are refused, not delayed
+        "retry": Retry(NoBackoff(), 0),
+    }

@@ -91,8 +91,10 @@ class RedisPresence:
         await self.node.redis.set(self.node.keys.presence_alive(self.node.node_id), "1", px=ALIVE_TTL_MS)
         self._queued = asyncio.Event()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._write_loop(), name="presence-writer"),
-                       loop.create_task(self._heartbeat_loop(), name="presence-heartbeat")]
+        self._tasks = [
+            loop.create_task(self._write_loop(), name="presence-writer"),
+            loop.create_task(self._heartbeat_loop(), name="presence-heartbeat"),
+        ]
 
     async def stop(self) -> None:
         """Cancel the tasks; this node's members leave Redis (a graceful stop does not wait for the TTL)."""
@@ -136,8 +138,11 @@ class RedisPresence:
         if members is None:
             members = self.local[topic] = TopicMembers()
         if members.add(member):
-            self._ops += [("m", topic, member.client), ("u", topic, member.owner),
-                          ("p", topic, self._announcement("join", member))]
+            self._ops += [
+                ("m", topic, member.client),
+                ("u", topic, member.owner),
+                ("p", topic, self._announcement("join", member)),
+            ]
             self._wake()
 
     def leave(self, topic: str, client: str) -> Member | None:
@@ -266,8 +271,7 @@ class RedisPresence:
             for topic in topics:
                 self._loading.pop(topic, None)
 
-    def _announce_difference(self, topic: str, known: dict[str, dict[str, Member]],
-                             read: dict[str, dict[str, Member]]) -> None:
+    def _announce_difference(self, topic: str, known: dict[str, dict[str, Member]], read: dict[str, dict[str, Member]]) -> None:
         events = self.node.events
         for node_id, members in known.items():
             for client, member in members.items():
@@ -283,8 +287,11 @@ class RedisPresence:
         members of nodes whose heartbeat key is gone, with a `leave` for each (to local subscribers)."""
         for topic in [t for t in self.remote if not self._tracks(t)]:
             self.forget(topic)
-        unread = [t for t in self.node.lines
-                  if (t not in self.loaded or t in self._stale) and t not in self._loading and self._tracks(t)]
+        unread = [
+            t
+            for t in self.node.lines
+            if (t not in self.loaded or t in self._stale) and t not in self._loading and self._tracks(t)
+        ]
         if unread:
             await self._load(unread)
         nodes = sorted({n for held in self.remote.values() for n in held})
@@ -453,7 +460,7 @@ class RedisPresence:
             pipe.hlen(member_key)
             pipe.hlen(owner_key)
         done = await pipe.execute()  # always: the dead nodes' deletes run even when no holder is alive
-        counts = done[len(done) - 2 * len(alive):]
+        counts = done[len(done) - 2 * len(alive) :]
         clients, users = sum(counts[0::2]), sum(counts[1::2])
         if clients > limit:
             # counts only: `users` sums each node's distinct owners (a user on two nodes counts twice)

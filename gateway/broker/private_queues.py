@@ -152,8 +152,8 @@ class PrivateQueues:
         try:
             await self.broker.link.subscribe_channels([held.keys[2]])
             epoch, head, entries = await self._eval(
-                "QUEUE_ATTACH", held.keys[:2], secrets.token_hex(8), self.broker.ttl, held.keys[2],
-                self.broker.node_id)
+                "QUEUE_ATTACH", held.keys[:2], secrets.token_hex(8), self.broker.ttl, held.keys[2], self.broker.node_id
+            )
         except (RedisError, OSError, asyncio.TimeoutError, RequestError) as exc:
             waiting, held.waiting = held.waiting, []
             self._forget(held)
@@ -168,8 +168,7 @@ class PrivateQueues:
             if not events.connected(client_id):
                 continue
             try:
-                events.subscribe(client_id, held.topic, request_id=request_id, queue_start=(held.epoch, int(head)),
-                                 ack=ack)
+                events.subscribe(client_id, held.topic, request_id=request_id, queue_start=(held.epoch, int(head)), ack=ack)
                 subscribed = True
             except RequestError as err:
                 events.refused(client_id, err, request_id)
@@ -239,23 +238,44 @@ class PrivateQueues:
         was announced (a promoted replica that lacked pushes) goes on at that seq (scripts.QUEUE_REWIND), so
         no seq is given twice; if it lacks messages announced and not pulled yet, they are lost: the handle
         is closed (`closed`, reason `lost`), as when Redis lost the queue. Raises the link's errors."""
-        checks = [(held, held.epoch, sub.cursor) for held in self.held.values()
-                  if held.epoch is not None and (sub := self._local(held)) is not None]
+        checks = [
+            (held, held.epoch, sub.cursor)
+            for held in self.held.values()
+            if held.epoch is not None and (sub := self._local(held)) is not None
+        ]
         if not checks:
             return
         broker = self.broker
         pipe = broker.redis.pipeline(transaction=False)
         for held, epoch, cursor in checks:
-            pipe.execute_command("EVALSHA", broker.shas["QUEUE_REWIND"], 2, held.keys[0], held.keys[1], epoch,
-                                 max(cursor, held.top), broker.ttl, broker.node_id)
+            pipe.execute_command(
+                "EVALSHA",
+                broker.shas["QUEUE_REWIND"],
+                2,
+                held.keys[0],
+                held.keys[1],
+                epoch,
+                max(cursor, held.top),
+                broker.ttl,
+                broker.node_id,
+            )
         for (held, _, cursor), behind in zip(checks, await pipe.execute()):
             if behind < 0:
                 continue
-            log.warning("broker: Redis was behind this node on the queue %s (next seq %d, pulled up to %d):"
-                        " it goes on at %d", held.keys[0], behind, cursor, max(cursor, held.top))
+            log.warning(
+                "broker: Redis was behind this node on the queue %s (next seq %d, pulled up to %d): it goes on at %d",
+                held.keys[0],
+                behind,
+                cursor,
+                max(cursor, held.top),
+            )
             if held.top > max(behind, cursor):
-                log.warning("broker: the queue %s lost seqs [%d, %d) with Redis; its handle is closed",
-                            held.keys[0], max(behind, cursor), held.top)
+                log.warning(
+                    "broker: the queue %s lost seqs [%d, %d) with Redis; its handle is closed",
+                    held.keys[0],
+                    max(behind, cursor),
+                    held.top,
+                )
                 self._forget(held)
                 self.events.evicted(held.topic, held.owner, "lost")
 
@@ -311,8 +331,7 @@ class PrivateQueues:
         the local end, they are gone: the handle is closed (`closed`, reason `lost`) and the client subscribes
         again to a new queue. False when the queue is forgotten or Redis failed (the reconnect pulls again)."""
         if held.top > end:
-            log.warning("broker: the queue %s lost seqs [%d, %d) with Redis; its handle is closed",
-                        held.keys[0], end, held.top)
+            log.warning("broker: the queue %s lost seqs [%d, %d) with Redis; its handle is closed", held.keys[0], end, held.top)
             self._forget(held)
             self.events.evicted(held.topic, held.owner, "lost")
             return False
@@ -362,8 +381,7 @@ class PrivateQueues:
             try:
                 pipe = broker.redis.pipeline(transaction=False)
                 for keys, epoch, upto in acks.values():
-                    pipe.execute_command("EVALSHA", broker.shas["QUEUE_ACK"], 2, keys[0], keys[1], upto, broker.ttl,
-                                         epoch)
+                    pipe.execute_command("EVALSHA", broker.shas["QUEUE_ACK"], 2, keys[0], keys[1], upto, broker.ttl, epoch)
                 await pipe.execute()
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 for key, ack in acks.items():  # sent again when Redis is back (acks are idempotent)
@@ -431,8 +449,9 @@ class PrivateQueues:
                 try:
                     status, done, first, _next = await self._eval("QUEUE_PUSH", keys[:2], *args)
                 except (RedisError, OSError, asyncio.TimeoutError) as exc:
-                    self._fail_all(outbox, BrokerUnavailable(
-                        f"broker lost during the publish (it may or may not have landed): {exc}"))
+                    self._fail_all(
+                        outbox, BrokerUnavailable(f"broker lost during the publish (it may or may not have landed): {exc}")
+                    )
                     break
                 for i in range(done):
                     push = items.popleft()
@@ -463,8 +482,9 @@ class PrivateQueues:
                 if status == -1:
                     push.future.set_exception(StaleSeq(f"seq {push.seq} of private {outbox.topic!r} was already queued"))
                 elif status == -2:
-                    push.future.set_exception(BadSeq(
-                        f"seq {push.seq} of private {outbox.topic!r} is not the next one ({next_seq})"))
+                    push.future.set_exception(
+                        BadSeq(f"seq {push.seq} of private {outbox.topic!r} is not the next one ({next_seq})")
+                    )
                 else:
                     push.future.set_exception(NotSubscribed(f"{outbox.owner!r} has no queue on {outbox.topic!r}"))
         except Exception as exc:  # never leave a publisher waiting for ever

@@ -77,13 +77,17 @@ class Publisher:
         broker.max_pending_bytes (Redis stalls: the publisher retries later; one publish of any size goes
         when nothing waits). `release_bytes` when answered. `size` 0: only whether anything fits (checked
         before the data is encoded, so a refusal costs no encoding)."""
-        if self.max_pending_bytes > 0 and self.pending_bytes and self.pending_bytes + size > self.max_pending_bytes - (
-                0 if size else 1):
+        if (
+            self.max_pending_bytes > 0
+            and self.pending_bytes
+            and self.pending_bytes + size > self.max_pending_bytes - (0 if size else 1)
+        ):
             self.backlog_refused += 1
             self.congested = True
             raise BrokerUnavailable(
                 f"the broker is not keeping up: {self.pending_bytes} bytes of publishes wait for Redis"
-                f" (broker.max_pending_bytes); retry later")
+                f" (broker.max_pending_bytes); retry later"
+            )
         self.pending_bytes += size
 
     def release_bytes(self, size: int) -> None:
@@ -164,18 +168,31 @@ class Publisher:
                 script_keys = topics.script_keys(name)
                 # EVALSHA by name: redis-py's cluster pipeline refuses its `evalsha` method, not the command
                 pipe.execute_command(
-                    "EVALSHA", link.shas["PUBLISH"], len(script_keys), *script_keys,
-                    secrets.token_hex(8), p.data, p.config.kind.value, p.config.capacity,
-                    orjson.dumps(p.config.as_dict()), topics.ttl, keys.channel(name),
-                    "" if p.seq is None else p.seq, now, name, "0" if p.refusal else "1", bound,
+                    "EVALSHA",
+                    link.shas["PUBLISH"],
+                    len(script_keys),
+                    *script_keys,
+                    secrets.token_hex(8),
+                    p.data,
+                    p.config.kind.value,
+                    p.config.capacity,
+                    orjson.dumps(p.config.as_dict()),
+                    topics.ttl,
+                    keys.channel(name),
+                    "" if p.seq is None else p.seq,
+                    now,
+                    name,
+                    "0" if p.refusal else "1",
+                    bound,
                 )
             results = await pipe.execute(raise_on_error=False)
         except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
             link.lost(exc)
             for p in batch:
                 if not p.future.done():
-                    p.future.set_exception(BrokerUnavailable(
-                        f"broker lost during the publish (it may or may not have landed): {link.last_error}"))
+                    p.future.set_exception(
+                        BrokerUnavailable(f"broker lost during the publish (it may or may not have landed): {link.last_error}")
+                    )
             return
         for p, result in zip(batch, results):
             if not p.future.done():
@@ -192,14 +209,16 @@ class Publisher:
             return
         status, epoch, seq, created = result
         line = self.topics.lines.get(p.topic)
-        if status == 0 and line is not None and floor is not None and floor[0] == epoch.decode() \
-                and int(seq) < floor[1]:
+        if status == 0 and line is not None and floor is not None and floor[0] == epoch.decode() and int(seq) < floor[1]:
             # Redis gave a seq this node has delivered already: it went back in time. The topic starts a
             # new epoch and the publisher retries (this message landed in the old one).
             self.topics.rewinder.spawn(line)
-            p.future.set_exception(BrokerUnavailable(
-                f"the broker is behind this node on {p.topic!r} (restored from an older state?): the"
-                " topic starts a new epoch; retry"))
+            p.future.set_exception(
+                BrokerUnavailable(
+                    f"the broker is behind this node on {p.topic!r} (restored from an older state?): the"
+                    " topic starts a new epoch; retry"
+                )
+            )
         elif status == 0:
             p.created = created == 1
             self.topics.rewinder.note_accepted(p.topic, epoch.decode(), int(seq))
@@ -213,5 +232,9 @@ class Publisher:
         elif status == -1:
             p.future.set_exception(StaleSeq(f"seq {p.seq} of {p.topic!r} was already published (next: {seq})"))
         else:
-            p.future.set_exception(BadSeq(f"seq {p.seq} of {p.topic!r} is not the next one ({seq}): with a"
-                                          " broker, an explicit seq only makes a retry idempotent"))
+            p.future.set_exception(
+                BadSeq(
+                    f"seq {p.seq} of {p.topic!r} is not the next one ({seq}): with a"
+                    " broker, an explicit seq only makes a retry idempotent"
+                )
+            )

@@ -50,17 +50,32 @@ log = logging.getLogger("gateway.broker")
 class RedisBroker:
     clustered = True
 
-    def __init__(self, config: BrokerConfig, events: BrokerEvents, creations: CreationBudget, instance_id: str,
-                 control: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {},
-                 node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None) -> None:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        events: BrokerEvents,
+        creations: CreationBudget,
+        instance_id: str,
+        control: Callable[[dict[str, Any]], dict[str, Any]] = lambda command: {},
+        node_summary: Callable[[bool], dict[str, Any] | None] = lambda watched: None,
+    ) -> None:
         self.events = events
         self.keys = Keys(config.prefix, sharded=bool(config.cluster_addresses))
         self.ttl = max(1, math.ceil(config.history_ttl_s))
         self.connect_timeout = config.connect_timeout_s
         self.node_id = f"{instance_id}-{os.getpid()}"
-        self.link = make_link(config, LinkHooks(
-            message=self._on_message, lost=lambda: self.topic_lines.lost(), channels=self._channels,
-            reconnected=self._reconnected, back=self._back, moved=self._moved, served=lambda: len(self.lines)))
+        self.link = make_link(
+            config,
+            LinkHooks(
+                message=self._on_message,
+                lost=lambda: self.topic_lines.lost(),
+                channels=self._channels,
+                reconnected=self._reconnected,
+                back=self._back,
+                moved=self._moved,
+                served=lambda: len(self.lines),
+            ),
+        )
         self.redis = self.link.redis
         self.shas = self.link.shas
         self.topic_lines = TopicLines(self.link, self.keys, events, creations, self.ttl, config.max_topics)
@@ -106,12 +121,20 @@ class RedisBroker:
 
     async def start(self) -> None:
         await self.link.connect(self.connect_timeout)
-        log.info("broker %s: node %s", self.link.target, self.node_id,
-                 extra={"broker": self.link.target, "state": "connected", "node": self.node_id})
+        log.info(
+            "broker %s: node %s",
+            self.link.target,
+            self.node_id,
+            extra={"broker": self.link.target, "state": "connected", "node": self.node_id},
+        )
         await self.presence_store.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [*self.link.run(), self.publisher.run(), *self.topic_lines.directory.run(),
-                       loop.create_task(self.cluster._stats_loop(), name="broker-stats")]
+        self._tasks = [
+            *self.link.run(),
+            self.publisher.run(),
+            *self.topic_lines.directory.run(),
+            loop.create_task(self.cluster._stats_loop(), name="broker-stats"),
+        ]
         try:
             await self.link.subscribe_channels([self.keys.control])
             await self.controls.load_revocations()
@@ -180,8 +203,16 @@ class RedisBroker:
     def publish_nowait(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None) -> Published | None:
         return None  # every topic lives in Redis: its seq comes from the script
 
-    def publish(self, topic: str, data: Any, *, seq: int | None = None, owner: Hashable = None,
-                creator: ClientIdentity | None = None, deadline: float | None = None) -> asyncio.Future[Published]:
+    def publish(
+        self,
+        topic: str,
+        data: Any,
+        *,
+        seq: int | None = None,
+        owner: Hashable = None,
+        creator: ClientIdentity | None = None,
+        deadline: float | None = None,
+    ) -> asyncio.Future[Published]:
         if self._private(topic):  # a full queue holds the publish back until it has room (or `deadline`)
             seq_future = self.queues.push(topic, owner, data, seq, deadline)
         else:
@@ -202,8 +233,17 @@ class RedisBroker:
         # shared topics are created in Redis (which charges the creator's budget when it did)
         return self._private(topic) and not self.events.topics.has_topic(topic)
 
-    def subscribe(self, client_id: str, topic: str, *, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity, ack: bool = False, delta: bool | None = None) -> None:
+    def subscribe(
+        self,
+        client_id: str,
+        topic: str,
+        *,
+        since: tuple[str, int] | None,
+        request_id: Any,
+        creator: ClientIdentity,
+        ack: bool = False,
+        delta: bool | None = None,
+    ) -> None:
         if self._private(topic):
             self.queues.subscribe(client_id, topic, request_id, ack)
         else:
@@ -261,15 +301,25 @@ class RedisBroker:
 
     def collect(self) -> Iterator[Metric]:
         publisher = self.publisher
-        yield GaugeMetricFamily("fanout_broker_pending_bytes", "bytes of publishes waiting for Redis"
-                                " (bounded by broker.max_pending_bytes)", value=publisher.pending_bytes)
-        yield CounterMetricFamily("fanout_broker_backlog_refused", "publishes refused (broker_unavailable) because"
-                                  " broker.max_pending_bytes wait for Redis", value=publisher.backlog_refused)
-        yield CounterMetricFamily("fanout_broker_reconnect_failures", "attempts to reconnect to Redis that failed",
-                                  value=self.link.reconnect_failures)
-        yield CounterMetricFamily("fanout_broker_rewinds", "topics that started a new epoch because Redis was"
-                                  " behind this node (restored from an older state, a replica that lagged)",
-                                  value=self.topic_lines.rewinder.rewinds)
+        yield GaugeMetricFamily(
+            "fanout_broker_pending_bytes",
+            "bytes of publishes waiting for Redis (bounded by broker.max_pending_bytes)",
+            value=publisher.pending_bytes,
+        )
+        yield CounterMetricFamily(
+            "fanout_broker_backlog_refused",
+            "publishes refused (broker_unavailable) because broker.max_pending_bytes wait for Redis",
+            value=publisher.backlog_refused,
+        )
+        yield CounterMetricFamily(
+            "fanout_broker_reconnect_failures", "attempts to reconnect to Redis that failed", value=self.link.reconnect_failures
+        )
+        yield CounterMetricFamily(
+            "fanout_broker_rewinds",
+            "topics that started a new epoch because Redis was"
+            " behind this node (restored from an older state, a replica that lagged)",
+            value=self.topic_lines.rewinder.rewinds,
+        )
 
 
 def make_link(config: BrokerConfig, hooks: LinkHooks) -> Link:

@@ -64,7 +64,7 @@ class Rewinder:
                 floors[key] = max(floors.get(key, 0), line.next)
         checks = [(name, epoch, end) for (name, epoch), end in floors.items()]
         for i in range(0, len(checks), CHECK_BATCH):
-            await self.behind(checks[i:i + CHECK_BATCH])
+            await self.behind(checks[i : i + CHECK_BATCH])
         self.accepted.clear()  # Redis holds every one of them now (or a new epoch past it)
 
     async def behind(self, floors: list[Floor]) -> None:
@@ -74,13 +74,27 @@ class Rewinder:
         keys, link = self.keys, self.link
         pipe = link.redis.pipeline(transaction=False)
         for name, epoch, end in floors:
-            pipe.execute_command("EVALSHA", link.shas["REWIND"], 2, keys.meta(name), keys.stream(name),
-                                 secrets.token_hex(8), epoch, end, keys.channel(name))
+            pipe.execute_command(
+                "EVALSHA",
+                link.shas["REWIND"],
+                2,
+                keys.meta(name),
+                keys.stream(name),
+                secrets.token_hex(8),
+                epoch,
+                end,
+                keys.channel(name),
+            )
         for (name, epoch, end), rewound in zip(floors, await pipe.execute()):
             if rewound == 1:
-                log.warning("broker: Redis is behind this node on %r (seqs up to %d of epoch %s were delivered or"
-                            " accepted): Redis went back in time (an older snapshot, a replica that lagged);"
-                            " the topic starts a new epoch", name, end - 1, epoch)
+                log.warning(
+                    "broker: Redis is behind this node on %r (seqs up to %d of epoch %s were delivered or"
+                    " accepted): Redis went back in time (an older snapshot, a replica that lagged);"
+                    " the topic starts a new epoch",
+                    name,
+                    end - 1,
+                    epoch,
+                )
                 self.rewinds += 1
 
     def spawn(self, line: Line) -> None:

@@ -27,7 +27,9 @@ end
 #: topic); -1 the explicit seq is below the next one (it landed); -2 it is above the next one; -3 no such
 #: topic and the publisher may create none; -4 no such topic and the cluster holds its bound. A new epoch
 #: empties the stream left from an older one.
-PUBLISH = _ROOM + r"""
+PUBLISH = (
+    _ROOM
+    + r"""
 local epoch = redis.call('HGET', KEYS[1], 'e')
 local created = 0
 if not epoch then
@@ -58,6 +60,7 @@ redis.call('PUBLISH', ARGV[7], epoch .. ' ' .. s .. ' ' .. ARGV[2])
 if KEYS[3] then redis.call('ZADD', KEYS[3], ARGV[9], ARGV[10]) end
 return {0, epoch, seq, created}
 """
+)
 
 #: KEYS: meta, stream, topics (not on Redis Cluster). ARGV: 1 epoch if new, 2 kind, 3 capacity, 4 settings (JSON), 5 ttl seconds,
 #: 6 "1" to refuse an existing topic (admin create), 7 first stream id to read ("-" for all), 8 now,
@@ -66,7 +69,9 @@ return {0, epoch, seq, created}
 #: topic's meta and history (entries: {{id, {'d', data}}, ...} from ARGV[7] on; none for snapshots);
 #: {-1, epoch} when it exists and ARGV[6] is "1"; {-2, ''} when it does not and the caller may create none;
 #: {-3, ''} when it does not and the cluster holds its bound.
-TOUCH = _ROOM + r"""
+TOUCH = (
+    _ROOM
+    + r"""
 local epoch = redis.call('HGET', KEYS[1], 'e')
 local created = 0
 if epoch then
@@ -88,6 +93,7 @@ if meta[2] ~= 'snapshot' then
 end
 return {created, epoch, tonumber(meta[1]), meta[3], meta[4], entries}
 """
+)
 
 #: A Redis that went back in time (restored from an older snapshot, failed over to a replica that lagged):
 #: a node saw the topic at epoch ARGV[2] up to seq ARGV[3] - 1, and Redis's next seq is below that, so its
@@ -240,8 +246,19 @@ return tonumber(meta[2])
 
 
 #: The scripts every node loads at each connect.
-NAMES = ("PUBLISH", "TOUCH", "DELETE", "REWIND", "QUEUE_ATTACH", "QUEUE_PUSH", "QUEUE_READ", "QUEUE_ACK",
-         "QUEUE_DELETE", "QUEUE_RESTORE", "QUEUE_REWIND")
+NAMES = (
+    "PUBLISH",
+    "TOUCH",
+    "DELETE",
+    "REWIND",
+    "QUEUE_ATTACH",
+    "QUEUE_PUSH",
+    "QUEUE_READ",
+    "QUEUE_ACK",
+    "QUEUE_DELETE",
+    "QUEUE_RESTORE",
+    "QUEUE_REWIND",
+)
 
 
 def source(name: str, sharded: bool) -> str:

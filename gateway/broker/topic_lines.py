@@ -44,8 +44,9 @@ class TopicPresence(Protocol):
 
 
 class TopicLines:
-    def __init__(self, link: Link, keys: Keys, events: BrokerEvents, creations: CreationBudget, ttl: int,
-                 max_topics: int) -> None:
+    def __init__(
+        self, link: Link, keys: Keys, events: BrokerEvents, creations: CreationBudget, ttl: int, max_topics: int
+    ) -> None:
         self.link = link
         self.keys = keys
         self.events = events
@@ -88,17 +89,32 @@ class TopicLines:
 
     # -- attaching ---------------------------------------------------------------------------------------
 
-    def subscribe(self, client_id: str, topic: str, since: tuple[str, int] | None, request_id: Any,
-                  creator: ClientIdentity, delta: bool | None = None) -> None:
+    def subscribe(
+        self,
+        client_id: str,
+        topic: str,
+        since: tuple[str, int] | None,
+        request_id: Any,
+        creator: ClientIdentity,
+        delta: bool | None = None,
+    ) -> None:
         if not self.attached(topic):
             self.attach(topic, creator=creator).add_done_callback(
-                lambda ready: self._joined(ready, client_id, topic, since, request_id, delta))
+                lambda ready: self._joined(ready, client_id, topic, since, request_id, delta)
+            )
             return
         self.hold(topic)
         self.events.subscribe(client_id, topic, since=since, request_id=request_id, delta=delta)
 
-    def _joined(self, ready: asyncio.Future[None], client_id: str, topic: str, since: tuple[str, int] | None,
-                request_id: Any, delta: bool | None) -> None:
+    def _joined(
+        self,
+        ready: asyncio.Future[None],
+        client_id: str,
+        topic: str,
+        since: tuple[str, int] | None,
+        request_id: Any,
+        delta: bool | None,
+    ) -> None:
         if not self.events.connected(client_id):
             self.release(topic)
             return
@@ -134,8 +150,9 @@ class TopicLines:
         except LINK_ERRORS as exc:
             if isinstance(exc, (RedisError, OSError)):
                 self.link.lost(exc)
-            self._fail(line, exc if isinstance(exc, RequestError)
-                       else BrokerUnavailable(f"broker unreachable: {self.link.last_error}"))
+            self._fail(
+                line, exc if isinstance(exc, RequestError) else BrokerUnavailable(f"broker unreachable: {self.link.last_error}")
+            )
             return
         await self._sync(line)
 
@@ -265,15 +282,27 @@ class TopicLines:
         if self.lines.get(line.name) is line:
             self.drop(line)
 
-    async def touch(self, name: str, config: TopicConfig, first: str, exclusive: bool = False,
-                    refusal: tuple[str, str] | None = None) -> list[Any]:
+    async def touch(
+        self, name: str, config: TopicConfig, first: str, exclusive: bool = False, refusal: tuple[str, str] | None = None
+    ) -> list[Any]:
         """The TOUCH script; `refusal`: why the caller may not create the topic (TooManyCreatedTopics if
         it is new), None when it may."""
         keys = self.script_keys(name)
         reply: list[Any] = await self.link.redis.evalsha(
-            self.link.shas["TOUCH"], len(keys), *keys,
-            secrets.token_hex(8), config.kind.value, config.capacity, orjson.dumps(config.as_dict()),
-            self.ttl, "1" if exclusive else "0", first, time.time(), name, "0" if refusal else "1", self.bound(),
+            self.link.shas["TOUCH"],
+            len(keys),
+            *keys,
+            secrets.token_hex(8),
+            config.kind.value,
+            config.capacity,
+            orjson.dumps(config.as_dict()),
+            self.ttl,
+            "1" if exclusive else "0",
+            first,
+            time.time(),
+            name,
+            "0" if refusal else "1",
+            self.bound(),
         )
         if reply[0] == 1:
             self.directory.note(name)
@@ -328,8 +357,7 @@ class TopicLines:
             raise BrokerUnavailable(f"broker unreachable: {self.link.last_error}")
         keys = self.script_keys(topic)
         try:
-            existed = await self.link.redis.evalsha(self.link.shas["DELETE"], len(keys), *keys,
-                                                    self.keys.channel(topic), topic)
+            existed = await self.link.redis.evalsha(self.link.shas["DELETE"], len(keys), *keys, self.keys.channel(topic), topic)
             self.directory.forget(topic)
         except (RedisError, OSError) as exc:
             self.link.lost(exc)

@@ -50,8 +50,9 @@ def _authorized(request: Request) -> bool:
     return hmac.compare_digest(given.encode(), token.encode())
 
 
-UNAUTHORIZED = {"error": {"code": 101, "message": "unauthorized: a valid `X-API-Key: KEY` or `Authorization: apikey KEY` "
-                                                  "header is required"}}
+UNAUTHORIZED = {
+    "error": {"code": 101, "message": "unauthorized: a valid `X-API-Key: KEY` or `Authorization: apikey KEY` header is required"}
+}
 
 
 async def _params(request: Request, hub: Hub) -> Any:
@@ -86,7 +87,7 @@ async def _batch(ctx: ApiContext, params: Any) -> dict[str, Any]:
 
 async def _batch_reply(ctx: ApiContext, command: dict[str, Any], budget: HistoryBudget) -> dict[str, Any]:
     if len(command) != 1:
-        return {"error": ApiError(BAD_REQUEST, "a batch command is one {\"METHOD\": {...}} object").as_dict()}
+        return {"error": ApiError(BAD_REQUEST, 'a batch command is one {"METHOD": {...}} object').as_dict()}
     name, params = next(iter(command.items()))
     if name == "batch":
         return {"error": ApiError(BAD_REQUEST, "a batch cannot hold a batch").as_dict()}
@@ -124,8 +125,10 @@ def routes(hub: Hub, prefix: str, existing: Sequence[BaseRoute]) -> list[Route]:
     paths = {name: f"{prefix}/{name}" for name in [*METHODS, "batch", *NOT_SUPPORTED]}
     taken = [path for path in paths.values() if _served(existing, path)]
     if taken:
-        raise ConfigError(f"centrifugo.api_prefix {prefix!r}: POST {taken[0]} is already a route of the gateway; "
-                          "choose another prefix (docs/centrifugo.md)")
+        raise ConfigError(
+            f"centrifugo.api_prefix {prefix!r}: POST {taken[0]} is already a route of the gateway; "
+            "choose another prefix (docs/centrifugo.md)"
+        )
     return [Route(path, _endpoint(ctx, name), methods=["POST"]) for name, path in paths.items()]
 
 

@@ -70,8 +70,11 @@ def _shared_topic(ctx: ApiContext, channel: str) -> TopicConfig:
     if config is None:
         raise UnknownTopic(f"no topic {channel[:256]!r} and no rule creates it")
     if config.kind is TopicKind.PRIVATE:
-        raise ApiError(NOT_AVAILABLE, f"topic {channel[:256]!r} is a private queue, one per user, not a channel: "
-                                      "publish to one with POST /api/topics/NAME/publish and its `client`")
+        raise ApiError(
+            NOT_AVAILABLE,
+            f"topic {channel[:256]!r} is a private queue, one per user, not a channel: "
+            "publish to one with POST /api/topics/NAME/publish and its `client`",
+        )
     return config
 
 
@@ -142,8 +145,9 @@ async def presence(ctx: ApiContext, request: req.Channel) -> dict[str, Any]:
     bound = ctx.hub.config.limits.presence_max_members
     view = await _presence_view(ctx, request.channel, bound)
     if view.members is None:
-        raise ApiError(LIMIT_EXCEEDED, f"{view.clients} members, more than limits.presence_max_members ({bound}): "
-                                       "ask presence_stats")
+        raise ApiError(
+            LIMIT_EXCEEDED, f"{view.clients} members, more than limits.presence_max_members ({bound}): ask presence_stats"
+        )
     members: dict[str, Any] = {}
     for member in view.members:
         info = {"client": member.client, "user": member.user or ""}
@@ -159,16 +163,18 @@ async def presence_stats(ctx: ApiContext, request: req.Channel) -> dict[str, Any
 async def history(ctx: ApiContext, request: req.History, budget: HistoryBudget | None = None) -> dict[str, Any]:
     """`budget`: what the call's answers may still hold (a `batch` shares one; HistoryBudget)."""
     if budget is not None and budget.spent and (request.limit or 0) != 0:
-        raise ApiError(LIMIT_EXCEEDED, f"this call's history answers hold {MAX_PUBLICATIONS} publications or "
-                                       f"{MAX_BYTES >> 20} MiB of data already: ask for the rest in another call")
+        raise ApiError(
+            LIMIT_EXCEEDED,
+            f"this call's history answers hold {MAX_PUBLICATIONS} publications or "
+            f"{MAX_BYTES >> 20} MiB of data already: ask for the rest in another call",
+        )
     return _history_result(await _history(ctx, request, budget))
 
 
 async def _history(ctx: ApiContext, request: req.History, budget: HistoryBudget | None) -> History:
     hub = ctx.hub
     since = request.since
-    query = HistoryQuery(request.limit or 0, None if since is None else (since.offset, since.epoch),
-                         bool(request.reverse))
+    query = HistoryQuery(request.limit or 0, None if since is None else (since.offset, since.epoch), bool(request.reverse))
     query.check()
     channel = request.channel
     if hub.topics.has_topic(channel):
@@ -178,15 +184,17 @@ async def _history(ctx: ApiContext, request: req.History, budget: HistoryBudget 
     if info is None:  # never published to: an empty stream
         return position_only(0, "")
     if query.limit != 0 or since is not None:
-        raise ApiError(NOT_AVAILABLE, f"topic {channel[:256]!r} is held in Redis and this node has no subscriber "
-                                      "of it: its publications are read on a node that has one")
+        raise ApiError(
+            NOT_AVAILABLE,
+            f"topic {channel[:256]!r} is held in Redis and this node has no subscriber "
+            "of it: its publications are read on a node that has one",
+        )
     top = info["seq"] + 1 if config.kind is TopicKind.SNAPSHOT else info["end"]
     return position_only(int(top), str(info["epoch"]))
 
 
 def _history_result(history: History) -> dict[str, Any]:
-    return {"publications": orjson.Fragment(json_publications(history.rows)), "offset": history.offset,
-            "epoch": history.epoch}
+    return {"publications": orjson.Fragment(json_publications(history.rows)), "offset": history.offset, "epoch": history.epoch}
 
 
 async def channels(ctx: ApiContext, request: req.Channels) -> dict[str, Any]:
@@ -211,15 +219,29 @@ async def info(ctx: ApiContext, request: req.Info) -> dict[str, Any]:
     """This node, then with a broker the other live nodes (their clients and topics)."""
     hub = ctx.hub
     topics = hub.topics.topics()
-    nodes = [{"uid": hub.broker.node_id, "name": f"{socket.gethostname()}:{hub.broker.node_id}",
-              "version": _version(), "num_clients": len(hub.clients.conns), "num_users": len(hub.clients.by_user),
-              "num_channels": len(topics), "num_subs": sum(len(topic.subs) for topic in topics),
-              "uptime": int(time.monotonic() - ctx.started)}]
+    nodes = [
+        {
+            "uid": hub.broker.node_id,
+            "name": f"{socket.gethostname()}:{hub.broker.node_id}",
+            "version": _version(),
+            "num_clients": len(hub.clients.conns),
+            "num_users": len(hub.clients.by_user),
+            "num_channels": len(topics),
+            "num_subs": sum(len(topic.subs) for topic in topics),
+            "uptime": int(time.monotonic() - ctx.started),
+        }
+    ]
     cluster = await hub.broker.cluster_stats()
     for node in (cluster or {}).get("nodes", ()):
         if node.get("node") != hub.broker.node_id:
-            nodes.append({"uid": str(node.get("node")), "name": str(node.get("node")),
-                          "num_clients": int(node.get("clients", 0)), "num_channels": int(node.get("topics", 0))})
+            nodes.append(
+                {
+                    "uid": str(node.get("node")),
+                    "name": str(node.get("node")),
+                    "num_clients": int(node.get("clients", 0)),
+                    "num_channels": int(node.get("topics", 0)),
+                }
+            )
     return {"nodes": nodes}
 
 

@@ -47,8 +47,10 @@ class Matcher:
         for tokens in self.alternatives:
             matched, self.steps_left = _matches(tokens, name, self.steps_left)
             if self.steps_left < 0:
-                raise ApiError(LIMIT_EXCEEDED, f"the pattern takes more than {MAX_MATCH_STEPS} steps to match "
-                                               "the topics: use fewer alternatives and `?`")
+                raise ApiError(
+                    LIMIT_EXCEEDED,
+                    f"the pattern takes more than {MAX_MATCH_STEPS} steps to match the topics: use fewer alternatives and `?`",
+                )
             if matched:
                 return True
         return False
@@ -115,7 +117,7 @@ def _char_class(pattern: str, i: int) -> tuple[Token, int]:
     end = pattern.find("]", i + 2)
     if end < 0:
         raise bad_request("pattern has a `[` without its `]`")
-    body = pattern[i + 1:end]
+    body = pattern[i + 1 : end]
     negate = body.startswith("!")
     body = body[1:] if negate else body
     ranges = [(body[k], body[k + 2]) for k in range(len(body) - 2) if body[k + 1] == "-"]

@@ -75,12 +75,21 @@ class JsonCodec:
         return b"\n".join(replies)
 
     def publication(self, topic_json: bytes, seq: int, data: bytes) -> bytes:
-        return b"".join((b'{"push":{"channel":', topic_json, b',"pub":{"data":', data, b',"offset":',
-                         str(seq + 1).encode(), b"}}}"))
+        return b"".join(
+            (b'{"push":{"channel":', topic_json, b',"pub":{"data":', data, b',"offset":', str(seq + 1).encode(), b"}}}")
+        )
 
     def history(self, command_id: int, history: History) -> bytes:
-        return self.encode({"id": command_id, "history": {
-            "publications": Raw(json_publications(history.rows)), "offset": history.offset, "epoch": history.epoch}})
+        return self.encode(
+            {
+                "id": command_id,
+                "history": {
+                    "publications": Raw(json_publications(history.rows)),
+                    "offset": history.offset,
+                    "epoch": history.epoch,
+                },
+            }
+        )
 
     def decode(self, payload: bytes, text: bool) -> list[dict[str, Any]]:
         commands = []

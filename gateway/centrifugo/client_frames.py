@@ -135,7 +135,7 @@ class CentrifugoFramer:
                         continue
                 replies.append(message)
                 continue
-            if shared and entry[:entry.find(b",")] not in SHARED_KINDS:
+            if shared and entry[: entry.find(b",")] not in SHARED_KINDS:
                 shared = False
             reply = convert_entry(orjson.loads(entry), lost, answers)
             if reply is not None:
@@ -158,6 +158,7 @@ class CentrifugoFramer:
 
 
 # -- one entry ------------------------------------------------------------------------------------------------
+
 
 def convert_entry(entry: dict[str, Any], lost: list[str], answers: Answers | None = None) -> dict[str, Any] | None:
     """One entry (other than a message) as a Centrifugo reply or push; None when it has none. `lost`: the
@@ -258,8 +259,10 @@ def _reply(entry: dict[str, Any], answers: Answers | None) -> dict[str, Any] | N
     if method == "rpc":
         return {"id": command_id, "rpc": {"data": Raw(orjson.dumps(result))}}
     if method == "stats" and isinstance(result, dict):
-        return {"id": command_id, "presence_stats": {"num_clients": result.get("clients", 0),
-                                                     "num_users": result.get("users", 0)}}
+        return {
+            "id": command_id,
+            "presence_stats": {"num_clients": result.get("clients", 0), "num_users": result.get("users", 0)},
+        }
     if method == "presence" and isinstance(result, dict):
         return _presence(command_id, result)
     if method == "refresh" and isinstance(result, dict):
@@ -270,8 +273,9 @@ def _reply(entry: dict[str, Any], answers: Answers | None) -> dict[str, Any] | N
 def _presence(command_id: int, result: dict[str, Any]) -> dict[str, Any]:
     members = result.get("members")
     if members is None:
-        return error_reply(command_id, codes.LIMIT_EXCEEDED, "too many members to list (limits.presence_max_members):"
-                                                             " ask presence_stats")
+        return error_reply(
+            command_id, codes.LIMIT_EXCEEDED, "too many members to list (limits.presence_max_members): ask presence_stats"
+        )
     presence = {}
     for member in members:
         info: dict[str, Any] = {"user": member.get("user") or "", "client": member.get("client")}

@@ -29,16 +29,43 @@ _PUBLICATION = {"data": (4, "y"), "info": (5, "ClientInfo"), "offset": (6, "u")}
 
 SCHEMA: dict[str, dict[str, tuple[int, str]]] = {
     # client -> server
-    "Command": {"id": (1, "u"), "connect": (4, "ConnectRequest"), "subscribe": (5, "SubscribeRequest"),
-                "unsubscribe": (6, "ChannelRequest"), "publish": (7, "PublishRequest"),
-                "presence": (8, "ChannelRequest"), "presence_stats": (9, "ChannelRequest"),
-                "history": (10, "HistoryRequest"), "ping": (11, "Empty"), "send": (12, "DataRequest"),
-                "rpc": (13, "RPCRequest"), "refresh": (14, "TokenRequest"), "sub_refresh": (15, "SubRefreshRequest")},
-    "ConnectRequest": {"token": (1, "s"), "data": (2, "y"), "subs": (3, "map:SubscribeRequest"), "name": (4, "s"),
-                       "version": (5, "s"), "flag": (7, "i")},
-    "SubscribeRequest": {"channel": (1, "s"), "token": (2, "s"), "recover": (3, "b"), "epoch": (6, "s"),
-                         "offset": (7, "u"), "data": (8, "y"), "positioned": (9, "b"), "recoverable": (10, "b"),
-                         "join_leave": (11, "b"), "delta": (12, "s"), "tf": (13, "Empty"), "flag": (14, "i")},
+    "Command": {
+        "id": (1, "u"),
+        "connect": (4, "ConnectRequest"),
+        "subscribe": (5, "SubscribeRequest"),
+        "unsubscribe": (6, "ChannelRequest"),
+        "publish": (7, "PublishRequest"),
+        "presence": (8, "ChannelRequest"),
+        "presence_stats": (9, "ChannelRequest"),
+        "history": (10, "HistoryRequest"),
+        "ping": (11, "Empty"),
+        "send": (12, "DataRequest"),
+        "rpc": (13, "RPCRequest"),
+        "refresh": (14, "TokenRequest"),
+        "sub_refresh": (15, "SubRefreshRequest"),
+    },
+    "ConnectRequest": {
+        "token": (1, "s"),
+        "data": (2, "y"),
+        "subs": (3, "map:SubscribeRequest"),
+        "name": (4, "s"),
+        "version": (5, "s"),
+        "flag": (7, "i"),
+    },
+    "SubscribeRequest": {
+        "channel": (1, "s"),
+        "token": (2, "s"),
+        "recover": (3, "b"),
+        "epoch": (6, "s"),
+        "offset": (7, "u"),
+        "data": (8, "y"),
+        "positioned": (9, "b"),
+        "recoverable": (10, "b"),
+        "join_leave": (11, "b"),
+        "delta": (12, "s"),
+        "tf": (13, "Empty"),
+        "flag": (14, "i"),
+    },
     "ChannelRequest": {"channel": (1, "s")},
     "PublishRequest": {"channel": (1, "s"), "data": (2, "y")},
     "HistoryRequest": {"channel": (1, "s"), "limit": (7, "i"), "since": (8, "StreamPosition"), "reverse": (9, "b")},
@@ -49,41 +76,80 @@ SCHEMA: dict[str, dict[str, tuple[int, str]]] = {
     "StreamPosition": _STREAM_POSITION,
     "Empty": {},
     # server -> client
-    "Reply": {"id": (1, "u"), "error": (2, "Error"), "push": (4, "Push"), "connect": (5, "ConnectResult"),
-              "subscribe": (6, "SubscribeResult"), "unsubscribe": (7, "Empty"), "publish": (8, "Empty"),
-              "presence": (9, "PresenceResult"), "presence_stats": (10, "PresenceStatsResult"),
-              "history": (11, "HistoryResult"), "ping": (12, "Empty"), "rpc": (13, "RPCResult"),
-              "refresh": (14, "RefreshResult"), "sub_refresh": (15, "SubRefreshResult")},
+    "Reply": {
+        "id": (1, "u"),
+        "error": (2, "Error"),
+        "push": (4, "Push"),
+        "connect": (5, "ConnectResult"),
+        "subscribe": (6, "SubscribeResult"),
+        "unsubscribe": (7, "Empty"),
+        "publish": (8, "Empty"),
+        "presence": (9, "PresenceResult"),
+        "presence_stats": (10, "PresenceStatsResult"),
+        "history": (11, "HistoryResult"),
+        "ping": (12, "Empty"),
+        "rpc": (13, "RPCResult"),
+        "refresh": (14, "RefreshResult"),
+        "sub_refresh": (15, "SubRefreshResult"),
+    },
     "Error": {"code": (1, "u"), "message": (2, "s"), "temporary": (3, "b")},
-    "Push": {"channel": (2, "s"), "pub": (4, "Publication"), "join": (5, "Join"), "leave": (6, "Join"),
-             "unsubscribe": (7, "Unsubscribe"), "subscribe": (9, "Subscribe"), "disconnect": (11, "Disconnect")},
+    "Push": {
+        "channel": (2, "s"),
+        "pub": (4, "Publication"),
+        "join": (5, "Join"),
+        "leave": (6, "Join"),
+        "unsubscribe": (7, "Unsubscribe"),
+        "subscribe": (9, "Subscribe"),
+        "disconnect": (11, "Disconnect"),
+    },
     "ClientInfo": _CLIENT_INFO,
     "Publication": _PUBLICATION,
     "Join": {"info": (1, "ClientInfo")},
     "Unsubscribe": {"code": (2, "u"), "reason": (3, "s")},
     "Subscribe": {"recoverable": (1, "b"), "epoch": (4, "s"), "offset": (5, "u"), "positioned": (6, "b")},
     "Disconnect": {"code": (1, "u"), "reason": (2, "s")},
-    "ConnectResult": {"client": (1, "s"), "version": (2, "s"), "expires": (3, "b"), "ttl": (4, "u"),
-                      "subs": (6, "map:SubscribeResult"), "ping": (7, "u"), "pong": (8, "b")},
+    "ConnectResult": {
+        "client": (1, "s"),
+        "version": (2, "s"),
+        "expires": (3, "b"),
+        "ttl": (4, "u"),
+        "subs": (6, "map:SubscribeResult"),
+        "ping": (7, "u"),
+        "pong": (8, "b"),
+    },
     "RefreshResult": {"expires": (3, "b"), "ttl": (4, "u")},
     "SubRefreshResult": {"expires": (1, "b"), "ttl": (2, "u")},
-    "SubscribeResult": {"expires": (1, "b"), "ttl": (2, "u"), "recoverable": (3, "b"), "epoch": (6, "s"),
-                        "publications": (7, "*Publication"), "recovered": (8, "b"), "offset": (9, "u"),
-                        "positioned": (10, "b"), "was_recovering": (12, "b")},
+    "SubscribeResult": {
+        "expires": (1, "b"),
+        "ttl": (2, "u"),
+        "recoverable": (3, "b"),
+        "epoch": (6, "s"),
+        "publications": (7, "*Publication"),
+        "recovered": (8, "b"),
+        "offset": (9, "u"),
+        "positioned": (10, "b"),
+        "was_recovering": (12, "b"),
+    },
     "PresenceResult": {"presence": (1, "map:ClientInfo")},
     "PresenceStatsResult": {"num_clients": (1, "u"), "num_users": (2, "u")},
     "HistoryResult": {"publications": (1, "*Publication"), "epoch": (2, "s"), "offset": (3, "u")},
     "RPCResult": {"data": (1, "y")},
 }
 #: the tables by field number, to read
-_BY_NUMBER = {name: {number: (field, kind) for field, (number, kind) in fields.items()}
-              for name, fields in SCHEMA.items()}
+_BY_NUMBER = {name: {number: (field, kind) for field, (number, kind) in fields.items()} for name, fields in SCHEMA.items()}
 #: a map's entries, to read: `MapEntry:VALUE` {1: key, 2: value}
-_BY_NUMBER.update({f"MapEntry:{kind[4:]}": {1: ("key", "s"), 2: ("value", kind[4:])}
-                   for fields in SCHEMA.values() for _, kind in fields.values() if kind.startswith("map:")})
+_BY_NUMBER.update(
+    {
+        f"MapEntry:{kind[4:]}": {1: ("key", "s"), 2: ("value", kind[4:])}
+        for fields in SCHEMA.values()
+        for _, kind in fields.values()
+        if kind.startswith("map:")
+    }
+)
 
 
 # -- writing ------------------------------------------------------------------------------------------------
+
 
 def varint(value: int) -> bytes:
     if value < 0:
@@ -137,8 +203,10 @@ def encode(name: str, message: dict[str, Any]) -> bytes:
         elif kind.startswith("*"):
             out += [_delimited(number, encode(kind[1:], item)) for item in value]
         elif kind.startswith("map:"):
-            out += [_delimited(number, _delimited(1, str(key).encode()) + _delimited(2, encode(kind[4:], item)))
-                    for key, item in value.items()]
+            out += [
+                _delimited(number, _delimited(1, str(key).encode()) + _delimited(2, encode(kind[4:], item)))
+                for key, item in value.items()
+            ]
         else:
             out.append(_delimited(number, encode(kind, value)))
     return b"".join(out)
@@ -161,8 +229,15 @@ def history_publications(rows: list[Row]) -> bytes:
     out: list[bytes] = []
     for offset, data in rows:
         size = len(data)
-        pub = b"".join((_PUBLICATION_DATA, small[size] if size < 16384 else varint(size), data,
-                        _PUBLICATION_OFFSET, small[offset] if offset < 16384 else varint(offset)))
+        pub = b"".join(
+            (
+                _PUBLICATION_DATA,
+                small[size] if size < 16384 else varint(size),
+                data,
+                _PUBLICATION_OFFSET,
+                small[offset] if offset < 16384 else varint(offset),
+            )
+        )
         size = len(pub)
         out += (_HISTORY_PUBLICATION, small[size] if size < 16384 else varint(size), pub)
     return b"".join(out)
@@ -173,6 +248,7 @@ def delimited(messages: list[bytes]) -> bytes:
 
 
 # -- reading ------------------------------------------------------------------------------------------------
+
 
 def _read_varint(data: bytes, at: int) -> tuple[int, int]:
     value = shift = 0
@@ -204,7 +280,7 @@ def decode(name: str, data: bytes, depth: int = 0) -> dict[str, Any]:
             size, at = _read_varint(data, at)
             if at + size > len(data):
                 raise BadFrame("a field is cut short")
-            raw, at = data[at:at + size], at + size
+            raw, at = data[at : at + size], at + size
         elif wire in (1, 5):  # fixed 64 / 32 bits: no field of ours, skipped
             at += 8 if wire == 1 else 4
             continue
@@ -251,7 +327,7 @@ def decode_frame(payload: bytes) -> list[dict[str, Any]]:
         size, at = _read_varint(payload, at)
         if at + size > len(payload):
             raise BadFrame("a command is cut short")
-        commands.append(decode("Command", payload[at:at + size]))
+        commands.append(decode("Command", payload[at : at + size]))
         at += size
     return commands
 
@@ -272,8 +348,17 @@ class ProtobufCodec:
         return publication(orjson.loads(topic_json), seq, data)
 
     def history(self, command_id: int, history: History) -> bytes:
-        return encode("Reply", {"id": command_id, "history": {
-            "publications": Raw(history_publications(history.rows)), "epoch": history.epoch, "offset": history.offset}})
+        return encode(
+            "Reply",
+            {
+                "id": command_id,
+                "history": {
+                    "publications": Raw(history_publications(history.rows)),
+                    "epoch": history.epoch,
+                    "offset": history.offset,
+                },
+            },
+        )
 
     def decode(self, payload: bytes, text: bool) -> list[dict[str, Any]]:
         return decode_frame(payload)

@@ -280,8 +280,7 @@ class CentrifugoSession:
         self.session = session
         subs = subscribe_server_side(session, server_side, asked)
         ping = self.services.config.centrifugo.ping_interval_s
-        result: dict[str, Any] = {"client": identity.client_id, "version": VERSION, "ping": max(1, round(ping)),
-                                  "pong": True}
+        result: dict[str, Any] = {"client": identity.client_id, "version": VERSION, "ping": max(1, round(ping)), "pong": True}
         if identity.principal is not None:
             result.update(expiry(identity.principal.expires_at))
         if subs:
@@ -295,7 +294,8 @@ class CentrifugoSession:
     def _connected_command(self, session: ClientSession, command_id: int, method: str, params: dict[str, Any]) -> None:
         channel = params.get("channel")
         if method in ("subscribe", "unsubscribe", "publish", "presence", "presence_stats", "history") and (
-                not isinstance(channel, str) or not channel):
+            not isinstance(channel, str) or not channel
+        ):
             if method == "unsubscribe":  # an unsubscribe that errors makes the SDKs reconnect
                 self._reply({"id": command_id, "unsubscribe": {}})
             else:
@@ -334,15 +334,17 @@ class CentrifugoSession:
             self._reply(error_reply(command_id, codes.METHOD_NOT_FOUND, f"no method {method[:32]!r}"))
             return
         # an unsubscribe is answered {} whatever happens, so it must happen: not within the subscribe rate
-        self._send(session, command_id, (answer, ""), decode_value({**ours, "id": command_id}),
-                   sent=method != "unsubscribe")
+        self._send(session, command_id, (answer, ""), decode_value({**ours, "id": command_id}), sent=method != "unsubscribe")
 
     def _send(self, session: ClientSession, command_id: int, answer: Answer, command: Decoded, *, sent: bool) -> None:
         """Run one of our commands for the client's command `command_id`, remembering how to answer it (the
         framer takes `answer` from the table as it converts the entry that answers it)."""
         if len(self.answers) >= MAX_ANSWERS and command_id not in self.answers:
-            self._reply(error_reply(command_id, codes.TOO_MANY_REQUESTS, f"{MAX_ANSWERS} commands of this connection"
-                                                                         " are not answered yet"))
+            self._reply(
+                error_reply(
+                    command_id, codes.TOO_MANY_REQUESTS, f"{MAX_ANSWERS} commands of this connection are not answered yet"
+                )
+            )
             return
         self.answers[command_id] = answer
         commands.run_decoded(session, command, sent=sent)
@@ -373,8 +375,13 @@ class CentrifugoSession:
                 return
         command = decode_value(ours)
         if isinstance(command, schema.Subscribe):  # the same command as ours, with the join/leave choice
-            command = Subscribing(topic=command.topic, since=command.since, data=command.data, id=command.id,
-                                  join_leave=bool(params.get("join_leave")))
+            command = Subscribing(
+                topic=command.topic,
+                since=command.since,
+                data=command.data,
+                id=command.id,
+                join_leave=bool(params.get("join_leave")),
+            )
         self._send(session, command_id, ("sub", flags), command, sent=True)
 
     def _history(self, session: ClientSession, command_id: int, params: dict[str, Any], channel: str) -> None:
@@ -391,8 +398,11 @@ class CentrifugoSession:
         # the answer goes through the client's direct queue: never built larger than the room it has there
         room = self.services.clients.direct_room(identity.client_id) - HISTORY_RESERVE_BYTES
         if query.limit != 0 and room <= 0:
-            self._reply(error_reply(command_id, codes.TOO_MANY_REQUESTS, "the connection's replies are not read yet:"
-                                                                         " ask again once they are"))
+            self._reply(
+                error_reply(
+                    command_id, codes.TOO_MANY_REQUESTS, "the connection's replies are not read yet: ask again once they are"
+                )
+            )
             return
         try:
             query.check()
@@ -429,8 +439,7 @@ def _history_query(params: dict[str, Any]) -> HistoryQuery:
         raise ValueError("`limit` is an integer, `reverse` a boolean")
     position = None
     if since is not None:
-        if not isinstance(since, dict) or type(since.get("offset", 0)) is not int or not isinstance(
-                since.get("epoch", ""), str):
+        if not isinstance(since, dict) or type(since.get("offset", 0)) is not int or not isinstance(since.get("epoch", ""), str):
             raise ValueError("`since` is {offset, epoch}")
         position = (since.get("offset", 0), since.get("epoch", ""))
     return HistoryQuery(limit, position, reverse)

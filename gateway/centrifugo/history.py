@@ -42,8 +42,9 @@ class HistoryBudget:
 
     __slots__ = ("publications", "bytes", "row_cost", "first_always")
 
-    def __init__(self, publications: int = MAX_PUBLICATIONS, size: int = MAX_BYTES, *, row_cost: int = 0,
-                 first_always: bool = True) -> None:
+    def __init__(
+        self, publications: int = MAX_PUBLICATIONS, size: int = MAX_BYTES, *, row_cost: int = 0, first_always: bool = True
+    ) -> None:
         self.publications = publications
         self.bytes = size
         self.row_cost = row_cost
@@ -112,13 +113,11 @@ class HistoryRead:
             raise ApiError(NOT_AVAILABLE, f"topic {topic.name[:256]!r} is a private queue: no history")
         since = query.since
         if since is not None and since[1] and since[1] != topic.epoch:
-            raise ApiError(UNRECOVERABLE_POSITION,
-                           f"since.epoch {since[1][:64]!r} is not the topic's {topic.epoch!r}")
+            raise ApiError(UNRECOVERABLE_POSITION, f"since.epoch {since[1][:64]!r} is not the topic's {topic.epoch!r}")
         self.topic = topic
         self.offset, self.epoch = top, topic.epoch
         self.rows: list[Row] = []
-        self.seqs = range(0) if query.limit == 0 else _wanted(top, max(first, 0), query,
-                                                              isinstance(topic, SnapshotTopic))
+        self.seqs = range(0) if query.limit == 0 else _wanted(top, max(first, 0), query, isinstance(topic, SnapshotTopic))
         self.at = 0  # the index in `seqs` of the next seq to read
         self.count = min(query.count, budget.publications)
         self.budget = budget
@@ -158,7 +157,7 @@ class HistoryRead:
                     continue
             # the data runs from its key to the closing brace; the key's first occurrence is it (inside the
             # encoded topic every `"` is escaped): a third of core.entries.split_message's cost
-            data = entry[entry.find(DATA_KEY, len(MSG_HEAD)) + len(DATA_KEY):-1]
+            data = entry[entry.find(DATA_KEY, len(MSG_HEAD)) + len(DATA_KEY) : -1]
             cost = len(data) + row_cost
             if size + cost > room and (rows or not first_always):
                 at = len(seqs)
@@ -187,8 +186,9 @@ def _wanted(top: int, first: int, query: HistoryQuery, conflated: bool) -> range
         return range(first, top)
     start = since[0]  # offset o was seen: the next seq is o
     if start < first and not conflated:
-        raise ApiError(UNRECOVERABLE_POSITION, f"publications after offset {start} have left the history "
-                                               f"(it starts at offset {first + 1})")
+        raise ApiError(
+            UNRECOVERABLE_POSITION, f"publications after offset {start} have left the history (it starts at offset {first + 1})"
+        )
     return range(max(start, first), top)
 
 

@@ -59,8 +59,9 @@ def complete_since(topics: TopicView, channel: str, offset: int, epoch: str) -> 
     return isinstance(topic, RingTopic) and epoch == topic.epoch and topic.retains_all_from(offset)
 
 
-def subscribe_server_side(session: ClientSession, channels: tuple[str, ...],
-                          asked: dict[str, Position]) -> dict[str, dict[str, Any]]:
+def subscribe_server_side(
+    session: ClientSession, channels: tuple[str, ...], asked: dict[str, Position]
+) -> dict[str, dict[str, Any]]:
     """Subscribe the connection to `channels` (no permission check: the hook granted them), recovering those
     `asked` names; returns the connect result's `subs`. A refusal is the client's error entry (no result)."""
     services = session.services
@@ -72,8 +73,12 @@ def subscribe_server_side(session: ClientSession, channels: tuple[str, ...],
             break  # cut by an earlier one (its direct queue)
         position = asked.get(channel)
         config = topics.topic_config(channel)
-        recovering = (position is not None and config is not None and config.kind is TopicKind.RING
-                      and complete_since(topics, channel, *position))
+        recovering = (
+            position is not None
+            and config is not None
+            and config.kind is TopicKind.RING
+            and complete_since(topics, channel, *position)
+        )
         publications: list[dict[str, Any]] = []
         since = None
         if recovering:
@@ -108,8 +113,9 @@ def _inline(topic: Any, offset: int, budget: int) -> tuple[list[dict[str, Any]],
     return out, size
 
 
-def _result(topics: TopicView, client_id: str, channel: str, position: Position | None,
-            publications: list[dict[str, Any]] | None) -> dict[str, Any]:
+def _result(
+    topics: TopicView, client_id: str, channel: str, position: Position | None, publications: list[dict[str, Any]] | None
+) -> dict[str, Any]:
     """A subscription's entry in the connect result; `publications` None: not recovered."""
     sub = topics.client(client_id).subs.get(channel)
     if sub is None or not isinstance(sub.topic, RingTopic):

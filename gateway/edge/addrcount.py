@@ -57,14 +57,14 @@ class SharedCounts:
         self._map = mmap.mmap(-1, workers * slots * _WIDTH)  # MAP_SHARED | MAP_ANONYMOUS: children share it
         self._key = os.urandom(16)
         view = memoryview(self._map)
-        self.columns = [view[i * slots * _WIDTH:(i + 1) * slots * _WIDTH].cast("i") for i in range(workers)]
+        self.columns = [view[i * slots * _WIDTH : (i + 1) * slots * _WIDTH].cast("i") for i in range(workers)]
         self.index = 0
         # the token buckets: a table per kind, a column of floats per worker (2 MiB of address space each)
         column = slots * _RATE_WIDTH
         self._rates = mmap.mmap(-1, len(RATE_TABLES) * workers * column)
         rates = memoryview(self._rates)
         self.rate_columns = {
-            name: [rates[(t * workers + i) * column:(t * workers + i + 1) * column].cast("d") for i in range(workers)]
+            name: [rates[(t * workers + i) * column : (t * workers + i + 1) * column].cast("d") for i in range(workers)]
             for t, name in enumerate(RATE_TABLES)
         }
 
@@ -85,8 +85,7 @@ class SharedCounts:
     def counter(self, namespace: str) -> "SharedCounter[Any]":
         return SharedCounter(self, namespace)
 
-    def rate(self, table: str, rate: float, burst: float, *,
-             clock: Callable[[], float] = time.monotonic) -> "SharedRate":
+    def rate(self, table: str, rate: float, burst: float, *, clock: Callable[[], float] = time.monotonic) -> "SharedRate":
         """The token buckets of `table` (one of RATE_TABLES), shared by every worker."""
         return SharedRate(self, table, rate, burst, clock)
 
@@ -96,8 +95,9 @@ class SharedRate:
     worker's column holding the largest X it wrote). `clock` is CLOCK_MONOTONIC, the same in every process.
     `rate` 0: no refill (a burst per address)."""
 
-    def __init__(self, shared: SharedCounts, table: str, rate: float, burst: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, shared: SharedCounts, table: str, rate: float, burst: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.shared = shared
         self.table = table
         self.rate = rate

@@ -27,7 +27,7 @@ def _host_name(value: str) -> str:
     """The host of a `Host` value (no port, no IPv6 brackets, no trailing dot), lower-cased."""
     value = value.strip().lower()
     if value.startswith("["):  # [v6] or [v6]:port
-        return value[1:value.find("]")] if "]" in value else value
+        return value[1 : value.find("]")] if "]" in value else value
     if value.count(":") == 1:
         value = value.partition(":")[0]
     return value[:-1] if value.endswith(".") else value

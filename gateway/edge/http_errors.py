@@ -9,5 +9,4 @@ from core.errors import RequestError
 
 
 def error_response(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=exc.http_status,
-                        headers=headers)
+    return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=exc.http_status, headers=headers)

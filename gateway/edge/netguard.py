@@ -48,12 +48,15 @@ REASONS = ("total", "per_ip", "header_timeout", "header_too_large", "bad_host")
 #: counts and rate-limits refusals of a limiter made without the hub's log (one per process otherwise)
 FALLBACK_BAD_INPUT = BadInputLog(5.0)
 
+
 def _answer(error: RequestError) -> bytes:
     """A whole HTTP answer for `error`, built once: sending it costs one write, whatever the flood."""
     body = orjson.dumps({"error": {"code": error.code, "message": str(error)}})
     status = HTTPStatus(error.http_status)
-    return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-            % (status.value, status.phrase.encode(), len(body))) + body
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % (status.value, status.phrase.encode(), len(body))
+    ) + body
 
 
 #: a connection past `server.max_connections` or `max_connections_per_ip`: answered before anything is parsed
@@ -110,10 +113,13 @@ class ConnectionLimiter:
         return len(self._open)
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("fanout_http_connections", "open HTTP-port connections (WebSocket included)",
-                                value=self.open)
-        yield counter_family("fanout_connections_refused", "HTTP-port connections refused at a limit or cut at the"
-                             " header deadline", "reason", self.refused)
+        yield GaugeMetricFamily("fanout_http_connections", "open HTTP-port connections (WebSocket included)", value=self.open)
+        yield counter_family(
+            "fanout_connections_refused",
+            "HTTP-port connections refused at a limit or cut at the header deadline",
+            "reason",
+            self.refused,
+        )
 
     def admit(self, transport: asyncio.BaseTransport) -> bool:
         """Count the connection in, or refuse it (counted and reported) when a limit is reached."""
@@ -330,9 +336,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def http_protocol_class(
-    limiter: ConnectionLimiter, header_timeout_s: float, max_header_bytes: int = 16384, max_headers: int = 100,
-    hosts: HostPolicy | None = None, internal: bool = False,
+    limiter: ConnectionLimiter,
+    header_timeout_s: float,
+    max_header_bytes: int = 16384,
+    max_headers: int = 100,
+    hosts: HostPolicy | None = None,
+    internal: bool = False,
 ) -> type[GuardedHttpToolsProtocol]:
-    attrs = {"limiter": limiter, "header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes,
-             "max_headers": max_headers, "hosts": hosts, "internal": internal}
+    attrs = {
+        "limiter": limiter,
+        "header_timeout_s": header_timeout_s,
+        "max_header_bytes": max_header_bytes,
+        "max_headers": max_headers,
+        "hosts": hosts,
+        "internal": internal,
+    }
     return type("ConfiguredGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), attrs)

@@ -98,12 +98,24 @@ class OriginGuard(OriginPolicy):
             return await self._refuse(scope, receive, send, origin_text)
         if scope["type"] == "websocket":
             return await self.app(scope, receive, send)
-        cors = [(b"access-control-allow-origin", origin), (b"vary", b"Origin"),
-                (b"access-control-expose-headers", b"Retry-After")]
+        cors = [
+            (b"access-control-allow-origin", origin),
+            (b"vary", b"Origin"),
+            (b"access-control-expose-headers", b"Retry-After"),
+        ]
         if scope["method"] == "OPTIONS":
-            await send({"type": "http.response.start", "status": 204, "headers": cors + [
-                (b"access-control-allow-methods", CORS_METHODS), (b"access-control-allow-headers", CORS_HEADERS),
-                (b"access-control-max-age", CORS_MAX_AGE)]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 204,
+                    "headers": cors
+                    + [
+                        (b"access-control-allow-methods", CORS_METHODS),
+                        (b"access-control-allow-headers", CORS_HEADERS),
+                        (b"access-control-max-age", CORS_MAX_AGE),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": b""})
             return
 

@@ -55,8 +55,7 @@ class AddressRates:
     per burst). The verbs of gateway/edge/addrcount.py's `SharedRate`, which replaces it with `server.workers` > 1
     so one address has one bucket whichever worker serves it. `rate` 0: no refill."""
 
-    def __init__(self, rate: float, burst: float, max_keys: int = 65_536, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rate: float, burst: float, max_keys: int = 65_536, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = rate
         self.burst = float(burst)
         self.max_keys = max_keys
@@ -91,8 +90,15 @@ class RateLog:
     """A logger's lines at `per_second` on average and `burst` at once at most; a line over the rate is not
     written, and the next line written says how many were not (the events are counted elsewhere)."""
 
-    def __init__(self, logger: logging.Logger, per_second: float, burst: float, *, level: int = logging.INFO,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        per_second: float,
+        burst: float,
+        *,
+        level: int = logging.INFO,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger = logger
         self.level = level
         self.bucket = TokenBucket(per_second, burst, clock=clock)
@@ -104,8 +110,13 @@ class RateLog:
             self.suppressed += 1
             return False
         if self.suppressed:
-            self.logger.log(self.level, message + " (%d more not logged)", *args, self.suppressed,
-                            extra={**fields, "suppressed": self.suppressed})
+            self.logger.log(
+                self.level,
+                message + " (%d more not logged)",
+                *args,
+                self.suppressed,
+                extra={**fields, "suppressed": self.suppressed},
+            )
             self.suppressed = 0
         else:
             self.logger.log(self.level, message, *args, extra=fields)
@@ -127,13 +138,19 @@ class BadInputLog:
             self.suppressed += 1
             return False
         if self.suppressed:
-            log.warning("bad input (%s): " + message + " (%d more not logged)", source, *args, self.suppressed,
-                        extra={**fields, "source": source, "suppressed": self.suppressed})
+            log.warning(
+                "bad input (%s): " + message + " (%d more not logged)",
+                source,
+                *args,
+                self.suppressed,
+                extra={**fields, "source": source, "suppressed": self.suppressed},
+            )
             self.suppressed = 0
         else:
             log.warning("bad input (%s): " + message, source, *args, extra={**fields, "source": source})
         return True
 
     def collect(self) -> Iterator[Metric]:
-        yield counter_family("fanout_bad_input", "bad client input by source (logged at a bounded rate)", "source",
-                             self.by_source)
+        yield counter_family(
+            "fanout_bad_input", "bad client input by source (logged at a bounded rate)", "source", self.by_source
+        )

@@ -137,24 +137,39 @@ def _quiet_httpx() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def hooks_from_config(config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog,
-                      tracing: Tracing = NO_TRACING) -> Hooks:
+def hooks_from_config(
+    config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog, tracing: Tracing = NO_TRACING
+) -> Hooks:
     """The process's hooks: over HTTP when a hook URL is set, else `NoHooks`."""
-    urls = (config.connect_url, config.subscribe_url, config.publish_url, config.rpc_url, config.refresh_url,
-            config.disconnect_url, config.unsubscribe_url)
+    urls = (
+        config.connect_url,
+        config.subscribe_url,
+        config.publish_url,
+        config.rpc_url,
+        config.refresh_url,
+        config.disconnect_url,
+        config.unsubscribe_url,
+    )
     return HttpHooks(config, max_subscriptions, bad_input, tracing) if any(urls) else NoHooks()
 
 
 class HttpHooks:
-    def __init__(self, config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog,
-                 tracing: Tracing = NO_TRACING) -> None:
+    def __init__(
+        self, config: ProxyConfig, max_subscriptions: int, bad_input: BadInputLog, tracing: Tracing = NO_TRACING
+    ) -> None:
         self.config = config
         self.max_subscriptions = max_subscriptions
         #: the hub's bounded log: a hook's failures (a dead backend logs at that rate, not once per call)
         self.bad_input = bad_input
-        self.urls = {"connect": config.connect_url, "subscribe": config.subscribe_url,
-                     "publish": config.publish_url, "rpc": config.rpc_url, "refresh": config.refresh_url,
-                     "disconnect": config.disconnect_url, "unsubscribe": config.unsubscribe_url}
+        self.urls = {
+            "connect": config.connect_url,
+            "subscribe": config.subscribe_url,
+            "publish": config.publish_url,
+            "rpc": config.rpc_url,
+            "refresh": config.refresh_url,
+            "disconnect": config.disconnect_url,
+            "unsubscribe": config.unsubscribe_url,
+        }
         # one flag per hook: the questions of `Hooks` the call sites ask, and those asked here
         self.asks_subscribe = bool(config.subscribe_url)
         self.asks_publish = bool(config.publish_url)
@@ -187,11 +202,13 @@ class HttpHooks:
     def client(self) -> httpx.AsyncClient:
         client = self._client
         if client is None:
-            limits = httpx.Limits(max_connections=self.config.max_concurrent * len(HOOKS),
-                                  max_keepalive_connections=self.config.max_concurrent)
+            limits = httpx.Limits(
+                max_connections=self.config.max_concurrent * len(HOOKS), max_keepalive_connections=self.config.max_concurrent
+            )
             _quiet_httpx()
-            client = self._client = httpx.AsyncClient(timeout=self.config.timeout_s, limits=limits,
-                                                      follow_redirects=False, trust_env=False)
+            client = self._client = httpx.AsyncClient(
+                timeout=self.config.timeout_s, limits=limits, follow_redirects=False, trust_env=False
+            )
         return client
 
     async def call(self, hook: str, body: dict[str, Any], answer: type[T]) -> T:
@@ -248,8 +265,7 @@ class HttpHooks:
     async def _read_answer(self, hook: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
         """POST and read the answer as it comes, undecoded, up to `max_answer_bytes`: past that (or a
         Content-Length above it) the connection is closed with the rest unread."""
-        async with self.client().stream("POST", self.urls[hook], content=orjson.dumps(body),
-                                         headers=headers) as response:
+        async with self.client().stream("POST", self.urls[hook], content=orjson.dumps(body), headers=headers) as response:
             if response.status_code != 200:
                 raise _Failed("error", f"answered HTTP {response.status_code}")
             try:
@@ -313,10 +329,15 @@ class HttpHooks:
             # revoking that token (by jti, or its user's tokens issued before T) still closes it
             token = identity.principal
             identity.principal = Principal(
-                grant.user, grant.expires_at if grant.expires_at is not None else math.inf,
-                tuple(grant.subscribe), tuple(grant.publish), grant.info, proxied=True,
+                grant.user,
+                grant.expires_at if grant.expires_at is not None else math.inf,
+                tuple(grant.subscribe),
+                tuple(grant.publish),
+                grant.info,
+                proxied=True,
                 jti=token.jti if token is not None else None,
-                issued_at=token.issued_at if token is not None else None)
+                issued_at=token.issued_at if token is not None else None,
+            )
         if grant.info is not None:
             identity.info = grant.info
         return tuple(grant.topics)
@@ -383,10 +404,9 @@ class HttpHooks:
                         break  # the backend answered: nothing to retry
                     except BackendUnavailable:
                         if attempt < retries:
-                            await asyncio.sleep(backoff * 2 ** attempt)
+                            await asyncio.sleep(backoff * 2**attempt)
                         else:
-                            self.bad_input("hook", "%s event %s not delivered after %d attempts", hook, body["id"],
-                                           retries + 1)
+                            self.bad_input("hook", "%s event %s not delivered after %d attempts", hook, body["id"], retries + 1)
             finally:
                 queue.queue.task_done()
 
@@ -414,22 +434,25 @@ class HttpHooks:
             self._client = None
 
     def collect(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily("fanout_proxy_requests", "backend hook calls ([proxy]) by hook and outcome:"
-                                       " ok, refused, timeout, unavailable, error (HTTP status), bad_answer (not"
-                                       " a hook answer, encoded, or above max_answer_bytes); events not sent:"
-                                       " dropped (queue full), coalesced (the same event waits)",
-                                       labels=["hook", "outcome"])
+        requests = CounterMetricFamily(
+            "fanout_proxy_requests",
+            "backend hook calls ([proxy]) by hook and outcome:"
+            " ok, refused, timeout, unavailable, error (HTTP status), bad_answer (not"
+            " a hook answer, encoded, or above max_answer_bytes); events not sent:"
+            " dropped (queue full), coalesced (the same event waits)",
+            labels=["hook", "outcome"],
+        )
         for (hook, outcome), count in sorted(self.outcomes.items()):
             requests.add_metric([hook, outcome], count)
         yield requests
-        pending = GaugeMetricFamily("fanout_proxy_events_pending", "events waiting to be sent, by hook",
-                                    labels=["hook"])
+        pending = GaugeMetricFamily("fanout_proxy_events_pending", "events waiting to be sent, by hook", labels=["hook"])
         for hook in EVENT_HOOKS:
             if self.urls[hook]:
                 pending.add_metric([hook], self.pending(hook))
         yield pending
-        durations = HistogramMetricFamily("fanout_proxy_duration_seconds", "backend hook call durations, waiting"
-                                          " for a slot included", labels=["hook"])
+        durations = HistogramMetricFamily(
+            "fanout_proxy_duration_seconds", "backend hook call durations, waiting for a slot included", labels=["hook"]
+        )
         for hook in HOOKS:
             if self.urls[hook]:
                 histogram = self.durations[hook]

@@ -124,6 +124,7 @@ class NoHooks:
     asks_publish = False
     answers_rpc = False
     refreshes = False
+
     def __init__(self) -> None:
         #: never sent: without hooks no client is turned away for them; the session bounds' figure all the same
         self.retry_after = {"Retry-After": "5"}

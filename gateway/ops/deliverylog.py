@@ -158,8 +158,9 @@ class DeliveryLog:
             self._close_file()
 
     def _write(self, data: bytes, rows: int) -> None:
-        if self._file is not None and (time.monotonic() - self._file_started >= self.rotate_s
-                                       or self._file_bytes >= self.rotate_bytes):
+        if self._file is not None and (
+            time.monotonic() - self._file_started >= self.rotate_s or self._file_bytes >= self.rotate_bytes
+        ):
             self._close_file()
         if self._file is None:
             self._files += 1

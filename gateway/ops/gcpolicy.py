@@ -151,5 +151,6 @@ class GcPolicy:
         for generation, histogram in self.pauses.items():
             pauses.add_metric([str(generation)], histogram.cumulative(), sum_value=histogram.total)
         yield pauses
-        yield CounterMetricFamily("fanout_gc_full_collections", "periodic full collections (gcpolicy)",
-                                  value=self.full_collections)
+        yield CounterMetricFamily(
+            "fanout_gc_full_collections", "periodic full collections (gcpolicy)", value=self.full_collections
+        )

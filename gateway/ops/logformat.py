@@ -33,7 +33,8 @@ _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 #: the attributes every LogRecord has: the others came from `extra=` and are a line's fields
 _RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime",
+    "message",
+    "asctime",
     "color_message",  # uvicorn's copy of the message with terminal colours
 }
 #: what `say` logs through in json mode: its lines are shown whatever `server.log_level` says
@@ -51,8 +52,11 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "time": _rfc3339_ms(record.created), "level": record.levelname.lower(), "worker": self.worker,
-            "logger": record.name, "event": record.getMessage(),
+            "time": _rfc3339_ms(record.created),
+            "level": record.levelname.lower(),
+            "worker": self.worker,
+            "logger": record.name,
+            "event": record.getMessage(),
         }
         for key, value in vars(record).items():
             if key not in _RECORD_ATTRIBUTES and key not in line:
@@ -104,7 +108,7 @@ class TextFormatter(logging.Formatter):
                 chunks.append(_CONTROLS_BUT_LF.sub(_escaped, chunk))
             else:
                 body = chunk.removesuffix("\n")
-                chunks.append(escape(body) + chunk[len(body):])
+                chunks.append(escape(body) + chunk[len(body) :])
         return "".join(chunks).removesuffix("\n")
 
     def formatStack(self, stack_info: str) -> str:  # noqa: N802 - logging's name

@@ -82,10 +82,16 @@ def engine_families(topics: "TopicView") -> Iterator[Metric]:
     for name, value in topics.counters.as_dict().items():
         yield CounterMetricFamily(f"fanout_{name}", f"core counter {name}", value=value)
     yield GaugeMetricFamily("fanout_topics", "topics", value=topics.topic_count)
-    yield GaugeMetricFamily("fanout_direct_queue_bytes", "bytes in all clients' direct queues (replies, acks,"
-                            " errors; bounded by scheduler.direct_total_max_bytes)", value=topics.direct_bytes)
-    yield GaugeMetricFamily("fanout_core_compiled", "1: the core's mypyc-compiled modules run; 0: their Python "
-                            "sources (`gateway serve` prints why)", value=int(core.COMPILED))
+    yield GaugeMetricFamily(
+        "fanout_direct_queue_bytes",
+        "bytes in all clients' direct queues (replies, acks, errors; bounded by scheduler.direct_total_max_bytes)",
+        value=topics.direct_bytes,
+    )
+    yield GaugeMetricFamily(
+        "fanout_core_compiled",
+        "1: the core's mypyc-compiled modules run; 0: their Python sources (`gateway serve` prints why)",
+        value=int(core.COMPILED),
+    )
 
 
 def counter_family(name: str, doc: str, label: str, counts: Mapping[str, int]) -> Metric:
@@ -109,4 +115,3 @@ def stats_families(prefix: str, doc: str, stats: Mapping[str, Any]) -> Iterator[
     for name, value in stats.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             yield GaugeMetricFamily(f"{prefix}{name}", f"{doc} {name}", value=value)
-

@@ -50,15 +50,19 @@ class Readiness:
     def collect(self) -> Iterator[Metric]:
         """`fanout_ready`: 1 while /readyz answers 200, else 0 with the reason as a label (alerting)."""
         reason = self.reason()
-        gauge = GaugeMetricFamily("fanout_ready", "1 while GET /readyz answers 200; 0 with the reason otherwise",
-                                  labels=["reason"])
+        gauge = GaugeMetricFamily(
+            "fanout_ready", "1 while GET /readyz answers 200; 0 with the reason otherwise", labels=["reason"]
+        )
         gauge.add_metric([reason or ""], 0 if reason else 1)
         yield gauge
 
     def answer(self) -> tuple[int, dict[str, object]]:
         reason = self.reason()
-        body: dict[str, object] = {"status": "ready" if reason is None else "unavailable", "worker": self.worker,
-                                   "pid": os.getpid()}
+        body: dict[str, object] = {
+            "status": "ready" if reason is None else "unavailable",
+            "worker": self.worker,
+            "pid": os.getpid(),
+        }
         if reason is not None:
             body["reason"] = reason
         return (200 if reason is None else 503), body

@@ -55,8 +55,10 @@ def span_lines(body: bytes) -> list[str]:
                 parent = span.parent_span_id.hex() or "-"
                 took_ms = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
                 attributes = " ".join(f"{escape(a.key)}={_shown(_value(a.value))}" for a in span.attributes)
-                lines.append(f"trace {span.trace_id.hex()} span {span.span_id.hex()} < {parent} {_shown(span.name)} "
-                             f"({KINDS.get(span.kind, 'unspecified')}) {took_ms:.2f} ms [{service}] {attributes}".rstrip())
+                lines.append(
+                    f"trace {span.trace_id.hex()} span {span.span_id.hex()} < {parent} {_shown(span.name)} "
+                    f"({KINDS.get(span.kind, 'unspecified')}) {took_ms:.2f} ms [{service}] {attributes}".rstrip()
+                )
     return lines
 
 
@@ -116,16 +118,22 @@ def receive(host: str, port: int) -> int:
     try:
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: F401 - what reads each export
     except ImportError:
-        print("trace receiver: needs opentelemetry-proto, which the tracing extra installs: "
-              "pip install 'fanout-gateway[tracing]' (in a checkout, `make setup` installs every extra)", file=sys.stderr)
+        print(
+            "trace receiver: needs opentelemetry-proto, which the tracing extra installs: "
+            "pip install 'fanout-gateway[tracing]' (in a checkout, `make setup` installs every extra)",
+            file=sys.stderr,
+        )
         return 2
     try:
         server = ThreadingHTTPServer((host, port), _Handler)
     except OSError as exc:
         print(f"trace receiver: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 2
-    print(f"trace receiver: spans POSTed to http://{host}:{server.server_address[1]}/v1/traces are printed here",
-          file=sys.stderr, flush=True)
+    print(
+        f"trace receiver: spans POSTed to http://{host}:{server.server_address[1]}/v1/traces are printed here",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -136,8 +144,9 @@ def receive(host: str, port: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.ops.trace_receiver",
-                                     description="print the spans a gateway exports over OTLP/HTTP, one a line")
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway.ops.trace_receiver", description="print the spans a gateway exports over OTLP/HTTP, one a line"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=4318, help="the port to listen on (default 4318, OTLP/HTTP's)")
     args = parser.parse_args(argv)

@@ -87,8 +87,9 @@ def from_config(config: TracingConfig, instance_id: str) -> Tracing:
     return OtlpTracing(config, instance_id) if config.otlp_endpoint else NO_TRACING
 
 
-async def traced_answer(tracing: Tracing, name: str, request: Request,
-                        answer: Callable[[Request], Awaitable[Response]]) -> Response:
+async def traced_answer(
+    tracing: Tracing, name: str, request: Request, answer: Callable[[Request], Awaitable[Response]]
+) -> Response:
     """An HTTP API request's answer, in its server span when tracing is on (a child of the caller's span when
     it sends `traceparent`), with the method, path and status as attributes."""
     return await tracing.answer(name, request, answer)
@@ -108,13 +109,15 @@ class Tracing(Protocol):
     #: whether spans are made at all: a hot path skips the bookkeeping of a span it would not make
     enabled: bool
 
-    async def answer(self, name: str, request: Request,
-                     answer: Callable[[Request], Awaitable[Response]]) -> Response:
+    async def answer(self, name: str, request: Request, answer: Callable[[Request], Awaitable[Response]]) -> Response:
         """`answer(request)`, in a server span named `name` (`traced_answer`)."""
         ...
 
-    def span(self, name: str, attributes: dict[str, Any] | None = None,
-             ) -> contextlib.AbstractContextManager[TraceSpan]:
+    def span(
+        self,
+        name: str,
+        attributes: dict[str, Any] | None = None,
+    ) -> contextlib.AbstractContextManager[TraceSpan]:
         """A span beneath the current one (a new trace when there is none), current within the block."""
         ...
 
@@ -122,8 +125,12 @@ class Tracing(Protocol):
         """The root of a new trace, whatever is current (a client's command, ...)."""
         ...
 
-    def client_span(self, name: str, headers: dict[str, str], attributes: dict[str, Any],
-                    ) -> contextlib.AbstractContextManager[TraceSpan]:
+    def client_span(
+        self,
+        name: str,
+        headers: dict[str, str],
+        attributes: dict[str, Any],
+    ) -> contextlib.AbstractContextManager[TraceSpan]:
         """An outgoing call's span beneath the current one; `headers` get its `traceparent`."""
         ...
 
@@ -176,8 +183,7 @@ class NoTracing:
     __slots__ = ()
     enabled = False
 
-    async def answer(self, name: str, request: Request,
-                     answer: Callable[[Request], Awaitable[Response]]) -> Response:
+    async def answer(self, name: str, request: Request, answer: Callable[[Request], Awaitable[Response]]) -> Response:
         return await answer(request)
 
     def span(self, name: str, attributes: dict[str, Any] | None = None) -> _NoSpan:
@@ -230,31 +236,35 @@ class OtlpTracing:
         self._kinds = trace.SpanKind
         self.propagator = TraceContextTextMapPropagator()
         resource = Resource.create({"service.name": config.service_name, "service.instance.id": instance_id})
-        self.provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(config.sample_rate)), resource=resource,
-                                       shutdown_on_exit=False)
+        self.provider = TracerProvider(
+            sampler=ParentBased(TraceIdRatioBased(config.sample_rate)), resource=resource, shutdown_on_exit=False
+        )
         exporter = OTLPSpanExporter(endpoint=traces_url(config.otlp_endpoint), session=bounded_session())
         self.provider.add_span_processor(RefusalFilter(BatchSpanProcessor(exporter)))
         self.tracer = self.provider.get_tracer("fanout-gateway")
 
     # -- spans ---------------------------------------------------------------------------------------------
 
-    async def answer(self, name: str, request: Request,
-                     answer: Callable[[Request], Awaitable[Response]]) -> Response:
+    async def answer(self, name: str, request: Request, answer: Callable[[Request], Awaitable[Response]]) -> Response:
         peer = request.client.host if request.client else "?"
 
         def oversized(header: str, limit: int) -> None:
-            request.app.state.hub.bad_input("http", "%s header over %d characters: ignored", header, limit,
-                                            peer=peer)
+            request.app.state.hub.bad_input("http", "%s header over %d characters: ignored", header, limit, peer=peer)
 
-        with self.server_span(name, request.headers, {"http.request.method": request.method,
-                                                      "url.path": request.url.path}, oversized) as span:
+        with self.server_span(
+            name, request.headers, {"http.request.method": request.method, "url.path": request.url.path}, oversized
+        ) as span:
             response = await answer(request)
             span.set_attribute("http.response.status_code", response.status_code)
             return response
 
-    def server_span(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any],
-                    oversized: Callable[[str, int], None] = lambda header, limit: None,
-                    ) -> contextlib.AbstractContextManager[Span]:
+    def server_span(
+        self,
+        name: str,
+        headers: Mapping[str, str],
+        attributes: dict[str, Any],
+        oversized: Callable[[str, int], None] = lambda header, limit: None,
+    ) -> contextlib.AbstractContextManager[Span]:
         """A request's span, current while the request runs: a child of the caller's span when `headers`
         carry a W3C `traceparent`, else the root of a new trace. A header too long is left out (as the
         propagator would) and reported to `oversized(header, limit)` instead of the propagator's log."""
@@ -279,8 +289,7 @@ class OtlpTracing:
     def record(self, name: str, started_ns: int, attributes: dict[str, Any]) -> None:
         """A finished span, started at `started_ns` (time.time_ns) and ending now, the root of a new trace:
         made after the fact, so work that turns out empty makes none."""
-        self.tracer.start_span(name, context=self._context.Context(), start_time=started_ns,
-                               attributes=attributes).end()
+        self.tracer.start_span(name, context=self._context.Context(), start_time=started_ns, attributes=attributes).end()
 
     def ok(self, span: TraceSpan) -> None:
         """The span's work was answered as designed (a backend's refusal): not an error."""
@@ -342,14 +351,17 @@ class ExpectedApply:
         self.deadline = deadline
 
     def span(self, topic: str) -> contextlib.AbstractContextManager[Span]:
-        return self.tracing.tracer.start_as_current_span("engine.apply", context=self.context,
-                                                         attributes={"messaging.destination.name": topic})
+        return self.tracing.tracer.start_as_current_span(
+            "engine.apply", context=self.context, attributes={"messaging.destination.name": topic}
+        )
 
     def watch(self, span: Span, topic: str, seq: int, subscribers: int) -> Fanout:
         """The fan-out span of the message the engine accepted as `seq`, beneath its apply span."""
         fanout_span = self.tracing.tracer.start_span(
-            "fanout", context=self.tracing.api.set_span_in_context(span),
-            attributes={"messaging.destination.name": topic, "fanout.seq": seq, "fanout.expected": subscribers})
+            "fanout",
+            context=self.tracing.api.set_span_in_context(span),
+            attributes={"messaging.destination.name": topic, "fanout.seq": seq, "fanout.expected": subscribers},
+        )
         return Fanout(fanout_span, topic, seq, subscribers, time.monotonic() + FANOUT_WAIT_S)
 
 
@@ -362,7 +374,7 @@ class Fanout:
         self.span = span
         entry = encode_message(topic, seq, None)
         #: the start of the message's entry, which names its topic and seq (the data follows)
-        self.prefix = entry[:entry.rindex(b'"data":')]
+        self.prefix = entry[: entry.rindex(b'"data":')]
         self.expected = expected
         self.subscribers = 0
         self.frames = 0
@@ -386,8 +398,14 @@ class Fanout:
             self.frames += 1
 
     def end(self, complete: bool) -> None:
-        self.span.set_attributes({"fanout.subscribers": self.subscribers, "fanout.frames": self.frames,
-                                  "fanout.bytes": self.bytes, "fanout.complete": complete})
+        self.span.set_attributes(
+            {
+                "fanout.subscribers": self.subscribers,
+                "fanout.frames": self.frames,
+                "fanout.bytes": self.bytes,
+                "fanout.complete": complete,
+            }
+        )
         self.span.end()
 
 

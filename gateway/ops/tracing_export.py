@@ -39,8 +39,12 @@ class RefusalFilter(SpanProcessor):
         self.processor.on_start(span, parent_context)
 
     def on_end(self, span: ReadableSpan) -> None:
-        if (span.kind is SpanKind.SERVER and span.parent is not None and span.parent.is_remote
-                and (span.attributes or {}).get("http.response.status_code") in REFUSED_STATUSES):
+        if (
+            span.kind is SpanKind.SERVER
+            and span.parent is not None
+            and span.parent.is_remote
+            and (span.attributes or {}).get("http.response.status_code") in REFUSED_STATUSES
+        ):
             return
         self.processor.on_end(span)
 

@@ -58,8 +58,11 @@ class IngestCounters:
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily("fanout_ingest_records", "records accepted on the TCP ingest", value=self.records)
         yield CounterMetricFamily("fanout_ingest_errors", "error lines sent on the TCP ingest", value=self.errors)
-        yield CounterMetricFamily("fanout_ingest_answer_pauses", "times a publisher's unread answers reached"
-                                  " ingest.max_answer_bytes (its records waited)", value=self.answer_pauses)
+        yield CounterMetricFamily(
+            "fanout_ingest_answer_pauses",
+            "times a publisher's unread answers reached ingest.max_answer_bytes (its records waited)",
+            value=self.answer_pauses,
+        )
 
 
 ingest_counters = IngestCounters()
@@ -158,9 +161,17 @@ class IngestProtocol(asyncio.Protocol):
     def drained(self) -> bool:
         """Nothing left to answer: every complete record received was processed (`_process` stops only when
         none is left, or held, or paused, or yielding the turn) and has landed; a partial last line is dropped."""
-        return (self.transport is None or self.transport.is_closing()
-                or (not self.held and self.landing == 0 and self.continuation is None and not self.write_paused
-                    and self.sync_waiting is None))
+        return (
+            self.transport is None
+            or self.transport.is_closing()
+            or (
+                not self.held
+                and self.landing == 0
+                and self.continuation is None
+                and not self.write_paused
+                and self.sync_waiting is None
+            )
+        )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream protocol is given a Transport
@@ -222,10 +233,16 @@ class IngestProtocol(asyncio.Protocol):
         records, errors = ingest_counters.records, ingest_counters.errors
         self._process_records()
         if self.parser.lines != lines:
-            tracing.record("ingest batch", started, {
-                "fanout.ingest.lines": self.parser.lines - lines, "fanout.ingest.bytes": buffered - self.parser.buffered,
-                "fanout.ingest.accepted": ingest_counters.records - records,
-                "fanout.ingest.errors": ingest_counters.errors - errors})
+            tracing.record(
+                "ingest batch",
+                started,
+                {
+                    "fanout.ingest.lines": self.parser.lines - lines,
+                    "fanout.ingest.bytes": buffered - self.parser.buffered,
+                    "fanout.ingest.accepted": ingest_counters.records - records,
+                    "fanout.ingest.errors": ingest_counters.errors - errors,
+                },
+            )
 
     def _process_records(self) -> None:
         budget = self.max_per_turn
@@ -250,8 +267,14 @@ class IngestProtocol(asyncio.Protocol):
             except Exception as exc:
                 # The parser consumed the line before failing on it: that line is lost, the next ones go on.
                 self._internal_error(self.parser.lines, exc)
-        if (self.reading_paused and not self.held and not self.write_paused and not self.draining
-                and self.parser.buffered <= self.max_buffer and self.transport):
+        if (
+            self.reading_paused
+            and not self.held
+            and not self.write_paused
+            and not self.draining
+            and self.parser.buffered <= self.max_buffer
+            and self.transport
+        ):
             self.transport.resume_reading()
             self.reading_paused = False
 
@@ -263,8 +286,7 @@ class IngestProtocol(asyncio.Protocol):
                 self.sync_waiting = item  # answered when every record before it has landed
                 return
             self._write(
-                orjson.dumps({"type": "synced", "id": item.id, "accepted": self.accepted, "refused": self.refused})
-                + b"\n"
+                orjson.dumps({"type": "synced", "id": item.id, "accepted": self.accepted, "refused": self.refused}) + b"\n"
             )
             self.accepted = self.refused = 0
         elif isinstance(item, LineError):
@@ -295,8 +317,7 @@ class IngestProtocol(asyncio.Protocol):
     def _internal_error(self, line_no: int, exc: Exception) -> None:
         # A bug met by one record must cost that record only, not the connection and the rest of its batch.
         self.refused += 1
-        self.parts.bad_input("ingest", "line %d from %s: unexpected %s: %.200s", line_no, self.peer,
-                           type(exc).__name__, exc)
+        self.parts.bad_input("ingest", "line %d from %s: unexpected %s: %.200s", line_no, self.peer, type(exc).__name__, exc)
         self._error(line_no, InternalError.code, "internal error while handling this record")
 
     def _pause(self) -> None:
@@ -394,6 +415,7 @@ class IngestProtocol(asyncio.Protocol):
         elif self.continuation is None and not self.write_paused:
             self._process()
 
+
 class IngestServer:
     def __init__(self, parts: IngestParts) -> None:
         self.parts = parts
@@ -406,14 +428,14 @@ class IngestServer:
         """`reuse_port`: several worker processes serve the port (server.workers, docs/cluster.md §5)."""
         loop = asyncio.get_running_loop()
         turn = LoopTurn(self.parts.config.ingest.max_records_per_turn)
+
         def protocol() -> IngestProtocol:
             conn = IngestProtocol(self.parts, turn)
             conn.on_lost = self.connections.discard
             self.connections.add(conn)
             return conn
 
-        self.server = await loop.create_server(protocol, host, port,
-                                               reuse_port=reuse_port or None)
+        self.server = await loop.create_server(protocol, host, port, reuse_port=reuse_port or None)
         self.port = self.server.sockets[0].getsockname()[1]
         log.info("TCP ingest on %s:%d", host, self.port)
 

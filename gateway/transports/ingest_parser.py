@@ -93,7 +93,7 @@ class IngestParser:
     def feed(self, data: bytes) -> None:
         if self._refused:
             return
-        del self._buffer[:self._start]
+        del self._buffer[: self._start]
         self._start = 0
         self._buffer += data
 
@@ -105,7 +105,7 @@ class IngestParser:
             end = buffer.find(b"\n", self._start)
             if end < 0:
                 return self._partial_line()
-            line = bytes(buffer[self._start:end])
+            line = bytes(buffer[self._start : end])
             self._start = end + 1
             if self._skipping:  # the end of a line already refused as too large
                 self._skipping = False

@@ -75,6 +75,7 @@ class LongPollSession:
         self.closed = True
         self.store.longpoll.discard(self)
         self.session.gone("expired")
+
     def deliver(self, batch: Batch, frame: bytes) -> Delivered:
         self.batches += 1
         self.entries_sent += len(batch.entries)
@@ -102,8 +103,13 @@ class LongPollSession:
             self.store.closed.keep(self.secret, body)
 
     def describe(self) -> dict[str, Any]:
-        return {"transport": "longpoll", "peer": self.identity.peer, "batches": self.batches, "entries_sent": self.entries_sent,
-                "polling": self.poll is not None}
+        return {
+            "transport": "longpoll",
+            "peer": self.identity.peer,
+            "batches": self.batches,
+            "entries_sent": self.entries_sent,
+            "polling": self.poll is not None,
+        }
 
     async def wait(self, ack: int | None) -> bytes:
         session = self.session
@@ -138,8 +144,9 @@ async def create_session(request: Request) -> Response:
     """`Authorization: Bearer TOKEN` makes the session its user's (docs/security.md); none: anonymous."""
     services: SessionServices = request.app.state.services
     try:
-        session = ClientSession.begin(services, "longpoll", request.client,
-                                      authorization=request.headers.get("authorization", ""))
+        session = ClientSession.begin(
+            services, "longpoll", request.client, authorization=request.headers.get("authorization", "")
+        )
     except RequestError as exc:  # 401 for a refused token, 429 / 503 (retry later) for the others
         return http_refusal(services.config, exc)
     refusal = await backend_refusal(session, request)

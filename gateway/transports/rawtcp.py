@@ -65,7 +65,7 @@ class _TokenLine:
         self.timer = timer
 
     def room(self) -> memoryview:
-        return memoryview(self.buf)[self.size:]
+        return memoryview(self.buf)[self.size :]
 
 
 class _ReceiverProtocol(asyncio.Protocol):
@@ -237,7 +237,11 @@ class RawBroadcastServer:
         self._timer = loop.call_later(self._check_interval, self._tick)
         self._log.info(
             "rawtcp broadcaster listening: senders on %s:%d, receivers on %s:%d (ring %d bytes)",
-            host, self.sender_port, host, self.receiver_port, self.config.capacity_bytes,
+            host,
+            self.sender_port,
+            host,
+            self.receiver_port,
+            self.config.capacity_bytes,
         )
 
     async def stop(self) -> None:
@@ -275,9 +279,7 @@ class RawBroadcastServer:
         out.update(
             sender_connected=sender is not None,
             paused=self._ring.sender_paused,
-            sender_reading=bool(
-                sender is not None and sender.transport is not None and sender.transport.is_reading()
-            ),
+            sender_reading=bool(sender is not None and sender.transport is not None and sender.transport.is_reading()),
             sender_connections=self._sender_connections,
             senders_refused=self._senders_refused,
             receivers_refused=self._receivers_refused,
@@ -329,7 +331,8 @@ class RawBroadcastServer:
             # docs/design/byte-ring.md §2: one sender at a time; another one is refused, not queued.
             self._senders_refused += 1
             self._log.warning(
-                "rawtcp: refused sender %s: %s", proto.peer,
+                "rawtcp: refused sender %s: %s",
+                proto.peer,
                 "a sender is already connected" if self._running else "server stopping",
             )
             transport.close()
@@ -462,7 +465,8 @@ class RawBroadcastServer:
             self._receivers_refused += 1
             self._log.warning(
                 "rawtcp: refused receiver %s: %d receivers already (docs/design/byte-ring.md §1)",
-                rc.peer, self.config.max_receivers,
+                rc.peer,
+                self.config.max_receivers,
             )
             transport.close()
             return
@@ -491,7 +495,10 @@ class RawBroadcastServer:
     def _handshake_start(self, proto: _SenderProtocol | _ReceiverProtocol, role: str) -> None:
         assert self._loop is not None
         timer = self._loop.call_later(
-            self._handshake_timeout, self._handshake_refuse, proto, role,
+            self._handshake_timeout,
+            self._handshake_refuse,
+            proto,
+            role,
             f"no token line within {self._handshake_timeout:g} s",
         )
         proto.handshake = _TokenLine(timer)
@@ -567,7 +574,10 @@ class RawBroadcastServer:
             self._log.warning(
                 "rawtcp: receiver %d (%s) disconnected: lag over %d bytes with no progress for %d ms "
                 "(docs/design/byte-ring.md §4)",
-                rid, rc.peer, self.config.hard_lag_bytes, self.config.kick_grace_ms,
+                rid,
+                rc.peer,
+                self.config.hard_lag_bytes,
+                self.config.kick_grace_ms,
             )
             # abort, not close: the ring no longer protects the bytes its transport still references.
             rc.transport.abort()

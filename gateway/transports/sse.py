@@ -52,8 +52,7 @@ log = logging.getLogger("gateway.sse")
 
 #: close code of a stream ended by `DELETE /sse/{secret}` (a normal closure, RFC 6455 §7.4.1)
 DELETED = 1000
-STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
-                  (b"x-accel-buffering", b"no")]
+STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]
 PING = b": ping\n\n"
 LAST_CHUNK = b"0\r\n\r\n"
 #: an item of a recovery point: seq in decimal, at most 16 digits (2^53 has 16)
@@ -80,6 +79,7 @@ def close_event(code: int, reason: str, retry_ms: int | None = None) -> bytes:
 
 # -- positions: the `id:` line and the recovery point ------------------------------------------------------
 
+
 def parse_positions(text: str, max_items: int) -> dict[str, tuple[str, int]]:
     """A recovery point (`Last-Event-ID` or `since`): comma-joined `EPOCH:TOPIC:SEQ` items -> {topic: (epoch,
     seq)}, in order. The empty string is no position. Raises BadRequest saying what is wrong, nothing else."""
@@ -96,8 +96,7 @@ def parse_positions(text: str, max_items: int) -> dict[str, tuple[str, int]]:
         if not epoch:
             raise BadRequest(f"position {number} of the recovery point has an empty epoch")
         if not topic or len(topic) > schema.MAX_TOPIC_CHARS:
-            raise BadRequest(f"position {number} of the recovery point needs a topic of 1..{schema.MAX_TOPIC_CHARS}"
-                             " characters")
+            raise BadRequest(f"position {number} of the recovery point needs a topic of 1..{schema.MAX_TOPIC_CHARS} characters")
         if not _SEQ.fullmatch(seq_text) or int(seq_text) >= MAX_SEQ:
             raise BadRequest(f"position {number} of the recovery point needs a seq of decimal digits in [0, 2**53)")
         if topic in positions:
@@ -198,7 +197,7 @@ class IdLine:
 
 
 def _topic_of(item: str) -> str:
-    return item[item.index(":") + 1:item.rindex(":")]
+    return item[item.index(":") + 1 : item.rindex(":")]
 
 
 def recovery_point(text: str, max_items: int, table: Checkpoints) -> dict[str, tuple[str, int]]:
@@ -212,8 +211,9 @@ def recovery_point(text: str, max_items: int, table: Checkpoints) -> dict[str, t
         raise BadRequest("the recovery point's checkpoint is not ~KEY.N")
     base = table.get(key, int(number))
     if base is None:
-        raise BadRequest("the recovery point's checkpoint is no longer kept (gateway restarted, another"
-                         " process, or ended too long ago)")
+        raise BadRequest(
+            "the recovery point's checkpoint is no longer kept (gateway restarted, another process, or ended too long ago)"
+        )
     positions = parse_positions(base, max_items)
     for topic, point in parse_positions(rest, max_items).items():
         positions[topic] = point
@@ -223,6 +223,7 @@ def recovery_point(text: str, max_items: int, table: Checkpoints) -> dict[str, t
 
 
 # -- the connection ------------------------------------------------------------------------------------------
+
 
 class SseConnection(StagedWriter):
     """One stream: a `Connection` of the scheduler (gateway/scheduler.py) and the `StreamListener` of its HTTP
@@ -372,6 +373,7 @@ class SseConnection(StagedWriter):
 
 # -- endpoints ---------------------------------------------------------------------------------------------
 
+
 def close_only(code: int, reason: str) -> Response:
     """A refusal an `EventSource` can read: a 200 stream whose only event is `close`."""
     return Response(close_event(code, reason), headers={k.decode(): v.decode() for k, v in STREAM_HEADERS})
@@ -380,8 +382,15 @@ def close_only(code: int, reason: str) -> Response:
 class _Stream(Response):
     """The event stream of one connection; lives until the connection is lost."""
 
-    def __init__(self, session: ClientSession, proto: GuardedHttpToolsProtocol, topics: list[str],
-                 positions: dict[str, tuple[str, int]], refusals: list[RequestError], secret_prefix: str = "") -> None:
+    def __init__(
+        self,
+        session: ClientSession,
+        proto: GuardedHttpToolsProtocol,
+        topics: list[str],
+        positions: dict[str, tuple[str, int]],
+        refusals: list[RequestError],
+        secret_prefix: str = "",
+    ) -> None:
         super().__init__()
         #: the client, holding its places in the bounds until it opens (gateway/session.py)
         self.session = session
@@ -408,8 +417,7 @@ class _Stream(Response):
                 session.open(conn)
             except LateRefused as late:  # revoked, disconnected or draining before it registered: its only event
                 refusal = late.refusal
-                await send({"type": "http.response.body", "body": close_event(refusal.code, refusal.reason,
-                                                                              refusal.retry_ms)})
+                await send({"type": "http.response.body", "body": close_event(refusal.code, refusal.reason, refusal.retry_ms)})
                 return
             self.proto.stream = conn
             conn.start()
@@ -453,8 +461,7 @@ async def stream(request: Request) -> Response:
     if not isinstance(proto, GuardedHttpToolsProtocol):  # a bug: server.py always runs it
         raise RuntimeError("SSE needs the gateway's HTTP protocol (gateway.edge.netguard.GuardedHttpToolsProtocol)")
     try:
-        session = ClientSession.begin(services, "sse", request.client, token=query.get("token"),
-                                      requested_id=query.get("id"))
+        session = ClientSession.begin(services, "sse", request.client, token=query.get("token"), requested_id=query.get("id"))
     except RequestError as exc:
         if exc.close_code is None or isinstance(exc, TooManyPendingConnects):  # the bounds: an HTTP error
             return http_refusal(services.config, exc)
@@ -466,8 +473,11 @@ async def stream(request: Request) -> Response:
     max_subs = services.config.scheduler.max_subscriptions
     topics = [name for name in ",".join(query.getlist("topics")).split(",") if name]
     if len(topics) > max_subs:
-        refusals.append(TooManySubscriptions(f"{len(topics) - max_subs} topics beyond scheduler.max_subscriptions"
-                                             f" ({max_subs}) were not subscribed"))
+        refusals.append(
+            TooManySubscriptions(
+                f"{len(topics) - max_subs} topics beyond scheduler.max_subscriptions ({max_subs}) were not subscribed"
+            )
+        )
         topics = topics[:max_subs]
     recovery_text = request.headers.get("last-event-id")
     if recovery_text is None:

@@ -70,9 +70,30 @@ class WebSocketProtocol(asyncio.Protocol):
     """One `/ws` connection from its upgrade request to its loss (module docstring)."""
 
     __slots__ = (
-        "transport", "peer", "state", "handshake", "ws", "connection", "dropped", "unparsed", "unhandled",
-        "deferred", "raw_fd", "held_pong", "paused", "frame_left", "frame_head", "message", "message_text", "ping_payload",
-        "ping_sent_at", "ping_rtt", "frames_at_ping", "in_message", "window_bits", "centrifugo",
+        "transport",
+        "peer",
+        "state",
+        "handshake",
+        "ws",
+        "connection",
+        "dropped",
+        "unparsed",
+        "unhandled",
+        "deferred",
+        "raw_fd",
+        "held_pong",
+        "paused",
+        "frame_left",
+        "frame_head",
+        "message",
+        "message_text",
+        "ping_payload",
+        "ping_sent_at",
+        "ping_rtt",
+        "frames_at_ping",
+        "in_message",
+        "window_bits",
+        "centrifugo",
     )
 
     #: set on the class `protocol_class` makes for one server
@@ -249,8 +270,9 @@ class WebSocketProtocol(asyncio.Protocol):
                 if paused and self.held_pong is None:  # not paused for a held pong
                     transport.resume_reading()
                 return
-            if time.perf_counter() >= deadline and (self.unhandled or self.unparsed is not None
-                                                     or (link is not None and link.busy)):
+            if time.perf_counter() >= deadline and (
+                self.unhandled or self.unparsed is not None or (link is not None and link.busy)
+            ):
                 ws_counters.input_deferrals += 1
                 transport.pause_reading()
                 self.deferred = True
@@ -340,8 +362,9 @@ class WebSocketProtocol(asyncio.Protocol):
         if len(message) >= limit:
             self.message = None
             ws_counters.fragment_closes += 1
-            self._failed(self.ws, close_codes.POLICY_VIOLATION, f"more than {limit} fragments in one message"
-                         " (websocket.max_fragments)")
+            self._failed(
+                self.ws, close_codes.POLICY_VIOLATION, f"more than {limit} fragments in one message (websocket.max_fragments)"
+            )
             return
         message.append(data)
         if fin:
@@ -469,8 +492,13 @@ class WebSocketProtocol(asyncio.Protocol):
             conn.session.gone(reason)
 
 
-def protocol_class(services: SessionServices, limiter: ConnectionLimiter, origins: OriginPolicy,
-                   bad_input: BadInputLog, centrifugo: CentrifugoEndpoint | None = None) -> type[WebSocketProtocol]:
+def protocol_class(
+    services: SessionServices,
+    limiter: ConnectionLimiter,
+    origins: OriginPolicy,
+    bad_input: BadInputLog,
+    centrifugo: CentrifugoEndpoint | None = None,
+) -> type[WebSocketProtocol]:
     """The class uvicorn instantiates per upgraded connection of one server (its `ws` setting); `centrifugo`:
     Centrifugo's client protocol at its path (gateway/transports/ws_centrifugo.py `centrifugo_endpoint`)."""
     service = WSService(services, limiter, origins, bad_input)
@@ -598,4 +626,3 @@ class WSConnection(StagedWriter):
             "entries_sent": self.sink.entries,
             "write_blocked": self.blocked_since is not None,
         }
-

@@ -82,8 +82,7 @@ class CentrifugoEndpoint:
         """The handshake's protocol: websockets' own, choosing the SDK's subprotocol and accepting
         permessage-deflate as `/ws` does (`websocket.compression`)."""
         extensions = [offer_factory()] if self.deflate else None
-        return ServerProtocol(select_subprotocol=_select_subprotocol, extensions=extensions, max_size=max_size,
-                              logger=logger)
+        return ServerProtocol(select_subprotocol=_select_subprotocol, extensions=extensions, max_size=max_size, logger=logger)
 
     def codec_name(self, subprotocol: str | None, query: str) -> str:
         params = parse_qs(query)
@@ -105,8 +104,20 @@ class CentrifugoLink:
     """One connection's side of its Centrifugo session (`client_session.Link`) and of the ping wheel
     (`ws_keepalive.KeptAlive`)."""
 
-    __slots__ = ("endpoint", "proto", "codec", "framer", "deflater", "request", "session", "ping_payload",
-                 "ping_sent_at", "ping_rtt", "transport", "stale_timer")
+    __slots__ = (
+        "endpoint",
+        "proto",
+        "codec",
+        "framer",
+        "deflater",
+        "request",
+        "session",
+        "ping_payload",
+        "ping_sent_at",
+        "ping_rtt",
+        "transport",
+        "stale_timer",
+    )
 
     def __init__(self, endpoint: CentrifugoEndpoint, proto: WebSocketProtocol, codec_name: str, request: Request) -> None:
         self.endpoint = endpoint
@@ -121,7 +132,8 @@ class CentrifugoLink:
         self.ping_sent_at = self.ping_rtt = 0.0
         self.session = CentrifugoSession(endpoint.services, self.codec, self)
         self.stale_timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            endpoint.config.connect_timeout_s, self._stale)
+            endpoint.config.connect_timeout_s, self._stale
+        )
 
     @property
     def peer(self) -> tuple[str, int] | None:
@@ -174,8 +186,14 @@ class CentrifugoLink:
         self.session.step()
 
     def connection(self, session: ClientSession) -> CentrifugoConnection:
-        return CentrifugoConnection(session, self.proto, self.framer, self.deflater,
-                                    wire_variant(self.codec.variant, self.proto.window_bits), self.session.answers)
+        return CentrifugoConnection(
+            session,
+            self.proto,
+            self.framer,
+            self.deflater,
+            wire_variant(self.codec.variant, self.proto.window_bits),
+            self.session.answers,
+        )
 
     def connected(self) -> None:
         self._stop_stale()
@@ -223,8 +241,15 @@ class CentrifugoConnection(WSConnection):
 
     __slots__ = ("converter", "deflater", "direct_wire", "answers", "own_frame", "own")
 
-    def __init__(self, session: ClientSession, proto: WebSocketProtocol, framer: CentrifugoFramer,
-                 deflater: FrameDeflater | None, variant: int, answers: Answers) -> None:
+    def __init__(
+        self,
+        session: ClientSession,
+        proto: WebSocketProtocol,
+        framer: CentrifugoFramer,
+        deflater: FrameDeflater | None,
+        variant: int,
+        answers: Answers,
+    ) -> None:
         super().__init__(session, proto)
         self.wire_variant = self.sink.variant = variant
         self.converter = framer

@@ -44,9 +44,11 @@ def offer_factory() -> ServerPerMessageDeflateFactory:
 
 
 #: the request of `inflating_parser`'s own handshake: an offer of deflate without context takeover
-_OFFER = (b"GET / HTTP/1.1\r\nHost: parser\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-          b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: cGFyc2VyIG9mIGZyYW1lcw==\r\n"
-          b"Sec-WebSocket-Extensions: permessage-deflate; server_no_context_takeover; client_no_context_takeover\r\n\r\n")
+_OFFER = (
+    b"GET / HTTP/1.1\r\nHost: parser\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: cGFyc2VyIG9mIGZyYW1lcw==\r\n"
+    b"Sec-WebSocket-Extensions: permessage-deflate; server_no_context_takeover; client_no_context_takeover\r\n\r\n"
+)
 
 
 def inflating_parser(max_size: int, logger: logging.Logger) -> ServerProtocol:

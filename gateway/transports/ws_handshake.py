@@ -43,8 +43,7 @@ def json_refusal(server: ServerProtocol, status: int, error: RequestError) -> Re
     """A refused handshake's answer with our JSON error body (websockets' `reject` gives plain text)."""
     response = server.reject(status, "")
     body = orjson.dumps({"error": {"code": error.code, "message": error.message}})
-    headers = Headers([(k, v) for k, v in response.headers.raw_items() if k.lower() not in
-                       ("content-type", "content-length")])
+    headers = Headers([(k, v) for k, v in response.headers.raw_items() if k.lower() not in ("content-type", "content-length")])
     headers["Content-Type"] = "application/json"
     headers["Content-Length"] = str(len(body))
     return Response(response.status_code, response.reason_phrase, headers, body)
@@ -55,8 +54,7 @@ def begin_ws_session(services: SessionServices, query: str, peer: tuple[str, int
     refusal (`RequestError`), whose `close_code` and `close_reason` are the close frame the peer gets."""
     params = parse_qs(query, keep_blank_values=True)
     tokens, ids = params.get("token"), params.get("id")
-    return ClientSession.begin(services, "ws", peer, token=tokens[-1] if tokens else None,
-                               requested_id=ids[-1] if ids else None)
+    return ClientSession.begin(services, "ws", peer, token=tokens[-1] if tokens else None, requested_id=ids[-1] if ids else None)
 
 
 class Upgrading(TypingProtocol):
@@ -92,8 +90,7 @@ class Handshake:
         self.proto = proto
         config = proto.service.config
         #: websockets' handshake: it parses the request and serializes the answer
-        self.server = ServerProtocol(extensions=proto.service.extensions, max_size=config.max_frame_bytes,
-                                     logger=FRAMES_LOG)
+        self.server = ServerProtocol(extensions=proto.service.extensions, max_size=config.max_frame_bytes, logger=FRAMES_LOG)
 
     def received(self, data: bytes) -> None:
         """Bytes of the request. uvicorn hands over the request's bytes alone (and the peer is not read while
@@ -116,18 +113,20 @@ class Handshake:
         path, _, query = request.path.partition("?")
         centrifugo = service.centrifugo
         if path != WS_PATH and (centrifugo is None or path != centrifugo.path):
-            self._answer_and_close(server, json_refusal(server, 404, NotFound(
-                f"no WebSocket endpoint at {path[:100]!r}: the WebSocket is at {WS_PATH}")))
+            self._answer_and_close(
+                server,
+                json_refusal(server, 404, NotFound(f"no WebSocket endpoint at {path[:100]!r}: the WebSocket is at {WS_PATH}")),
+            )
             return
         if not service.config.enabled:
-            self._answer_and_close(server, json_refusal(server, 403, Forbidden(
-                "the WebSocket transport is disabled (websocket.enabled)")))
+            self._answer_and_close(
+                server, json_refusal(server, 403, Forbidden("the WebSocket transport is disabled (websocket.enabled)"))
+            )
             return
         origin = request.headers.get("Origin")
         if origin is not None and not service.origins.allows(origin, request.headers.get("Host")):
             service.bad_input("ws", "origin %r refused (server.allowed_origins)", origin[:100])
-            self._answer_and_close(server, json_refusal(server, 403, Forbidden(
-                "origin not allowed (server.allowed_origins)")))
+            self._answer_and_close(server, json_refusal(server, 403, Forbidden("origin not allowed (server.allowed_origins)")))
             return
         if path != WS_PATH:
             assert centrifugo is not None

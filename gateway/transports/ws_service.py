@@ -94,8 +94,9 @@ class WSService:
     (an upgraded connection holds its slot until it is lost), the Origin policy, the turn's input budget,
     the keepalive wheel and the parser pool."""
 
-    def __init__(self, services: SessionServices, limiter: ConnectionLimiter, origins: OriginPolicy,
-                 bad_input: BadInputLog) -> None:
+    def __init__(
+        self, services: SessionServices, limiter: ConnectionLimiter, origins: OriginPolicy, bad_input: BadInputLog
+    ) -> None:
         self.services = services
         self.config = services.config.websocket
         self.limiter = limiter

@@ -67,14 +67,38 @@ _ROUTED = re.compile(r"/(lp|sse)/w([0-9]{1,4})\.[^/]*")
 KEY_HEADER = b"x-fanout-forward"
 #: headers that belong to one connection (RFC 9110 §7.6.1) or are remade for the hop
 #: (`expect`: this worker read the body already; the owner must not answer `100 Continue`)
-_HOP_REQUEST = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"trailer",
-                          b"proxy-connection", b"content-length", b"expect", b"x-forwarded-for", KEY_HEADER})
+_HOP_REQUEST = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"upgrade",
+        b"trailer",
+        b"proxy-connection",
+        b"content-length",
+        b"expect",
+        b"x-forwarded-for",
+        KEY_HEADER,
+    }
+)
 #: the methods of the session routes; others (HEAD, OPTIONS) are answered here, by the Origin guard or 404/405
 FORWARDED_METHODS = frozenset({"GET", "POST", "DELETE"})
 #: response headers not passed back: hop-by-hop ones, those uvicorn writes itself here (date, server), and the
 #: owner's CORS headers (this worker's Origin guard adds its own)
-_HOP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"date", b"server",
-                           b"vary", b"access-control-allow-origin", b"access-control-expose-headers"})
+_HOP_RESPONSE = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"trailer",
+        b"date",
+        b"server",
+        b"vary",
+        b"access-control-allow-origin",
+        b"access-control-expose-headers",
+    }
+)
 
 #: seconds to open the internal connection (the pair and its passing are immediate; a bound all the same)
 CONNECT_TIMEOUT_S = 2.0
@@ -188,12 +212,18 @@ class SessionRouter:
         if protocol is not None and protocol.internal:
             return await self.app(self._trusted(scope), receive, send)
         owner = owner_of(scope["path"])
-        if owner is None or owner == self.links.index or owner >= len(self.links.outboxes) \
-                or scope["method"] not in FORWARDED_METHODS:
+        if (
+            owner is None
+            or owner == self.links.index
+            or owner >= len(self.links.outboxes)
+            or scope["method"] not in FORWARDED_METHODS
+        ):
             return await self.app(scope, receive, send)  # an index no worker has: the tables say 404
         if self.active >= self.max_forwards:
-            response = error_response(TooManyConnections(
-                f"this worker forwards {self.active} session requests already; retry later"), {"Retry-After": "1"})
+            response = error_response(
+                TooManyConnections(f"this worker forwards {self.active} session requests already; retry later"),
+                {"Retry-After": "1"},
+            )
             return await response(scope, receive, send)
         self.active += 1
         try:
@@ -244,7 +274,8 @@ class SessionRouter:
         log.warning("forward to worker %d failed: %s", owner, reason)
         if not begun:
             await error_response(InternalError(f"the worker holding this session did not answer ({reason})"))(
-                scope, receive, send)
+                scope, receive, send
+            )
 
     def _request(self, upstream: h11.Connection, scope: Scope, body: bytes) -> bytes:
         """The bytes of the request to the owner, written by `upstream`. Raises h11.LocalProtocolError."""
@@ -292,8 +323,11 @@ class SessionRouter:
                     if not event.http_version.startswith(b"1."):  # h11 parses any HTTP/d.d status line
                         raise h11.RemoteProtocolError(f"not an HTTP/1 response: HTTP/{event.http_version.decode()}")
                     chunked = any(name == b"transfer-encoding" for name, _ in event.headers)
-                    headers = [(name, value) for name, value in event.headers
-                               if name not in _HOP_RESPONSE and not (chunked and name == b"content-length")]
+                    headers = [
+                        (name, value)
+                        for name, value in event.headers
+                        if name not in _HOP_RESPONSE and not (chunked and name == b"content-length")
+                    ]
                     await send({"type": "http.response.start", "status": event.status_code, "headers": headers})
                     begun = True
                 elif isinstance(event, h11.Data):  # as it comes: an SSE-like stream or a long poll's answer

@@ -119,8 +119,10 @@ class _Worker:
 
 
 def run_workers(
-    config: GatewayConfig, ready_file: str | None,
-    serve: Callable[[GatewayConfig, str, int, WorkerLinks], int], write_ready_file: Callable[[str, dict[str, Any]], None],
+    config: GatewayConfig,
+    ready_file: str | None,
+    serve: Callable[[GatewayConfig, str, int, WorkerLinks], int],
+    write_ready_file: Callable[[str, dict[str, Any]], None],
 ) -> int:
     """Fork `config.server.workers` processes running `serve(config, worker_ready_file, index, links)`, fork
     again each one that dies, and return the exit status once they are gone (module docstring)."""
@@ -265,8 +267,12 @@ class _Supervisor:
                 sock.close()
             self.inboxes[index][1].close()  # its own: it never forwards to itself
             outboxes = tuple(None if i == index else sending for i, (_, sending) in enumerate(self.inboxes))
-            code = self.serve(self.shared, str(self._ports_file(index)), index,
-                              WorkerLinks(index, outboxes, self.inboxes[index][0], self.key, self.counts))
+            code = self.serve(
+                self.shared,
+                str(self._ports_file(index)),
+                index,
+                WorkerLinks(index, outboxes, self.inboxes[index][0], self.key, self.counts),
+            )
         except BaseException:  # os._exit below would end the worker without saying why
             logformat.say_exception(f"gateway worker {index}: ended by an exception:")
         finally:
@@ -293,8 +299,12 @@ class _Supervisor:
                 ended, status = os.waitpid(worker.pid, os.WNOHANG)
                 if ended:
                     code = os.waitstatus_to_exitcode(status)
-                    logformat.say(f"gateway: worker {worker.index} (pid {worker.pid}) ended during start-up with"
-                                  f" status {code}: stopping the others", stream=sys.stderr, level=logging.ERROR)
+                    logformat.say(
+                        f"gateway: worker {worker.index} (pid {worker.pid}) ended during start-up with"
+                        f" status {code}: stopping the others",
+                        stream=sys.stderr,
+                        level=logging.ERROR,
+                    )
                     worker.pid = None
                     self._stop_all()
                     return None, code
@@ -343,8 +353,7 @@ class _Supervisor:
                 return
             now = time.monotonic()
             for worker in self.workers:
-                if not self.stopping and worker.pid is None and worker.restart_at is not None \
-                        and worker.restart_at <= now:
+                if not self.stopping and worker.pid is None and worker.restart_at is not None and worker.restart_at <= now:
                     self._drain_inbox(worker.index)
                     self._fork(worker)
             waits = [w.restart_at - now for w in self.workers if w.pid is None and w.restart_at is not None]
@@ -391,8 +400,14 @@ class _Supervisor:
         if self.asked_to_stop or self.stopping:
             if code != 0 and -code not in self.stop_signals:
                 self.failed = True
-                logformat.say(f"gateway: worker {worker.index} (pid {pid}) {describe_status(status)} during the stop",
-                              stream=sys.stderr, level=logging.ERROR, index=worker.index, pid=pid, status=code)
+                logformat.say(
+                    f"gateway: worker {worker.index} (pid {pid}) {describe_status(status)} during the stop",
+                    stream=sys.stderr,
+                    level=logging.ERROR,
+                    index=worker.index,
+                    pid=pid,
+                    status=code,
+                )
             return
         uptime = now - worker.started
         listened = self._ports_file(worker.index).exists()  # written once it listens (unlinked before the fork)
@@ -409,8 +424,13 @@ class _Supervisor:
             return
         delay = restart_delay(worker.deaths)
         worker.restart_at, worker.died = now + delay, (pid, now)
-        logformat.say(f"{what}: restarting it {'now' if delay == 0 else f'in {delay:g} s'}", stream=sys.stderr,
-                      level=logging.ERROR, restart_in_s=delay, **fields)
+        logformat.say(
+            f"{what}: restarting it {'now' if delay == 0 else f'in {delay:g} s'}",
+            stream=sys.stderr,
+            level=logging.ERROR,
+            restart_in_s=delay,
+            **fields,
+        )
 
     def _look_for_listening(self, now: float) -> None:
         for worker in self.workers:
@@ -419,12 +439,16 @@ class _Supervisor:
             if self._ports_file(worker.index).exists():
                 worker.watching = False
                 since = f", {now - worker.died[1]:.2f} s after pid {worker.died[0]} died" if worker.died else ""
-                logformat.say(f"gateway: worker {worker.index} serving again (pid {worker.pid}){since}",
-                              index=worker.index, pid=worker.pid)
+                logformat.say(
+                    f"gateway: worker {worker.index} serving again (pid {worker.pid}){since}", index=worker.index, pid=worker.pid
+                )
             elif now - worker.started >= READY_TIMEOUT_S:
                 worker.watching = False  # no more looking; it is left to run (a death is handled as any other)
-                logformat.say(f"gateway: worker {worker.index} (pid {worker.pid}) does not listen"
-                              f" {READY_TIMEOUT_S:g} s after its restart", stream=sys.stderr, level=logging.WARNING)
+                logformat.say(
+                    f"gateway: worker {worker.index} (pid {worker.pid}) does not listen {READY_TIMEOUT_S:g} s after its restart",
+                    stream=sys.stderr,
+                    level=logging.WARNING,
+                )
 
     def _drain_inbox(self, index: int) -> None:
         """Close every connection passed to a dead worker (its forwarder sees the end at once)."""

@@ -25,14 +25,24 @@ def test_cluster_addresses_from_the_environment():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("environ, message", [
-    ({"GATEWAY_BROKER_CLUSTER_ADDRESSES": '["127.0.0.1"]'}, "broker.cluster_addresses: '127.0.0.1' is not"),
-    ({"GATEWAY_BROKER_CLUSTER_ADDRESSES": '["127.0.0.1:7000"]', "GATEWAY_BROKER_URL": "redis://127.0.0.1:6379/0"},
-     "broker.url and broker.cluster_addresses are both set"),
-    ({"GATEWAY_BROKER_CLUSTER_ADDRESSES": '["127.0.0.1:7000"]', "GATEWAY_BROKER_SENTINEL_MASTER": "m",
-      "GATEWAY_BROKER_SENTINEL_ADDRESSES": '["127.0.0.1:26379"]'},
-     "broker.sentinel_addresses and broker.cluster_addresses are both set"),
-])
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"GATEWAY_BROKER_CLUSTER_ADDRESSES": '["127.0.0.1"]'}, "broker.cluster_addresses: '127.0.0.1' is not"),
+        (
+            {"GATEWAY_BROKER_CLUSTER_ADDRESSES": '["127.0.0.1:7000"]', "GATEWAY_BROKER_URL": "redis://127.0.0.1:6379/0"},
+            "broker.url and broker.cluster_addresses are both set",
+        ),
+        (
+            {
+                "GATEWAY_BROKER_CLUSTER_ADDRESSES": '["127.0.0.1:7000"]',
+                "GATEWAY_BROKER_SENTINEL_MASTER": "m",
+                "GATEWAY_BROKER_SENTINEL_ADDRESSES": '["127.0.0.1:26379"]',
+            },
+            "broker.sentinel_addresses and broker.cluster_addresses are both set",
+        ),
+    ],
+)
 def test_bad_cluster_settings_are_refused(environ, message):
     with pytest.raises(ConfigError, match=message):
         load_config(environ=environ)
@@ -40,9 +50,15 @@ def test_bad_cluster_settings_are_refused(environ, message):
 
 def test_check_config_exits_2_naming_both_keys_when_sentinels_and_cluster_are_both_set():
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    env.update({"GATEWAY_BROKER_CLUSTER_ADDRESSES": '["127.0.0.1:7000"]', "GATEWAY_BROKER_SENTINEL_MASTER": "m",
-                "GATEWAY_BROKER_SENTINEL_ADDRESSES": '["127.0.0.1:26379"]'})
-    result = subprocess.run([sys.executable, "-m", "gateway", "check-config"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=60)
+    env.update(
+        {
+            "GATEWAY_BROKER_CLUSTER_ADDRESSES": '["127.0.0.1:7000"]',
+            "GATEWAY_BROKER_SENTINEL_MASTER": "m",
+            "GATEWAY_BROKER_SENTINEL_ADDRESSES": '["127.0.0.1:26379"]',
+        }
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2, result.stderr
     assert "broker.sentinel_addresses and broker.cluster_addresses are both set" in result.stderr

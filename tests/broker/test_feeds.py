@@ -26,8 +26,9 @@ class EngineEvents:
         self.topics = self.engine
         self.wakes = 0
 
-    def create_topic(self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None,
-                     start: int = 0) -> dict[str, Any]:
+    def create_topic(
+        self, name: str, config: TopicConfig | None = None, *, epoch: str | None = None, start: int = 0
+    ) -> dict[str, Any]:
         return self.engine.create_topic(name, config, epoch=epoch, start=start).info()
 
     def restart_topic(self, name: str, epoch: str, start: int) -> None:
@@ -57,8 +58,7 @@ def make(loop) -> tuple[Feed, EngineEvents, Line]:
 
 def touched(epoch: str, entries: list[tuple[int, Any]], top: int | None = None) -> Touched:
     stream = [(f"{seq}-1".encode(), [b"d", orjson.dumps(data)]) for seq, data in entries]
-    return Touched(False, epoch, top if top is not None else (entries[-1][0] + 1 if entries else 0), None, None,
-                   stream)
+    return Touched(False, epoch, top if top is not None else (entries[-1][0] + 1 if entries else 0), None, None, stream)
 
 
 def payload(data: Any) -> bytes:
@@ -130,7 +130,8 @@ def test_a_gap_the_stream_no_longer_holds_is_an_exact_loss_notice(loop):
     feed.settle(line, touched("E1", [(7, "x"), (8, "y")]), RING, fresh=False, restart=False)  # 1..6 trimmed
     entries = got(events)
     assert [e for e in entries if e["type"] == "loss"] == [
-        {"type": "loss", "topic": "t", "from": 1, "to": 7, "reason": "skipped"}]
+        {"type": "loss", "topic": "t", "from": 1, "to": 7, "reason": "skipped"}
+    ]
     assert msgs(entries) == [(7, "x"), (8, "y"), (9, "late")]
 
 

@@ -12,8 +12,7 @@ from core.fossil import delta
 TOPIC = "book.x"
 #: a delta with no base to apply it to: it never applies
 BAD_DELTA = {"type": "msg", "topic": TOPIC, "seq": 0, "delta": True, "data": "5\n5:hello3NPMmi;"}
-SUBSCRIBED = {"type": "subscribed", "topic": TOPIC, "kind": "ring", "epoch": "e1", "seq": 0, "delta": True,
-              "id": None}
+SUBSCRIBED = {"type": "subscribed", "topic": TOPIC, "kind": "ring", "epoch": "e1", "seq": 0, "delta": True, "id": None}
 #: the reset test's messages: a whole one, a delta that applies to it, then one that fails
 WHOLE = b'{"bid":1}'
 APPLIES = {"type": "msg", "topic": TOPIC, "seq": 1, "delta": True, "data": delta(WHOLE, b'{"bid":2}').decode()}
@@ -32,6 +31,5 @@ def reset_answer(asked: int, command: dict[str, Any]) -> list[dict[str, Any]]:
     if asked <= 3:
         return [subscribed, BAD_DELTA]
     if asked == 4:
-        return [subscribed, {"type": "msg", "topic": TOPIC, "seq": 0, "delta": False, "data": WHOLE.decode()},
-                APPLIES, FAILS]
+        return [subscribed, {"type": "msg", "topic": TOPIC, "seq": 0, "delta": False, "data": WHOLE.decode()}, APPLIES, FAILS]
     return [{**subscribed, "seq": 2}]

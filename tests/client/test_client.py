@@ -68,8 +68,7 @@ async def gateway(**overrides: Any) -> AsyncIterator[GatewayHandle]:
 
 async def admin(gw: GatewayHandle, method: str, path: str, body: Any = None) -> Any:
     async with httpx.AsyncClient(timeout=5) as http:
-        r = await http.request(method, f"{gw.http_url}{path}", json=body,
-                               headers={"Authorization": f"Bearer {gw.admin_token}"})
+        r = await http.request(method, f"{gw.http_url}{path}", json=body, headers={"Authorization": f"Bearer {gw.admin_token}"})
     assert r.status_code < 300, r.text
     return r.json()
 
@@ -100,6 +99,7 @@ def seqs(events: list[fanout_client.Event]) -> list[int]:
 
 
 # -- delivery, publish, rpc -------------------------------------------------------------------------------------
+
 
 def test_messages_arrive_in_order_and_publish_and_rpc_round_trip() -> None:
     async def main() -> None:
@@ -145,6 +145,7 @@ def test_messages_arrive_in_order_and_publish_and_rpc_round_trip() -> None:
 
 
 # -- reconnects and recovery ------------------------------------------------------------------------------------
+
 
 def test_a_gateway_replaced_mid_stream_is_one_epoch_loss_then_the_stream_goes_on() -> None:
     topic = "feed.restart"
@@ -254,6 +255,7 @@ def test_a_kick_closes_the_client_for_good() -> None:
 
 # -- the bound of a subscription's queue ----------------------------------------------------------------------
 
+
 def test_a_full_queue_pauses_a_ring_topic_and_resumes_it_without_loss() -> None:
     async def main() -> None:
         async with gateway() as gw, fanout_client.connect(gw.http_url, **FAST, max_queued_events=8) as client:
@@ -297,8 +299,10 @@ def test_a_pause_longer_than_the_ring_is_told_as_a_gone_loss() -> None:
 
 def test_a_full_queue_holds_a_private_topic_back_without_loss() -> None:
     async def main() -> None:
-        async with gateway() as gw, fanout_client.connect(gw.http_url, token=make_token("alice"), **FAST,
-                                                         max_queued_events=4) as client:
+        async with (
+            gateway() as gw,
+            fanout_client.connect(gw.http_url, token=make_token("alice"), **FAST, max_queued_events=4) as client,
+        ):
             sub = await client.subscribe("private.inbox")
             assert sub.kind == "private"
             await publish(gw, "private.inbox", [{"n": i} for i in range(40)], client="alice")
@@ -316,11 +320,13 @@ def test_private_entries_written_to_a_stalled_connection_come_again_with_acks(pr
     the connection dead (pings), reconnects and takes its queue over. With acks (the default) the entries
     it never got come again; without, the gateway committed them when written: the client can only tell the
     loss (`gone`)."""
+
     async def main() -> None:
         async with gateway() as gw:
             with TcpProxy(gw.http_port) as proxy:
-                async with fanout_client.connect(proxy.url, token=make_token("alice"), **FAST, ping_interval=0.2,
-                                                 ping_timeout=0.3, private_ack=private_ack) as client:
+                async with fanout_client.connect(
+                    proxy.url, token=make_token("alice"), **FAST, ping_interval=0.2, ping_timeout=0.3, private_ack=private_ack
+                ) as client:
                     sub = await client.subscribe("private.inbox")
                     await publish(gw, "private.inbox", [0, 1], client="alice")
                     assert seqs(await take(sub, 2)) == [0, 1]
@@ -346,6 +352,7 @@ def test_private_entries_written_to_a_stalled_connection_come_again_with_acks(pr
 
 
 # -- tokens and close codes -----------------------------------------------------------------------------------
+
 
 def test_an_expiring_token_is_refreshed_on_the_live_connection() -> None:
     topic = "chat.token"
@@ -381,9 +388,13 @@ def test_a_token_not_refreshed_in_time_is_closed_4011_and_the_client_reconnects(
         closes: list[int] = []
         errors: list[str] = []
         async with gateway(auth={"leeway_s": 0, "expired_grace_s": 1}) as gw:
-            async with fanout_client.connect(gw.http_url, get_token=lambda: tokens.pop(0), **FAST,
-                                             on_state=lambda s, c: c and s == "disconnected" and closes.append(c.code),  # type: ignore[arg-type, func-returns-value]
-                                             on_error=lambda e: errors.append(e.code)) as client:
+            async with fanout_client.connect(
+                gw.http_url,
+                get_token=lambda: tokens.pop(0),
+                **FAST,
+                on_state=lambda s, c: c and s == "disconnected" and closes.append(c.code),  # type: ignore[arg-type, func-returns-value]
+                on_error=lambda e: errors.append(e.code),
+            ) as client:
                 sub = await client.subscribe(topic)
                 await publish(gw, topic, [0])
                 assert seqs(await take(sub, 1)) == [0]
@@ -408,13 +419,18 @@ def test_a_refused_token_closes_the_client_unless_get_token_gives_another() -> N
             # get_token gives the same refused token: final too, after one question
             asked: list[int] = []
             with pytest.raises(FanoutError) as refused:
-                async with fanout_client.connect(gw.http_url, token="not-a-jwt", **FAST,
-                                                 get_token=lambda: asked.append(1) or "not-a-jwt"):  # type: ignore[func-returns-value]
+
+                def same_token() -> str:
+                    asked.append(1)
+                    return "not-a-jwt"
+
+                async with fanout_client.connect(gw.http_url, token="not-a-jwt", **FAST, get_token=same_token):
                     pass
             assert refused.value.close_code == 4001 and asked == [1]
             # another token: reconnects with it
-            async with fanout_client.connect(gw.http_url, token="not-a-jwt", get_token=lambda: make_token("carol"),
-                                             **FAST) as client:
+            async with fanout_client.connect(
+                gw.http_url, token="not-a-jwt", get_token=lambda: make_token("carol"), **FAST
+            ) as client:
                 assert (await client.rpc("whoami"))["user"] == "carol"
                 assert client.last_close is not None and client.last_close.code == 4001
 
@@ -428,8 +444,9 @@ def test_an_expired_token_at_connect_is_4011_final_without_get_token() -> None:
                 async with fanout_client.connect(gw.http_url, token=make_token("dave", ttl=-30), **FAST):
                     pass
             assert (refused.value.code, refused.value.close_code) == ("closed", 4011)
-            async with fanout_client.connect(gw.http_url, token=make_token("dave", ttl=-30), **FAST,
-                                             get_token=lambda: make_token("dave")) as client:
+            async with fanout_client.connect(
+                gw.http_url, token=make_token("dave", ttl=-30), **FAST, get_token=lambda: make_token("dave")
+            ) as client:
                 assert (await client.rpc("whoami"))["user"] == "dave"
 
     run(main())
@@ -460,6 +477,7 @@ def test_requests_wait_for_a_connection_and_time_out_when_none_comes() -> None:
 
 # -- the documentation ------------------------------------------------------------------------------------------
 
+
 def test_the_example_of_docs_client_md_runs_as_written() -> None:
     """The example of "The Python client: fanout_client", run in the checkout against a gateway (its URL in
     place of make run's http://127.0.0.1:8080)."""
@@ -469,8 +487,13 @@ def test_the_example_of_docs_client_md_runs_as_written() -> None:
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "http://127.0.0.1:8080" in example
     with run_gateway() as gw:
-        out = subprocess.run([sys.executable, "-c", example.replace("http://127.0.0.1:8080", gw.http_url)],
-                             cwd=root, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [sys.executable, "-c", example.replace("http://127.0.0.1:8080", gw.http_url)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "'transport': 'ws'" in lines[0]

@@ -21,8 +21,6 @@ from tests.client.hostile_deltas import BAD_DELTA, SUBSCRIBED, TOPIC, commands, 
 pytestmark = pytest.mark.timeout(60)
 
 
-
-
 async def _answer_pings(ws: ServerConnection, command: dict[str, Any]) -> bool:
     if command.get("op") == "ping":
         await ws.send(orjson.dumps([{"type": "reply", "id": command["id"], "result": "pong"}]), text=True)

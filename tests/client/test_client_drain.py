@@ -37,8 +37,7 @@ async def _reconnect_gap(hint_ms: int, backoff_max: float) -> float:
 
     async with serve(handler, "127.0.0.1", 0) as server:
         port = server.sockets[0].getsockname()[1]
-        client = fanout_client.connect(f"ws://127.0.0.1:{port}/ws", backoff_base=0.01, backoff_max=backoff_max,
-                                       start_timeout=0)
+        client = fanout_client.connect(f"ws://127.0.0.1:{port}/ws", backoff_base=0.01, backoff_max=backoff_max, start_timeout=0)
         client.start()
         try:
             await asyncio.wait_for(second.wait(), 10)

@@ -121,9 +121,11 @@ def test_the_largest_frame_a_gateway_builds_is_taken_with_the_defaults() -> None
         async with fanout_client.connect(http_url, start_timeout=10) as client:
             sub = await client.subscribe("feed.big")
             async with httpx.AsyncClient(timeout=10) as http:
-                r = await http.post(f"{http_url}/api/topics/feed.big/publish",
-                                    json={"messages": [*small, big]},
-                                    headers={"Authorization": f"Bearer {admin_token}"})
+                r = await http.post(
+                    f"{http_url}/api/topics/feed.big/publish",
+                    json={"messages": [*small, big]},
+                    headers={"Authorization": f"Bearer {admin_token}"},
+                )
                 assert r.status_code == 200, r.text
             events = [await sub.get(10) for _ in range(len(small) + 1)]
             assert [getattr(e, "data", None) for e in events] == [*small, big]

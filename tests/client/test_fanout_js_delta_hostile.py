@@ -28,16 +28,16 @@ def _node_with_websocket() -> list[str] | None:
     if shutil.which("node") is None:
         return None
     for flags in (["--experimental-websocket"], []):
-        probe = subprocess.run(["node", *flags, "-e", "process.exit(typeof WebSocket === 'function' ? 0 : 1)"],
-                               capture_output=True, timeout=30)
+        probe = subprocess.run(
+            ["node", *flags, "-e", "process.exit(typeof WebSocket === 'function' ? 0 : 1)"], capture_output=True, timeout=30
+        )
         if probe.returncode == 0:
             return ["node", *flags]
     return None
 
 
 NODE = _node_with_websocket()
-pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(NODE is None, reason="needs node with a WebSocket (20 or later)")]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(NODE is None, reason="needs node with a WebSocket (20 or later)")]
 
 
 SCRIPT = """
@@ -61,14 +61,22 @@ process.exit(0);
 async def _run_node(port: int, seconds: float, backoff_base_ms: int = 500) -> dict[str, Any]:
     assert NODE is not None
     node = await asyncio.create_subprocess_exec(
-        *NODE, "--input-type=module", "-e", SCRIPT, (ROOT / "static" / "fanout.js").as_uri(),
-        f"http://127.0.0.1:{port}", TOPIC, str(seconds), str(backoff_base_ms),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        *NODE,
+        "--input-type=module",
+        "-e",
+        SCRIPT,
+        (ROOT / "static" / "fanout.js").as_uri(),
+        f"http://127.0.0.1:{port}",
+        TOPIC,
+        str(seconds),
+        str(backoff_base_ms),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(node.communicate(), 45)
     assert node.returncode == 0, err.decode()
     result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     return result
-
 
 
 def test_failing_deltas_resubscribe_with_backoff_and_a_bounded_table() -> None:

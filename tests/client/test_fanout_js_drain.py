@@ -43,8 +43,12 @@ process.exit(0);
 
 
 def run_node(hint: str, backoff_max_ms: int) -> dict:
-    out = subprocess.run(["node", "--input-type=module", "-e", SCRIPT, (ROOT / "static" / "fanout.js").as_uri(),
-                          hint, str(backoff_max_ms)], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["node", "--input-type=module", "-e", SCRIPT, (ROOT / "static" / "fanout.js").as_uri(), hint, str(backoff_max_ms)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -94,8 +98,12 @@ process.exit(0);
 
 def test_a_long_poll_closed_entry_with_retry_ms_delays_the_reconnect() -> None:
     """`retry_ms` of the entry wins over the reason's text (which says 1 ms here)."""
-    out = subprocess.run(["node", "--input-type=module", "-e", LP_SCRIPT, (ROOT / "static" / "fanout.js").as_uri(),
-                          "500"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["node", "--input-type=module", "-e", LP_SCRIPT, (ROOT / "static" / "fanout.js").as_uri(), "500"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     gap = json.loads(out.stdout.strip().splitlines()[-1])["gap"]
     assert 500 <= gap < 1500, gap
@@ -127,8 +135,12 @@ process.exit(0);
 
 def test_a_gateway_closing_1012_reconnect_in_0_ms_at_once_meets_a_growing_backoff() -> None:
     # a hint only lengthens the delay: every attempt still counts, so the full-jitter cap doubles each time
-    out = subprocess.run(["node", "--input-type=module", "-e", ZERO_HINT_SCRIPT,
-                          (ROOT / "static" / "fanout.js").as_uri()], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["node", "--input-type=module", "-e", ZERO_HINT_SCRIPT, (ROOT / "static" / "fanout.js").as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     opened = json.loads(out.stdout.strip().splitlines()[-1])["opened"]
     assert opened <= 12, opened  # without the backoff: hundreds in 2 s

@@ -18,7 +18,10 @@ from tests.core.fossil_corpus import book_pairs
 pytestmark = pytest.mark.unit
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6),
     max_leaves=30,
@@ -89,8 +92,10 @@ def test_a_bad_delta_is_refused_and_the_base_forgotten(bad, says):
 def test_a_delta_for_another_base_is_refused_never_applied():
     base = DeltaBase()
     base.whole({"price": 1, "size": 10, "venue": "north", "book": list(range(20))})
-    for_another = delta_entry_data(orjson.dumps({"price": 1, "size": 99, "venue": "south", "book": list(range(20))}),
-                                   orjson.dumps({"price": 2, "size": 99, "venue": "south", "book": list(range(20))}))
+    for_another = delta_entry_data(
+        orjson.dumps({"price": 1, "size": 99, "venue": "south", "book": list(range(20))}),
+        orjson.dumps({"price": 2, "size": 99, "venue": "south", "book": list(range(20))}),
+    )
     with pytest.raises(DeltaError, match="checksum"):
         base.apply(for_another)
     assert base.text is None

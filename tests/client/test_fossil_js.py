@@ -50,8 +50,13 @@ def b64(data: bytes) -> str:
 
 
 def run_node(cases: dict[str, Any]) -> dict[str, Any]:
-    done = subprocess.run(["node", "--input-type=module", "-e", SCRIPT, (ROOT / "static" / "fossil.js").as_uri()],
-                          input=json.dumps(cases), capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        ["node", "--input-type=module", "-e", SCRIPT, (ROOT / "static" / "fossil.js").as_uri()],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
@@ -96,8 +101,18 @@ def test_fossil_js_applies_our_deltas_and_refuses_bad_ones():
     source = b"The quick brown fox jumps over the lazy dog"
     good = delta(source, b"The quick brown cat jumps over the lazy dog")
     other = source.replace(b"fox", b"FOX")
-    refused = [b"", b"5\n", b"5\n5:hel", good[:-1], good + b"x", good.replace(b"@", b"!", 1), b"5\n9@0,0;",
-               b"5\n5:hello3NPMmi;", b"5\n" + b"1" * 20 + b":", delta(other, other + b"!")]
+    refused = [
+        b"",
+        b"5\n",
+        b"5\n5:hel",
+        good[:-1],
+        good + b"x",
+        good.replace(b"@", b"!", 1),
+        b"5\n9@0,0;",
+        b"5\n5:hello3NPMmi;",
+        b"5\n" + b"1" * 20 + b":",
+        delta(other, other + b"!"),
+    ]
     checked = [bytes(range(n)) for n in range(9)] + [b"\xff" * 1001]
     cases = {
         "binary": [[b64(a), b64(delta(a, b))] for a, b in pairs],
@@ -148,9 +163,19 @@ def test_fossil_js_checks_a_delta_before_it_allocates_the_output():
     refused = "10000\n1:x0;"  # base 64: 64^4 = 16 MiB
     assert len(refused) == 11 and int(refused[0]) * 64**4 == sixteen_mib
     huge = "G0000000\n1:x0;"  # 16 * 64^7 = 2^46 bytes
-    done = subprocess.run(["node", "--input-type=module", "-e", ALLOCATION_SCRIPT,
-                           (ROOT / "static" / "fossil.js").as_uri(), json.dumps(["base", refused, huge])],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            "node",
+            "--input-type=module",
+            "-e",
+            ALLOCATION_SCRIPT,
+            (ROOT / "static" / "fossil.js").as_uri(),
+            json.dumps(["base", refused, huge]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["outcomes"] == ["DeltaError"], result

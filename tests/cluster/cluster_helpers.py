@@ -45,8 +45,14 @@ class Node:
             # drain_timeout_s: a SIGTERM (`stop`) drains for at most 1 s, not the default 10, for the clients a
             # test leaves open (an abandoned long-poll session would hold the drain to its end; with nothing
             # left open it ends at once). The drain tests set their own (test_drain_workers.py)
-            "server": {"host": "127.0.0.1", "port": 0, "admin_token": TOKEN, "log_level": "warning",
-                       "max_connections_per_ip": 0, "drain_timeout_s": 1.0},
+            "server": {
+                "host": "127.0.0.1",
+                "port": 0,
+                "admin_token": TOKEN,
+                "log_level": "warning",
+                "max_connections_per_ip": 0,
+                "drain_timeout_s": 1.0,
+            },
             "ingest": {"port": 0},
             "rawtcp": {"enabled": False},
             "broker": {"url": self.redis_url, "connect_timeout_s": 5.0},
@@ -58,8 +64,14 @@ class Node:
         for name, values in sections.items():
             lines.append(f"[{name}]")
             lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
-        lines += ['[[topics.rules]]', 'pattern = "*"', 'kind = "ring"', 'capacity = 16', 'anonymous = true',
-                  'client_publish = true']
+        lines += [
+            "[[topics.rules]]",
+            'pattern = "*"',
+            'kind = "ring"',
+            "capacity = 16",
+            "anonymous = true",
+            "client_publish = true",
+        ]
         lines += [f"{key} = {json.dumps(value)}" for key, value in self.sections.get("rule", {}).items()]
         return "\n".join(lines) + "\n"
 
@@ -72,7 +84,10 @@ class Node:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
-            cwd=ROOT, env=env, stdout=open(self.workdir / "gateway.log", "ab"), stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            stdout=open(self.workdir / "gateway.log", "ab"),
+            stderr=subprocess.STDOUT,
         )
         if wait:
             deadline = time.monotonic() + 30
@@ -121,8 +136,12 @@ class Node:
     # -- clients ---------------------------------------------------------------------------------------
 
     def publish(self, topic: str, data: Any, **extra: Any) -> httpx.Response:
-        return httpx.post(f"{self.http_url}/api/topics/{topic}/publish", json={"data": data, **extra},
-                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        return httpx.post(
+            f"{self.http_url}/api/topics/{topic}/publish",
+            json={"data": data, **extra},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
+        )
 
     def api(self, path: str) -> Any:
         reply = httpx.get(f"{self.http_url}/api{path}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
@@ -173,7 +192,7 @@ def subscribe(ws, topic: str, since: tuple[str, int] | None = None) -> dict:
     got = collect(ws, done)
     entry = next(e for e in got if e.get("id") == topic)
     assert entry["type"] == "subscribed", entry
-    pending += got[got.index(entry) + 1:]
+    pending += got[got.index(entry) + 1 :]
     ws.pending = pending  # entries that came in the same frame
     return entry
 
@@ -186,8 +205,11 @@ def messages(ws, topic: str, until, timeout: float = 10.0) -> list[dict]:
     while not until(got):
         remaining = deadline - time.monotonic()
         assert remaining > 0, f"timed out; got {got[-6:]}"
-        got += [e for e in orjson.loads(ws.recv(timeout=remaining))
-                if e.get("topic") == topic and e["type"] in ("msg", "loss", "subscribed")]
+        got += [
+            e
+            for e in orjson.loads(ws.recv(timeout=remaining))
+            if e.get("topic") == topic and e["type"] in ("msg", "loss", "subscribed")
+        ]
     return got
 
 

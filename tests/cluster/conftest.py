@@ -13,8 +13,7 @@ from loadtest.redisproc import REDIS_SERVER
 from tests.cluster.cluster_helpers import NodeFactory, RedisServer
 
 if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):
-    pytest.skip(f"{REDIS_SERVER} is missing: `make redis` (part of `make test`) installs it",
-                allow_module_level=True)
+    pytest.skip(f"{REDIS_SERVER} is missing: `make redis` (part of `make test`) installs it", allow_module_level=True)
 
 
 @pytest.fixture

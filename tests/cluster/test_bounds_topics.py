@@ -55,8 +55,9 @@ def test_creations_are_bounded_per_address_across_reconnects_and_in_the_cluster(
         assert subscribe(ws, "p.1")["type"] == "subscribed"  # exists: no creation
     with b.ws() as ws:  # the cluster holds 3; node b's own clients take it to its bound of 5
         assert publish_to(ws, ["q.0", "q.1", "q.2"]) == ["ok", "ok", "too_many_topics"]
-    refused = httpx.post(f"{a.http_url}/api/topics/r.0/publish", json={"data": 1},
-                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    refused = httpx.post(
+        f"{a.http_url}/api/topics/r.0/publish", json={"data": 1}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+    )
     assert refused.status_code == 507 and refused.json()["error"]["code"] == "too_many_topics"
     assert 'fanout_topic_creations_refused_total{bound="cluster"}' in httpx.get(f"{b.http_url}/metrics").text
 
@@ -141,8 +142,12 @@ def test_a_stalled_redis_holds_the_ingest_back_and_refuses_other_publishes_past_
             assert lines.next(1.0) is None, "a record was answered while Redis stalls"
             pending = metric(node.http_url, "fanout_broker_pending_bytes")
             assert 0 < pending <= 262144
-            refused = httpx.post(f"{node.http_url}/api/topics/stall/publish", json={"data": "y" * 300000},
-                                 headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+            refused = httpx.post(
+                f"{node.http_url}/api/topics/stall/publish",
+                json={"data": "y" * 300000},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+                timeout=10,
+            )
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["code"] == "broker_unavailable"
             assert "max_pending_bytes" in refused.json()["error"]["message"]

@@ -134,15 +134,17 @@ def test_two_workers_serve_one_port_and_every_subscriber_gets_every_message(node
         with socket.create_connection(("127.0.0.1", node.ingest_port), timeout=5) as ingest:
             for i in range(10):  # each request a new connection: the kernel spreads them over the workers
                 assert node.publish("w", i).json()["seqs"] == [i]
-            ingest.sendall(b"".join(json.dumps({"topic": "w", "data": i}).encode() + b"\n" for i in range(10, 20))
-                           + b'{"sync": 1}\n')
-            assert json.loads(ingest.makefile().readline()) == {"type": "synced", "id": 1, "accepted": 10,
-                                                                "refused": 0}
+            ingest.sendall(
+                b"".join(json.dumps({"topic": "w", "data": i}).encode() + b"\n" for i in range(10, 20)) + b'{"sync": 1}\n'
+            )
+            assert json.loads(ingest.makefile().readline()) == {"type": "synced", "id": 1, "accepted": 10, "refused": 0}
         for ws in clients:
             assert seqs(messages(ws, "w", lambda g: len(g) >= 20)) == list(range(20))
         # both workers report to Redis; the stats count every client, whichever worker holds it
-        wait_for(lambda: (c := node.api("/stats")["cluster"]) and len(c["nodes"]) == 2 and c["clients"] == 6,
-                 what="2 workers and 6 clients in the cluster stats")
+        wait_for(
+            lambda: (c := node.api("/stats")["cluster"]) and len(c["nodes"]) == 2 and c["clients"] == 6,
+            what="2 workers and 6 clients in the cluster stats",
+        )
     assert node.stop() == 0, node.log()[-2000:]  # SIGTERM: a clean stop of every worker is a success
     assert "ended with status" not in node.log()
 

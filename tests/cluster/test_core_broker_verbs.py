@@ -38,9 +38,14 @@ def tiles(entries: list[dict], start: int) -> int:
     return at
 
 
-steps = st.lists(st.one_of(st.tuples(st.just("publish"), st.integers(1, 5)),
-                           st.tuples(st.just("skip"), st.integers(1, 40)),
-                           st.tuples(st.just("read"), st.just(0))), max_size=40)
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.integers(1, 5)),
+        st.tuples(st.just("skip"), st.integers(1, 40)),
+        st.tuples(st.just("read"), st.just(0)),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -29,7 +29,7 @@ FAST = {"stats_interval_s": 0.3}
 def snapshots(response: httpx.Response) -> Iterator[dict]:
     for line in response.iter_lines():
         if line.startswith("data: "):
-            yield json.loads(line[len("data: "):])
+            yield json.loads(line[len("data: ") :])
 
 
 def first(stream: Iterator[dict], condition, timeout: float = 15.0) -> dict:
@@ -86,9 +86,11 @@ def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
                 def sees_b(snap: dict) -> bool:
                     cluster = snap["cluster"]
                     rows = {c["id"]: c for c in cluster["clients"]}
-                    return (b_ids <= rows.keys() and all(rows[i]["node"] == b_node and (rows[i]["rate"] or 0) > 0
-                                                         for i in b_ids)
-                            and all(n["listed"] is not None for n in cluster["nodes"]))
+                    return (
+                        b_ids <= rows.keys()
+                        and all(rows[i]["node"] == b_node and (rows[i]["rate"] or 0) > 0 for i in b_ids)
+                        and all(n["listed"] is not None for n in cluster["nodes"])
+                    )
 
                 snap = first(stream, sees_b)
                 assert snap["node"] == a_node
@@ -121,7 +123,6 @@ def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
         time.sleep(0.2)
 
 
-
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
 @pytest.mark.timeout(120)
 def test_node_a_dashboard_shows_node_b_and_kicks_its_client(nodes, tmp_path):
@@ -150,21 +151,27 @@ def test_node_a_dashboard_shows_node_b_and_kicks_its_client(nodes, tmp_path):
             with Chromium(tmp_path / "profile", window=(1400, 1000)) as browser:
                 browser.call("Page.navigate", url=f"{a.http_url}/admin/#token={TOKEN}")
                 b_rows = f"document.querySelectorAll('#clients tr[data-node=\"{b_node}\"]')"
-                browser.wait_for(guarded(
-                    "document.querySelectorAll('#nodes tbody tr').length === 2"
-                    f" && {b_rows}.length === 2 && document.querySelectorAll('#clients tbody tr').length === 3"
-                    " && !document.getElementById('nodes-panel').hidden"
-                    " && document.getElementById('c-clients').textContent === '3'"),
-                    30, what="both nodes and B's two clients in A's dashboard",
-                    dump="document.querySelector('main').innerText")
+                browser.wait_for(
+                    guarded(
+                        "document.querySelectorAll('#nodes tbody tr').length === 2"
+                        f" && {b_rows}.length === 2 && document.querySelectorAll('#clients tbody tr').length === 3"
+                        " && !document.getElementById('nodes-panel').hidden"
+                        " && document.getElementById('c-clients').textContent === '3'"
+                    ),
+                    30,
+                    what="both nodes and B's two clients in A's dashboard",
+                    dump="document.querySelector('main').innerText",
+                )
                 assert browser.evaluate(f"{b_rows}[0].querySelector('td.node-col').textContent") == b_node
                 assert browser.evaluate("document.getElementById('c-transports').textContent").startswith("2 nodes")
                 victim = b_ids[0]
-                browser.evaluate("window.confirm = () => true; document.querySelector("
-                                 f"'#clients tr[data-client=\"{victim}\"] button').click()")
-                browser.wait_for(guarded(f"!document.querySelector('#clients tr[data-client=\"{victim}\"]')"
-                                         f" && {b_rows}.length === 1"),
-                                 what="the kicked client of B to leave A's table")
+                browser.evaluate(
+                    f"window.confirm = () => true; document.querySelector('#clients tr[data-client=\"{victim}\"] button').click()"
+                )
+                browser.wait_for(
+                    guarded(f"!document.querySelector('#clients tr[data-client=\"{victim}\"]') && {b_rows}.length === 1"),
+                    what="the kicked client of B to leave A's table",
+                )
                 assert browser.errors == []
         finally:
             stop.set()
@@ -185,8 +192,10 @@ def test_with_two_workers_one_stream_shows_both(nodes):
         listed = httpx.get(f"{w.http_url}/api/clients", headers=ADMIN, timeout=10).json()
         assert listed["total"] == 16 and listed["nodes"] == 2
         with httpx.stream("GET", f"{w.http_url}/api/stats/stream", headers=ADMIN, timeout=30) as response:
-            snap = first(snapshots(response), lambda s: len(s["cluster"]["clients"]) == 16
-                         and all(n["listed"] is not None for n in s["cluster"]["nodes"]))
+            snap = first(
+                snapshots(response),
+                lambda s: len(s["cluster"]["clients"]) == 16 and all(n["listed"] is not None for n in s["cluster"]["nodes"]),
+            )
         cluster = snap["cluster"]
         assert cluster["totals"]["nodes"] == 2 and cluster["totals"]["clients"] == 16
         assert {c["id"] for c in cluster["clients"]} == {c["id"] for c in listed["clients"]}

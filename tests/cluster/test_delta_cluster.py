@@ -21,8 +21,7 @@ def test_deltas_across_two_nodes(nodes):
         assert [e for e in got if e["type"] == "subscribed"][0]["delta"] is True
         for data in books:
             assert first.publish("book.c", data).status_code == 200
-        entries = [e for e in messages(ws, "book.c", lambda got: sum(e["type"] == "msg" for e in got) >= 5)
-                   if e["type"] == "msg"]
+        entries = [e for e in messages(ws, "book.c", lambda got: sum(e["type"] == "msg" for e in got) >= 5) if e["type"] == "msg"]
     assert [e["delta"] for e in entries] == [False, True, True, True, True]
     base, rebuilt = b"", []
     for entry in entries:

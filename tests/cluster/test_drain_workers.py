@@ -15,8 +15,7 @@ HINT = re.compile(r"restarting: reconnect in (\d+) ms")
 
 
 def test_every_worker_drains_and_the_supervisor_exits_0(nodes):
-    node = nodes.start("w", server={"workers": 2, "log_level": "info", "drain_timeout_s": 5.0,
-                                    "drain_spread_s": 2.0})
+    node = nodes.start("w", server={"workers": 2, "log_level": "info", "drain_timeout_s": 5.0, "drain_spread_s": 2.0})
     assert len(node.info["workers"]) == 2
     with contextlib.ExitStack() as stack:
         clients = [stack.enter_context(node.ws()) for _ in range(16)]  # spread over the workers by the kernel
@@ -38,8 +37,10 @@ def test_every_worker_drains_and_the_supervisor_exits_0(nodes):
         assert node.proc.wait(15) == 0, node.log()[-3000:]
         took = time.monotonic() - sent_at
     assert took < 5.0 + 3, took
-    print(f"\n2 workers: supervisor exited 0 {took:.2f} s after SIGTERM; hints {min(hints)}..{max(hints)} ms,"
-          f" {len(set(hints))} distinct of {len(hints)}")
+    print(
+        f"\n2 workers: supervisor exited 0 {took:.2f} s after SIGTERM; hints {min(hints)}..{max(hints)} ms,"
+        f" {len(set(hints))} distinct of {len(hints)}"
+    )
     assert len(set(hints)) > 8 and all(0 <= h <= 2000 for h in hints), hints
     log = node.log()
     assert log.count("drained in") == 2, log[-3000:]  # each worker drained

@@ -21,8 +21,10 @@ import pytest
 from tests.cluster.cluster_helpers import Node
 
 #: what a Redis 7 answers to HELLO 3 (redis-py sends it first)
-HELLO = (b"%7\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$6\r\n7.0.15\r\n$5\r\nproto\r\n:3\r\n$2\r\nid\r\n"
-         b":3\r\n$4\r\nmode\r\n$8\r\nsentinel\r\n$4\r\nrole\r\n$8\r\nsentinel\r\n$7\r\nmodules\r\n*0\r\n")
+HELLO = (
+    b"%7\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$6\r\n7.0.15\r\n$5\r\nproto\r\n:3\r\n$2\r\nid\r\n"
+    b":3\r\n$4\r\nmode\r\n$8\r\nsentinel\r\n$4\r\nrole\r\n$8\r\nsentinel\r\n$7\r\nmodules\r\n*0\r\n"
+)
 
 
 def bulk(text: str) -> bytes:
@@ -46,10 +48,9 @@ MALFORMED = {
     "no-flags": b"*1\r\n" + master(name=bulk("mymaster"), ip=bulk("127.0.0.1"), port=bulk("6379")),
     "no-address": b"*1\r\n" + master(name=bulk("mymaster"), flags=bulk("master"), num_other_sentinels=bulk("0")),
     # redis-py reads it to decide whether the sentinel sees the others
-    "no-sentinel-count": b"*1\r\n" + master(name=bulk("mymaster"), ip=bulk("127.0.0.1"), port=bulk("6379"),
-                                             flags=bulk("master")),
-    "port-not-a-number": b"*1\r\n" + master(name=bulk("mymaster"), ip=bulk("127.0.0.1"), port=bulk("sixty"),
-                                            flags=bulk("master")),
+    "no-sentinel-count": b"*1\r\n" + master(name=bulk("mymaster"), ip=bulk("127.0.0.1"), port=bulk("6379"), flags=bulk("master")),
+    "port-not-a-number": b"*1\r\n"
+    + master(name=bulk("mymaster"), ip=bulk("127.0.0.1"), port=bulk("sixty"), flags=bulk("master")),
 }
 
 
@@ -112,14 +113,16 @@ def fake_sentinel() -> Iterator[Callable[[bytes], FakeSentinel]]:
 
 
 def sentinel_node(workdir: Path, sentinel: str) -> Node:
-    return Node(workdir, "", {"broker": {"url": "", "sentinel_addresses": [sentinel], "sentinel_master": "mymaster",
-                                         "connect_timeout_s": 1.0}})
+    return Node(
+        workdir,
+        "",
+        {"broker": {"url": "", "sentinel_addresses": [sentinel], "sentinel_master": "mymaster", "connect_timeout_s": 1.0}},
+    )
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("answer", sorted(MALFORMED))
-def test_a_malformed_sentinel_masters_answer_is_the_unreachable_line_and_status_2(tmp_path, fake_sentinel,
-                                                                                  answer) -> None:
+def test_a_malformed_sentinel_masters_answer_is_the_unreachable_line_and_status_2(tmp_path, fake_sentinel, answer) -> None:
     sentinel = fake_sentinel(MALFORMED[answer])
     node = sentinel_node(tmp_path / "gw", sentinel.address)
     node.start(wait=False)
@@ -135,9 +138,16 @@ def test_a_malformed_sentinel_masters_answer_is_the_unreachable_line_and_status_
 
 @pytest.mark.timeout(60)
 def test_a_well_formed_answer_still_names_the_primary(tmp_path, fake_sentinel, redis_server) -> None:
-    sentinel = fake_sentinel(b"*1\r\n" + master(name=bulk("mymaster"), ip=bulk("127.0.0.1"),
-                                                port=bulk(str(redis_server.port)),
-                                                flags=bulk("master"), num_other_sentinels=bulk("0")))
+    sentinel = fake_sentinel(
+        b"*1\r\n"
+        + master(
+            name=bulk("mymaster"),
+            ip=bulk("127.0.0.1"),
+            port=bulk(str(redis_server.port)),
+            flags=bulk("master"),
+            num_other_sentinels=bulk("0"),
+        )
+    )
     node = sentinel_node(tmp_path / "gw", sentinel.address).start()
     try:
         published = node.publish("first.hour", {"n": 1})
@@ -157,8 +167,7 @@ def taken_port() -> Iterator[int]:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("section, key", [("server", "port"), ("ingest", "port"), ("rawtcp", "sender_port")])
-def test_two_workers_and_a_port_in_use_end_with_one_line_and_status_2(tmp_path, redis_server, taken_port, section,
-                                                                      key) -> None:
+def test_two_workers_and_a_port_in_use_end_with_one_line_and_status_2(tmp_path, redis_server, taken_port, section, key) -> None:
     sections: dict[str, dict[str, object]] = {"server": {"workers": 2}}
     if section == "rawtcp":  # worker 0 alone binds it
         sections["rawtcp"] = {"enabled": True, "sender_port": 0, "receiver_port": 0}

@@ -23,8 +23,7 @@ def test_two_workers_log_json_lines_each_naming_its_worker(nodes) -> None:
     with pytest.raises(WebSocketException):  # refused at the handshake, or closed at once
         with connect(f"{node.ws_url}?token=not-a-token", open_timeout=5) as ws:
             ws.recv(timeout=5)
-    with node.ws() as ws, httpx.Client(base_url=node.http_url, timeout=10,
-                                       headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+    with node.ws() as ws, httpx.Client(base_url=node.http_url, timeout=10, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         deadline = time.monotonic() + 5
         while not (clients := http.get("/api/clients").json()["clients"]) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -44,8 +43,9 @@ def test_two_workers_log_json_lines_each_naming_its_worker(nodes) -> None:
     assert len([r for r in records if "token refused" in r["event"] and r["source"] == "ws"]) == 1, node.log()
     draining = [r["worker"] for r in records if r["event"].startswith("draining:")]
     assert sorted(draining) == [0, 1], node.log()
-    assert sorted(r["worker"] for r in records if r.get("logger") == "uvicorn.error"
-                  and "Started server process" in r["event"]) == [0, 1], node.log()
+    assert sorted(
+        r["worker"] for r in records if r.get("logger") == "uvicorn.error" and "Started server process" in r["event"]
+    ) == [0, 1], node.log()
 
 
 @pytest.mark.timeout(60)

@@ -67,17 +67,36 @@ async def until(condition: Callable[[], bool], timeout: float) -> float | None:
     return None
 
 
-async def with_link(url: str, body: Callable[[link.SingleLink, list[asyncio.Task[None]]], Awaitable[object]],
-                    reconnected: Callable[[], Awaitable[None]] | None = None) -> object:
+async def with_link(
+    url: str,
+    body: Callable[[link.SingleLink, list[asyncio.Task[None]]], Awaitable[object]],
+    reconnected: Callable[[], Awaitable[None]] | None = None,
+) -> object:
     """Connect a SingleLink, run its reader and probe, await `body(link, tasks)`, stop."""
+
     async def checked() -> None:
         pass
 
-    node = link.SingleLink(BrokerConfig(
-        url=url, sentinel_addresses=[], sentinel_master="", cluster_addresses=[], prefix="lo", history_ttl_s=60.0,
-        connect_timeout_s=5.0, max_topics=0, max_pending_bytes=0), link.LinkHooks(
-        message=lambda channel, payload: None, lost=lambda: None, channels=lambda: ["lo:control"],
-        reconnected=reconnected or checked, back=lambda: None))
+    node = link.SingleLink(
+        BrokerConfig(
+            url=url,
+            sentinel_addresses=[],
+            sentinel_master="",
+            cluster_addresses=[],
+            prefix="lo",
+            history_ttl_s=60.0,
+            connect_timeout_s=5.0,
+            max_topics=0,
+            max_pending_bytes=0,
+        ),
+        link.LinkHooks(
+            message=lambda channel, payload: None,
+            lost=lambda: None,
+            channels=lambda: ["lo:control"],
+            reconnected=reconnected or checked,
+            back=lambda: None,
+        ),
+    )
     await node.connect(5.0)
     tasks = node.run()
     try:
@@ -123,8 +142,10 @@ def test_readiness_comes_back_after_thousands_of_failed_reconnects(redis_server,
     lines = broker_lines(caplog)
     assert not [m for m in lines if "unexpectedly" in m], lines  # the race is gone, not only survived
     assert len([m for m in lines if DOWN.search(m)]) == 1 and len([m for m in lines if BACK.search(m)]) == 1, lines
-    print(f"\n{failed} failed reconnects in 3 s; ready {ready_after:.3f} s after Redis served again;"
-          f" {[m for m in lines if BACK.search(m)][0]}")
+    print(
+        f"\n{failed} failed reconnects in 3 s; ready {ready_after:.3f} s after Redis served again;"
+        f" {[m for m in lines if BACK.search(m)][0]}"
+    )
 
 
 def test_a_reconnect_that_fails_with_no_redis_error_is_retried_and_told_once(redis_server, monkeypatch, caplog):

@@ -26,8 +26,7 @@ class PrivateNode(Node):
     max_count = 8
 
     def config_text(self) -> str:
-        rule = (f'[[topics.rules]]\npattern = "private.*"\nkind = "private"\nmax_count = {self.max_count}\n'
-                'batch_depth = 4\n')
+        rule = f'[[topics.rules]]\npattern = "private.*"\nkind = "private"\nmax_count = {self.max_count}\nbatch_depth = 4\n'
         text = super().config_text()
         first = text.index("[[topics.rules]]")  # before the catch-all ring rule: the first match wins
         return text[:first] + rule + text[first:]

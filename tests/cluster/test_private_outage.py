@@ -20,8 +20,7 @@ from tests.gateway.gw_helpers import wait_for
 
 def refused_while_down(node, user: str) -> None:
     """Publishes to `user`'s queue get 503 `broker_unavailable` (`Retry-After: 1`) once the node saw Redis go."""
-    refused = wait_for(lambda: (r := node.publish(TOPIC, "lost?", client=user)).status_code == 503 and r,
-                       what="a 503")
+    refused = wait_for(lambda: (r := node.publish(TOPIC, "lost?", client=user)).status_code == 503 and r, what="a 503")
     assert refused.json()["error"]["code"] == "broker_unavailable"
     assert refused.headers["retry-after"] == "1"
 
@@ -79,8 +78,10 @@ def test_redis_back_empty_the_holder_makes_the_queue_again_and_its_subscriber_re
         shutdown(redis_server, save=False)
         refused_while_down(b, "alice")
         redis_server.start()  # empty: the holder (a) makes alice's queue again, same epoch, at its local end
-        accepted = wait_for(lambda: (r := b.publish(TOPIC, "back", client="alice")).status_code == 200 and r,
-                            what="publishes after Redis returned")
+        accepted = wait_for(
+            lambda: (r := b.publish(TOPIC, "back", client="alice")).status_code == 200 and r,
+            what="publishes after Redis returned",
+        )
         assert accepted.json()["seqs"] == [3]
         got = messages(ws, TOPIC, lambda g: len(msgs(g)) >= 1)
         assert got == [{"type": "msg", "topic": TOPIC, "seq": 3, "data": "back"}]  # nothing lost: no notice
@@ -109,8 +110,9 @@ def test_redis_back_empty_after_it_took_messages_the_holder_never_pulled_closes_
         assert closed == {"type": "closed", "topic": TOPIC, "reason": "lost"}
         # the client subscribes again: a new queue, in a new epoch
         assert subscribe(ws, TOPIC)["seq"] == 0
-        new = wait_for(lambda: (r := b.publish(TOPIC, "new", client="erin")).status_code == 200 and r,
-                       what="b back on Redis")  # b reconnects on its own schedule
+        new = wait_for(
+            lambda: (r := b.publish(TOPIC, "new", client="erin")).status_code == 200 and r, what="b back on Redis"
+        )  # b reconnects on its own schedule
         assert new.json()["seqs"] == [0]
         assert msgs(messages(ws, TOPIC, lambda g: len(msgs(g)) >= 1)) == [(0, "new")]
 
@@ -132,8 +134,10 @@ def test_ingest_on_one_node_reaches_a_private_subscriber_on_another_and_waits_wh
         subscribe(ws, TOPIC)
     # carol left: her queue stays in Redis and fills up from b's ingest
     with socket.create_connection(("127.0.0.1", b.ingest_port), timeout=10) as ingest:
-        ingest.sendall(b"".join(json.dumps({"topic": TOPIC, "client": "carol", "data": i}).encode() + b"\n"
-                                for i in range(6)) + b'{"sync": 1}\n')
+        ingest.sendall(
+            b"".join(json.dumps({"topic": TOPIC, "client": "carol", "data": i}).encode() + b"\n" for i in range(6))
+            + b'{"sync": 1}\n'
+        )
         ingest.settimeout(1.0)
         try:
             early = ingest.recv(4096)
@@ -148,7 +152,9 @@ def test_ingest_on_one_node_reaches_a_private_subscriber_on_another_and_waits_wh
             assert got == [(i, i) for i in range(6)]
             assert orjson.loads(reader.readline()) == {"type": "synced", "id": 1, "accepted": 6, "refused": 0}
             # live: an ingest record reaches her at once, in order, after the others
-            ingest.sendall(b"".join(json.dumps({"topic": TOPIC, "client": "carol", "data": f"x{i}"}).encode()
-                                    + b"\n" for i in range(3)) + b'{"sync": 2}\n')
+            ingest.sendall(
+                b"".join(json.dumps({"topic": TOPIC, "client": "carol", "data": f"x{i}"}).encode() + b"\n" for i in range(3))
+                + b'{"sync": 2}\n'
+            )
             assert orjson.loads(reader.readline()) == {"type": "synced", "id": 2, "accepted": 3, "refused": 0}
             assert msgs(messages(ws, TOPIC, lambda g: len(msgs(g)) >= 3)) == [(6 + i, f"x{i}") for i in range(3)]

@@ -27,8 +27,7 @@ def test_a_grants_server_side_topics_work_on_a_node_with_the_redis_broker(nodes,
     b = nodes.start("b")
     with a.ws() as ws:
         got = collect(ws, lambda g: len([e for e in g if e["type"] == "subscribed"]) >= 2)
-        assert sorted((e["topic"], e["id"]) for e in got if e["type"] == "subscribed") == [
-            ("news.c", None), ("news.d", None)]
+        assert sorted((e["topic"], e["id"]) for e in got if e["type"] == "subscribed") == [("news.c", None), ("news.d", None)]
         assert not [e for e in got if e["type"] == "error"], got
         send(ws, op="rpc", method="whoami", id="who")
         got = collect(ws, lambda g: any(e.get("id") == "who" for e in g))

@@ -55,7 +55,7 @@ def by_topic(ws, until, timeout: float = 10.0) -> dict[str, list[dict]]:
     deadline = time.monotonic() + timeout
     while not until(got):
         remaining = deadline - time.monotonic()
-        assert remaining > 0, f"timed out; got {({t: e[-3:] for t, e in got.items()})}"
+        assert remaining > 0, f"timed out; got { ({t: e[-3:] for t, e in got.items()}) }"
         for entry in orjson.loads(ws.recv(timeout=remaining)):
             if entry["type"] in ("msg", "loss", "subscribed"):
                 got.setdefault(entry["topic"], []).append(entry)

@@ -58,8 +58,7 @@ def test_redis_restored_from_an_older_snapshot_starts_a_new_epoch_and_reuses_no_
     assert sum("fanout_broker_rewinds_total 1.0" in text for text in rewinds) >= 1  # the first to see it rewound
 
 
-def test_a_publish_answered_with_a_seq_already_delivered_is_refused_and_the_topic_starts_a_new_epoch(
-        nodes, redis_server):
+def test_a_publish_answered_with_a_seq_already_delivered_is_refused_and_the_topic_starts_a_new_epoch(nodes, redis_server):
     # Redis's counter goes back while the nodes stay connected (what a failover to a lagging replica does).
     a = nodes.start("a")
     with a.ws() as ws:
@@ -77,5 +76,6 @@ def test_a_publish_answered_with_a_seq_already_delivered_is_refused_and_the_topi
         assert got[1]["epoch"] != old and got[1]["seq"] == 4
         retried = a.publish("fo", "retried")
         assert retried.json()["seqs"] == [4]
-        assert [(e["seq"], e["data"]) for e in messages(ws, "fo", lambda g: bool(seqs(g))) if e["type"] == "msg"] \
-            == [(4, "retried")]
+        assert [(e["seq"], e["data"]) for e in messages(ws, "fo", lambda g: bool(seqs(g))) if e["type"] == "msg"] == [
+            (4, "retried")
+        ]

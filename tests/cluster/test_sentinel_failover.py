@@ -95,7 +95,8 @@ def test_seqs_accepted_for_a_topic_nobody_served_are_not_given_again_after_a_fai
         assert (entry["epoch"], entry["seq"]) == (info["epoch"], 6)
         assert messages(ws, "quiet", lambda g: 6 in seqs(g)) == [
             {"type": "loss", "topic": "quiet", "from": 3, "to": None, "reason": "epoch"},
-            {"type": "msg", "topic": "quiet", "seq": 6, "data": "after"}]
+            {"type": "msg", "topic": "quiet", "seq": 6, "data": "after"},
+        ]
 
 
 def test_a_private_queue_the_promoted_replica_lacked_gives_no_seq_twice(topology, sentinel_nodes):

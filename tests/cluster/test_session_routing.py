@@ -70,8 +70,7 @@ def test_a_long_poll_session_works_over_fresh_connections_to_both_workers(node):
     msgs = [e for e in got if e["type"] == "msg"]
     assert [e["data"]["i"] for e in msgs] == list(range(15))  # every one, once, in order
     assert [e["seq"] for e in msgs] == list(range(15))
-    assert [e["id"] for e in got if e["type"] == "pong" or e.get("id", "").startswith("p")] == \
-        [f"p{i}" for i in range(15)]
+    assert [e["id"] for e in got if e["type"] == "pong" or e.get("id", "").startswith("p")] == [f"p{i}" for i in range(15)]
     assert fresh("DELETE", url).status_code == 204
     for _ in range(4):  # gone, whichever worker is asked
         reply = fresh("GET", url)
@@ -93,8 +92,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
 
 
 def test_sse_commands_over_fresh_connections_reach_the_stream_on_its_worker(node):
-    with httpx.Client(timeout=httpx.Timeout(10.0)) as client, \
-            client.stream("GET", f"{node.http_url}/sse") as stream:
+    with httpx.Client(timeout=httpx.Timeout(10.0)) as client, client.stream("GET", f"{node.http_url}/sse") as stream:
         assert stream.status_code == 200
         events = sse_events(stream.iter_lines())
         kind, data = next(events)
@@ -116,8 +114,12 @@ def test_sse_commands_over_fresh_connections_reach_the_stream_on_its_worker(node
             reply = fresh("POST", url, json={"op": "publish", "topic": "sse", "data": i, "id": f"m{i}"})
             assert reply.json() == {"accepted": 1}, reply.text
             assert fresh("POST", url, json={"op": "ping", "id": f"p{i}"}).status_code == 202
-        read_until(lambda: sum(e["type"] == "msg" for e in entries) >= 15
-                   and all(any(e.get("id") == f"{k}{i}" for e in entries) for i in range(15) for k in "mp"))
+        read_until(
+            lambda: (
+                sum(e["type"] == "msg" for e in entries) >= 15
+                and all(any(e.get("id") == f"{k}{i}" for e in entries) for i in range(15) for k in "mp")
+            )
+        )
         msgs = [e for e in entries if e["type"] == "msg"]
         assert [e["data"] for e in msgs] == list(range(15)) and [e["seq"] for e in msgs] == list(range(15))
         assert sorted(e["result"]["seq"] for e in entries if e.get("id", "").startswith("m")) == list(range(15))
@@ -131,8 +133,15 @@ def test_sse_commands_over_fresh_connections_reach_the_stream_on_its_worker(node
 
 def test_unknown_secrets_and_missing_workers_get_404_and_bodies_keep_their_bound(node):
     for _ in range(6):  # some land on each worker: forwarded or not, the answer is the same
-        for path in ("/lp/nonsense", "/lp/w0.nonsense", "/lp/w1.nonsense", "/lp/w2.nonsense", "/lp/w9999.x",
-                     "/sse/w1.nonsense", "/sse/w7.nonsense"):
+        for path in (
+            "/lp/nonsense",
+            "/lp/w0.nonsense",
+            "/lp/w1.nonsense",
+            "/lp/w2.nonsense",
+            "/lp/w9999.x",
+            "/sse/w1.nonsense",
+            "/sse/w7.nonsense",
+        ):
             method = "GET" if path.startswith("/lp") else "POST"
             reply = fresh(method, node.http_url + path, json={"op": "ping"} if method == "POST" else None)
             assert reply.status_code == 404, (path, reply.text)
@@ -140,8 +149,7 @@ def test_unknown_secrets_and_missing_workers_get_404_and_bodies_keep_their_bound
     secret = fresh("POST", f"{node.http_url}/lp").json()["session"]
     big = b'"' + b"x" * 70000 + b'"'  # above longpoll.max_body_bytes (65536)
     for _ in range(6):
-        reply = fresh("POST", f"{node.http_url}/lp/{secret}", content=big,
-                      headers={"content-type": "application/json"})
+        reply = fresh("POST", f"{node.http_url}/lp/{secret}", content=big, headers={"content-type": "application/json"})
         assert reply.status_code == 413 and reply.json()["error"]["code"] == "too_large", reply.text
 
 
@@ -158,20 +166,47 @@ def test_a_forwarded_poll_whose_client_leaves_does_not_hold_the_session(node):
 
 
 #: response headers the forwarder never passes on (hop-by-hop, uvicorn's own, the owner's CORS headers)
-NOT_RELAYED = {b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"date", b"server", b"vary",
-               b"access-control-allow-origin", b"access-control-expose-headers"}
+NOT_RELAYED = {
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"trailer",
+    b"date",
+    b"server",
+    b"vary",
+    b"access-control-allow-origin",
+    b"access-control-expose-headers",
+}
 
 
 #: heads that h11 may well parse: a status, a reason, header lines of names that matter here
-_header_lines = st.lists(st.builds(
-    lambda name, value: b"\r\n" + name + b": " + value,
-    st.sampled_from([b"connection", b"date", b"content-length", b"Transfer-Encoding", b"vary", b"x-a",
-                     b"Content-Type", b"access-control-allow-origin", b"bad name", b"server"]),
-    st.sampled_from([b"close", b"0", b"chunked", b"5", b"", b"x y", b"-1"]) | st.binary(max_size=8)), max_size=6)
+_header_lines = st.lists(
+    st.builds(
+        lambda name, value: b"\r\n" + name + b": " + value,
+        st.sampled_from(
+            [
+                b"connection",
+                b"date",
+                b"content-length",
+                b"Transfer-Encoding",
+                b"vary",
+                b"x-a",
+                b"Content-Type",
+                b"access-control-allow-origin",
+                b"bad name",
+                b"server",
+            ]
+        ),
+        st.sampled_from([b"close", b"0", b"chunked", b"5", b"", b"x y", b"-1"]) | st.binary(max_size=8),
+    ),
+    max_size=6,
+)
 _heads = st.binary(max_size=300) | st.builds(
     lambda status, reason, lines: status + reason + b"".join(lines),
     st.sampled_from([b"200", b"204", b"304", b"404", b"500", b"100", b"101", b"099", b"1000", b"2x0"]),
-    st.sampled_from([b" OK", b"", b" ", b"  two spaces"]) | st.binary(max_size=12), _header_lines)
+    st.sampled_from([b" OK", b"", b" ", b"  two spaces"]) | st.binary(max_size=12),
+    _header_lines,
+)
 
 
 @given(_heads)

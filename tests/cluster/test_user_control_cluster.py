@@ -39,8 +39,12 @@ def close_of(ws, timeout: float = 5.0) -> tuple[int, float]:
 def test_kick_disconnect_revoke_and_list_reach_the_other_node(nodes):
     a, b = nodes.start("a", auth=AUTH), nodes.start("b", auth=AUTH)
     api = httpx.Client(base_url=a.http_url, headers=ADMIN, timeout=10)
-    with ws_as(a, make_token("gina")) as gina_a, ws_as(b, make_token("gina")) as gina_b, \
-            ws_as(b, make_token("hal")) as hal, ws_as(b, make_token("ivy", jti="k1")) as ivy:
+    with (
+        ws_as(a, make_token("gina")) as gina_a,
+        ws_as(b, make_token("gina")) as gina_b,
+        ws_as(b, make_token("hal")) as hal,
+        ws_as(b, make_token("ivy", jti="k1")) as ivy,
+    ):
         listed = api.get("/api/clients").json()
         assert listed["nodes"] == 2 and listed["total"] == 4 and not listed["truncated"]
         by_user = {(c["user"], c["node"]) for c in listed["clients"]}

@@ -20,14 +20,12 @@ def test_two_workers_print_the_banner_once_the_token_first_and_tag_their_own_lin
     token = [i for i, line in enumerate(lines) if line.startswith("admin token (development")]
     listening = [i for i, line in enumerate(lines) if "listening on" in line]
     assert len(token) == 1 and len(listening) == 2 and token[0] < min(listening), lines
-    assert sorted(re.sub(r" listening on .*", "", lines[i]) for i in listening) == ["gateway worker 0",
-                                                                                   "gateway worker 1"]
+    assert sorted(re.sub(r" listening on .*", "", lines[i]) for i in listening) == ["gateway worker 0", "gateway worker 1"]
 
 
 @pytest.mark.timeout(60)
 def test_redis_down_at_start_ends_every_worker_and_the_supervisor_with_status_2(tmp_path) -> None:
-    node = Node(tmp_path / "down", "redis://127.0.0.1:1/0", {"server": {"workers": 2},
-                                                               "broker": {"connect_timeout_s": 1.0}})
+    node = Node(tmp_path / "down", "redis://127.0.0.1:1/0", {"server": {"workers": 2}, "broker": {"connect_timeout_s": 1.0}})
     node.start(wait=False)
     assert node.proc is not None
     assert node.proc.wait(30) == 2, node.log()

@@ -67,7 +67,7 @@ def _clients_on_each_worker(node: Node, stack: contextlib.ExitStack, least: int 
             on.setdefault(where[probe], []).append(ws)
         if len(on) == 2 and all(len(v) >= least for v in on.values()):
             return on
-    raise AssertionError(f"the clients did not spread over both workers: {({k: len(v) for k, v in on.items()})}")
+    raise AssertionError(f"the clients did not spread over both workers: { ({k: len(v) for k, v in on.items()}) }")
 
 
 def _wait_serving(node: Node, index: int, old_pid: int, since: float, timeout: float = 10.0) -> tuple[int, float]:
@@ -169,8 +169,7 @@ def test_a_killed_worker_is_forked_again_and_its_siblings_clients_are_not_cut(no
 
 @pytest.mark.timeout(90)
 def test_sigterm_after_a_restart_drains_every_worker_and_exits_0(nodes) -> None:
-    node = nodes.start("w", server={"workers": 2, "log_level": "info", "drain_timeout_s": 5.0,
-                                    "drain_spread_s": 2.0})
+    node = nodes.start("w", server={"workers": 2, "log_level": "info", "drain_timeout_s": 5.0, "drain_spread_s": 2.0})
     assert node.proc is not None
     old = node.info["workers"][1]
     os.kill(old, signal.SIGKILL)
@@ -249,9 +248,14 @@ def test_a_worker_that_keeps_dying_is_restarted_after_growing_delays_then_the_ga
     log = node.log()
     deaths = re.findall(r"^gateway: worker 1 \(pid \d+\) killed by SIGKILL.*$", log, re.M)
     assert len(deaths) == 6, log
-    assert [d.rsplit(": ", 1)[1] for d in deaths] == ["restarting it now", "restarting it in 0.5 s",
-                                                     "restarting it in 1 s", "restarting it in 2 s",
-                                                     "restarting it in 4 s", "stopping the gateway"], deaths
+    assert [d.rsplit(": ", 1)[1] for d in deaths] == [
+        "restarting it now",
+        "restarting it in 0.5 s",
+        "restarting it in 1 s",
+        "restarting it in 2 s",
+        "restarting it in 4 s",
+        "stopping the gateway",
+    ], deaths
     assert "before it listened" not in deaths[0], deaths
     in_a_row = [re.search(r"\((\d) of 5 in a row\)", d) for d in deaths[1:]]
     assert [m.group(1) if m else None for m in in_a_row] == ["1", "2", "3", "4", "5"], deaths

@@ -161,15 +161,15 @@ class AutoDepthMachine(RuleBasedStateMachine):
     def _state_of(self, c: str) -> dict:
         """What the client holds before a cycle: its active handles in order, and per topic the backlog."""
         client = self.engine.client(c)
-        state: dict = {"order": [sub.topic.name for sub in client.active], "direct": len(client.direct or ()),
-                       "topics": {}}
+        state: dict = {"order": [sub.topic.name for sub in client.active], "direct": len(client.direct or ()), "topics": {}}
         for t in self.connected[c]:
             ring = cast(RingTopic, self.engine.topic(t))
             cursor = self.expect[(c, t)]
             first = max(cursor, ring.begin)
             window = range(first, min(ring.end, first + AUTO_MAX_SLICE + 1))
             state["topics"][t] = {
-                "lag": ring.end - cursor, "available": ring.end - first,
+                "lag": ring.end - cursor,
+                "available": ring.end - first,
                 "sizes": [len(cast(bytes, ring.slots[s % ring.capacity])) for s in window],
             }
         return state
@@ -200,8 +200,15 @@ class AutoDepthMachine(RuleBasedStateMachine):
         assert served == [t for t in order if t in served]  # only active handles, in their order
         room = BUDGET - direct_bytes
         for t, idx in segments:
-            self._check_segment(c, t, [entries[i] for i in idx], sum(len(raw[i]) for i in idx),
-                                state["topics"][t], room, len(order) - order.index(t))
+            self._check_segment(
+                c,
+                t,
+                [entries[i] for i in idx],
+                sum(len(raw[i]) for i in idx),
+                state["topics"][t],
+                room,
+                len(order) - order.index(t),
+            )
             room -= sum(len(raw[i]) for i in idx)
         # Starvation. While every entry (and a loss notice) fits in an equal share of what the replies left
         # of the budget, every handle with data gets an entry: an auto slice stays within its share. And
@@ -217,8 +224,7 @@ class AutoDepthMachine(RuleBasedStateMachine):
                 self.missed[(c, t)] = self.missed.get((c, t), 0) + 1
                 assert self.missed[(c, t)] <= 1, f"{t} starved for two cycles"
 
-    def _check_segment(self, c: str, t: str, got: list[dict], size: int, topic: dict, room: int,
-                       left: int) -> None:
+    def _check_segment(self, c: str, t: str, got: list[dict], size: int, topic: dict, room: int, left: int) -> None:
         # Every seq delivered or announced lost, exact ranges, in order.
         seq = self.expect[(c, t)]
         msgs = 0
@@ -252,6 +258,7 @@ TestAutoDepthMachine.settings = settings(max_examples=150, stateful_step_count=4
 
 # -- worked examples -----------------------------------------------------------------------------------------
 
+
 def subscribed(engine: Engine, client: str, *topics: str) -> None:
     engine.connect(client)
     for t in topics:
@@ -270,8 +277,10 @@ def test_a_caught_up_subscriber_gets_one_message_per_cycle():
 @settings(max_examples=60, deadline=None)
 @given(capacity=st.sampled_from([1, 8, 64, 100, 256, 512, 4096]), lag=st.integers(1, 600))
 def test_a_lagging_subscriber_gets_a_slice_sized_by_its_backlog(capacity, lag):
-    engine = Engine(EngineConfig(rules=(TopicRule("*", TopicConfig(capacity=capacity, batch_depth="auto")),),
-                                 cycle_budget_bytes=1 << 20), instance_id="h")
+    engine = Engine(
+        EngineConfig(rules=(TopicRule("*", TopicConfig(capacity=capacity, batch_depth="auto")),), cycle_budget_bytes=1 << 20),
+        instance_id="h",
+    )
     subscribed(engine, "a", "t")
     for n in range(lag):
         engine.publish("t", n)
@@ -281,7 +290,8 @@ def test_a_lagging_subscriber_gets_a_slice_sized_by_its_backlog(capacity, lag):
     assert messages(got) == list(range(begin, begin + want))
     assert 1 <= want <= AUTO_MAX_SLICE
     assert [e for e in got if e["type"] == "loss"] == (
-        [{"type": "loss", "topic": "t", "from": 0, "to": begin, "reason": "lagged"}] if begin else [])
+        [{"type": "loss", "topic": "t", "from": 0, "to": begin, "reason": "lagged"}] if begin else []
+    )
     if lag > 1 and capacity > 1 and lag * AUTO_MAX_SLICE > min(capacity, AUTO_MAX_SPAN):
         assert want > 1  # behind by more than span / bound: more than depth 1 would give
 
@@ -293,7 +303,7 @@ def test_a_burst_is_caught_up_in_fewer_cycles_than_at_depth_1_and_nothing_is_los
         engine.publish("a512", n)
     got: list[int] = []
     cycles = 0
-    while (batch := cycle(engine)):
+    while batch := cycle(engine):
         cycles += 1
         assert not [e for e in batch["a"] if e["type"] == "loss"]
         got += messages(batch["a"], "a512")

@@ -53,8 +53,19 @@ def read_all(ring: ByteRing, rid, now: int = 0) -> bytes:
 def test_core_module_does_no_io():
     src = pathlib.Path(__file__).resolve().parents[2] / "core" / "byte_ring.py"
     tree = ast.parse(src.read_text())
-    forbidden = {"asyncio", "anyio", "socket", "select", "selectors", "time", "starlette", "uvicorn",
-                 "websockets", "gateway", "threading"}
+    forbidden = {
+        "asyncio",
+        "anyio",
+        "socket",
+        "select",
+        "selectors",
+        "time",
+        "starlette",
+        "uvicorn",
+        "websockets",
+        "gateway",
+        "threading",
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

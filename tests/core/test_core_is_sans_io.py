@@ -9,9 +9,28 @@ pytestmark = pytest.mark.unit
 
 CORE = Path(__file__).resolve().parents[2] / "core"
 FORBIDDEN = {
-    "asyncio", "anyio", "trio", "socket", "select", "selectors", "ssl", "threading", "multiprocessing",
-    "subprocess", "time", "datetime", "starlette", "uvicorn", "websockets", "httpx", "gateway", "io", "os",
-    "random", "secrets", "uvloop",
+    "asyncio",
+    "anyio",
+    "trio",
+    "socket",
+    "select",
+    "selectors",
+    "ssl",
+    "threading",
+    "multiprocessing",
+    "subprocess",
+    "time",
+    "datetime",
+    "starlette",
+    "uvicorn",
+    "websockets",
+    "httpx",
+    "gateway",
+    "io",
+    "os",
+    "random",
+    "secrets",
+    "uvloop",
 }
 
 
@@ -35,8 +54,7 @@ ALLOWED = {"native.py": {"os"}}
 def test_core_modules_import_no_io_framework_clock_or_gateway():
     modules = sorted(CORE.glob("*.py"))
     assert len(modules) >= 5
-    offenders = {m.name: sorted(imported_roots(m) & (FORBIDDEN | {"__import__"}) - ALLOWED.get(m.name, set()))
-                 for m in modules}
+    offenders = {m.name: sorted(imported_roots(m) & (FORBIDDEN | {"__import__"}) - ALLOWED.get(m.name, set())) for m in modules}
     assert {name: bad for name, bad in offenders.items() if bad} == {}
 
 

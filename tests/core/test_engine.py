@@ -247,7 +247,7 @@ def test_out_of_order_within_the_window_is_delivered_in_order():
     with pytest.raises(DuplicateSeq):
         engine.publish("t", 5, seq=5)
     seen = []
-    while (got := cycle(engine)):
+    while got := cycle(engine):
         seen += messages(got["a"])
     assert seen == [0, 1, 2, 3]
 
@@ -260,7 +260,7 @@ def test_a_hole_past_the_window_or_timeout_becomes_a_loss_notice():
     engine.publish("t", 1, seq=1, now=0.0)
     engine.publish("t", 4, seq=4, now=0.0)  # 4 >= hole 0 + window 4: seq 0 is given up
     got = []
-    while (batch := cycle(engine)):
+    while batch := cycle(engine):
         got += batch["a"]
     assert got[0] == {"type": "loss", "topic": "t", "from": 0, "to": 1, "reason": "skipped"}
     assert messages(got) == [1]
@@ -271,7 +271,7 @@ def test_a_hole_past_the_window_or_timeout_becomes_a_loss_notice():
     assert engine.tick(0.5) == 0
     assert engine.tick(1.5) == 1  # holes 2 and 3 timed out
     got = []
-    while (batch := cycle(engine)):
+    while batch := cycle(engine):
         got += batch["a"]
     assert got[0] == {"type": "loss", "topic": "t", "from": 2, "to": 4, "reason": "skipped"}
     assert messages(got) == [4]

@@ -23,17 +23,55 @@ ENGINE = ROOT / "core" / "engine.py"
 WRITER = "gateway/scheduler.py"
 
 #: the `Engine` methods that change it (core/engine.py)
-WRITES = frozenset({
-    "create_topic", "restart_topic", "skip", "delete_topic", "reclaim", "resolve", "connect", "disconnect",
-    "set_owner", "subscribe", "unsubscribe", "send_direct", "publish", "release", "reserve", "tick",
-    "take_space_freed", "mark_ready", "mark_idle", "commit", "ack", "take_committed", "evict", "rollback",
-    "write_done", "writes_done", "run_cycle", "take_crowds", "attach_sink",
-})
+WRITES = frozenset(
+    {
+        "create_topic",
+        "restart_topic",
+        "skip",
+        "delete_topic",
+        "reclaim",
+        "resolve",
+        "connect",
+        "disconnect",
+        "set_owner",
+        "subscribe",
+        "unsubscribe",
+        "send_direct",
+        "publish",
+        "release",
+        "reserve",
+        "tick",
+        "take_space_freed",
+        "mark_ready",
+        "mark_idle",
+        "commit",
+        "ack",
+        "take_committed",
+        "evict",
+        "rollback",
+        "write_done",
+        "writes_done",
+        "run_cycle",
+        "take_crowds",
+        "attach_sink",
+    }
+)
 #: those that only read it (what `TopicView` offers, and the scheduler's own reads)
-READS = frozenset({
-    "topic", "topics", "topic_count", "has_topic", "topic_config", "client", "clients", "has_client",
-    "lingering", "next_release", "has_work",
-})
+READS = frozenset(
+    {
+        "topic",
+        "topics",
+        "topic_count",
+        "has_topic",
+        "topic_config",
+        "client",
+        "clients",
+        "has_client",
+        "lingering",
+        "next_release",
+        "has_work",
+    }
+)
 
 
 def engine_methods() -> set[str]:
@@ -60,8 +98,12 @@ def offences(source: str) -> list[str]:
                 found.append((node.lineno, "imports Engine"))
         elif isinstance(node, ast.Import) and any(alias.name == "core.engine" for alias in node.names):
             found.append((node.lineno, "imports core.engine"))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WRITES
-              and _says_engine(node.func.value)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in WRITES
+            and _says_engine(node.func.value)
+        ):
             found.append((node.lineno, f"calls {node.func.attr}"))
     return [f"{line}: {what}" for line, what in sorted(found)]
 
@@ -84,10 +126,12 @@ def test_only_the_scheduler_holds_or_writes_the_engine() -> None:
 
 
 def test_the_check_catches_each_way_to_hold_or_write_the_engine() -> None:
-    bad = ("from core import Engine, Published\n"
-           "hub.scheduler.engine.topic_count\n"
-           "engine.connect('c')\n"
-           "self._engine.disconnect('c')\n"
-           "self.scheduler.connect('c')\n"  # a verb of the scheduler: fine
-           "broker.publish('t', 1)\n")
+    bad = (
+        "from core import Engine, Published\n"
+        "hub.scheduler.engine.topic_count\n"
+        "engine.connect('c')\n"
+        "self._engine.disconnect('c')\n"
+        "self.scheduler.connect('c')\n"  # a verb of the scheduler: fine
+        "broker.publish('t', 1)\n"
+    )
     assert offences(bad) == ["1: imports Engine", "2: .engine", "3: calls connect", "4: calls disconnect"]

@@ -20,16 +20,20 @@ pytestmark = pytest.mark.unit
 LINGER = 0.05
 #: lingering rings: a small one (its linger ends early after 4 held messages), a default-sized auto one, one
 #: at depth 1 (a subscriber is left behind); a ring without linger beside them
-RINGS = {"l8": TopicConfig(capacity=8, batch_depth="auto", linger=LINGER),
-         "l64": TopicConfig(capacity=64, batch_depth="auto", linger=LINGER / 2),
-         "d16": TopicConfig(capacity=16, batch_depth=1, linger=LINGER * 2),
-         "n8": TopicConfig(capacity=8, batch_depth=2)}
+RINGS = {
+    "l8": TopicConfig(capacity=8, batch_depth="auto", linger=LINGER),
+    "l64": TopicConfig(capacity=64, batch_depth="auto", linger=LINGER / 2),
+    "d16": TopicConfig(capacity=16, batch_depth=1, linger=LINGER * 2),
+    "n8": TopicConfig(capacity=8, batch_depth=2),
+}
 CLIENTS = ["c0", "c1", "c2"]
 
 
 def linger_engine() -> Engine:
-    rules = (TopicRule("snap.*", TopicConfig(kind=TopicKind.SNAPSHOT, linger=LINGER)),
-             *(TopicRule(name, config) for name, config in RINGS.items()))
+    rules = (
+        TopicRule("snap.*", TopicConfig(kind=TopicKind.SNAPSHOT, linger=LINGER)),
+        *(TopicRule(name, config) for name, config in RINGS.items()),
+    )
     return Engine(EngineConfig(rules=rules), instance_id="l")
 
 
@@ -152,6 +156,7 @@ TestLingerMachine.settings = settings(max_examples=150, stateful_step_count=50, 
 
 # -- worked examples -----------------------------------------------------------------------------------------
 
+
 def subscribed(*topics: str, client: str = "a") -> Engine:
     """An engine with `client` subscribed to `topics`, its `subscribed` entries read."""
     engine = linger_engine()
@@ -226,12 +231,15 @@ def test_unsubscribe_and_delete_during_a_linger_leave_nothing_behind():
     assert not engine.lingering and engine.next_release() is None
 
 
-@pytest.mark.parametrize("settings, error", [
-    ({"linger": -0.01}, "linger must be a number of seconds in [0, 10]"),
-    ({"linger": 10.5}, "linger must be a number of seconds in [0, 10]"),
-    ({"linger": True}, "linger must be a number of seconds"),
-    ({"kind": "private", "linger": 0.01}, "linger is for shared topics"),
-])
+@pytest.mark.parametrize(
+    "settings, error",
+    [
+        ({"linger": -0.01}, "linger must be a number of seconds in [0, 10]"),
+        ({"linger": 10.5}, "linger must be a number of seconds in [0, 10]"),
+        ({"linger": True}, "linger must be a number of seconds"),
+        ({"kind": "private", "linger": 0.01}, "linger is for shared topics"),
+    ],
+)
 def test_bad_linger_settings_are_refused(settings, error):
     with pytest.raises(ValueError, match=error.replace("[", r"\[").replace("]", r"\]")):
         TopicConfig(**settings)

@@ -52,8 +52,9 @@ def _run(env_extra: dict[str, str], path: Path | None = None) -> dict:
     if path is not None:  # import the package from `path`, not from the checkout
         env["PYTHONPATH"] = str(path)
         env["PYTHONSAFEPATH"] = "1"
-    done = subprocess.run([sys.executable, "-c", EXERCISE], env=env, capture_output=True, text=True, timeout=60,
-                          cwd=path or Path.cwd())
+    done = subprocess.run(
+        [sys.executable, "-c", EXERCISE], env=env, capture_output=True, text=True, timeout=60, cwd=path or Path.cwd()
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

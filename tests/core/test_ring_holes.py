@@ -35,8 +35,14 @@ def test_holes_noticed_together_are_given_up_after_one_timeout_not_one_each():
         e.publish("t", seq, seq=seq, now=0.0)
     assert e.tick(0.9) == 0
     assert e.tick(1.0) == 1
-    assert tiles(cycle(e)["a"]) == [("skipped", 0, 2), ("msg", 2, 3), ("skipped", 3, 4), ("msg", 4, 5),
-                                    ("skipped", 5, 6), ("msg", 6, 7)]
+    assert tiles(cycle(e)["a"]) == [
+        ("skipped", 0, 2),
+        ("msg", 2, 3),
+        ("skipped", 3, 4),
+        ("msg", 4, 5),
+        ("skipped", 5, 6),
+        ("msg", 6, 7),
+    ]
 
 
 def test_a_later_hole_still_waits_its_own_timeout():

@@ -125,8 +125,7 @@ class AckTakeoverMachine(Tabs):
 
     def __init__(self):
         super().__init__()
-        config = TopicConfig(kind=TopicKind.PRIVATE, max_count=self.MAX_COUNT, max_bytes=self.MAX_BYTES,
-                             batch_depth=2)
+        config = TopicConfig(kind=TopicKind.PRIVATE, max_count=self.MAX_COUNT, max_bytes=self.MAX_BYTES, batch_depth=2)
         self.engine = Engine(EngineConfig(rules=(TopicRule("p", config),)), instance_id="h")
         self.connected: set[str] = set()
         self.holder: str | None = None

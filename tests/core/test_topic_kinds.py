@@ -191,18 +191,20 @@ def test_engine_names_the_kinds_only_in_its_kind_to_class_table() -> None:
     tree = ast.parse(ENGINE.read_text(), filename=str(ENGINE))
     assert KIND_CLASSES == {"RingTopic", "SnapshotTopic", "PrivateTopic"}
     table = next(
-        node for node in tree.body
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "_TOPIC_CLASSES"
+        node for node in tree.body if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "_TOPIC_CLASSES"
     )
     in_table = {id(node) for node in ast.walk(table)}
     stray = [
-        (node.lineno, node.id) for node in ast.walk(tree)
+        (node.lineno, node.id)
+        for node in ast.walk(tree)
         if isinstance(node, ast.Name) and node.id in KIND_CLASSES and id(node) not in in_table
     ]
     assert stray == []
-    calls = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and getattr(node.func, "id", "") in ("isinstance", "type")]
+    calls = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("isinstance", "type")
+    ]
     assert calls == [], "engine.py asks what a value is: declare the behaviour on the topic kinds"
-    fields = [(node.lineno, node.attr) for node in ast.walk(tree)
-              if isinstance(node, ast.Attribute) and node.attr in KIND_FIELDS]
+    fields = [(node.lineno, node.attr) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in KIND_FIELDS]
     assert fields == []

@@ -60,10 +60,16 @@ def test_the_defaults_render_the_probes_and_drain_of_docs_operations() -> None:
     manifests = render({"secrets": {"adminToken": "admin-secret"}})
     assert sorted(manifests) == ["Deployment", "PodDisruptionBudget", "Secret", "Service"]
     gateway = container(manifests)
-    assert gateway["readinessProbe"] == {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2,
-                                         "failureThreshold": 1}
-    assert gateway["livenessProbe"] == {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
-                                        "failureThreshold": 3}
+    assert gateway["readinessProbe"] == {
+        "httpGet": {"path": "/readyz", "port": "http"},
+        "periodSeconds": 2,
+        "failureThreshold": 1,
+    }
+    assert gateway["livenessProbe"] == {
+        "httpGet": {"path": "/healthz", "port": "http"},
+        "periodSeconds": 10,
+        "failureThreshold": 3,
+    }
     variables = env(manifests)
     delay, timeout = float(variables["GATEWAY_SERVER_DRAIN_DELAY_S"]), float(variables["GATEWAY_SERVER_DRAIN_TIMEOUT_S"])
     assert delay == 5 and timeout == DEFAULTS["server"]["drain_timeout_s"]  # docs/operations.md: 5 s for 2 s x 1
@@ -75,8 +81,7 @@ def test_the_defaults_render_the_probes_and_drain_of_docs_operations() -> None:
     assert variables["GATEWAY_SERVER_HOST"] == "0.0.0.0" and variables["GATEWAY_SERVER_PORT"] == "8080"
     assert variables["GATEWAY_RAWTCP_ENABLED"] == "false" and variables["GATEWAY_INGEST_ENABLED"] == "false"
     assert not any(name.startswith("GATEWAY_BROKER_") and name != "GATEWAY_BROKER_PREFIX" for name in variables)
-    assert manifests["Service"]["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http",
-                                                      "protocol": "TCP"}]
+    assert manifests["Service"]["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
     selector = manifests["Deployment"]["spec"]["selector"]["matchLabels"]
     assert manifests["Service"]["spec"]["selector"] == selector
     assert manifests["PodDisruptionBudget"]["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
@@ -87,9 +92,15 @@ def test_the_defaults_render_the_probes_and_drain_of_docs_operations() -> None:
 
 def test_every_env_variable_the_chart_sets_is_a_key_of_the_gateway() -> None:
     """A GATEWAY_* variable naming no key makes the gateway refuse to start: each one the chart can set is one."""
-    manifests = render({"secrets": {"existingSecret": "gw-keys"}, "auth": {"jwksUrl": "https://idp.example/jwks",
-                        "publicKeySecret": {"name": "gw-key"}}, "ingest": {"enabled": True},
-                        "broker": {"clusterAddresses": ["redis-0:6379"]}, "server": {"allowedHosts": ["gw.example"]}})
+    manifests = render(
+        {
+            "secrets": {"existingSecret": "gw-keys"},
+            "auth": {"jwksUrl": "https://idp.example/jwks", "publicKeySecret": {"name": "gw-key"}},
+            "ingest": {"enabled": True},
+            "broker": {"clusterAddresses": ["redis-0:6379"]},
+            "server": {"allowedHosts": ["gw.example"]},
+        }
+    )
     for name in env(manifests):
         section, _, key = name.removeprefix("GATEWAY_").lower().partition("_")
         while section not in DEFAULTS and "_" in key:  # a section whose name holds an underscore
@@ -98,31 +109,37 @@ def test_every_env_variable_the_chart_sets_is_a_key_of_the_gateway() -> None:
         assert key in DEFAULTS.get(section, {}), name
 
 
-@pytest.mark.parametrize(("drain", "grace"), [({"delaySeconds": 2.5, "timeoutSeconds": 30}, 38),
-                                              ({"preStopSleepSeconds": 3, "delaySeconds": 0, "marginSeconds": 1}, 14)])
+@pytest.mark.parametrize(
+    ("drain", "grace"),
+    [({"delaySeconds": 2.5, "timeoutSeconds": 30}, 38), ({"preStopSleepSeconds": 3, "delaySeconds": 0, "marginSeconds": 1}, 14)],
+)
 def test_the_grace_period_covers_the_pre_stop_sleep_and_the_whole_drain(drain: dict[str, float], grace: int) -> None:
     manifests = render({"secrets": {"adminToken": "t"}, "drain": drain})
     spec = manifests["Deployment"]["spec"]["template"]["spec"]
     assert spec["terminationGracePeriodSeconds"] == grace
     values = yaml.safe_load((CHART / "values.yaml").read_text())["drain"] | drain
-    assert grace == math.ceil(values["preStopSleepSeconds"] + values["delaySeconds"] + values["timeoutSeconds"]
-                              + values["marginSeconds"])
+    assert grace == math.ceil(
+        values["preStopSleepSeconds"] + values["delaySeconds"] + values["timeoutSeconds"] + values["marginSeconds"]
+    )
     lifecycle = container(manifests).get("lifecycle")
     assert lifecycle == ({"preStop": {"sleep": {"seconds": 3}}} if drain.get("preStopSleepSeconds") else None)
     assert env(manifests)["GATEWAY_SERVER_DRAIN_DELAY_S"] == str(drain["delaySeconds"])
 
 
 def test_redis_sentinel_and_the_tokens_come_from_an_existing_secret() -> None:
-    manifests = render({"secrets": {"existingSecret": "gw-keys"}, "server": {"workers": 2},
-                        "broker": {"sentinelAddresses": ["sentinel-0:26379", "sentinel-1:26379"],
-                                   "sentinelMaster": "mymaster"},
-                        "config": '[[topics.rules]]\npattern = "chat.*"\nclient_publish = true\n'})
+    manifests = render(
+        {
+            "secrets": {"existingSecret": "gw-keys"},
+            "server": {"workers": 2},
+            "broker": {"sentinelAddresses": ["sentinel-0:26379", "sentinel-1:26379"], "sentinelMaster": "mymaster"},
+            "config": '[[topics.rules]]\npattern = "chat.*"\nclient_publish = true\n',
+        }
+    )
     assert "Secret" not in manifests  # the user's
     variables = env(manifests)
     assert variables["GATEWAY_SERVER_WORKERS"] == "2"
     assert variables["GATEWAY_BROKER_SENTINEL_ADDRESSES"] == '["sentinel-0:26379","sentinel-1:26379"]'
-    assert tomllib.loads(f"v = {variables['GATEWAY_BROKER_SENTINEL_ADDRESSES']}")["v"] == ["sentinel-0:26379",
-                                                                                          "sentinel-1:26379"]
+    assert tomllib.loads(f"v = {variables['GATEWAY_BROKER_SENTINEL_ADDRESSES']}")["v"] == ["sentinel-0:26379", "sentinel-1:26379"]
     assert variables["GATEWAY_BROKER_SENTINEL_MASTER"] == "mymaster"
     for name, key in (("GATEWAY_AUTH_JWT_SECRET", "jwt-secret"), ("GATEWAY_BROKER_URL", "broker-url")):
         assert variables[name] == {"secretKeyRef": {"name": "gw-keys", "key": key, "optional": True}}
@@ -138,11 +155,14 @@ def test_a_jwt_secret_and_a_redis_url_given_as_values_go_into_the_chart_s_secret
     assert env(manifests)["GATEWAY_BROKER_URL"]["secretKeyRef"]["key"] == "broker-url"
 
 
-@pytest.mark.parametrize(("values", "says"), [
-    ({}, "secrets.adminToken"),
-    ({"secrets": {"adminToken": "t"}, "server": {"workers": 3}}, "needs a broker"),
-    ({"secrets": {"adminToken": "t"}, "broker": {"sentinelAddresses": ["s:26379"]}}, "broker.sentinelMaster"),
-])
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({}, "secrets.adminToken"),
+        ({"secrets": {"adminToken": "t"}, "server": {"workers": 3}}, "needs a broker"),
+        ({"secrets": {"adminToken": "t"}, "broker": {"sentinelAddresses": ["s:26379"]}}, "broker.sentinelMaster"),
+    ],
+)
 def test_a_release_the_gateway_would_refuse_is_refused_at_render(values: dict[str, Any], says: str) -> None:
     with pytest.raises(helm.HelmError, match=says):
         render(values)
@@ -152,8 +172,9 @@ def test_the_pod_spec_of_docs_operations_is_the_chart_s_output() -> None:
     text = (ROOT / "docs" / "operations.md").read_text()
     section = text.split("\n### Kubernetes\n", 1)[1].split("\n## ", 1)[0]
     documented = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])["spec"]
-    rendered = render({"secrets": {"adminToken": "t"}, "image": {"repository": "registry.example.com/fanout-gateway",
-                                                                  "tag": "1.0"}})["Deployment"]["spec"]["template"]["spec"]
+    rendered = render(
+        {"secrets": {"adminToken": "t"}, "image": {"repository": "registry.example.com/fanout-gateway", "tag": "1.0"}}
+    )["Deployment"]["spec"]["template"]["spec"]
     assert documented["terminationGracePeriodSeconds"] == rendered["terminationGracePeriodSeconds"]
     (shown,) = documented["containers"]
     assert shown == {key: container({"Deployment": {"spec": {"template": {"spec": rendered}}}})[key] for key in shown}

@@ -35,12 +35,14 @@ ADMIN_TOKEN = "container-test-admin-token"
 
 needs_podman = pytest.mark.skipif(
     not all(shutil.which(tool) for tool in ("podman", "runc", "mmdebstrap")),
-    reason="podman, runc and mmdebstrap are not installed (`make podman` installs them)")
+    reason="podman, runc and mmdebstrap are not installed (`make podman` installs them)",
+)
 pytestmark = pytest.mark.timeout(900)
 
 
-def run(*args: str, timeout: float = 600, check: bool = True, env: dict[str, str] | None = None
-        ) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 600, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
     assert not check or done.returncode == 0, (args, done.stdout[-3000:], done.stderr[-3000:])
     return done
@@ -55,8 +57,10 @@ def free_port() -> int:
 def test_make_image_is_the_script_on_the_local_bases_or_on_a_registry_base() -> None:
     """`make image` runs the script the image below is built with, on the local bases; BASE_IMAGE names a
     registry image instead (make -n: the commands only, nothing runs)."""
-    for extra, expected in (([], "deploy/container/build-image.py"),
-                            (["BASE_IMAGE=python:3.11-slim"], "deploy/container/build-image.py --base-image python:3.11-slim")):
+    for extra, expected in (
+        ([], "deploy/container/build-image.py"),
+        (["BASE_IMAGE=python:3.11-slim"], "deploy/container/build-image.py --base-image python:3.11-slim"),
+    ):
         done = run("make", "-n", "-C", str(ROOT), "image", *extra)
         (line,) = [line for line in done.stdout.splitlines() if "build-image.py" in line]
         assert re.fullmatch(r"\.venv/bin/python " + re.escape(expected), line.strip()), line
@@ -71,8 +75,14 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     built: dict[str, Any] = json.loads(report.read_text())
     assert built["image"] == IMAGE and built["containers_conf"]
     yield built
-    run("podman", "image", "prune", "-f", check=False,  # the replaced builds' layers
-        env={**os.environ, "CONTAINERS_CONF": built["containers_conf"]})
+    run(
+        "podman",
+        "image",
+        "prune",
+        "-f",
+        check=False,  # the replaced builds' layers
+        env={**os.environ, "CONTAINERS_CONF": built["containers_conf"]},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,38 +92,76 @@ def podman_env(image: dict[str, Any]) -> dict[str, str]:
 
 @needs_podman
 def test_the_image_runs_as_its_own_user_with_the_gateway_and_its_health_check(
-        image: dict[str, Any], podman_env: dict[str, str]) -> None:
+    image: dict[str, Any], podman_env: dict[str, str]
+) -> None:
     (inspected,) = json.loads(run("podman", "image", "inspect", IMAGE, env=podman_env).stdout)
     config = inspected["Config"]
     assert config["User"] == "10001:10001"
     assert config["Entrypoint"] == ["gateway", "serve"]
     assert config["StopSignal"] == "SIGTERM"
     assert "/readyz" in " ".join(inspected["Healthcheck"]["Test"])  # kept by --format docker
-    print(f"\nimage {image['size'] / 1e6:.0f} MB (base {image['base_size'] / 1e6:.0f} MB), built in "
-          f"{image['build_s']:.0f} s")
+    print(f"\nimage {image['size'] / 1e6:.0f} MB (base {image['base_size'] / 1e6:.0f} MB), built in {image['build_s']:.0f} s")
     # only the serving set: no compiler, no pip, no extras
-    listed = run("podman", "run", "--rm", "--entrypoint", "sh", IMAGE, "-c",
-                 "command -v gcc pip; /opt/fanout-gateway/bin/python -c 'import matplotlib' 2>&1",
-                 check=False, env=podman_env).stdout
+    listed = run(
+        "podman",
+        "run",
+        "--rm",
+        "--entrypoint",
+        "sh",
+        IMAGE,
+        "-c",
+        "command -v gcc pip; /opt/fanout-gateway/bin/python -c 'import matplotlib' 2>&1",
+        check=False,
+        env=podman_env,
+    ).stdout
     assert "gcc" not in listed and "/pip" not in listed and "No module named 'matplotlib'" in listed, listed
     # listening on every address, it starts only with an admin token
-    refused = run("podman", "run", "--rm", "--entrypoint", "gateway", IMAGE, "check-config",
-                  check=False, env=podman_env)
+    refused = run("podman", "run", "--rm", "--entrypoint", "gateway", IMAGE, "check-config", check=False, env=podman_env)
     assert refused.returncode == 2 and "refusing to bind 0.0.0.0 without server.admin_token" in refused.stderr
-    run("podman", "run", "--rm", "-e", f"GATEWAY_SERVER_ADMIN_TOKEN={ADMIN_TOKEN}", "--entrypoint", "gateway", IMAGE,
-        "check-config", env=podman_env)
+    run(
+        "podman",
+        "run",
+        "--rm",
+        "-e",
+        f"GATEWAY_SERVER_ADMIN_TOKEN={ADMIN_TOKEN}",
+        "--entrypoint",
+        "gateway",
+        IMAGE,
+        "check-config",
+        env=podman_env,
+    )
 
 
 @needs_podman
 def test_the_container_serves_a_subscribe_and_a_publish_and_drains_on_podman_stop(
-        image: dict[str, Any], podman_env: dict[str, str]) -> None:
+    image: dict[str, Any], podman_env: dict[str, str]
+) -> None:
     port = free_port()
     name = f"fanout-gateway-test-{port}"
     started = time.monotonic()
-    run("podman", "run", "-d", "--name", name, "--network", "host",
-        "-e", f"GATEWAY_SERVER_PORT={port}", "-e", f"GATEWAY_SERVER_ADMIN_TOKEN={ADMIN_TOKEN}",
-        "-e", "GATEWAY_INGEST_PORT=0", "-e", "GATEWAY_RAWTCP_SENDER_PORT=0", "-e", "GATEWAY_RAWTCP_RECEIVER_PORT=0",
-        "-e", "GATEWAY_SERVER_DRAIN_DELAY_S=0.5", IMAGE, env=podman_env)
+    run(
+        "podman",
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--network",
+        "host",
+        "-e",
+        f"GATEWAY_SERVER_PORT={port}",
+        "-e",
+        f"GATEWAY_SERVER_ADMIN_TOKEN={ADMIN_TOKEN}",
+        "-e",
+        "GATEWAY_INGEST_PORT=0",
+        "-e",
+        "GATEWAY_RAWTCP_SENDER_PORT=0",
+        "-e",
+        "GATEWAY_RAWTCP_RECEIVER_PORT=0",
+        "-e",
+        "GATEWAY_SERVER_DRAIN_DELAY_S=0.5",
+        IMAGE,
+        env=podman_env,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -125,7 +173,9 @@ def test_the_container_serves_a_subscribe_and_a_publish_and_drains_on_podman_sto
                 pass
             state = run("podman", "inspect", "--format", "{{.State.Status}}", name, env=podman_env).stdout.strip()
             assert state == "running" and time.monotonic() < deadline, (
-                state, run("podman", "logs", name, check=False, env=podman_env).stderr[-3000:])
+                state,
+                run("podman", "logs", name, check=False, env=podman_env).stderr[-3000:],
+            )
             time.sleep(0.05)
         print(f"\npodman run to /readyz 200: {time.monotonic() - started:.2f} s")
         assert run("podman", "healthcheck", "run", name, check=False, env=podman_env).returncode == 0
@@ -134,14 +184,19 @@ def test_the_container_serves_a_subscribe_and_a_publish_and_drains_on_podman_sto
         with connect(f"ws://127.0.0.1:{port}/ws", open_timeout=10) as ws:
             ws.send(json.dumps({"op": "subscribe", "topic": "prices.eurusd", "id": 1}))
             assert any(entry["type"] == "subscribed" for entry in json.loads(ws.recv(timeout=10)))
-            published = httpx.post(f"{base}/api/topics/prices.eurusd/publish", json={"data": {"bid": 1.0842}},
-                                   headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+            published = httpx.post(
+                f"{base}/api/topics/prices.eurusd/publish",
+                json={"data": {"bid": 1.0842}},
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                timeout=10,
+            )
             assert published.status_code == 200, published.text
             entries = json.loads(ws.recv(timeout=10))
             assert [(e["type"], e["topic"], e["data"]) for e in entries] == [("msg", "prices.eurusd", {"bid": 1.0842})]
 
-            stopping = subprocess.Popen(["podman", "stop", "-t", "30", name], env=podman_env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stopping = subprocess.Popen(
+                ["podman", "stop", "-t", "30", name], env=podman_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             with pytest.raises(ConnectionClosed) as closed:
                 while True:
                     ws.recv(timeout=15)

@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "fanout-gateway.service"
 SYSTEM_UNITS = Path("/usr/lib/systemd/system")
 
-pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None or not SYSTEM_UNITS.is_dir(),
-                                reason="systemd-analyze (Debian's systemd) is not installed")
+pytestmark = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None or not SYSTEM_UNITS.is_dir(),
+    reason="systemd-analyze (Debian's systemd) is not installed",
+)
 
 
 def settings() -> configparser.RawConfigParser:
@@ -48,8 +50,9 @@ def verify(root: Path, text: str) -> subprocess.CompletedProcess[str]:
     """`systemd-analyze verify` of `text` installed in root's /etc/systemd/system (where it looks the unit up)."""
     installed = root / "etc" / "systemd" / "system" / UNIT.name
     installed.write_text(text)
-    return subprocess.run(["systemd-analyze", "verify", f"--root={root}", str(installed)], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", str(installed)], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_systemd_verifies_the_unit_without_a_word(root: Path) -> None:
@@ -74,8 +77,12 @@ def test_the_stop_timeout_covers_the_drain_and_sigterm_starts_it() -> None:
 
 def test_the_unit_runs_unprivileged_and_hardened(root: Path) -> None:
     shutil.copy(UNIT, root / "etc" / "systemd" / "system" / UNIT.name)  # where --root looks the name up
-    done = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--root={root}", "--no-pager", UNIT.name],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", f"--root={root}", "--no-pager", UNIT.name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     exposure = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", done.stdout)
     assert exposure, done.stdout[-2000:] + done.stderr[-2000:]
     # systemd's scale: 0 (locked down) to 10 (unprotected); below 2 it calls "OK"

@@ -15,8 +15,15 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 #: a value for each placeholder the rows use
-VALUES = {"SECONDS": "60", "P": "8080", "FILE": "gateway.toml", "PATH": "ready.json", "H": "127.0.0.1",
-          "USER": "alice", "PATTERN": "news.*"}
+VALUES = {
+    "SECONDS": "60",
+    "P": "8080",
+    "FILE": "gateway.toml",
+    "PATH": "ready.json",
+    "H": "127.0.0.1",
+    "USER": "alice",
+    "PATTERN": "news.*",
+}
 
 
 def usage_rows() -> list[str]:

@@ -122,8 +122,13 @@ def _our_program(seg: list[str]) -> tuple[list[str], list[str]] | None:
             return [str(VENV_BIN / "python"), "-m", seg[2]], seg[3:]
     # a script of the checkout's, by its path (deploy/container/build-image.py); not a file of the reader's, such
     # as docs/client.md's example.py
-    if name.startswith("python") and seg[0].startswith(".venv/bin/") and len(seg) > 1 and "/" in seg[1] \
-            and seg[1].endswith(".py"):
+    if (
+        name.startswith("python")
+        and seg[0].startswith(".venv/bin/")
+        and len(seg) > 1
+        and "/" in seg[1]
+        and seg[1].endswith(".py")
+    ):
         script = ROOT / seg[1]
         assert script.is_file(), f"{seg[1]} is not in the checkout"
         return [str(VENV_BIN / "python"), str(script)], seg[2:]
@@ -157,11 +162,21 @@ def test_the_readme_demo_runs_as_written(tmp_path: Path) -> None:
     ports = {"8080": free_port(), "7002": free_port(), "7000": free_port(), "7001": free_port()}
     ready = tmp_path / "ready.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    env.update(GATEWAY_SERVER_PORT=str(ports["8080"]), GATEWAY_INGEST_PORT=str(ports["7002"]),
-               GATEWAY_RAWTCP_SENDER_PORT=str(ports["7000"]), GATEWAY_RAWTCP_RECEIVER_PORT=str(ports["7001"]))
+    env.update(
+        GATEWAY_SERVER_PORT=str(ports["8080"]),
+        GATEWAY_INGEST_PORT=str(ports["7002"]),
+        GATEWAY_RAWTCP_SENDER_PORT=str(ports["7000"]),
+        GATEWAY_RAWTCP_RECEIVER_PORT=str(ports["7001"]),
+    )
     # `make run` is `.venv/bin/gateway serve` once set up (Makefile)
-    gateway = subprocess.Popen([str(VENV_BIN / "gateway"), "serve", "--ready-file", str(ready)], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    gateway = subprocess.Popen(
+        [str(VENV_BIN / "gateway"), "serve", "--ready-file", str(ready)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -184,14 +199,15 @@ def test_the_readme_demo_runs_as_written(tmp_path: Path) -> None:
                     continue  # the test sets TOKEN itself, from the ready file
                 if " nc " in f" {line} " and shutil.which("nc") is None:
                     pytest.skip("nc (Debian's netcat-openbsd) is not installed")
-                done = subprocess.run(["bash", "-c", substituted(line)], env=env, capture_output=True, text=True,
-                                      timeout=30)
+                done = subprocess.run(["bash", "-c", substituted(line)], env=env, capture_output=True, text=True, timeout=30)
                 assert done.returncode == 0, (line, done.stderr)
             got: list[dict] = []
             while len(got) < 2:
                 got += [e for e in json.loads(ws.recv(timeout=10)) if e["type"] == "msg"]
-        assert got == [{"type": "msg", "topic": "prices.eurusd", "seq": 0, "data": {"bid": 1.0842}},
-                       {"type": "msg", "topic": "prices.eurusd", "seq": 1, "data": {"bid": 1.0843}}]
+        assert got == [
+            {"type": "msg", "topic": "prices.eurusd", "seq": 0, "data": {"bid": 1.0842}},
+            {"type": "msg", "topic": "prices.eurusd", "seq": 1, "data": {"bid": 1.0843}},
+        ]
     finally:
         gateway.send_signal(signal.SIGTERM)
         gateway.communicate(timeout=20)

@@ -20,20 +20,48 @@ GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 #: bottom to top; a room imports only rooms of its own layer or below. A room is a folder ("auth/"), a module at
 #: the top of gateway/ ("hub"), or, for the one folder that holds two layers, a module of it ("centrifugo/api").
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"__init__", "errors", "close_codes", "config", "shipped_files", "timerwheel", "schema",
-                    "fanwrite", "fanwrite_py", "wsframes", "topic_view"}),
+    (
+        "foundation",
+        {
+            "__init__",
+            "errors",
+            "close_codes",
+            "config",
+            "shipped_files",
+            "timerwheel",
+            "schema",
+            "fanwrite",
+            "fanwrite_py",
+            "wsframes",
+            "topic_view",
+        },
+    ),
     ("watch and guard", {"ops/", "edge/"}),
     ("who a client is", {"auth/"}),
-    ("what the engine is told", {"hooks/", "presence", "topic_budget", "pending_connects", "session_tables",
-                                 "session_store"}),
+    ("what the engine is told", {"hooks/", "presence", "topic_budget", "pending_connects", "session_tables", "session_store"}),
     ("the engine's writer and the broker", {"broker/", "scheduler", "token_lifetimes"}),
     ("clients and topics", {"clients", "catalog", "user_commands", "control_commands"}),
-    ("one connection", {"admission", "session", "session_services", "client_protocol", "commands", "transports/",
-                        "centrifugo/"}),
+    ("one connection", {"admission", "session", "session_services", "client_protocol", "commands", "transports/", "centrifugo/"}),
     ("the process", {"hub", "stats_feed"}),
-    ("the apps", {"admin/", "centrifugo/api", "centrifugo/api_methods", "centrifugo/api_users",
-                  "centrifugo/api_requests", "centrifugo/context", "centrifugo/idempotency",
-                  "centrifugo/channel_glob", "app", "server", "cli", "workers/", "testing", "__main__"}),
+    (
+        "the apps",
+        {
+            "admin/",
+            "centrifugo/api",
+            "centrifugo/api_methods",
+            "centrifugo/api_users",
+            "centrifugo/api_requests",
+            "centrifugo/context",
+            "centrifugo/idempotency",
+            "centrifugo/channel_glob",
+            "app",
+            "server",
+            "cli",
+            "workers/",
+            "testing",
+            "__main__",
+        },
+    ),
 ]
 
 #: imports allowed to run up or round, each with why: (room, room it imports) -> the reason. None today: a new
@@ -71,7 +99,7 @@ def imported_modules(path: Path) -> list[tuple[str, int]]:
             found += [(alias.name, node.lineno) for alias in node.names if alias.name.split(".")[0] == "gateway"]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -104,9 +132,11 @@ def test_every_room_of_the_gateway_has_a_layer() -> None:
 
 
 def test_no_import_runs_up_the_layers() -> None:
-    up = [f"{module}:{line} ({layer}) imports {target} ({LAYERS[LAYER_OF[target]][0]})"
-          for module, line, layer, target in cross_room_imports()
-          if LAYER_OF[target] > LAYER_OF[layer] and (layer, target) not in OWNED_ELSEWHERE]
+    up = [
+        f"{module}:{line} ({layer}) imports {target} ({LAYERS[LAYER_OF[target]][0]})"
+        for module, line, layer, target in cross_room_imports()
+        if LAYER_OF[target] > LAYER_OF[layer] and (layer, target) not in OWNED_ELSEWHERE
+    ]
     assert up == []
 
 
@@ -117,8 +147,11 @@ def test_no_folder_and_another_room_import_each_other() -> None:
     for module, line, layer, target in cross_room_imports():
         if (layer, target) not in OWNED_ELSEWHERE:
             imports[layer, target].append(f"{module}:{line}")
-    both_ways = sorted(f"{a} <-> {b}: {imports[a, b]} / {imports[b, a]}" for a, b in imports
-                       if (b, a) in imports and a < b and (a.endswith("/") or b.endswith("/")))
+    both_ways = sorted(
+        f"{a} <-> {b}: {imports[a, b]} / {imports[b, a]}"
+        for a, b in imports
+        if (b, a) in imports and a < b and (a.endswith("/") or b.endswith("/"))
+    )
     assert both_ways == []
 
 
@@ -133,6 +166,9 @@ def test_the_architecture_document_shows_the_same_layers() -> None:
     for name, rooms in LAYERS:
         assert name in section, f"docs/architecture.md's Layers do not name the layer {name!r}"
         # a module of a folder may be named alone in its folder's line ("`centrifugo/api` (with `context`)")
-        missing = [r for r in rooms if r != "__init__" and f"`{r.rstrip('/')}" not in section
-                   and f"`{r.rpartition('/')[2]}`" not in section]
+        missing = [
+            r
+            for r in rooms
+            if r != "__init__" and f"`{r.rstrip('/')}" not in section and f"`{r.rpartition('/')[2]}`" not in section
+        ]
         assert missing == [], f"docs/architecture.md's layer {name!r} does not list {missing}"

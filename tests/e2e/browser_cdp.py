@@ -27,11 +27,20 @@ from websockets.sync.client import connect as ws_connect
 
 CHROMIUM = shutil.which("chromium")
 # Flags from the machine's notes: without the background-networking ones Chromium keeps dialling out.
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         # timers of a page must run on time although nothing looks at it
-         "--disable-background-timer-throttling", "--disable-renderer-backgrounding",
-         "--disable-backgrounding-occluded-windows"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    # timers of a page must run on time although nothing looks at it
+    "--disable-background-timer-throttling",
+    "--disable-renderer-backgrounding",
+    "--disable-backgrounding-occluded-windows",
+]
 
 
 class BrowserError(AssertionError):
@@ -44,8 +53,7 @@ def guarded(expression: str) -> str:
 
 
 class Chromium:
-    def __init__(self, profile_dir: Path, *, start_timeout: float = 30.0,
-                 window: tuple[int, int] | None = None) -> None:
+    def __init__(self, profile_dir: Path, *, start_timeout: float = 30.0, window: tuple[int, int] | None = None) -> None:
         """`window=(width, height)`: that window and viewport size in CSS pixels (default: Chromium's)."""
         assert CHROMIUM is not None, "chromium is not installed"
         self.profile_dir = profile_dir
@@ -73,9 +81,17 @@ class Chromium:
         size = [f"--window-size={self.window[0]},{self.window[1]}"] if self.window else []
         assert CHROMIUM is not None, "no chromium on PATH (`make browser`)"
         self.proc = subprocess.Popen(
-            [CHROMIUM, *FLAGS, *size, f"--user-data-dir={self.profile_dir}", "--remote-debugging-port=0",
-             "--remote-debugging-address=127.0.0.1", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                CHROMIUM,
+                *FLAGS,
+                *size,
+                f"--user-data-dir={self.profile_dir}",
+                "--remote-debugging-port=0",
+                "--remote-debugging-address=127.0.0.1",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + self.start_timeout
         port = None
@@ -102,8 +118,13 @@ class Chromium:
         self.call("Runtime.enable")
         self.call("Page.enable")
         if self.window:
-            self.call("Emulation.setDeviceMetricsOverride", width=self.window[0], height=self.window[1],
-                      deviceScaleFactor=1, mobile=False)
+            self.call(
+                "Emulation.setDeviceMetricsOverride",
+                width=self.window[0],
+                height=self.window[1],
+                deviceScaleFactor=1,
+                mobile=False,
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -156,8 +177,7 @@ class Chromium:
 
     def evaluate(self, expression: str, timeout: float = 30.0) -> Any:
         """The JSON value of `expression` (a promise is awaited)."""
-        result = self.call("Runtime.evaluate", timeout=timeout, expression=expression, awaitPromise=True,
-                           returnByValue=True)
+        result = self.call("Runtime.evaluate", timeout=timeout, expression=expression, awaitPromise=True, returnByValue=True)
         if "exceptionDetails" in result:
             details = result["exceptionDetails"]
             text = details.get("exception", {}).get("description") or details.get("text")
@@ -175,8 +195,9 @@ class Chromium:
                 raise BrowserError(f"chromium exited while waiting for {what}; console: {self.console[-20:]}")
             if time.monotonic() > deadline:
                 state = self.evaluate(dump) if dump else None
-                raise BrowserError(f"timed out after {timeout} s waiting for {what}; state: {state}; "
-                                   f"console: {self.console[-20:]}")
+                raise BrowserError(
+                    f"timed out after {timeout} s waiting for {what}; state: {state}; console: {self.console[-20:]}"
+                )
             time.sleep(0.1)
 
     def wait_for(self, expression: str, timeout: float = 30.0, *, what: str = "", dump: str = "") -> Any:
@@ -187,9 +208,12 @@ class Chromium:
         """A PNG of the whole page (beyond the viewport, down to the end of its content) at `path`."""
         metrics = self.call("Page.getLayoutMetrics")
         width = self.window[0] if self.window else metrics["cssLayoutViewport"]["clientWidth"]
-        shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                         clip={"x": 0, "y": 0, "width": width, "height": metrics["cssContentSize"]["height"],
-                               "scale": 1})
+        shot = self.call(
+            "Page.captureScreenshot",
+            format="png",
+            captureBeyondViewport=True,
+            clip={"x": 0, "y": 0, "width": width, "height": metrics["cssContentSize"]["height"], "scale": 1},
+        )
         path.write_bytes(base64.b64decode(shot["data"]))
 
     def open(self, url: str, ready: str = "window.harnessReady === true", timeout: float = 30.0) -> None:

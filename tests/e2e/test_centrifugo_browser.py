@@ -65,8 +65,12 @@ def test_the_browser_build_subscribes_receives_publishes_and_calls(site: Path, b
         browser.evaluate("start('news')")
         browser.wait_for("rec.subscribed.length === 1", what="subscribed", dump="JSON.stringify(rec)")
         for n in range(3):
-            answer = httpx.post(f"{gw.http_url}/api/publish", json={"channel": "news", "data": {"n": n}},
-                                headers={"X-API-Key": gw.admin_token}, trust_env=False)
+            answer = httpx.post(
+                f"{gw.http_url}/api/publish",
+                json={"channel": "news", "data": {"n": n}},
+                headers={"X-API-Key": gw.admin_token},
+                trust_env=False,
+            )
             assert answer.json()["result"]["offset"] == n + 1
         browser.evaluate("client.publish('news', {n: 'mine'})")
         browser.wait_for("rec.pubs.length === 4", what="4 publications", dump="JSON.stringify(rec)")

@@ -61,8 +61,12 @@ def gateway(site: Path, **overrides: dict) -> Iterator[GatewayHandle]:
 
 
 def publish(gw: GatewayHandle, topic: str, messages: list) -> list[int]:
-    r = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"messages": messages},
-                   headers={"Authorization": f"Bearer {gw.admin_token}"}, timeout=10)
+    r = httpx.post(
+        f"{gw.http_url}/api/topics/{topic}/publish",
+        json={"messages": messages},
+        headers={"Authorization": f"Bearer {gw.admin_token}"},
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
     return r.json()["seqs"]
 
@@ -147,8 +151,11 @@ def test_deltas_over_compressed_frames_arrive_intact(site: Path, browser: Chromi
         assert browser.evaluate(f"{sub}.deltaGranted") is True
         assert browser.evaluate(f"{sub}.deltasApplied") == 19 and browser.evaluate(f"{sub}.deltaFailures") == 0
         metrics = httpx.get(f"{gw.http_url}/metrics", headers={"Authorization": f"Bearer {gw.admin_token}"}).text
-        counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith(("fanout_ws_deflated_frames_total", "fanout_ws_deflate_"))}
+        counts = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith(("fanout_ws_deflated_frames_total", "fanout_ws_deflate_"))
+        }
         assert counts["fanout_ws_deflated_frames_total"] >= 1  # the first book, whole, went compressed
         assert counts["fanout_ws_deflate_output_bytes_total"] < counts["fanout_ws_deflate_input_bytes_total"] / 2
 
@@ -338,15 +345,25 @@ def test_recovery_is_exact_on_synthetic_entries(site: Path, browser: Chromium) -
             return seen;
         })()""")
     assert out == [
-        ["msg", "e1", 3], ["msg", "e1", 4], ["msg", "e1", 5],
-        ["loss", 6, 9, "lagged"], ["msg", "e1", 9], ["loss", 10, 12, "gap"], ["msg", "e1", 12],
+        ["msg", "e1", 3],
+        ["msg", "e1", 4],
+        ["msg", "e1", 5],
+        ["loss", 6, 9, "lagged"],
+        ["msg", "e1", 9],
+        ["loss", 10, 12, "gap"],
+        ["msg", "e1", 12],
         ["msg", "e1", 13],
-        ["loss", 14, None, "epoch"], ["msg", "e2", 0],
-        ["snap", 7], ["snap", 20],
-        ["priv", 0], ["priv", 1], ["priv", 2], ["priv", 3], ["priv", 4], ["priv", 0],
+        ["loss", 14, None, "epoch"],
+        ["msg", "e2", 0],
+        ["snap", 7],
+        ["snap", 20],
+        ["priv", 0],
+        ["priv", 1],
+        ["priv", 2],
+        ["priv", 3],
+        ["priv", 4],
+        ["priv", 0],
     ]
-
-
 
 
 @pytest.mark.parametrize("transport", ["ws", "sse", "lp"])
@@ -355,8 +372,7 @@ def test_a_silent_connection_is_found_by_ping_and_replaced(site: Path, browser: 
     # a ping every 1 s answered within 2 s (a loopback round trip: milliseconds), so the frozen connection is
     # found within 3 s; a reconnect made before the proxy passes again gives up after 2 s and tries again
     with gateway(site) as gw, TcpProxy(gw.http_port) as proxy:
-        start(browser, proxy.url, topic, transports=[transport], connectTimeoutMs=2000, pingIntervalMs=1000,
-              pingTimeoutMs=2000)
+        start(browser, proxy.url, topic, transports=[transport], connectTimeoutMs=2000, pingIntervalMs=1000, pingTimeoutMs=2000)
         publish(gw, topic, [{"n": 0}])
         wait_msgs(browser, topic, 1)
         no_pong = "rec.events.some(([k, v]) => k === 'state' && v[1].reason === 'no pong')"
@@ -366,8 +382,7 @@ def test_a_silent_connection_is_found_by_ping_and_replaced(site: Path, browser: 
         publish(gw, topic, [{"n": i} for i in range(1, 5)])
         browser.wait_for(no_pong, 30, what="the ping timeout", dump=DUMP)
         proxy.silent = False
-        browser.wait_for("client.reconnects >= 1 && client.state === 'connected'", 30,
-                         what="a new connection", dump=DUMP)
+        browser.wait_for("client.reconnects >= 1 && client.state === 'connected'", 30, what="a new connection", dump=DUMP)
         msgs = wait_msgs(browser, topic, 5)
         check_requests(browser, transport, topic)
         rec = browser.evaluate("rec")
@@ -397,8 +412,7 @@ def test_the_transport_that_worked_is_kept_then_the_better_one_tried_again(site:
 
 
 @pytest.mark.parametrize("transport", ["ws", "sse"])
-def test_private_messages_are_acknowledged_so_a_takeover_gets_none_again(
-        site: Path, browser: Chromium, transport: str) -> None:
+def test_private_messages_are_acknowledged_so_a_takeover_gets_none_again(site: Path, browser: Chromium, transport: str) -> None:
     """The library subscribes private queues with `ack: true` and acknowledges what it handed to the page: the
     user's next connection takes the queue over at its head, nothing comes twice."""
     import orjson
@@ -408,8 +422,12 @@ def test_private_messages_are_acknowledged_so_a_takeover_gets_none_again(
     token = make_token("carol")
     with gateway(site) as gw:
         start(browser, gw.http_url, topic, transports=[transport], token=token)
-        r = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"messages": [0, 1, 2], "client": "carol"},
-                       headers={"Authorization": f"Bearer {gw.admin_token}"}, timeout=10)
+        r = httpx.post(
+            f"{gw.http_url}/api/topics/{topic}/publish",
+            json={"messages": [0, 1, 2], "client": "carol"},
+            headers={"Authorization": f"Bearer {gw.admin_token}"},
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
         assert [m[1] for m in wait_msgs(browser, topic, 3)] == [0, 1, 2]
         time.sleep(1.0)  # the acks go at the end of the turn that handed the messages over

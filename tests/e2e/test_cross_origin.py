@@ -79,6 +79,10 @@ def test_a_page_of_another_origin_cannot_import_it_unless_allowed(tmp_path: Path
 
 
 def _publish(gw: GatewayHandle, messages: list) -> None:
-    r = httpx.post(f"{gw.http_url}/api/topics/chat.cross/publish", json={"messages": messages},
-                   headers={"Authorization": f"Bearer {gw.admin_token}"}, timeout=10)
+    r = httpx.post(
+        f"{gw.http_url}/api/topics/chat.cross/publish",
+        json={"messages": messages},
+        headers={"Authorization": f"Bearer {gw.admin_token}"},
+        timeout=10,
+    )
     assert r.status_code == 200, r.text

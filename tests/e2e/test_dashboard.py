@@ -58,13 +58,11 @@ class Traffic:
             self.close_codes[i] = exc.rcvd.code if exc.rcvd else None
 
     def _publish(self, gw) -> None:
-        with httpx.Client(base_url=gw.http_url, headers={"Authorization": f"Bearer {gw.admin_token}"},
-                          timeout=10) as http:
+        with httpx.Client(base_url=gw.http_url, headers={"Authorization": f"Bearer {gw.admin_token}"}, timeout=10) as http:
             for tick in itertools.count():
                 if self.stop.wait(0.1):
                     return
-                http.post("/api/topics/prices.eurusd/publish",
-                          json={"messages": [{"bid": 1.08 + (tick % 50) / 1e4}] * 5})
+                http.post("/api/topics/prices.eurusd/publish", json={"messages": [{"bid": 1.08 + (tick % 50) / 1e4}] * 5})
                 http.post("/api/topics/chat.lobby/publish", json={"data": {"text": f"message {tick}"}})
                 if tick % 5 == 0:
                     http.post("/api/topics/state.scores/publish", json={"data": {"home": tick // 5, "away": 0}})
@@ -109,25 +107,34 @@ def test_the_dashboard_shows_live_topics_clients_rates_and_the_chart(tmp_path):
                 assert browser.evaluate(COLOURED_PIXELS) > 50
                 saving = os.environ.get("SAVE_SCREENSHOTS") == "1"
                 if saving:  # for the docs: let the chart fill a good part of its window (30 samples)
-                    browser.wait_for(guarded("+document.getElementById('rate-chart').dataset.points >= 150"), 60,
-                                     what="30 samples")
+                    browser.wait_for(
+                        guarded("+document.getElementById('rate-chart').dataset.points >= 150"), 60, what="30 samples"
+                    )
                 shot = tmp_path / "dashboard.png"
                 browser.screenshot(shot)
                 assert shot.read_bytes().startswith(b"\x89PNG")
                 if saving:
                     DOCS_IMG.parent.mkdir(exist_ok=True)
                     shutil.copyfile(shot, DOCS_IMG)
-                ids = [c["id"] for c in httpx.get(f"{gw.http_url}/api/clients",
-                                                  headers={"Authorization": f"Bearer {gw.admin_token}"}).json()["clients"]]
+                ids = [
+                    c["id"]
+                    for c in httpx.get(
+                        f"{gw.http_url}/api/clients", headers={"Authorization": f"Bearer {gw.admin_token}"}
+                    ).json()["clients"]
+                ]
                 assert len(ids) == 4
 
                 def dom_is_live() -> bool:
                     dom = browser.evaluate("document.documentElement.outerHTML")
                     topics = re.search(r'<table id="topics">.*?</table>', dom, re.S)
                     clients = re.search(r'<table id="clients">.*?</table>', dom, re.S)
-                    return bool(topics and clients and all(f"<td>{name}</td>" in topics.group(0) for name in TOPICS)
-                                and all(f"<td>{client_id}</td>" in clients.group(0) for client_id in ids)
-                                and re.search(r'<td class="num rate">(?!0<)[0-9.]+</td>', clients.group(0)))
+                    return bool(
+                        topics
+                        and clients
+                        and all(f"<td>{name}</td>" in topics.group(0) for name in TOPICS)
+                        and all(f"<td>{client_id}</td>" in clients.group(0) for client_id in ids)
+                        and re.search(r'<td class="num rate">(?!0<)[0-9.]+</td>', clients.group(0))
+                    )
 
                 # the DOM as a dump shows it (a sample may fall between two publishes: poll, bounded)
                 browser.until(dom_is_live, 30, what="the tables with every topic, every client and a rate above 0")
@@ -144,13 +151,18 @@ def test_the_dashboard_shows_live_topics_clients_rates_and_the_chart(tmp_path):
                   document.getElementById('pub-topic').value = 'state.scores';
                   document.getElementById('pub-data').value = '{"home": 99}';
                   document.getElementById('publish').requestSubmit(); })()""")
-                browser.wait_for(guarded("document.getElementById('pub-result').textContent"
-                                         ".startsWith('published to state.scores')"), what="the publish answer")
+                browser.wait_for(
+                    guarded("document.getElementById('pub-result').textContent.startsWith('published to state.scores')"),
+                    what="the publish answer",
+                )
                 victim = ids[0]
-                browser.evaluate("window.confirm = () => true; document.querySelector("
-                                 f"'#clients tr[data-client=\"{victim}\"] button').click()")
-                browser.wait_for(guarded(f"!document.querySelector('#clients tr[data-client=\"{victim}\"]')"),
-                                 what="the kicked client to leave the table")
+                browser.evaluate(
+                    f"window.confirm = () => true; document.querySelector('#clients tr[data-client=\"{victim}\"] button').click()"
+                )
+                browser.wait_for(
+                    guarded(f"!document.querySelector('#clients tr[data-client=\"{victim}\"]')"),
+                    what="the kicked client to leave the table",
+                )
                 assert browser.errors == []
         finally:
             traffic.close()

@@ -40,9 +40,11 @@ OVERFLOWING = """(() => {
   }).map((el) => el.tagName + (el.id ? '#' + el.id : '') + ' ' + Math.round(el.getBoundingClientRect().right));
 })()"""
 
-FILLED = ("document.querySelectorAll('#topics tbody tr').length === 3"
-          " && document.querySelectorAll('#clients tbody tr').length === 2"
-          " && document.getElementById('status').textContent === 'live'")
+FILLED = (
+    "document.querySelectorAll('#topics tbody tr').length === 3"
+    " && document.querySelectorAll('#clients tbody tr').length === 2"
+    " && document.getElementById('status').textContent === 'live'"
+)
 
 
 def _admin(gw) -> dict[str, str]:
@@ -78,8 +80,9 @@ def first_sample(tmp_path_factory):
         _traffic(gw, stack)
         with Chromium(tmp_path / "profile", window=NARROW) as browser:
             browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
-            browser.wait_for(guarded(FILLED), 30, what="the first sample's tables",
-                             dump="document.querySelector('main').innerText")
+            browser.wait_for(
+                guarded(FILLED), 30, what="the first sample's tables", dump="document.querySelector('main').innerText"
+            )
             browser.screenshot(tmp_path / "dashboard-400.png")
             yield browser, tmp_path
             assert browser.errors == []
@@ -91,17 +94,19 @@ def test_at_400_px_nothing_runs_past_the_viewport(first_sample):
     assert browser.evaluate("document.documentElement.scrollWidth") <= NARROW[0]
     assert browser.evaluate(OVERFLOWING) == []
     # the wide tables scroll inside their own box
-    assert browser.evaluate("(() => { const box = document.getElementById('clients').parentElement;"
-                            " return box.scrollWidth > box.clientWidth; })()")
+    assert browser.evaluate(
+        "(() => { const box = document.getElementById('clients').parentElement; return box.scrollWidth > box.clientWidth; })()"
+    )
 
 
 @pytest.mark.timeout(60)
 def test_a_wrapped_ring_shows_held_over_capacity_and_is_not_a_warning(first_sample):
     browser, _ = first_sample
-    row = f"#topics tr[data-topic=\"{RING}\"]"
+    row = f'#topics tr[data-topic="{RING}"]'
     # full is a busy ring's steady state (the oldest are overwritten by design): not amber (--warn)
-    assert browser.evaluate(f"getComputedStyle(document.querySelector('{row} .fill span')).backgroundColor") \
-        != "rgb(240, 180, 41)"
+    assert (
+        browser.evaluate(f"getComputedStyle(document.querySelector('{row} .fill span')).backgroundColor") != "rgb(240, 180, 41)"
+    )
     fill = browser.evaluate(f"document.querySelector('{row} .fill').parentElement.textContent")
     # 64 held of 64, seqs 111-174 ([begin, end) = [111, 175))
     assert re.search(rf"\b{RING_CAPACITY} / {RING_CAPACITY}\b", fill), fill
@@ -135,8 +140,7 @@ def test_the_raw_tcp_counters_are_folded_until_asked_for(first_sample):
 def test_at_1200_px_it_fits_too(first_sample):
     browser, tmp_path = first_sample
     browser.window = WIDE
-    browser.call("Emulation.setDeviceMetricsOverride", width=WIDE[0], height=WIDE[1], deviceScaleFactor=1,
-                 mobile=False)
+    browser.call("Emulation.setDeviceMetricsOverride", width=WIDE[0], height=WIDE[1], deviceScaleFactor=1, mobile=False)
     assert browser.evaluate("document.documentElement.scrollWidth") <= WIDE[0]
     assert browser.evaluate(OVERFLOWING) == []
     browser.screenshot(tmp_path / "dashboard-1200.png")
@@ -146,8 +150,11 @@ def test_at_1200_px_it_fits_too(first_sample):
 def test_amber_is_for_losses_not_for_a_full_ring(tmp_path):
     """A client resuming from a seq the wrapped ring no longer holds is told it lost 111 messages: the lost / s
     card turns amber for that interval, while the full ring's gauge stays the normal colour."""
-    with run_gateway(admin={"stats_interval_s": 0.3}) as gw, ExitStack() as stack, \
-            Chromium(tmp_path / "profile", window=WIDE) as browser:
+    with (
+        run_gateway(admin={"stats_interval_s": 0.3}) as gw,
+        ExitStack() as stack,
+        Chromium(tmp_path / "profile", window=WIDE) as browser,
+    ):
         _traffic(gw, stack)
         browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
         browser.wait_for(guarded(FILLED + " && lastSnapshot.dt !== null"), 30, what="a sample with rates")
@@ -158,11 +165,14 @@ def test_amber_is_for_losses_not_for_a_full_ring(tmp_path):
         entries: list[dict] = []
         while not any(e.get("type") == "loss" for e in entries):
             entries += json.loads(late.recv(timeout=5))
-        browser.wait_for(guarded("document.getElementById('c-lost').parentElement.classList.contains('warn')"), 15,
-                         what="the lost / s card to turn amber", dump="document.getElementById('cards').innerText")
-        gauge = f"#topics tr[data-topic=\"{RING}\"] .fill span"
-        assert browser.evaluate(f"getComputedStyle(document.querySelector('{gauge}')).backgroundColor") \
-            != "rgb(240, 180, 41)"
+        browser.wait_for(
+            guarded("document.getElementById('c-lost').parentElement.classList.contains('warn')"),
+            15,
+            what="the lost / s card to turn amber",
+            dump="document.getElementById('cards').innerText",
+        )
+        gauge = f'#topics tr[data-topic="{RING}"] .fill span'
+        assert browser.evaluate(f"getComputedStyle(document.querySelector('{gauge}')).backgroundColor") != "rgb(240, 180, 41)"
         assert browser.errors == []
 
 
@@ -191,12 +201,19 @@ def test_with_a_broker_the_topics_table_says_whose_subscribers_it_counts(tmp_pat
     redis = RedisProcess(tmp_path / "redis")
     redis.start()
     try:
-        with run_gateway(broker={"url": redis.url}, admin={"stats_interval_s": 0.5}) as gw, ExitStack() as stack, \
-                Chromium(tmp_path / "profile", window=WIDE) as browser:
+        with (
+            run_gateway(broker={"url": redis.url}, admin={"stats_interval_s": 0.5}) as gw,
+            ExitStack() as stack,
+            Chromium(tmp_path / "profile", window=WIDE) as browser,
+        ):
             _traffic(gw, stack)
             browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
-            browser.wait_for(guarded(FILLED + " && !document.getElementById('nodes-panel').hidden"), 30,
-                             what="the first cluster sample", dump="document.querySelector('main').innerText")
+            browser.wait_for(
+                guarded(FILLED + " && !document.getElementById('nodes-panel').hidden"),
+                30,
+                what="the first cluster sample",
+                dump="document.querySelector('main').innerText",
+            )
             header = _text(browser, "#topics thead")
             assert "subscribers (this node)" in header, header
             assert "on this node" in _text(browser, "#topics-more")
@@ -210,8 +227,7 @@ def test_with_a_broker_the_topics_table_says_whose_subscribers_it_counts(tmp_pat
 
 @pytest.mark.timeout(60)
 def test_without_a_broker_the_subscribers_column_is_plain(tmp_path):
-    with run_gateway(admin=FIRST_SAMPLE_ONLY) as gw, ExitStack() as stack, \
-            Chromium(tmp_path / "profile", window=WIDE) as browser:
+    with run_gateway(admin=FIRST_SAMPLE_ONLY) as gw, ExitStack() as stack, Chromium(tmp_path / "profile", window=WIDE) as browser:
         _traffic(gw, stack)
         browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
         browser.wait_for(guarded(FILLED), 30, what="the first sample")

@@ -19,11 +19,15 @@ def test_the_page_subscribes_and_shows_the_state_of_the_world(tmp_path):
         headers = {"Authorization": f"Bearer {gw.admin_token}"}
         r = httpx.post(f"{gw.http_url}/api/topics/state.demo/publish", json={"data": {"text": "hello-page"}}, headers=headers)
         assert r.status_code == 200
-        assert httpx.get(f"{gw.http_url}/fanout.js").headers["content-type"].startswith(("text/javascript",
-                                                                                          "application/javascript"))
+        assert (
+            httpx.get(f"{gw.http_url}/fanout.js")
+            .headers["content-type"]
+            .startswith(("text/javascript", "application/javascript"))
+        )
         # polled with a real deadline (a --virtual-time-budget can run out before a handshake on a loaded machine)
-        browser.open(f"{gw.http_url}/?topic=state.demo", ready="document.getElementById('log').textContent"
-                     ".includes('state.demo #0')")
+        browser.open(
+            f"{gw.http_url}/?topic=state.demo", ready="document.getElementById('log').textContent.includes('state.demo #0')"
+        )
         dom = browser.evaluate("document.documentElement.outerHTML")
     spans = re.findall(r'<span id="\w+">[^<]*</span>', dom)
     assert '<span id="status">connected</span>' in spans, spans
@@ -38,14 +42,18 @@ def test_the_page_subscribes_and_shows_the_state_of_the_world(tmp_path):
 @pytest.mark.parametrize("transport", ["sse", "lp"])
 def test_the_page_publishes_over_the_transport_it_is_given(tmp_path, transport):
     with run_gateway() as gw, Chromium(tmp_path) as browser:
-        browser.open(f"{gw.http_url}/?topic=chat.page&transports={transport}",
-                     ready="document.getElementById('status').textContent === 'connected'")
+        browser.open(
+            f"{gw.http_url}/?topic=chat.page&transports={transport}",
+            ready="document.getElementById('status').textContent === 'connected'",
+        )
         assert browser.evaluate("document.getElementById('transport').textContent") == transport
         browser.wait_for("document.getElementById('log').textContent.includes('subscribed chat.page')")
-        browser.evaluate("document.getElementById('text').value = 'hi from the form';"
-                         "document.querySelector('#pub button').click(); true")
+        browser.evaluate(
+            "document.getElementById('text').value = 'hi from the form';document.querySelector('#pub button').click(); true"
+        )
         line = 'chat.page #0: {"text":"hi from the form"}'
-        browser.wait_for(f"document.getElementById('log').textContent.includes({json.dumps(line)})",
-                         what="the published message to come back")
+        browser.wait_for(
+            f"document.getElementById('log').textContent.includes({json.dumps(line)})", what="the published message to come back"
+        )
         assert "published #0" in browser.evaluate("document.getElementById('log').textContent")
         assert browser.evaluate("document.getElementById('losses').textContent") == "0"

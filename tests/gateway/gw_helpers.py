@@ -28,8 +28,15 @@ def ws_connect(gw, *, query: str = "", rcvbuf: int | None = None, max_queue: int
     # max_queue=None (unbounded): a test that stops reading must not stall the close handshake for 10 s;
     # a client meant to stall passes a bound, so its reader stops and the kernel buffers fill. Its close
     # handshake then waits behind the unread frames (the gateway may have cut it long before): 1 s, not 10
-    return connect(gw.ws_url + query, sock=sock, open_timeout=5, max_size=None, max_queue=max_queue,
-                   compression=None, close_timeout=10 if max_queue is None else 1)
+    return connect(
+        gw.ws_url + query,
+        sock=sock,
+        open_timeout=5,
+        max_size=None,
+        max_queue=max_queue,
+        compression=None,
+        close_timeout=10 if max_queue is None else 1,
+    )
 
 
 def send(ws, **command) -> None:
@@ -109,8 +116,9 @@ class Ingest:
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def serve_process(tmp_path: Path, config_text: str, *, piped: bool = False,
-                  timeout: float = 30.0) -> tuple[subprocess.Popen[Any], dict[str, Any]]:
+def serve_process(
+    tmp_path: Path, config_text: str, *, piped: bool = False, timeout: float = 30.0
+) -> tuple[subprocess.Popen[Any], dict[str, Any]]:
     """`python -m gateway serve --config` of this checkout (no `GATEWAY_*` variable of ours reaches it), once it is
     ready: the process and its ready file's values (`http_port`...). Its output goes to tmp_path/gateway.log,
     or with `piped` to a text pipe the caller reads (`proc.communicate`). The caller stops it."""
@@ -119,8 +127,9 @@ def serve_process(tmp_path: Path, config_text: str, *, piped: bool = False,
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)]
     if piped:
-        proc: subprocess.Popen[Any] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                                       stderr=subprocess.STDOUT, text=True)
+        proc: subprocess.Popen[Any] = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     else:
         with open(log, "ab") as out:
             proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -32,8 +32,9 @@ class Backend:
         self.delays: dict[str, float] = {}
         self.port = 0
         app = Starlette(routes=[Route("/{hook}", self.handle, methods=["POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="off", backlog=4096))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", backlog=4096)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     async def handle(self, request: Request) -> JSONResponse:

@@ -27,8 +27,16 @@ class Event:
 
 
 class SseClient:
-    def __init__(self, gw, query: str = "", *, headers: dict | None = None, rcvbuf: int | None = None,
-                 path: str = "/sse", read_head: bool = True):
+    def __init__(
+        self,
+        gw,
+        query: str = "",
+        *,
+        headers: dict | None = None,
+        rcvbuf: int | None = None,
+        path: str = "/sse",
+        read_head: bool = True,
+    ):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf is not None:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)

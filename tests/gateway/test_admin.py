@@ -36,10 +36,13 @@ def test_topics_crud_and_publish_reach_websocket_clients():
 
 
 def test_private_publish_waits_for_space_then_503():
-    with run_gateway(admin={"publish_timeout_s": 0.5},
-                     topics={"rules": [{"pattern": "*", "kind": "private", "max_count": 2}]}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            ws_connect(gw, query=f"?token={make_token('bob')}") as ws:
+    with (
+        run_gateway(
+            admin={"publish_timeout_s": 0.5}, topics={"rules": [{"pattern": "*", "kind": "private", "max_count": 2}]}
+        ) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw, query=f"?token={make_token('bob')}") as ws,
+    ):
         send(ws, op="subscribe", topic="inbox")
         recv_entries(ws)
         bob = gw.client_of("bob")
@@ -52,8 +55,11 @@ def test_private_publish_waits_for_space_then_503():
 
 
 def test_list_and_kick_clients():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            ws_connect(gw, query=f"?token={make_token('carol')}") as ws:
+    with (
+        run_gateway() as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw, query=f"?token={make_token('carol')}") as ws,
+    ):
         send(ws, op="subscribe", topic="t")
         recv_entries(ws)
         clients = http.get("/api/clients").json()["clients"]
@@ -70,8 +76,13 @@ def test_stats_metrics_health_openapi_static():
     with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
         assert http.get("/healthz").json() == {"status": "ok"}
         metrics = http.get("/metrics").text
-        for name in ("fanout_messages_published_total", "fanout_cycle_duration_seconds_bucket",
-                     "fanout_entries_per_batch_bucket", "fanout_write_blocked_clients", "fanout_clients"):
+        for name in (
+            "fanout_messages_published_total",
+            "fanout_cycle_duration_seconds_bucket",
+            "fanout_entries_per_batch_bucket",
+            "fanout_write_blocked_clients",
+            "fanout_clients",
+        ):
             assert name in metrics
         assert f"\nfanout_core_compiled {float(core.COMPILED)}\n" in metrics  # which build of the core runs
         spec = http.get("/api/openapi.json").json()

@@ -24,11 +24,12 @@ def snapshots(response: httpx.Response) -> Iterator[dict]:
     """The `data:` events of an SSE response, decoded."""
     for line in response.iter_lines():
         if line.startswith("data: "):
-            yield json.loads(line[len("data: "):])
+            yield json.loads(line[len("data: ") :])
 
 
 def feed_state(gw) -> dict:
     """The feed's viewers and the loop's tasks that belong to the stream, read on the gateway's loop."""
+
     def read() -> dict:
         feed = gw.hub.stats
         stream_tasks = []
@@ -36,8 +37,12 @@ def feed_state(gw) -> dict:
             names = {frame.f_code.co_qualname for frame in task.get_stack(limit=100)}
             if task.get_name().startswith("admin-stats") or any("SnapshotStream" in n for n in names):
                 stream_tasks.append(task.get_name())
-        return {"viewers": feed.viewers if feed else 0, "sampler": feed is not None and feed.task is not None,
-                "tasks": stream_tasks}
+        return {
+            "viewers": feed.viewers if feed else 0,
+            "sampler": feed is not None and feed.task is not None,
+            "tasks": stream_tasks,
+        }
+
     return gw.call(read)
 
 
@@ -54,8 +59,11 @@ def test_the_stream_needs_the_admin_token_in_the_header():
 
 def test_snapshots_come_at_the_interval_with_rates_of_real_traffic():
     n = 25
-    with run_gateway(admin={"stats_interval_s": INTERVAL}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, ws_connect(gw) as ws:
+    with (
+        run_gateway(admin={"stats_interval_s": INTERVAL}) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw) as ws,
+    ):
         send(ws, op="subscribe", topic="t.rate")
         collect(ws, lambda got: any(e["type"] == "subscribed" for e in got))
         client_id = http.get("/api/clients").json()["clients"][0]["id"]
@@ -97,8 +105,11 @@ def test_snapshots_come_at_the_interval_with_rates_of_real_traffic():
 
 def test_the_snapshot_lists_the_busiest_and_sums_the_rest():
     from gateway import stats_feed
-    with run_gateway(admin={"stats_interval_s": INTERVAL}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+
+    with (
+        run_gateway(admin={"stats_interval_s": INTERVAL}) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+    ):
         top = stats_feed.STREAM_TOP
         http.post("/api/topics/t.busy/publish", json={"messages": [1, 2, 3]})
         for i in range(top + 5):
@@ -114,9 +125,11 @@ def test_the_snapshot_lists_the_busiest_and_sums_the_rest():
 
 
 def test_raw_receivers_are_in_the_snapshot_when_rawtcp_is_enabled():
-    with run_gateway(rawtcp={"enabled": True}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            socket.create_connection(("127.0.0.1", gw.raw_receiver_port), timeout=5):
+    with (
+        run_gateway(rawtcp={"enabled": True}) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        socket.create_connection(("127.0.0.1", gw.raw_receiver_port), timeout=5),
+    ):
         wait_for(lambda: http.get("/api/raw/receivers").json()["receivers"], "the receiver")
         with http.stream("GET", "/api/stats/stream") as r:
             snap = next(snapshots(r))
@@ -126,8 +139,10 @@ def test_raw_receivers_are_in_the_snapshot_when_rawtcp_is_enabled():
 
 
 def test_viewers_beyond_the_bound_get_429_and_a_freed_slot_is_taken_again():
-    with run_gateway(admin={"stats_interval_s": INTERVAL, "stats_max_viewers": 2}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with (
+        run_gateway(admin={"stats_interval_s": INTERVAL, "stats_max_viewers": 2}) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+    ):
         with http.stream("GET", "/api/stats/stream") as one, http.stream("GET", "/api/stats/stream") as two:
             # keep the readers: dropping a generator of iter_lines closes its response
             readers = [snapshots(one), snapshots(two)]
@@ -145,8 +160,9 @@ def test_viewers_beyond_the_bound_get_429_and_a_freed_slot_is_taken_again():
 
 def test_the_stream_ends_when_the_viewer_disconnects():
     with run_gateway(admin={"stats_interval_s": 5.0}) as gw:  # long interval: the cut comes between samples
-        request = (f"GET /api/stats/stream HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                   f"Authorization: Bearer {gw.admin_token}\r\n\r\n").encode()
+        request = (
+            f"GET /api/stats/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {gw.admin_token}\r\n\r\n"
+        ).encode()
         for _ in range(2):  # twice: the second viewer starts a fresh sampler
             with socket.create_connection(("127.0.0.1", gw.http_port), timeout=5) as sock:
                 sock.sendall(request)
@@ -160,8 +176,9 @@ def test_the_stream_ends_when_the_viewer_disconnects():
                 assert state["viewers"] == 1 and state["sampler"] and state["tasks"]
             # closed by the viewer: the stream, its disconnect watcher and the sampler are gone, well before
             # the next sample would have been due
-            wait_for(lambda: feed_state(gw) == {"viewers": 0, "sampler": False, "tasks": []},
-                     "the stream's tasks to end", timeout=4.0)
+            wait_for(
+                lambda: feed_state(gw) == {"viewers": 0, "sampler": False, "tasks": []}, "the stream's tasks to end", timeout=4.0
+            )
 
 
 def test_a_shutdown_ends_the_stream_instead_of_waiting_for_it():
@@ -214,11 +231,22 @@ def test_fairness_is_the_share_index_one_while_all_keep_up_and_drops_when_one_st
         while not published.wait(0.02):
             gw.call(lambda: [router.publish_nowait(topic, payload) for topic, n in per_tick.items() for _ in range(n)])
 
-    with (run_gateway(**config) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
-          ws_connect(gw) as slow, ws_connect(gw) as mid, ws_connect(gw) as fast, ws_connect(gw) as idle,
-          ws_connect(gw, rcvbuf=4096, max_queue=1) as staller):
-        clients = [(slow, "t.slow", False), (mid, "t.mid", False), (fast, "t.fast", False),
-                   (idle, "t.idle", False), (staller, "t.fast", True)]
+    with (
+        run_gateway(**config) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw) as slow,
+        ws_connect(gw) as mid,
+        ws_connect(gw) as fast,
+        ws_connect(gw) as idle,
+        ws_connect(gw, rcvbuf=4096, max_queue=1) as staller,
+    ):
+        clients = [
+            (slow, "t.slow", False),
+            (mid, "t.mid", False),
+            (fast, "t.fast", False),
+            (idle, "t.idle", False),
+            (staller, "t.fast", True),
+        ]
         for ws, topic, _ in clients:
             send(ws, op="subscribe", topic=topic)
             assert collect(ws, lambda got: any(e["type"] == "subscribed" for e in got))
@@ -258,8 +286,12 @@ def test_fairness_is_the_share_index_one_while_all_keep_up_and_drops_when_one_st
         finally:
             stalled.clear()
             published.set()  # the staller drains all before its close handshake (a full queue would hold it)
-            wait_for(lambda: gw.call(lambda: not any(c.has_work() for c in gw.hub.scheduler.engine.clients())
-                                     and not gw.hub.scheduler.blocked), "every client drained")
+            wait_for(
+                lambda: gw.call(
+                    lambda: not any(c.has_work() for c in gw.hub.scheduler.engine.clients()) and not gw.hub.scheduler.blocked
+                ),
+                "every client drained",
+            )
             stop.set()
             for thread in threads:
                 thread.join(5)

@@ -16,10 +16,12 @@ pytestmark = pytest.mark.timeout(60)
 
 BURST = 1000
 #: the ring holds the whole burst, so nothing can be lost whatever the interleaving of ingest and cycles
-RULES = {"rules": [
-    {"pattern": "hot.*", "kind": "ring", "capacity": 1024, "batch_depth": "auto", "anonymous": True},
-    {"pattern": "*", "kind": "ring", "capacity": 1024, "batch_depth": 1, "anonymous": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "hot.*", "kind": "ring", "capacity": 1024, "batch_depth": "auto", "anonymous": True},
+        {"pattern": "*", "kind": "ring", "capacity": 1024, "batch_depth": 1, "anonymous": True},
+    ]
+}
 
 
 def msgs(entries: list[dict]) -> list[int]:
@@ -66,8 +68,13 @@ def test_the_admin_api_creates_shows_and_refuses_auto():
             recv_entries(ws)
         assert http.get("/api/topics/hot.x").json()["batch_depth"] == "auto"
         assert http.post("/api/topics", json={"name": "t.four", "batch_depth": 4}).json()["batch_depth"] == 4
-        for bad in ({"batch_depth": "fast"}, {"batch_depth": 0}, {"batch_depth": True},
-                    {"batch_depth": "auto", "kind": "private"}, {"batch_depth": "auto", "kind": "snapshot"}):
+        for bad in (
+            {"batch_depth": "fast"},
+            {"batch_depth": 0},
+            {"batch_depth": True},
+            {"batch_depth": "auto", "kind": "private"},
+            {"batch_depth": "auto", "kind": "snapshot"},
+        ):
             r = http.post("/api/topics", json={"name": "t.bad", **bad})
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (bad, r.text)
             assert http.get("/api/topics/t.bad").status_code == 404
@@ -75,10 +82,13 @@ def test_the_admin_api_creates_shows_and_refuses_auto():
         assert 'batch_depth "auto" is for ring topics' in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(("rule", "message"), [
-    ({"batch_depth": "fast"}, 'batch_depth must be an integer in [1, 1024] or "auto", not \'fast\''),
-    ({"batch_depth": "auto", "kind": "private"}, 'batch_depth "auto" is for ring topics, not private'),
-])
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ({"batch_depth": "fast"}, "batch_depth must be an integer in [1, 1024] or \"auto\", not 'fast'"),
+        ({"batch_depth": "auto", "kind": "private"}, 'batch_depth "auto" is for ring topics, not private'),
+    ],
+)
 def test_a_bad_rule_stops_the_gateway_with_a_clear_error(rule, message):
     with pytest.raises(ConfigError) as err, run_gateway(topics={"rules": [{"pattern": "x.*", **rule}]}):
         pass

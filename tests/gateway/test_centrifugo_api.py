@@ -36,14 +36,16 @@ from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 from tests.gateway.test_user_control import close_of
 
-RULES = {"rules": [
-    {"pattern": "hist.*", "kind": "ring", "capacity": 8, "anonymous": True},
-    {"pattern": "big.*", "kind": "ring", "capacity": 10000, "anonymous": True},
-    {"pattern": "room.*", "kind": "ring", "capacity": 64, "anonymous": True, "presence": True},
-    {"pattern": "snap.*", "kind": "snapshot", "anonymous": True},
-    {"pattern": "private.*", "kind": "private"},
-    {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "hist.*", "kind": "ring", "capacity": 8, "anonymous": True},
+        {"pattern": "big.*", "kind": "ring", "capacity": 10000, "anonymous": True},
+        {"pattern": "room.*", "kind": "ring", "capacity": 64, "anonymous": True, "presence": True},
+        {"pattern": "snap.*", "kind": "snapshot", "anonymous": True},
+        {"pattern": "private.*", "kind": "private"},
+        {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True},
+    ]
+}
 
 _names = itertools.count()
 
@@ -94,8 +96,7 @@ def test_publish_and_broadcast_reach_ws_subscribers_with_offset_seq_plus_one(gw,
         result = cent.publish(PublishRequest(channel=a, data={"n": 1}))
         assert (result.offset, result.epoch) == (1, epoch_a)
         answer = cent.broadcast(BroadcastRequest(channels=[a, b], data={"n": 2}))
-        assert [(r.error, r.result.offset, r.result.epoch) for r in answer.responses] == [
-            (None, 2, epoch_a), (None, 1, epoch_b)]
+        assert [(r.error, r.result.offset, r.result.epoch) for r in answer.responses] == [(None, 2, epoch_a), (None, 1, epoch_b)]
         got = messages(ws, None, 3)
         assert [(m["seq"], m["data"]) for m in got if m["topic"] == a] == [(0, {"n": 1}), (1, {"n": 2})]
         assert [(m["seq"], m["data"]) for m in got if m["topic"] == b] == [(0, {"n": 2})]
@@ -188,16 +189,17 @@ def test_info_and_channels(gw, cent):
 
 
 def test_disconnect_closes_the_users_connections_with_4005_one_or_all(gw, cent):
-    with ws_connect(gw, query=f"?token={make_token('carol')}") as first, \
-            ws_connect(gw, query=f"?token={make_token('carol')}") as second, \
-            ws_connect(gw, query=f"?token={make_token('dan')}") as other:
+    with (
+        ws_connect(gw, query=f"?token={make_token('carol')}") as first,
+        ws_connect(gw, query=f"?token={make_token('carol')}") as second,
+        ws_connect(gw, query=f"?token={make_token('dan')}") as other,
+    ):
         wait_for(lambda: gw.call(lambda: len(gw.hub.clients.by_user.get("carol", ()))) == 2, "carol's connections")
         first_id, second_id = gw.call(lambda: list(gw.hub.clients.by_user["carol"]))
         cent.disconnect(DisconnectRequest(user="carol", whitelist=[second_id]))
         assert close_of(first) == 4005
         subscribed(second, fresh("news"))  # kept
-        cent.disconnect(DisconnectRequest(user="carol", client=second_id,
-                                          disconnect=Disconnect(code=3503, reason="bye")))
+        cent.disconnect(DisconnectRequest(user="carol", client=second_id, disconnect=Disconnect(code=3503, reason="bye")))
         assert close_of(second) == 4005
         subscribed(other, fresh("news"))  # another user: untouched
 
@@ -210,8 +212,7 @@ def test_subscribe_and_unsubscribe_a_users_connections(gw, cent):
         epoch = cent.history(HistoryRequest(channel=topic)).epoch
         cent.subscribe(SubscribeRequest(user="erin", channel=topic, recover_since=StreamPosition(offset=0, epoch=epoch)))
         got = collect(ws, lambda es: any(e["type"] == "msg" for e in es))
-        assert [(e["type"], e.get("id")) for e in got if e.get("topic") == topic][:2] == [("subscribed", None),
-                                                                                          ("msg", None)]
+        assert [(e["type"], e.get("id")) for e in got if e.get("topic") == topic][:2] == [("subscribed", None), ("msg", None)]
         assert [e["data"] for e in got if e["type"] == "msg"] == ["before"]  # recovered from offset 0
         cent.unsubscribe(UnsubscribeRequest(user="erin", channel=topic))
         got = collect(ws, lambda es: any(e["type"] == "unsubscribed" for e in es))
@@ -253,15 +254,17 @@ def test_bad_input_is_107_and_disturbs_nobody(gw, cent):
     topic = fresh("news")
     with ws_connect(gw) as ws:
         subscribed(ws, topic)
-        for request in (PublishRequest(channel=topic, data=1, tags={"k": "v"}),
-                        PublishRequest(channel=topic, data=1, skip_history=True),
-                        PublishRequest(channel=topic, data=None, b64data="AQ=="),
-                        HistoryRequest(channel=topic, limit=-5),
-                        HistoryRequest(channel=topic, limit=1, reverse=True, since=StreamPosition(offset=0)),
-                        ChannelsRequest(pattern="{unclosed"),
-                        SubscribeRequest(user="x", channel=topic, data={"d": 1}),
-                        DisconnectRequest(user="x", session="s"),
-                        DisconnectRequest(user="x", disconnect=Disconnect(code=4000, reason="r"))):
+        for request in (
+            PublishRequest(channel=topic, data=1, tags={"k": "v"}),
+            PublishRequest(channel=topic, data=1, skip_history=True),
+            PublishRequest(channel=topic, data=None, b64data="AQ=="),
+            HistoryRequest(channel=topic, limit=-5),
+            HistoryRequest(channel=topic, limit=1, reverse=True, since=StreamPosition(offset=0)),
+            ChannelsRequest(pattern="{unclosed"),
+            SubscribeRequest(user="x", channel=topic, data={"d": 1}),
+            DisconnectRequest(user="x", session="s"),
+            DisconnectRequest(user="x", disconnect=Disconnect(code=4000, reason="r")),
+        ):
             with pytest.raises(CentApiResponseError) as info:
                 getattr(cent, request.api_method)(request)
             assert info.value.code == 107, (request, info.value)
@@ -278,19 +281,32 @@ def test_bad_input_is_107_and_disturbs_nobody(gw, cent):
 
 def test_batch_runs_each_command_in_order(gw, cent):
     topic = fresh("news")
-    answer = cent.batch(BatchRequest(requests=[
-        PublishRequest(channel=topic, data="a"), PublishRequest(channel=topic, data="b"),
-        HistoryRequest(channel=topic, limit=-1), PresenceStatsRequest(channel=fresh("room"))]))
+    answer = cent.batch(
+        BatchRequest(
+            requests=[
+                PublishRequest(channel=topic, data="a"),
+                PublishRequest(channel=topic, data="b"),
+                HistoryRequest(channel=topic, limit=-1),
+                PresenceStatsRequest(channel=fresh("room")),
+            ]
+        )
+    )
     first, second, history, stats = answer.replies
     assert (first.offset, second.offset) == (1, 2)
     assert [p.data for p in history.publications] == ["a", "b"]
     assert (stats.num_clients, stats.num_users) == (0, 0)
-    r = httpx.post(f"{gw.http_url}/api/batch", headers={"X-API-Key": gw.admin_token},
-                   json={"commands": [{"publish": {"channel": topic, "data": "c"}}, {"nope": {}},
-                                      {"publish": {"channel": topic}}]})
-    assert r.json() == {"replies": [{"publish": {"offset": 3, "epoch": second.epoch}},
-                                    {"error": {"code": 104, "message": "no method 'nope'"}},
-                                    {"error": {"code": 107, "message": "`data` is required"}}]}
+    r = httpx.post(
+        f"{gw.http_url}/api/batch",
+        headers={"X-API-Key": gw.admin_token},
+        json={"commands": [{"publish": {"channel": topic, "data": "c"}}, {"nope": {}}, {"publish": {"channel": topic}}]},
+    )
+    assert r.json() == {
+        "replies": [
+            {"publish": {"offset": 3, "epoch": second.epoch}},
+            {"error": {"code": 104, "message": "no method 'nope'"}},
+            {"error": {"code": 107, "message": "`data` is required"}},
+        ]
+    }
 
 
 def test_a_batch_of_history_is_bounded_as_one_history_call(gw, cent):
@@ -298,12 +314,19 @@ def test_a_batch_of_history_is_bounded_as_one_history_call(gw, cent):
     MiB); the batch's answers now share one call's bound (10,000 publications, 8 MiB), the rest 106."""
     topic = fresh("big")
     for start in range(0, 10000, 5000):
-        r = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", headers={"Authorization": f"Bearer {gw.admin_token}"},
-                       json={"messages": [{"n": n} for n in range(start, start + 5000)]}, timeout=30)
+        r = httpx.post(
+            f"{gw.http_url}/api/topics/{topic}/publish",
+            headers={"Authorization": f"Bearer {gw.admin_token}"},
+            json={"messages": [{"n": n} for n in range(start, start + 5000)]},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
-    r = httpx.post(f"{gw.http_url}/api/batch", headers={"X-API-Key": gw.admin_token}, timeout=30,
-                   json={"commands": [{"history": {"channel": topic, "limit": -1}}] * 100
-                         + [{"history": {"channel": topic}}]})
+    r = httpx.post(
+        f"{gw.http_url}/api/batch",
+        headers={"X-API-Key": gw.admin_token},
+        timeout=30,
+        json={"commands": [{"history": {"channel": topic, "limit": -1}}] * 100 + [{"history": {"channel": topic}}]},
+    )
     assert len(r.content) < 1 << 20  # one answer of 10,000 small publications, 99 refusals
     first, *rest, position = r.json()["replies"]
     assert [p["offset"] for p in first["history"]["publications"]] == list(range(1, 10001))
@@ -344,8 +367,11 @@ def test_a_request_is_a_span_of_the_callers_trace_with_tracing_on(monkeypatch):
     trace_id, parent_id = "ab" * 16, "cd" * 8
     try:
         with run_gateway(tracing={"otlp_endpoint": receiver.url, "sample_rate": 1.0}) as gw:
-            r = httpx.post(f"{gw.http_url}/api/publish", json={"channel": "news.t", "data": 1},
-                           headers={"X-API-Key": gw.admin_token, "traceparent": f"00-{trace_id}-{parent_id}-01"})
+            r = httpx.post(
+                f"{gw.http_url}/api/publish",
+                json={"channel": "news.t", "data": 1},
+                headers={"X-API-Key": gw.admin_token, "traceparent": f"00-{trace_id}-{parent_id}-01"},
+            )
             assert r.json()["result"]["offset"] == 1
             (span,) = wait_for(lambda: receiver.named("centrifugo publish"), "the request's span")
     finally:

@@ -40,12 +40,14 @@ from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import metric
 from tests.gateway.test_centrifugo_client_units import replies_of
 
-RULES = {"rules": [
-    {"pattern": "hist.*", "kind": "ring", "capacity": 8, "anonymous": True, "client_publish": True},
-    {"pattern": "room.*", "kind": "ring", "capacity": 64, "anonymous": True, "presence": True, "join_leave": True},
-    {"pattern": "locked.*", "kind": "ring", "capacity": 64},
-    {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True, "client_publish": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "hist.*", "kind": "ring", "capacity": 8, "anonymous": True, "client_publish": True},
+        {"pattern": "room.*", "kind": "ring", "capacity": 64, "anonymous": True, "presence": True, "join_leave": True},
+        {"pattern": "locked.*", "kind": "ring", "capacity": 64},
+        {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True, "client_publish": True},
+    ]
+}
 PATH = "/connection/websocket"
 
 _names = itertools.count()
@@ -63,8 +65,12 @@ def gw():
 
 def publish(gw, channel: str, data: Any) -> int:
     """A publication through the Centrifugo server API: its offset."""
-    answer = httpx.post(f"{gw.http_url}/api/publish", json={"channel": channel, "data": data},
-                        headers={"X-API-Key": gw.admin_token}, trust_env=False)
+    answer = httpx.post(
+        f"{gw.http_url}/api/publish",
+        json={"channel": channel, "data": data},
+        headers={"X-API-Key": gw.admin_token},
+        trust_env=False,
+    )
     return int(answer.json()["result"]["offset"])
 
 
@@ -110,8 +116,7 @@ class SubEvents(SubscriptionEventHandler):
 
 def client(url: str, events: Events | None = None, **options: Any) -> Client:
     options.setdefault("max_server_ping_delay", 3.0)
-    return Client(url, events=events or Events(), proxy=None, min_reconnect_delay=0.05, max_reconnect_delay=0.5,
-                  **options)
+    return Client(url, events=events or Events(), proxy=None, min_reconnect_delay=0.05, max_reconnect_delay=0.5, **options)
 
 
 async def until(predicate: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
@@ -189,6 +194,7 @@ class Proxy:
 
 # -- connect -------------------------------------------------------------------------------------------------
 
+
 def test_connect_with_a_token_and_anonymously(gw):
     async def main() -> None:
         url = f"ws://127.0.0.1:{gw.http_port}{PATH}"
@@ -228,6 +234,7 @@ def test_bad_and_expired_tokens_end_without_a_reconnect_loop(gw):
 
 
 # -- publications --------------------------------------------------------------------------------------------
+
 
 def test_publications_arrive_in_order_with_offset_seq_plus_one(gw):
     channel = fresh("news")
@@ -271,6 +278,7 @@ def test_client_publish_and_permission_denied(gw):
 
 
 # -- recovery ------------------------------------------------------------------------------------------------
+
 
 def test_recovery_after_a_transport_drop_and_past_the_ring(gw):
     channel = fresh("hist")  # a ring of 8
@@ -317,6 +325,7 @@ def test_recovery_after_a_transport_drop_and_past_the_ring(gw):
 
 
 # -- history, presence, rpc ------------------------------------------------------------------------------------
+
 
 def test_history(gw):
     channel = fresh("hist")
@@ -381,6 +390,7 @@ def test_rpc(gw):
 
 # -- pings ---------------------------------------------------------------------------------------------------
 
+
 def test_an_idle_connection_is_kept_alive_by_pings(gw):
     async def main() -> None:
         events = Events()
@@ -396,8 +406,12 @@ def test_an_idle_connection_is_kept_alive_by_pings(gw):
 
 
 def raw(gw, query: str = ""):
-    return connect(f"ws://127.0.0.1:{gw.http_port}{PATH}{query}", subprotocols=[Subprotocol("centrifuge-json")], open_timeout=5,
-                   compression=None)
+    return connect(
+        f"ws://127.0.0.1:{gw.http_port}{PATH}{query}",
+        subprotocols=[Subprotocol("centrifuge-json")],
+        open_timeout=5,
+        compression=None,
+    )
 
 
 def closed_with(ws, timeout: float = 5.0) -> int:
@@ -421,6 +435,7 @@ def test_no_pong_closes_3012(gw):
 
 
 # -- bad input -------------------------------------------------------------------------------------------------
+
 
 def test_bad_input_gets_107_or_3501_and_disturbs_nobody(gw):
     channel = fresh("calm")
@@ -463,18 +478,31 @@ def test_bad_input_gets_107_or_3501_and_disturbs_nobody(gw):
 
 # -- falling behind the ring --------------------------------------------------------------------------------------
 
+
 def test_a_subscriber_behind_the_ring_is_told_to_subscribe_again():
-    config = {"websocket": {"write_high_water": 16384, "blocked_timeout_s": 30.0},
-              "topics": {"rules": [{"pattern": "*", "kind": "ring", "capacity": 8, "anonymous": True}]}}
+    config = {
+        "websocket": {"write_high_water": 16384, "blocked_timeout_s": 30.0},
+        "topics": {"rules": [{"pattern": "*", "kind": "ring", "capacity": 8, "anonymous": True}]},
+    }
     payload = "x" * 20000
     with run_gateway(**config) as gw:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", gw.http_port))
-        with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", sock=sock, open_timeout=5, compression=None,
-                     max_size=None, max_queue=4, subprotocols=[Subprotocol("centrifuge-json")]) as ws:
-            ws.send(json.dumps({"id": 1, "connect": {}}) + "\n" +
-                    json.dumps({"id": 2, "subscribe": {"channel": "t", "recoverable": True}}))
+        with connect(
+            f"ws://127.0.0.1:{gw.http_port}{PATH}",
+            sock=sock,
+            open_timeout=5,
+            compression=None,
+            max_size=None,
+            max_queue=4,
+            subprotocols=[Subprotocol("centrifuge-json")],
+        ) as ws:
+            ws.send(
+                json.dumps({"id": 1, "connect": {}})
+                + "\n"
+                + json.dumps({"id": 2, "subscribe": {"channel": "t", "recoverable": True}})
+            )
             replies = []
             while not any(r.get("id") == 2 for r in replies):
                 replies += [json.loads(line) for line in ws.recv(timeout=5).split("\n")]
@@ -492,8 +520,11 @@ def test_a_subscriber_behind_the_ring_is_told_to_subscribe_again():
             assert unsubscribed["code"] == 2500  # insufficient state: the SDKs subscribe again
             assert offsets == list(range(1, len(offsets) + 1)) and len(offsets) < 30  # no gap before it
             last = offsets[-1]
-            ws.send(json.dumps({"id": 3, "subscribe": {"channel": "t", "recoverable": True, "recover": True,
-                                                       "offset": last, "epoch": epoch}}))
+            ws.send(
+                json.dumps(
+                    {"id": 3, "subscribe": {"channel": "t", "recoverable": True, "recover": True, "offset": last, "epoch": epoch}}
+                )
+            )
             answer = None
             while answer is None:
                 for line in ws.recv(timeout=10).split("\n"):
@@ -507,14 +538,17 @@ def test_a_subscriber_behind_the_ring_is_told_to_subscribe_again():
 
 # -- shared frames ---------------------------------------------------------------------------------------------
 
+
 def test_one_publication_reaches_ws_json_and_protobuf_clients_each_in_its_form(gw):
     """Small frames too (below websocket.compression_min_bytes, which once made /ws and Centrifugo sockets
     one crowd of the fan-out writer): every client gets its own protocol's bytes."""
     channel = fresh("mixed")
     with contextlib.ExitStack() as stack:
         cf_clients = [stack.enter_context(raw(gw)) for _ in range(4)]
-        pb_clients = [stack.enter_context(connect(f"ws://127.0.0.1:{gw.http_port}{PATH}?format=protobuf",
-                                                  open_timeout=5, compression=None)) for _ in range(2)]
+        pb_clients = [
+            stack.enter_context(connect(f"ws://127.0.0.1:{gw.http_port}{PATH}?format=protobuf", open_timeout=5, compression=None))
+            for _ in range(2)
+        ]
         ws_clients = [stack.enter_context(connect(gw.ws_url, open_timeout=5, compression=None)) for _ in range(4)]
         mixed_clients(gw, channel, cf_clients, pb_clients, ws_clients)
 
@@ -527,8 +561,10 @@ def test_caught_up_centrifugo_subscribers_go_in_the_engines_crowds(gw):
     before = metric(gw, "fanout_gathered_writes_total")
     with contextlib.ExitStack() as stack:
         cf_clients = [stack.enter_context(raw(gw)) for _ in range(4)]
-        pb_clients = [stack.enter_context(connect(f"ws://127.0.0.1:{gw.http_port}{PATH}?format=protobuf",
-                                                  open_timeout=5, compression=None)) for _ in range(2)]
+        pb_clients = [
+            stack.enter_context(connect(f"ws://127.0.0.1:{gw.http_port}{PATH}?format=protobuf", open_timeout=5, compression=None))
+            for _ in range(2)
+        ]
         mixed_clients(gw, channel, cf_clients, pb_clients, [])
     # 20 publications, one at a time, to 6 caught-up clients: most went in crowds (not one by one)
     assert metric(gw, "fanout_gathered_writes_total") - before >= 60
@@ -596,7 +632,11 @@ def test_the_per_user_limit_and_a_revocation_close_with_final_codes():
             newer.send(json.dumps({"id": 1, "connect": {"token": token}}))
             assert "connect" in json.loads(newer.recv(timeout=5))
             assert closed_with(older) == 3504  # the oldest gives way, and its SDK does not come back
-            answer = httpx.post(f"{gw.http_url}/api/revocations", json={"user": "carol"}, trust_env=False,
-                                headers={"Authorization": f"Bearer {gw.admin_token}"})
+            answer = httpx.post(
+                f"{gw.http_url}/api/revocations",
+                json={"user": "carol"},
+                trust_env=False,
+                headers={"Authorization": f"Bearer {gw.admin_token}"},
+            )
             assert answer.status_code == 201
             assert closed_with(newer) == 3500

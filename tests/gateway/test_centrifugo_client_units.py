@@ -33,46 +33,71 @@ def replies_of(payload: bytes) -> list[pb.Reply]:
             shift += 7
             if byte < 0x80:
                 break
-        out.append(pb.Reply.FromString(payload[at:at + size]))
+        out.append(pb.Reply.FromString(payload[at : at + size]))
         at += size
     return out
 
 
 def test_replies_read_by_protocs_classes():
-    reply = pb.Reply.FromString(encode("Reply", {"id": 7, "connect": {"client": "cf-1", "ping": 25, "pong": True,
-                                                                      "expires": True, "ttl": 60}}))
+    reply = pb.Reply.FromString(
+        encode("Reply", {"id": 7, "connect": {"client": "cf-1", "ping": 25, "pong": True, "expires": True, "ttl": 60}})
+    )
     assert (reply.id, reply.connect.client, reply.connect.ping, reply.connect.pong, reply.connect.ttl) == (
-        7, "cf-1", 25, True, 60)
-    reply = pb.Reply.FromString(encode("Reply", {"id": 3, "subscribe": {
-        "recoverable": True, "positioned": True, "epoch": "e-1", "offset": 2 ** 40, "recovered": True,
-        "was_recovering": True, "publications": [{"data": Raw(b'{"a":1}'), "offset": 5}]}}))
+        7,
+        "cf-1",
+        25,
+        True,
+        60,
+    )
+    reply = pb.Reply.FromString(
+        encode(
+            "Reply",
+            {
+                "id": 3,
+                "subscribe": {
+                    "recoverable": True,
+                    "positioned": True,
+                    "epoch": "e-1",
+                    "offset": 2**40,
+                    "recovered": True,
+                    "was_recovering": True,
+                    "publications": [{"data": Raw(b'{"a":1}'), "offset": 5}],
+                },
+            },
+        )
+    )
     sub = reply.subscribe
-    assert (sub.recoverable, sub.epoch, sub.offset, sub.recovered, sub.was_recovering) == (True, "e-1", 2 ** 40, True, True)
+    assert (sub.recoverable, sub.epoch, sub.offset, sub.recovered, sub.was_recovering) == (True, "e-1", 2**40, True, True)
     assert [(p.data, p.offset) for p in sub.publications] == [(b'{"a":1}', 5)]
-    reply = pb.Reply.FromString(encode("Reply", {"id": 4, "presence": {"presence": {
-        "c1": {"user": "u", "client": "c1", "conn_info": Raw(b'{"n":1}')}}}}))
+    reply = pb.Reply.FromString(
+        encode("Reply", {"id": 4, "presence": {"presence": {"c1": {"user": "u", "client": "c1", "conn_info": Raw(b'{"n":1}')}}}})
+    )
     assert reply.presence.presence["c1"].user == "u" and reply.presence.presence["c1"].conn_info == b'{"n":1}'
     reply = pb.Reply.FromString(encode("Reply", {"id": 5, "error": {"code": 103, "message": "no", "temporary": True}}))
     assert (reply.error.code, reply.error.message, reply.error.temporary) == (103, "no", True)
     reply = pb.Reply.FromString(encode("Reply", {"id": 6, "unsubscribe": {}}))
     assert reply.HasField("unsubscribe")
-    reply = pb.Reply.FromString(encode("Reply", {"id": 8, "history": {"publications": [{"data": [1, 2], "offset": 1}],
-                                                                      "offset": 9, "epoch": "e"}}))
+    reply = pb.Reply.FromString(
+        encode("Reply", {"id": 8, "history": {"publications": [{"data": [1, 2], "offset": 1}], "offset": 9, "epoch": "e"}})
+    )
     assert (reply.history.offset, reply.history.publications[0].data) == (9, b"[1,2]")
     push = pb.Reply.FromString(publication("news", 41, b'"x"')).push
     assert (push.channel, push.pub.data, push.pub.offset) == ("news", b'"x"', 42)
-    assert publication("news", 41, b'"x"') == encode("Reply", {"push": {"channel": "news", "pub": {
-        "data": Raw(b'"x"'), "offset": 42}}})
+    assert publication("news", 41, b'"x"') == encode(
+        "Reply", {"push": {"channel": "news", "pub": {"data": Raw(b'"x"'), "offset": 42}}}
+    )
     assert delimited([encode("Reply", {})]) == b"\x00"  # the ping: one empty Reply
 
 
 def test_commands_written_by_protocs_classes():
     commands = [
         pb.Command(id=1, connect=pb.ConnectRequest(token="t", name="python")),
-        pb.Command(id=2, subscribe=pb.SubscribeRequest(channel="c", recover=True, offset=2 ** 35, epoch="e",
-                                                       recoverable=True, flag=2)),
-        pb.Command(id=3, history=pb.HistoryRequest(channel="c", limit=-1, since=pb.StreamPosition(offset=4, epoch="e"),
-                                                   reverse=True)),
+        pb.Command(
+            id=2, subscribe=pb.SubscribeRequest(channel="c", recover=True, offset=2**35, epoch="e", recoverable=True, flag=2)
+        ),
+        pb.Command(
+            id=3, history=pb.HistoryRequest(channel="c", limit=-1, since=pb.StreamPosition(offset=4, epoch="e"), reverse=True)
+        ),
         pb.Command(id=4, rpc=pb.RPCRequest(method="m", data=b'{"a":1}')),
         pb.Command(id=5, ping=pb.PingRequest()),
         pb.Command(),
@@ -80,8 +105,7 @@ def test_commands_written_by_protocs_classes():
     decoded = decode_frame(delimited([c.SerializeToString() for c in commands]))
     assert decoded == [
         {"id": 1, "connect": {"token": "t", "name": "python"}},
-        {"id": 2, "subscribe": {"channel": "c", "recover": True, "offset": 2 ** 35, "epoch": "e", "recoverable": True,
-                                "flag": 2}},
+        {"id": 2, "subscribe": {"channel": "c", "recover": True, "offset": 2**35, "epoch": "e", "recoverable": True, "flag": 2}},
         {"id": 3, "history": {"channel": "c", "limit": -1, "since": {"offset": 4, "epoch": "e"}, "reverse": True}},
         {"id": 4, "rpc": {"method": "m", "data": b'{"a":1}'}},
         {"id": 5, "ping": {}},
@@ -106,18 +130,30 @@ def test_entries_as_replies_and_pushes():
     framer = CentrifugoFramer(JsonCodec())
     # how the connection answers each of its commands, by id (gateway/centrifugo/client_session.py makes it)
     answers = {9: ("sub", "kwr"), 10: ("pub", ""), 11: ("unsub", ""), 12: ("rpc", ""), 13: ("sub", "")}
-    entries = [encode_subscribed("t", "ring", "e-1", 5, 9),
-               encode_message("t", 5, {"n": 5}), encode_message("t", 6, {"n": 6}),
-               encode_message("u", 0, "x"),
-               encode_reply(10, {"seq": 7}),
-               encode_error("not_subscribed", "no", 11),
-               encode_error("rpc_error", "403: not you", 12),
-               encode_error("forbidden", "no", 13),
-               encode_error("token_expired", "expired")]
+    entries = [
+        encode_subscribed("t", "ring", "e-1", 5, 9),
+        encode_message("t", 5, {"n": 5}),
+        encode_message("t", 6, {"n": 6}),
+        encode_message("u", 0, "x"),
+        encode_reply(10, {"seq": 7}),
+        encode_error("not_subscribed", "no", 11),
+        encode_error("rpc_error", "403: not you", 12),
+        encode_error("forbidden", "no", 13),
+        encode_error("token_expired", "expired"),
+    ]
     assert json_lines(framer, entries, answers) == [
-        {"id": 9, "subscribe": {"recoverable": True, "positioned": True, "epoch": "e-1", "offset": 5,
-                                "was_recovering": True, "recovered": True,
-                                "publications": [{"data": {"n": 5}, "offset": 6}, {"data": {"n": 6}, "offset": 7}]}},
+        {
+            "id": 9,
+            "subscribe": {
+                "recoverable": True,
+                "positioned": True,
+                "epoch": "e-1",
+                "offset": 5,
+                "was_recovering": True,
+                "recovered": True,
+                "publications": [{"data": {"n": 5}, "offset": 6}, {"data": {"n": 6}, "offset": 7}],
+            },
+        },
         {"push": {"channel": "u", "pub": {"data": "x", "offset": 1}}},
         {"id": 10, "publish": {}},
         {"id": 11, "unsubscribe": {}},
@@ -129,8 +165,7 @@ def test_entries_as_replies_and_pushes():
 
 def test_a_loss_is_an_unsubscribe_push_and_the_rest_of_the_topic_is_left_out():
     framer = CentrifugoFramer(JsonCodec())
-    entries = [encode_message("t", 1, 1), encode_loss("t", 2, 9, "lagged"), encode_message("t", 9, 9),
-               encode_message("v", 3, 3)]
+    entries = [encode_message("t", 1, 1), encode_loss("t", 2, 9, "lagged"), encode_message("t", 9, 9), encode_message("v", 3, 3)]
     frame = b"[" + b",".join(entries) + b"]"
     converted = framer.convert(entries, frame)
     assert converted.lost == ("t",)
@@ -151,8 +186,7 @@ def test_protobuf_frames_are_binary_and_delimited():
     wire = framer.convert(entries, b"[" + b",".join(entries) + b"]").wire
     assert wire[0] == 0x82
     replies = replies_of(payload_of(wire))
-    assert [(r.push.channel, r.push.pub.data, r.push.pub.offset) for r in replies] == [
-        ("t", b'{"a":1}', 2), ("t", b"null", 3)]
+    assert [(r.push.channel, r.push.pub.data, r.push.pub.offset) for r in replies] == [("t", b'{"a":1}', 2), ("t", b"null", 3)]
 
 
 def test_no_close_code_of_ours_reaches_a_centrifugo_client():

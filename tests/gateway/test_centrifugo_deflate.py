@@ -65,20 +65,19 @@ def pb_command(command_id: int, field: int, body: bytes) -> bytes:
 def test_negotiated_for_either_codec_as_on_ws_and_off_declines_it() -> None:
     with run_gateway(topics=RULES) as gw:
         for subprotocol in (JSON, PROTOBUF):
-            with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[subprotocol], compression="deflate",
-                         open_timeout=5) as ws:
+            with connect(
+                f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[subprotocol], compression="deflate", open_timeout=5
+            ) as ws:
                 assert ws.response is not None
                 answer = ws.response.headers["Sec-WebSocket-Extensions"]
                 assert answer.startswith("permessage-deflate") and "server_no_context_takeover" in answer
                 assert "client_no_context_takeover" in answer
                 assert [type(e).__name__ for e in ws.protocol.extensions] == ["PerMessageDeflate"]
                 assert ws.subprotocol == subprotocol
-        with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[JSON], compression=None,
-                     open_timeout=5) as ws:
+        with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[JSON], compression=None, open_timeout=5) as ws:
             assert ws.response is not None and "Sec-WebSocket-Extensions" not in ws.response.headers
     with run_gateway(topics=RULES, websocket={"compression": "off"}) as gw:
-        with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[JSON], compression="deflate",
-                     open_timeout=5) as ws:
+        with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}", subprotocols=[JSON], compression="deflate", open_timeout=5) as ws:
             assert ws.response is not None and "Sec-WebSocket-Extensions" not in ws.response.headers
             assert not ws.protocol.extensions
             ws.send(json.dumps({"id": 1, "connect": {}}))
@@ -89,6 +88,7 @@ def test_sdk_clients_of_both_codecs_get_large_publications_compressed_once_per_c
     channel = fresh("books")
     books = [{**BOOK, "n": n} for n in range(3)]
     with run_gateway(topics=RULES) as gw:
+
         async def main() -> None:
             url = f"ws://127.0.0.1:{gw.http_port}{PATH}"
             clients = [client(url) for _ in range(3)] + [client(url, use_protobuf=True) for _ in range(2)]
@@ -129,8 +129,11 @@ def test_large_frames_go_with_rsv1_small_ones_plain_and_compressed_commands_are_
     with run_gateway(topics=RULES) as gw:
         text = CentrifugoRaw(gw, JSON, "permessage-deflate")
         assert "server_no_context_takeover" in text.answer["sec-websocket-extensions"]
-        text.send(json.dumps({"id": 1, "connect": {}}).encode() + b"\n" +
-                  json.dumps({"id": 2, "subscribe": {"channel": channel}}).encode())
+        text.send(
+            json.dumps({"id": 1, "connect": {}}).encode()
+            + b"\n"
+            + json.dumps({"id": 2, "subscribe": {"channel": channel}}).encode()
+        )
         json_pushes(text, 2)
         binary = CentrifugoRaw(gw, PROTOBUF, "permessage-deflate")
         name = channel.encode()
@@ -167,8 +170,11 @@ def test_each_window_gets_its_own_compression() -> None:
         assert "server_max_window_bits=10" in narrow.answer["sec-websocket-extensions"]
         wide = CentrifugoRaw(gw, JSON, "permessage-deflate")
         for raw in (narrow, wide):
-            raw.send(json.dumps({"id": 1, "connect": {}}).encode() + b"\n" +
-                     json.dumps({"id": 2, "subscribe": {"channel": channel}}).encode())
+            raw.send(
+                json.dumps({"id": 1, "connect": {}}).encode()
+                + b"\n"
+                + json.dumps({"id": 2, "subscribe": {"channel": channel}}).encode()
+            )
             json_pushes(raw, 2)
         before = metric(gw, "fanout_ws_deflated_frames_total")
         block = os.urandom(1500).hex()  # repeated 3 KB apart: a 15-bit window's match a 10-bit one cannot read
@@ -185,6 +191,7 @@ def test_each_window_gets_its_own_compression() -> None:
 def test_a_deflate_bomb_gets_1009_and_another_client_reads_on() -> None:
     channel = fresh("calm")
     with run_gateway(topics=RULES) as gw:
+
         async def main() -> None:
             c, events = await subscribed(gw, channel)
 
@@ -208,14 +215,21 @@ def test_a_deflate_bomb_gets_1009_and_another_client_reads_on() -> None:
         run(main())
 
 
-@pytest.mark.skipif(shutil.which("node") is None or not (JS / "node_modules" / "centrifuge").is_dir(),
-                    reason="node and tests/centrifugo_js/node_modules (make test installs them)")
+@pytest.mark.skipif(
+    shutil.which("node") is None or not (JS / "node_modules" / "centrifuge").is_dir(),
+    reason="node and tests/centrifugo_js/node_modules (make test installs them)",
+)
 @pytest.mark.parametrize("mode", ["--json", "--protobuf"])
 def test_centrifuge_js_negotiates_deflate_and_reads_a_large_publication(mode: str) -> None:
     with run_gateway(topics=RULES) as gw:
         before = metric(gw, "fanout_ws_deflated_frames_total")
-        done = subprocess.run(["node", "deflate.js", gw.http_url, gw.admin_token, fresh("js"), mode],
-                              cwd=JS, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["node", "deflate.js", gw.http_url, gw.admin_token, fresh("js"), mode],
+            cwd=JS,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         seen = json.loads(done.stdout)
         assert seen["extensions"] == "permessage-deflate"  # `ws` names what was negotiated

@@ -21,15 +21,25 @@ def test_the_connect_hook_then_the_commands_behind_it_in_order(app: Backend):
     app.answers["connect"] = {"user": "alice", "topics": ["granted.a"]}
     app.delays["connect"] = 0.2
     with run_gateway(proxy=proxy_config(app), topics=RULES) as gw, raw(gw) as ws:
-        ws.send(json.dumps({"id": 1, "connect": {}}) + "\n" + json.dumps({"id": 2, "subscribe": {"channel": "t"}}) +
-                "\n" + json.dumps({"id": 3, "rpc": {"method": "whoami"}}))
+        ws.send(
+            json.dumps({"id": 1, "connect": {}})
+            + "\n"
+            + json.dumps({"id": 2, "subscribe": {"channel": "t"}})
+            + "\n"
+            + json.dumps({"id": 3, "rpc": {"method": "whoami"}})
+        )
         got: list[dict] = []
         while len(got) < 3:
             got += [json.loads(line) for line in ws.recv(timeout=5).split("\n")]
         assert got[0]["id"] == 1 and "connect" in got[0]  # first, with the server-side subscription
-        assert got[0]["connect"]["subs"] == {"granted.a": {
-            "recoverable": True, "positioned": True, "epoch": got[0]["connect"]["subs"]["granted.a"]["epoch"],
-            "offset": 0}}
+        assert got[0]["connect"]["subs"] == {
+            "granted.a": {
+                "recoverable": True,
+                "positioned": True,
+                "epoch": got[0]["connect"]["subs"]["granted.a"]["epoch"],
+                "offset": 0,
+            }
+        }
         assert not any("push" in reply for reply in got)  # not pushed again
         answers = {reply["id"]: reply for reply in got if "id" in reply}
         assert "subscribe" in answers[2]
@@ -54,8 +64,9 @@ def test_a_refusal_of_the_connect_hook_is_final(app: Backend):
 
 
 def test_rpc_through_the_hook(app: Backend):
-    app.answers["rpc"] = lambda body: ({"result": {"got": body["params"]}} if body["method"] == "add"
-                                       else {"error": {"code": 404, "message": "no such thing"}})
+    app.answers["rpc"] = lambda body: (
+        {"result": {"got": body["params"]}} if body["method"] == "add" else {"error": {"code": 404, "message": "no such thing"}}
+    )
     with run_gateway(proxy=proxy_config(app, connect_url=""), topics=RULES) as gw:
 
         async def main() -> None:

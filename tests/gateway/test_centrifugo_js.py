@@ -17,14 +17,18 @@ import pytest
 from gateway.testing import make_token, run_gateway
 
 JS = Path(__file__).resolve().parents[1] / "centrifugo_js"
-RULES = {"rules": [
-    {"pattern": "hist.*", "kind": "ring", "capacity": 8, "anonymous": True},
-    {"pattern": "locked.*", "kind": "ring", "capacity": 64},
-    {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True, "client_publish": True, "presence": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "hist.*", "kind": "ring", "capacity": 8, "anonymous": True},
+        {"pattern": "locked.*", "kind": "ring", "capacity": 64},
+        {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True, "client_publish": True, "presence": True},
+    ]
+}
 
-pytestmark = pytest.mark.skipif(shutil.which("node") is None or not (JS / "node_modules" / "centrifuge").is_dir(),
-                                reason="node and tests/centrifugo_js/node_modules (make test installs them)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("node") is None or not (JS / "node_modules" / "centrifuge").is_dir(),
+    reason="node and tests/centrifugo_js/node_modules (make test installs them)",
+)
 
 _names = itertools.count()
 
@@ -36,8 +40,13 @@ def gw():
 
 
 def scenario(gw, name: str, channel: str, token: str = "", *extra: str) -> Any:
-    done = subprocess.run(["node", "scenario.js", name, gw.http_url, gw.admin_token, token, channel, *extra],
-                          cwd=JS, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["node", "scenario.js", name, gw.http_url, gw.admin_token, token, channel, *extra],
+        cwd=JS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -64,8 +73,10 @@ def test_a_bad_token_ends_without_a_reconnect_loop(gw):
 
 def test_recovery_after_a_transport_drop_and_past_the_ring(gw):
     seen = scenario(gw, "recovery", f"hist.js{next(_names)}")
-    assert seen["subscribed"] == [{"recovered": False, "wasRecovering": False},
-                                  {"recovered": True, "wasRecovering": True},
-                                  {"recovered": False, "wasRecovering": True}]
+    assert seen["subscribed"] == [
+        {"recovered": False, "wasRecovering": False},
+        {"recovered": True, "wasRecovering": True},
+        {"recovered": False, "wasRecovering": True},
+    ]
     # exactly the missed ones once each after the drop; past the ring none of them, and the live one
     assert seen["publications"] == [[n + 1, n] for n in range(5)] + [[18, 17]]

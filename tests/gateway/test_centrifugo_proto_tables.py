@@ -30,9 +30,19 @@ SCALAR_TYPES = {
 }
 #: the wire type of each descriptor type our tables could meet (proto3 encoding)
 WIRE_TYPES = {
-    **dict.fromkeys((FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT32,
-                     FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SINT64,
-                     FieldDescriptor.TYPE_BOOL, FieldDescriptor.TYPE_ENUM), VARINT),
+    **dict.fromkeys(
+        (
+            FieldDescriptor.TYPE_INT32,
+            FieldDescriptor.TYPE_INT64,
+            FieldDescriptor.TYPE_UINT32,
+            FieldDescriptor.TYPE_UINT64,
+            FieldDescriptor.TYPE_SINT32,
+            FieldDescriptor.TYPE_SINT64,
+            FieldDescriptor.TYPE_BOOL,
+            FieldDescriptor.TYPE_ENUM,
+        ),
+        VARINT,
+    ),
     **dict.fromkeys((FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE), LEN),
     **dict.fromkeys((FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64, FieldDescriptor.TYPE_DOUBLE), 1),
     **dict.fromkeys((FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32, FieldDescriptor.TYPE_FLOAT), 5),
@@ -74,8 +84,9 @@ def compare(schema: Tables, table: str, message: Descriptor, seen: dict[str, set
         if field.number != number:
             drift.append(f"{where}: number {number}, client.proto's is {field.number}")
         if WIRE_TYPES[field.type] != our_wire_type(kind):
-            drift.append(f"{where}: wire type {our_wire_type(kind)}, client.proto's {TYPE_NAMES[field.type]} is "
-                         f"{WIRE_TYPES[field.type]}")
+            drift.append(
+                f"{where}: wire type {our_wire_type(kind)}, client.proto's {TYPE_NAMES[field.type]} is {WIRE_TYPES[field.type]}"
+            )
         if cardinality(kind) != their_cardinality(field):
             drift.append(f"{where}: {cardinality(kind)}, client.proto's is {their_cardinality(field)}")
             continue
@@ -109,8 +120,13 @@ def test_every_table_field_has_client_protos_number_wire_type_and_cardinality() 
 def test_a_drifted_table_is_found() -> None:
     """The comparison itself, on a table changed the ways a drift would be: a number, a kind (so a wire type),
     a cardinality, a name; and a message table that is wrong further down."""
-    drifted = {**SCHEMA["SubscribeResult"], "epoch": (7, "s"), "offset": (9, "s"), "publications": (7, "Publication"),
-               "recovering": (12, "b")}
+    drifted = {
+        **SCHEMA["SubscribeResult"],
+        "epoch": (7, "s"),
+        "offset": (9, "s"),
+        "publications": (7, "Publication"),
+        "recovering": (12, "b"),
+    }
     assert compare({**SCHEMA, "SubscribeResult": drifted}, "SubscribeResult", pb.SubscribeResult.DESCRIPTOR, {}) == [
         "SubscribeResult.epoch (against SubscribeResult): number 7, client.proto's is 6",
         "SubscribeResult.publications (against SubscribeResult): singular, client.proto's is repeated",
@@ -120,4 +136,5 @@ def test_a_drifted_table_is_found() -> None:
     ]
     nested = {**SCHEMA, "ClientInfo": {**SCHEMA["ClientInfo"], "chan_info": (5, "y")}}
     assert compare(nested, "Reply", pb.Reply.DESCRIPTOR, {}) == [
-        "ClientInfo.chan_info (against ClientInfo): number 5, client.proto's is 4"]
+        "ClientInfo.chan_info (against ClientInfo): number 5, client.proto's is 4"
+    ]

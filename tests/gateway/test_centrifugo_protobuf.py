@@ -26,11 +26,13 @@ from tests.gateway.test_centrifugo_client import (
     until,
 )
 
-RULES = {"rules": [
-    {"pattern": "hist.*", "kind": "ring", "capacity": 8, "anonymous": True},
-    {"pattern": "locked.*", "kind": "ring", "capacity": 64},
-    {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True, "client_publish": True, "presence": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "hist.*", "kind": "ring", "capacity": 8, "anonymous": True},
+        {"pattern": "locked.*", "kind": "ring", "capacity": 64},
+        {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True, "client_publish": True, "presence": True},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,11 @@ def test_python_sdk_in_protobuf(gw):
         await c.publish(channel, b'{"n":"mine"}')
         await until(lambda: len(events.publications) == 4, "publications")
         assert [(offset, json.loads(data)) for offset, data in events.publications] == [
-            (1, {"n": 0}), (2, {"n": 1}), (3, {"n": 2}), (4, {"n": "mine"})]
+            (1, {"n": 0}),
+            (2, {"n": 1}),
+            (3, {"n": 2}),
+            (4, {"n": "mine"}),
+        ]
         assert offsets == [1, 2, 3]
         assert json.loads((await c.rpc("echo", b'{"a":1}')).data) == {"a": 1}
         history = await c.history(channel, limit=-1)
@@ -107,8 +113,7 @@ def test_python_sdk_in_protobuf_recovers_and_is_pinged(gw):
 
 def test_protobuf_asked_in_the_query_and_bad_frames():
     with run_gateway(topics=RULES) as gw:
-        with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}?cf_protocol=protobuf", open_timeout=5,
-                     compression=None) as ws:
+        with connect(f"ws://127.0.0.1:{gw.http_port}{PATH}?cf_protocol=protobuf", open_timeout=5, compression=None) as ws:
             ws.send(b"\x04\x08\x01\x22\x00")  # Command{id: 1, connect: {}}
             reply = ws.recv(timeout=5)
             assert isinstance(reply, bytes) and reply[1:4] == b"\x08\x01\x2a"  # Reply{id: 1, connect: ...}

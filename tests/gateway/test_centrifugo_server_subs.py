@@ -29,11 +29,13 @@ from tests.gateway.test_proxy_hooks import proxy_config
 
 #: a ring of 8; a cycle budget that holds a few publications: a recovery's first ones go in the connect
 #: result, the rest follow as pushes
-RULES = {"rules": [
-    {"pattern": "srv.*", "kind": "ring", "capacity": 8, "anonymous": True},
-    {"pattern": "room.*", "kind": "ring", "capacity": 64, "anonymous": True, "presence": True, "join_leave": True},
-    {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "srv.*", "kind": "ring", "capacity": 8, "anonymous": True},
+        {"pattern": "room.*", "kind": "ring", "capacity": 64, "anonymous": True, "presence": True, "join_leave": True},
+        {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True},
+    ]
+}
 SCHEDULER = {"cycle_budget_bytes": 300}
 PAD = "x" * 100
 JS = Path(__file__).resolve().parents[1] / "centrifugo_js"
@@ -119,24 +121,29 @@ def test_the_connect_result_carries_the_server_side_subscription(app: Backend):
         epoch = sub["epoch"]
         assert sub == {"recoverable": True, "positioned": True, "epoch": epoch, "offset": 5}
         with raw(gw) as ws:  # from offset 2: 3, 4, 5 missed; what fits in the result, then pushes
-            ws.send(json.dumps({"id": 1, "connect": {"subs": {channel: {"recover": True, "offset": 2,
-                                                                        "epoch": epoch}}}}))
+            ws.send(json.dumps({"id": 1, "connect": {"subs": {channel: {"recover": True, "offset": 2, "epoch": epoch}}}}))
             got = [json.loads(line) for line in ws.recv(timeout=5).split("\n")]
             sub = got[0]["connect"]["subs"][channel]
             inline = [(p["offset"], p["data"]) for p in sub.pop("publications")]
-            assert sub == {"recoverable": True, "positioned": True, "epoch": epoch, "offset": 2,
-                           "was_recovering": True, "recovered": True}
+            assert sub == {
+                "recoverable": True,
+                "positioned": True,
+                "epoch": epoch,
+                "offset": 2,
+                "was_recovering": True,
+                "recovered": True,
+            }
             pushed = [(m["push"]["pub"]["offset"], m["push"]["pub"]["data"]) for m in got[1:]]
             while len(inline) + len(pushed) < 3:
-                pushed += [(m["push"]["pub"]["offset"], m["push"]["pub"]["data"])
-                           for m in map(json.loads, ws.recv(timeout=5).split("\n"))]
+                pushed += [
+                    (m["push"]["pub"]["offset"], m["push"]["pub"]["data"])
+                    for m in map(json.loads, ws.recv(timeout=5).split("\n"))
+                ]
             assert inline and pushed and inline + pushed == [(3, [2, PAD]), (4, [3, PAD]), (5, [4, PAD])]
         with raw(gw) as ws:  # another epoch: not recovered, none, from the end
-            ws.send(json.dumps({"id": 1, "connect": {"subs": {channel: {"recover": True, "offset": 2,
-                                                                        "epoch": "other"}}}}))
+            ws.send(json.dumps({"id": 1, "connect": {"subs": {channel: {"recover": True, "offset": 2, "epoch": "other"}}}}))
             sub = json.loads(ws.recv(timeout=5).split("\n")[0])["connect"]["subs"][channel]
-            assert sub == {"recoverable": True, "positioned": True, "epoch": epoch, "offset": 5,
-                           "was_recovering": True}
+            assert sub == {"recoverable": True, "positioned": True, "epoch": epoch, "offset": 5, "was_recovering": True}
             publish(gw, channel, 5)
             assert json.loads(ws.recv(timeout=5)) == {"push": {"channel": channel, "pub": {"data": 5, "offset": 6}}}
 
@@ -151,25 +158,35 @@ def test_a_bad_subs_is_a_bad_request(app: Backend):
         assert closed.value.rcvd.code == 3501  # type: ignore[attr-defined]
 
 
-@pytest.mark.skipif(shutil.which("node") is None or not (JS / "node_modules" / "centrifuge").is_dir(),
-                    reason="node and tests/centrifugo_js/node_modules (make test installs them)")
+@pytest.mark.skipif(
+    shutil.which("node") is None or not (JS / "node_modules" / "centrifuge").is_dir(),
+    reason="node and tests/centrifugo_js/node_modules (make test installs them)",
+)
 @pytest.mark.parametrize("mode", ["json", "protobuf"])
 def test_server_side_subscriptions_recover_on_reconnect_js(app: Backend, mode: str):
     channel = fresh("srv")
     app.answers["connect"] = {"user": "alice", "topics": [channel]}
     with run_gateway(proxy=proxy_config(app), topics=RULES, scheduler=SCHEDULER) as gw:
-        done = subprocess.run(["node", "server_subs.js", gw.http_url, gw.admin_token, channel, mode], cwd=JS,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["node", "server_subs.js", gw.http_url, gw.admin_token, channel, mode],
+            cwd=JS,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         seen = json.loads(done.stdout)
-    assert seen["subscribed"] == [{"recovered": False, "wasRecovering": False},
-                                  {"recovered": True, "wasRecovering": True},
-                                  {"recovered": False, "wasRecovering": True}]
+    assert seen["subscribed"] == [
+        {"recovered": False, "wasRecovering": False},
+        {"recovered": True, "wasRecovering": True},
+        {"recovered": False, "wasRecovering": True},
+    ]
     assert seen["publications"] == [[n + 1, n] for n in range(7)] + [[20, 19]]
     assert seen["unsubscribed"] == 0
 
 
 # -- join/leave ------------------------------------------------------------------------------------------------
+
 
 def test_join_leave_only_for_the_subscriptions_that_asked():
     channel = fresh("room")
@@ -197,8 +214,9 @@ def test_join_leave_only_for_the_subscriptions_that_asked():
                 await until(lambda: third_id in asking_events.joins, "join")
                 await third_sub.unsubscribe()
                 await until(lambda: asking_events.leaves, "leave")
-                ws_seen = await asyncio.to_thread(collect, ws, lambda got: any(
-                    e["type"] == "leave" and e.get("client") == third_id for e in got))
+                ws_seen = await asyncio.to_thread(
+                    collect, ws, lambda got: any(e["type"] == "leave" and e.get("client") == third_id for e in got)
+                )
                 await asyncio.sleep(0.3)  # what the silent one would get meanwhile
                 assert asking_events.joins[-1:] == [third_id] and asking_events.leaves == [third_id]
                 assert silent_events.joins == [] and silent_events.leaves == []

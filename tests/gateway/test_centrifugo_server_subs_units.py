@@ -18,31 +18,46 @@ pytestmark = pytest.mark.unit
 
 
 def test_connect_subs_written_by_protocs_classes():
-    command = pb.Command(id=1, connect=pb.ConnectRequest(token="t", subs={
-        "a": pb.SubscribeRequest(recover=True, offset=7, epoch="e"), "b": pb.SubscribeRequest()}))
+    command = pb.Command(
+        id=1,
+        connect=pb.ConnectRequest(
+            token="t", subs={"a": pb.SubscribeRequest(recover=True, offset=7, epoch="e"), "b": pb.SubscribeRequest()}
+        ),
+    )
     decoded = ProtobufCodec().decode(delimited([command.SerializeToString()]), False)
-    assert decoded == [{"id": 1, "connect": {"token": "t", "subs": {"a": {"recover": True, "offset": 7, "epoch": "e"},
-                                                                    "b": {}}}}]
+    assert decoded == [{"id": 1, "connect": {"token": "t", "subs": {"a": {"recover": True, "offset": 7, "epoch": "e"}, "b": {}}}}]
     assert asked_positions(decoded[0]["connect"]["subs"]) == {"a": (7, "e")}
 
 
 def test_the_connect_result_subs_read_by_protocs_classes():
-    result = {"client": "c", "subs": {"a": {"recoverable": True, "positioned": True, "epoch": "e", "offset": 2,
-                                            "was_recovering": True, "recovered": True,
-                                            "publications": [{"data": Raw(b'{"n":1}'), "offset": 3}]},
-                                      "b": {}}}
+    result = {
+        "client": "c",
+        "subs": {
+            "a": {
+                "recoverable": True,
+                "positioned": True,
+                "epoch": "e",
+                "offset": 2,
+                "was_recovering": True,
+                "recovered": True,
+                "publications": [{"data": Raw(b'{"n":1}'), "offset": 3}],
+            },
+            "b": {},
+        },
+    }
     reply = pb.Reply.FromString(ProtobufCodec().encode({"id": 1, "connect": result}))
     a = reply.connect.subs["a"]
-    assert (a.recoverable, a.positioned, a.epoch, a.offset, a.was_recovering, a.recovered) == (
-        True, True, "e", 2, True, True)
+    assert (a.recoverable, a.positioned, a.epoch, a.offset, a.was_recovering, a.recovered) == (True, True, "e", 2, True, True)
     assert [(p.offset, p.data) for p in a.publications] == [(3, b'{"n":1}')]
     assert "b" in reply.connect.subs
     assert orjson.loads(JsonCodec().encode({"id": 1, "connect": result}))["connect"]["subs"]["a"]["publications"] == [
-        {"data": {"n": 1}, "offset": 3}]
+        {"data": {"n": 1}, "offset": 3}
+    ]
 
 
-@pytest.mark.parametrize("subs", [[], {"a": 1}, {"a": {"offset": "1"}}, {"a": {"offset": -1}},
-                                  {"a": {"epoch": 3}}, {"a": {"offset": 1 << 60}}])
+@pytest.mark.parametrize(
+    "subs", [[], {"a": 1}, {"a": {"offset": "1"}}, {"a": {"offset": -1}}, {"a": {"epoch": 3}}, {"a": {"offset": 1 << 60}}]
+)
 def test_a_bad_subs_is_refused(subs):
     with pytest.raises(ValueError):
         asked_positions(subs)

@@ -16,13 +16,27 @@ from gateway.centrifugo.idempotency import IdempotentPublishes
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize(("pattern", "name", "matches"), [
-    ("*", "anything", True), ("news.*", "news.eu", True), ("news.*", "sport.eu", False),
-    ("a?c", "abc", True), ("a?c", "ac", False), ("[a-c]x", "bx", True), ("[!a-c]x", "bx", False),
-    ("[!a-c]x", "dx", True), ("{news,chat}.*", "chat.1", True), ("{news,chat}.*", "mail.1", False),
-    ("{a,b}{c,d}", "bd", True), ("news.\\*", "news.*", True), ("news.\\*", "news.x", False),
-    ("", "", True), ("ab", "abc", False), ("*b", "aab", True),
-])
+@pytest.mark.parametrize(
+    ("pattern", "name", "matches"),
+    [
+        ("*", "anything", True),
+        ("news.*", "news.eu", True),
+        ("news.*", "sport.eu", False),
+        ("a?c", "abc", True),
+        ("a?c", "ac", False),
+        ("[a-c]x", "bx", True),
+        ("[!a-c]x", "bx", False),
+        ("[!a-c]x", "dx", True),
+        ("{news,chat}.*", "chat.1", True),
+        ("{news,chat}.*", "mail.1", False),
+        ("{a,b}{c,d}", "bd", True),
+        ("news.\\*", "news.*", True),
+        ("news.\\*", "news.x", False),
+        ("", "", True),
+        ("ab", "abc", False),
+        ("*b", "aab", True),
+    ],
+)
 def test_patterns_match_as_centrifugo_documents_them(pattern, name, matches):
     assert compile_pattern(pattern)(name) is matches
 
@@ -94,7 +108,9 @@ def test_an_idempotency_key_publishes_once_even_concurrently_and_a_failure_is_fo
     async def main() -> None:
         keys = IdempotentPublishes(max_keys=2)
         assert await asyncio.gather(keys.publish("c", "k", publish), keys.publish("c", "k", publish)) == [
-            {"offset": 1}, {"offset": 1}]
+            {"offset": 1},
+            {"offset": 1},
+        ]
         assert await keys.publish("other", "k", publish) == {"offset": 2}  # per channel
         with pytest.raises(ValueError):
             await keys.publish("c", "bad", failing)

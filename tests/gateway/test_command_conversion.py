@@ -15,14 +15,29 @@ from gateway.errors import BadCommand
 pytestmark = pytest.mark.unit
 
 COMMANDS = [
-    {"op": "subscribe", "topic": "t"}, {"op": "subscribe", "topic": "t", "since": {"epoch": "e", "seq": 3}, "id": 1},
-    {"op": "unsubscribe", "topic": "t", "id": "a"}, {"op": "publish", "topic": "t", "data": [1, {"x": None}]},
-    {"op": "auth", "token": "x" * 700}, {"op": "rpc", "method": "echo", "params": {"a": 1}}, {"op": "ping", "id": None},
+    {"op": "subscribe", "topic": "t"},
+    {"op": "subscribe", "topic": "t", "since": {"epoch": "e", "seq": 3}, "id": 1},
+    {"op": "unsubscribe", "topic": "t", "id": "a"},
+    {"op": "publish", "topic": "t", "data": [1, {"x": None}]},
+    {"op": "auth", "token": "x" * 700},
+    {"op": "rpc", "method": "echo", "params": {"a": 1}},
+    {"op": "ping", "id": None},
     # refused ones: the same message as the union gives
-    {}, {"op": "x"}, {"op": 1}, {"op": None}, {"op": ["ping"]}, {"op": "Ping"}, {"op": "auth"},
-    {"op": "auth", "token": 1}, {"op": "auth", "token": "t", "extra": 1}, {"op": "subscribe", "topic": ""},
-    {"op": "subscribe", "topic": "a", "since": {"epoch": "e", "seq": "1"}}, {"op": "ping", "id": 1.5},
-    {"op": "ping", "id": True}, {"op": "ping", "id": 2**53}, {"op": "ping", "id": "x" * 129},
+    {},
+    {"op": "x"},
+    {"op": 1},
+    {"op": None},
+    {"op": ["ping"]},
+    {"op": "Ping"},
+    {"op": "auth"},
+    {"op": "auth", "token": 1},
+    {"op": "auth", "token": "t", "extra": 1},
+    {"op": "subscribe", "topic": ""},
+    {"op": "subscribe", "topic": "a", "since": {"epoch": "e", "seq": "1"}},
+    {"op": "ping", "id": 1.5},
+    {"op": "ping", "id": True},
+    {"op": "ping", "id": 2**53},
+    {"op": "ping", "id": "x" * 129},
 ]
 
 
@@ -45,8 +60,10 @@ def test_a_command_converts_as_the_union_does(value):
     assert _ours(value) == _union(value)
 
 
-@pytest.mark.parametrize("request_id", [None, 0, -1, 2**53 - 1, -(2**53 - 1), 2**53, -(2**53), "", "x" * 128,
-                                        "x" * 129, "é" * 128, True, False, 1.0, [], {}])
+@pytest.mark.parametrize(
+    "request_id",
+    [None, 0, -1, 2**53 - 1, -(2**53 - 1), 2**53, -(2**53), "", "x" * 128, "x" * 129, "é" * 128, True, False, 1.0, [], {}],
+)
 def test_a_request_id_is_taken_when_valid_as_the_conversion_says(request_id):
     try:
         expected = msgspec.convert(request_id, schema.RequestId, strict=True)

@@ -24,26 +24,32 @@ def test_defaults_file_and_environment_overrides(tmp_path):
     assert base.server.port == 8080 and base.ingest.port == 7002 and base.rawtcp.sender_port == 7000
     assert base.rawtcp.hard_lag_bytes == 96 * 1024 * 1024
     override = tmp_path / "o.toml"
-    override.write_text('[server]\nport = 9001\n[longpoll]\npoll_timeout_s = 3\n'
-                        '[[topics.rules]]\npattern = "*"\nkind = "snapshot"\n')
-    config = load_config(override, environ={"GATEWAY_SERVER_PORT": "9002", "GATEWAY_RAWTCP_ENABLED": "false",
-                                            "GATEWAY_SERVER_LOG_LEVEL": "warning"})
+    override.write_text(
+        '[server]\nport = 9001\n[longpoll]\npoll_timeout_s = 3\n[[topics.rules]]\npattern = "*"\nkind = "snapshot"\n'
+    )
+    config = load_config(
+        override,
+        environ={"GATEWAY_SERVER_PORT": "9002", "GATEWAY_RAWTCP_ENABLED": "false", "GATEWAY_SERVER_LOG_LEVEL": "warning"},
+    )
     assert config.server.port == 9002  # the environment wins over the file
     assert config.longpoll.poll_timeout_s == 3.0 and config.rawtcp.enabled is False
     assert config.server.log_level == "warning"
     assert [r.config.kind.value for r in config.topic_rules()] == ["snapshot"]
 
 
-@pytest.mark.parametrize("text, environ, message", [
-    ('[server]\nprot = 1\n', {}, "unknown config key 'server.prot'"),
-    ('[server]\nport = "x"\n', {}, "'server.port' must be int"),
-    ('[nosuch]\na = 1\n', {}, "unknown config key 'nosuch'"),
-    ('', {"GATEWAY_SERVER_PROT": "1"}, "environment variable GATEWAY_SERVER_PROT names no key of [server]"),
-    ('', {"GATEWAY_TOPICS_RULES": "[]"}, "cannot be set from the environment"),
-    ('', {"GATEWAY_SERVER_PORT": "true"}, "GATEWAY_SERVER_PORT='true': 'server.port' must be int, got True"),
-    ('[[topics.rules]]\npattern = "*"\nkind = "bogus"\n', {}, "bad topic setting"),
-    ('[[topics.rules]]\npattern = "*"\ncapacity = 0\n', {}, "capacity must be an integer in [1, 1048576], not 0"),
-])
+@pytest.mark.parametrize(
+    "text, environ, message",
+    [
+        ("[server]\nprot = 1\n", {}, "unknown config key 'server.prot'"),
+        ('[server]\nport = "x"\n', {}, "'server.port' must be int"),
+        ("[nosuch]\na = 1\n", {}, "unknown config key 'nosuch'"),
+        ("", {"GATEWAY_SERVER_PROT": "1"}, "environment variable GATEWAY_SERVER_PROT names no key of [server]"),
+        ("", {"GATEWAY_TOPICS_RULES": "[]"}, "cannot be set from the environment"),
+        ("", {"GATEWAY_SERVER_PORT": "true"}, "GATEWAY_SERVER_PORT='true': 'server.port' must be int, got True"),
+        ('[[topics.rules]]\npattern = "*"\nkind = "bogus"\n', {}, "bad topic setting"),
+        ('[[topics.rules]]\npattern = "*"\ncapacity = 0\n', {}, "capacity must be an integer in [1, 1048576], not 0"),
+    ],
+)
 def test_bad_config_is_refused_with_a_clear_message(tmp_path, text, environ, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -76,8 +82,14 @@ def test_gateway_serve_runs_on_the_embedded_default_config(tmp_path):
         pytest.skip("a default port (8080, 7000-7002) is taken on this machine")
     ready = tmp_path / "ready.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--ready-file", str(ready)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--ready-file", str(ready)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -101,30 +113,54 @@ def test_gateway_serve_runs_on_the_embedded_default_config(tmp_path):
 def test_gateway_serve_reports_config_errors(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[server]\nport = 'no'\n")
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(bad)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 2 and "config error" in result.stderr
 
 
 def test_gateway_serve_refuses_an_unknown_key_of_a_known_section_and_ignores_other_gateway_variables(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve"], check=False, cwd=ROOT, capture_output=True,
-                            text=True, timeout=30, env={**env, "GATEWAY_SERVER_PROT": "1", "GATEWAY_INTERFACE": "CGI/1.1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**env, "GATEWAY_SERVER_PROT": "1", "GATEWAY_INTERFACE": "CGI/1.1"},
+    )
     assert result.returncode == 2 and "config error" in result.stderr
     assert "GATEWAY_SERVER_PROT names no key of [server]" in result.stderr and "port" in result.stderr
 
 
 def _gateway(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=30, env={**clean, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**clean, **(env or {})},
+    )
 
 
 def test_gateway_token_mints_a_token_the_gateway_accepts():
     from gateway.testing import TEST_JWT_SECRET, run_gateway
 
-    minted = _gateway("token", "--sub", "alice", "--subscribe", "private.*", "--publish", "chat.*", "--ttl", "60",
-                      env={"GATEWAY_AUTH_JWT_SECRET": TEST_JWT_SECRET})
+    minted = _gateway(
+        "token",
+        "--sub",
+        "alice",
+        "--subscribe",
+        "private.*",
+        "--publish",
+        "chat.*",
+        "--ttl",
+        "60",
+        env={"GATEWAY_AUTH_JWT_SECRET": TEST_JWT_SECRET},
+    )
     assert minted.returncode == 0, minted.stderr
     token = minted.stdout.strip()
     with run_gateway() as gw, ws_connect(f"{gw.ws_url}?token={token}") as ws:

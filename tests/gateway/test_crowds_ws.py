@@ -21,15 +21,18 @@ def test_caught_up_ws_clients_plain_and_compressed_go_in_the_engines_crowds() ->
     with run_gateway() as gw, contextlib.ExitStack() as stack:
         # half offer permessage-deflate: their frames (over compression_min_bytes) are another crowd's
         clients = [stack.enter_context(ws_connect(gw)) for _ in range(CLIENTS // 2)]
-        clients += [stack.enter_context(connect(gw.ws_url, open_timeout=5, max_size=None, compression="deflate"))
-                    for _ in range(CLIENTS // 2)]
+        clients += [
+            stack.enter_context(connect(gw.ws_url, open_timeout=5, max_size=None, compression="deflate"))
+            for _ in range(CLIENTS // 2)
+        ]
         for ws in clients:
             send(ws, op="subscribe", topic="crowd", id=1)
             collect(ws, lambda got: any(e["type"] == "subscribed" for e in got))
         before = metric(gw, "fanout_gathered_writes_total")
         for n in range(MESSAGES):  # one at a time: each client's batch is that one message
-            reply = httpx.post(f"{gw.http_url}/api/topics/crowd/publish", json={"data": f"{n}:" + "x" * 2000}, headers=auth(gw),
-                               trust_env=False)
+            reply = httpx.post(
+                f"{gw.http_url}/api/topics/crowd/publish", json={"data": f"{n}:" + "x" * 2000}, headers=auth(gw), trust_env=False
+            )
             assert reply.status_code == 200, reply.text
             time.sleep(0.01)
         for ws in clients:

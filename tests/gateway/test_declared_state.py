@@ -27,8 +27,7 @@ GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 
 def test_the_hub_holds_the_session_transports_tables_from_the_start():
     async def make() -> Hub:
-        return Hub(load_config(overrides={**DEFAULTS, "longpoll": {"session_ttl_s": 7, "max_sessions": 9}},
-                               environ={}))
+        return Hub(load_config(overrides={**DEFAULTS, "longpoll": {"session_ttl_s": 7, "max_sessions": 9}}, environ={}))
 
     hub = asyncio.run(make())
     sessions = hub.sessions
@@ -52,8 +51,14 @@ def test_a_connections_rate_buckets_are_fields_of_its_session_state_not_its_iden
 
 
 def test_no_transport_adds_attributes_to_the_hub_or_an_identity_by_name():
-    pattern = re.compile(r"\bsetattr\((hub|identity|self\.hub|self\.identity)\b"
-                         r"|\bgetattr\(\w+, \"(sessions|closed|checkpoints|costly_bucket)\"")
-    found = [f"{path.name}:{n}" for path in sorted(GATEWAY.rglob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    pattern = re.compile(
+        r"\bsetattr\((hub|identity|self\.hub|self\.identity)\b"
+        r"|\bgetattr\(\w+, \"(sessions|closed|checkpoints|costly_bucket)\""
+    )
+    found = [
+        f"{path.name}:{n}"
+        for path in sorted(GATEWAY.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert found == []

@@ -21,11 +21,13 @@ from tests.gateway.gw_helpers import auth, collect, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
 
-RULES = {"rules": [
-    {"pattern": "book.*", "kind": "ring", "anonymous": True, "delta": "fossil", "capacity": 16},
-    {"pattern": "state.*", "kind": "snapshot", "anonymous": True, "delta": "fossil"},
-    {"pattern": "plain.*", "kind": "ring", "anonymous": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "book.*", "kind": "ring", "anonymous": True, "delta": "fossil", "capacity": 16},
+        {"pattern": "state.*", "kind": "snapshot", "anonymous": True, "delta": "fossil"},
+        {"pattern": "plain.*", "kind": "ring", "anonymous": True},
+    ]
+}
 
 
 def book(step: int) -> dict[str, Any]:

@@ -27,13 +27,32 @@ HINT = re.compile(r"restarting: reconnect in (\d+) ms")
 
 
 def start(tmp_path: Path, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> tuple[subprocess.Popen[bytes], dict]:
-    return serve_process(tmp_path, "\n".join([
-        "[server]", 'host = "127.0.0.1"', "port = 0", f'admin_token = "{TOKEN}"', 'log_level = "info"',
-        "max_connections_per_ip = 0", f"drain_timeout_s = {drain_timeout_s}", f"drain_spread_s = {SPREAD_S}",
-        "[ingest]", "port = 0", "[rawtcp]", "enabled = false",
-        "[[topics.rules]]", 'pattern = "*"', 'kind = "ring"', "capacity = 64", "anonymous = true",
-        "client_publish = true",
-    ]) + "\n")
+    return serve_process(
+        tmp_path,
+        "\n".join(
+            [
+                "[server]",
+                'host = "127.0.0.1"',
+                "port = 0",
+                f'admin_token = "{TOKEN}"',
+                'log_level = "info"',
+                "max_connections_per_ip = 0",
+                f"drain_timeout_s = {drain_timeout_s}",
+                f"drain_spread_s = {SPREAD_S}",
+                "[ingest]",
+                "port = 0",
+                "[rawtcp]",
+                "enabled = false",
+                "[[topics.rules]]",
+                'pattern = "*"',
+                'kind = "ring"',
+                "capacity = 64",
+                "anonymous = true",
+                "client_publish = true",
+            ]
+        )
+        + "\n",
+    )
 
 
 async def ws_client(url: str, subscribed: asyncio.Event, counter: list[int]) -> tuple[int | None, str]:
@@ -157,14 +176,17 @@ async def _drain_under_load(proc: subprocess.Popen[bytes], base: str, info: dict
     assert HINT.fullmatch(sse_close["reason"])
     assert lp_closed["close_code"] == 1012 and 0 <= lp_closed["retry_ms"] <= SPREAD_S * 1000
     assert exited_at - sent_at < DRAIN_TIMEOUT_S + 3, exited_at - sent_at
-    print(f"\ndrain: clients closed {closed_at - sent_at:.2f} s after SIGTERM, process exited after"
-          f" {exited_at - sent_at:.2f} s; hints {min(hints)}..{max(hints)} ms, {len(set(hints))} distinct of"
-          f" {len(hints)}, mean {sum(hints) / len(hints):.0f} ms")
+    print(
+        f"\ndrain: clients closed {closed_at - sent_at:.2f} s after SIGTERM, process exited after"
+        f" {exited_at - sent_at:.2f} s; hints {min(hints)}..{max(hints)} ms, {len(set(hints))} distinct of"
+        f" {len(hints)}, mean {sum(hints) / len(hints):.0f} ms"
+    )
 
 
 def test_drain_timeout_0_closes_at_once_with_1001_and_exits_0(tmp_path):
     proc, info = start(tmp_path, drain_timeout_s=0)
     try:
+
         async def one() -> tuple[int | None, str]:
             async with websockets.connect(f"ws://127.0.0.1:{info['http_port']}/ws") as ws:
                 await ws.send(orjson.dumps({"op": "subscribe", "topic": "load"}).decode())
@@ -190,8 +212,10 @@ def test_a_long_poll_session_between_polls_gets_its_1012_and_an_abandoned_one_ho
     base = f"http://127.0.0.1:{info['http_port']}"
 
     async def main() -> tuple[dict, float, bool]:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as polling, \
-                httpx.AsyncClient(base_url=base, timeout=10) as abandoning:
+        async with (
+            httpx.AsyncClient(base_url=base, timeout=10) as polling,
+            httpx.AsyncClient(base_url=base, timeout=10) as abandoning,
+        ):
             sid = (await polling.post("/lp")).json()["session"]
             await abandoning.post("/lp")  # never polled again
             sent_at = time.monotonic()
@@ -225,8 +249,7 @@ def test_the_ingest_answers_what_it_received_then_closes(tmp_path):
 
     async def main() -> tuple[list[dict], bytes]:
         reader, writer = await asyncio.open_connection("127.0.0.1", info["ingest_port"])
-        writer.write(b"".join(orjson.dumps({"topic": "load", "data": i}) + b"\n" for i in range(2000))
-                     + b'{"sync": 1}\n')
+        writer.write(b"".join(orjson.dumps({"topic": "load", "data": i}) + b"\n" for i in range(2000)) + b'{"sync": 1}\n')
         await writer.drain()
         proc.send_signal(signal.SIGTERM)
         lines = [orjson.loads(await asyncio.wait_for(reader.readline(), 5))]

@@ -32,8 +32,13 @@ OVERRIDDEN = {
     "connection_lost": ["self", "exc"],
 }
 #: uvicorn's methods the guard calls without overriding them
-CALLED = ["_unset_keepalive_if_required", "send_400_response", "_should_upgrade", "handle_websocket_upgrade",
-          "_unsupported_upgrade_warning"]
+CALLED = [
+    "_unset_keepalive_if_required",
+    "send_400_response",
+    "_should_upgrade",
+    "handle_websocket_upgrade",
+    "_unsupported_upgrade_warning",
+]
 #: uvicorn's per-connection state the guard reads or clears
 ATTRIBUTES = ["parser", "loop", "logger", "transport", "scope", "cycle", "headers"]
 
@@ -71,6 +76,11 @@ def test_the_websocket_protocol_is_ours_alone() -> None:
         source = path.read_text()
         assert "type: ignore" not in source, path.name
         for node in ast.walk(ast.parse(source)):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(name.split(".")[0] == "uvicorn" for name in names), path.name

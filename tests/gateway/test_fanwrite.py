@@ -80,7 +80,7 @@ def test_a_socket_that_takes_part_reports_the_bytes_it_took(sender_class: Any, p
     big = b"y" * (1 << 20)  # more than a 4 KiB send buffer takes
     sender.submit([pairs[1][0].fileno(), ours.fileno(), pairs[2][0].fileno()], b"small")
     sender.submit([ours.fileno()], big)
-    (index, taken), = sender.wait()
+    ((index, taken),) = sender.wait()
     assert index == 3 and 0 < taken < len(big)
     assert peer.recv(5) == b"small" and pairs[2][1].recv(64) == b"small"
 
@@ -135,7 +135,8 @@ def test_wait_without_submit_and_an_empty_job_report_nothing(sender_class: Any) 
 
 
 def test_a_refused_submit_sends_nothing_not_even_to_the_good_descriptors_before_the_bad_one(
-        sender_class: Any, pairs: Pairs) -> None:
+    sender_class: Any, pairs: Pairs
+) -> None:
     sender = sender_class()
     ours, peer = pairs[0]
     with pytest.raises(ValueError):
@@ -201,7 +202,6 @@ def test_a_forked_child_sends_through_a_sender_its_parent_had_started(sender_cla
     assert pairs[0][1].recv(1024) == b"p" * 200 and pairs[1][1].recv(1024) == b"c" * 200
 
 
-
 def test_raw_fd_gives_a_plain_sockets_descriptor_and_never_one_under_tls(pairs: Pairs) -> None:
     ours, _ = pairs[0]
     Transport = asyncio.BaseTransport  # holds the extra info `raw_fd` reads
@@ -211,8 +211,7 @@ def test_raw_fd_gives_a_plain_sockets_descriptor_and_never_one_under_tls(pairs: 
     assert fanwrite.raw_fd(Transport({})) == -1
 
 
-def test_a_socket_whose_transport_is_closing_or_holds_bytes_is_passed_over_as_taking_nothing(
-        sender_class: Any) -> None:
+def test_a_socket_whose_transport_is_closing_or_holds_bytes_is_passed_over_as_taking_nothing(sender_class: Any) -> None:
     """With the sockets' transports, a crowd's frame never overtakes bytes a transport still holds, and
     never goes to a descriptor whose transport is closing (its number may already be another socket's)."""
 

@@ -36,8 +36,7 @@ def _can_compile() -> bool:
 
 def _choice(pure: str, *argv: str) -> dict[str, str]:
     env = {**os.environ, "FANOUT_PURE_PYTHON": pure}
-    done = subprocess.run([sys.executable, "-c", CHOICE, *argv], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-c", CHOICE, *argv], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     result: dict[str, str] = json.loads(done.stdout)
     return result

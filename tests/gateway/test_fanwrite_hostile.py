@@ -48,14 +48,16 @@ PREAMBLE = textwrap.dedent("""
 
 
 def run_child(module: str, body: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", PREAMBLE + textwrap.dedent(body), module], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", PREAMBLE + textwrap.dedent(body), module], capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("count", [3, 200])  # a small job (sent by `wait`) and a crowd's (the sender's thread)
-def test_a_list_emptied_while_its_descriptors_are_read_neither_crashes_nor_sends_freed_items(
-        module: str, count: int) -> None:
-    child = run_child(module, f"""
+def test_a_list_emptied_while_its_descriptors_are_read_neither_crashes_nor_sends_freed_items(module: str, count: int) -> None:
+    child = run_child(
+        module,
+        f"""
         fds.extend([Shrinker()] + [ours.fileno()] * {count - 1})
         try:
             sender.submit(fds, b"frame")
@@ -64,19 +66,22 @@ def test_a_list_emptied_while_its_descriptors_are_read_neither_crashes_nor_sends
         else:
             print("shortfalls", sender.wait())
         print("list now", len(fds))
-    """)
+    """,
+    )
     assert child.returncode == 0, f"the child died ({child.returncode}): {child.stderr[-2000:]}"
     assert "list now 0" in child.stdout
 
 
-def test_a_list_grown_while_its_descriptors_are_read_sends_to_the_descriptors_it_held_at_the_call(
-        module: str) -> None:
-    child = run_child(module, """
+def test_a_list_grown_while_its_descriptors_are_read_sends_to_the_descriptors_it_held_at_the_call(module: str) -> None:
+    child = run_child(
+        module,
+        """
         fds.extend([Grower(), ours.fileno()])
         sender.submit(fds, b"frame")
         print("shortfalls", sender.wait())
         print("received", peer.recv(1 << 16))
-    """)
+    """,
+    )
     assert child.returncode == 0, f"the child died ({child.returncode}): {child.stderr[-2000:]}"
     assert "shortfalls []" in child.stdout
     assert "received b'frameframe'" in child.stdout

@@ -27,8 +27,10 @@ ALL_FREE = {"server": {"port": 0}, "ingest": {"port": 0}, "rawtcp": {"sender_por
 
 
 def toml(sections: dict[str, dict[str, object]]) -> str:
-    return "".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
-                   for name, values in sections.items())
+    return "".join(
+        f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
+        for name, values in sections.items()
+    )
 
 
 @pytest.fixture
@@ -46,16 +48,22 @@ def serve_fails(tmp_path: Path, sections: dict[str, dict[str, object]]) -> tuple
     config = tmp_path / "gateway.toml"
     config.write_text(toml(sections))
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(config)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done.returncode, done.stdout + done.stderr
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("section, key", [("server", "port"), ("ingest", "port"), ("rawtcp", "sender_port"),
-                                          ("rawtcp", "receiver_port")])
-def test_a_port_in_use_is_one_line_naming_the_port_and_its_key_and_exit_status_2(tmp_path, taken_port, section,
-                                                                                 key) -> None:
+@pytest.mark.parametrize(
+    "section, key", [("server", "port"), ("ingest", "port"), ("rawtcp", "sender_port"), ("rawtcp", "receiver_port")]
+)
+def test_a_port_in_use_is_one_line_naming_the_port_and_its_key_and_exit_status_2(tmp_path, taken_port, section, key) -> None:
     sections: dict[str, dict[str, object]] = {name: dict(values) for name, values in ALL_FREE.items()}
     sections[section][key] = taken_port
     status, output = serve_fails(tmp_path, sections)
@@ -102,10 +110,18 @@ class Gateway:
 
 def limits_gateway(tmp_path: Path, max_subscriptions: int, burst: int):
     # a rate so low that no token comes back during the test
-    proc, info = serve_process(tmp_path, toml({
-        "server": {"port": 0}, "ingest": {"port": 0}, "rawtcp": {"enabled": False},
-        "scheduler": {"max_subscriptions": max_subscriptions},
-        "limits": {"subscribe_rate": 0.001, "subscribe_burst": burst}}))
+    proc, info = serve_process(
+        tmp_path,
+        toml(
+            {
+                "server": {"port": 0},
+                "ingest": {"port": 0},
+                "rawtcp": {"enabled": False},
+                "scheduler": {"max_subscriptions": max_subscriptions},
+                "limits": {"subscribe_rate": 0.001, "subscribe_burst": burst},
+            }
+        ),
+    )
     return proc, Gateway(info)
 
 
@@ -128,14 +144,25 @@ def test_a_subscribe_refused_by_the_cap_spends_no_rate_token(tmp_path) -> None:
     proc, gw = limits_gateway(tmp_path, max_subscriptions=2, burst=3)
     try:
         with ws_connect(gw) as ws:
-            got = answers(ws, {"op": "subscribe", "topic": "a", "id": 1}, {"op": "subscribe", "topic": "b", "id": 2},
-                          {"op": "subscribe", "topic": "c", "id": 3}, {"op": "subscribe", "topic": "d", "id": 4},
-                          # the third token is still there: the two refused subscribes took none
-                          {"op": "unsubscribe", "topic": "a", "id": 5},
-                          # below the cap again, and no token left: now it is the rate
-                          {"op": "subscribe", "topic": "c", "id": 6})
-            assert kinds(got) == ["subscribed", "subscribed", "too_many_subscriptions", "too_many_subscriptions",
-                                  "unsubscribed", "rate_limited"], got
+            got = answers(
+                ws,
+                {"op": "subscribe", "topic": "a", "id": 1},
+                {"op": "subscribe", "topic": "b", "id": 2},
+                {"op": "subscribe", "topic": "c", "id": 3},
+                {"op": "subscribe", "topic": "d", "id": 4},
+                # the third token is still there: the two refused subscribes took none
+                {"op": "unsubscribe", "topic": "a", "id": 5},
+                # below the cap again, and no token left: now it is the rate
+                {"op": "subscribe", "topic": "c", "id": 6},
+            )
+            assert kinds(got) == [
+                "subscribed",
+                "subscribed",
+                "too_many_subscriptions",
+                "too_many_subscriptions",
+                "unsubscribed",
+                "rate_limited",
+            ], got
     finally:
         proc.terminate()
         proc.wait(20)

@@ -61,8 +61,11 @@ class Outcome:
 
     @property
     def ended(self) -> bool:
-        return bool(self.messages) and self.messages[-1]["type"] == "http.response.body" \
+        return (
+            bool(self.messages)
+            and self.messages[-1]["type"] == "http.response.body"
             and not self.messages[-1].get("more_body", False)
+        )
 
     def error(self) -> dict:
         assert self.headers[b"content-type"] == b"application/json"
@@ -133,12 +136,27 @@ def answer(*pieces: bytes | float, close: bool = True) -> Owner:
     return owner
 
 
-def scope_of(method: str = "GET", path: str = "/lp/w1.secret", query: bytes = b"",
-             headers: list[tuple[bytes, bytes]] | None = None, client: tuple[str, int] = ("203.0.113.7", 5555)) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-            "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
-            "headers": [(b"host", b"gw.example:8080")] if headers is None else headers,
-            "client": client, "server": ("127.0.0.1", 8080)}
+def scope_of(
+    method: str = "GET",
+    path: str = "/lp/w1.secret",
+    query: bytes = b"",
+    headers: list[tuple[bytes, bytes]] | None = None,
+    client: tuple[str, int] = ("203.0.113.7", 5555),
+) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": [(b"host", b"gw.example:8080")] if headers is None else headers,
+        "client": client,
+        "server": ("127.0.0.1", 8080),
+    }
 
 
 def router(**overrides: object) -> tuple[SessionRouter, socket.socket, socket.socket]:
@@ -153,9 +171,14 @@ def router(**overrides: object) -> tuple[SessionRouter, socket.socket, socket.so
     return SessionRouter(app, links, config), receiving, sending
 
 
-async def run_forward(owner: Owner | None, scope: dict | None = None, body: bytes = b"",
-                      leave_after: float | None = None, route: SessionRouter | None = None,
-                      inbox: socket.socket | None = None) -> Outcome:
+async def run_forward(
+    owner: Owner | None,
+    scope: dict | None = None,
+    body: bytes = b"",
+    leave_after: float | None = None,
+    route: SessionRouter | None = None,
+    inbox: socket.socket | None = None,
+) -> Outcome:
     """One request through a router to `owner` (None: nobody takes the connection). `leave_after`: the
     client goes away after that many seconds."""
     outcome = Outcome()
@@ -214,22 +237,37 @@ OK_JSON = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length:
 
 
 def test_the_owner_gets_method_target_headers_body_the_client_address_and_the_key():
-    headers = [(b"host", b"gw.example:8080"), (b"authorization", b"Bearer t  "), (b"origin", b"https://a.example"),
-               (b"content-type", b"application/json"), (b"content-length", b"14"), (b"connection", b"keep-alive"),
-               (b"keep-alive", b"timeout=5"), (b"te", b"trailers"), (b"expect", b"100-continue"),
-               (b"x-forwarded-for", b"6.6.6.6"), (KEY_HEADER, b"forged"), (b"x-obs", b"caf\xe9\tau lait")]
-    got = run(run_forward(answer(OK_JSON), scope_of("POST", query=b"ack=3&x={|}", headers=headers),
-                          body=b'{"op": "ping"}'))
+    headers = [
+        (b"host", b"gw.example:8080"),
+        (b"authorization", b"Bearer t  "),
+        (b"origin", b"https://a.example"),
+        (b"content-type", b"application/json"),
+        (b"content-length", b"14"),
+        (b"connection", b"keep-alive"),
+        (b"keep-alive", b"timeout=5"),
+        (b"te", b"trailers"),
+        (b"expect", b"100-continue"),
+        (b"x-forwarded-for", b"6.6.6.6"),
+        (KEY_HEADER, b"forged"),
+        (b"x-obs", b"caf\xe9\tau lait"),
+    ]
+    got = run(run_forward(answer(OK_JSON), scope_of("POST", query=b"ack=3&x={|}", headers=headers), body=b'{"op": "ping"}'))
     assert got.status == 200 and got.body == b"{}" and got.ended
     received = got.received
     assert received is not None
     assert (received.request.method, received.request.target) == (b"POST", b"/lp/w1.secret?ack=3&x={|}")
     assert received.body == b'{"op": "ping"}'
     assert received.headers == [
-        (b"host", b"gw.example:8080"), (b"authorization", b"Bearer t"), (b"origin", b"https://a.example"),
-        (b"content-type", b"application/json"), (b"x-obs", b"caf\xe9\tau lait"),
-        (b"x-forwarded-for", b"203.0.113.7"), (KEY_HEADER, KEY.encode()), (b"content-length", b"14"),
-        (b"connection", b"close")]
+        (b"host", b"gw.example:8080"),
+        (b"authorization", b"Bearer t"),
+        (b"origin", b"https://a.example"),
+        (b"content-type", b"application/json"),
+        (b"x-obs", b"caf\xe9\tau lait"),
+        (b"x-forwarded-for", b"203.0.113.7"),
+        (KEY_HEADER, KEY.encode()),
+        (b"content-length", b"14"),
+        (b"connection", b"close"),
+    ]
 
 
 def test_a_request_without_host_is_forwarded_with_an_empty_one():
@@ -253,14 +291,20 @@ def test_a_request_h11_will_not_write_is_a_400_and_reaches_no_worker():
 
 
 def test_a_response_is_relayed_without_hop_by_hop_or_cors_headers():
-    head = (b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\nx-custom: v\r\nretry-after: 1\r\n"
-            b"connection: close\r\nkeep-alive: timeout=5\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\nserver: uvicorn\r\n"
-            b"vary: Origin\r\naccess-control-allow-origin: https://a.example\r\n"
-            b"access-control-expose-headers: Retry-After\r\ncontent-length: 11\r\n\r\n")
+    head = (
+        b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\nx-custom: v\r\nretry-after: 1\r\n"
+        b"connection: close\r\nkeep-alive: timeout=5\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\nserver: uvicorn\r\n"
+        b"vary: Origin\r\naccess-control-allow-origin: https://a.example\r\n"
+        b"access-control-expose-headers: Retry-After\r\ncontent-length: 11\r\n\r\n"
+    )
     got = run(run_forward(answer(head + b'{"a": true}')))
     assert got.status == 201 and got.body == b'{"a": true}' and got.ended
-    assert got.messages[0]["headers"] == [(b"content-type", b"application/json"), (b"x-custom", b"v"),
-                                          (b"retry-after", b"1"), (b"content-length", b"11")]
+    assert got.messages[0]["headers"] == [
+        (b"content-type", b"application/json"),
+        (b"x-custom", b"v"),
+        (b"retry-after", b"1"),
+        (b"content-length", b"11"),
+    ]
 
 
 def test_a_chunked_body_streams_through_piece_by_piece_and_loses_its_framing():
@@ -326,11 +370,14 @@ def test_a_head_over_the_bound_is_refused_even_when_it_comes_in_one_piece():
     assert got.status == 200 and got.body == b"ok"
 
 
-@pytest.mark.parametrize("rest", [
-    b"content-length: 10\r\n\r\nshort",  # the owner closes before its length
-    b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",  # before the last chunk
-    b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n",  # a chunk size that is no number
-])
+@pytest.mark.parametrize(
+    "rest",
+    [
+        b"content-length: 10\r\n\r\nshort",  # the owner closes before its length
+        b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",  # before the last chunk
+        b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n",  # a chunk size that is no number
+    ],
+)
 def test_a_body_cut_short_ends_the_started_response_short(rest):
     got = run(run_forward(answer(b"HTTP/1.1 200 OK\r\n" + rest)))
     assert got.status == 200 and got.ended  # the head was sent: no second answer, the body just ends

@@ -20,7 +20,7 @@ from gateway.transports.ingest_parser import AUTH_LINE_MAX, Authed, AuthFailed, 
 pytestmark = pytest.mark.unit
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
@@ -30,8 +30,8 @@ commands = st.fixed_dictionaries(
         "op": st.sampled_from(["subscribe", "unsubscribe", "publish", "rpc", "ping", "auth", "bogus"]) | json_values,
         "token": st.sampled_from([make_token("fuzz"), make_token("other", ttl=-60), "x.y.z"]) | json_values,
         "topic": st.sampled_from(["chat.a", "t", "private.x", "state.s", ""]) | json_values,
-        "since": st.fixed_dictionaries({"epoch": st.text(max_size=5) | json_values,
-                                        "seq": st.integers(-3, 10) | json_values}) | json_values,
+        "since": st.fixed_dictionaries({"epoch": st.text(max_size=5) | json_values, "seq": st.integers(-3, 10) | json_values})
+        | json_values,
         "data": json_values,
         "id": json_values,
         "method": st.sampled_from(["echo", "time", "topics", "whoami", "nope"]) | json_values,
@@ -43,13 +43,15 @@ payloads = (
     | commands.map(orjson.dumps)
     | st.lists(commands, max_size=5).map(orjson.dumps)
     | json_values.map(orjson.dumps)
-    | st.sampled_from([
-        b'{"op":"publish","topic":"chat.a","data":123456789012345678901234567890}',
-        b'{"op":"subscribe","topic":"t","since":{"epoch":"x","seq":1e400}}',
-        b'{"op":"publish","topic":"chat.a","data":"\\ud800"}',
-        b"[" * 2000 + b"]" * 2000,
-        "{\"op\":\"ping\",\"id\":\"\u00e9\"}".encode(),
-    ])
+    | st.sampled_from(
+        [
+            b'{"op":"publish","topic":"chat.a","data":123456789012345678901234567890}',
+            b'{"op":"subscribe","topic":"t","since":{"epoch":"x","seq":1e400}}',
+            b'{"op":"publish","topic":"chat.a","data":"\\ud800"}',
+            b"[" * 2000 + b"]" * 2000,
+            '{"op":"ping","id":"\u00e9"}'.encode(),
+        ]
+    )
 )
 
 
@@ -128,9 +130,14 @@ class RecordingTransport:
 
 records = st.fixed_dictionaries(
     {},
-    optional={"topic": st.sampled_from(["t", "private.x", "state.s", ""]) | json_values, "data": json_values,
-              "seq": st.integers(-2, 200) | json_values, "client": json_values, "sync": json_values,
-              "auth": st.sampled_from(["s3cret", "x"]) | json_values},
+    optional={
+        "topic": st.sampled_from(["t", "private.x", "state.s", ""]) | json_values,
+        "data": json_values,
+        "seq": st.integers(-2, 200) | json_values,
+        "client": json_values,
+        "sync": json_values,
+        "auth": st.sampled_from(["s3cret", "x"]) | json_values,
+    },
 )
 lines = st.binary(max_size=80).map(lambda b: b.replace(b"\n", b"")) | records.map(orjson.dumps)
 #: what a peer's bytes can make of a line, besides records of the schema (protocol.md, TCP ingest)
@@ -138,8 +145,7 @@ INGEST_ERROR_CODES = {"bad_json", "bad_record", "bad_seq", "too_large"}  # bad_s
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(lines.map(lambda line: line + b"\n") | st.binary(max_size=100), max_size=12), st.booleans(),
-       st.integers(1, 120))
+@given(st.lists(lines.map(lambda line: line + b"\n") | st.binary(max_size=100), max_size=12), st.booleans(), st.integers(1, 120))
 def test_ingest_parser_makes_items_or_error_items_of_any_bytes(chunks, with_token, max_line):
     """Sans-I/O: the parser alone, no loop. Any bytes in any pieces: items of the documented kinds, numbered
     in order, error codes of the protocol, and nothing after a failed handshake."""
@@ -182,7 +188,7 @@ async def _run_lines(body_lines, chunk):
     protocol.connection_made(transport)
     data = b"".join(line + b"\n" for line in body_lines) + b'{"sync":"end"}\n'
     for i in range(0, len(data), chunk):
-        protocol.data_received(data[i:i + chunk])
+        protocol.data_received(data[i : i + chunk])
     answers = [orjson.loads(line) for line in transport.written.splitlines()]
     assert answers[-1]["type"] == "synced" and answers[-1]["id"] == "end"
     errors = [a for a in answers if a["type"] == "error"]
@@ -192,8 +198,7 @@ async def _run_lines(body_lines, chunk):
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.text(max_size=60) | st.sampled_from(["http://[::1", "https://a:99999", "null", "http://x:80"]),
-       st.text(max_size=30))
+@given(st.text(max_size=60) | st.sampled_from(["http://[::1", "https://a:99999", "null", "http://x:80"]), st.text(max_size=30))
 def test_any_origin_header_is_allowed_or_refused_never_an_exception(origin, host):
     guard = OriginGuard(None, parse_allowed_origins(["https://app.example.com"]))
     assert guard.allows(origin, host) in (True, False)

@@ -54,6 +54,7 @@ def test_interval_zero_keeps_the_default_collector():
 
 def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval(monkeypatch):
     from gateway.ops import gcpolicy
+
     tick = 0.05  # the policy's tick (1 s in service), shortened: the test counts ticks, not seconds
     monkeypatch.setattr(gcpolicy, "FREEZE_PERIOD_S", tick)
 
@@ -82,6 +83,7 @@ def test_a_crowd_that_leaves_is_collected_at_the_next_tick_not_the_interval(monk
 
 def test_the_interval_collection_waits_while_no_connection_closes():
     from gateway.ops import gcpolicy
+
     policy = GcPolicy(full_interval_s=60)
     policy._next_full = 1000.0  # the last full collection ran at 940
     assert not policy._interval_due(999.0)

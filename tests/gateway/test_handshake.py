@@ -47,10 +47,15 @@ def test_an_anonymous_and_a_token_client_get_an_identity_named_by_the_gateway(tr
     anonymous = open_client(hub, transport, PEER)
     assert anonymous.client_id.startswith(prefix) and len(anonymous.client_id) == len(prefix) + 16
     assert (anonymous.transport, anonymous.peer, anonymous.ip, anonymous.principal) == (
-        transport, "192.0.2.7:40001", "192.0.2.7", None)
+        transport,
+        "192.0.2.7:40001",
+        "192.0.2.7",
+        None,
+    )
     token = make_token("ann", subscribe=["news.*"])
-    named = open_client(hub, transport, PEER, **({"authorization": f"Bearer {token}"} if transport == "longpoll"
-                                                 else {"token": token}))
+    named = open_client(
+        hub, transport, PEER, **({"authorization": f"Bearer {token}"} if transport == "longpoll" else {"token": token})
+    )
     assert named.user == "ann" and named.principal.subscribe == ("news.*",)
     assert named.client_id != anonymous.client_id
     assert open_client(hub, transport, None).peer == ":0"
@@ -74,8 +79,11 @@ def test_refusals_carry_the_codes_of_docs_protocol():
 
 
 def test_the_bounds_come_first_then_the_id_then_the_token_checked_within_the_address_rate():
-    hub = make_hub(longpoll={"max_sessions": 2, "max_sessions_per_ip": 1}, sse={"max_sessions_per_ip": 1},
-                   auth={"rate_per_ip": 0.001, "burst_per_ip": 2})
+    hub = make_hub(
+        longpoll={"max_sessions": 2, "max_sessions_per_ip": 1},
+        sse={"max_sessions_per_ip": 1},
+        auth={"rate_per_ip": 0.001, "burst_per_ip": 2},
+    )
     hub.clients.clients_by_ip[("sse", PEER[0])] = 1
     full = refusal(lambda: open_client(hub, "sse", PEER, token="junk", requested_id="me"))
     assert type(full) is TooManySessionsFromAddress and full.http_status == 429 and full.close_code is None
@@ -120,9 +128,12 @@ def close_of(ws) -> tuple[int, str]:
 def test_ws_refusals_close_with_their_codes_and_a_failing_client_with_1011(monkeypatch):
     config = {"auth": {"rate_per_ip": 0.001, "burst_per_ip": 2}}
     with run_gateway(**config) as gw:
-        for query, code, words in [("?id=me", 4006, "?id= is not accepted"), ("?token=junk", 4001, "invalid token"),
-                                   (f"?token={make_token('ann', ttl=-60)}", 4011, "expired"),
-                                   ("?token=x", 4029, "too many token checks")]:
+        for query, code, words in [
+            ("?id=me", 4006, "?id= is not accepted"),
+            ("?token=junk", 4001, "invalid token"),
+            (f"?token={make_token('ann', ttl=-60)}", 4011, "expired"),
+            ("?token=x", 4029, "too many token checks"),
+        ]:
             with ws_connect(gw, query=query) as ws:
                 got, reason = close_of(ws)
                 assert got == code and words in reason, (query, got, reason)
@@ -148,13 +159,15 @@ def test_ws_refusals_close_with_their_codes_and_a_failing_client_with_1011(monke
 def test_every_route_of_a_disabled_transport_gets_the_one_answer():
     off = {"sse": {"enabled": False}, "longpoll": {"enabled": False}, "websocket": {"enabled": False}}
     with run_gateway(**off) as gw, httpx.Client(base_url=gw.http_url) as http:
-        for method, path, name in [("GET", "/sse?topics=a", "the SSE transport is disabled (sse.enabled)"),
-                                   ("POST", "/sse/x", "the SSE transport is disabled (sse.enabled)"),
-                                   ("DELETE", "/sse/x", "the SSE transport is disabled (sse.enabled)"),
-                                   ("POST", "/lp", "the long-poll transport is disabled (longpoll.enabled)"),
-                                   ("GET", "/lp/x", "the long-poll transport is disabled (longpoll.enabled)"),
-                                   ("POST", "/lp/x", "the long-poll transport is disabled (longpoll.enabled)"),
-                                   ("DELETE", "/lp/x", "the long-poll transport is disabled (longpoll.enabled)")]:
+        for method, path, name in [
+            ("GET", "/sse?topics=a", "the SSE transport is disabled (sse.enabled)"),
+            ("POST", "/sse/x", "the SSE transport is disabled (sse.enabled)"),
+            ("DELETE", "/sse/x", "the SSE transport is disabled (sse.enabled)"),
+            ("POST", "/lp", "the long-poll transport is disabled (longpoll.enabled)"),
+            ("GET", "/lp/x", "the long-poll transport is disabled (longpoll.enabled)"),
+            ("POST", "/lp/x", "the long-poll transport is disabled (longpoll.enabled)"),
+            ("DELETE", "/lp/x", "the long-poll transport is disabled (longpoll.enabled)"),
+        ]:
             r = http.request(method, path)
             assert (r.status_code, r.json()) == (404, {"error": {"code": "not_found", "message": name}}), (method, path)
         r = http.put("/lp/x")
@@ -162,5 +175,6 @@ def test_every_route_of_a_disabled_transport_gets_the_one_answer():
         with pytest.raises(InvalidStatus) as refused:
             ws_connect(gw)
         refusal = refused.value.response
-        assert refusal.status_code == 403 and orjson.loads(refusal.body) == {"error": {
-            "code": "forbidden", "message": "the WebSocket transport is disabled (websocket.enabled)"}}
+        assert refusal.status_code == 403 and orjson.loads(refusal.body) == {
+            "error": {"code": "forbidden", "message": "the WebSocket transport is disabled (websocket.enabled)"}
+        }

@@ -14,8 +14,14 @@ from tests.gateway.sse_client import SseClient
 
 RULES = [
     {"pattern": "room.*", "kind": "ring", "anonymous": True, "presence": True, "join_leave": True},
-    {"pattern": "guarded.*", "kind": "ring", "anonymous": True, "client_publish": True,
-     "proxy_subscribe": True, "proxy_publish": True},
+    {
+        "pattern": "guarded.*",
+        "kind": "ring",
+        "anonymous": True,
+        "client_publish": True,
+        "proxy_subscribe": True,
+        "proxy_publish": True,
+    },
     {"pattern": "*", "kind": "ring", "anonymous": True, "client_publish": True},
 ]
 
@@ -42,8 +48,7 @@ def test_a_toggling_client_is_rate_limited_and_a_normal_one_is_not():
             # a client subscribing to 60 topics in one frame (and leaving them) is never near the bound
             member.send(json.dumps([{"op": "subscribe", "topic": f"news.{i}"} for i in range(60)]))
             member.send(json.dumps([{"op": "unsubscribe", "topic": f"news.{i}"} for i in range(30)]))
-            got = collect(member, lambda g: sum(e["type"] in ("subscribed", "unsubscribed", "error")
-                                                for e in g) >= 90)
+            got = collect(member, lambda g: sum(e["type"] in ("subscribed", "unsubscribed", "error") for e in g) >= 90)
             assert not [e for e in got if e["type"] == "error"]
 
 
@@ -71,8 +76,11 @@ def test_an_rpc_flood_through_a_slow_hook_costs_another_client_nothing(app):
     with run_gateway(proxy=app.proxy("rpc", timeout_s=2.0), topics={"rules": RULES}) as gw:
         with ws_connect(gw) as flooder, ws_connect(gw) as other:
             for frame in range(30):
-                flooder.send(json.dumps([{"op": "rpc", "method": "slow", "params": frame * 100 + i,
-                                          "id": frame * 100 + i} for i in range(100)]))
+                flooder.send(
+                    json.dumps(
+                        [{"op": "rpc", "method": "slow", "params": frame * 100 + i, "id": frame * 100 + i} for i in range(100)]
+                    )
+                )
             send(other, op="rpc", method="slow", params="mine", id="other")
             assert collect(other, lambda g: g, timeout=5) == [{"type": "reply", "id": "other", "result": "mine"}]
             assert gw.call(lambda: max(c.session.state.hook_calls for c in gw.hub.clients.conns.values())) <= 16
@@ -86,13 +94,18 @@ def test_an_rpc_flood_through_a_slow_hook_costs_another_client_nothing(app):
 
 def test_hooked_subscribes_and_publishes_share_the_bound(app):
     app.delays["subscribe"] = app.delays["publish"] = 0.3
-    with run_gateway(proxy=app.proxy("subscribe", "publish", max_calls_per_connection=2),
-                     topics={"rules": RULES}) as gw:
+    with run_gateway(proxy=app.proxy("subscribe", "publish", max_calls_per_connection=2), topics={"rules": RULES}) as gw:
         with ws_connect(gw) as ws:
-            ws.send(json.dumps([{"op": "subscribe", "topic": "guarded.a", "id": 1},
-                                {"op": "publish", "topic": "guarded.b", "data": 1, "id": 2},
-                                {"op": "subscribe", "topic": "guarded.c", "id": 3},
-                                {"op": "subscribe", "topic": "plain", "id": 4}]))
+            ws.send(
+                json.dumps(
+                    [
+                        {"op": "subscribe", "topic": "guarded.a", "id": 1},
+                        {"op": "publish", "topic": "guarded.b", "data": 1, "id": 2},
+                        {"op": "subscribe", "topic": "guarded.c", "id": 3},
+                        {"op": "subscribe", "topic": "plain", "id": 4},
+                    ]
+                )
+            )
             got = collect(ws, lambda g: len([e for e in g if e.get("id") is not None]) >= 4)
             answers = {e["id"]: outcome(e) for e in got if e.get("id") is not None}
             assert answers == {1: "subscribed", 2: "reply", 3: "too_many_calls", 4: "subscribed"}

@@ -34,8 +34,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
                 base = base.rpartition(".")[0]
             module = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
             # `from pkg import sub` imports the submodule; `from pkg import name` the package itself
-            targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
-                       for alias in node.names]
+            targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module for alias in node.names]
         else:
             continue
         found.update(t for t in targets if t in modules and t != name)
@@ -58,7 +57,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state:
                 cycle = visit(target)
                 if cycle:

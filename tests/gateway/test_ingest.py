@@ -25,7 +25,7 @@ def test_out_of_order_seqs_from_two_connections_are_delivered_in_order():
         evens, odds = Ingest(gw), Ingest(gw)
         accepted = 0
         for lo in range(0, 400, 50):  # two producers, interleaved in time, each out of order
-            block = seqs[lo:lo + 50]
+            block = seqs[lo : lo + 50]
             rng.shuffle(block)
             for seq in block:
                 (evens if seq % 2 == 0 else odds).send({"topic": "feed", "seq": seq, "data": seq})
@@ -44,11 +44,20 @@ def test_malformed_lines_get_error_lines_with_their_number_and_the_rest_goes_on(
         send(ws, op="subscribe", topic="t")
         recv_entries(ws)
         pub = Ingest(gw)
-        pub.send_raw(b'{"topic":"t","data":1}\nnot json\n[1]\n{"topic":"t"}\n{"topic":"t","data":2,"seq":-1}\n'
-                     + b'{"topic":"t","data":"' + b"x" * 2000 + b'"}\n\n{"topic":"t","data":3}\n')
+        pub.send_raw(
+            b'{"topic":"t","data":1}\nnot json\n[1]\n{"topic":"t"}\n{"topic":"t","data":2,"seq":-1}\n'
+            + b'{"topic":"t","data":"'
+            + b"x" * 2000
+            + b'"}\n\n{"topic":"t","data":3}\n'
+        )
         errors = [pub.readline() for _ in range(5)]
         assert [(e["line"], e["code"]) for e in errors] == [
-            (2, "bad_json"), (3, "bad_record"), (4, "bad_record"), (5, "bad_seq"), (6, "too_large")]
+            (2, "bad_json"),
+            (3, "bad_record"),
+            (4, "bad_record"),
+            (5, "bad_seq"),
+            (6, "too_large"),
+        ]
         assert pub.sync() == {"type": "synced", "id": 1, "accepted": 2, "refused": 5}
         assert [e["data"] for e in msgs(collect(ws, lambda g: len(msgs(g)) >= 2))] == [1, 3]
 

@@ -42,9 +42,11 @@ def json_lines(output: str) -> list[dict[str, Any]]:
 
 
 def config_text(log_format: str) -> str:
-    return (f'[server]\nport = 0\nadmin_token = "{ADMIN}"\nlog_level = "info"\nlog_format = "{log_format}"\n'
-            f'drain_timeout_s = 2\n[auth]\njwt_secret = "{TEST_JWT_SECRET}"\n[ingest]\nport = 0\n'
-            '[rawtcp]\nenabled = false\n')
+    return (
+        f'[server]\nport = 0\nadmin_token = "{ADMIN}"\nlog_level = "info"\nlog_format = "{log_format}"\n'
+        f'drain_timeout_s = 2\n[auth]\njwt_secret = "{TEST_JWT_SECRET}"\n[ingest]\nport = 0\n'
+        "[rawtcp]\nenabled = false\n"
+    )
 
 
 def refuse_a_bad_token_and_kick_a_client(http_port: int) -> str:
@@ -53,9 +55,10 @@ def refuse_a_bad_token_and_kick_a_client(http_port: int) -> str:
     with pytest.raises(WebSocketException):  # refused at the handshake, or closed at once
         with ws_connect(f"{ws_url}?token=not-a-token", open_timeout=5) as ws:
             ws.recv(timeout=5)
-    with ws_connect(f"{ws_url}?token={make_token('carol')}", open_timeout=5) as ws, \
-            httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10,
-                         headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+    with (
+        ws_connect(f"{ws_url}?token={make_token('carol')}", open_timeout=5) as ws,
+        httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10, headers={"Authorization": f"Bearer {ADMIN}"}) as http,
+    ):
         deadline = time.monotonic() + 5
         while not (clients := http.get("/api/clients").json()["clients"]) and time.monotonic() < deadline:
             time.sleep(0.05)  # registered once the handshake is done
@@ -114,9 +117,15 @@ def test_text_format_stays_as_it_was_and_logs_the_kick(tmp_path) -> None:
 def test_log_format_is_text_by_default_json_from_the_environment_and_nothing_else() -> None:
     assert load_config(environ={}).server.log_format == "text"
     assert load_config(environ={"GATEWAY_SERVER_LOG_FORMAT": "json"}).server.log_format == "json"
-    with pytest.raises(ConfigError, match="server.log_format must be \"text\" or \"json\", not 'xml'"):
+    with pytest.raises(ConfigError, match='server.log_format must be "text" or "json", not \'xml\''):
         load_config(environ={"GATEWAY_SERVER_LOG_FORMAT": "xml"})
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    checked = subprocess.run([sys.executable, "-m", "gateway", "check-config"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=30, env={**clean, "GATEWAY_SERVER_LOG_FORMAT": "yaml"})
+    checked = subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**clean, "GATEWAY_SERVER_LOG_FORMAT": "yaml"},
+    )
     assert checked.returncode == 2 and "server.log_format" in checked.stderr, checked.stderr

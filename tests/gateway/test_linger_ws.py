@@ -13,8 +13,12 @@ from tests.gateway.gw_helpers import auth, recv_entries, send, ws_connect
 pytestmark = pytest.mark.timeout(60)
 
 LINGER = 0.3
-RULES = {"rules": [{"pattern": "hot.*", "anonymous": True, "batch_depth": "auto", "linger": LINGER},
-                   {"pattern": "*", "anonymous": True}]}
+RULES = {
+    "rules": [
+        {"pattern": "hot.*", "anonymous": True, "batch_depth": "auto", "linger": LINGER},
+        {"pattern": "*", "anonymous": True},
+    ]
+}
 
 
 def test_what_is_published_within_the_linger_arrives_in_one_frame_when_it_ends():
@@ -50,15 +54,16 @@ def test_the_shipped_example_rule_for_hot_feeds_is_valid():
     from core import TopicConfig
 
     text = (Path(__file__).parents[2] / "config" / "default.toml").read_text()
-    block = text[text.index('# pattern = "hot.*"'):].split("\n\n")[0]
+    block = text[text.index('# pattern = "hot.*"') :].split("\n\n")[0]
     rule = tomllib.loads("\n".join(line.removeprefix("# ") for line in block.splitlines()))
     assert rule.pop("pattern") == "hot.*" and rule["batch_depth"] == "auto" and rule["linger"] > 0
     TopicConfig(**rule)
 
 
 def test_a_short_linger_is_not_held_by_a_longer_one_that_began_first():
-    rules = {"rules": [{"pattern": "slow.*", "anonymous": True, "linger": 5.0},
-                       {"pattern": "hot.*", "anonymous": True, "linger": 0.1}]}
+    rules = {
+        "rules": [{"pattern": "slow.*", "anonymous": True, "linger": 5.0}, {"pattern": "hot.*", "anonymous": True, "linger": 0.1}]
+    }
     with run_gateway(topics=rules) as gw, ws_connect(gw) as ws:
         for topic in ("slow.a", "hot.b"):
             send(ws, op="subscribe", topic=topic)

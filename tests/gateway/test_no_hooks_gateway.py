@@ -17,7 +17,8 @@ def test_without_hooks_subscribe_publish_and_rpc_are_served_at_once() -> None:
             send(ws, op="subscribe", topic="news", id=1)
             send(ws, op="publish", topic="news", data={"n": 1}, id=2)
             send(ws, op="rpc", method="echo", params={"x": 1}, id=3)
-            got = collect(ws, lambda entries: any(e.get("data") == {"n": 1} for e in entries)
-                          and any(e.get("id") == 3 for e in entries))
+            got = collect(
+                ws, lambda entries: any(e.get("data") == {"n": 1} for e in entries) and any(e.get("id") == 3 for e in entries)
+            )
         assert not [e for e in got if "error" in e]
         assert {"x": 1} in [e.get("result") for e in got if e.get("id") == 3]

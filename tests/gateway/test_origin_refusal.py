@@ -29,15 +29,23 @@ async def _never_called(scope, receive, send) -> None:
 def refuse(scope_type: str, origin: bytes, path: str = "/lp") -> list[Message]:
     """What the guard sends for a request from `origin` (one that it refuses)."""
     guard = OriginGuard(_never_called, parse_allowed_origins([ALLOWED]))
-    scope: Scope = {"type": scope_type, "path": path, "method": "GET", "query_string": b"",
-                    "headers": [(b"host", HOST), (b"origin", origin)]}
+    scope: Scope = {
+        "type": scope_type,
+        "path": path,
+        "method": "GET",
+        "query_string": b"",
+        "headers": [(b"host", HOST), (b"origin", origin)],
+    }
     if scope_type == "websocket":
         del scope["method"]
     sent: list[Message] = []
 
     async def receive() -> Message:
-        return {"type": "websocket.connect"} if scope_type == "websocket" else \
-            {"type": "http.request", "body": b"", "more_body": False}
+        return (
+            {"type": "websocket.connect"}
+            if scope_type == "websocket"
+            else {"type": "http.request", "body": b"", "more_body": False}
+        )
 
     async def send(message: Message) -> None:
         sent.append(message)
@@ -54,14 +62,20 @@ def test_the_http_refusal_is_the_documented_403_json_error():
         assert headers[b"content-type"] == b"application/json"
         assert int(headers[b"content-length"]) == len(body["body"])
         assert not any(name.startswith(b"access-control-") for name in headers)
-        assert body["body"] == orjson.dumps({"error": {
-            "code": "forbidden_origin",
-            "message": "origin 'https://evil.example' is not allowed (server.allowed_origins)"}})
+        assert body["body"] == orjson.dumps(
+            {
+                "error": {
+                    "code": "forbidden_origin",
+                    "message": "origin 'https://evil.example' is not allowed (server.allowed_origins)",
+                }
+            }
+        )
 
 
 def test_the_websocket_refusal_closes_before_accept_with_1008():
     assert refuse("websocket", b"https://evil.example", "/ws") == [
-        {"type": "websocket.close", "code": close_codes.POLICY_VIOLATION}]
+        {"type": "websocket.close", "code": close_codes.POLICY_VIOLATION}
+    ]
     assert ForbiddenOrigin.close_code == 1008
 
 
@@ -73,5 +87,6 @@ def test_any_refused_origin_gets_a_json_body_that_names_it_shortened(origin):
     start, body = refuse("http", origin)
     assert start["status"] == 403
     # byte for byte what the guard wrote by hand before (orjson, compact)
-    assert body["body"] == orjson.dumps({"error": {
-        "code": "forbidden_origin", "message": f"origin {text[:100]!r} is not allowed (server.allowed_origins)"}})
+    assert body["body"] == orjson.dumps(
+        {"error": {"code": "forbidden_origin", "message": f"origin {text[:100]!r} is not allowed (server.allowed_origins)"}}
+    )

@@ -11,12 +11,14 @@ from core import TopicConfig
 from gateway.testing import make_token
 from tests.gateway.gw_helpers import auth, collect, send, ws_connect
 
-RULES = {"rules": [
-    {"pattern": "room.*", "anonymous": True, "presence": True, "join_leave": True},
-    {"pattern": "quiet.*", "anonymous": True, "presence": True},
-    {"pattern": "plain.*", "anonymous": True},
-    {"pattern": "secret.*", "presence": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "room.*", "anonymous": True, "presence": True, "join_leave": True},
+        {"pattern": "quiet.*", "anonymous": True, "presence": True},
+        {"pattern": "plain.*", "anonymous": True},
+        {"pattern": "secret.*", "presence": True},
+    ]
+}
 
 
 def answer(ws, request_id: str) -> dict:
@@ -35,22 +37,25 @@ def whoami(ws) -> str:
 
 
 def test_members_counts_join_leave_and_the_admin_endpoint():
-    with run(limits={"presence_max_members": 10}) as gw, ws_connect(gw) as a, \
-            ws_connect(gw, query="?token=" + make_token("alice", info={"name": "Alice"})) as b, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with (
+        run(limits={"presence_max_members": 10}) as gw,
+        ws_connect(gw) as a,
+        ws_connect(gw, query="?token=" + make_token("alice", info={"name": "Alice"})) as b,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+    ):
         a_id, b_id = whoami(a), whoami(b)
         subscribed(a, "room.1")
         subscribed(b, "room.1")
         # A is told of B's join; B is not told of its own
         got = collect(a, lambda g: any(e["type"] == "join" for e in g))
-        assert [e for e in got if e["type"] == "join"] == [
-            {"type": "join", "topic": "room.1", "user": "alice", "client": b_id}]
+        assert [e for e in got if e["type"] == "join"] == [{"type": "join", "topic": "room.1", "user": "alice", "client": b_id}]
         send(b, op="presence", topic="room.1", id="p")
         result = answer(b, "p")["result"]
         assert (result["topic"], result["clients"], result["users"]) == ("room.1", 2, 2)
         assert sorted(result["members"], key=lambda m: m["client"] != a_id) == [
             {"user": None, "client": a_id, "info": None},
-            {"user": "alice", "client": b_id, "info": {"name": "Alice"}}]
+            {"user": "alice", "client": b_id, "info": {"name": "Alice"}},
+        ]
         send(a, op="presence_stats", topic="room.1", id="s")
         assert answer(a, "s")["result"] == {"topic": "room.1", "clients": 2, "users": 2}
         r = http.get("/api/topics/room.1/presence")
@@ -58,15 +63,18 @@ def test_members_counts_join_leave_and_the_admin_endpoint():
         # leave on unsubscribe, then on disconnect
         send(b, op="unsubscribe", topic="room.1")
         got = collect(a, lambda g: any(e["type"] == "leave" for e in g))
-        assert [e for e in got if e["type"] == "leave"] == [
-            {"type": "leave", "topic": "room.1", "user": "alice", "client": b_id}]
+        assert [e for e in got if e["type"] == "leave"] == [{"type": "leave", "topic": "room.1", "user": "alice", "client": b_id}]
         subscribed(b, "room.1")
         collect(a, lambda g: any(e["type"] == "join" for e in g))
         b.close()
         got = collect(a, lambda g: any(e["type"] == "leave" for e in g))
         assert [e["client"] for e in got if e["type"] == "leave"] == [b_id]
         assert http.get("/api/topics/room.1/presence").json() == {
-            "topic": "room.1", "clients": 1, "users": 1, "members": [{"user": None, "client": a_id, "info": None}]}
+            "topic": "room.1",
+            "clients": 1,
+            "users": 1,
+            "members": [{"user": None, "client": a_id, "info": None}],
+        }
         # a topic without join_leave: members, but no entries
         with ws_connect(gw) as c:
             subscribed(a, "quiet.1")
@@ -102,9 +110,14 @@ def test_who_may_ask_and_topics_without_presence():
 
 def test_counts_only_and_no_join_leave_above_the_bound():
     carol = "?token=" + make_token("carol")
-    with run(limits={"presence_max_members": 2}) as gw, ws_connect(gw) as a, ws_connect(gw) as b, \
-            ws_connect(gw, query=carol) as c, ws_connect(gw, query=carol) as d, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with (
+        run(limits={"presence_max_members": 2}) as gw,
+        ws_connect(gw) as a,
+        ws_connect(gw) as b,
+        ws_connect(gw, query=carol) as c,
+        ws_connect(gw, query=carol) as d,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+    ):
         for ws in (a, b):
             subscribed(ws, "room.big")
         got = collect(a, lambda g: any(e["type"] == "join" for e in g))  # B's join (2 subscribers)

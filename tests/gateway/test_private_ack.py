@@ -46,8 +46,11 @@ def test_without_ack_written_entries_are_gone_for_the_next_connection():
     """The loss the chaos run found, unchanged for clients that do not opt in: what was written to a
     connection that is then abandoned does not come to the connection taking the queue over."""
     token = make_token("alice")
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            ws_connect(gw, query=f"?token={token}") as first:
+    with (
+        run_gateway() as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw, query=f"?token={token}") as first,
+    ):
         assert subscribed(first)[0]["seq"] == 0
         assert publish(http, "a", "b", "c") == [0, 1, 2]
         assert [e["seq"] for e in msgs(collect(first, lambda g: len(msgs(g)) == 3))] == [0, 1, 2]
@@ -58,20 +61,25 @@ def test_without_ack_written_entries_are_gone_for_the_next_connection():
             assert publish(http, "d") == [3]
             assert [e["seq"] for e in msgs(collect(second, msgs))] == [3]
             assert {"type": "closed", "topic": TOPIC, "reason": "taken_over"} in collect(
-                first, lambda g: any(e["type"] == "closed" for e in g))
+                first, lambda g: any(e["type"] == "closed" for e in g)
+            )
 
 
 def test_with_ack_unacknowledged_entries_come_again_to_the_next_connection():
     token = make_token("alice")
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            ws_connect(gw, query=f"?token={token}") as first:
+    with (
+        run_gateway() as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw, query=f"?token={token}") as first,
+    ):
         assert subscribed(first, ack=True)[0]["seq"] == 0
         assert publish(http, "a", "b", "c", "d", "e") == [0, 1, 2, 3, 4]
         got = msgs(collect(first, lambda g: len(msgs(g)) == 5))
         assert [(e["seq"], e["data"]) for e in got] == [(0, "a"), (1, "b"), (2, "c"), (3, "d"), (4, "e")]
         send(first, op="ack", topic=TOPIC, seq=1, id=7)  # the application handled a and b
         assert {"type": "reply", "id": 7, "result": {"topic": TOPIC, "head": 2}} in collect(
-            first, lambda g: any(e["type"] == "reply" for e in g))
+            first, lambda g: any(e["type"] == "reply" for e in g)
+        )
         assert queued(http) == 3  # written, not acknowledged: still queued
         # The first connection stalls (a proxy, a client that timed out): the client opens another one.
         with ws_connect(gw, query=f"?token={token}") as second:
@@ -87,23 +95,32 @@ def test_with_ack_unacknowledged_entries_come_again_to_the_next_connection():
             wait_for(lambda: queued(http) == 2, "the ack of seq 3 to commit")  # 4 and 5 stay
             send(second, op="ack", topic=TOPIC, seq=5, id=8)
             assert {"type": "reply", "id": 8, "result": {"topic": TOPIC, "head": 6}} in collect(
-                second, lambda g: any(e["type"] == "reply" for e in g))
+                second, lambda g: any(e["type"] == "reply" for e in g)
+            )
             assert queued(http) == 0
-        assert any(e["type"] == "closed" and e["reason"] == "taken_over" for e in collect(
-            first, lambda g: any(e["type"] == "closed" for e in g)))
+        assert any(
+            e["type"] == "closed" and e["reason"] == "taken_over"
+            for e in collect(first, lambda g: any(e["type"] == "closed" for e in g))
+        )
 
 
 def test_ack_answers_and_errors():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            ws_connect(gw, query=f"?token={make_token('alice')}") as ws:
+    with (
+        run_gateway() as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw, query=f"?token={make_token('alice')}") as ws,
+    ):
         assert subscribed(ws, ack=True)[0]["type"] == "subscribed"
         publish(http, "a", "b")
         collect(ws, lambda g: len(msgs(g)) == 2)
 
         def answer_to(**command):
             send(ws, **command)
-            (entry,) = [e for e in collect(ws, lambda g: any(e["type"] in ("reply", "error") for e in g))
-                        if e["type"] in ("reply", "error")]
+            (entry,) = [
+                e
+                for e in collect(ws, lambda g: any(e["type"] in ("reply", "error") for e in g))
+                if e["type"] in ("reply", "error")
+            ]
             return entry
 
         assert answer_to(op="ack", topic=TOPIC, seq=2, id=1)["code"] == "bad_ack"  # not delivered yet
@@ -123,24 +140,31 @@ def test_ack_answers_and_errors():
 def test_the_window_is_the_queue_bounds():
     """Entries awaiting an ack count against the queue's bounds: a publisher waits until the client acks."""
     rules = [{"pattern": "private.*", "kind": "private", "anonymous": False, "max_count": 2}]
-    with run_gateway(admin={"publish_timeout_s": 0.3}, topics={"rules": rules}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            ws_connect(gw, query=f"?token={make_token('alice')}") as ws:
+    with (
+        run_gateway(admin={"publish_timeout_s": 0.3}, topics={"rules": rules}) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw, query=f"?token={make_token('alice')}") as ws,
+    ):
         subscribed(ws, ack=True)
         assert publish(http, "a", "b") == [0, 1]
         collect(ws, lambda g: len(msgs(g)) == 2)
         r = http.post(f"/api/topics/{TOPIC}/publish", json={"data": "c", "client": "alice"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
         send(ws, op="ack", topic=TOPIC, seq=0)
-        assert wait_for(lambda: http.post(f"/api/topics/{TOPIC}/publish", json={"data": "c", "client": "alice"})
-                        .status_code == 200, "room after the ack")
+        assert wait_for(
+            lambda: http.post(f"/api/topics/{TOPIC}/publish", json={"data": "c", "client": "alice"}).status_code == 200,
+            "room after the ack",
+        )
         assert [e["seq"] for e in msgs(collect(ws, msgs))] == [2]
 
 
 def test_sse_acks_by_post():
     token = make_token("alice")
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            SseClient(gw, f"?token={token}") as sse:
+    with (
+        run_gateway() as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        SseClient(gw, f"?token={token}") as sse,
+    ):
         secret = sse.session()["session"]
         assert http.post(f"/sse/{secret}", json={"op": "subscribe", "topic": TOPIC, "ack": True}).status_code == 202
         assert sse.collect(lambda g: any(e["type"] == "subscribed" for e in g))

@@ -24,12 +24,11 @@ ENTRIES_SOURCE = (Path(__file__).resolve().parents[2] / "core" / "entries.py").r
 def section(title: str) -> str:
     start = DOC.index(f"## {title}")
     end = DOC.find("\n## ", start + 1)
-    return DOC[start:end if end >= 0 else None]
+    return DOC[start : end if end >= 0 else None]
 
 
 def table_rows(text: str) -> list[list[str]]:
-    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in text.splitlines() if line.startswith("|")]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
     return [row for row in rows[2:] if row]  # header and rule skipped
 
 
@@ -50,8 +49,12 @@ def test_commands_table_names_every_command_and_its_fields():
 
 def test_error_codes_table_matches_the_error_classes():
     documented = {code for row in table_rows(section("Error codes")) for code in ticked(row[0])}
-    in_code = {value.code for module in (core_errors, gateway_errors) for value in vars(module).values()
-               if isinstance(value, type) and issubclass(value, core_errors.RequestError)}
+    in_code = {
+        value.code
+        for module in (core_errors, gateway_errors)
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, core_errors.RequestError)
+    }
     assert documented == in_code
 
 
@@ -86,11 +89,24 @@ def test_admin_table_names_every_body_field():
 
 # -- the same bad field, the same answer --------------------------------------------------------------
 
-@pytest.mark.parametrize("settings", [
-    {"capacity": 1.5}, {"capacity": 10**29}, {"capacity": True}, {"hole_timeout": True},
-    {"linger": -0.1}, {"linger": 11}, {"linger": True}, {"kind": "private", "linger": 0.01},
-    {"client_publish": "false"}, {"anonymous": "yes"}, {"kind": "queue"}, {"capacitty": 8},
-])
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"capacity": 1.5},
+        {"capacity": 10**29},
+        {"capacity": True},
+        {"hole_timeout": True},
+        {"linger": -0.1},
+        {"linger": 11},
+        {"linger": True},
+        {"kind": "private", "linger": 0.01},
+        {"client_publish": "false"},
+        {"anonymous": "yes"},
+        {"kind": "queue"},
+        {"capacitty": 8},
+    ],
+)
 def test_bad_topic_settings_are_a_400_json_error_never_stored(settings):
     with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         r = http.post("/api/topics", json={"name": "t.x", **settings})

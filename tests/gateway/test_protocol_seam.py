@@ -109,10 +109,20 @@ class FakeLink:
 def services_recording(hub: Hub) -> tuple[SessionServices, RecordingCatalog]:
     real = hub.services
     catalog = RecordingCatalog(real.catalog)
-    return SessionServices(config=real.config, clients=real.clients, catalog=cast(TopicCatalog, catalog),
-                           hooks=real.hooks, topics=real.topics, presence=real.presence, members=real.members,
-                           scheduler=real.scheduler, sessions=real.sessions, tracing=real.tracing,
-                           bad_input=real.bad_input, commands=real.commands), catalog
+    return SessionServices(
+        config=real.config,
+        clients=real.clients,
+        catalog=cast(TopicCatalog, catalog),
+        hooks=real.hooks,
+        topics=real.topics,
+        presence=real.presence,
+        members=real.members,
+        scheduler=real.scheduler,
+        sessions=real.sessions,
+        tracing=real.tracing,
+        bad_input=real.bad_input,
+        commands=real.commands,
+    ), catalog
 
 
 def test_a_subscribe_with_recovery_reaches_the_catalog_alike_through_both_protocols() -> None:
@@ -129,8 +139,11 @@ def test_a_subscribe_with_recovery_reaches_the_catalog_alike_through_both_protoc
         assert ours.handle(orjson.dumps(command)) == 1
         theirs_link = FakeLink()
         theirs = CentrifugoSession(services, JsonCodec(), theirs_link)
-        theirs.received(b'{"id":1,"connect":{}}\n' + orjson.dumps(
-            {"id": 2, "subscribe": {"channel": TOPIC, "recover": True, "offset": 1, "epoch": epoch}}), True)
+        theirs.received(
+            b'{"id":1,"connect":{}}\n'
+            + orjson.dumps({"id": 2, "subscribe": {"channel": TOPIC, "recover": True, "offset": 1, "epoch": epoch}}),
+            True,
+        )
         while theirs.busy:
             theirs.step()
         assert theirs.session is not None and theirs.session.live

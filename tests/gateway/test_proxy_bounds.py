@@ -38,11 +38,18 @@ def metric(gw: Any, name: str, **labels: str) -> float:
 
 # -- item 6: one client's events cannot crowd out the others' disconnect events ----------------------------
 
+
 def test_an_unsubscribe_flood_on_a_slow_hook_drops_no_other_clients_disconnect_event(app):
     app.delays["unsubscribe"] = 1.5  # slower than timeout_s: every unsubscribe event times out and is retried
-    proxy = {"disconnect_url": app.url("disconnect"), "unsubscribe_url": app.url("unsubscribe"),
-             "timeout_s": 0.5, "event_queue_max": 20, "event_queue_per_client": 5, "event_retries": 1,
-             "event_backoff_s": 0.1}
+    proxy = {
+        "disconnect_url": app.url("disconnect"),
+        "unsubscribe_url": app.url("unsubscribe"),
+        "timeout_s": 0.5,
+        "event_queue_max": 20,
+        "event_queue_per_client": 5,
+        "event_retries": 1,
+        "event_backoff_s": 0.1,
+    }
     # the per-connection subscribe rate raised: the flood is what the event queues must withstand
     with run_gateway(proxy=proxy, limits={"subscribe_rate": 1e6, "subscribe_burst": 1_000_000}) as gw:
         with ws_connect(gw) as other:
@@ -51,10 +58,11 @@ def test_an_unsubscribe_flood_on_a_slow_hook_drops_no_other_clients_disconnect_e
             other_id = gw.call(lambda: next(iter(gw.hub.clients.conns)))
             with ws_connect(gw) as flood:
                 # 40 topics toggled 50 times each: 2,000 unsubscribes, in frames of 50 commands
-                commands = [{"op": op, "topic": f"t.{n}"} for _ in range(50) for n in range(40)
-                            for op in ("subscribe", "unsubscribe")]
+                commands = [
+                    {"op": op, "topic": f"t.{n}"} for _ in range(50) for n in range(40) for op in ("subscribe", "unsubscribe")
+                ]
                 for start in range(0, len(commands), 50):
-                    flood.send(orjson.dumps(commands[start:start + 50]))
+                    flood.send(orjson.dumps(commands[start : start + 50]))
                 send(flood, op="ping", id="end")  # commands take effect in order: past it, the flood is in
                 collect(flood, lambda got: any(e.get("id") == "end" for e in got), timeout=10)
                 # one waiting unsubscribe per (client, topic), at most event_queue_per_client of one client
@@ -63,12 +71,16 @@ def test_an_unsubscribe_flood_on_a_slow_hook_drops_no_other_clients_disconnect_e
                 dropped = metric(gw, "fanout_proxy_requests_total", hook="unsubscribe", outcome="dropped")
                 assert coalesced > 0 and dropped > 0 and coalesced + dropped >= 1900  # all but a few
             other.close()
-            wait_for(lambda: other_id in {e["client"] for e in app.received["disconnect"]},
-                     "the other client's disconnect event", timeout=5)
+            wait_for(
+                lambda: other_id in {e["client"] for e in app.received["disconnect"]},
+                "the other client's disconnect event",
+                timeout=5,
+            )
         assert metric(gw, "fanout_proxy_requests_total", hook="disconnect", outcome="dropped") == 0
 
 
 # -- item 7: an answer is read streamed, up to max_answer_bytes, never inflated -----------------------------
+
 
 def gzip_bomb(inflated_mib: int) -> bytes:
     """A gzip stream of `inflated_mib` MiB of zeros, ~1 KiB per MiB: one MiB compressed after a full flush,
@@ -99,8 +111,7 @@ class HostileHook:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self.serve, "127.0.0.1", 0), self.loop).result(5)
+        self.server = asyncio.run_coroutine_threadsafe(asyncio.start_server(self.serve, "127.0.0.1", 0), self.loop).result(5)
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/rpc"
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -124,17 +135,20 @@ class HostileHook:
     async def answer(self, writer: asyncio.StreamWriter) -> None:
         spaces = b" " * (64 * 1024)
         if self.mode == "gzip_bomb":
-            await self.write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
-                             b"Content-Length: %d\r\n\r\n" % len(self.bomb))
+            await self.write(
+                writer,
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(self.bomb),
+            )
             await self.write(writer, self.bomb)
         elif self.mode == "huge_length":
-            await self.write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n{\"result\": 1}" % GIB)
+            await self.write(
+                writer, b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{"result": 1}' % GIB
+            )
             while self.written < GIB:
                 await self.write(writer, spaces)
         else:
-            await self.write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Transfer-Encoding: chunked\r\n\r\n")
+            await self.write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
             chunk = b"%x\r\n%s\r\n" % (len(spaces), spaces)
             while self.written < GIB:
                 await self.write(writer, chunk)
@@ -225,6 +239,7 @@ def test_an_answer_within_the_cap_is_read_and_a_longer_one_refused(app):
 
 
 # -- item 9: successes log nothing, failures go through the bounded log ------------------------------------
+
 
 def rpc_round(ws: Any, count: int) -> list[dict[str, Any]]:
     answers = []

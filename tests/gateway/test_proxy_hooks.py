@@ -20,16 +20,26 @@ from tests.gateway.sse_client import SseClient
 
 RULES = [
     {"pattern": "secret.*", "kind": "ring"},
-    {"pattern": "guarded.*", "kind": "ring", "anonymous": True, "client_publish": True,
-     "proxy_subscribe": True, "proxy_publish": True},
+    {
+        "pattern": "guarded.*",
+        "kind": "ring",
+        "anonymous": True,
+        "client_publish": True,
+        "proxy_subscribe": True,
+        "proxy_publish": True,
+    },
     {"pattern": "*", "kind": "ring", "anonymous": True, "client_publish": True},
 ]
 
 
 def proxy_config(backend: Backend, **more: Any) -> dict[str, Any]:
     hooks = ("connect", "subscribe", "publish", "rpc", "refresh", "disconnect", "unsubscribe")
-    return {**{f"{hook}_url": backend.url(hook) for hook in hooks}, "timeout_s": 1.0,
-            "forward_headers": ["Cookie", "Authorization"], **more}
+    return {
+        **{f"{hook}_url": backend.url(hook) for hook in hooks},
+        "timeout_s": 1.0,
+        "forward_headers": ["Cookie", "Authorization"],
+        **more,
+    }
 
 
 def closed_with(ws) -> tuple[int, str]:
@@ -46,13 +56,24 @@ def info_of(gw, user: str) -> Any:
 
 
 def test_a_grant_makes_the_connection_the_backends_user_with_its_topics_info_and_patterns(app):
-    app.answers["connect"] = {"user": "alice", "subscribe": ["secret.*"], "topics": ["news.a"],
-                              "info": {"name": "Alice"}, "expires_at": time.time() + 600}
+    app.answers["connect"] = {
+        "user": "alice",
+        "subscribe": ["secret.*"],
+        "topics": ["news.a"],
+        "info": {"name": "Alice"},
+        "expires_at": time.time() + 600,
+    }
     with run_gateway(proxy=proxy_config(app), topics={"rules": RULES}) as gw:
         with connect(gw.ws_url, additional_headers={"Cookie": "sid=42", "X-Other": "no"}, open_timeout=5) as ws:
             # the server-side subscription arrives without a command
             assert collect(ws, lambda got: got)[0] | {"epoch": None} == {
-                "type": "subscribed", "topic": "news.a", "kind": "ring", "epoch": None, "seq": 0, "id": None}
+                "type": "subscribed",
+                "topic": "news.a",
+                "kind": "ring",
+                "epoch": None,
+                "seq": 0,
+                "id": None,
+            }
             send(ws, op="subscribe", topic="secret.x", id=1)  # not anonymous: the granted pattern lets it
             assert recv_entries(ws)[0]["type"] == "subscribed"
             send(ws, op="rpc", method="whoami", id=2)
@@ -146,8 +167,9 @@ def test_subscribe_and_publish_hooks_allow_refuse_and_replace_the_data(app):
 
 
 def test_rpc_goes_to_the_backend_for_methods_the_gateway_does_not_know(app):
-    app.answers["rpc"] = lambda body: ({"result": sum(body["params"])} if body["method"] == "sum"
-                                       else {"error": {"code": "nope", "message": "no such thing"}})
+    app.answers["rpc"] = lambda body: (
+        {"result": sum(body["params"])} if body["method"] == "sum" else {"error": {"code": "nope", "message": "no such thing"}}
+    )
     with run_gateway(proxy=proxy_config(app, connect_url="")) as gw, ws_connect(gw) as ws:
         send(ws, op="rpc", method="sum", params=[1, 2, 3], id=1)
         assert recv_entries(ws) == [{"type": "reply", "id": 1, "result": 6}]
@@ -156,7 +178,9 @@ def test_rpc_goes_to_the_backend_for_methods_the_gateway_does_not_know(app):
         send(ws, op="rpc", method="echo", params="x", id=3)  # built in: answered here
         assert recv_entries(ws) == [{"type": "reply", "id": 3, "result": "x"}]
         assert [(c["method"], c["params"], c["user"]) for c in app.received["rpc"]] == [
-            ("sum", [1, 2, 3], None), ("other", None, None)]
+            ("sum", [1, 2, 3], None),
+            ("other", None, None),
+        ]
 
 
 def test_refresh_extends_a_granted_expiry_and_a_refusal_closes_4011(app):
@@ -169,8 +193,7 @@ def test_refresh_extends_a_granted_expiry_and_a_refusal_closes_4011(app):
             assert recv_entries(ws)[0]["result"] == "pong"
             app.answers["refresh"] = {"error": {"message": "logged out"}}
             assert closed_with(ws) == (4011, "refresh refused: logged out")
-        assert app.received["refresh"][0] == {"client": app.received["connect"][0]["client"], "user": "frank",
-                                              "transport": "ws"}
+        assert app.received["refresh"][0] == {"client": app.received["connect"][0]["client"], "user": "frank", "transport": "ws"}
 
 
 def test_disconnect_and_unsubscribe_events_arrive_once_each_with_the_reason(app):
@@ -192,7 +215,8 @@ def test_disconnect_and_unsubscribe_events_arrive_once_each_with_the_reason(app)
         time.sleep(0.3)  # nothing more comes
         events = app.received["disconnect"]
         assert sorted((e["client"], e["reason"], e["transport"]) for e in events) == sorted(
-            [(first, "closed", "ws"), (kicked, "kicked", "ws"), (session["client_id"], "closed", "longpoll")])
+            [(first, "closed", "ws"), (kicked, "kicked", "ws"), (session["client_id"], "closed", "longpoll")]
+        )
         assert len({e["id"] for e in events}) == 3
         # an explicit unsubscribe only, not the subscription the kick ended
         assert [(e["client"], e["topic"]) for e in app.received["unsubscribe"]] == [(first, "t.a")]
@@ -204,8 +228,7 @@ def publish(gw, topic: str, data: Any) -> None:
 
 
 def test_sse_with_a_grant_opens_as_the_granted_user_and_its_server_side_topic_delivers(app):
-    app.answers["connect"] = {"user": "gina", "subscribe": ["secret.*"], "topics": ["news.s"],
-                              "info": {"team": "red"}}
+    app.answers["connect"] = {"user": "gina", "subscribe": ["secret.*"], "topics": ["news.s"], "info": {"team": "red"}}
     with run_gateway(proxy=proxy_config(app), topics={"rules": RULES}) as gw:
         with SseClient(gw, "?topics=secret.x", headers={"Cookie": "sid=9"}) as sse:
             assert sse.status == 200
@@ -213,7 +236,9 @@ def test_sse_with_a_grant_opens_as_the_granted_user_and_its_server_side_topic_de
             first = sse.collect(lambda got: len([e for e in got if e["type"] == "subscribed"]) >= 2)
             # the granted topic unasked (id null), the query's topic allowed by the granted pattern
             assert sorted((e["topic"], e.get("id")) for e in first if e["type"] == "subscribed") == [
-                ("news.s", None), ("secret.x", None)]
+                ("news.s", None),
+                ("secret.x", None),
+            ]
             assert not [e for e in first if e["type"] == "error"]
             publish(gw, "news.s", {"n": 1})
             got = sse.collect(lambda got: any(e["type"] == "msg" for e in got))
@@ -248,7 +273,11 @@ def test_connect_always_asks_about_a_client_with_a_token_too(app):
         with ws_connect(gw) as anonymous:  # and a client without a token, as always
             assert [e["topic"] for e in collect(anonymous, lambda got: got)] == ["news.t"]
         assert [(c["user"], c["transport"]) for c in app.received["connect"]] == [
-            ("henry", "ws"), ("mallory", "ws"), ("mallory", "longpoll"), (None, "ws")]
+            ("henry", "ws"),
+            ("mallory", "ws"),
+            ("mallory", "longpoll"),
+            (None, "ws"),
+        ]
         calls = app.received["connect"]
         # a bad token is refused before any call
         before = len(calls)

@@ -47,8 +47,6 @@ def make_config(**kw) -> ByteRingConfig:
     return ByteRingConfig(**base)
 
 
-
-
 async def started(cfg: ByteRingConfig) -> RawBroadcastServer:
     server = RawBroadcastServer(cfg, check_interval=0.02)
     await server.start(HOST, 0, 0)
@@ -439,8 +437,11 @@ def test_reads_into_a_full_ring_are_kept_in_order_and_pinned_bytes_are_never_ove
 
     async def main():
         cfg = make_config(
-            capacity_bytes=256 * KIB, soft_lag_bytes=64 * KIB, hard_lag_bytes=128 * KIB,
-            recv_chunk_bytes=64 * KIB, kick_grace_ms=60_000,
+            capacity_bytes=256 * KIB,
+            soft_lag_bytes=64 * KIB,
+            hard_lag_bytes=128 * KIB,
+            recv_chunk_bytes=64 * KIB,
+            kick_grace_ms=60_000,
         )
         server = await started(cfg)
         try:

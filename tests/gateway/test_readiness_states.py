@@ -13,8 +13,10 @@ pytestmark = pytest.mark.unit
 def test_starting_then_ready_then_broker_unavailable_and_back_then_draining_for_good():
     broker = [True]
     readiness = Readiness(lambda: broker[0], worker=3)
-    assert readiness.answer() == (503, {"status": "unavailable", "reason": "starting", "worker": 3,
-                                        "pid": readiness.answer()[1]["pid"]})
+    assert readiness.answer() == (
+        503,
+        {"status": "unavailable", "reason": "starting", "worker": 3, "pid": readiness.answer()[1]["pid"]},
+    )
     readiness.started = True
     assert readiness.answer()[0] == 200 and "reason" not in readiness.answer()[1]
     broker[0] = False

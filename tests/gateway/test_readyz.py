@@ -18,11 +18,29 @@ from tests.gateway.gw_helpers import serve_process
 
 
 def start(tmp_path: Path, *server_lines: str) -> tuple[subprocess.Popen[bytes], str]:
-    proc, info = serve_process(tmp_path, "\n".join([
-        "[server]", 'host = "127.0.0.1"', "port = 0", 'admin_token = "readyz-test-token"', 'log_level = "info"',
-        *server_lines, "[ingest]", "enabled = false", "[rawtcp]", "enabled = false",
-        "[[topics.rules]]", 'pattern = "*"', 'kind = "ring"', "capacity = 16", "anonymous = true",
-    ]) + "\n")
+    proc, info = serve_process(
+        tmp_path,
+        "\n".join(
+            [
+                "[server]",
+                'host = "127.0.0.1"',
+                "port = 0",
+                'admin_token = "readyz-test-token"',
+                'log_level = "info"',
+                *server_lines,
+                "[ingest]",
+                "enabled = false",
+                "[rawtcp]",
+                "enabled = false",
+                "[[topics.rules]]",
+                'pattern = "*"',
+                'kind = "ring"',
+                "capacity = 16",
+                "anonymous = true",
+            ]
+        )
+        + "\n",
+    )
     return proc, f"http://127.0.0.1:{info['http_port']}"
 
 
@@ -63,4 +81,3 @@ def test_sigterm_turns_readyz_to_503_draining_at_once_while_the_port_serves_drai
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
-

@@ -82,8 +82,11 @@ def test_a_client_blocked_by_a_rounds_write_delays_nobody_and_catches_up_when_it
     big = {"rules": [{"pattern": "*", "anonymous": True, "capacity": 4096}]}
     payload = "x" * 2000
     high_water = 65536
-    with (run_gateway(topics=big, websocket={"blocked_timeout_s": 30, "write_high_water": high_water}) as gw,
-          ws_connect(gw, rcvbuf=4096, max_queue=1) as slow, ws_connect(gw) as fast):  # slow stops reading
+    with (
+        run_gateway(topics=big, websocket={"blocked_timeout_s": 30, "write_high_water": high_water}) as gw,
+        ws_connect(gw, rcvbuf=4096, max_queue=1) as slow,
+        ws_connect(gw) as fast,
+    ):  # slow stops reading
         for ws in (slow, fast):
             send(ws, op="subscribe", topic="feed")
             assert recv_entries(ws)[0]["type"] == "subscribed"
@@ -107,14 +110,21 @@ def test_a_caught_up_client_is_written_after_its_cycle_not_held_for_anothers_bac
     cycles staged in the round, then caught up) after the fifth cycle."""
     rules = {"rules": [{"pattern": "*", "anonymous": True, "capacity": 32768}]}
     settings = {"write_coalesce_cycles": 100_000, "write_coalesce_ms": 60_000}  # the backlog is one round
-    with (run_gateway(topics=rules, scheduler=settings, websocket={"write_high_water": 1 << 22}) as gw,
-          ws_connect(gw) as backlogged, ws_connect(gw) as caught_up):
+    with (
+        run_gateway(topics=rules, scheduler=settings, websocket={"write_high_water": 1 << 22}) as gw,
+        ws_connect(gw) as backlogged,
+        ws_connect(gw) as caught_up,
+    ):
         send(backlogged, op="subscribe", topic="hot")
         send(caught_up, op="subscribe", topic="cold")
         for ws in (backlogged, caught_up):
             assert recv_entries(ws)[0]["type"] == "subscribed"
-        gw.call(lambda: ([gw.hub.catalog.publish_nowait("hot", i) for i in range(20_000)],
-                         [gw.hub.catalog.publish_nowait("cold", i) for i in range(cold_backlog)]))
+        gw.call(
+            lambda: (
+                [gw.hub.catalog.publish_nowait("hot", i) for i in range(20_000)],
+                [gw.hub.catalog.publish_nowait("cold", i) for i in range(cold_backlog)],
+            )
+        )
         got = collect(caught_up, lambda g: len(g) >= cold_backlog)
         assert [e["data"] for e in got] == list(range(cold_backlog))
         with pytest.raises(TimeoutError):  # the backlog's round (20,000 cycles) still runs: nothing written yet
@@ -126,8 +136,7 @@ def test_a_caught_up_client_is_written_after_its_cycle_not_held_for_anothers_bac
 def test_a_kick_mid_round_writes_the_rounds_frames_before_its_close():
     rules = {"rules": [{"pattern": "*", "anonymous": True, "capacity": 32768}]}
     settings = {"write_coalesce_cycles": 100_000, "write_coalesce_ms": 60_000}  # the backlog is one round
-    with (run_gateway(topics=rules, scheduler=settings, websocket={"write_high_water": 1 << 22}) as gw,
-          ws_connect(gw) as ws):
+    with run_gateway(topics=rules, scheduler=settings, websocket={"write_high_water": 1 << 22}) as gw, ws_connect(gw) as ws:
         send(ws, op="subscribe", topic="hot")
         assert recv_entries(ws)[0]["type"] == "subscribed"
         (client_id,) = gw.call(lambda: list(gw.hub.clients.conns))
@@ -145,8 +154,10 @@ def test_a_kick_mid_round_writes_the_rounds_frames_before_its_close():
 def test_the_delivery_log_stamps_a_staged_batch_when_the_round_writes_it(tmp_path):
     settings = {"write_coalesce_cycles": 100_000, "write_coalesce_ms": 60_000}  # the backlog is one round
     log_settings = {"enabled": True, "directory": str(tmp_path), "sample_rate": 1.0, "flush_interval_s": 0.1}
-    with (run_gateway(topics=RULES, scheduler=settings, deliverylog=log_settings,
-                      websocket={"write_high_water": 1 << 22}) as gw, ws_connect(gw) as ws):
+    with (
+        run_gateway(topics=RULES, scheduler=settings, deliverylog=log_settings, websocket={"write_high_water": 1 << 22}) as gw,
+        ws_connect(gw) as ws,
+    ):
         send(ws, op="subscribe", topic="feed")
         assert recv_entries(ws)[0]["type"] == "subscribed"
         publish_backlog(gw, "feed", 1000)

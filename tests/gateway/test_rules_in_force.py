@@ -40,7 +40,8 @@ def check_config(capsys, *args: str) -> tuple[dict, str]:
 
 
 def test_a_config_files_rules_are_the_rules_in_force_and_check_config_says_they_replaced_the_shipped_ones(
-        tmp_path, capsys) -> None:
+    tmp_path, capsys
+) -> None:
     path = tmp_path / "rooms.toml"
     path.write_text(ROOM_RULES)
     effective, err = check_config(capsys, str(path))
@@ -55,8 +56,7 @@ def test_a_config_files_rules_are_the_rules_in_force_and_check_config_says_they_
     assert "chat.*" not in err and "unknown_topic" in err
 
 
-def test_without_rules_of_its_own_a_config_keeps_the_shipped_ones_and_says_nothing_of_replacing(
-        tmp_path, capsys) -> None:
+def test_without_rules_of_its_own_a_config_keeps_the_shipped_ones_and_says_nothing_of_replacing(tmp_path, capsys) -> None:
     path = tmp_path / "port.toml"
     path.write_text("[server]\nport = 9000\n")
     effective, err = check_config(capsys, str(path))

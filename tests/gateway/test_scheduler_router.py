@@ -208,15 +208,16 @@ class SocketConnection(FakeConnection):
         stream, entries = b"".join(chunks), []
         while stream:
             size = int(stream[:8])
-            entries += orjson.loads(stream[8:8 + size])
-            stream = stream[8 + size:]
+            entries += orjson.loads(stream[8 : 8 + size])
+            stream = stream[8 + size :]
         return entries
 
 
 @pytest.mark.parametrize("gathered", [True, False], ids=["crowds", "handed-out"])
 @pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: a crowd written in slices of two sockets
 def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_call(
-        crowd_slice: int, gathered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    crowd_slice: int, gathered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(scheduler, "CROWD_SLICE", crowd_slice)
 
     async def test(hub: Hub) -> None:
@@ -235,8 +236,7 @@ def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_cal
             assert [e["type"] for e in got] == ["subscribed", "msg"] and got[1]["data"] == "m1"
         # with sinks the engine gathered them (and counted the message in each sink); the notices, each
         # client's own, were handed out
-        assert [conn.crowd_sink.frames if conn.crowd_sink else None for conn in crowd] == [
-            1 if gathered else None] * len(crowd)
+        assert [conn.crowd_sink.frames if conn.crowd_sink else None for conn in crowd] == [1 if gathered else None] * len(crowd)
         hub.clients.unregister(crowd[0].identity.client_id, "closed")
         assert crowd[0].identity.client_id not in hub.scheduler.writable_sockets
 
@@ -246,7 +246,8 @@ def test_caught_up_clients_get_one_frame_written_to_all_their_sockets_in_one_cal
 @pytest.mark.parametrize("gathered", [True, False], ids=["crowds", "handed-out"])
 @pytest.mark.parametrize("crowd_slice", [512, 2])  # 2: the full socket is the first of the second slice
 def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_it_to_drain(
-        crowd_slice: int, gathered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    crowd_slice: int, gathered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(scheduler, "CROWD_SLICE", crowd_slice)
 
     async def test(hub: Hub) -> None:
@@ -271,7 +272,7 @@ def test_a_socket_that_takes_less_hands_the_rest_to_its_transport_and_waits_for_
             return all(any(e.get("data") == data for e in mine) for mine in got)
 
         await settle(lambda: bool(full.rest) and all_got("m1"))
-        (data, sent), = full.rest
+        ((data, sent),) = full.rest
         assert sent == -errno.EAGAIN and b'"m1"' in data and len(data) == int(data[:8]) + 8  # all of it
         assert hub.scheduler.direct_shortfalls == 1
         hub.catalog.publish_nowait("chat.full", "m2")  # not ready until its transport drains
@@ -333,8 +334,14 @@ def test_metrics_come_from_each_part():
     async def test(hub: Hub) -> None:
         connect(hub, "m")
         text = hub.metrics.render().decode()
-        for family in ("fanout_clients{transport=\"fake\"} 1.0", "fanout_rounds_total", "fanout_topics ",
-                       "fanout_bad_input_total", "fanout_topic_creations_refused_total", "fanout_gc_full_collections"):
+        for family in (
+            'fanout_clients{transport="fake"} 1.0',
+            "fanout_rounds_total",
+            "fanout_topics ",
+            "fanout_bad_input_total",
+            "fanout_topic_creations_refused_total",
+            "fanout_gc_full_collections",
+        ):
             assert family in text, family
 
     run(test)

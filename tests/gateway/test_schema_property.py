@@ -27,7 +27,10 @@ DOCUMENTED = {code for row in table_rows(section("Error codes")) for code in tic
 ENTRY_TYPES = {ticked(row[0])[0] for row in table_rows(section("Entries"))}
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
@@ -42,8 +45,14 @@ VALID = {
     "ping": {"op": "ping", "id": 6},
 }
 #: what each field must be; a value of another type must be refused
-EXPECTED = {"topic": (str,), "token": (str,), "method": (str,), "since": (dict, type(None)),
-            "id": (int, str, type(None)), "op": (str,)}
+EXPECTED = {
+    "topic": (str,),
+    "token": (str,),
+    "method": (str,),
+    "since": (dict, type(None)),
+    "id": (int, str, type(None)),
+    "op": (str,),
+}
 FIELD_CASES = [(op, field) for op, command in VALID.items() for field in command]
 
 
@@ -119,13 +128,16 @@ def test_any_value_in_any_record_field_converts_or_is_a_bad_record(field, value)
 
 @pytest.fixture(scope="module")
 def admin():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10,
-                                           headers={"Authorization": f"Bearer {gw.admin_token}"}) as http:
+    with (
+        run_gateway() as gw,
+        httpx.Client(base_url=gw.http_url, timeout=10, headers={"Authorization": f"Bearer {gw.admin_token}"}) as http,
+    ):
         yield http
 
 
-ADMIN_FIELDS = [("/api/topics", f) for f in schema.CreateTopic.__struct_fields__] + \
-    [("/api/topics/t.prop/publish", f) for f in schema.PublishBody.__struct_fields__]
+ADMIN_FIELDS = [("/api/topics", f) for f in schema.CreateTopic.__struct_fields__] + [
+    ("/api/topics/t.prop/publish", f) for f in schema.PublishBody.__struct_fields__
+]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -138,8 +150,9 @@ def test_any_value_in_any_admin_body_field_is_a_success_or_a_documented_4xx(admi
     assert r.status_code in (200, 201, 400, 404, 409, 413, 503, 507), r.text
     if r.status_code >= 400:
         assert r.json()["error"]["code"] in DOCUMENTED
-    if field in ("capacity", "batch_depth", "max_count", "max_bytes", "reorder_window", "seq") and \
-            (isinstance(value, (bool, float)) or (isinstance(value, int) and value < 0)):
+    if field in ("capacity", "batch_depth", "max_count", "max_bytes", "reorder_window", "seq") and (
+        isinstance(value, (bool, float)) or (isinstance(value, int) and value < 0)
+    ):
         assert r.status_code == 400, f"{field}={value!r} accepted"
     if field in ("client_publish", "anonymous") and not isinstance(value, bool):
         assert r.status_code == 400, f"{field}={value!r} accepted"

@@ -11,7 +11,7 @@ import pytest
 
 from tests.gateway.gw_helpers import serve_process
 
-PORTS = '[server]\nport = 0\n[ingest]\nport = 0\n[rawtcp]\nenabled = false\n'
+PORTS = "[server]\nport = 0\n[ingest]\nport = 0\n[rawtcp]\nenabled = false\n"
 
 
 def serve_output(tmp_path: Path, config_text: str) -> list[str]:
@@ -31,8 +31,9 @@ def index_of(lines: list[str], start: str) -> int:
 @pytest.mark.timeout(60)
 def test_serve_prints_the_builds_then_the_admin_token_then_listening_and_notes_replaced_rules(tmp_path) -> None:
     lines = serve_output(tmp_path, PORTS + '[[topics.rules]]\npattern = "room.*"\nanonymous = true\n')
-    order = [index_of(lines, start) for start in ("core: ", "fan-out writer: ", "admin token (development",
-                                                   "gateway listening on ")]
+    order = [
+        index_of(lines, start) for start in ("core: ", "fan-out writer: ", "admin token (development", "gateway listening on ")
+    ]
     assert order == sorted(order), lines
     notes = [line for line in lines if "topics.rules:" in line]
     assert len(notes) == 1 and "replace the 5 shipped rules" in notes[0] and "(room.*)" in notes[0], lines

@@ -45,8 +45,9 @@ def on_loop(gw, scenario: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 def places(gw, transport: str) -> tuple[int, int, int]:
     """(clients registered, clients on their way, the address's count in `transport`'s bound)."""
-    return gw.call(lambda: (len(gw.hub.clients.conns), len(gw.hub.clients.pending),
-                            gw.hub.clients.clients_by_ip[(transport, "127.0.0.1")]))
+    return gw.call(
+        lambda: (len(gw.hub.clients.conns), len(gw.hub.clients.pending), gw.hub.clients.clients_by_ip[(transport, "127.0.0.1")])
+    )
 
 
 def test_a_session_opens_after_its_hook_and_a_disconnect_meanwhile_refuses_it_as_it_opens(app):
@@ -98,8 +99,11 @@ def test_a_session_opens_after_its_hook_and_a_disconnect_meanwhile_refuses_it_as
 @pytest.mark.parametrize("transport", ["longpoll", "sse"])
 def test_the_handshake_refuses_before_the_hook_is_asked_and_the_hook_before_registration(app, transport):
     app.delays["connect"] = 1.0
-    with run_gateway(proxy=hooks(app), longpoll={"max_sessions_per_ip": 1}, sse={"max_sessions_per_ip": 1}) as gw, \
-            httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with (
+        run_gateway(proxy=hooks(app), longpoll={"max_sessions_per_ip": 1}, sse={"max_sessions_per_ip": 1}) as gw,
+        httpx.Client(base_url=gw.http_url, timeout=10) as http,
+    ):
+
         def refused(token: str, query: str = "") -> object:
             if transport == "longpoll":
                 answer = http.post("/lp", headers={"Authorization": f"Bearer {token}"})

@@ -24,8 +24,9 @@ from tests.gateway.sse_client import SseClient, msgs
 
 pytestmark = pytest.mark.timeout(60)
 
-RING = {"rules": [{"pattern": "private.*", "kind": "private"},
-                  {"pattern": "*", "anonymous": True, "capacity": 64, "batch_depth": 4}]}
+RING = {
+    "rules": [{"pattern": "private.*", "kind": "private"}, {"pattern": "*", "anonymous": True, "capacity": 64, "batch_depth": 4}]
+}
 
 
 def positions(event_id: str) -> dict[str, tuple[str, int]]:
@@ -49,8 +50,11 @@ def test_topics_at_connect_then_batches_in_order_with_their_positions():
         assert len(session["session"]) >= 22  # 128 bits, url-safe base64
         event = sse.next_event()
         first = event.json()
-        assert [(e["type"], e["topic"]) for e in first] == [("subscribed", "t.a"), ("subscribed", "t.b"),
-                                                              ("subscribed", "private.inbox")]
+        assert [(e["type"], e["topic"]) for e in first] == [
+            ("subscribed", "t.a"),
+            ("subscribed", "t.b"),
+            ("subscribed", "private.inbox"),
+        ]
         epochs = {e["topic"]: e["epoch"] for e in first}
         # private topics are recovered by ownership, not by position
         assert positions(event.id) == {"t.a": (epochs["t.a"], 0), "t.b": (epochs["t.b"], 0)}
@@ -152,7 +156,8 @@ def test_a_recovery_point_off_the_ring_gets_a_loss_and_topics_of_the_point_are_s
             second.session()
             got = second.collect(lambda g: seqs(g, "t.a")[-1:] == [22])
         assert [e for e in got if e["type"] == "loss"] == [
-            {"type": "loss", "topic": "t.a", "from": 3, "to": 15, "reason": "gone"}]
+            {"type": "loss", "topic": "t.a", "from": 3, "to": 15, "reason": "gone"}
+        ]
         assert seqs(got, "t.a") == list(range(15, 23))
 
 
@@ -163,8 +168,7 @@ def test_a_malformed_recovery_point_is_an_error_entry_and_the_topics_go_on(point
         got = sse.collect(lambda g: any(e["type"] == "subscribed" for e in g))
         assert got[0]["type"] == "error" and got[0]["code"] == "bad_request", got
         assert "recovery point" in got[0]["message"]
-        assert got[1] == {"type": "subscribed", "topic": "chat.a", "kind": "ring", "epoch": got[1]["epoch"],
-                          "seq": 0, "id": None}
+        assert got[1] == {"type": "subscribed", "topic": "chat.a", "kind": "ring", "epoch": got[1]["epoch"], "seq": 0, "id": None}
 
 
 def test_refused_topics_get_error_entries_and_the_others_go_on():
@@ -173,15 +177,21 @@ def test_refused_topics_get_error_entries_and_the_others_go_on():
         got = sse.collect(lambda g: len(g) >= 3)
         # 4 names for 2 subscriptions: the last 2 are not tried; of the first 2, one is refused
         assert [(e["type"], e.get("code") or e.get("topic")) for e in got] == [
-            ("error", "too_many_subscriptions"), ("error", "forbidden"), ("subscribed", "chat.a")]
+            ("error", "too_many_subscriptions"),
+            ("error", "forbidden"),
+            ("subscribed", "chat.a"),
+        ]
         assert got[0]["message"].startswith("2 topics beyond scheduler.max_subscriptions (2)")
 
 
-@pytest.mark.parametrize("query,code", [
-    ("?token=not.a.token", 4001),
-    (f"?token={make_token('bob', ttl=-60)}", 4011),
-    ("?id=me", 4006),
-])
+@pytest.mark.parametrize(
+    "query,code",
+    [
+        ("?token=not.a.token", 4001),
+        (f"?token={make_token('bob', ttl=-60)}", 4011),
+        ("?id=me", 4006),
+    ],
+)
 def test_refusals_at_connect_are_a_stream_of_one_close_event(query, code):
     with run_gateway() as gw, SseClient(gw, query + "&topics=chat.a") as sse:
         assert sse.status == 200 and sse.headers["content-type"] == "text/event-stream"
@@ -204,8 +214,15 @@ def test_origin_session_limit_and_the_disabled_switches():
                 assert second.json()["error"]["code"] == "too_many_sessions"
     off = {"sse": {"enabled": False}, "longpoll": {"enabled": False}, "websocket": {"enabled": False}}
     with run_gateway(**off) as gw, httpx.Client(base_url=gw.http_url) as http:
-        for method, path in [("GET", "/sse?topics=a"), ("POST", "/sse/x"), ("DELETE", "/sse/x"), ("POST", "/lp"),
-                             ("GET", "/lp/x"), ("POST", "/lp/x"), ("DELETE", "/lp/x")]:
+        for method, path in [
+            ("GET", "/sse?topics=a"),
+            ("POST", "/sse/x"),
+            ("DELETE", "/sse/x"),
+            ("POST", "/lp"),
+            ("GET", "/lp/x"),
+            ("POST", "/lp/x"),
+            ("DELETE", "/lp/x"),
+        ]:
             r = http.request(method, path)
             assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found"), (method, path)
         with pytest.raises(InvalidStatus) as refused:
@@ -228,8 +245,11 @@ def test_a_slow_consumer_is_cut_with_4008_and_another_stream_is_unharmed():
         "topics": {"rules": [{"pattern": "*", "anonymous": True, "capacity": 4096, "batch_depth": 8}]},
     }
     payload = "x" * 20000
-    with run_gateway(**config) as gw, SseClient(gw, "?topics=t", rcvbuf=4096, read_head=False) as slow, \
-            SseClient(gw, "?topics=t") as fast:
+    with (
+        run_gateway(**config) as gw,
+        SseClient(gw, "?topics=t", rcvbuf=4096, read_head=False) as slow,
+        SseClient(gw, "?topics=t") as fast,
+    ):
         fast.session()
         fast.next_batch()
         wait_for(lambda: gw.call(lambda: len(gw.hub.clients.conns)) == 2, what="both streams")
@@ -289,8 +309,10 @@ def test_the_client_is_gone_from_the_hub_when_its_connection_closes_or_it_is_kic
         with SseClient(gw, "?topics=chat.a") as sse:
             cid = sse.session()["client_id"]
             assert gw.call(lambda: cid in gw.hub.clients.conns and gw.hub.scheduler.engine.has_client(cid))
-        wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns and not gw.hub.scheduler.engine.has_client(cid)),
-                 what="the client's removal")
+        wait_for(
+            lambda: gw.call(lambda: cid not in gw.hub.clients.conns and not gw.hub.scheduler.engine.has_client(cid)),
+            what="the client's removal",
+        )
         wait_for(lambda: gw.call(lambda: not gw.running.server.server_state.connections), what="the connection's end")
         assert gw.call(lambda: gw.hub.clients.by_transport["sse"]) == 0
         with SseClient(gw, "?topics=chat.a") as sse:
@@ -309,8 +331,16 @@ def test_the_client_is_gone_from_the_hub_when_its_connection_closes_or_it_is_kic
 
 CHROMIUM = shutil.which("chromium")
 # as tests/e2e/test_static_page.py: without the background-networking flags Chromium keeps dialling out
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 # The page publishes "one" through its stream's session, deletes the session when "one" arrives (close 1000),
 # publishes "mid" through a long-poll session while the EventSource is away, and logs what the EventSource
 # gets after its automatic reconnect (Last-Event-ID): "mid" only comes if the position was recovered.
@@ -349,9 +379,17 @@ def test_a_browsers_eventsource_reconnects_with_last_event_id_and_misses_nothing
     (tmp_path / "www" / "index.html").write_text(PAGE)
     with run_gateway(server={"static_dir": str(tmp_path / "www")}) as gw:
         page = subprocess.run(
-            [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", "--dump-dom",
-             f"{gw.http_url}/"],
-            capture_output=True, text=True, timeout=60,
+            [
+                CHROMIUM,
+                *FLAGS,
+                f"--user-data-dir={tmp_path / 'profile'}",
+                "--virtual-time-budget=10000",
+                "--dump-dom",
+                f"{gw.http_url}/",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         wait_for(lambda: gw.call(lambda: gw.hub.clients.by_transport["sse"]) == 0, what="the streams' end")
     found = re.search(r'<div id="log">(.*?)</div>', page.stdout, re.S)
@@ -361,19 +399,29 @@ def test_a_browsers_eventsource_reconnects_with_last_event_id_and_misses_nothing
     # the publish's reply comes before its message, in the same batch or the one before
     assert [row[:2] for row in log].count(("reply", None)) == 1
     assert [row for row in log if row[0] != "reply"] == [
-        ("session", 1), ("subscribed", 0, f"{epoch}:chat.e2e:0"), ("msg", 0, f"{epoch}:chat.e2e:1"), ("close", DELETED),
+        ("session", 1),
+        ("subscribed", 0, f"{epoch}:chat.e2e:0"),
+        ("msg", 0, f"{epoch}:chat.e2e:1"),
+        ("close", DELETED),
         # reconnected with Last-Event-ID: "mid", published while it was away, is not missed
-        ("session", 2), ("subscribed", 1, f"{epoch}:chat.e2e:2"), ("msg", 1, f"{epoch}:chat.e2e:2"), ("done",),
+        ("session", 2),
+        ("subscribed", 1, f"{epoch}:chat.e2e:2"),
+        ("msg", 1, f"{epoch}:chat.e2e:2"),
+        ("done",),
     ], log
 
 
 # -- the documentation -------------------------------------------------------------------------------------
 
+
 def test_the_sse_section_names_the_routes_the_config_keys_and_close_codes_that_exist():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
-    section = doc[doc.index("## SSE"):doc.index("\n## ", doc.index("## SSE"))]
-    routes = {re.match(r"`(\w+ /sse[^`?]*)", line.split("|")[1].strip()).group(1)
-              for line in section.splitlines() if line.startswith("| `")}
+    section = doc[doc.index("## SSE") : doc.index("\n## ", doc.index("## SSE"))]
+    routes = {
+        re.match(r"`(\w+ /sse[^`?]*)", line.split("|")[1].strip()).group(1)
+        for line in section.splitlines()
+        if line.startswith("| `")
+    }
     assert routes == {"GET /sse", "POST /sse/SID", "DELETE /sse/SID"}
     keys = set(re.findall(r"`sse\.(\w+)`", section))
     assert keys and keys <= set(SseConfig.__struct_fields__)
@@ -382,6 +430,7 @@ def test_the_sse_section_names_the_routes_the_config_keys_and_close_codes_that_e
 
 
 # -- positions, without a server --------------------------------------------------------------------------
+
 
 def test_positions_are_the_cursors_of_ring_and_snapshot_subscriptions_only():
     engine = Engine()
@@ -415,6 +464,7 @@ def test_positions_are_the_cursors_of_ring_and_snapshot_subscriptions_only():
 
 
 # -- the recovery point's parser ---------------------------------------------------------------------------
+
 
 @given(st.text(max_size=80) | st.lists(st.text(alphabet=":,0123456789ab-\n", max_size=12), max_size=6).map(",".join))
 def test_any_recovery_point_is_parsed_or_refused_with_a_clear_error(text):

@@ -18,8 +18,20 @@ pytestmark = pytest.mark.unit
 GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 
 #: the parts' callbacks that were once filled in after construction (a coupling the import graph cannot see)
-SLOTS = frozenset({"kick", "report_commits", "store", "delivery_log", "on_arrival", "on_departure", "proxy",
-                   "control_handler", "node_summary", "tracing"})
+SLOTS = frozenset(
+    {
+        "kick",
+        "report_commits",
+        "store",
+        "delivery_log",
+        "on_arrival",
+        "on_departure",
+        "proxy",
+        "control_handler",
+        "node_summary",
+        "tracing",
+    }
+)
 
 
 def test_a_subscribe_that_creates_a_topic_is_charged_and_one_past_the_budget_is_refused() -> None:
@@ -59,8 +71,9 @@ def _late_fills(path: Path) -> list[str]:
     def visit(node: ast.AST, function: str) -> None:
         for child in ast.iter_child_nodes(node):
             name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
-            targets = (child.targets if isinstance(child, ast.Assign)
-                       else [child.target] if isinstance(child, ast.AnnAssign) else [])
+            targets = (
+                child.targets if isinstance(child, ast.Assign) else [child.target] if isinstance(child, ast.AnnAssign) else []
+            )
             for target in targets:
                 for item in target.elts if isinstance(target, ast.Tuple) else [target]:
                     if not (isinstance(item, ast.Attribute) and item.attr in SLOTS):
@@ -81,10 +94,11 @@ def test_no_part_has_a_callback_slot_filled_after_construction() -> None:
 
 def test_the_slot_check_catches_a_late_fill(tmp_path: Path) -> None:
     source = tmp_path / "hub.py"
-    source.write_text("class Hub:\n"
-                      "    def __init__(self, clients):\n"
-                      "        self.kick = clients.kick\n"  # its own, at construction: fine
-                      "        clients.on_arrival, clients.on_departure = 1, 2\n"
-                      "        self.scheduler.report_commits = self.broker.committed\n")
-    assert _late_fills(source) == ["4: clients.on_arrival", "4: clients.on_departure",
-                                   "5: self.scheduler.report_commits"]
+    source.write_text(
+        "class Hub:\n"
+        "    def __init__(self, clients):\n"
+        "        self.kick = clients.kick\n"  # its own, at construction: fine
+        "        clients.on_arrival, clients.on_departure = 1, 2\n"
+        "        self.scheduler.report_commits = self.broker.committed\n"
+    )
+    assert _late_fills(source) == ["4: clients.on_arrival", "4: clients.on_departure", "5: self.scheduler.report_commits"]

@@ -79,11 +79,17 @@ class OtlpReceiver:
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    spans.append({
-                        "name": span.name, "kind": span.kind, "trace_id": span.trace_id.hex(),
-                        "span_id": span.span_id.hex(), "parent_id": span.parent_span_id.hex(),
-                        "attributes": {a.key: _value(a.value) for a in span.attributes}, "resource": resource,
-                    })
+                    spans.append(
+                        {
+                            "name": span.name,
+                            "kind": span.kind,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent_id": span.parent_span_id.hex(),
+                            "attributes": {a.key: _value(a.value) for a in span.attributes},
+                            "resource": resource,
+                        }
+                    )
         with self.lock:
             self.requests += 1
             self.spans += spans
@@ -140,8 +146,11 @@ def gw(receiver: OtlpReceiver, backend: HeaderBackend) -> Iterator[Any]:
     saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "50"
     try:
-        with run_gateway(topics=RULES, proxy=backend.proxy("rpc"),
-                         tracing={"otlp_endpoint": receiver.url, "sample_rate": 1.0, "service_name": "gw-test"}) as gw:
+        with run_gateway(
+            topics=RULES,
+            proxy=backend.proxy("rpc"),
+            tracing={"otlp_endpoint": receiver.url, "sample_rate": 1.0, "service_name": "gw-test"},
+        ) as gw:
             yield gw
     finally:
         if saved is None:
@@ -160,20 +169,22 @@ def test_an_admin_publish_continues_the_callers_trace_down_to_one_fanout_span(gw
     with ws_connect(gw) as a, ws_connect(gw) as b, ws_connect(gw) as c:
         for ws in (a, b, c):
             _subscribed(ws, "traced.news")
-        answer = httpx.post(f"{gw.http_url}/api/topics/traced.news/publish", json={"data": {"headline": "x" * 100}},
-                            headers={**auth(gw), "traceparent": f"00-{trace_id}-{parent_id}-01"}, timeout=5)
+        answer = httpx.post(
+            f"{gw.http_url}/api/topics/traced.news/publish",
+            json={"data": {"headline": "x" * 100}},
+            headers={**auth(gw), "traceparent": f"00-{trace_id}-{parent_id}-01"},
+            timeout=5,
+        )
         assert answer.status_code == 200, answer.text
         frames = [ws.recv(timeout=5) for ws in (a, b, c)]
     sizes = [len(frame.encode() if isinstance(frame, str) else frame) for frame in frames]
 
-    api = wait_for(lambda: [s for s in receiver.named("admin publish") if s["trace_id"] == trace_id],
-                   "the admin API span")[0]
+    api = wait_for(lambda: [s for s in receiver.named("admin publish") if s["trace_id"] == trace_id], "the admin API span")[0]
     assert api["parent_id"] == parent_id  # a child of the caller's span
     assert api["attributes"]["http.request.method"] == "POST"
     assert api["attributes"]["http.response.status_code"] == 200
     assert api["resource"]["service.name"] == "gw-test"
-    fanout = wait_for(lambda: [s for s in receiver.named("fanout") if s["trace_id"] == trace_id],
-                      "the fan-out span")
+    fanout = wait_for(lambda: [s for s in receiver.named("fanout") if s["trace_id"] == trace_id], "the fan-out span")
     assert len(fanout) == 1  # one span for the whole fan-out, never one per delivery
     attributes = fanout[0]["attributes"]
     assert attributes["fanout.subscribers"] == 3
@@ -187,8 +198,12 @@ def test_an_admin_publish_continues_the_callers_trace_down_to_one_fanout_span(gw
 
 def test_a_publish_nobody_subscribes_to_ends_its_fanout_span_at_once(gw: Any, receiver: OtlpReceiver) -> None:
     trace_id = secrets.token_hex(16)
-    answer = httpx.post(f"{gw.http_url}/api/topics/traced.empty/publish", json={"data": 1},
-                        headers={**auth(gw), "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}, timeout=5)
+    answer = httpx.post(
+        f"{gw.http_url}/api/topics/traced.empty/publish",
+        json={"data": 1},
+        headers={**auth(gw), "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},
+        timeout=5,
+    )
     assert answer.status_code == 200, answer.text
     fanout = wait_for(lambda: [s for s in receiver.named("fanout") if s["trace_id"] == trace_id], "the fan-out span")
     assert fanout[0]["attributes"]["fanout.subscribers"] == 0
@@ -196,7 +211,8 @@ def test_a_publish_nobody_subscribes_to_ends_its_fanout_span_at_once(gw: Any, re
 
 
 def test_a_hook_call_is_a_client_span_beneath_its_command_and_sends_traceparent(
-        gw: Any, receiver: OtlpReceiver, backend: HeaderBackend) -> None:
+    gw: Any, receiver: OtlpReceiver, backend: HeaderBackend
+) -> None:
     backend.answers["rpc"] = lambda body: {"result": sum(body["params"])}
     with ws_connect(gw) as ws:
         send(ws, op="rpc", method="sum", params=[1, 2, 3], id=7)
@@ -221,8 +237,10 @@ def test_an_ingest_batch_is_one_span_with_its_record_count(gw: Any, receiver: Ot
         assert publisher.sync(1)["accepted"] == 5
     finally:
         publisher.close()
-    spans = wait_for(lambda: [s for s in receiver.named("ingest batch")
-                              if s["attributes"].get("fanout.ingest.accepted")], "the ingest batch span")
+    spans = wait_for(
+        lambda: [s for s in receiver.named("ingest batch") if s["attributes"].get("fanout.ingest.accepted")],
+        "the ingest batch span",
+    )
     assert sum(s["attributes"]["fanout.ingest.accepted"] for s in spans) == 5
     assert all(s["parent_id"] == "" for s in spans)  # each batch starts its trace
 
@@ -242,33 +260,45 @@ print(sorted(name for name in sys.modules if name.startswith("opentelemetry")))
 
 
 def test_with_tracing_off_no_opentelemetry_module_is_imported() -> None:
-    done = subprocess.run([sys.executable, "-c", OFF_PROBE], capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")})
+    done = subprocess.run(
+        [sys.executable, "-c", OFF_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("variable, value, says", [
-    ("GATEWAY_TRACING_SAMPLE_RATE", "1.5", "tracing.sample_rate must be in [0, 1]"),
-    ("GATEWAY_TRACING_OTLP_ENDPOINT", "collector:4318", "tracing.otlp_endpoint must be an http:// or https:// URL"),
-    ("GATEWAY_TRACING_SERVICE_NAME", " ", "tracing.service_name must not be empty"),
-])
+@pytest.mark.parametrize(
+    "variable, value, says",
+    [
+        ("GATEWAY_TRACING_SAMPLE_RATE", "1.5", "tracing.sample_rate must be in [0, 1]"),
+        ("GATEWAY_TRACING_OTLP_ENDPOINT", "collector:4318", "tracing.otlp_endpoint must be an http:// or https:// URL"),
+        ("GATEWAY_TRACING_SERVICE_NAME", " ", "tracing.service_name must not be empty"),
+    ],
+)
 def test_check_config_refuses_a_bad_tracing_setting(variable: str, value: str, says: str) -> None:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}, variable: value}
-    done = subprocess.run([sys.executable, "-m", "gateway", "check-config"], capture_output=True, text=True,
-                          timeout=60, env=env)
+    done = subprocess.run([sys.executable, "-m", "gateway", "check-config"], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2
     assert says in done.stderr
 
 
 def test_check_config_shows_the_tracing_settings_in_force() -> None:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")},
-           "GATEWAY_TRACING_OTLP_ENDPOINT": "http://collector.example:4318", "GATEWAY_TRACING_SAMPLE_RATE": "0.5"}
-    done = subprocess.run([sys.executable, "-m", "gateway", "check-config"], capture_output=True, text=True,
-                          timeout=60, env=env)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")},
+        "GATEWAY_TRACING_OTLP_ENDPOINT": "http://collector.example:4318",
+        "GATEWAY_TRACING_SAMPLE_RATE": "0.5",
+    }
+    done = subprocess.run([sys.executable, "-m", "gateway", "check-config"], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["tracing"] == {"otlp_endpoint": "http://collector.example:4318",
-                                                  "service_name": "fanout-gateway", "sample_rate": 0.5}
+    assert json.loads(done.stdout)["tracing"] == {
+        "otlp_endpoint": "http://collector.example:4318",
+        "service_name": "fanout-gateway",
+        "sample_rate": 0.5,
+    }
 
 
 class KeySet:
@@ -279,8 +309,9 @@ class KeySet:
         from jwt.algorithms import ECAlgorithm
 
         self.private = ec.generate_private_key(ec.SECP256R1())
-        body = json.dumps({"keys": [{**ECAlgorithm.to_jwk(self.private.public_key(), as_dict=True), "kid": "k1",
-                                     "use": "sig", "alg": "ES256"}]}).encode()
+        body = json.dumps(
+            {"keys": [{**ECAlgorithm.to_jwk(self.private.public_key(), as_dict=True), "kid": "k1", "use": "sig", "alg": "ES256"}]}
+        ).encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -304,17 +335,20 @@ def test_a_token_checked_against_the_jwks_key_set_is_a_span(receiver: OtlpReceiv
     import jwt
 
     keys = KeySet()
-    token = jwt.encode({"sub": "jwks-user", "exp": int(time.time()) + 600}, keys.private, algorithm="ES256",
-                       headers={"kid": "k1"})
+    token = jwt.encode(
+        {"sub": "jwks-user", "exp": int(time.time()) + 600}, keys.private, algorithm="ES256", headers={"kid": "k1"}
+    )
     try:
-        with run_gateway(topics=RULES, auth={"jwks_url": keys.url},
-                         tracing={"otlp_endpoint": receiver.url, "sample_rate": 1.0}) as gw:
+        with run_gateway(
+            topics=RULES, auth={"jwks_url": keys.url}, tracing={"otlp_endpoint": receiver.url, "sample_rate": 1.0}
+        ) as gw:
             with ws_connect(gw, query=f"?token={token}") as ws:
                 send(ws, op="rpc", method="whoami", id=1)
                 assert recv_entries(ws)[0]["result"]["user"] == "jwks-user"
             # the exporter flushes at the gateway's stop at the latest
     finally:
         keys.server.shutdown()
-    spans = wait_for(lambda: [s for s in receiver.named("auth.verify") if s["attributes"]["fanout.auth.kid"] == "k1"],
-                     "the token check span")
+    spans = wait_for(
+        lambda: [s for s in receiver.named("auth.verify") if s["attributes"]["fanout.auth.kid"] == "k1"], "the token check span"
+    )
     assert spans[0]["attributes"]["fanout.auth.alg"] == "ES256"

@@ -15,13 +15,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PIP_LINE = "pip install 'fanout-gateway[tracing]'"
 #: every port on 0 (the kernel's choice): were the check to let a gateway start, it would take no fixed port
-EPHEMERAL = {"GATEWAY_SERVER_HOST": "127.0.0.1", "GATEWAY_SERVER_PORT": "0", "GATEWAY_INGEST_PORT": "0",
-             "GATEWAY_RAWTCP_SENDER_PORT": "0", "GATEWAY_RAWTCP_RECEIVER_PORT": "0"}
+EPHEMERAL = {
+    "GATEWAY_SERVER_HOST": "127.0.0.1",
+    "GATEWAY_SERVER_PORT": "0",
+    "GATEWAY_INGEST_PORT": "0",
+    "GATEWAY_RAWTCP_SENDER_PORT": "0",
+    "GATEWAY_RAWTCP_RECEIVER_PORT": "0",
+}
 TRACING_ON = {"GATEWAY_TRACING_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
 
 
-def gateway(argv: list[str], env: dict[str, str], without_opentelemetry: bool = True,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def gateway(
+    argv: list[str], env: dict[str, str], without_opentelemetry: bool = True, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """`gateway ARGV` (gateway.cli), in a child interpreter; without OpenTelemetry unless told otherwise."""
     code = textwrap.dedent(f"""
         import sys
@@ -31,8 +37,9 @@ def gateway(argv: list[str], env: dict[str, str], without_opentelemetry: bool = 
         sys.exit(main({argv!r}))
     """)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "FANOUT_", "OTEL_"))}
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**clean, **EPHEMERAL, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**clean, **EPHEMERAL, **env}
+    )
 
 
 def test_serve_with_tracing_on_and_no_opentelemetry_says_the_pip_command_and_exits_2() -> None:

@@ -18,8 +18,7 @@ def test_an_empty_endpoint_gives_the_null_object() -> None:
 
 def test_every_span_of_the_null_object_is_the_one_shared_no_op_span() -> None:
     headers = {"content-type": "application/json"}
-    blocks = [NO_TRACING.span("s"), NO_TRACING.root_span("r", {"a": 1}),
-              NO_TRACING.client_span("c", headers, {"a": 1})]
+    blocks = [NO_TRACING.span("s"), NO_TRACING.root_span("r", {"a": 1}), NO_TRACING.client_span("c", headers, {"a": 1})]
     for block in blocks:
         assert block is NO_SPAN  # the block's context manager is the span itself: nothing made per call
         with block as span:

@@ -35,10 +35,13 @@ def alive(ws) -> bool:
 
 
 def test_disconnect_user_closes_all_its_connections_with_4005_and_no_other():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http, \
-            ws_connect(gw, query=f"?token={make_token('alice')}") as a1, \
-            ws_connect(gw, query=f"?token={make_token('alice')}") as a2, \
-            ws_connect(gw, query=f"?token={make_token('bob')}") as b:
+    with (
+        run_gateway() as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        ws_connect(gw, query=f"?token={make_token('alice')}") as a1,
+        ws_connect(gw, query=f"?token={make_token('alice')}") as a2,
+        ws_connect(gw, query=f"?token={make_token('bob')}") as b,
+    ):
         lp = httpx.post(f"{gw.http_url}/lp", headers={"Authorization": f"Bearer {make_token('alice')}"}).json()
         r = http.delete("/api/users/alice")
         assert r.status_code == 200 and r.json() == {"user": "alice", "disconnected": 3, "nodes": 1}
@@ -96,10 +99,14 @@ def test_revocations_refuse_at_connect_close_holders_and_expire():
 
 
 def test_per_user_limit_the_oldest_gives_way_with_4013():
-    with run_gateway(limits={"max_connections_per_user": 2}) as gw, \
-            ws_connect(gw, query=f"?token={make_token('frank')}") as f1, \
-            ws_connect(gw, query=f"?token={make_token('frank')}") as f2, \
-            ws_connect(gw) as anon1, ws_connect(gw) as anon2, ws_connect(gw) as anon3:
+    with (
+        run_gateway(limits={"max_connections_per_user": 2}) as gw,
+        ws_connect(gw, query=f"?token={make_token('frank')}") as f1,
+        ws_connect(gw, query=f"?token={make_token('frank')}") as f2,
+        ws_connect(gw) as anon1,
+        ws_connect(gw) as anon2,
+        ws_connect(gw) as anon3,
+    ):
         assert alive(f1) and alive(f2)
         with ws_connect(gw, query=f"?token={make_token('frank')}") as f3:
             assert close_of(f1) == 4013

@@ -129,10 +129,15 @@ def test_malformed_commands_get_errors_and_the_connection_goes_on():
     with run_gateway() as gw, ws_connect(gw) as ws, ws_connect(gw) as other:
         send(other, op="subscribe", topic="chat.a")
         recv_entries(other)
-        for bad, code in [("{not json", "bad_json"), ("[1,2]", "bad_command"), ('{"op":"fly"}', "bad_command"),
-                          ('{"op":"subscribe"}', "bad_command"), ('{"op":"subscribe","topic":"x","since":5}', "bad_command"),
-                          ('{"op":"rpc","method":"nope","id":1}', "unknown_method"),
-                          ('{"op":"unsubscribe","topic":"zzz"}', "not_subscribed")]:
+        for bad, code in [
+            ("{not json", "bad_json"),
+            ("[1,2]", "bad_command"),
+            ('{"op":"fly"}', "bad_command"),
+            ('{"op":"subscribe"}', "bad_command"),
+            ('{"op":"subscribe","topic":"x","since":5}', "bad_command"),
+            ('{"op":"rpc","method":"nope","id":1}', "unknown_method"),
+            ('{"op":"unsubscribe","topic":"zzz"}', "not_subscribed"),
+        ]:
             ws.send(bad)
             entry = recv_entries(ws)[0]
             assert entry["type"] == "error" and entry["code"] == code, (bad, entry)
@@ -151,8 +156,10 @@ def test_private_queues_belong_to_the_token_user_and_are_reached_through_ingest(
                 chosen.recv(timeout=5)
         assert "4006" in str(info.value)
         pub = Ingest(gw)
-        pub.send({"topic": "private.inbox", "client": "alice", "data": "for alice"},
-                 {"topic": "private.inbox", "client": "bob", "data": "nobody"})
+        pub.send(
+            {"topic": "private.inbox", "client": "alice", "data": "for alice"},
+            {"topic": "private.inbox", "client": "bob", "data": "nobody"},
+        )
         assert pub.readline()["code"] == "not_subscribed"
         assert pub.sync() == {"type": "synced", "id": 1, "accepted": 1, "refused": 1}
         got = collect(ws, msgs)

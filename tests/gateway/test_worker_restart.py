@@ -14,8 +14,12 @@ from gateway.workers.supervisor import describe_status, restart_delay
 def test_the_first_restart_is_at_once_then_the_delay_doubles_from_half_a_second_up_to_10_s() -> None:
     assert [restart_delay(n) for n in range(1, 10)] == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]
     assert restart_delay(1000) == 10.0  # no overflow however long the streak
-    assert (supervisor.RESTART_DELAY_MIN_S, supervisor.RESTART_DELAY_MAX_S, supervisor.STABLE_S,
-            supervisor.MAX_START_FAILURES) == (0.5, 10.0, 30.0, 5)  # the figures docs/cluster.md §5 gives
+    assert (
+        supervisor.RESTART_DELAY_MIN_S,
+        supervisor.RESTART_DELAY_MAX_S,
+        supervisor.STABLE_S,
+        supervisor.MAX_START_FAILURES,
+    ) == (0.5, 10.0, 30.0, 5)  # the figures docs/cluster.md §5 gives
 
 
 def test_a_death_is_said_by_its_signal_or_its_exit_status() -> None:

@@ -35,8 +35,12 @@ class RawClient:
         key = base64.b64encode(os.urandom(16)).decode()
         offer = f"Sec-WebSocket-Extensions: {extensions}\r\n" if extensions else ""
         asked = f"Sec-WebSocket-Protocol: {subprotocol}\r\n" if subprotocol else ""
-        self.sock.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                           f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{asked}{offer}\r\n").encode())
+        self.sock.sendall(
+            (
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{asked}{offer}\r\n"
+            ).encode()
+        )
         self.buffer = b""
         while b"\r\n\r\n" not in self.buffer:
             self.buffer += self.sock.recv(65536)
@@ -67,8 +71,11 @@ class RawClient:
         mask = os.urandom(4)
         first = 0x80 | opcode | (0x40 if compressed else 0)
         n = len(payload)
-        head = bytes((first, 0x80 | n)) if n < 126 else (struct.pack("!BBH", first, 0xFE, n) if n < 65536
-                                                         else struct.pack("!BBQ", first, 0xFF, n))
+        head = (
+            bytes((first, 0x80 | n))
+            if n < 126
+            else (struct.pack("!BBH", first, 0xFE, n) if n < 65536 else struct.pack("!BBQ", first, 0xFF, n))
+        )
         self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
 
     def close(self) -> None:
@@ -133,8 +140,9 @@ def test_one_compression_per_frame_for_every_client_and_small_frames_go_plain() 
         for client in clients:
             first, payload = client.frame()
             assert first == 0x81 and orjson.loads(payload)[0]["data"] == {"p": 1}
-        assert (metric(gw, "fanout_ws_wire_bytes_total") - wire_before
-                < metric(gw, "fanout_ws_payload_bytes_total") - payload_before)
+        assert (
+            metric(gw, "fanout_ws_wire_bytes_total") - wire_before < metric(gw, "fanout_ws_payload_bytes_total") - payload_before
+        )
 
 
 def test_the_clients_window_request_is_honoured() -> None:

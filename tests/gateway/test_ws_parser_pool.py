@@ -39,8 +39,11 @@ def _pongs(ws, count: int) -> set[int]:
 
 def _held_parsers(gw) -> list[bool]:
     def census() -> list[bool]:
-        return [p.ws is not None for p in gw.running.server.server_state.connections
-                if isinstance(p, WebSocketProtocol) and p.connection is not None]
+        return [
+            p.ws is not None
+            for p in gw.running.server.server_state.connections
+            if isinstance(p, WebSocketProtocol) and p.connection is not None
+        ]
 
     return gw.call(census)
 

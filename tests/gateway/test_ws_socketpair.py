@@ -71,8 +71,9 @@ class Peer:
     """The client end of the pair: websockets' sans-I/O client, written and read by hand, so a test decides
     what it answers (its pongs and close echo wait in `client.data_to_send()` until `flush`)."""
 
-    def __init__(self, client: ClientProtocol, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 proto: WebSocketProtocol) -> None:
+    def __init__(
+        self, client: ClientProtocol, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: WebSocketProtocol
+    ) -> None:
         self.client = client
         self.reader = reader
         self.writer = writer
@@ -144,8 +145,9 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def connected(cls: type[WebSocketProtocol], path: str = "/ws", *, deflate: bool = False,
-                    open_: bool = True) -> AsyncIterator[Peer]:
+async def connected(
+    cls: type[WebSocketProtocol], path: str = "/ws", *, deflate: bool = False, open_: bool = True
+) -> AsyncIterator[Peer]:
     """A connection over a socket pair: the server's end made by asyncio with `cls`, as uvicorn would hand it
     over; the client's request written, and (`open_`) its 101 read."""
     loop = asyncio.get_running_loop()
@@ -182,8 +184,7 @@ def masked(opcode: int, payload: bytes, *, fin: bool = True, rsv: int = 0, mask:
     if not mask:
         return head + length + payload
     key = b"\x01\x02\x03\x04"
-    return (head + bytes([length[0] | 0x80]) + length[1:] + key
-            + bytes(b ^ key[i % 4] for i, b in enumerate(payload)))
+    return head + bytes([length[0] | 0x80]) + length[1:] + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
 
 
 def run(test: Callable[[], Any]) -> None:
@@ -192,6 +193,7 @@ def run(test: Callable[[], Any]) -> None:
 
 # -- the state value -------------------------------------------------------------------------------------------
 
+
 def test_the_state_table_allows_the_connections_moves_and_refuses_the_others() -> None:
     life = [WSState.HANDSHAKE, WSState.AWAITING_HOOK, WSState.OPEN, WSState.CLOSING, WSState.CLOSED]
     for old, new in zip(life, life[1:]):
@@ -199,9 +201,13 @@ def test_the_state_table_allows_the_connections_moves_and_refuses_the_others() -
     assert checked_move(WSState.HANDSHAKE, WSState.OPEN) is WSState.OPEN  # no connect hook to ask
     for old in life[:-1]:
         assert checked_move(old, WSState.CLOSED) is WSState.CLOSED  # lost in any state
-    for old, new in [(WSState.OPEN, WSState.HANDSHAKE), (WSState.CLOSING, WSState.OPEN),
-                     (WSState.CLOSED, WSState.CLOSED), (WSState.OPEN, WSState.AWAITING_HOOK),
-                     (WSState.CLOSING, WSState.CLOSING)]:
+    for old, new in [
+        (WSState.OPEN, WSState.HANDSHAKE),
+        (WSState.CLOSING, WSState.OPEN),
+        (WSState.CLOSED, WSState.CLOSED),
+        (WSState.OPEN, WSState.AWAITING_HOOK),
+        (WSState.CLOSING, WSState.CLOSING),
+    ]:
         with pytest.raises(IllegalMove, match=f"from {old.value} to {new.value}"):
             checked_move(old, new)
 
@@ -255,6 +261,7 @@ def test_a_refused_token_gets_the_101_then_its_close_code() -> None:
 
 # -- messages --------------------------------------------------------------------------------------------------
 
+
 def test_a_fragmented_command_is_one_message() -> None:
     async def test() -> None:
         async with served() as cls, connected(cls) as peer:
@@ -281,8 +288,10 @@ def test_more_fragments_than_allowed_close_with_1008() -> None:
             for _ in range(4):
                 peer.client.send_continuation(b" ", fin=False)
             peer.flush()
-            assert await peer.close_frame() == (close_codes.POLICY_VIOLATION,
-                                                "more than 4 fragments in one message (websocket.max_fragments)")
+            assert await peer.close_frame() == (
+                close_codes.POLICY_VIOLATION,
+                "more than 4 fragments in one message (websocket.max_fragments)",
+            )
             assert ws_counters.fragment_closes == before + 1
             await peer.closed()
 
@@ -308,13 +317,18 @@ def test_permessage_deflate_compresses_both_ways() -> None:
 
 # -- close codes of a misbehaving peer ---------------------------------------------------------------------
 
-@pytest.mark.parametrize(("frame", "code"), [
-    (masked(0x1, b"\xff\xfe not UTF-8"), close_codes.INVALID_DATA),
-    (masked(0x1, b"x" * 300, mask=False), close_codes.PROTOCOL_ERROR),  # a client frame must be masked
-    (masked(0x1, b"x", rsv=0x20), close_codes.PROTOCOL_ERROR),  # RSV2: no extension defines it
-    (masked(0x0, b"x"), close_codes.PROTOCOL_ERROR),  # a continuation with no message begun
-    (masked(0x9, b"p", fin=False), close_codes.PROTOCOL_ERROR),  # a fragmented ping
-], ids=["bad-utf8", "unmasked", "rsv2", "lone-continuation", "fragmented-ping"])
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (masked(0x1, b"\xff\xfe not UTF-8"), close_codes.INVALID_DATA),
+        (masked(0x1, b"x" * 300, mask=False), close_codes.PROTOCOL_ERROR),  # a client frame must be masked
+        (masked(0x1, b"x", rsv=0x20), close_codes.PROTOCOL_ERROR),  # RSV2: no extension defines it
+        (masked(0x0, b"x"), close_codes.PROTOCOL_ERROR),  # a continuation with no message begun
+        (masked(0x9, b"p", fin=False), close_codes.PROTOCOL_ERROR),  # a fragmented ping
+    ],
+    ids=["bad-utf8", "unmasked", "rsv2", "lone-continuation", "fragmented-ping"],
+)
 def test_a_peers_protocol_error_closes_with_its_code(frame: bytes, code: int) -> None:
     async def test() -> None:
         async with served() as cls, connected(cls) as peer:
@@ -350,6 +364,7 @@ def test_the_peers_close_is_echoed_with_its_code() -> None:
 
 # -- keepalive -------------------------------------------------------------------------------------------------
 
+
 def test_a_peer_that_answers_pings_is_pinged_again_and_stays() -> None:
     async def test() -> None:
         async with served(ping_interval_s=0.1, ping_timeout_s=0.5) as cls, connected(cls) as peer:
@@ -378,6 +393,7 @@ def test_a_peer_that_does_not_answer_is_closed_with_1011() -> None:
 
 
 # -- the write pause ---------------------------------------------------------------------------------------
+
 
 def test_one_write_pause_flag_holds_the_latest_pong_until_the_peer_reads() -> None:
     async def test() -> None:

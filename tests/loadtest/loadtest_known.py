@@ -36,8 +36,13 @@ def log() -> DeliveryLog:
 
 def notices() -> Notices:
     # c2 on a: [2, 3) lagged; c0 on b: [14, 15) lagged; c1 on b: an epoch restart (open range)
-    return Notices(np.array([2, 0, 1], np.int32), np.array([0, 1, 1], np.int32),
-                   np.array([2, 14, 5], np.int64), np.array([3, 15, -1], np.int64), ("lagged", "lagged", "epoch"))
+    return Notices(
+        np.array([2, 0, 1], np.int32),
+        np.array([0, 1, 1], np.int32),
+        np.array([2, 14, 5], np.int64),
+        np.array([3, 15, -1], np.int64),
+        ("lagged", "lagged", "epoch"),
+    )
 
 
 STARTS = {(0, 0): 0, (1, 0): 0, (2, 0): 0, (0, 1): 10}
@@ -56,8 +61,13 @@ JAIN = 256 / 294
 
 
 def plan() -> Plan:
-    return Plan(TOPICS, (1.0, 1.0), ("hot", "cold"), (
-        ClientPlan("c0", "ws", "light", (0, 1)),
-        ClientPlan("c1", "ws", "light", (0,)),
-        ClientPlan("c2", "longpoll", "light", (0,)),
-    ))
+    return Plan(
+        TOPICS,
+        (1.0, 1.0),
+        ("hot", "cold"),
+        (
+            ClientPlan("c0", "ws", "light", (0, 1)),
+            ClientPlan("c1", "ws", "light", (0,)),
+            ClientPlan("c2", "longpoll", "light", (0,)),
+        ),
+    )

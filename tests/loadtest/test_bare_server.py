@@ -53,8 +53,17 @@ async def _fan_out(target: Target) -> tuple[list[Listener], Synced, list[ErrorAn
     def publish() -> tuple[Synced, list[ErrorAnswer]]:
         # the auth line (any token) is line 1; one write: the server reads the five records at once
         with IngestConnection(target.host, target.ingest_port or 0, token="anything") as ingest:
-            ingest.write(b"".join([record_line("a", {"n": 0}), record_line("b", "x"), b"not json\n",
-                                   record_line("a", [1, 2]), record_line("a", None)]))
+            ingest.write(
+                b"".join(
+                    [
+                        record_line("a", {"n": 0}),
+                        record_line("b", "x"),
+                        b"not json\n",
+                        record_line("a", [1, 2]),
+                        record_line("a", None),
+                    ]
+                )
+            )
             synced = ingest.sync(5)
             return synced, ingest.errors
 
@@ -74,7 +83,9 @@ def test_subscribe_publish_and_sync(tmp_path: Path) -> None:
     assert [(e.line, e.code) for e in errors] == [(4, "bad_record")]
     first = listeners[0].frames
     assert [(e["type"], e["topic"], e["kind"], e["seq"], e["id"]) for e in first[0]] == [
-        ("subscribed", "a", "ring", 0, 0), ("subscribed", "b", "ring", 0, 1)]
+        ("subscribed", "a", "ring", 0, 0),
+        ("subscribed", "b", "ring", 0, 1),
+    ]
     assert first[0][0]["epoch"] == first[0][1]["epoch"]
     # one read of the ingest held three messages of "a": frames of up to 2 entries (--batch 2), in seq order
     a_frames = [f for f in first[1:] if f[0]["topic"] == "a"]
@@ -82,15 +93,22 @@ def test_subscribe_publish_and_sync(tmp_path: Path) -> None:
     assert [e["data"] for f in a_frames for e in f] == [{"n": 0}, [1, 2], None]
     assert [f for f in first[1:] if f[0]["topic"] == "b"] == [[{"type": "msg", "topic": "b", "seq": 0, "data": "x"}]]
     for listener in listeners[1:]:
-        assert listener.frames[0] == [{"type": "subscribed", "topic": "a", "kind": "ring",
-                                       "epoch": first[0][0]["epoch"], "seq": 0, "id": 0}]
+        assert listener.frames[0] == [
+            {"type": "subscribed", "topic": "a", "kind": "ring", "epoch": first[0][0]["epoch"], "seq": 0, "id": 0}
+        ]
         assert listener.frames[1:] == a_frames  # the same frames to every subscriber
 
 
 def test_smoke_run_against_bare(tmp_path: Path) -> None:
     scenario = dataclasses.replace(SCENARIOS["smoke"], duration=2.0)
-    summary = runner.run(scenario, lambda workdir: BareServer(workdir, 1), tmp_path,
-                         Console(record=True, width=120), progress=False, connect_timeout=10)
+    summary = runner.run(
+        scenario,
+        lambda workdir: BareServer(workdir, 1),
+        tmp_path,
+        Console(record=True, width=120),
+        progress=False,
+        connect_timeout=10,
+    )
     assert summary["target"] == "bare"
     assert summary["clients"]["ready"] == summary["clients"]["planned"]
     assert summary["published"]["sent"] == summary["published"]["accepted"] > 0

@@ -21,8 +21,18 @@ if not (os.path.exists("/usr/bin/redis-server") or shutil.which("redis-server"))
 #: path-stall: a stalled path holds private entries in flight while the client gives the connection up;
 #: fanout_client's acknowledged subscription gets them again (docs/reliability.md, "Findings");
 #: redis-stall: Redis stopped (SIGSTOP) 3 s, publishes wait. Each runs once, in this order.
-FAULTS = ["node-kill", "redis-restart", "slow-reader", "path-stall", "redis-stall", "storm", "redis-wipe", "burst",
-          "path-cut", "takeover"]
+FAULTS = [
+    "node-kill",
+    "redis-restart",
+    "slow-reader",
+    "path-stall",
+    "redis-stall",
+    "storm",
+    "redis-wipe",
+    "burst",
+    "path-cut",
+    "takeover",
+]
 
 
 def test_chaos_short_form_no_violation_every_client_served_again_bounded_growth(tmp_path: Path) -> None:
@@ -30,8 +40,19 @@ def test_chaos_short_form_no_violation_every_client_served_again_bounded_growth(
     # the recovery bound below); 6 s of traffic after the last fault; `duration` only bounds the run. The
     # growth's last samples are taken once every client left (which node the clients ended on, after the
     # faults moved them, says nothing of a leak)
-    result = chaos.run(duration=150.0, faults=FAULTS, out=tmp_path, seed=1, sample_s=2.0, warmup=5.0,
-                       rounds=1, settle_s=15.0, pause=(1.0, 2.0), tail_s=6.0, idle_samples=3)
+    result = chaos.run(
+        duration=150.0,
+        faults=FAULTS,
+        out=tmp_path,
+        seed=1,
+        sample_s=2.0,
+        warmup=5.0,
+        rounds=1,
+        settle_s=15.0,
+        pause=(1.0, 2.0),
+        tail_s=6.0,
+        idle_samples=3,
+    )
     print(chaos.report(result))
     assert result["check"]["violations"] == []
     assert [f["name"] for f in result["faults"]] == FAULTS

@@ -28,18 +28,30 @@ def kinds(violations: list) -> list[tuple[str, int | None, int | None]]:
 
 
 def test_messages_and_losses_that_tile_the_line_pass_across_reconnects_and_epochs() -> None:
-    events = [sub("e1", 0), msg(0), msg(1), loss(2, 5), msg(5),
-              sub("e1", 6), loss(6, 9, "gone"), msg(9),          # a reconnect with since, some gone
-              sub("e2", 0), loss(10, None, "epoch"), msg(0), msg(1),  # Redis came back empty
-              loss(2, None, "epoch"), sub("e3", 4), msg(4)]      # the unasked form: loss first
+    events = [
+        sub("e1", 0),
+        msg(0),
+        msg(1),
+        loss(2, 5),
+        msg(5),
+        sub("e1", 6),
+        loss(6, 9, "gone"),
+        msg(9),  # a reconnect with since, some gone
+        sub("e2", 0),
+        loss(10, None, "epoch"),
+        msg(0),
+        msg(1),  # Redis came back empty
+        loss(2, None, "epoch"),
+        sub("e3", 4),
+        msg(4),
+    ]  # the unasked form: loss first
     found, stats = check_stream("c", "t", "ring", events)
     assert found == []
     assert stats.messages == 7 and stats.losses == {"lagged": 1, "gone": 1, "epoch": 2} and stats.lost_seqs == 6
 
 
 def test_a_gap_a_duplicate_an_overlap_and_a_silent_epoch_are_each_reported_with_their_range() -> None:
-    found, _ = check_stream("c", "t", "ring", [sub("e1", 0), msg(0), msg(3), msg(3), loss(2, 6), msg(6),
-                                               sub("e2", 0), msg(0)])
+    found, _ = check_stream("c", "t", "ring", [sub("e1", 0), msg(0), msg(3), msg(3), loss(2, 6), msg(6), sub("e2", 0), msg(0)])
     assert kinds(found) == [("gap", 1, 3), ("duplicate", 3, 4), ("overlap", 2, 4), ("silent_epoch", 0, None)]
     assert "client c topic t [1, 3)" in str(found[0])
 
@@ -57,8 +69,18 @@ def test_snapshot_jumps_are_conflation_but_going_back_is_not() -> None:
 
 
 def test_private_redeliveries_after_a_takeover_are_counted_a_gap_is_not_allowed() -> None:
-    events = [sub("q", 0, "private"), msg(0), msg(1), msg(2), {"ev": "closed", "reason": "taken_over"},
-              sub("q", 1, "private"), msg(1), msg(2), msg(3), msg(5)]
+    events = [
+        sub("q", 0, "private"),
+        msg(0),
+        msg(1),
+        msg(2),
+        {"ev": "closed", "reason": "taken_over"},
+        sub("q", 1, "private"),
+        msg(1),
+        msg(2),
+        msg(3),
+        msg(5),
+    ]
     found, stats = check_stream("c", "private.x", "private", events)
     assert kinds(found) == [("gap", 4, 5)] and stats.redelivered == 2 and stats.closed == {"taken_over": 1}
     dup, _ = check_stream("c", "private.x", "private", [sub("q", 0, "private"), msg(0), msg(1), msg(1)])
@@ -81,8 +103,11 @@ def test_private_every_accepted_publish_reaches_one_of_the_users_connections() -
 
 
 def test_the_same_seq_must_carry_the_same_message_everywhere() -> None:
-    records = {"a": {"t": [sub("e", 0), msg(0, n=0), msg(1, n=1)]}, "b": {"t": [sub("e", 1), msg(1, n=7)]},
-               "c": {"t": [sub("f", 1), msg(1, n=9)]}}  # another epoch: another message
+    records = {
+        "a": {"t": [sub("e", 0), msg(0, n=0), msg(1, n=1)]},
+        "b": {"t": [sub("e", 1), msg(1, n=7)]},
+        "c": {"t": [sub("f", 1), msg(1, n=9)]},
+    }  # another epoch: another message
     assert kinds(check_consistency(records, {"t": "ring"})) == [("mismatch", 1, 2)]
 
 
@@ -104,9 +129,14 @@ def test_a_record_whose_outcome_its_publisher_never_learned_may_land_after_newer
 
 def test_check_all_puts_it_together() -> None:
     records = {"w": {"r": [sub("e", 0), msg(0), msg(1)], "private.q": [sub("q", 0, "private"), msg(0, "adm", 0)]}}
-    result = check_all(records, {"r": "ring", "private.q": "private"}, {"w": "u"},
-                       {("u", "private.q"): [("adm", 0, 1.0), ("adm", 1, 2.0)]},
-                       {"r": [msg(0), msg(1)]}, {"r": {"a": [0, 1]}})
+    result = check_all(
+        records,
+        {"r": "ring", "private.q": "private"},
+        {"w": "u"},
+        {("u", "private.q"): [("adm", 0, 1.0), ("adm", 1, 2.0)]},
+        {"r": [msg(0), msg(1)]},
+        {"r": {"a": [0, 1]}},
+    )
     assert kinds(result.violations) == [("private_missing", 1, 2)]
     assert result.as_json()["streams"]["w"]["r"]["messages"] == 2
 
@@ -114,8 +144,10 @@ def test_check_all_puts_it_together() -> None:
 def test_a_chaos_client_subscribes_again_to_the_private_queues_redis_lost_and_only_those() -> None:
     from loadtest.chaos_clients import lost_queues
 
-    entries: list[dict[str, Any]] = [{"type": "closed", "topic": "private.a", "reason": "lost"},
-               {"type": "closed", "topic": "private.b", "reason": "taken_over"},
-               {"type": "closed", "topic": "chaos.ring.0", "reason": "lost"},  # not one of its private topics
-               {"type": "msg", "topic": "private.a", "seq": 3, "data": 1}]
+    entries: list[dict[str, Any]] = [
+        {"type": "closed", "topic": "private.a", "reason": "lost"},
+        {"type": "closed", "topic": "private.b", "reason": "taken_over"},
+        {"type": "closed", "topic": "chaos.ring.0", "reason": "lost"},  # not one of its private topics
+        {"type": "msg", "topic": "private.a", "seq": 3, "data": 1},
+    ]
     assert lost_queues(entries, {"private.a", "private.b"}) == ["private.a"]

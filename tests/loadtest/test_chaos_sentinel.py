@@ -21,8 +21,19 @@ FAULTS = ["primary-kill", "node-kill", "primary-kill"]
 
 
 def test_chaos_on_sentinel_primary_kills_no_violation_every_client_served_again(tmp_path: Path) -> None:
-    result = chaos.run(duration=120.0, faults=FAULTS, out=tmp_path, seed=1, sample_s=2.0, warmup=5.0,
-                       rounds=1, settle_s=15.0, pause=(1.0, 2.0), tail_s=6.0, redis="sentinel")
+    result = chaos.run(
+        duration=120.0,
+        faults=FAULTS,
+        out=tmp_path,
+        seed=1,
+        sample_s=2.0,
+        warmup=5.0,
+        rounds=1,
+        settle_s=15.0,
+        pause=(1.0, 2.0),
+        tail_s=6.0,
+        redis="sentinel",
+    )
     print(chaos.report(result))
     assert result["check"]["violations"] == []
     assert [f["name"] for f in result["faults"]] == FAULTS

@@ -43,15 +43,18 @@ def test_source_addresses_are_distinct_loopback_addresses() -> None:
     assert addresses[-1] == "127.0.254.254"
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"capacity": 128}, "no-shipped"),
-    ({"batch_depth": 8}, "no-shipped"),
-    ({"storm_at": 16.0}, "storm_spread must be below"),
-    ({"storm_at": 1.0, "transport": "longpoll"}, "WebSocket"),
-    ({"storm_at": 1.0, "stall_frac": 0.1}, "stalls"),
-    ({"source_addrs": scenarios.MAX_SOURCE_ADDRS + 1}, "source_addrs"),
-    ({"workers": 0}, "workers"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"capacity": 128}, "no-shipped"),
+        ({"batch_depth": 8}, "no-shipped"),
+        ({"storm_at": 16.0}, "storm_spread must be below"),
+        ({"storm_at": 1.0, "transport": "longpoll"}, "WebSocket"),
+        ({"storm_at": 1.0, "stall_frac": 0.1}, "stalls"),
+        ({"source_addrs": scenarios.MAX_SOURCE_ADDRS + 1}, "source_addrs"),
+        ({"workers": 0}, "workers"),
+    ],
+)
 def test_crowd_scenarios_refuse_what_they_cannot_run(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(scenarios.SCENARIOS["crowd"], **changes).validate()
@@ -82,9 +85,16 @@ def test_shipped_config_overrides_only_ports_token_and_connections(tmp_path: Pat
 
 def test_time_to_last_is_the_latest_delivery_of_each_publish() -> None:
     # message (t0, 0) published at 100, delivered at 110 and 150; (t0, 1) at 200 -> 205; (t1, 0) unstamped
-    log = DeliveryLog(("t0", "t1"), ("a", "b"), np.array([0, 0, 0, 1], np.int32), np.array([0, 0, 1, 0], np.int64),
-                      np.array([0, 1, 0, 0], np.int32), np.array([100, 100, 200, -1], np.int64),
-                      np.array([110, 150, 205, 300], np.int64), np.zeros(4, np.int64))
+    log = DeliveryLog(
+        ("t0", "t1"),
+        ("a", "b"),
+        np.array([0, 0, 0, 1], np.int32),
+        np.array([0, 0, 1, 0], np.int64),
+        np.array([0, 1, 0, 0], np.int32),
+        np.array([100, 100, 200, -1], np.int64),
+        np.array([110, 150, 205, 300], np.int64),
+        np.zeros(4, np.int64),
+    )
     assert sorted(delivery_stats.time_to_last(log).tolist()) == [5, 50]
     assert delivery_stats.window_peak(np.array([0, 5, 9, 10, 30], np.int64), 10) == 3
     assert delivery_stats.window_peak(np.zeros(0, np.int64), 10) == 0
@@ -93,8 +103,15 @@ def test_time_to_last_is_the_latest_delivery_of_each_publish() -> None:
 def test_a_resubscribe_keeps_the_stream_start_and_is_recorded() -> None:
     rec = Recorder({"t": 0}, [False, False])
     rec.entries(0, [{"type": "subscribed", "topic": "t", "kind": "ring", "epoch": "e1", "seq": 5}], 1, 10)
-    rec.entries(0, [{"type": "msg", "topic": "t", "seq": 5, "data": {"ts": 1, "n": 0}},
-                    {"type": "msg", "topic": "t", "seq": 6, "data": {"ts": 1, "n": 1}}], 2, 11)
+    rec.entries(
+        0,
+        [
+            {"type": "msg", "topic": "t", "seq": 5, "data": {"ts": 1, "n": 0}},
+            {"type": "msg", "topic": "t", "seq": 6, "data": {"ts": 1, "n": 1}},
+        ],
+        2,
+        11,
+    )
     rec.entries(1, [{"type": "subscribed", "topic": "t", "kind": "ring", "epoch": "e1", "seq": 5}], 1, 10)
     rec.entries(1, [{"type": "loss", "topic": "t", "from": 5, "to": 9, "reason": "lagged"}], 2, 11)
     assert rec.epochs == {(0, 0): "e1", (1, 0): "e1"}
@@ -102,8 +119,15 @@ def test_a_resubscribe_keeps_the_stream_start_and_is_recorded() -> None:
     assert rec.next_seqs({0}) == {(0, 0): 7}
 
     rec.resuming[(0, 0)] = 7
-    rec.entries(0, [{"type": "subscribed", "topic": "t", "kind": "ring", "epoch": "e1", "seq": 7},
-                    {"type": "msg", "topic": "t", "seq": 7, "data": {"ts": 1, "n": 2}}], 3, 20)
+    rec.entries(
+        0,
+        [
+            {"type": "subscribed", "topic": "t", "kind": "ring", "epoch": "e1", "seq": 7},
+            {"type": "msg", "topic": "t", "seq": 7, "data": {"ts": 1, "n": 2}},
+        ],
+        3,
+        20,
+    )
     assert rec.starts[(0, 0)] == 5  # a gap across the reconnect still shows
     assert rec.resumes == [(0, 0, 7, 7, 20)] and not rec.resuming
 
@@ -120,12 +144,34 @@ def _storm_data(seqs: list[int], since: int, answered: int) -> analysis.RunData:
     n = len(all_seqs)
     deliver = [10 * s + 1 for s in (0, 1, 2)] + [1130 + i for i in range(len(seqs))]
     publish = [10 * s if s < 5 else 1115 + s for s in all_seqs]
-    log = DeliveryLog(("t",), ("c0",), np.zeros(n, np.int32), np.array(all_seqs, np.int64), np.zeros(n, np.int32),
-                      np.array(publish, np.int64) * MS, np.array(deliver, np.int64) * MS, np.arange(n, dtype=np.int64))
-    storm = {"storm_ns": 1000 * MS, "retry_ns": 1050 * MS, "open_ns": 1100 * MS, "resub_ns": 1110 * MS,
-             "back_ns": 1120 * MS, "attempts": 1, "error": ""}
-    return analysis.RunData(log, Notices.empty(), {(0, 0): 0}, {0: {"ready": True, "storm": storm}},
-                            {"accepted": {"t": 200}}, [], ((0, 0, since, answered, 1120 * MS),))
+    log = DeliveryLog(
+        ("t",),
+        ("c0",),
+        np.zeros(n, np.int32),
+        np.array(all_seqs, np.int64),
+        np.zeros(n, np.int32),
+        np.array(publish, np.int64) * MS,
+        np.array(deliver, np.int64) * MS,
+        np.arange(n, dtype=np.int64),
+    )
+    storm = {
+        "storm_ns": 1000 * MS,
+        "retry_ns": 1050 * MS,
+        "open_ns": 1100 * MS,
+        "resub_ns": 1110 * MS,
+        "back_ns": 1120 * MS,
+        "attempts": 1,
+        "error": "",
+    }
+    return analysis.RunData(
+        log,
+        Notices.empty(),
+        {(0, 0): 0},
+        {0: {"ready": True, "storm": storm}},
+        {"accepted": {"t": 200}},
+        [],
+        ((0, 0, since, answered, 1120 * MS),),
+    )
 
 
 def test_storm_figures_pass_a_clean_recovery_and_catch_a_gap_or_duplicate() -> None:

@@ -20,8 +20,14 @@ SMALL_CROWD = dataclasses.replace(SCENARIOS["crowd"], clients=300, source_addrs=
 
 
 def _run(scenario: Scenario, out: Path, workers: int = 1) -> dict:
-    return runner.run(scenario, lambda workdir: GatewayProcess(workdir, shipped=True, workers=workers), out,
-                      Console(record=True, width=140), progress=False, connect_timeout=15)
+    return runner.run(
+        scenario,
+        lambda workdir: GatewayProcess(workdir, shipped=True, workers=workers),
+        out,
+        Console(record=True, width=140),
+        progress=False,
+        connect_timeout=15,
+    )
 
 
 def _no_loss(summary: dict) -> None:
@@ -41,10 +47,17 @@ def test_crowd_against_the_shipped_gateway_over_source_addresses(tmp_path: Path)
     assert ttl["max"] >= summary["latency_ms"]["max"] - 1e-6  # the last receiver of a publish is its slowest
     server = summary["cpu"]["server"]
     assert server["rss_connected_mb"] > 0 and server["rss_per_conn_kb"] == pytest.approx(
-        (server["rss_connected_mb"] - server["rss_before_mb"]) * 1024 / 300, abs=0.4)  # MB rounded to 0.1
+        (server["rss_connected_mb"] - server["rss_before_mb"]) * 1024 / 300, abs=0.4
+    )  # MB rounded to 0.1
     figures = analysis.figures(summary)
-    for name in ("time to last p50 ms", "time to last max ms", "server rss KB/conn", "server cpu us/delivery",
-                 "server cpu us/segment", "latency p99 ms"):
+    for name in (
+        "time to last p50 ms",
+        "time to last max ms",
+        "server rss KB/conn",
+        "server cpu us/delivery",
+        "server cpu us/segment",
+        "latency p99 ms",
+    ):
         assert name in figures
 
 
@@ -73,8 +86,16 @@ def test_compare_crowd_with_nchan_and_the_bare_server(tmp_path: Path) -> None:
 
     scenario = dataclasses.replace(SMALL_CROWD, clients=200, duration=2)
     console = Console(record=True, width=160)
-    result = compare(scenario, lambda workdir: GatewayProcess(workdir, shipped=True), tmp_path, 1, console, False,
-                     others={"bare": lambda workdir: BareServer(workdir, 1)}, connect_timeout=15)
+    result = compare(
+        scenario,
+        lambda workdir: GatewayProcess(workdir, shipped=True),
+        tmp_path,
+        1,
+        console,
+        False,
+        others={"bare": lambda workdir: BareServer(workdir, 1)},
+        connect_timeout=15,
+    )
     assert result["targets"] == ["gateway", "nchan", "bare"]
     for label in result["targets"]:
         assert result["median"][label]["silent loss"] == 0

@@ -79,8 +79,18 @@ def test_silent_hot_topics_keep_the_cold_rates() -> None:
 def _closed_loop(window: int, fanout: int, deliver: bool, duration: float = 0.3) -> tuple[Publisher, int]:
     """A closed-loop publisher whose sends are counted; ``deliver``: the clients receive at once."""
     counters = [0] * len(COUNTERS)
-    spec = PublisherSpec(Target("gateway", "127.0.0.1", 1, 2), ("a",), (1.0,), False, duration, 10**9, 0,
-                         window=window * fanout, fanout=(fanout,), procs=1)
+    spec = PublisherSpec(
+        Target("gateway", "127.0.0.1", 1, 2),
+        ("a",),
+        (1.0,),
+        False,
+        duration,
+        10**9,
+        0,
+        window=window * fanout,
+        fanout=(fanout,),
+        procs=1,
+    )
     pub = Publisher(spec, deliveries=counters)
     sent = []
 
@@ -108,8 +118,7 @@ def test_closed_loop_forgives_a_stuck_window() -> None:
 
 def test_figures_of_a_coldhot_pair() -> None:
     base = _summary()
-    pair = {"coldhot": {"cold_p99_ms_alone": 2.0, "cold_p99_ms_beside": 3.0, "p99_ratio": 1.5},
-            "alone": base, "beside": base}
+    pair = {"coldhot": {"cold_p99_ms_alone": 2.0, "cold_p99_ms_beside": 3.0, "p99_ratio": 1.5}, "alone": base, "beside": base}
     figures = analysis.figures(pair)
     assert figures["cold p99 beside/alone"] == 1.5 and figures["cold p99 ms alone"] == 2.0
     assert figures["server cpu us/delivery"] == pytest.approx(2e6 / 1000)
@@ -124,14 +133,20 @@ def test_figures_of_server_segments() -> None:
 
 
 def _summary() -> dict:
-    return {"deliveries": {"per_s": 100.0, "total": 1000}, "published": {"per_s": 10.0},
-            "latency_ms": {"p50": 1, "p90": 2, "p99": 3, "max": 4}, "skew_ms": {"p50": 1, "p99": 2},
-            "loss": {"announced": 0, "silent": 0, "undelivered": 0},
-            "fairness": {"jain_rate": 1.0, "jain_share": 1.0}, "batch_entries": {"mean": 1.0},
-            "cpu": {"server": {"cpu_pct": 50.0, "cpu_s": 2.0, "rss_max_mb": 10.0},
-                    "loadgen": {"cpu_pct": 40.0, "cpu_s": 1.0, "busiest_pct": 30.0,
-                                "by_role_pct": {"publisher": 5.0, "clients": 30.0}},
-                    "machine": {"busy_pct": 91.5, "other_pct": 1.5}}}
+    return {
+        "deliveries": {"per_s": 100.0, "total": 1000},
+        "published": {"per_s": 10.0},
+        "latency_ms": {"p50": 1, "p90": 2, "p99": 3, "max": 4},
+        "skew_ms": {"p50": 1, "p99": 2},
+        "loss": {"announced": 0, "silent": 0, "undelivered": 0},
+        "fairness": {"jain_rate": 1.0, "jain_share": 1.0},
+        "batch_entries": {"mean": 1.0},
+        "cpu": {
+            "server": {"cpu_pct": 50.0, "cpu_s": 2.0, "rss_max_mb": 10.0},
+            "loadgen": {"cpu_pct": 40.0, "cpu_s": 1.0, "busiest_pct": 30.0, "by_role_pct": {"publisher": 5.0, "clients": 30.0}},
+            "machine": {"busy_pct": 91.5, "other_pct": 1.5},
+        },
+    }
 
 
 def test_machine_cpu_and_wait_quiet() -> None:
@@ -143,10 +158,17 @@ def test_machine_cpu_and_wait_quiet() -> None:
 
 
 def test_coldhot_run_against_the_gateway(tmp_path: Path) -> None:
-    scenario = scenarios.Scenario("ch", "test", clients=6, topics=4, subs=2, rate=200, hot_topics=1,
-                                  hot_share=0.8, coldhot=True, duration=1.0, drain=3)
-    summary = runner.run(scenario, lambda workdir: GatewayProcess(workdir), tmp_path,
-                         Console(record=True, width=140), progress=False, connect_timeout=10)
+    scenario = scenarios.Scenario(
+        "ch", "test", clients=6, topics=4, subs=2, rate=200, hot_topics=1, hot_share=0.8, coldhot=True, duration=1.0, drain=3
+    )
+    summary = runner.run(
+        scenario,
+        lambda workdir: GatewayProcess(workdir),
+        tmp_path,
+        Console(record=True, width=140),
+        progress=False,
+        connect_timeout=10,
+    )
     pair = summary["coldhot"]
     assert pair["cold_p99_ms_alone"] > 0 and pair["cold_p99_ms_beside"] > 0 and pair["p99_ratio"] > 0
     assert "hot" not in summary["alone"]["topic_classes_ms"]  # silent: nothing delivered on it
@@ -160,10 +182,15 @@ def test_coldhot_run_against_the_gateway(tmp_path: Path) -> None:
 
 
 def test_closed_loop_run_against_the_gateway(tmp_path: Path) -> None:
-    scenario = scenarios.Scenario("cl", "test", clients=8, topics=2, subs=1, rate=None, window=8, duration=1.0,
-                                  drain=3, procs=2)
-    summary = runner.run(scenario, lambda workdir: GatewayProcess(workdir), tmp_path,
-                         Console(record=True, width=140), progress=False, connect_timeout=10)
+    scenario = scenarios.Scenario("cl", "test", clients=8, topics=2, subs=1, rate=None, window=8, duration=1.0, drain=3, procs=2)
+    summary = runner.run(
+        scenario,
+        lambda workdir: GatewayProcess(workdir),
+        tmp_path,
+        Console(record=True, width=140),
+        progress=False,
+        connect_timeout=10,
+    )
     assert summary["loss"]["silent"] == 0 and summary["loss"]["announced"] == 0
     assert summary["published"]["sent"] > 16
     assert "window_resets" not in summary["published"]["errors"]
@@ -183,8 +210,10 @@ def test_idle_memory_measures_each_crowd_in_turn() -> None:
 def test_conn_objects_counts_what_one_idle_connection_holds() -> None:
     # in a fresh interpreter, as the command runs: in this one its walk of every object (all of pytest's
     # too) took three times as long
-    code = ("import asyncio, json; from loadtest import conn_objects; "
-            "print(json.dumps(asyncio.run(conn_objects.measure(60, frames=5, top=40))))")
+    code = (
+        "import asyncio, json; from loadtest import conn_objects; "
+        "print(json.dumps(asyncio.run(conn_objects.measure(60, frames=5, top=40))))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True)
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["clients"] == 60 and result["traced_per_conn"] > 0 and result["sites"] and result["files"]
@@ -202,11 +231,10 @@ def test_comparison_warns_of_a_saturated_load_process() -> None:
     from loadtest.compare import _medians
 
     console = Console(record=True, width=200)
-    runs = {"gateway": [{"loadgen busiest proc %": 40.0}, {"loadgen busiest proc %": 95.0},
-                        {"loadgen busiest proc %": 50.0}],
-            "nchan": [{"loadgen busiest proc %": 91.0}, {"loadgen busiest proc %": 96.0},
-                      {"loadgen busiest proc %": 60.0}]}
-    assert _medians(runs, console) == {"gateway": {"loadgen busiest proc %": 50.0},
-                                       "nchan": {"loadgen busiest proc %": 91.0}}
+    runs = {
+        "gateway": [{"loadgen busiest proc %": 40.0}, {"loadgen busiest proc %": 95.0}, {"loadgen busiest proc %": 50.0}],
+        "nchan": [{"loadgen busiest proc %": 91.0}, {"loadgen busiest proc %": 96.0}, {"loadgen busiest proc %": 60.0}],
+    }
+    assert _medians(runs, console) == {"gateway": {"loadgen busiest proc %": 50.0}, "nchan": {"loadgen busiest proc %": 91.0}}
     text = console.export_text()
     assert "against nchan the busiest load process ran at 91%" in text and "against gateway" not in text

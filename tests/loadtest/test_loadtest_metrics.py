@@ -31,8 +31,7 @@ def test_rows_without_timestamp_have_no_latency() -> None:
     log = known.log()
     publish = log.publish_ns.copy()
     publish[0] = -1
-    stripped = DeliveryLog(log.topics, log.clients, log.topic, log.seq, log.client, publish, log.deliver_ns,
-                           log.batch_id)
+    stripped = DeliveryLog(log.topics, log.clients, log.topic, log.seq, log.client, publish, log.deliver_ns, log.batch_id)
     assert metrics.latencies(stripped).size == len(log) - 1
 
 
@@ -44,9 +43,16 @@ def test_skew_per_message() -> None:
 
 def test_skew_counts_a_client_once_at_its_first_delivery() -> None:
     # message (t0, 1) reaches c0 at 10 and again at 50, c1 at 20: skew 10, not 40
-    log = DeliveryLog(("t",), ("c0", "c1"), np.zeros(3, np.int32), np.ones(3, np.int64),
-                      np.array([0, 0, 1], np.int32), np.zeros(3, np.int64), np.array([10, 50, 20], np.int64),
-                      np.ones(3, np.int64))
+    log = DeliveryLog(
+        ("t",),
+        ("c0", "c1"),
+        np.zeros(3, np.int32),
+        np.ones(3, np.int64),
+        np.array([0, 0, 1], np.int32),
+        np.zeros(3, np.int64),
+        np.array([10, 50, 20], np.int64),
+        np.ones(3, np.int64),
+    )
     assert metrics.skews(log).tolist() == [10]
 
 
@@ -69,16 +75,23 @@ def test_undelivered_only_counts_clients_still_reading() -> None:
 
 def test_a_stream_that_skips_its_promised_start_is_silent_loss() -> None:
     # promised seq 0, first delivery 3 with nothing announced: 3 silent seqs
-    log = DeliveryLog(("t",), ("c",), np.zeros(2, np.int32), np.array([3, 4], np.int64), np.zeros(2, np.int32),
-                      np.zeros(2, np.int64), np.ones(2, np.int64), np.ones(2, np.int64))
+    log = DeliveryLog(
+        ("t",),
+        ("c",),
+        np.zeros(2, np.int32),
+        np.array([3, 4], np.int64),
+        np.zeros(2, np.int32),
+        np.zeros(2, np.int64),
+        np.ones(2, np.int64),
+        np.ones(2, np.int64),
+    )
     figures = metrics.loss_figures(log, Notices.empty(), {(0, 0): 0})
     assert (figures.silent, figures.silent_gaps) == (3, 1)
     assert metrics.loss_figures(log, Notices.empty()).silent == 0  # no promise: starts at the first delivery
 
 
 def test_a_client_subscribed_but_given_nothing_is_undelivered() -> None:
-    figures = metrics.loss_figures(known.log(), Notices.empty(), {**known.STARTS, (2, 1): 10}, known.EXPECTED_END,
-                                   {2})
+    figures = metrics.loss_figures(known.log(), Notices.empty(), {**known.STARTS, (2, 1): 10}, known.EXPECTED_END, {2})
     assert figures.undelivered == 5  # c2 on b: 10..14
 
 
@@ -115,16 +128,16 @@ def test_per_topic_latency() -> None:
 def _run_data() -> analysis.RunData:
     worker = {"frames": 12, "dropped_rows": 0, "foreign": 0, "errors": {}, "error_samples": []}
     clients = {i: {"ready": True, "closed_ns": 0, "error": "", "closed_reason": ""} for i in range(3)}
-    published = {"sent": 10, "accepted": known.PUBLISHED, "first_ns": 1_000 * known.MS,
-                 "last_ns": 2_000 * known.MS}
+    published = {"sent": 10, "accepted": known.PUBLISHED, "first_ns": 1_000 * known.MS, "last_ns": 2_000 * known.MS}
     return analysis.RunData(known.log(), known.notices(), known.STARTS, clients, published, [worker])
 
 
 def test_summary_figures() -> None:
     from loadtest.scenarios import Scenario
 
-    summary = analysis.summarize(_run_data(), Scenario("known", clients=3, topics=2, subs=1), known.plan(),
-                                 "gateway", 1_000 * known.MS, False)
+    summary = analysis.summarize(
+        _run_data(), Scenario("known", clients=3, topics=2, subs=1), known.plan(), "gateway", 1_000 * known.MS, False
+    )
     assert summary["latency_ms"] == pytest.approx(known.LATENCY_MS, abs=1e-3)
     assert summary["skew_ms"]["p50"] == 4.0
     assert summary["loss"]["silent"] == 2 and summary["loss"]["announced"] == 2

@@ -18,8 +18,14 @@ from tests.loadtest import loadtest_known as known
 
 pytestmark = pytest.mark.unit
 
-EXPECTED_SCHEMA = [("topic", pa.string()), ("seq", pa.int64()), ("client", pa.string()),
-                   ("publish_ns", pa.int64()), ("deliver_ns", pa.int64()), ("batch_id", pa.int64())]
+EXPECTED_SCHEMA = [
+    ("topic", pa.string()),
+    ("seq", pa.int64()),
+    ("client", pa.string()),
+    ("publish_ns", pa.int64()),
+    ("deliver_ns", pa.int64()),
+    ("batch_id", pa.int64()),
+]
 
 
 def test_parquet_schema_is_exact(tmp_path: Path) -> None:
@@ -58,8 +64,9 @@ def _summary() -> dict:
     clients = {i: {"ready": True, "closed_ns": 0, "error": "", "closed_reason": ""} for i in range(3)}
     published = {"sent": 10, "accepted": known.PUBLISHED, "first_ns": 1_000 * known.MS, "last_ns": 2_000 * known.MS}
     data = analysis.RunData(known.log(), known.notices(), known.STARTS, clients, published, [worker])
-    return analysis.summarize(data, Scenario("known", clients=3, topics=2, subs=1), known.plan(), "gateway",
-                              1_000 * known.MS, False)
+    return analysis.summarize(
+        data, Scenario("known", clients=3, topics=2, subs=1), known.plan(), "gateway", 1_000 * known.MS, False
+    )
 
 
 def test_report_and_plots_are_written(tmp_path: Path) -> None:
@@ -81,8 +88,7 @@ def test_summary_and_comparison_tables_print() -> None:
     console = Console(record=True, width=120)
     summary = _summary()
     report.print_summary(console, summary, "known")
-    report.print_comparison(console, {"gateway": analysis.figures(summary), "nchan": analysis.figures(summary)},
-                            "known vs known")
+    report.print_comparison(console, {"gateway": analysis.figures(summary), "nchan": analysis.figures(summary)}, "known vs known")
     text = console.export_text()
     assert "silent loss" in text and "gateway/nchan" in text and "1.00" in text
 

@@ -31,8 +31,10 @@ def test_parser_content_length_split_anywhere() -> None:
 
 
 def test_parser_chunked_and_pipelined() -> None:
-    raw = (b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\n\r\n"
-           b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+    raw = (
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\n\r\n"
+        b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n"
+    )
     parser = ResponseParser()
     out = []
     for byte in raw:
@@ -56,8 +58,9 @@ def test_plan_is_deterministic_and_shaped() -> None:
 
 
 def test_plan_hot_topics_and_dominator() -> None:
-    s = scenarios.Scenario("t", clients=10, topics=12, subs=5, rate=1000, hot_topics=2, hot_share=0.9,
-                           dominator_topics=5, dominator_rate=500)
+    s = scenarios.Scenario(
+        "t", clients=10, topics=12, subs=5, rate=1000, hot_topics=2, hot_share=0.9, dominator_topics=5, dominator_rate=500
+    )
     p = scenarios.plan(s)
     assert p.classes.count("hot") == 2 and p.classes.count("busy") == 5
     assert all(sum(p.classes[t] == "hot" for t in c.topics) == 1 for c in p.clients if c.role == "light")
@@ -109,14 +112,19 @@ def test_messages_carry_timestamp_topic_and_number() -> None:
 
 def test_recorder_rows_losses_and_starts() -> None:
     r = Recorder({"a": 0, "b": 1}, stalled=[False, True])
-    subscribed = r.entries(0, [
-        {"type": "subscribed", "topic": "a", "seq": 5},
-        {"type": "msg", "topic": "a", "seq": 5, "data": {"ts": 100, "n": -1}},  # priming message
-        {"type": "msg", "topic": "a", "seq": 6, "data": {"ts": 200, "n": 0}},
-        {"type": "msg", "topic": "zz", "seq": 1, "data": {}},
-        {"type": "loss", "topic": "a", "from": 7, "to": 9, "reason": "lagged"},
-        {"type": "error", "code": "forbidden"},
-    ], batch_id=3, now=1000)
+    subscribed = r.entries(
+        0,
+        [
+            {"type": "subscribed", "topic": "a", "seq": 5},
+            {"type": "msg", "topic": "a", "seq": 5, "data": {"ts": 100, "n": -1}},  # priming message
+            {"type": "msg", "topic": "a", "seq": 6, "data": {"ts": 200, "n": 0}},
+            {"type": "msg", "topic": "zz", "seq": 1, "data": {}},
+            {"type": "loss", "topic": "a", "from": 7, "to": 9, "reason": "lagged"},
+            {"type": "error", "code": "forbidden"},
+        ],
+        batch_id=3,
+        now=1000,
+    )
     assert subscribed == 1
     assert list(r.seq) == [6] and list(r.publish_ns) == [200] and list(r.batch_id) == [3]
     assert r.starts == {(0, 0): 6}
@@ -150,13 +158,18 @@ def test_list_names_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_recorder_survives_entries_that_are_not_ours() -> None:
     r = Recorder({"a": 0}, stalled=[False])
-    r.entries(0, [
-        {"type": "msg", "topic": "a", "seq": "7", "data": {}},
-        {"type": "msg", "topic": "a", "seq": 1, "data": {"ts": "soon", "n": "x"}},
-        {"type": "msg", "topic": "a", "seq": 2, "data": [1, 2]},
-        {"type": "loss", "topic": "a", "from": None, "to": 3},
-        "not an entry",
-    ], 1, 5)
+    r.entries(
+        0,
+        [
+            {"type": "msg", "topic": "a", "seq": "7", "data": {}},
+            {"type": "msg", "topic": "a", "seq": 1, "data": {"ts": "soon", "n": "x"}},
+            {"type": "msg", "topic": "a", "seq": 2, "data": [1, 2]},
+            {"type": "loss", "topic": "a", "from": None, "to": 3},
+            "not an entry",
+        ],
+        1,
+        5,
+    )
     assert list(r.seq) == [1, 2] and list(r.publish_ns) == [-1, -1]
     assert r.errors == {"bad_seq": 1, "bad_loss": 1, "unknown_entry:None": 1}
     assert r.entries(0, "junk", 2, 6) == 0 and r.errors["bad_batch"] == 1
@@ -169,22 +182,38 @@ def _recorded(r: Recorder) -> tuple[object, ...]:
     return arrays, r.starts, r.losses, r.lost, r.msgs, r.foreign, r.frames, r.dropped_rows, dict(r.errors)
 
 
-_LOAD_MSG = st.fixed_dictionaries({
-    "type": st.just("msg"), "topic": st.sampled_from(["a", "b", "zz"]), "seq": st.integers(0, 99),
-    "data": st.fixed_dictionaries({"ts": st.integers(0, 2**62), "n": st.integers(-1, 3), "pad": st.just("x" * 20)})})
+_LOAD_MSG = st.fixed_dictionaries(
+    {
+        "type": st.just("msg"),
+        "topic": st.sampled_from(["a", "b", "zz"]),
+        "seq": st.integers(0, 99),
+        "data": st.fixed_dictionaries({"ts": st.integers(0, 2**62), "n": st.integers(-1, 3), "pad": st.just("x" * 20)}),
+    }
+)
 _ENTRY = st.one_of(
     _LOAD_MSG,
-    st.fixed_dictionaries({"type": st.just("msg"), "topic": st.just("a"),
-                           "seq": st.one_of(st.integers(0, 9), st.text(max_size=2)),
-                           "data": st.one_of(st.none(), st.fixed_dictionaries({"ts": st.text(max_size=2)}))}),
-    st.fixed_dictionaries({"type": st.just("loss"), "topic": st.just("a"), "from": st.integers(0, 5),
-                           "to": st.integers(6, 9), "reason": st.just("lagged")}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("msg"),
+            "topic": st.just("a"),
+            "seq": st.one_of(st.integers(0, 9), st.text(max_size=2)),
+            "data": st.one_of(st.none(), st.fixed_dictionaries({"ts": st.text(max_size=2)})),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("loss"),
+            "topic": st.just("a"),
+            "from": st.integers(0, 5),
+            "to": st.integers(6, 9),
+            "reason": st.just("lagged"),
+        }
+    ),
     st.fixed_dictionaries({"type": st.just("subscribed"), "topic": st.just("b"), "seq": st.integers(0, 9)}),
 )
 
 
-@given(st.lists(st.one_of(st.lists(_LOAD_MSG, max_size=6), st.lists(_ENTRY, max_size=6)), max_size=5),
-       st.integers(0, 12))
+@given(st.lists(st.one_of(st.lists(_LOAD_MSG, max_size=6), st.lists(_ENTRY, max_size=6)), max_size=5), st.integers(0, 12))
 @settings(max_examples=200, deadline=None)
 def test_recorder_fast_path_records_what_the_general_path_does(frames: list[list[dict]], max_rows: int) -> None:
     """`msg_frame` takes the frames of nothing but well-formed load messages, and must keep exactly what
@@ -200,14 +229,24 @@ def test_recorder_fast_path_records_what_the_general_path_does(frames: list[list
         else:
             fast.entries(1, orjson.loads(body), batch_id, 1000 + batch_id)
     assert _recorded(fast) == _recorded(general)
-    common = sum(all(e["type"] == "msg" and type(e["seq"]) is int and isinstance(e["data"], dict)
-                     and type(e["data"].get("n")) is int for e in frame) for frame in frames)
+    common = sum(
+        all(
+            e["type"] == "msg" and type(e["seq"]) is int and isinstance(e["data"], dict) and type(e["data"].get("n")) is int
+            for e in frame
+        )
+        for frame in frames
+    )
     assert took == common
 
 
 def test_recorder_raw_fast_path_matches() -> None:
-    bodies = [orjson.dumps({"ts": 5, "t": "a", "n": 1, "pad": "x"}), orjson.dumps({"ts": 6, "t": "zz", "n": 2}),
-              orjson.dumps({"ts": 7, "t": "a", "n": -1}), b'{"t": "a", "n": "1"}', b"not json"]
+    bodies = [
+        orjson.dumps({"ts": 5, "t": "a", "n": 1, "pad": "x"}),
+        orjson.dumps({"ts": 6, "t": "zz", "n": 2}),
+        orjson.dumps({"ts": 7, "t": "a", "n": -1}),
+        b'{"t": "a", "n": "1"}',
+        b"not json",
+    ]
     general, fast = Recorder({"a": 0}, stalled=[False]), Recorder({"a": 0}, stalled=[False])
     for i, body in enumerate(bodies):
         try:
@@ -221,9 +260,17 @@ def test_recorder_raw_fast_path_matches() -> None:
     assert list(fast.seq) == [1] and fast.foreign == 1 and fast.errors["bad_message"] == 2
 
 
-@given(st.lists(st.binary(max_size=64), max_size=8), st.sampled_from([
-    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", b""]))
+@given(
+    st.lists(st.binary(max_size=64), max_size=8),
+    st.sampled_from(
+        [
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n",
+            b"",
+        ]
+    ),
+)
 @settings(max_examples=300, deadline=None)
 def test_parser_takes_any_bytes_or_says_protocol_error(chunks: list[bytes], head: bytes) -> None:
     parser = ResponseParser()
@@ -235,8 +282,14 @@ def test_parser_takes_any_bytes_or_says_protocol_error(chunks: list[bytes], head
         pass
 
 
-@pytest.mark.parametrize("raw", [b"HTTP/1.1 2\xb2 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n",
-                                 b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\n"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 2\xb2 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\n",
+    ],
+)
 def test_parser_refuses_odd_numbers(raw: bytes) -> None:
     with pytest.raises(HttpProtocolError):
         ResponseParser().feed(raw)

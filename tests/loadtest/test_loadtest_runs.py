@@ -16,14 +16,33 @@ from loadtest import runner
 from loadtest.gatewayproc import GatewayProcess
 from loadtest.scenarios import Scenario
 
-SMALL = Scenario("small", "test", clients=12, topics=6, subs=2, rate=300, duration=1.5, transport="mixed",
-                 stall_frac=0.25, stall_at=0.3, stall_for=0.6, drain=5, procs=2)
+SMALL = Scenario(
+    "small",
+    "test",
+    clients=12,
+    topics=6,
+    subs=2,
+    rate=300,
+    duration=1.5,
+    transport="mixed",
+    stall_frac=0.25,
+    stall_at=0.3,
+    stall_for=0.6,
+    drain=5,
+    procs=2,
+)
 
 
 def _run(scenario: Scenario, out: Path, command: str | None) -> dict:
     console = Console(record=True, width=120)
-    return runner.run(scenario, lambda workdir: GatewayProcess(workdir, command, scenario.capacity), out,
-                      console, progress=False, connect_timeout=10)
+    return runner.run(
+        scenario,
+        lambda workdir: GatewayProcess(workdir, command, scenario.capacity),
+        out,
+        console,
+        progress=False,
+        connect_timeout=10,
+    )
 
 
 def _owed(summary: dict, out: Path) -> int:
@@ -48,7 +67,13 @@ def _check(summary: dict, out: Path, scenario: Scenario) -> None:
     # CPU comes in 10 ms clock ticks: a short run may honestly read 0; the arithmetic is tested on known input
     assert summary["cpu"]["server"]["cpu_s"] >= 0 and summary["cpu"]["loadgen"]["cpu_s"] >= 0
     assert [f.name for f in pq.read_schema(out / "deliveries.parquet")] == [
-        "topic", "seq", "client", "publish_ns", "deliver_ns", "batch_id"]
+        "topic",
+        "seq",
+        "client",
+        "publish_ns",
+        "deliver_ns",
+        "batch_id",
+    ]
     for name in ("summary.json", "clients.json", "topics.json", "report.html", "latency_cdf.png"):
         assert (out / name).stat().st_size > 0, name
 
@@ -60,8 +85,19 @@ def test_mixed_run_with_stalls_against_the_gateway(tmp_path: Path) -> None:
 
 
 def test_dominator_run_through_the_admin_api(tmp_path: Path) -> None:
-    scenario = Scenario("dom", "test", clients=6, topics=4, subs=2, rate=200, duration=1.0, dominator_topics=5,
-                        dominator_rate=300, publish_via="admin", drain=3)
+    scenario = Scenario(
+        "dom",
+        "test",
+        clients=6,
+        topics=4,
+        subs=2,
+        rate=200,
+        duration=1.0,
+        dominator_topics=5,
+        dominator_rate=300,
+        publish_via="admin",
+        drain=3,
+    )
     summary = _run(scenario, tmp_path, None)
     dom = summary["dominator"]
     assert dom["light_p99_ms_without"] > 0 and dom["light_p99_ms_with"] > 0
@@ -91,8 +127,13 @@ def test_nothing_listening_fails_fast(tmp_path: Path) -> None:
         port = s.getsockname()[1]  # closed again: nothing listens there
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="publisher could not start"):
-        runner.run(SMALL, lambda workdir: nullcontext(Target("gateway", "127.0.0.1", port, port)), tmp_path,
-                   Console(record=True), progress=False)
+        runner.run(
+            SMALL,
+            lambda workdir: nullcontext(Target("gateway", "127.0.0.1", port, port)),
+            tmp_path,
+            Console(record=True),
+            progress=False,
+        )
     assert time.monotonic() - start < 15
 
 
@@ -104,7 +145,7 @@ def test_gateway_cmd_runs_the_checkout_its_pythonpath_names(tmp_path: Path, monk
         shutil.copytree(repo / package, other / package, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.chdir(repo)  # where `python -m` would find this checkout's gateway first
     script = "import sys, gateway.cli; print('ran', gateway.cli.__file__, flush=True); sys.exit(gateway.cli.main(sys.argv[1:]))"
-    command = f"env PYTHONPATH={other} {sys.executable} -c \"{script}\""
+    command = f'env PYTHONPATH={other} {sys.executable} -c "{script}"'
     with GatewayProcess(tmp_path / "run", command):
         pass
     log = (tmp_path / "run" / "gateway.log").read_text()
@@ -115,8 +156,19 @@ def test_gateway_cmd_runs_the_checkout_its_pythonpath_names(tmp_path: Path, monk
 def test_books_over_deflate_and_deltas_arrive_intact_in_fewer_bytes(tmp_path: Path) -> None:
     """`--payload book --compression deflate --delta fossil`: every book the clients rebuild matches its
     checksum, and the wire carries a fraction of the whole books."""
-    scenario = Scenario("books", "test", clients=8, topics=2, subs=1, rate=100, duration=1.5, drain=5,
-                        payload="book", compression="deflate", delta="fossil")
+    scenario = Scenario(
+        "books",
+        "test",
+        clients=8,
+        topics=2,
+        subs=1,
+        rate=100,
+        duration=1.5,
+        drain=5,
+        payload="book",
+        compression="deflate",
+        delta="fossil",
+    )
     summary = _run(scenario, tmp_path, None)
     _check(summary, tmp_path, scenario)
     assert summary["client_errors"] == {}  # no delta failed, no book corrupt
@@ -128,8 +180,19 @@ def test_a_run_of_centrifugo_protocol_clients(tmp_path: Path) -> None:
     """`--protocol centrifugo`: the clients speak Centrifugo's protocol at /connection/websocket and are
     recorded as /ws clients are: every message once, in order, nothing lost; with `--compression deflate`
     they negotiate it as the SDKs do, and every book arrives intact in fewer bytes."""
-    scenario = Scenario("cf", "test", clients=8, topics=2, subs=2, rate=200, duration=1.5, drain=5,
-                        protocol="centrifugo", payload="book", compression="deflate")
+    scenario = Scenario(
+        "cf",
+        "test",
+        clients=8,
+        topics=2,
+        subs=2,
+        rate=200,
+        duration=1.5,
+        drain=5,
+        protocol="centrifugo",
+        payload="book",
+        compression="deflate",
+    )
     summary = _run(scenario, tmp_path, None)
     _check(summary, tmp_path, scenario)
     assert summary["client_errors"] == {}

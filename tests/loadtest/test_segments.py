@@ -40,6 +40,8 @@ def test_counts_the_data_segments_each_socket_sent_since_the_first_read() -> Non
 
 def test_unknown_when_either_read_failed() -> None:
     assert segments.sent_between(None, {"a": 1}) is None and segments.sent_between({}, None) is None
-    table = ("0 0 127.0.0.1:80 127.0.0.1:5000\n\t cubic segs_out:9 data_segs_out:7 lastsnd:1\n"
-             "0 0 127.0.0.1:80 127.0.0.1:5001\n\t cubic segs_out:1 lastsnd:1\n")
+    table = (
+        "0 0 127.0.0.1:80 127.0.0.1:5000\n\t cubic segs_out:9 data_segs_out:7 lastsnd:1\n"
+        "0 0 127.0.0.1:80 127.0.0.1:5001\n\t cubic segs_out:1 lastsnd:1\n"
+    )
     assert segments.parse(table) == {"127.0.0.1:5000": 7}

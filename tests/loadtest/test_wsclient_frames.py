@@ -66,7 +66,7 @@ class Server(asyncio.Protocol):
         p.send_continuation(MESSAGES[-1][2:], fin=True)
         stream = b"".join(p.data_to_send())
         for start in range(0, len(stream), PIECE):
-            self.transport.write(stream[start:start + PIECE])  # type: ignore[union-attr]
+            self.transport.write(stream[start : start + PIECE])  # type: ignore[union-attr]
             if start % (PIECE * 50) == 0:
                 await asyncio.sleep(0)  # let the client read a piece at a time
         await asyncio.sleep(0.05)

@@ -71,8 +71,7 @@ def test_an_exceptions_message_in_a_traceback_cannot_start_a_line() -> None:
     assert "KeyError: 'inner\\n" + FORGED + "'" in lines  # a KeyError's repr escapes it already
 
 
-def test_a_rate_log_writes_its_burst_then_its_rate_and_says_how_many_it_did_not(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_a_rate_log_writes_its_burst_then_its_rate_and_says_how_many_it_did_not(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     logger = logging.getLogger("gateway.test_ratelog")
     rate_log = RateLog(logger, 1.0, 5, clock=lambda: now[0])

@@ -27,9 +27,11 @@ FORGED = "\n2026-01-01 00:00:00,000 ERROR x"
 
 
 def test_a_clients_newline_cannot_start_a_line_of_the_text_log(tmp_path: Path) -> None:
-    config = ('[server]\nport = 0\nadmin_token = "log-hardening"\nlog_level = "info"\nlog_format = "text"\n'
-              f'drain_timeout_s = 1\n[auth]\njwt_secret = "{TEST_JWT_SECRET}"\n[ingest]\nport = 0\n'
-              '[rawtcp]\nenabled = false\n')
+    config = (
+        '[server]\nport = 0\nadmin_token = "log-hardening"\nlog_level = "info"\nlog_format = "text"\n'
+        f'drain_timeout_s = 1\n[auth]\njwt_secret = "{TEST_JWT_SECRET}"\n[ingest]\nport = 0\n'
+        "[rawtcp]\nenabled = false\n"
+    )
     proc, info = serve_process(tmp_path, config, piped=True)
     try:
         with connect(f"ws://127.0.0.1:{info['http_port']}/connection/websocket", open_timeout=5) as ws:
@@ -41,8 +43,7 @@ def test_a_clients_newline_cannot_start_a_line_of_the_text_log(tmp_path: Path) -
         out, _ = proc.communicate(timeout=20)
     assert not [line for line in out.splitlines() if line.startswith("2026-01-01")], out
     [refused] = [line for line in out.splitlines() if "bad request" in line]
-    assert "WARNING gateway.input: bad input (centrifugo): bad request: `\\n2026-01-01 00:00:00,000 ERROR x` takes" \
-        in refused
+    assert "WARNING gateway.input: bad input (centrifugo): bad request: `\\n2026-01-01 00:00:00,000 ERROR x` takes" in refused
 
 
 def test_slow_consumers_cut_are_each_counted_and_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture) -> None:

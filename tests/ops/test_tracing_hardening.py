@@ -66,14 +66,19 @@ def test_a_refused_request_exports_no_span_on_its_callers_say(receiver: OtlpRece
     refused = [secrets.token_hex(16) for _ in range(40)]
     accepted = secrets.token_hex(16)
     # sample_rate 0: every span exported is one a caller's sampled traceparent asked for
-    with run_gateway(tracing={"otlp_endpoint": receiver.url, "sample_rate": 0.0}) as gw, \
-            httpx.Client(base_url=gw.http_url, timeout=10, trust_env=False) as http:
+    with (
+        run_gateway(tracing={"otlp_endpoint": receiver.url, "sample_rate": 0.0}) as gw,
+        httpx.Client(base_url=gw.http_url, timeout=10, trust_env=False) as http,
+    ):
         for i, trace_id in enumerate(refused):
             if i % 2:  # the admin API
                 answer = http.get("/api/topics", headers={"traceparent": traceparent(trace_id)})
             else:  # the Centrifugo server API
-                answer = http.post("/api/publish", json={"channel": "t", "data": 1},
-                                   headers={"traceparent": traceparent(trace_id), "X-API-Key": "wrong"})
+                answer = http.post(
+                    "/api/publish",
+                    json={"channel": "t", "data": 1},
+                    headers={"traceparent": traceparent(trace_id), "X-API-Key": "wrong"},
+                )
             assert answer.status_code == 401, answer.text
         answer = http.get("/api/topics", headers={**auth(gw), "traceparent": traceparent(accepted)})
         assert answer.status_code == 200
@@ -135,19 +140,25 @@ def test_a_collectors_answer_is_read_within_a_bound(fast_export: None) -> None:
 
 
 def test_oversized_trace_headers_are_counted_and_logged_at_a_bounded_rate(
-        receiver: OtlpReceiver, fast_export: None, caplog: pytest.LogCaptureFixture) -> None:
+    receiver: OtlpReceiver, fast_export: None, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING)
     long_parent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01-" + "x" * 600
     long_state = "k=" + "v" * 9000
     kept = secrets.token_hex(16)
-    with run_gateway(limits={"bad_input_log_per_s": 1.0},
-                     tracing={"otlp_endpoint": receiver.url, "sample_rate": 0.0}) as gw, \
-            httpx.Client(base_url=gw.http_url, timeout=10, trust_env=False) as http:
+    with (
+        run_gateway(limits={"bad_input_log_per_s": 1.0}, tracing={"otlp_endpoint": receiver.url, "sample_rate": 0.0}) as gw,
+        httpx.Client(base_url=gw.http_url, timeout=10, trust_env=False) as http,
+    ):
         started = time.monotonic()
         for _ in range(30):
             assert http.get("/api/topics", headers={**auth(gw), "traceparent": long_parent}).status_code == 200
-            assert http.get("/api/topics", headers={**auth(gw), "traceparent": traceparent(kept),
-                                                    "tracestate": long_state}).status_code == 200
+            assert (
+                http.get(
+                    "/api/topics", headers={**auth(gw), "traceparent": traceparent(kept), "tracestate": long_state}
+                ).status_code
+                == 200
+            )
         elapsed = time.monotonic() - started
         metrics = http.get("/metrics").text
         # the caller's trace is still continued without its tracestate, as the propagator would
@@ -177,20 +188,36 @@ def test_the_documented_receiver_shows_a_publishs_trace(tmp_path: Path) -> None:
     assert receive.startswith(".venv/bin/gateway trace-receiver ")
     otlp, http = str(free_port()), str(free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OTEL_"))}
-    receiver = subprocess.Popen(shlex.split(receive.replace("4318", otlp)), cwd=ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    receiver = subprocess.Popen(
+        shlex.split(receive.replace("4318", otlp)), cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     ready = tmp_path / "ready.json"
     # the documented command, on free ports (the ingest's too), exporting at once rather than within 5 s
-    served = {**env, "GATEWAY_SERVER_PORT": http, "GATEWAY_INGEST_PORT": "0", "GATEWAY_RAWTCP_ENABLED": "false",
-              "OTEL_BSP_SCHEDULE_DELAY": "50"}
-    gateway = subprocess.Popen(["bash", "-c", f"{serve.replace('4318', otlp)} --ready-file {ready}"], cwd=ROOT,
-                               env=served, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    served = {
+        **env,
+        "GATEWAY_SERVER_PORT": http,
+        "GATEWAY_INGEST_PORT": "0",
+        "GATEWAY_RAWTCP_ENABLED": "false",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+    }
+    gateway = subprocess.Popen(
+        ["bash", "-c", f"{serve.replace('4318', otlp)} --ready-file {ready}"],
+        cwd=ROOT,
+        env=served,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         assert "are printed here" in (receiver.stderr.readline() if receiver.stderr else "")
         wait_for(ready.exists, "the gateway's start", timeout=30)
         token = json.loads(ready.read_text())["admin_token"]
-        done = subprocess.run(["bash", "-c", publish.replace("127.0.0.1:8080", f"127.0.0.1:{http}")],
-                              env={**env, "TOKEN": token}, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["bash", "-c", publish.replace("127.0.0.1:8080", f"127.0.0.1:{http}")],
+            env={**env, "TOKEN": token},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert done.returncode == 0 and '"seqs"' in done.stdout, done
         seen: dict[str, str] = {}
         assert receiver.stdout is not None

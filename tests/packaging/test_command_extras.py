@@ -25,12 +25,15 @@ def run_without(module: str, entry: str, argv: list[str]) -> subprocess.Complete
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("module, entry, argv, extra", [
-    ("numpy", "loadtest.__main__", ["crowd", "--help"], "loadtest"),
-    ("matplotlib", "loadtest.__main__", ["crowd", "--help"], "loadtest"),
-    ("rich", "loadtest.__main__", ["crowd", "--help"], "loadtest"),
-    ("pyspark", "pipeline.__main__", ["feed"], "pipeline"),
-])
+@pytest.mark.parametrize(
+    "module, entry, argv, extra",
+    [
+        ("numpy", "loadtest.__main__", ["crowd", "--help"], "loadtest"),
+        ("matplotlib", "loadtest.__main__", ["crowd", "--help"], "loadtest"),
+        ("rich", "loadtest.__main__", ["crowd", "--help"], "loadtest"),
+        ("pyspark", "pipeline.__main__", ["feed"], "pipeline"),
+    ],
+)
 def test_a_command_without_its_extra_names_the_extra_and_exits_2(module, entry, argv, extra) -> None:
     ran = run_without(module, entry, argv)
     assert ran.returncode == 2, (ran.stdout, ran.stderr)

@@ -44,9 +44,11 @@ def pyproject_requirements() -> dict[str, list[str]]:
     """pyproject.toml's requirement strings by where they are: `dependencies`, each extra, `build-system`."""
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     project = data["project"]
-    return {"dependencies": project["dependencies"], **{f"[{extra}]": group for extra, group in
-                                                        project["optional-dependencies"].items()},
-            "build-system": data["build-system"]["requires"]}
+    return {
+        "dependencies": project["dependencies"],
+        **{f"[{extra}]": group for extra, group in project["optional-dependencies"].items()},
+        "build-system": data["build-system"]["requires"],
+    }
 
 
 @pytest.mark.unit
@@ -61,11 +63,15 @@ def test_every_installed_distribution_is_pinned_at_its_installed_version() -> No
     pins = locked()
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
     unpinned = sorted(name for name in installed if name not in pins and name != OURS)
-    elsewhere = sorted(f"{name} {version} (constraints.txt: {pins[name]})" for name, version in installed.items()
-                       if name in pins and pins[name] != version)
+    elsewhere = sorted(
+        f"{name} {version} (constraints.txt: {pins[name]})"
+        for name, version in installed.items()
+        if name in pins and pins[name] != version
+    )
     assert not unpinned and not elsewhere, (
         f"installed but not in constraints.txt: {unpinned}; installed at another version: {elsewhere} "
-        "(`make setup` installs the file's set, `make lock` writes the file again from pyproject.toml)")
+        "(`make setup` installs the file's set, `make lock` writes the file again from pyproject.toml)"
+    )
 
 
 @pytest.mark.unit
@@ -101,8 +107,9 @@ def test_both_sets_install_with_the_lock_and_set_up_again_when_it_changes() -> N
     if shutil.which("make") is None:
         pytest.skip("no make")
     # -n -B: the recipes as on a fresh clone, printed, not run; -p: make's rules, with their prerequisites
-    printed = subprocess.run(["make", "-n", "-B", "-p", "-C", str(ROOT), ".venv/.installed"], capture_output=True,
-                             text=True, timeout=60).stdout.splitlines()
+    printed = subprocess.run(
+        ["make", "-n", "-B", "-p", "-C", str(ROOT), ".venv/.installed"], capture_output=True, text=True, timeout=60
+    ).stdout.splitlines()
     installs = [line for line in printed if line.startswith(".venv/bin/pip install")]
     assert len(installs) == 4, installs  # pip and setuptools, the serving set, the gateway, the extras
     assert all("-c constraints.txt" in line for line in installs), installs

@@ -38,11 +38,17 @@ def test_an_editable_install_prints_no_warning_box(tmp_path: Path) -> None:
     tree = tracked_copy(tmp_path / "tree")
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "FANOUT_", "PYTHON"))},
-           "FANOUT_PURE_PYTHON": "1"}
-    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
-                                "-q", "--no-deps", "-e", str(tree)], capture_output=True, text=True, timeout=280,
-                               env=env)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "FANOUT_", "PYTHON"))},
+        "FANOUT_PURE_PYTHON": "1",
+    }
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "-q", "--no-deps", "-e", str(tree)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
     output = installed.stdout + installed.stderr
     assert installed.returncode == 0, output[-3000:]
     assert "!!" not in output, output
@@ -52,8 +58,9 @@ def test_the_set_up_says_what_it_does_and_how_long_before_the_quiet_install() ->
     if shutil.which("make") is None:
         pytest.skip("no make")
     # -n: print the recipe without running it; -B: as on a fresh clone, where the set-up has never run
-    recipe = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), ".venv/.installed"], capture_output=True,
-                            text=True, timeout=60).stdout.splitlines()
+    recipe = subprocess.run(
+        ["make", "-n", "-B", "-C", str(ROOT), ".venv/.installed"], capture_output=True, text=True, timeout=60
+    ).stdout.splitlines()
     said = next(i for i, line in enumerate(recipe) if line.startswith("echo") and "compiling the core" in line)
     installs = next(i for i, line in enumerate(recipe) if "pip install -q -e" in line)
     assert said < installs and "minutes" in " ".join(recipe[said:installs]), recipe

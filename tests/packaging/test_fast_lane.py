@@ -14,8 +14,13 @@ FOLDER = "tests/pipeline"
 
 def _collect(markexpr: str) -> tuple[list[str], int]:
     """The test ids collected under `-m markexpr`, and how many tests pytest found before deselecting."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                          "-m", markexpr, FOLDER], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-m", markexpr, FOLDER],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     found = re.search(r"(\d+)/(\d+) tests collected|(\d+) tests collected", out.stdout)
     assert found, out.stdout

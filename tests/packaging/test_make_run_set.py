@@ -38,8 +38,13 @@ def tracked_copy(target: Path) -> Path:
                 (target / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / name, target / name)
         return target
-    shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(
-        ".venv", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".*_cache", ".hypothesis", "_compiled.json"))
+    shutil.copytree(
+        ROOT,
+        target,
+        ignore=shutil.ignore_patterns(
+            ".venv", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".*_cache", ".hypothesis", "_compiled.json"
+        ),
+    )
     return target
 
 
@@ -47,14 +52,22 @@ def test_make_run_installs_the_serving_set_says_each_phase_and_serves(tmp_path: 
     if shutil.which("make") is None:
         pytest.skip("no make")
     tree = tracked_copy(tmp_path / "tree")
-    ports = {name: str(free_port()) for name in ("SERVER_PORT", "INGEST_PORT", "RAWTCP_SENDER_PORT",
-                                                 "RAWTCP_RECEIVER_PORT")}
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "FANOUT_", "PYTHON", "VIRTUAL_ENV"))},
-           **{f"GATEWAY_{name}": port for name, port in ports.items()}, "FANOUT_PURE_PYTHON": "1"}
+    ports = {name: str(free_port()) for name in ("SERVER_PORT", "INGEST_PORT", "RAWTCP_SENDER_PORT", "RAWTCP_RECEIVER_PORT")}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "FANOUT_", "PYTHON", "VIRTUAL_ENV"))},
+        **{f"GATEWAY_{name}": port for name, port in ports.items()},
+        "FANOUT_PURE_PYTHON": "1",
+    }
     log = tmp_path / "make-run.log"
     with open(log, "wb") as out:
-        make = subprocess.Popen(["make", "run", f"PY={sys.executable}"], cwd=tree, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        make = subprocess.Popen(
+            ["make", "run", f"PY={sys.executable}"],
+            cwd=tree,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 540
         while "gateway listening on" not in log.read_text(errors="replace"):
@@ -73,14 +86,22 @@ def test_make_run_installs_the_serving_set_says_each_phase_and_serves(tmp_path: 
     installs = [i for i, line in enumerate(lines) if line.startswith(".venv/bin/pip install")]
     assert installs, lines[:40]
     for before, i in zip([-1, *installs], installs):  # each pip run has a phase line of its own, printed first
-        assert [line for line in lines[before + 1:i] if line.startswith("[")], lines[:i + 1]
+        assert [line for line in lines[before + 1 : i] if line.startswith("[")], lines[: i + 1]
     assert any(line.startswith("[") and "compiling the core" in line for line in lines), lines[:40]
     assert any(line.startswith("Successfully installed ") for line in lines), lines[:40]  # pip shows its progress
     # what was installed: the dependencies and the gateway itself, nothing of the extras
     venv = tree / ".venv"
-    found = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.util as u, sys;"
-                            " print(' '.join(m for m in sys.argv[1:] if u.find_spec(m)))", *NOT_FOR_SERVING],
-                           capture_output=True, text=True, check=True)
+    found = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m)))",
+            *NOT_FOR_SERVING,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert found.stdout.split() == [], found.stdout
     # the stamps: the serving set is there and current, the full set is not; `make setup` (which `make test` and
     # `make check` need) adds every extra beside it, without building the gateway again

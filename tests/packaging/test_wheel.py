@@ -52,8 +52,9 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tar.extractall(unpacked, filter="data")
     (source,) = unpacked.iterdir()
     from_sdist = build(sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(source))
-    from_checkout = build(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir",
-                          str(out / "checkout"), str(ROOT))
+    from_checkout = build(
+        sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(out / "checkout"), str(ROOT)
+    )
     for proc in (from_sdist, from_checkout):
         finish(proc)
     return out
@@ -67,11 +68,21 @@ def test_the_sdist_and_the_wheel_hold_the_config_the_pages_and_every_package(dis
     assert {"config/default.toml", "static/fanout.js", "static/admin/index.html", "setup.py"} <= names
     assert not any(name.endswith((".so", "_compiled.json")) for name in names)  # sources only
     files = set(zipfile.ZipFile(wheel).namelist())
-    assert {"gateway/defaults/default.toml", "gateway/static/fanout.js", "gateway/static/fanout.d.ts",
-            "gateway/static/index.html", "gateway/static/favicon.ico", "gateway/static/admin/index.html",
-            "gateway/static/admin/dashboard.js", "gateway/broker/redis_broker.py", "fanout_client/__init__.py",
-            "fanout_client/ingest.py", "fanout_client/py.typed", "pipeline/log4j2.properties",
-            "loadtest/nchan.conf.template"} <= files
+    assert {
+        "gateway/defaults/default.toml",
+        "gateway/static/fanout.js",
+        "gateway/static/fanout.d.ts",
+        "gateway/static/index.html",
+        "gateway/static/favicon.ico",
+        "gateway/static/admin/index.html",
+        "gateway/static/admin/dashboard.js",
+        "gateway/broker/redis_broker.py",
+        "fanout_client/__init__.py",
+        "fanout_client/ingest.py",
+        "fanout_client/py.typed",
+        "pipeline/log4j2.properties",
+        "loadtest/nchan.conf.template",
+    } <= files
     assert not any(name.startswith(("config/", "static/", "tests/")) for name in files)  # no top-level clutter
     if _can_compile():
         assert "core/_compiled.json" in files and any(n.startswith("core/engine.") and n.endswith(".so") for n in files)
@@ -79,7 +90,8 @@ def test_the_sdist_and_the_wheel_hold_the_config_the_pages_and_every_package(dis
 
 @pytest.mark.parametrize("source", ["wheel", "checkout"])
 def test_the_installed_package_serves_from_another_directory_with_the_compiled_core(
-        source: str, dist: Path, tmp_path: Path) -> None:
+    source: str, dist: Path, tmp_path: Path
+) -> None:
     """`pip install dist/*.whl` and `pip install <checkout>` (not editable; its wheel built by the fixture)
     give the same gateway."""
     (wheel,) = (dist if source == "wheel" else dist / "checkout").glob("*.whl")
@@ -87,20 +99,27 @@ def test_the_installed_package_serves_from_another_directory_with_the_compiled_c
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "FANOUT_", "PYTHON"))}
-    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], capture_output=True,
-                               text=True, timeout=400, env=clean)  # a PYTHONPATH would show another install
+    installed = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True, timeout=400, env=clean
+    )  # a PYTHONPATH would show another install
     assert installed.returncode == 0, installed.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     ready = elsewhere / "ready.json"
-    env = {**clean, "GATEWAY_INGEST_PORT": "0", "GATEWAY_RAWTCP_SENDER_PORT": "0",
-           "GATEWAY_RAWTCP_RECEIVER_PORT": "0"}
+    env = {**clean, "GATEWAY_INGEST_PORT": "0", "GATEWAY_RAWTCP_SENDER_PORT": "0", "GATEWAY_RAWTCP_RECEIVER_PORT": "0"}
     for tool in ("gateway", "fanout-loadtest", "fanout-pipeline"):
-        helped = subprocess.run([str(env_dir / "bin" / tool), "--help"], cwd=elsewhere, capture_output=True,
-                                text=True, timeout=60, env=env)
+        helped = subprocess.run(
+            [str(env_dir / "bin" / tool), "--help"], cwd=elsewhere, capture_output=True, text=True, timeout=60, env=env
+        )
         assert helped.returncode == 0, (tool, helped.stderr[-2000:])
-    proc = subprocess.Popen([str(env_dir / "bin" / "gateway"), "serve", "--port", "0", "--ready-file", str(ready)],
-                            cwd=elsewhere, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [str(env_dir / "bin" / "gateway"), "serve", "--port", "0", "--ready-file", str(ready)],
+        cwd=elsewhere,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():

@@ -123,10 +123,17 @@ def test_ship_package_zips_only_what_the_executors_miss(monkeypatch, tmp_path):
 
 
 def test_shipped_archives_are_removed_at_exit(tmp_path):
-    script = ("from pathlib import Path\nfrom pipeline.spark import _zip\n"
-              "print(_zip([(Path('pipeline/__init__.py'), 'pipeline/__init__.py')], 'x'))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                         env={**__import__("os").environ, "TMPDIR": str(tmp_path)})
+    script = (
+        "from pathlib import Path\nfrom pipeline.spark import _zip\n"
+        "print(_zip([(Path('pipeline/__init__.py'), 'pipeline/__init__.py')], 'x'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "TMPDIR": str(tmp_path)},
+    )
     assert out.stdout.startswith(str(tmp_path)) and list(tmp_path.iterdir()) == []
 
 

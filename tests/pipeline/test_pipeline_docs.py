@@ -37,7 +37,8 @@ def test_the_documented_commands(spark, tmp_path, monkeypatch, capsys):
     write_log(hand_log(), data / "deliveries.parquet")
     (tmp_path / "deliverylog").mkdir()
     (tmp_path / "deliverylog" / "deliveries-x-1-1.jsonl").write_text(
-        "".join(json.dumps({**r, "transport": "ws"}) + "\n" for r in hand_log()))
+        "".join(json.dumps({**r, "transport": "ws"}) + "\n" for r in hand_log())
+    )
     ran = []
     with gateway_testing.run_gateway() as gw, contextlib.ExitStack() as stack:
         subscriber = Subscriber(stack.enter_context(connect(gw.ws_url, open_timeout=10)),

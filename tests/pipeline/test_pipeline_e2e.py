@@ -78,7 +78,6 @@ class Subscriber:
                 break
 
 
-
 def topics() -> list[str]:
     return [f"feed.rate-{t}" for t in range(TOPICS)]
 

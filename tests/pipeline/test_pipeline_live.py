@@ -48,8 +48,9 @@ def read_log(directory) -> list[dict]:
 
 def test_the_gateway_logs_what_it_delivers(tmp_path):
     with logged_gateway(tmp_path / "log") as gw, contextlib.ExitStack() as stack:
-        clients = [Subscriber(stack.enter_context(connect(gw.ws_url, open_timeout=10, close_timeout=1)), TOPICS)
-                   for _ in range(2)]
+        clients = [
+            Subscriber(stack.enter_context(connect(gw.ws_url, open_timeout=10, close_timeout=1)), TOPICS) for _ in range(2)
+        ]
         sent = publish_for(gw.ingest_port, 1.0)
         for client in clients:
             client.wait_for({t: sent - 1 for t in TOPICS})

@@ -82,8 +82,10 @@ def test_rerunning_a_failed_checkpoint_never_turns_loss_into_success(spark, tmp_
         # seqs 250..499 of feed.rate-0 are behind the far-ahead record too
         assert main(feed(gw, checkpoint, "--allow-loss")) == 0
         out = capsys.readouterr().out
-        assert ("2 batches, 2000 records: 1500 delivered into the ring (750 accepted now, 750 landed earlier), "
-                "500 lost (feed.rate-0 500)") in out
+        assert (
+            "2 batches, 2000 records: 1500 delivered into the ring (750 accepted now, 750 landed earlier), "
+            "500 lost (feed.rate-0 500)"
+        ) in out
         # the next run (batch 2, lossy as well) also says what the checkpoint lost before
         assert main(feed(gw, checkpoint)) == 1
         assert "earlier runs on this checkpoint lost 500 records (batches 0, 1)" in capsys.readouterr().err

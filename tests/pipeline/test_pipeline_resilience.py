@@ -81,7 +81,7 @@ def test_unreachable_gateway_names_host_and_port(spark, tmp_path):
 
 BAD_JSON_LINES = [
     '{"topic": "t.a", "data": "{\\"x\\": 1}", "seq": 0}',
-    'not json at all',
+    "not json at all",
     '{"topic": "t.a", "data": "{\\"x\\": 2}", "seq": 1}',
     '{"data": "3", "seq": 2}',
     '{"topic": "t.a", "data": "1, 2", "seq": 3}',
@@ -104,8 +104,11 @@ def test_a_bad_record_fails_with_file_and_line(spark, tmp_path):
     opts = FeedOptions(source="files", path=str(tmp_path / "in"), available_now=True, admin_url=None,
                        checkpoint=str(tmp_path / "ck"), retry=RetryPolicy(0, 0, 0))  # fmt: skip
     with IngestProtocolDouble() as double:
-        with pytest.raises(BadInput, match=rf"bad input record in file:{path} line \d: .*\(4 bad records in "
-                                           r"micro-batch 0; --bad-records DIR sets them aside\)"):
+        with pytest.raises(
+            BadInput,
+            match=rf"bad input record in file:{path} line \d: .*\(4 bad records in "
+            r"micro-batch 0; --bad-records DIR sets them aside\)",
+        ):
             run_feed(spark, replace(opts, port=double.port))
         assert double.landed == []  # nothing published
 

@@ -49,16 +49,21 @@ class RawWs:
     """A WebSocket client on a bare socket: it reads only when told to (a small receive buffer, so a peer
     that does not read fills it at once)."""
 
-    def __init__(self, port: int, *, rcvbuf: int = 4096, query: str = "", path: str = "/ws",
-                 subprotocol: str | None = None) -> None:
+    def __init__(
+        self, port: int, *, rcvbuf: int = 4096, query: str = "", path: str = "/ws", subprotocol: str | None = None
+    ) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.settimeout(5)
         sock.connect(("127.0.0.1", port))
         key = base64.b64encode(os.urandom(16)).decode()
         offer = f"Sec-WebSocket-Protocol: {subprotocol}\r\n" if subprotocol else ""
-        sock.sendall((f"GET {path}{query} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{offer}\r\n").encode())
+        sock.sendall(
+            (
+                f"GET {path}{query} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{offer}\r\n"
+            ).encode()
+        )
         head = b""
         while b"\r\n\r\n" not in head:
             chunk = sock.recv(1)
@@ -134,8 +139,8 @@ class RawWs:
             offset = 10
         if len(buf) < offset + n:
             return None
-        self.buffer = buf[offset + n:]
-        return buf[0] & 0x0F, buf[offset:offset + n]
+        self.buffer = buf[offset + n :]
+        return buf[0] & 0x0F, buf[offset : offset + n]
 
     def close(self) -> None:
         self.sock.close()

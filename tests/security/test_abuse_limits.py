@@ -30,8 +30,7 @@ def errors(entries):
 
 def test_topic_names_cannot_fill_the_table_for_good():
     # subscribe_burst raised: 120 commands at once, and what is bounded here is creations, not their rate
-    limits = {"limits": {"max_created_topics": 50, "topic_ttl_s": 0.5, "subscribe_burst": 1000},
-              "scheduler": {"max_topics": 120}}
+    limits = {"limits": {"max_created_topics": 50, "topic_ttl_s": 0.5, "subscribe_burst": 1000}, "scheduler": {"max_topics": 120}}
     with run_gateway(**limits) as gw, ws_connect(gw) as attacker:
         for i in range(60):
             send(attacker, op="subscribe", topic=f"junk.{i}", id=i)
@@ -79,8 +78,10 @@ def test_oversized_bodies_are_refused_before_they_are_read():
     with run_gateway(longpoll={"max_body_bytes": 1024}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
         session = http.post("/lp").json()["session"]
         # 256 MiB announced, 10 bytes sent: the answer comes at once, nothing is buffered
-        head = (f"POST /lp/{session} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {256 << 20}\r\n\r\n").encode()
+        head = (
+            f"POST /lp/{session} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {256 << 20}\r\n\r\n"
+        ).encode()
         started = time.monotonic()
         answer = raw_http(gw.http_port, head, b'{"op":"pi')
         assert answer.startswith(b"HTTP/1.1 413") and b'"too_large"' in answer
@@ -90,16 +91,25 @@ def test_oversized_bodies_are_refused_before_they_are_read():
         chunk = b"400\r\n" + b" " * 1024 + b"\r\n"
         answer = raw_http(gw.http_port, head, chunk * 3)
         assert answer.startswith(b"HTTP/1.1 413")
-        admin = raw_http(gw.http_port, (f"POST /api/topics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                                        f"Authorization: Bearer {gw.admin_token}\r\n"
-                                        f"Content-Length: {1 << 30}\r\n\r\n").encode())
+        admin = raw_http(
+            gw.http_port,
+            (
+                f"POST /api/topics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {gw.admin_token}\r\n"
+                f"Content-Length: {1 << 30}\r\n\r\n"
+            ).encode(),
+        )
         assert admin.startswith(b"HTTP/1.1 413")
 
 
 def test_json_nested_deeper_than_the_encoder_writes_gets_errors_everywhere_and_nothing_breaks():
     nested = deep(600)
-    with run_gateway() as gw, ws_connect(gw) as ws, ws_connect(gw) as bystander, \
-            httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with (
+        run_gateway() as gw,
+        ws_connect(gw) as ws,
+        ws_connect(gw) as bystander,
+        httpx.Client(base_url=gw.http_url, timeout=10) as http,
+    ):
         send(bystander, op="subscribe", topic="chat.x")
         recv_entries(bystander)
         send(ws, op="publish", topic="chat.x", data=nested, id=1)
@@ -159,8 +169,7 @@ def test_a_connection_that_subscribes_to_nothing_is_closed_when_idle():
 
 def test_out_of_range_seqs_and_topic_settings_are_refused_not_stored():
     headers = {"Authorization": "Bearer test-token"}
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10, headers=headers) as http, \
-            ws_connect(gw) as ws:
+    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10, headers=headers) as http, ws_connect(gw) as ws:
         pub = Ingest(gw)
         for seq in (2**64 - 1, 2**53, -1):
             pub.send({"topic": "t.big", "seq": seq, "data": 1})
@@ -169,9 +178,18 @@ def test_out_of_range_seqs_and_topic_settings_are_refused_not_stored():
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_seq"
         send(ws, op="subscribe", topic="t.big", id=1)  # the topic still works
         assert recv_entries(ws)[0]["seq"] == 0
-        for settings in ({"capacity": 1.5}, {"capacity": 10**30}, {"capacity": 2**64}, {"capacity": True},
-                         {"hole_timeout": True}, {"client_publish": "false"}, {"anonymous": 1},
-                         {"reorder_window": 1.5}, {"batch_depth": 0}, {"max_bytes": 2**40}):
+        for settings in (
+            {"capacity": 1.5},
+            {"capacity": 10**30},
+            {"capacity": 2**64},
+            {"capacity": True},
+            {"hole_timeout": True},
+            {"client_publish": "false"},
+            {"anonymous": 1},
+            {"reorder_window": 1.5},
+            {"batch_depth": 0},
+            {"max_bytes": 2**40},
+        ):
             r = http.post("/api/topics", json={"name": "t.settings", **settings})
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", settings
         assert http.get("/api/topics/t.settings").status_code == 404

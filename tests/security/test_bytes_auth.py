@@ -20,14 +20,15 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _pem(private) -> bytes:
-    return private.public_key().public_bytes(serialization.Encoding.PEM,
-                                             serialization.PublicFormat.SubjectPublicKeyInfo)
+    return private.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 @pytest.fixture(scope="module")
 def keys():
-    return {"RS256": rsa.generate_private_key(public_exponent=65537, key_size=2048),
-            "ES256": ec.generate_private_key(ec.SECP256R1())}
+    return {
+        "RS256": rsa.generate_private_key(public_exponent=65537, key_size=2048),
+        "ES256": ec.generate_private_key(ec.SECP256R1()),
+    }
 
 
 def _token(keys, alg: str, sub: str = "u1") -> str:
@@ -37,8 +38,7 @@ def _token(keys, alg: str, sub: str = "u1") -> str:
 def _gateway(tmp_path, keys, key_alg: str, **overrides):
     path = tmp_path / f"{key_alg}.pem"
     path.write_bytes(_pem(keys[key_alg]))
-    return run_gateway(auth={"jwt_secret": "", "jwt_public_key_file": str(path), **overrides.pop("auth", {})},
-                       **overrides)
+    return run_gateway(auth={"jwt_secret": "", "jwt_public_key_file": str(path), **overrides.pop("auth", {})}, **overrides)
 
 
 def _close_code(gw, query: str) -> int:

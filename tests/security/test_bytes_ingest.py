@@ -38,9 +38,12 @@ def test_error_lines_to_a_publisher_that_never_reads_are_bounded():
                     sock.send(junk)
                 except socket.timeout:
                     pass
-                held, paused = gw.call(lambda: (
-                    max((p.transport.get_write_buffer_size() for p in _ingest_protocols()), default=0),
-                    any(p.write_paused for p in _ingest_protocols())))
+                held, paused = gw.call(
+                    lambda: (
+                        max((p.transport.get_write_buffer_size() for p in _ingest_protocols()), default=0),
+                        any(p.write_paused for p in _ingest_protocols()),
+                    )
+                )
                 biggest = max(biggest, held)
                 if paused and paused_at is None:
                     paused_at = time.monotonic()  # the kernel's buffers are full: answers wait in ours
@@ -78,8 +81,7 @@ def test_a_seq_past_64_bits_is_bad_seq_on_the_ingest(seq):
 
 def test_a_seq_past_64_bits_is_bad_seq_on_the_admin_api():
     with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
-        answer = http.post("/api/topics/chat.a/publish", headers=auth(gw),
-                           content=json.dumps({"data": 1, "seq": 10**29}))
+        answer = http.post("/api/topics/chat.a/publish", headers=auth(gw), content=json.dumps({"data": 1, "seq": 10**29}))
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "bad_seq", answer.text
         answer = http.post("/api/topics/chat.a/publish", headers=auth(gw), content=json.dumps({"data": 1, "seq": 2.5}))
         assert answer.json()["error"]["code"] == "bad_request"

@@ -33,7 +33,7 @@ def test_the_sse_id_line_is_bounded_with_1000_subscriptions_and_recovers():
         with SseClient(gw, "?topics=", rcvbuf=1 << 20) as sse, httpx.Client(base_url=gw.http_url) as http:
             secret = sse.session()["session"]
             for start in range(0, 1000, 100):
-                commands = [{"op": "subscribe", "topic": name} for name in names[start:start + 100]]
+                commands = [{"op": "subscribe", "topic": name} for name in names[start : start + 100]]
                 assert http.post(f"/sse/{secret}", json=commands).status_code == 202
             got = sse.collect(lambda g: sum(e["type"] == "subscribed" for e in g) == 1000, timeout=20)
             epochs = {e["topic"]: e["epoch"] for e in got if e["type"] == "subscribed"}
@@ -79,8 +79,10 @@ def test_a_long_poll_client_closed_between_polls_learns_why():
         assert answer.status_code == 200, answer.text  # was 404 unknown_session
         body = answer.json()
         assert body["batch"] is None
-        assert body["entries"] == [{"type": "error", "code": "closed", "message": "kicked by operator",
-                                    "close_code": 4000}] or body["entries"][0]["close_code"] == 4000
+        assert (
+            body["entries"] == [{"type": "error", "code": "closed", "message": "kicked by operator", "close_code": 4000}]
+            or body["entries"][0]["close_code"] == 4000
+        )
         assert http.get(f"/lp/{session}").status_code == 404  # told once
         deleted = http.post("/lp").json()["session"]
         assert http.delete(f"/lp/{deleted}").status_code == 204

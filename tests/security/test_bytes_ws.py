@@ -27,8 +27,11 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_bounded_and_cut():
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
                 attacker.flood(ws_frame(PING, b"x" * 125), 0.1)
-                held = gw.call(lambda: gw.hub.clients.conns[cid].proto.transport.get_write_buffer_size()
-                               if cid in gw.hub.clients.conns else 0)
+                held = gw.call(
+                    lambda: (
+                        gw.hub.clients.conns[cid].proto.transport.get_write_buffer_size() if cid in gw.hub.clients.conns else 0
+                    )
+                )
                 biggest = max(biggest, held)
             # uvicorn wrote every pong: MiBs in a second. Now the write buffer stops near the high-water mark:
             # the pongs of one parse slice (PARSE_SLICE of pings) at most past it, then one held pong
@@ -59,8 +62,13 @@ def test_replies_to_a_client_that_never_reads_are_bounded_in_bytes():
             for _ in range(40):  # 2.4 MB of replies asked for
                 if not attacker.send(ws_frame(TEXT, echo), timeout=2):
                     break
-                queued = gw.call(lambda: sum(len(e) for e in gw.hub.scheduler.engine.client(cid).direct or ())
-                                 if gw.hub.scheduler.engine.has_client(cid) else 0)
+                queued = gw.call(
+                    lambda: (
+                        sum(len(e) for e in gw.hub.scheduler.engine.client(cid).direct or ())
+                        if gw.hub.scheduler.engine.has_client(cid)
+                        else 0
+                    )
+                )
                 most = max(most, queued)
             wait_for(lambda: gw.call(lambda: cid not in gw.hub.clients.conns), "the 4009 cut")
             assert gw.call(lambda: gw.hub.clients.disconnects[("ws", "direct_queue_full")]) == 1

@@ -20,20 +20,31 @@ from tests.security.bytes_helpers import TEXT, RawWs, ws_frame
 pytestmark = pytest.mark.timeout(120)
 
 PATH = "/connection/websocket"
-RULES = [{"pattern": "feed.*", "kind": "ring", "capacity": 32768, "anonymous": True, "presence": True},
-         {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True, "presence": True}]
+RULES = [
+    {"pattern": "feed.*", "kind": "ring", "capacity": 32768, "anonymous": True, "presence": True},
+    {"pattern": "*", "kind": "ring", "capacity": 64, "anonymous": True, "presence": True},
+]
 #: replies are bounded per client in entries and bytes (3008): raised here, so a frame's replies are all queued
 DIRECT_BYTES = 4 << 20
-SECTIONS = {"ingest": {"enabled": False}, "limits": {"bad_input_log_per_s": 0},
-            "scheduler": {"direct_queue_max": 100000, "direct_queue_max_bytes": DIRECT_BYTES}}
+SECTIONS = {
+    "ingest": {"enabled": False},
+    "limits": {"bad_input_log_per_s": 0},
+    "scheduler": {"direct_queue_max": 100000, "direct_queue_max_bytes": DIRECT_BYTES},
+}
 
 
 def publish(port: int, topic: str, count: int) -> None:
     for start in range(0, count, 5000):
-        body = json.dumps({"messages": [{"n": n, "price": 1.0842 + n, "sym": "EURUSD", "ts": 1.7e9}
-                                        for n in range(start, min(count, start + 5000))]}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/topics/{topic}/publish", data=body,
-                                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        body = json.dumps(
+            {
+                "messages": [
+                    {"n": n, "price": 1.0842 + n, "sym": "EURUSD", "ts": 1.7e9} for n in range(start, min(count, start + 5000))
+                ]
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/topics/{topic}/publish", data=body, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
         with urllib.request.urlopen(request, timeout=30) as answer:
             assert answer.status == 200
 
@@ -119,8 +130,7 @@ def test_history_frames_leave_the_loop_to_other_clients(gateway):
     # 12 answers of everything retained (10,000 publications each): before, one frame took 0.6-0.8 s of the
     # loop in one step, and /healthz waited 1.1-1.5 s. Now each answer is cut to what the client's direct queue
     # can take (the rest: 111, ask again) and written in one join (~5 ms), and each command is a step of the turn
-    frame = b"\n".join(json.dumps({"id": n + 2, "history": {"channel": "feed.hist", "limit": -1}}).encode()
-                       for n in range(12))
+    frame = b"\n".join(json.dumps({"id": n + 2, "history": {"channel": "feed.hist", "limit": -1}}).encode() for n in range(12))
     delays = delays_under(gateway.http_port, lambda: [Attacker(gateway.http_port, frame) for _ in range(2)])
     median, p90 = figures("history frames", delays)
     # here before: median 87, p90 141 ms; now ~4 and ~8 (quiet machine): the bounds leave room for a shared one
@@ -130,8 +140,7 @@ def test_history_frames_leave_the_loop_to_other_clients(gateway):
 def test_frames_of_cheap_commands_take_turns_as_on_ws(gateway):
     # 1,002 presence_stats a frame, from three connections: before, p50 44-70 ms, p99 367 ms; `/ws` with 100
     # commands a frame: p50 6.6 ms
-    frame = b"\n".join(json.dumps({"id": n + 2, "presence_stats": {"channel": f"x.{n % 7}"}}).encode()
-                       for n in range(1002))
+    frame = b"\n".join(json.dumps({"id": n + 2, "presence_stats": {"channel": f"x.{n % 7}"}}).encode() for n in range(1002))
     delays = delays_under(gateway.http_port, lambda: [Attacker(gateway.http_port, frame) for _ in range(3)])
     median, p90 = figures("presence_stats frames", delays)
     # here before: median 28, p90 37 ms; now ~3.3 and ~3.7
@@ -144,8 +153,9 @@ def test_history_answers_fit_the_direct_queue(gateway):
     ws = RawWs(gateway.http_port, rcvbuf=4096, path=PATH, subprotocol="centrifuge-json")
     try:
         ws.send(ws_frame(TEXT, b'{"id":1,"connect":{}}'))
-        frame = b"\n".join(json.dumps({"id": n + 2, "history": {"channel": "feed.hist", "limit": -1}}).encode()
-                           for n in range(20))
+        frame = b"\n".join(
+            json.dumps({"id": n + 2, "history": {"channel": "feed.hist", "limit": -1}}).encode() for n in range(20)
+        )
         assert ws.send(ws_frame(TEXT, frame))
         time.sleep(1.0)  # the answers are queued while the client reads nothing
         replies: dict[int, dict] = {}

@@ -83,10 +83,12 @@ def waiting_hooks(app: Backend, count: int) -> None:
 
 # -- item 2: pending connect calls per address -------------------------------------------------------------
 
+
 def test_one_address_flooding_the_connect_hook_leaves_room_for_another_address(app):
     # before: the flood takes the hook's 64 slots, the other address waits for one past its timeout (1013)
     app.delays["connect"] = 1.5
     with run_gateway(proxy=hooks(app, timeout_s=2.0)) as gw:
+
         async def scenario() -> tuple[list[tuple[object, str]], tuple[object, str]]:
             flood = [asyncio.create_task(ws_outcome(gw.ws_url)) for _ in range(120)]
             await asyncio.to_thread(waiting_hooks, app, 16)
@@ -109,6 +111,7 @@ def test_one_address_flooding_the_connect_hook_leaves_room_for_another_address(a
 def test_http_handshakes_beyond_the_pending_connects_of_an_address_get_429(app, transport):
     app.delays["connect"] = 1.0
     with run_gateway(proxy=hooks(app, max_pending_connects_per_ip=4)) as gw:
+
         async def scenario() -> list[httpx.Response]:
             async with http(gw) as client:
                 opens = [client.post("/lp") if transport == "longpoll" else open_sse(client) for _ in range(10)]
@@ -127,10 +130,12 @@ def test_http_handshakes_beyond_the_pending_connects_of_an_address_get_429(app, 
 
 # -- item 5: session bounds reserved before the hook -----------------------------------------------------
 
+
 def test_longpoll_session_bounds_hold_while_connect_hooks_are_pending_and_refusals_release_them(app):
     app.delays["connect"] = 0.5
     config = {"proxy": hooks(app, max_pending_connects_per_ip=100), "longpoll": {"max_sessions_per_ip": 5}}
     with run_gateway(**config) as gw:
+
         async def burst(count: int, source: str | None = None) -> list[int]:
             async with http(gw, source) as client:
                 return sorted(r.status_code for r in await asyncio.gather(*(client.post("/lp") for _ in range(count))))
@@ -153,6 +158,7 @@ def test_sse_streams_per_address_hold_while_connect_hooks_are_pending(app):
     app.delays["connect"] = 0.5
     config = {"proxy": hooks(app, max_pending_connects_per_ip=100), "sse": {"max_sessions_per_ip": 5}}
     with run_gateway(**config) as gw:
+
         async def burst(count: int) -> list[int]:
             async with http(gw) as client:
                 answers = await asyncio.gather(*(open_sse(client) for _ in range(count)))
@@ -171,15 +177,18 @@ def test_sse_streams_per_address_hold_while_connect_hooks_are_pending(app):
 
 # -- item 4: a revocation or a disconnect while the hook is pending ------------------------------------------
 
+
 def test_a_revocation_or_a_disconnect_during_the_connect_hook_closes_the_client_it_names(app):
     app.delays["connect"] = 1.0
     app.answers["connect"] = lambda body: {"user": body["user"]}  # the token's user
     with run_gateway(proxy=hooks(app, connect_always=True)) as gw:
+
         async def scenario() -> None:
             async with http(gw, headers=auth(gw)) as admin, http(gw) as client:
                 ws = asyncio.create_task(ws_outcome(f"{gw.ws_url}?token={make_token('carol', jti='j-ws')}"))
-                lp = asyncio.create_task(client.post("/lp", headers={
-                    "Authorization": f"Bearer {make_token('dora', iat=int(time.time()) - 5)}"}))
+                lp = asyncio.create_task(
+                    client.post("/lp", headers={"Authorization": f"Bearer {make_token('dora', iat=int(time.time()) - 5)}"})
+                )
                 sse = asyncio.create_task(open_sse(client, f"topics=a&token={make_token('erin')}"))
                 await asyncio.to_thread(waiting_hooks, app, 3)
                 revoked = await admin.post("/api/revocations", json={"jti": "j-ws"})
@@ -194,8 +203,7 @@ def test_a_revocation_or_a_disconnect_during_the_connect_hook_closes_the_client_
                 assert refused.json() == {"error": {"code": "closed", "message": "token revoked", "close_code": 4010}}
                 stream = await sse
                 assert stream.status_code == 200
-                assert stream.extensions.get("first") == [
-                    "event: close", 'data: {"code":4005,"reason":"disconnected by admin"}']
+                assert stream.extensions.get("first") == ["event: close", 'data: {"code":4005,"reason":"disconnected by admin"}']
                 await stream.aclose()
 
         asyncio.run(scenario())
@@ -203,17 +211,18 @@ def test_a_revocation_or_a_disconnect_during_the_connect_hook_closes_the_client_
         # the backend granted them: it hears of their end, as of any client's
         # each event is retried (proxy.event_retries) for up to ~10 s on a loaded machine
         wait_for(lambda: len(app.received["disconnect"]) == 3, "the disconnect events", timeout=20)
-        assert sorted(e["reason"] for e in app.received["disconnect"]) == [
-            "disconnected", "token_revoked", "token_revoked"]
+        assert sorted(e["reason"] for e in app.received["disconnect"]) == ["disconnected", "token_revoked", "token_revoked"]
         assert gw.call(lambda: len(gw.hub.clients.pending)) == 0
 
 
 # -- item 11: a connect hook answering during the drain ------------------------------------------------------
 
+
 def test_a_client_whose_connect_hook_answers_during_the_drain_is_closed_1012_with_a_hint(app):
     app.delays["connect"] = 1.0
     config = {"proxy": hooks(app), "server": {"drain_timeout_s": 4.0, "drain_spread_s": 1.0}}
     with run_gateway(**config) as gw:
+
         async def scenario() -> None:
             async with http(gw) as client:
                 ws = asyncio.create_task(ws_outcome(gw.ws_url))

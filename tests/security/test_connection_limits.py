@@ -37,6 +37,7 @@ HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 # -- helpers: raw sockets, bounded waits -------------------------------------------------------------------
 
+
 def closed_after(sock: socket.socket, timeout: float = 5.0) -> float:
     """Seconds until the gateway closes the connection (nothing may arrive before)."""
     start = time.monotonic()
@@ -50,7 +51,7 @@ def trickle_until_closed(sock: socket.socket, data: bytes, period: float = 0.1, 
     sock.settimeout(period)
     for i in range(int(timeout / period)):
         try:
-            sock.sendall(data[i % len(data):][:1])
+            sock.sendall(data[i % len(data) :][:1])
             if sock.recv(1) == b"":
                 return time.monotonic() - start
         except socket.timeout:
@@ -93,8 +94,10 @@ def assert_refusal(data: bytes) -> None:
 
 def ws_handshake(sock: socket.socket, path: str = "/ws") -> None:
     key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(4096)
@@ -115,6 +118,7 @@ def ws_subscribed(ws, topic: str = "chat.room") -> None:
 
 
 # -- connection limits -----------------------------------------------------------------------------------
+
 
 def test_per_ip_limit_answers_503_and_a_closed_connection_or_websocket_frees_its_slot():
     with run_gateway(server={"max_connections_per_ip": 5, "header_timeout_s": 10.0}) as gw:
@@ -168,6 +172,7 @@ def test_total_limit_refuses_beyond_it():
 
 # -- request-header deadline (slowloris) ------------------------------------------------------------------
 
+
 def test_header_deadline_closes_slow_and_idle_connections_but_not_clients():
     with run_gateway(server={"header_timeout_s": 0.5}) as gw:
         bare = tcp(gw)  # connects, sends nothing
@@ -205,6 +210,7 @@ def test_keep_alive_connection_that_stalls_in_its_next_request_is_closed():
 
 
 # -- TLS ---------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
@@ -255,16 +261,21 @@ def test_tls_config_mistakes_are_config_errors(tls, tmp_path):
 
 # -- the ready file ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("configured", [True, False], ids=["configured-token", "generated-token"])
 def test_ready_file_is_private_and_holds_only_a_generated_token(tmp_path, configured):
     config, ready = tmp_path / "gateway.toml", tmp_path / "ready.json"
     token_line = 'admin_token = "configured-secret"\n' if configured else ""
-    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = 0\n{token_line}[ingest]\nport = 0\n'
-                      '[rawtcp]\nenabled = false\n')
+    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = 0\n{token_line}[ingest]\nport = 0\n[rawtcp]\nenabled = false\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -284,6 +295,7 @@ def test_ready_file_is_private_and_holds_only_a_generated_token(tmp_path, config
 
 
 # -- invalid UTF-8 in WebSocket text frames ----------------------------------------------------------------
+
 
 class _Records(logging.Handler):
     def __init__(self) -> None:
@@ -317,10 +329,14 @@ def test_invalid_utf8_text_frames_close_with_1007_counted_without_a_traceback(ca
     assert 1 <= len(logged) < 6 and not any(r.exc_info for r in logged)  # 18 bad frames, a line per second
 
 
-@pytest.mark.parametrize("frame, code", [
-    (bytes((0x81, 0xFF)) + struct.pack("!Q", 200000) + os.urandom(4), 1009),  # over websocket.max_frame_bytes
-    (bytes((0x81, 0x05)) + b"hello", 1002),  # unmasked: a protocol error
-], ids=["too-large", "unmasked"])
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        (bytes((0x81, 0xFF)) + struct.pack("!Q", 200000) + os.urandom(4), 1009),  # over websocket.max_frame_bytes
+        (bytes((0x81, 0x05)) + b"hello", 1002),  # unmasked: a protocol error
+    ],
+    ids=["too-large", "unmasked"],
+)
 def test_other_frame_errors_close_with_their_code_and_are_counted(frame, code):
     with run_gateway() as gw:
         sock = tcp(gw)

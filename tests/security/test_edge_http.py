@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 def send_in_pieces(sock: socket.socket, data: bytes, piece: int) -> None:
     for i in range(0, len(data), piece):
         try:
-            sock.sendall(data[i:i + piece])
+            sock.sendall(data[i : i + piece])
         except (BrokenPipeError, ConnectionResetError):
             return
 
@@ -38,11 +38,14 @@ def json_error(data: bytes, status: bytes) -> str:
 
 def upgrade(path: str = "/ws", host: str = "127.0.0.1", extra: bytes = b"") -> bytes:
     key = base64.b64encode(os.urandom(16))
-    return (b"GET " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode() + b"\r\nUpgrade: websocket\r\n"
-            b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n" + extra + b"\r\n")
+    return (
+        b"GET " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode() + b"\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n" + extra + b"\r\n"
+    )
 
 
 # -- 1. request heads: bytes and header lines ---------------------------------------------------------------
+
 
 def test_a_head_over_max_header_bytes_is_answered_431_and_closed_whatever_its_pieces():
     with run_gateway() as gw:  # the default bound: 16 KiB
@@ -80,9 +83,11 @@ def test_heads_within_the_bounds_and_bodies_beyond_them_are_served():
         # a body sent with its head in one write (one read here) does not count as head
         body = json.dumps({"data": "d" * 60000}).encode()
         sock = tcp(gw)
-        sock.sendall(b"POST /api/topics/chat.edge/publish HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Authorization: Bearer " + TEST_TOKEN.encode() + b"\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /api/topics/chat.edge/publish HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer " + TEST_TOKEN.encode() + b"\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         sock.settimeout(5)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         # keep-alive: the next head on the same connection is bounded again
@@ -98,6 +103,7 @@ def test_a_bad_header_bound_is_refused_at_start():
 
 
 # -- 2. WebSocket handshakes websockets refuses for size ------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", ["long_url", "long_header_line", "too_many_headers"])
 def test_a_handshake_websockets_refuses_for_size_is_answered_and_closed_and_frees_its_slot(case):
@@ -121,22 +127,24 @@ def test_a_handshake_websockets_refuses_for_size_is_answered_and_closed_and_free
 
 # -- 3. Host allow-list ------------------------------------------------------------------------------------
 
+
 def test_a_foreign_host_is_answered_421_on_every_path_and_transport():
     with run_gateway() as gw:
         # a live SSE session, whose POST a rebinding page would aim at
         with httpx.Client(timeout=10) as client, client.stream("GET", f"{gw.http_url}/sse") as stream:
             lines = stream.iter_lines()
             assert next(lines) == "event: session"
-            session = json.loads(next(lines)[len("data: "):])["session"]
+            session = json.loads(next(lines)[len("data: ") :])["session"]
             requests = [
                 b"GET /healthz HTTP/1.1\r\nHost: rebind.attacker.example\r\n\r\n",
                 b"GET /sse?topics=chat.x HTTP/1.1\r\nHost: rebind.attacker.example:%d\r\n\r\n" % gw.http_port,
                 b"POST /sse/" + session.encode() + b" HTTP/1.1\r\nHost: rebind.attacker.example\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 13\r\n\r\n{\"op\":\"ping\"}",
+                b'Content-Type: application/json\r\nContent-Length: 13\r\n\r\n{"op":"ping"}',
                 b"POST /lp HTTP/1.1\r\nHost: rebind.attacker.example\r\nContent-Length: 0\r\n\r\n",
                 b"GET /admin/ HTTP/1.1\r\nHost: rebind.attacker.example\r\n\r\n",
                 b"GET /api/stats HTTP/1.1\r\nHost: rebind.attacker.example\r\nAuthorization: Bearer "
-                + TEST_TOKEN.encode() + b"\r\n\r\n",
+                + TEST_TOKEN.encode()
+                + b"\r\n\r\n",
                 upgrade(host="rebind.attacker.example"),
                 # a second Host header cannot smuggle the name past the check
                 b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: rebind.attacker.example\r\n\r\n",
@@ -152,8 +160,15 @@ def test_a_foreign_host_is_answered_421_on_every_path_and_transport():
 
 def test_the_default_allows_the_bind_address_localhost_and_ip_literals():
     with run_gateway() as gw:
-        for host in ("127.0.0.1", f"127.0.0.1:{gw.http_port}", "localhost", f"LOCALHOST:{gw.http_port}",
-                     "localhost.", "10.1.2.3:80", "[::1]:8080"):
+        for host in (
+            "127.0.0.1",
+            f"127.0.0.1:{gw.http_port}",
+            "localhost",
+            f"LOCALHOST:{gw.http_port}",
+            "localhost.",
+            "10.1.2.3:80",
+            "[::1]:8080",
+        ):
             assert httpx.get(f"{gw.http_url}/healthz", headers={"Host": host}).status_code == 200, host
         sock = tcp(gw)  # HTTP/1.0 without Host: not a browser
         sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
@@ -164,9 +179,16 @@ def test_the_default_allows_the_bind_address_localhost_and_ip_literals():
 
 def test_allowed_hosts_names_and_wildcards():
     with run_gateway(server={"allowed_hosts": ["gw.example.com", "*.apps.example"]}) as gw:
-        for host, status in (("gw.example.com", 200), ("GW.example.com:443", 200), ("a.apps.example", 200),
-                             ("b.c.apps.example", 200), ("apps.example", 421), ("localhost", 421),
-                             ("evil-gw.example.com", 421), ("127.0.0.1", 200)):
+        for host, status in (
+            ("gw.example.com", 200),
+            ("GW.example.com:443", 200),
+            ("a.apps.example", 200),
+            ("b.c.apps.example", 200),
+            ("apps.example", 421),
+            ("localhost", 421),
+            ("evil-gw.example.com", 421),
+            ("127.0.0.1", 200),
+        ):
             assert httpx.get(f"{gw.http_url}/healthz", headers={"Host": host}).status_code == status, host
     with run_gateway(server={"allowed_hosts": ["*"]}) as gw:
         assert httpx.get(f"{gw.http_url}/healthz", headers={"Host": "any.example"}).status_code == 200
@@ -177,6 +199,7 @@ def test_allowed_hosts_names_and_wildcards():
 
 
 # -- 4. security headers -----------------------------------------------------------------------------------
+
 
 def test_pages_and_answers_carry_the_security_headers():
     with run_gateway() as gw:

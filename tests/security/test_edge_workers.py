@@ -73,6 +73,7 @@ def fresh(method: str, url: str, **kwargs) -> httpx.Response:
 
 # -- 5. the internal links ---------------------------------------------------------------------------------
 
+
 def test_workers_listen_on_the_public_ports_only_and_still_forward_sessions(nodes):
     # a poll with nothing to give returns after 0.1 s: 30 of them below
     node = nodes.start("w", server={"workers": 2}, longpoll={"poll_timeout_s": 0.1})
@@ -91,6 +92,7 @@ def test_workers_listen_on_the_public_ports_only_and_still_forward_sessions(node
 
 # -- 6. descriptors of forwards counted at start -----------------------------------------------------------
 
+
 def test_the_descriptor_check_counts_the_sockets_of_forwards(nodes, tmp_path):
     config = tmp_path / "gateway.toml"
     config.write_text(Node(tmp_path, nodes.redis.url, {"server": {"workers": 2, "max_connections": 100}}).config_text())
@@ -100,9 +102,15 @@ def test_the_descriptor_check_counts_the_sockets_of_forwards(nodes, tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file",
-                             str(ready)], cwd=ROOT, env=env, preexec_fn=low_limit,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
+        cwd=ROOT,
+        env=env,
+        preexec_fn=low_limit,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -115,6 +123,7 @@ def test_the_descriptor_check_counts_the_sockets_of_forwards(nodes, tmp_path):
 
 
 # -- 7. per-address limits across workers ------------------------------------------------------------------
+
 
 def _served(port: int) -> socket.socket | None:
     """A kept-alive connection that got 200 for /healthz, or None when it was refused (503)."""
@@ -129,8 +138,12 @@ def _served(port: int) -> socket.socket | None:
 
 
 def test_per_address_limits_hold_across_two_workers(nodes):
-    node = nodes.start("w", server={"workers": 2, "max_connections_per_ip": 4},
-                       longpoll={"max_sessions_per_ip": 3}, sse={"max_sessions_per_ip": 2})
+    node = nodes.start(
+        "w",
+        server={"workers": 2, "max_connections_per_ip": 4},
+        longpoll={"max_sessions_per_ip": 3},
+        sse={"max_sessions_per_ip": 2},
+    )
     port = node.info["http_port"]
     # connections: one at a time, each served before the next (no two admissions at the same instant)
     held = [_served(port) for _ in range(12)]
@@ -169,10 +182,10 @@ SECRET = "edge-workers-jwt-secret-of-32-bytes!!"
 def test_token_checks_per_address_hold_across_two_workers(nodes):
     """auth.rate_per_ip / burst_per_ip: one bucket per address whichever worker checks the token (before,
     each worker had its own: two workers allowed twice the burst)."""
-    node = nodes.start("w", server={"workers": 2}, auth={"jwt_secret": SECRET, "rate_per_ip": 0.01,
-                                                         "burst_per_ip": 4})
-    statuses = [fresh("POST", f"{node.http_url}/lp", headers={"Authorization": "Bearer not.a.token"}).status_code
-                for _ in range(30)]  # each on a new connection: the kernel spreads them over both workers
+    node = nodes.start("w", server={"workers": 2}, auth={"jwt_secret": SECRET, "rate_per_ip": 0.01, "burst_per_ip": 4})
+    statuses = [
+        fresh("POST", f"{node.http_url}/lp", headers={"Authorization": "Bearer not.a.token"}).status_code for _ in range(30)
+    ]  # each on a new connection: the kernel spreads them over both workers
     assert statuses.count(429) == 26 and set(statuses) - {429} == {401}, statuses
 
 

@@ -195,6 +195,7 @@ anonymous = true
 
 # -- outcome bookkeeping ---------------------------------------------------------------------------------
 
+
 class Outcomes:
     """Counters and failures of one worker (each thread has its own: merged at the end)."""
 
@@ -242,13 +243,20 @@ def check_entry(entry: Any) -> str | None:
         if not isinstance(entry.get("topic"), str) or not isinstance(entry.get("seq"), int) or "data" not in entry:
             return "msg without topic/seq/data"
     elif kind == "loss":
-        if (not isinstance(entry.get("topic"), str) or not isinstance(entry.get("from"), int)
-                or not (entry.get("to") is None or isinstance(entry.get("to"), int))
-                or entry.get("reason") not in LOSS_REASONS):
+        if (
+            not isinstance(entry.get("topic"), str)
+            or not isinstance(entry.get("from"), int)
+            or not (entry.get("to") is None or isinstance(entry.get("to"), int))
+            or entry.get("reason") not in LOSS_REASONS
+        ):
             return "malformed loss entry"
     elif kind == "subscribed":
-        if not isinstance(entry.get("topic"), str) or not isinstance(entry.get("seq"), int) \
-                or not isinstance(entry.get("epoch"), str) or entry.get("kind") not in ("ring", "snapshot", "private"):
+        if (
+            not isinstance(entry.get("topic"), str)
+            or not isinstance(entry.get("seq"), int)
+            or not isinstance(entry.get("epoch"), str)
+            or entry.get("kind") not in ("ring", "snapshot", "private")
+        ):
             return "malformed subscribed entry"
     elif kind in ("unsubscribed", "closed"):
         if not isinstance(entry.get("topic"), str):
@@ -277,18 +285,81 @@ def count_entries(out: Outcomes, prefix: str, entries: list, source: str) -> lis
 
 #: JSON (and not-quite-JSON) text dropped into inputs: odd numbers, wrong types, escapes, structure
 WEIRD = [
-    b"1e400", b"1000000000000000000000000000000", b"-1", b"0", b"true", b"false", b"null", b"1.5", b"-0.0",
-    b"18446744073709551615", b"9223372036854775807", b"-9223372036854775809", b"1e-400", b"NaN", b"Infinity",
-    b'""', b'"x"', b'"\\u0000"', b'"\\ud800"', b'"\\udc00\\ud800"', b'"\xe2\x82\xac"', b"{}", b"[]", b"[[[]]]",
-    b'{"epoch":"e","seq":-1}', b'{"epoch":1,"seq":"2"}', b'{"a":{"b":{"c":null}}}', b'"fz.a"', b'"private.x"',
-    b'[1,"2",{"3":4}]', b'"fzs.s"', b'"fzt.t"', b'"*"', b'"fz.*"', b'"' + b"\\" * 4 + b'"',
+    b"1e400",
+    b"1000000000000000000000000000000",
+    b"-1",
+    b"0",
+    b"true",
+    b"false",
+    b"null",
+    b"1.5",
+    b"-0.0",
+    b"18446744073709551615",
+    b"9223372036854775807",
+    b"-9223372036854775809",
+    b"1e-400",
+    b"NaN",
+    b"Infinity",
+    b'""',
+    b'"x"',
+    b'"\\u0000"',
+    b'"\\ud800"',
+    b'"\\udc00\\ud800"',
+    b'"\xe2\x82\xac"',
+    b"{}",
+    b"[]",
+    b"[[[]]]",
+    b'{"epoch":"e","seq":-1}',
+    b'{"epoch":1,"seq":"2"}',
+    b'{"a":{"b":{"c":null}}}',
+    b'"fz.a"',
+    b'"private.x"',
+    b'[1,"2",{"3":4}]',
+    b'"fzs.s"',
+    b'"fzt.t"',
+    b'"*"',
+    b'"fz.*"',
+    b'"' + b"\\" * 4 + b'"',
 ]
 FRAGMENTS = WEIRD + [
-    b"\x00", b"\xff", b"\xfe\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x80", b"\\", b'"',
-    b"{", b"}", b"[", b"]", b",", b":", b",,", b" ", b"\t", b"\r", b"/*", b"'", b'"op":"publish"',
-    b'"op":"subscribe"', b'"topic":"fz.z"', b'"data":', b'"id":', b'"seq":', b'"since":', b'"sync":',
-    b'"client":"c1"', b'"auth":', b'"method":"echo"', b'"params":', b'"token":', b'"name":', b'"kind":',
-    b'"capacity":', b'"messages":',
+    b"\x00",
+    b"\xff",
+    b"\xfe\xff",
+    b"\xc3\x28",
+    b"\xed\xa0\x80",
+    b"\xf4\x90\x80\x80",
+    b"\x80",
+    b"\\",
+    b'"',
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b",,",
+    b" ",
+    b"\t",
+    b"\r",
+    b"/*",
+    b"'",
+    b'"op":"publish"',
+    b'"op":"subscribe"',
+    b'"topic":"fz.z"',
+    b'"data":',
+    b'"id":',
+    b'"seq":',
+    b'"since":',
+    b'"sync":',
+    b'"client":"c1"',
+    b'"auth":',
+    b'"method":"echo"',
+    b'"params":',
+    b'"token":',
+    b'"name":',
+    b'"kind":',
+    b'"capacity":',
+    b'"messages":',
 ]
 INVALID_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x80", b"\xe2\x82", b"\xc0\xaf"]
 RAW_SENTINEL = "@@RAW-VALUE@@"
@@ -303,8 +374,9 @@ def deep(levels: int, rng: random.Random) -> bytes:
 class Mutator:
     """Deterministic mutations of a corpus of valid inputs (JSON documents)."""
 
-    def __init__(self, rng: random.Random, corpus: list[Any], fields: list[tuple[str, ...]], limit: int,
-                 newlines: bool = False) -> None:
+    def __init__(
+        self, rng: random.Random, corpus: list[Any], fields: list[tuple[str, ...]], limit: int, newlines: bool = False
+    ) -> None:
         self.rng = rng
         self.docs = corpus
         self.texts = [orjson.dumps(doc) for doc in corpus]
@@ -402,10 +474,10 @@ class Mutator:
             return data[:b] + data[a:b] * rng.randint(1, 4) + data[b:]
         if op == 4:  # splice with another corpus input
             other = rng.choice(self.texts)
-            return data[: rng.randrange(len(data) + 1)] + other[rng.randrange(len(other) + 1):]
+            return data[: rng.randrange(len(data) + 1)] + other[rng.randrange(len(other) + 1) :]
         if op == 5:  # deletion
             a = rng.randrange(len(data))
-            return data[:a] + data[a + rng.randint(1, 8):]
+            return data[:a] + data[a + rng.randint(1, 8) :]
         if op == 6:  # a NUL or invalid UTF-8
             a = rng.randrange(len(data) + 1)
             return data[:a] + rng.choice(INVALID_UTF8 + [b"\x00"]) + data[a:]
@@ -455,6 +527,7 @@ def names_honest(payload: bytes, *, lines: bool = False, keys: tuple[str, ...] =
 
 # -- corpora ---------------------------------------------------------------------------------------------
 
+
 class Tokens:
     def __init__(self) -> None:
         self.ws = make_token("fuzz-ws", subscribe=["fzt.*", "private.*"], publish=["fzt.*"])
@@ -486,14 +559,23 @@ def command_corpus(tokens: Tokens) -> list[Any]:
         {"op": "auth", "token": tokens.other, "id": 18},
         {"op": "auth", "token": tokens.expired, "id": 19},
         {"op": "auth", "token": tokens.forged, "id": 20},
-        [{"op": "ping", "id": 9}, {"op": "subscribe", "topic": "fz.c"},
-         {"op": "publish", "topic": "fz.c", "data": [9]}],
+        [{"op": "ping", "id": 9}, {"op": "subscribe", "topic": "fz.c"}, {"op": "publish", "topic": "fz.c", "data": [9]}],
         [{"op": "unsubscribe", "topic": "fz.c", "id": 10}, {"op": "rpc", "method": "echo", "params": "p"}],
     ]
 
 
-COMMAND_FIELDS = [("op",), ("topic",), ("id",), ("data",), ("since",), ("since", "epoch"), ("since", "seq"),
-                  ("method",), ("params",), ("token",)]
+COMMAND_FIELDS = [
+    ("op",),
+    ("topic",),
+    ("id",),
+    ("data",),
+    ("since",),
+    ("since", "epoch"),
+    ("since", "seq"),
+    ("method",),
+    ("params",),
+    ("token",),
+]
 
 
 def ingest_corpus() -> list[Any]:
@@ -521,15 +603,33 @@ def admin_create_corpus() -> list[Any]:
         {"name": "fz.c1", "capacity": 32},
         {"name": "fz.c2", "kind": "snapshot"},
         {"name": "fz.c3", "kind": "private", "max_count": 8, "max_bytes": 4096},
-        {"name": "fz.c4", "reorder_window": 8, "hole_timeout": 0.5, "batch_depth": 2, "client_publish": True,
-         "anonymous": True, "linger": 0.01},
+        {
+            "name": "fz.c4",
+            "reorder_window": 8,
+            "hole_timeout": 0.5,
+            "batch_depth": 2,
+            "client_publish": True,
+            "anonymous": True,
+            "linger": 0.01,
+        },
         {"name": "fz.c5"},
         {"name": "other.c6", "kind": "ring", "capacity": 8},
     ]
 
 
-ADMIN_CREATE_FIELDS: list[tuple[str, ...]] = [("name",), ("kind",), ("capacity",), ("batch_depth",), ("reorder_window",),
-                       ("hole_timeout",), ("linger",), ("max_count",), ("max_bytes",), ("client_publish",), ("anonymous",)]
+ADMIN_CREATE_FIELDS: list[tuple[str, ...]] = [
+    ("name",),
+    ("kind",),
+    ("capacity",),
+    ("batch_depth",),
+    ("reorder_window",),
+    ("hole_timeout",),
+    ("linger",),
+    ("max_count",),
+    ("max_bytes",),
+    ("client_publish",),
+    ("anonymous",),
+]
 
 
 def admin_publish_corpus() -> list[Any]:
@@ -556,6 +656,7 @@ def draw(mutator: Mutator, check: Callable[[bytes], bool]) -> bytes:
 
 # -- the gateway process and its RSS ---------------------------------------------------------------------
 
+
 class Gateway:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -570,8 +671,13 @@ class Gateway:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 30
         while True:
             assert self.proc.poll() is None, f"gateway exited:\n{self.log_path.read_text(errors='replace')[-3000:]}"
@@ -651,6 +757,7 @@ class RssSampler(threading.Thread):
 
 
 # -- the honest pair -------------------------------------------------------------------------------------
+
 
 class Honest:
     """A subscriber on HONEST_TOPIC for the whole run, fed by a publisher through the ingest at HONEST_RATE."""
@@ -751,6 +858,7 @@ class Honest:
 
 # -- WebSocket command frames ----------------------------------------------------------------------------
 
+
 class Markers:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -836,14 +944,12 @@ class WSSession:
     async def answered(self, event: asyncio.Event) -> bool:
         """True when the marker came; False when the connection closed first; a hang is a failure."""
         waiter = asyncio.create_task(event.wait())
-        done, _ = await asyncio.wait({waiter, self.reader}, timeout=MARKER_TIMEOUT,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({waiter, self.reader}, timeout=MARKER_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         if waiter in done:
             return True
         if self.reader not in done:
-            self.out.fail("ws: no answer to a marker ping (hang)",
-                          f"last inputs: {[short(r, 120) for r in self.recent]}")
+            self.out.fail("ws: no answer to a marker ping (hang)", f"last inputs: {[short(r, 120) for r in self.recent]}")
         return False
 
     async def closed(self, timeout: float = 10.0) -> int | None:
@@ -851,8 +957,9 @@ class WSSession:
         try:
             await asyncio.wait_for(asyncio.shield(self.reader), timeout)
         except asyncio.TimeoutError:
-            self.out.fail("ws: connection still open when it should be closed",
-                          f"last inputs: {[short(r, 200) for r in self.recent]}")
+            self.out.fail(
+                "ws: connection still open when it should be closed", f"last inputs: {[short(r, 200) for r in self.recent]}"
+            )
             self.reader.cancel()
             self.ws.transport.abort()
             return None
@@ -862,8 +969,15 @@ class WSSession:
 
 async def open_ws(gw: Gateway, out: Outcomes, query: str = ""):
     try:
-        ws = await ws_connect(gw.ws_url + query, open_timeout=10, max_size=None, compression=None,
-                              ping_interval=None, max_queue=None, close_timeout=5)
+        ws = await ws_connect(
+            gw.ws_url + query,
+            open_timeout=10,
+            max_size=None,
+            compression=None,
+            ping_interval=None,
+            max_queue=None,
+            close_timeout=5,
+        )
     except InvalidStatus as exc:
         out.counts[f"ws handshake {exc.response.status_code}"] += 1
         if exc.response.status_code != 503:
@@ -956,8 +1070,10 @@ async def ws_worker(gw: Gateway, out: Outcomes, tokens: Tokens, name: str, count
             continue
         out.counts[f"ws close {code}"] += 1
         if code not in WS_CLOSE_CODES:
-            out.fail(f"ws: closed with {code} (undocumented, or no close frame)",
-                     f"last inputs: {[short(r, 200) for r in session.recent]}")
+            out.fail(
+                f"ws: closed with {code} (undocumented, or no close frame)",
+                f"last inputs: {[short(r, 200) for r in session.recent]}",
+            )
 
 
 async def ws_expiry_worker(gw: Gateway, out: Outcomes, connections: int) -> None:
@@ -978,8 +1094,10 @@ async def ws_expiry_worker(gw: Gateway, out: Outcomes, connections: int) -> None
 
 # -- WebSocket raw frames (the frame parser) --------------------------------------------------------------
 
-def ws_frame(opcode: int, payload: bytes, *, fin: bool = True, rsv: int = 0, masked: bool = True,
-             length: int | None = None) -> bytes:
+
+def ws_frame(
+    opcode: int, payload: bytes, *, fin: bool = True, rsv: int = 0, masked: bool = True, length: int | None = None
+) -> bytes:
     n = len(payload) if length is None else length
     head = bytes([(0x80 if fin else 0) | (rsv << 4) | opcode])
     mask_bit = 0x80 if masked else 0
@@ -1015,8 +1133,14 @@ def raw_frames(rng: random.Random, mutator: Mutator) -> bytes:
     if op == 6:  # control frame too long, or fragmented
         return ws_frame(9, b"x" * 200) if rng.random() < 0.5 else ws_frame(9, b"x", fin=False)
     if op == 7:  # close frames: odd codes, 1-byte payload, invalid UTF-8 reason
-        body = rng.choice([b"\x03", struct.pack("!H", rng.choice([0, 999, 1004, 1005, 1006, 1015, 2999, 5000])),
-                           struct.pack("!H", 1000) + b"\xff\xfe", struct.pack("!H", 4000) + b"bye"])
+        body = rng.choice(
+            [
+                b"\x03",
+                struct.pack("!H", rng.choice([0, 999, 1004, 1005, 1006, 1015, 2999, 5000])),
+                struct.pack("!H", 1000) + b"\xff\xfe",
+                struct.pack("!H", 4000) + b"bye",
+            ]
+        )
         return ws_frame(8, body)
     if op == 8:  # a huge declared length
         return ws_frame(1, payload, length=rng.choice([1 << 62, (1 << 63) - 1, FRAME_LIMIT + 1]))[:40]
@@ -1054,7 +1178,7 @@ def parse_server_frames(data: bytes) -> tuple[list[tuple[int, bytes]], bytes]:
             n, head = struct.unpack_from("!Q", data, pos + 2)[0], 10
         if len(data) - pos < head + n:
             break
-        frames.append((b0 & 0x0F, data[pos + head: pos + head + n]))
+        frames.append((b0 & 0x0F, data[pos + head : pos + head + n]))
         pos += head + n
     return frames, data[pos:]
 
@@ -1072,8 +1196,10 @@ async def ws_raw_worker(gw: Gateway, out: Outcomes, tokens: Tokens, name: str, c
             out.fail("ws-raw: cannot connect", repr(exc))
             continue
         key = "dGhlIHNhbXBsZSBub25jZQ=="
-        writer.write(f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                     f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+        writer.write(
+            f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
@@ -1136,6 +1262,7 @@ async def ws_raw_worker(gw: Gateway, out: Outcomes, tokens: Tokens, name: str, c
 
 # -- TCP ingest ------------------------------------------------------------------------------------------
 
+
 async def ingest_worker(gw: Gateway, out: Outcomes, name: str, count: int) -> None:
     rng = random.Random(f"{SEED}-{name}")
     mutator = Mutator(rng, ingest_corpus(), INGEST_FIELDS, FRAME_LIMIT, newlines=True)
@@ -1182,14 +1309,14 @@ async def ingest_worker(gw: Gateway, out: Outcomes, name: str, count: int) -> No
                 out.counts[f"ingest answer {kind}"] += 1
                 if kind == "error":
                     code, line = answer.get("code"), answer.get("line")
-                    if not isinstance(code, str) or not isinstance(answer.get("message"), str) \
-                            or not isinstance(line, int):
+                    if not isinstance(code, str) or not isinstance(answer.get("message"), str) or not isinstance(line, int):
                         out.fail("ingest: malformed error line", short(raw))
                         continue
                     out.counts[f"ingest error {code}"] += 1
                     if code == "internal_error":
-                        out.fail("ingest: internal_error (the gateway failed on a record)",
-                                 f"{short(raw)} for input {input_of(line)}")
+                        out.fail(
+                            "ingest: internal_error (the gateway failed on a record)", f"{short(raw)} for input {input_of(line)}"
+                        )
                 elif kind == "synced":
                     if not isinstance(answer.get("accepted"), int) or not isinstance(answer.get("refused"), int):
                         out.fail("ingest: malformed synced line", short(raw))
@@ -1252,24 +1379,52 @@ async def ingest_worker(gw: Gateway, out: Outcomes, name: str, count: int) -> No
 
 # -- long-poll -------------------------------------------------------------------------------------------
 
+
 def odd_headers(rng: random.Random, tokens: Tokens, port: int) -> dict[str, bytes]:
     headers: dict[str, bytes] = {}
     for _ in range(rng.randint(1, 3)):
         roll = rng.randrange(6)
         if roll == 0:
-            headers["Authorization"] = rng.choice([
-                b"Bearer " + tokens.lp.encode(), b"Bearer " + tokens.expired.encode(),
-                b"Bearer " + tokens.forged.encode(),
-                b"Bearer garbage", b"Basic YWxhZGRpbjpvcGVuc2VzYW1l", b"Bearer", b"bearer  " + tokens.lp.encode(),
-                b"Bearer " + b"A" * 9000, b"Bearer " + tokens.lp[:-2].encode(), b"\xff\xfe", b"Bearer \xe9\xe9",
-                b"Bearer " + tokens.lp.encode() + b" extra"])
+            headers["Authorization"] = rng.choice(
+                [
+                    b"Bearer " + tokens.lp.encode(),
+                    b"Bearer " + tokens.expired.encode(),
+                    b"Bearer " + tokens.forged.encode(),
+                    b"Bearer garbage",
+                    b"Basic YWxhZGRpbjpvcGVuc2VzYW1l",
+                    b"Bearer",
+                    b"bearer  " + tokens.lp.encode(),
+                    b"Bearer " + b"A" * 9000,
+                    b"Bearer " + tokens.lp[:-2].encode(),
+                    b"\xff\xfe",
+                    b"Bearer \xe9\xe9",
+                    b"Bearer " + tokens.lp.encode() + b" extra",
+                ]
+            )
         elif roll == 1:
-            headers["Origin"] = rng.choice([
-                b"http://evil.example", b"null", f"http://127.0.0.1:{port}".encode(), b"garbage", b"http://[::1",
-                b"https://127.0.0.1:99999", b"http://127.0.0.1:%d/path" % port, b"\xe9://x", b"file://"])
+            headers["Origin"] = rng.choice(
+                [
+                    b"http://evil.example",
+                    b"null",
+                    f"http://127.0.0.1:{port}".encode(),
+                    b"garbage",
+                    b"http://[::1",
+                    b"https://127.0.0.1:99999",
+                    b"http://127.0.0.1:%d/path" % port,
+                    b"\xe9://x",
+                    b"file://",
+                ]
+            )
         elif roll == 2:
-            headers["Content-Type"] = rng.choice([b"text/plain", b"application/json; charset=latin-1",
-                                                  b"multipart/form-data; boundary=x", b"\x80\x81", b"a" * 2000])
+            headers["Content-Type"] = rng.choice(
+                [
+                    b"text/plain",
+                    b"application/json; charset=latin-1",
+                    b"multipart/form-data; boundary=x",
+                    b"\x80\x81",
+                    b"a" * 2000,
+                ]
+            )
         elif roll == 3:
             name = "X-" + "".join(rng.choice("abcdefghij-") for _ in range(rng.randint(1, 30)))
             # (a field value starts and ends with a visible character: h11 refuses to send anything else)
@@ -1280,8 +1435,18 @@ def odd_headers(rng: random.Random, tokens: Tokens, port: int) -> dict[str, byte
             headers["Accept-Encoding"] = rng.choice([b"gzip", b"br", b"*;q=0", b"identity;q=x"])
         else:
             # (a name not in server.allowed_hosts: 421 bad_host)
-            headers["Host"] = rng.choice([b"evil.example", b"127.0.0.1:%d" % port, b"", b"a" * 300, b"localhost",
-                                          b"[::1]:80", b"LOCALHOST.", b"localhost.evil.example"])
+            headers["Host"] = rng.choice(
+                [
+                    b"evil.example",
+                    b"127.0.0.1:%d" % port,
+                    b"",
+                    b"a" * 300,
+                    b"localhost",
+                    b"[::1]:80",
+                    b"LOCALHOST.",
+                    b"localhost.evil.example",
+                ]
+            )
     return headers
 
 
@@ -1301,8 +1466,7 @@ def check_http(out: Outcomes, prefix: str, response: httpx.Response, source: str
         return None
     if status >= 400:
         error = body.get("error") if isinstance(body, dict) else None
-        if not (isinstance(error, dict) and isinstance(error.get("code"), str)
-                and isinstance(error.get("message"), str)):
+        if not (isinstance(error, dict) and isinstance(error.get("code"), str) and isinstance(error.get("message"), str)):
             out.fail(f"{prefix}: HTTP {status} without an error object", f"{short(response.content)} for {source}")
             return None
         out.counts[f"{prefix} error {status} {error['code']}"] += 1
@@ -1403,8 +1567,7 @@ def lp_worker(gw: Gateway, out: Outcomes, tokens: Tokens, name: str, count: int)
                     out.counts["longpoll inputs"] += 1
                     out.bytes_sent += len(data)
                     response = http.post(f"/lp/{session}", content=data, headers=headers)  # type: ignore[arg-type]  # httpx takes str names with bytes values
-                    check_http(out, "longpoll post", response,
-                               f"{short(data, 600)} headers {short(repr(headers), 200)}")
+                    check_http(out, "longpoll post", response, f"{short(data, 600)} headers {short(repr(headers), 200)}")
                     if response.status_code == 404:
                         with box.lock:
                             if box.session == session:
@@ -1418,6 +1581,7 @@ def lp_worker(gw: Gateway, out: Outcomes, tokens: Tokens, name: str, count: int)
 
 
 # -- admin API -------------------------------------------------------------------------------------------
+
 
 def admin_name(rng: random.Random) -> str:
     name = rng.choice(ADMIN_NAMES)
@@ -1458,14 +1622,18 @@ def admin_worker(gw: Gateway, out: Outcomes, name: str, count: int) -> None:
 
 # -- the run ---------------------------------------------------------------------------------------------
 
+
 def run_fuzz(gw: Gateway, tokens: Tokens, counts: dict[str, int], phase: str) -> Outcomes:
     """All fuzzers at once: WebSocket and ingest on an asyncio loop here, long-poll and admin in threads."""
     results: dict[str, Outcomes] = {}
     threads = []
     for kind, target in (("longpoll", lp_worker), ("admin", admin_worker)):
         out = results[kind] = Outcomes()
-        args = (gw, out, tokens, f"{phase}-{kind}", counts[kind]) if kind == "longpoll" else \
-            (gw, out, f"{phase}-{kind}", counts[kind])
+        args = (
+            (gw, out, tokens, f"{phase}-{kind}", counts[kind])
+            if kind == "longpoll"
+            else (gw, out, f"{phase}-{kind}", counts[kind])
+        )
         thread = threading.Thread(target=target, args=args, name=f"fuzz-{kind}", daemon=True)
         thread.start()
         threads.append(thread)
@@ -1516,7 +1684,7 @@ def log_findings(path: Path) -> tuple[list[str], collections.Counter[str], colle
             continue
         excerpt = [line]
         if i + 1 < len(lines) and lines[i + 1].startswith("Traceback"):
-            for follow in lines[i + 1:]:
+            for follow in lines[i + 1 :]:
                 if follow.strip(" ^~"):
                     excerpt.append(follow)
                 if follow and not follow.startswith((" ", "Traceback")):
@@ -1526,13 +1694,14 @@ def log_findings(path: Path) -> tuple[list[str], collections.Counter[str], colle
     if errors_total > len(errors):
         errors.append(f"... {errors_total} ERROR/CRITICAL/Traceback lines in all")
     warnings = collections.Counter(
-        f"{m.group(1).decode()} {m.group(2).decode() if m.group(2) else 'other'}" for m in LOG_WARNING.finditer(text))
+        f"{m.group(1).decode()} {m.group(2).decode() if m.group(2) else 'other'}" for m in LOG_WARNING.finditer(text)
+    )
     tracebacks: collections.Counter[str] = collections.Counter()
     for i, line in enumerate(lines):
         if not line.startswith("Traceback (most recent call last)"):
             continue
         frame = "?"
-        for follow in lines[i + 1:]:
+        for follow in lines[i + 1 :]:
             match = PROJECT_FRAME.match(follow)
             if match:
                 where = Path(match.group(1))
@@ -1578,17 +1747,28 @@ def test_fuzz_every_transport_of_one_gateway_process(tmp_path):
             problems.append(f"/healthz failed: {exc!r}")
         errors, warnings, tracebacks = log_findings(gw.log_path)
 
-        sent = {"ws": out.counts["ws sent text"] + out.counts["ws sent binary"], "ws-raw": out.counts["ws-raw inputs"],
-                "ingest": out.counts["ingest sent"], "longpoll": out.counts["longpoll inputs"],
-                "admin": out.counts["admin inputs"]}
-        lines.append(f"inputs sent per transport: {sent} = {sum(sent.values())} "
-                     f"(and {sum(WARMUP.values())} in the warm-up round)")
-        lines.append(f"input bytes: {out.bytes_sent / 1e6:.1f} MB; fuzz run {elapsed:.1f} s, "
-                     f"whole test so far {time.monotonic() - started:.1f} s")
-        lines.append(f"RSS: baseline {baseline:.1f} MB after warm-up, peak {peak:.1f} MB "
-                     f"(+{peak - baseline:.1f} MB, bound +{RSS_BOUND_MB} MB), at the end {final:.1f} MB")
-        lines.append(f"honest: {honest.sent} published at {HONEST_RATE:g}/s, {honest.accepted} accepted, "
-                     f"{honest.received} received in order")
+        sent = {
+            "ws": out.counts["ws sent text"] + out.counts["ws sent binary"],
+            "ws-raw": out.counts["ws-raw inputs"],
+            "ingest": out.counts["ingest sent"],
+            "longpoll": out.counts["longpoll inputs"],
+            "admin": out.counts["admin inputs"],
+        }
+        lines.append(
+            f"inputs sent per transport: {sent} = {sum(sent.values())} (and {sum(WARMUP.values())} in the warm-up round)"
+        )
+        lines.append(
+            f"input bytes: {out.bytes_sent / 1e6:.1f} MB; fuzz run {elapsed:.1f} s, "
+            f"whole test so far {time.monotonic() - started:.1f} s"
+        )
+        lines.append(
+            f"RSS: baseline {baseline:.1f} MB after warm-up, peak {peak:.1f} MB "
+            f"(+{peak - baseline:.1f} MB, bound +{RSS_BOUND_MB} MB), at the end {final:.1f} MB"
+        )
+        lines.append(
+            f"honest: {honest.sent} published at {HONEST_RATE:g}/s, {honest.accepted} accepted, "
+            f"{honest.received} received in order"
+        )
         lines.append(f"gateway log: {dict(warnings)}")
         lines.append("outcomes:")
         lines += [f"  {key}: {value}" for key, value in sorted(out.counts.items())]
@@ -1605,8 +1785,10 @@ def test_fuzz_every_transport_of_one_gateway_process(tmp_path):
             problems.append(f"RSS peak {peak:.1f} MB above baseline {baseline:.1f} + {RSS_BOUND_MB} MB")
         if errors:
             problems.append("gateway log has ERROR lines or tracebacks:\n" + "\n---\n".join(errors))
-            problems.append("tracebacks by exception and innermost gateway/core frame:\n" + "\n".join(
-                f"  {n} x {what}" for what, n in tracebacks.most_common()))
+            problems.append(
+                "tracebacks by exception and innermost gateway/core frame:\n"
+                + "\n".join(f"  {n} x {what}" for what, n in tracebacks.most_common())
+            )
         problems += [f"honest: {p}" for p in honest.problems]
         if honest.received != honest.accepted or honest.accepted != honest.sent or honest.sent < HONEST_RATE * 2:
             problems.append(f"honest: sent {honest.sent}, accepted {honest.accepted}, received {honest.received}")

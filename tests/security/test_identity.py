@@ -21,11 +21,13 @@ from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_con
 pytestmark = pytest.mark.timeout(60)
 
 #: a rule set where news.* needs a token, everything else is open
-RULES = {"rules": [
-    {"pattern": "private.*", "kind": "private"},
-    {"pattern": "news.*", "kind": "ring", "client_publish": True},
-    {"pattern": "*", "kind": "ring", "client_publish": True, "anonymous": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "private.*", "kind": "private"},
+        {"pattern": "news.*", "kind": "ring", "client_publish": True},
+        {"pattern": "*", "kind": "ring", "client_publish": True, "anonymous": True},
+    ]
+}
 
 
 def b64(data: bytes) -> str:
@@ -71,15 +73,19 @@ def test_anonymous_clients_reach_only_anonymous_topics_and_see_only_those():
 
 #: tokens made when the test runs, not when it is collected: a suite longer than a token's life would see
 #: `expired` instead of the refusal each case is about
-@pytest.mark.parametrize("make, code, words", [
-    (lambda: make_token("eve", secret="not-the-gateway-secret-but-32-bytes!!"), 4001, "signature"),
-    (lambda: jwt.encode({"exp": int(time.time()) + 60}, TEST_JWT_SECRET, algorithm="HS256"), 4001, "sub"),
-    (lambda: jwt.encode({"sub": "eve"}, TEST_JWT_SECRET, algorithm="HS256"), 4001, "exp"),
-    (lambda: make_token("eve", subscribe="news.*"), 4001, "subscribe"),
-    (lambda: make_token("eve", ttl=-60), 4011, "expired"),
-    (lambda: jwt.encode({"sub": "eve", "exp": int(time.time()) + 60}, None, algorithm="none"), 4001, "algorithm"),  # type: ignore[arg-type]
-    (lambda: "not-a-jwt", 4001, "invalid"),
-], ids=["signature", "sub", "exp", "subscribe", "expired", "algorithm", "invalid"])
+@pytest.mark.parametrize(
+    "make, code, words",
+    [
+        (lambda: make_token("eve", secret="not-the-gateway-secret-but-32-bytes!!"), 4001, "signature"),
+        (lambda: jwt.encode({"exp": int(time.time()) + 60}, TEST_JWT_SECRET, algorithm="HS256"), 4001, "sub"),
+        (lambda: jwt.encode({"sub": "eve"}, TEST_JWT_SECRET, algorithm="HS256"), 4001, "exp"),
+        (lambda: make_token("eve", subscribe="news.*"), 4001, "subscribe"),
+        (lambda: make_token("eve", ttl=-60), 4011, "expired"),
+        (lambda: jwt.encode({"sub": "eve", "exp": int(time.time()) + 60}, None, algorithm="none"), 4001, "algorithm"),  # type: ignore[arg-type]
+        (lambda: "not-a-jwt", 4001, "invalid"),
+    ],
+    ids=["signature", "sub", "exp", "subscribe", "expired", "algorithm", "invalid"],
+)
 def test_refused_tokens_close_the_handshake_with_a_code_and_reason(make, code, words):
     with run_gateway(topics=RULES) as gw, ws_connect(gw, query=f"?token={make()}") as ws:
         with pytest.raises(ConnectionClosed) as info:
@@ -120,8 +126,11 @@ def test_an_expired_token_gets_a_notice_then_the_close_unless_refreshed():
         return any(e.get("code") == "token_expired" for e in got)
 
     # two connections whose tokens expire together: one is left to its close, the other refreshes in time
-    with (run_gateway(**limits) as gw, ws_connect(gw, query=f"?token={make_token('ann', ttl=2)}") as ws,
-          ws_connect(gw, query=f"?token={make_token('ann', ttl=2)}") as kept):
+    with (
+        run_gateway(**limits) as gw,
+        ws_connect(gw, query=f"?token={make_token('ann', ttl=2)}") as ws,
+        ws_connect(gw, query=f"?token={make_token('ann', ttl=2)}") as kept,
+    ):
         send(ws, op="subscribe", topic="chat.a")
         got = collect(ws, expired, timeout=8)
         assert got[-1]["type"] == "error"
@@ -156,8 +165,11 @@ def test_long_poll_takes_a_bearer_token_and_refuses_bad_ones():
         session = r.json()["session"]
         http.post(f"/lp/{session}", json={"op": "subscribe", "topic": "news.a", "id": 1})
         assert http.get(f"/lp/{session}").json()["entries"][0]["type"] == "subscribed"
-        for header, code in ((f"Bearer {make_token('ann', ttl=-60)}", "token_expired"), ("Bearer junk", "bad_token"),
-                             ("Basic YTpi", "bad_token")):
+        for header, code in (
+            (f"Bearer {make_token('ann', ttl=-60)}", "token_expired"),
+            ("Bearer junk", "bad_token"),
+            ("Basic YTpi", "bad_token"),
+        ):
             r = http.post("/lp", headers={"Authorization": header})
             assert r.status_code == 401 and r.json()["error"]["code"] == code
 

@@ -83,8 +83,11 @@ def test_ingest_right_token_publishes_and_lines_count_the_auth_line():
         pub.close()
 
 
-@pytest.mark.parametrize("first", [{"auth": "wrong"}, {"auth": 1}, {"topic": "sec.no", "data": 0}, b"not json", b""],
-                         ids=["wrong", "not-a-string", "no-auth-line", "not-json", "blank"])
+@pytest.mark.parametrize(
+    "first",
+    [{"auth": "wrong"}, {"auth": 1}, {"topic": "sec.no", "data": 0}, b"not json", b""],
+    ids=["wrong", "not-a-string", "no-auth-line", "not-json", "blank"],
+)
 def test_ingest_wrong_or_missing_token_is_answered_closed_and_nothing_is_published(first):
     with run_gateway(ingest={"token": TOKEN}) as gw, subscriber(gw, "sec.no") as ws:
         pub = Publisher(gw)
@@ -129,12 +132,26 @@ def test_ingest_sync_id_must_be_a_scalar_and_the_connection_goes_on():
     deep = b'{"sync": ' + b"[" * 600 + b"]" * 600 + b"}"  # deeper than orjson writes: echoing it raised
     with run_gateway() as gw, subscriber(gw, "sec.sync") as ws:  # no token: an auth line is still accepted
         pub = Publisher(gw)
-        pub.send({"auth": "anything"}, deep, {"sync": True}, {"sync": 1.5}, {"sync": {"a": 1}},
-                 {"topic": "sec.sync", "data": 1}, {"auth": "again"}, {"sync": None}, {"sync": "s"})
+        pub.send(
+            {"auth": "anything"},
+            deep,
+            {"sync": True},
+            {"sync": 1.5},
+            {"sync": {"a": 1}},
+            {"topic": "sec.sync", "data": 1},
+            {"auth": "again"},
+            {"sync": None},
+            {"sync": "s"},
+        )
         assert pub.readline() == {"type": "authed"}
         errors = [pub.readline() for _ in range(5)]
         assert [(e["line"], e["code"]) for e in errors] == [
-            (2, "bad_record"), (3, "bad_record"), (4, "bad_record"), (5, "bad_record"), (7, "bad_record")]
+            (2, "bad_record"),
+            (3, "bad_record"),
+            (4, "bad_record"),
+            (5, "bad_record"),
+            (7, "bad_record"),
+        ]
         assert pub.readline() == {"type": "synced", "id": None, "accepted": 1, "refused": 5}
         assert pub.readline() == {"type": "synced", "id": "s", "accepted": 0, "refused": 0}
         assert next_msg(ws)["data"] == 1

@@ -56,8 +56,10 @@ def test_chosen_names_are_never_accepted_so_none_can_be_pre_claimed_or_probed():
 def test_a_private_queue_belongs_to_the_token_user_and_a_reconnect_takes_it_over():
     with run_gateway() as gw:
         pub = Ingest(gw)
-        with ws_connect(gw, query=f"?token={make_token('alice')}") as old, \
-                ws_connect(gw, query=f"?token={make_token('mallory')}") as mallory:
+        with (
+            ws_connect(gw, query=f"?token={make_token('alice')}") as old,
+            ws_connect(gw, query=f"?token={make_token('mallory')}") as mallory,
+        ):
             send(old, op="subscribe", topic="private.inbox")
             send(mallory, op="subscribe", topic="private.inbox")
             recv_entries(old), recv_entries(mallory)

@@ -94,15 +94,26 @@ def keyset() -> Iterator[KeySetServer]:
 
 @pytest.fixture(scope="module")
 def keys() -> dict[str, object]:
-    return {"rsa": rsa.generate_private_key(public_exponent=65537, key_size=2048),
-            "ec": ec.generate_private_key(ec.SECP256R1()), "ed": ed25519.Ed25519PrivateKey.generate(),
-            "rsa2": rsa.generate_private_key(public_exponent=65537, key_size=2048),
-            "ec_attacker": ec.generate_private_key(ec.SECP256R1())}
+    return {
+        "rsa": rsa.generate_private_key(public_exponent=65537, key_size=2048),
+        "ec": ec.generate_private_key(ec.SECP256R1()),
+        "ed": ed25519.Ed25519PrivateKey.generate(),
+        "rsa2": rsa.generate_private_key(public_exponent=65537, key_size=2048),
+        "ec_attacker": ec.generate_private_key(ec.SECP256R1()),
+    }
 
 
 def _gateway(keyset: KeySetServer, **auth: object):
-    return run_gateway(auth={"jwt_secret": "", "jwks_url": keyset.url, "jwks_refresh_min_s": 1.0,
-                             "rate_per_ip": 0.0, "rate_per_connection": 0.0, **auth})
+    return run_gateway(
+        auth={
+            "jwt_secret": "",
+            "jwks_url": keyset.url,
+            "jwks_refresh_min_s": 1.0,
+            "rate_per_ip": 0.0,
+            "rate_per_connection": 0.0,
+            **auth,
+        }
+    )
 
 
 def _auth(ws, token: str, request_id: int) -> dict:
@@ -114,8 +125,9 @@ def test_a_key_published_after_the_start_is_accepted_on_retry_and_every_algorith
     keyset.publish(("k-rsa", keys["rsa"]), ("k-ec", keys["ec"]), ("k-ed", keys["ed"]))
     with _gateway(keyset) as gw, ws_connect(gw) as ws:
         assert len(keyset.requests) == 1  # loaded at start
-        for request_id, (kid, key, alg) in enumerate([("k-rsa", "rsa", "RS256"), ("k-ec", "ec", "ES256"),
-                                                      ("k-ed", "ed", "EdDSA")]):
+        for request_id, (kid, key, alg) in enumerate(
+            [("k-rsa", "rsa", "RS256"), ("k-ec", "ec", "ES256"), ("k-ed", "ed", "EdDSA")]
+        ):
             answer = _auth(ws, _token(keys[key], alg, kid), request_id)
             assert answer["type"] == "reply" and answer["result"]["user"] == "u1", answer
         # a token's alg must be its key's: the RSA key's kid on an ES256 token is refused
@@ -146,16 +158,25 @@ def test_a_thousand_random_kids_cause_at_most_one_fetch_per_refresh_min_s(keyset
         before = len(keyset.requests)
         started = time.monotonic()
         for frame in range(10):  # 1,000 auth commands, 100 per frame, each naming a kid of its own
-            ws.send("[" + ",".join(json.dumps({"op": "auth", "id": frame * 100 + i, "token": _token(
-                keys["ec_attacker"], "ES256", secrets.token_hex(8))}) for i in range(100)) + "]")
+            ws.send(
+                "["
+                + ",".join(
+                    json.dumps(
+                        {"op": "auth", "id": frame * 100 + i, "token": _token(keys["ec_attacker"], "ES256", secrets.token_hex(8))}
+                    )
+                    for i in range(100)
+                )
+                + "]"
+            )
         got = collect(ws, lambda got: sum(e.get("type") == "error" for e in got) >= 1000, timeout=30)
         time.sleep(refresh_min_s + 0.5)  # a refetch asked for during the flood happens within this
         elapsed = time.monotonic() - started
         fetches = len(keyset.requests) - before
         assert all(e["code"] == "keys_refreshing" for e in got if e.get("type") == "error")
         assert 1 <= fetches <= elapsed // refresh_min_s + 1, (fetches, elapsed)
-        print(f"\n1,000 unknown kids in {elapsed:.1f} s: {fetches} fetches of the key set"
-              f" (jwks_refresh_min_s = {refresh_min_s:g})")
+        print(
+            f"\n1,000 unknown kids in {elapsed:.1f} s: {fetches} fetches of the key set (jwks_refresh_min_s = {refresh_min_s:g})"
+        )
         metrics = httpx.get(f"{gw.http_url}/metrics", timeout=10).text
         assert "fanout_auth_jwks_unknown_kid_total 1000.0" in metrics
         # the real key still works
@@ -169,6 +190,7 @@ def test_the_last_good_set_is_kept_when_the_endpoint_fails(keyset, keys):
         before = len(keyset.requests)
         assert _auth(ws, _token(keys["rsa"], "RS256", "k-unknown"), 1)["code"] == "keys_refreshing"
         wait_for(lambda: len(keyset.requests) > before, "a refetch")
+
         def failed_once() -> str | None:
             metrics = httpx.get(f"{gw.http_url}/metrics", timeout=10).text
             return metrics if 'fanout_auth_jwks_fetches_total{result="failed"} 1.0' in metrics else None
@@ -196,8 +218,9 @@ def test_a_token_naming_its_own_key_url_is_never_fetched(keyset, keys):
             assert codes[0] == 1013 and codes[-1] == 4001 and set(codes) == {1013, 4001}, codes
             # and an HS256 token signed with a published public key as its secret: no secret, no HS256
             with ws_connect(gw) as ws:
-                hs = jwt.encode({"sub": "u1", "exp": int(time.time()) + 600}, keyset.keys[0]["x"],
-                                algorithm="HS256", headers={"kid": "k-ec"})
+                hs = jwt.encode(
+                    {"sub": "u1", "exp": int(time.time()) + 600}, keyset.keys[0]["x"], algorithm="HS256", headers={"kid": "k-ec"}
+                )
                 answer = _auth(ws, hs, 1)
                 assert answer["code"] == "bad_token" and "'HS256' is not accepted" in answer["message"], answer
         assert attacker.requests == []

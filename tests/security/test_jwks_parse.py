@@ -21,34 +21,70 @@ def _set(*keys: dict) -> bytes:
     return json.dumps({"keys": list(keys)}).encode()
 
 
-@pytest.mark.parametrize("body", [b"", b"not json", b"[]", b'{"keys": 3}', b'{"keys": []}', b'{"keys": [1, "x"]}',
-                                  _set({"kty": "oct", "k": "c2VjcmV0", "kid": "hmac"}),
-                                  _set({**EC_JWK, "kid": "enc", "use": "enc"}),
-                                  _set({**EC_JWK, "kid": 7}),
-                                  _set({**EC_JWK, "kid": "lies", "alg": "RS256"}),
-                                  _set({**RSA_JWK, "kid": "weak", "alg": "RS512"}),
-                                  _set({"kty": "EC", "crv": "P-256", "x": "AA", "y": "AA", "kid": "broken"}),
-                                  _set(*({**EC_JWK, "kid": f"k{i}"} for i in range(MAX_KEYS + 1)))])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"not json",
+        b"[]",
+        b'{"keys": 3}',
+        b'{"keys": []}',
+        b'{"keys": [1, "x"]}',
+        _set({"kty": "oct", "k": "c2VjcmV0", "kid": "hmac"}),
+        _set({**EC_JWK, "kid": "enc", "use": "enc"}),
+        _set({**EC_JWK, "kid": 7}),
+        _set({**EC_JWK, "kid": "lies", "alg": "RS256"}),
+        _set({**RSA_JWK, "kid": "weak", "alg": "RS512"}),
+        _set({"kty": "EC", "crv": "P-256", "x": "AA", "y": "AA", "kid": "broken"}),
+        _set(*({**EC_JWK, "kid": f"k{i}"} for i in range(MAX_KEYS + 1))),
+    ],
+)
 def test_a_set_without_a_usable_key_is_refused_whole(body):
     with pytest.raises(JwksError):
         parse_key_set(body)
 
 
 def test_usable_keys_are_taken_by_kid_and_the_others_skipped():
-    keys = parse_key_set(_set({"kty": "oct", "k": "c2VjcmV0", "kid": "hmac"}, {**EC_JWK, "kid": "e"},
-                              {**RSA_JWK, "kid": "r", "use": "sig"}, {**EC_JWK, "kid": "lies", "alg": "RS256"}))
+    keys = parse_key_set(
+        _set(
+            {"kty": "oct", "k": "c2VjcmV0", "kid": "hmac"},
+            {**EC_JWK, "kid": "e"},
+            {**RSA_JWK, "kid": "r", "use": "sig"},
+            {**EC_JWK, "kid": "lies", "alg": "RS256"},
+        )
+    )
     assert {kid: key.algorithm_name for kid, key in keys.items()} == {"e": "ES256", "r": "RS256"}
 
 
-@pytest.mark.parametrize("header, seconds", [(None, None), ("", None), ("no-store", None), ("max-age=60", 60.0),
-                                             ("public, max-age=3600, must-revalidate", 3600.0),
-                                             ('max-age="5"', 5.0), ("s-maxage=10", None), ("max-age=x", None)])
+@pytest.mark.parametrize(
+    "header, seconds",
+    [
+        (None, None),
+        ("", None),
+        ("no-store", None),
+        ("max-age=60", 60.0),
+        ("public, max-age=3600, must-revalidate", 3600.0),
+        ('max-age="5"', 5.0),
+        ("s-maxage=10", None),
+        ("max-age=x", None),
+    ],
+)
 def test_max_age(header, seconds):
     assert max_age(header) == seconds
 
 
-@pytest.mark.parametrize("header", [{"typ": "JWT"}, {"alg": None}, {"alg": ["ES256"]}, {"alg": {"a": 1}},
-                                    {"alg": "ES256"}, {"alg": "ES256", "kid": "nope"}, {"alg": "HS256"}])
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"typ": "JWT"},
+        {"alg": None},
+        {"alg": ["ES256"]},
+        {"alg": {"a": 1}},
+        {"alg": "ES256"},
+        {"alg": "ES256", "kid": "nope"},
+        {"alg": "HS256"},
+    ],
+)
 def test_odd_headers_are_bad_tokens_with_a_key_set_configured(header):
     import base64
 

@@ -40,16 +40,21 @@ def test_star_allows_every_origin_explicitly():
 def test_long_poll_answers_cors_for_allowed_origins_and_403_for_others():
     allowed = "https://app.example.com"
     with run_gateway(server={"allowed_origins": [allowed]}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
-        preflight = http.options("/lp", headers={"Origin": allowed, "Access-Control-Request-Method": "POST",
-                                                 "Access-Control-Request-Headers": "authorization"})
+        preflight = http.options(
+            "/lp",
+            headers={
+                "Origin": allowed,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization",
+            },
+        )
         assert preflight.status_code == 204
         assert preflight.headers["access-control-allow-origin"] == allowed
         assert "Authorization" in preflight.headers["access-control-allow-headers"]
         created = http.post("/lp", headers={"Origin": allowed})
         assert created.status_code == 201 and created.headers["access-control-allow-origin"] == allowed
         session = created.json()["session"]
-        for method, path in (("POST", "/lp"), ("GET", f"/lp/{session}"), ("DELETE", f"/lp/{session}"),
-                             ("OPTIONS", "/lp")):
+        for method, path in (("POST", "/lp"), ("GET", f"/lp/{session}"), ("DELETE", f"/lp/{session}"), ("OPTIONS", "/lp")):
             r = http.request(method, path, headers={"Origin": "https://evil.example"})
             assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_origin", (method, path)
             assert "access-control-allow-origin" not in r.headers

@@ -33,7 +33,7 @@ EXAMPLE_TITLE = "### A worked example: a token-only topic"
 def example_section() -> str:
     start = SECURITY.index(EXAMPLE_TITLE)
     end = SECURITY.find("\n## ", start)  # the next section (the example has no subsection)
-    return SECURITY[start:end if end >= 0 else None]
+    return SECURITY[start : end if end >= 0 else None]
 
 
 def fenced(text: str, lang: str) -> str:
@@ -59,11 +59,20 @@ class Served:
     """`gateway serve` as the worked example starts it, in a process of its own on free ports."""
 
     def __init__(self, argv: list[str], env: dict[str, str], ready: Path) -> None:
-        ports = {"GATEWAY_SERVER_PORT": "0", "GATEWAY_INGEST_PORT": "0", "GATEWAY_RAWTCP_ENABLED": "false",
-                 "GATEWAY_SERVER_LOG_LEVEL": "warning"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway", *argv, "--ready-file", str(ready)], cwd=ROOT,
-                                     env={**env, **ports}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        ports = {
+            "GATEWAY_SERVER_PORT": "0",
+            "GATEWAY_INGEST_PORT": "0",
+            "GATEWAY_RAWTCP_ENABLED": "false",
+            "GATEWAY_SERVER_LOG_LEVEL": "warning",
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", *argv, "--ready-file", str(ready)],
+            cwd=ROOT,
+            env={**env, **ports},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.monotonic() + 30
         while not ready.exists():
             assert self.proc.poll() is None, self.proc.stdout.read()  # type: ignore[union-attr]
@@ -131,28 +140,39 @@ def test_each_refusal_names_its_reason():
     granted = ClientIdentity("ws-2", "ws", principal=Principal("eve", math.inf, (), (), None, proxied=True))
     assert refusal(anonymous, "subscribe", "a", closed) == "is not anonymous and the connection has no token"
     assert refusal(token, "subscribe", "chat.x", closed) is None
-    assert refusal(token, "subscribe", "a", closed) == "is not anonymous and the token's subscribe patterns" \
-                                                      " ['chat.*'] do not match"
-    assert refusal(token, "publish", "a", closed) == "is not anonymous and the token's publish patterns" \
-                                                    " ['chat.*', 'news.*'] do not match"
-    assert refusal(granted, "publish", "a", closed) == "is not anonymous and the connect hook granted no" \
-                                                      " publish patterns"
-    assert refusal(token, "publish", "a", TopicConfig(anonymous=True)) == \
-        "does not take client publishes (client_publish = false)"
-    assert refusal(token, "publish", "a", TopicConfig(kind=TopicKind.PRIVATE, client_publish=True)) == \
-        "is private: clients never publish to private topics (the ingest and the admin API do)"
+    assert (
+        refusal(token, "subscribe", "a", closed) == "is not anonymous and the token's subscribe patterns ['chat.*'] do not match"
+    )
+    assert (
+        refusal(token, "publish", "a", closed) == "is not anonymous and the token's publish patterns"
+        " ['chat.*', 'news.*'] do not match"
+    )
+    assert refusal(granted, "publish", "a", closed) == "is not anonymous and the connect hook granted no publish patterns"
+    assert (
+        refusal(token, "publish", "a", TopicConfig(anonymous=True)) == "does not take client publishes (client_publish = false)"
+    )
+    assert (
+        refusal(token, "publish", "a", TopicConfig(kind=TopicKind.PRIVATE, client_publish=True))
+        == "is private: clients never publish to private topics (the ingest and the admin API do)"
+    )
     many = ClientIdentity("ws-3", "ws", principal=Principal("m", math.inf, tuple(f"p{i}.*" for i in range(200)), ()))
     assert len(refusal(many, "subscribe", "a", closed)) < 400  # a long list is cut
 
 
 def test_the_error_entry_names_the_rule_and_a_topic_with_its_own_settings(tmp_path):
-    rules = [{"pattern": "prices.*", "kind": "ring", "anonymous": False, "client_publish": True},
-             {"pattern": "*", "kind": "ring", "anonymous": True}]
+    rules = [
+        {"pattern": "prices.*", "kind": "ring", "anonymous": False, "client_publish": True},
+        {"pattern": "*", "kind": "ring", "anonymous": True},
+    ]
     with run_gateway(topics={"rules": rules}) as gw:
         import httpx
 
-        created = httpx.post(f"{gw.http_url}/api/topics", json={"name": "own", "kind": "ring", "anonymous": False},
-                             headers={"Authorization": f"Bearer {gw.admin_token}"}, timeout=5)
+        created = httpx.post(
+            f"{gw.http_url}/api/topics",
+            json={"name": "own", "kind": "ring", "anonymous": False},
+            headers={"Authorization": f"Bearer {gw.admin_token}"},
+            timeout=5,
+        )
         assert created.status_code == 201, created.text
         with ws_connect(gw, query=f"?token={make_token('bob', publish=['chat.*'])}") as ws:
             send(ws, op="publish", topic="prices.x", data=1, id=1)
@@ -161,8 +181,9 @@ def test_the_error_entry_names_the_rule_and_a_topic_with_its_own_settings(tmp_pa
             got = {e["id"]: e["message"] for e in collect(ws, lambda g: len(g) >= 3)}
             assert got == {
                 1: "not allowed to publish to 'prices.x': topic rule 'prices.*' is not anonymous and the token's"
-                   " publish patterns ['chat.*'] do not match",
+                " publish patterns ['chat.*'] do not match",
                 2: "not allowed to subscribe to 'own': topic 'own' (created with its own settings) is not"
-                   " anonymous and the token has no subscribe patterns",
+                " anonymous and the token has no subscribe patterns",
                 3: "not allowed to subscribe to 'prices.x': topic rule 'prices.*' is not anonymous and the token"
-                   " has no subscribe patterns"}
+                " has no subscribe patterns",
+            }

@@ -16,10 +16,12 @@ from websockets.exceptions import ConnectionClosed
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 
-RULES = {"rules": [
-    {"pattern": "room.*", "anonymous": True, "presence": True, "join_leave": True},
-    {"pattern": "*", "anonymous": True},
-]}
+RULES = {
+    "rules": [
+        {"pattern": "room.*", "anonymous": True, "presence": True, "join_leave": True},
+        {"pattern": "*", "anonymous": True},
+    ]
+}
 
 
 def subscribed(ws, topic: str) -> None:
@@ -33,14 +35,12 @@ def test_a_client_toggling_its_subscription_costs_the_members_nothing(rate_limit
     # its changes cancel out within the cycle; with it (the defaults), a refused unsubscribe may leave it a
     # member for a while: at most a change per token of the bucket
     limits = {} if rate_limited else {"subscribe_rate": 1e6, "subscribe_burst": 10**6}
-    with run_gateway(topics=RULES, limits=limits) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with run_gateway(topics=RULES, limits=limits) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         with contextlib.ExitStack() as stack:
             members = [stack.enter_context(ws_connect(gw)) for _ in range(6)]
             for ws in members:
                 subscribed(ws, "room.busy")
-            toggles = json.dumps([{"op": op, "topic": "room.busy"} for _ in range(50)
-                                  for op in ("subscribe", "unsubscribe")])
+            toggles = json.dumps([{"op": op, "topic": "room.busy"} for _ in range(50) for op in ("subscribe", "unsubscribe")])
             seen = {i: [] for i in range(len(members))}
             closed = {}
             stop = threading.Event()
@@ -77,15 +77,17 @@ def test_a_client_toggling_its_subscription_costs_the_members_nothing(rate_limit
                 # data published after the storm reaches every member promptly
                 published = time.monotonic()
                 assert http.post("/api/topics/room.busy/publish", json={"data": "after"}).status_code == 200
-                wait_for(lambda: all(any(e.get("data") == "after" for e in got) for got in seen.values()) or closed,
-                         "the message after the storm", timeout=10)
+                wait_for(
+                    lambda: all(any(e.get("data") == "after" for e in got) for got in seen.values()) or closed,
+                    "the message after the storm",
+                    timeout=10,
+                )
                 latency = time.monotonic() - published
             stop.set()
             for thread in readers:
                 thread.join(5)
             assert closed == {}
-            churn = [sum(e["type"] in ("join", "leave") and e["client"] == attacker_id for e in got)
-                     for got in seen.values()]
+            churn = [sum(e["type"] in ("join", "leave") and e["client"] == attacker_id for e in got) for got in seen.values()]
             config = gw.hub.config.limits
             bound = config.subscribe_burst + config.subscribe_rate * (time.monotonic() - started) if rate_limited else 0
             assert max(churn) <= bound, (churn, frames)
@@ -95,9 +97,10 @@ def test_a_client_toggling_its_subscription_costs_the_members_nothing(rate_limit
 def test_members_dropped_while_joins_are_announced_leave_every_table_exact():
     # members that stopped reading (their sockets full of bulk data) overflow their direct queues of 20
     # while 30 clients join: each is dropped (4009), and their own leaves are announced in turn
-    with run_gateway(topics=RULES, scheduler={"direct_queue_max": 20},
-                     websocket={"socket_send_buffer": 4096}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with (
+        run_gateway(topics=RULES, scheduler={"direct_queue_max": 20}, websocket={"socket_send_buffer": 4096}) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+    ):
         with contextlib.ExitStack() as stack:
             stalled = [stack.enter_context(ws_connect(gw, rcvbuf=4096, max_queue=1)) for _ in range(12)]
             joiners = []
@@ -113,16 +116,22 @@ def test_members_dropped_while_joins_are_announced_leave_every_table_exact():
                 joiners.append(ws)
                 subscribed(ws, "room.r")
                 time.sleep(0.12)
-            wait_for(lambda: gw.call(lambda: gw.hub.clients.disconnects[("ws", "direct_queue_full")]) == len(stalled),
-                     "every stalled member dropped")
+            wait_for(
+                lambda: gw.call(lambda: gw.hub.clients.disconnects[("ws", "direct_queue_full")]) == len(stalled),
+                "every stalled member dropped",
+            )
             for ws in joiners:  # every joiner is still served
                 send(ws, op="ping", id="p")
                 collect(ws, lambda g: any(e.get("id") == "p" for e in g))
 
             def tables():
                 hub = gw.hub
-                return (len(hub.clients.conns), len(hub.scheduler.engine.clients()), hub.clients.by_transport["ws"],
-                        sum(hub.clients.clients_by_ip.values()))
+                return (
+                    len(hub.clients.conns),
+                    len(hub.scheduler.engine.clients()),
+                    hub.clients.by_transport["ws"],
+                    sum(hub.clients.clients_by_ip.values()),
+                )
 
             assert gw.call(tables) == (30, 30, 30, 30)
             assert gw.call(lambda: gw.hub.gc.open) == 30  # every arrival's departure was counted

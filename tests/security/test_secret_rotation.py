@@ -58,8 +58,9 @@ def test_the_previous_public_key_is_accepted_until_removed(tmp_path):
     files = {}
     for name, key in (("old", old_key), ("new", new_key)):
         files[name] = tmp_path / f"{name}.pem"
-        files[name].write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                              serialization.PublicFormat.SubjectPublicKeyInfo))
+        files[name].write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
 
     def token(key: rsa.RSAPrivateKey) -> str:
         return jwt.encode({"sub": "u1", "exp": int(time.time()) + 600}, key, algorithm="RS256")
@@ -77,32 +78,49 @@ def _check_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]
     path = tmp_path / "gateway.toml"
     path.write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    return subprocess.run([sys.executable, "-m", "gateway", "check-config", str(path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    (f'[auth]\njwt_previous_secret = "{OLD}"\n', "auth.jwt_previous_secret is accepted beside auth.jwt_secret"),
-    ('[auth]\njwt_previous_public_key_file = "/nonexistent.pem"\n', "beside auth.jwt_public_key_file"),
-    ('[auth]\njwt_public_key_file = "{pem}"\njwt_previous_public_key_file = "/nonexistent.pem"\n',
-     "auth.jwt_previous_public_key_file: cannot read /nonexistent.pem"),
-    ('[auth]\njwks_url = "http://keys.example.com/certs"\n', "auth.jwks_url must be an https:// URL"),
-    ('[auth]\njwks_url = "ftp://localhost/certs"\n', "auth.jwks_url must be an https:// URL"),
-    ('[auth]\njwks_refresh_min_s = 0.5\n', "auth.jwks_refresh_min_s must be >= 1"),
-    ('[auth]\njwks_refresh_min_s = 60.0\njwks_cache_max_s = 30.0\n', "must be >= auth.jwks_refresh_min_s"),
-    ('[server]\ndrain_delay_s = -1.0\n', "server.drain_delay_s must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (f'[auth]\njwt_previous_secret = "{OLD}"\n', "auth.jwt_previous_secret is accepted beside auth.jwt_secret"),
+        ('[auth]\njwt_previous_public_key_file = "/nonexistent.pem"\n', "beside auth.jwt_public_key_file"),
+        (
+            '[auth]\njwt_public_key_file = "{pem}"\njwt_previous_public_key_file = "/nonexistent.pem"\n',
+            "auth.jwt_previous_public_key_file: cannot read /nonexistent.pem",
+        ),
+        ('[auth]\njwks_url = "http://keys.example.com/certs"\n', "auth.jwks_url must be an https:// URL"),
+        ('[auth]\njwks_url = "ftp://localhost/certs"\n', "auth.jwks_url must be an https:// URL"),
+        ("[auth]\njwks_refresh_min_s = 0.5\n", "auth.jwks_refresh_min_s must be >= 1"),
+        ("[auth]\njwks_refresh_min_s = 60.0\njwks_cache_max_s = 30.0\n", "must be >= auth.jwks_refresh_min_s"),
+        ("[server]\ndrain_delay_s = -1.0\n", "server.drain_delay_s must be >= 0"),
+    ],
+)
 def test_check_config_refuses_bad_rotation_and_jwks_keys(tmp_path, text, message):
     pem = tmp_path / "current.pem"
-    pem.write_bytes(rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    pem.write_bytes(
+        rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     checked = _check_config(tmp_path, text.replace("{pem}", str(pem)))
     assert checked.returncode == 2 and message in checked.stderr, checked.stderr
 
 
 def test_check_config_masks_the_previous_secret_and_takes_a_jwks_url(tmp_path):
-    checked = _check_config(tmp_path, f'[auth]\njwt_secret = "{NEW}"\njwt_previous_secret = "{OLD}"\n'
-                                      'jwks_url = "https://sso.example.com/realms/x/protocol/openid-connect/certs"\n')
+    checked = _check_config(
+        tmp_path,
+        f'[auth]\njwt_secret = "{NEW}"\njwt_previous_secret = "{OLD}"\n'
+        'jwks_url = "https://sso.example.com/realms/x/protocol/openid-connect/certs"\n',
+    )
     assert checked.returncode == 0, checked.stderr
     auth = json.loads(checked.stdout)["auth"]
     assert auth["jwt_previous_secret"] == "<set>" and OLD not in checked.stdout

@@ -63,8 +63,12 @@ def test_client_creations_stop_at_the_total_bound_but_operators_go_on():
 
 def test_retained_junk_topics_are_reclaimed_after_the_history_ttl():
     limits = {"limits": {"topic_ttl_s": 0.2, "topic_history_ttl_s": 0.8}}
-    with run_gateway(**limits) as gw, ws_from(gw) as attacker, ws_from(gw) as reader, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as api:
+    with (
+        run_gateway(**limits) as gw,
+        ws_from(gw) as attacker,
+        ws_from(gw) as reader,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as api,
+    ):
         assert publish_new_topics(attacker, "junk", 30) == ["ok"] * 30  # each retains its message
         send(reader, op="subscribe", topic="chat.junk0", id="s")
         assert recv_entries(reader)[0]["type"] == "subscribed"
@@ -88,8 +92,7 @@ BAD_NAMES = ["chat.a}:qc:b", "chat.{x}", "chat.a b", "chat.tab\t", "chat.nl\n", 
 
 
 def test_topic_names_follow_one_grammar_on_every_transport():
-    with run_gateway() as gw, ws_from(gw) as client, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as api:
+    with run_gateway() as gw, ws_from(gw) as client, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as api:
         for i, name in enumerate(BAD_NAMES):
             send(client, op="subscribe", topic=name, id=f"s{i}")
             send(client, op="publish", topic=name, data=1, id=f"p{i}")
@@ -110,8 +113,10 @@ def test_topic_names_follow_one_grammar_on_every_transport():
 
 
 def test_a_token_subject_cannot_be_an_anonymous_client_id():
-    rules = [{"pattern": "inbox.*", "kind": "private", "anonymous": True},
-             {"pattern": "chat.*", "kind": "ring", "anonymous": True, "client_publish": True}]
+    rules = [
+        {"pattern": "inbox.*", "kind": "private", "anonymous": True},
+        {"pattern": "chat.*", "kind": "ring", "anonymous": True, "client_publish": True},
+    ]
     with run_gateway(topics={"rules": rules}) as gw, ws_from(gw) as anon, ws_from(gw) as mallory:
         send(anon, op="rpc", method="whoami", id="w")
         anon_id = answers(anon, 1)[0]["result"]["client_id"]
@@ -137,8 +142,10 @@ def test_a_token_subject_cannot_be_an_anonymous_client_id():
 
 
 def test_bulk_admin_publishes_are_bounded():
-    with run_gateway(admin={"max_publish_messages": 100}) as gw, \
-            httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as api:
+    with (
+        run_gateway(admin={"max_publish_messages": 100}) as gw,
+        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as api,
+    ):
         reply = api.post("/api/topics/chat.bulk/publish", json={"messages": list(range(101))})
         assert reply.status_code == 413 and reply.json()["error"]["code"] == "too_large"
         reply = api.post("/api/topics/chat.bulk/publish", json={"messages": list(range(100))})
@@ -154,8 +161,17 @@ def test_a_bulk_body_of_millions_of_tiny_messages_is_refused_by_its_size_before_
         reply = api.post("/api/topics/chat.bulk/publish", content=huge, headers={"Content-Type": "application/json"})
         assert reply.status_code == 413 and reply.json()["error"]["code"] == "too_large"
         assert reply.json()["error"]["message"] == f"body of {len(huge)} bytes exceeds 2097152 bytes (admin.max_body_bytes)"
-        typical = [{"sym": "EURUSD", "bid": 1.0842 + i / 1e6, "ask": 1.0843, "ts": 1700000000000 + i,
-                    "venue": "primary", "note": "x" * 60} for i in range(10_000)]
+        typical = [
+            {
+                "sym": "EURUSD",
+                "bid": 1.0842 + i / 1e6,
+                "ask": 1.0843,
+                "ts": 1700000000000 + i,
+                "venue": "primary",
+                "note": "x" * 60,
+            }
+            for i in range(10_000)
+        ]
         body = json.dumps({"messages": typical}).encode()
         assert 1_200_000 < len(body) < 2_097_152
         reply = api.post("/api/topics/chat.bulk/publish", content=body, headers={"Content-Type": "application/json"})

@@ -18,10 +18,11 @@ from tests.security.bytes_helpers import TEXT, RawWs, ws_frame
 pytestmark = pytest.mark.timeout(90)
 
 #: replies are bounded per client in entries and bytes (4009): raised here, so the burst is all handled
-SECTIONS = {"ingest": {"enabled": False},
-            "scheduler": {"direct_queue_max": 1000000, "direct_queue_max_bytes": 1073741824,
-                          "direct_total_max_bytes": 2147483648},
-            "limits": {"bad_input_log_per_s": 0}}
+SECTIONS = {
+    "ingest": {"enabled": False},
+    "scheduler": {"direct_queue_max": 1000000, "direct_queue_max_bytes": 1073741824, "direct_total_max_bytes": 2147483648},
+    "limits": {"bad_input_log_per_s": 0},
+}
 
 
 def test_a_burst_of_commands_leaves_the_loop_to_other_clients(tmp_path):
@@ -64,8 +65,9 @@ def test_a_burst_of_commands_leaves_the_loop_to_other_clients(tmp_path):
         # quiet machine: median ~10, worst ~40). The bounds tell the two apart at half the old figures, with
         # room for a machine the other test workers share (median 21.8, worst 66 ms seen there). The 90th
         # percentile, not the worst: one probe alone once took 139 ms in CI (median 16.8) as the VM stalled
-        print("healthz under the burst: median %.1f ms, p90 %.1f ms, worst %.1f ms, %d probes"
-              % (median, p90, worst, len(delays)))
+        print(
+            "healthz under the burst: median %.1f ms, p90 %.1f ms, worst %.1f ms, %d probes" % (median, p90, worst, len(delays))
+        )
         assert median < 40 and p90 < 120, (median, p90, delays)
         attacker.close()
     finally:
@@ -80,8 +82,9 @@ def test_commands_left_for_a_later_turn_are_all_run_in_order():
         client = RawWs(gw.http_port, rcvbuf=1 << 20)
         try:
             deferred = ws_counters.input_deferrals
-            frames = [ws_frame(TEXT, json.dumps([{"op": "ping", "id": i * 100 + j} for j in range(100)]).encode())
-                      for i in range(300)]
+            frames = [
+                ws_frame(TEXT, json.dumps([{"op": "ping", "id": i * 100 + j} for j in range(100)]).encode()) for i in range(300)
+            ]
             assert client.send(b"".join(frames))  # one write: handled over many turns
             ids: list[int] = []
             for _opcode, payload in client.frames(timeout=10):

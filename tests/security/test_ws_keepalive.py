@@ -140,8 +140,11 @@ def test_an_idle_connection_holds_no_timer_and_no_attribute_dict():
 
         def census() -> tuple[int, int, int, int, int]:
             gc.unfreeze()
-            protos = [p for p in gw.running.server.server_state.connections
-                      if isinstance(p, WebSocketProtocol) and p.connection is not None]
+            protos = [
+                p
+                for p in gw.running.server.server_state.connections
+                if isinstance(p, WebSocketProtocol) and p.connection is not None
+            ]
             keepalive = type(protos[0]).service.keepalive.wheel
             with_dict = sum(hasattr(p, "__dict__") for p in protos)
             parsers = sum(p.ws is not None for p in protos)
