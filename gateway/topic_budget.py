@@ -58,9 +58,9 @@ class CreationBudget:
         """Why `identity` may not create a topic now, (reason, message), or None when it may (nothing is
         taken, nothing counted)."""
         # creations that may be under way through a broker count as made until Redis answered (`begin`)
-        if identity.created_topics + identity.creating >= self.per_connection:
+        if identity.creations.created + identity.creations.creating >= self.per_connection:
             return "connection", f"this connection may create at most {self.per_connection} topics"
-        if self.burst > 0 and self.rates.tokens(identity.ip) - identity.creating < 1:
+        if self.burst > 0 and self.rates.tokens(identity.ip) - identity.creations.creating < 1:
             return "address", (f"topics created from your address above {self.rate:g}/s (burst {self.burst:g}): retry later")
         if self.total > 0 and self.topic_count() >= self.total:
             return "total", f"the gateway holds {self.total} topics: clients may create no more"
@@ -83,11 +83,11 @@ class CreationBudget:
         `end` says whether it was one."""
         reason = self.refusal(identity)
         if reason is None:
-            identity.creating += 1
+            identity.creations.creating += 1
         return reason
 
     def end(self, identity: "ClientIdentity", created: bool) -> None:
-        identity.creating -= 1
+        identity.creations.creating -= 1
         if created:
             self.charge(identity)
 
@@ -103,6 +103,6 @@ class CreationBudget:
 
     def charge(self, identity: "ClientIdentity") -> None:
         """`identity` created a topic."""
-        identity.created_topics += 1
+        identity.creations.created += 1
         if self.burst > 0:
             self.rates.charge(identity.ip)

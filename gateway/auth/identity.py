@@ -41,6 +41,18 @@ def _shown(patterns: tuple[str, ...]) -> str:
     return f"{shown} (and {more} more)" if more > 0 else shown
 
 
+class TopicCreations:
+    """A connection's topic creations, kept by the topic budget (gateway/topic_budget.py)."""
+
+    __slots__ = ("created", "creating")
+
+    def __init__(self) -> None:
+        #: topics this connection caused to be created (bounded by limits.max_created_topics)
+        self.created = 0
+        #: its publishes and subscribes in flight to a broker that may create a topic
+        self.creating = 0
+
+
 @dataclass(slots=True)
 class ClientIdentity:
     """Who a connection is (the core sees it as opaque `info`): set by its handshake and the connect hook,
@@ -56,10 +68,9 @@ class ClientIdentity:
     #: the verified token, None while anonymous
     principal: Principal | None = None
     connected_at: float = field(default_factory=time.time)
-    #: topics this connection caused to be created (bounded by limits.max_created_topics)
-    created_topics: int = 0
-    #: its publishes and subscribes in flight to a broker that may create a topic (gateway/topic_budget.py)
-    creating: int = 0
+    #: the topic budget's count of this connection's creations (gateway/topic_budget.py): the object stays, the
+    #: budget changes its counts
+    creations: TopicCreations = field(default_factory=TopicCreations)
     #: what the application says about the client (presence members' `info`): a token's `info` claim, or the
     #: connect hook's `info` (gateway/hooks/backend.py); None when neither gave one
     info: dict[str, Any] | None = None

@@ -43,6 +43,7 @@ from redis.exceptions import RedisError
 
 from ..errors import BrokerUnavailable
 from ..presence import Member, PresenceView, TopicMembers
+from .stopping import stop_tasks
 
 if TYPE_CHECKING:
     from .node import RedisNode
@@ -98,13 +99,7 @@ class RedisPresence:
 
     async def stop(self) -> None:
         """Cancel the tasks; this node's members leave Redis (a graceful stop does not wait for the TTL)."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await stop_tasks(self._tasks)
         if not self.node.available:
             return
         keys, node_id = self.node.keys, self.node.node_id

@@ -42,6 +42,7 @@ from .link import Link, LinkHooks, SentinelLink, SingleLink
 from .presence_store import RedisPresence
 from .private_queues import PrivateQueues
 from .publishing import Publisher
+from .stopping import stop_tasks
 from .topic_lines import TopicLines
 
 log = logging.getLogger("gateway.broker")
@@ -144,14 +145,8 @@ class RedisBroker:
     async def stop(self) -> None:
         self.queues.stop()
         self.controls.stop()
-        for task in self._tasks:
-            task.cancel()
         self.topic_lines.stop()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await stop_tasks(self._tasks)
         self.publisher.stop()
         await self.presence_store.stop()
         if self.available:

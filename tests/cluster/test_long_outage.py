@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from gateway.broker import link
+from gateway.broker.stopping import stop_tasks
 from gateway.config import BrokerConfig
 
 #: the node's Redis user in the in-process tests: a test refuses its commands (ACL) while the default user
@@ -104,9 +105,7 @@ async def with_link(
         assert node.healthy
         return await body(node, tasks)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(tasks)  # the broker's own stop
         await node.close()
 
 

@@ -50,6 +50,23 @@ def test_a_connections_rate_buckets_are_fields_of_its_session_state_not_its_iden
         state.unknown = 1  # slotted: no attribute is added by name
 
 
+def test_an_identitys_fields_are_only_who_it_is_its_topic_creations_are_the_budgets_counts():
+    # every field but the budget's ledger object is set by the handshake, the connect hook or `authenticate`
+    assert {f.name for f in dataclasses.fields(ClientIdentity)} == {
+        "client_id",
+        "transport",
+        "peer",
+        "ip",
+        "principal",
+        "connected_at",
+        "creations",
+        "info",
+    }
+    identity = ClientIdentity("c1", "ws")
+    ledger = identity.creations
+    assert (ledger.created, ledger.creating) == (0, 0) and ClientIdentity("c2", "ws").creations is not ledger
+
+
 def test_no_transport_adds_attributes_to_the_hub_or_an_identity_by_name():
     pattern = re.compile(
         r"\bsetattr\((hub|identity|self\.hub|self\.identity)\b"

@@ -39,7 +39,7 @@ def test_a_subscribe_that_creates_a_topic_is_charged_and_one_past_the_budget_is_
         a = connect(hub, "a")
         hub.catalog.subscribe("a", "chat.first")  # creates it: charged
         await settle(lambda: bool(a.entries))
-        assert a.identity.created_topics == 1
+        assert a.identity.creations.created == 1
         with pytest.raises(TooManyCreatedTopics):
             hub.catalog.subscribe("a", "chat.second")
         assert not hub.topics.has_topic("chat.second")  # refused before anything was made
@@ -55,7 +55,7 @@ def test_a_publish_that_creates_a_topic_is_charged_and_one_to_a_topic_that_exist
         await settle(lambda: any(e["type"] == "reply" for e in a.entries))
         hub.catalog.publish_reply("b", "chat.made", "again", request_id=2)  # exists: b pays nothing
         await settle(lambda: any(e["type"] == "reply" for e in b.entries))
-        assert (a.identity.created_topics, b.identity.created_topics) == (1, 0)
+        assert (a.identity.creations.created, b.identity.creations.created) == (1, 0)
         with pytest.raises(TooManyCreatedTopics):
             hub.catalog.publish_reply("a", "chat.other", "no", request_id=3)
         assert not hub.topics.has_topic("chat.other")
