@@ -41,6 +41,7 @@ COMPILED = [
     "core/delta.py",
     "core/engine.py",
     "core/entries.py",
+    "core/fairness.py",
     "core/fossil.py",
     "core/private.py",
     "core/ring.py",

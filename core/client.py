@@ -7,6 +7,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Hashable
 
 if TYPE_CHECKING:
+    from .fairness import Tenant, User
     from .topics import Topic
 
 
@@ -85,7 +86,22 @@ class Crowd:
 
 
 class Client:
-    __slots__ = ("id", "owner", "state", "direct", "direct_bytes", "active", "subs", "budget", "peeked_subs", "info", "sink")
+    __slots__ = (
+        "id",
+        "owner",
+        "state",
+        "direct",
+        "direct_bytes",
+        "active",
+        "subs",
+        "budget",
+        "peeked_subs",
+        "info",
+        "sink",
+        "tenant",
+        "user",
+        "in_line",
+    )
 
     def __init__(self, client_id: Hashable, budget: int, ready: bool, info: Any = None, owner: Hashable = None) -> None:
         self.id = client_id
@@ -107,6 +123,10 @@ class Client:
         self.info = info
         #: where its caught-up one-entry batches may go in a crowd (`Engine.attach_sink`), None: as batches
         self.sink: Sink | None = None
+        #: with fairness on (core/fairness.py): its tenant and user, and whether it is in its tenant's deque
+        self.tenant: Tenant | None = None
+        self.user: User | None = None
+        self.in_line = False
 
     def queued(self) -> int:
         """Entries in the direct queue."""

@@ -47,6 +47,7 @@ from .errors import (
     TopicExists,
     UnknownTopic,
 )
+from .fairness import FairShare, Tenant, User
 from .private import PrivateTopic
 from .ring import RingTopic
 from .snapshot import SnapshotTopic
@@ -135,6 +136,8 @@ class Engine:
         self.crowding = False
         #: the last cycle's crowds (`take_crowds`)
         self.crowds: list[Crowd] = []
+        #: tenants and users (`enable_fairness`); None: the flat cycle, one batch per ready client
+        self.fair: FairShare | None = None
 
     # -- topics ----------------------------------------------------------------------------------------
 
@@ -306,13 +309,25 @@ class Engine:
         info: Any = None,
         budget: int | None = None,
         owner: Hashable = None,
+        tenant: str = "",
+        user: Hashable = None,
+        user_weight: float = 1.0,
     ) -> Client:
-        """`owner`: whose private queues the client reads (default: the client id itself)."""
+        """`owner`: whose private queues the client reads (default: the client id itself). With fairness on,
+        `tenant` and `user` (default: the owner) are whom its service is counted to (core/fairness.py)."""
         if client_id in self._clients:
             raise CoreUsageError(f"client {client_id!r} is already connected")
         client = Client(client_id, budget or self.config.cycle_budget_bytes, ready, info, owner)
+        if self.fair is not None:
+            self.fair.join(client, tenant, client.owner if user is None else user, user_weight)
         self._clients[client_id] = client
         return client
+
+    def enable_fairness(self, fair: FairShare) -> None:
+        """Serve by tenant, then user (core/fairness.py), from now on; only before any client connects."""
+        if self._clients:
+            raise CoreUsageError("fairness is chosen before the first client connects")
+        self.fair = fair
 
     def disconnect(self, client_id: Hashable) -> None:
         """Free everything the client held; no trace stays in any topic."""
@@ -328,6 +343,9 @@ class Engine:
         client.active.clear()
         client.peeked_subs.clear()
         self._active.pop(client, None)
+        if self.fair is not None:  # an entry left in its tenant's deque is dropped when reached
+            client.state = ClientState.IDLE
+            self.fair.leave(client)
 
     def attach_sink(self, client_id: Hashable, sink: Sink | None) -> None:
         """Where the client's caught-up one-entry batches may go in a crowd (`crowds`); None: as batches."""
@@ -641,12 +659,16 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._active)
+        fair = self.fair
+        return bool(self._active) or (fair is not None and bool(fair.active or fair.woken))
 
     def run_cycle(self) -> list[Batch]:
         """Visit each eligible active client once; return its batch (docs/design/batching.md §5). With
         `crowding`, a client whose batch would be one topic's entry, caught up, with an open sink joins that
-        entry's crowd instead (`take_crowds`)."""
+        entry's crowd instead (`take_crowds`). With fairness on, tenants and users take their shares
+        (`_run_fair_cycle`)."""
+        if self.fair is not None:
+            return self._run_fair_cycle(self.fair)
         clients, self._active = self._active, {}
         batches: list[Batch] = []
         crowds: list[Crowd] = []
@@ -695,6 +717,135 @@ class Engine:
         counters.bytes_emitted += emitted
         counters.clients_served += len(batches) + crowded
         return batches
+
+    def _run_fair_cycle(self, fair: FairShare) -> list[Batch]:
+        """The cycle with tenants and users (core/fairness.py): clients that became ready join their tenant's
+        deque; each active tenant, those just woken first, serves clients from the front of its deque within
+        its allowance, each client's batch as in the flat cycle (direct queue first, one entry per topic,
+        crowds), charged `bytes + frame_cost` to its user and tenant."""
+        fair.cycle += 1
+        cycle = fair.cycle
+        incoming, self._active = self._active, {}
+        for client in incoming:
+            fair.enqueue(client)
+        batches: list[Batch] = []
+        crowds: list[Crowd] = []
+        self.crowds = crowds
+        order = fair.order()
+        counters = self.counters
+        counters.cycles += 1
+        if not order:
+            return batches
+        vtime = order[0].tag
+        weights = 0.0
+        for tenant in order:
+            if tenant.tag < vtime:
+                vtime = tenant.tag
+            weights += tenant.weight
+        if vtime > fair.vtime:
+            fair.vtime = vtime
+        window = fair.cycle_target_cost / weights
+        alone = len(order) == 1
+        frame_cost = fair.frame_cost
+        quantum = fair.quantum
+        cycle_state = _CycleState(self.crowding)
+        ready_state = ClientState.READY
+        for tenant in order:
+            allowance = float("inf") if alone else (vtime + window - tenant.tag) * tenant.weight
+            if allowance <= 0:
+                continue  # ahead of the slowest: waits this cycle
+            ready = tenant.ready
+            spent = 0
+            passed: list[Client] = []
+            eager: list[User] = []  # users served with more to come
+            while ready and spent < allowance:
+                client = ready.popleft()
+                if client.state is not ready_state or not (client.direct or client.active):
+                    client.in_line = False  # stale: no longer ready, or nothing to send
+                    continue
+                user = client.user
+                assert user is not None
+                if user.stamp != cycle:
+                    user.stamp = cycle
+                    user.deficit = min(user.deficit, 0.0) + quantum * user.weight
+                    user.passed = False
+                if user.deficit <= 0:
+                    user.passed = True
+                    passed.append(client)
+                    continue
+                client.in_line = False
+                cost, more = self._serve(client, batches, cycle_state, frame_cost, tenant)
+                user.deficit -= cost
+                user.cost += cost
+                spent += cost
+                if more:
+                    eager.append(user)
+            if passed:
+                # spare capacity is free: only when everyone served above that will want the next cycle also
+                # had clients passed over (a lone user's 20 tabs go out in one cycle; beside others, one turn)
+                if spent < allowance and all(user.passed for user in eager):
+                    kept: list[Client] = []
+                    for client in passed:
+                        if spent >= allowance:
+                            kept.append(client)
+                            continue
+                        client.in_line = False
+                        cost, _ = self._serve(client, batches, cycle_state, frame_cost, tenant)
+                        spent += cost
+                    passed = kept
+                ready.extendleft(reversed(passed))  # passed over: first in the next cycle
+            tenant.tag += spent / tenant.weight
+            if ready:
+                fair.requeue(tenant)
+            else:
+                fair.rest(tenant)
+        counters.entries_emitted += cycle_state.entries
+        counters.bytes_emitted += cycle_state.emitted
+        counters.clients_served += len(batches) + cycle_state.crowded
+        return batches
+
+    def _serve(
+        self, client: Client, batches: list[Batch], state: "_CycleState", frame_cost: int, tenant: Tenant
+    ) -> tuple[int, bool]:
+        """One client's batch in the fair cycle, as the flat cycle makes it (or its place in a crowd): its
+        cost and whether it has more."""
+        replies = client.direct is not None
+        out, size = self._fill(client)
+        if not out:
+            return 0, False
+        state.entries += len(out)
+        state.emitted += size
+        more = bool(client.active or client.direct)
+        tenant.bytes += size
+        tenant.frames += 1
+        tenant.entries += len(out)
+        cost = size + frame_cost
+        tenant.cost += cost
+        sink = client.sink
+        if (
+            state.crowding
+            and sink is not None
+            and sink.open
+            and not more
+            and len(out) == 1
+            and not replies
+            and not client.peeked_subs
+        ):
+            entry = out[0]
+            crowd = state.crowd
+            if crowd is None or crowd.entry is not entry or crowd.variant != sink.variant:
+                crowd = state.crowd = self._crowd_of(state.gathered, self.crowds, entry, sink.variant)
+            crowd.sinks.append(sink)
+            crowd.tokens.append(sink.token)
+            crowd.handles.append(sink.handle)
+            sink.frames += 1
+            sink.entries += 1
+            sink.bytes += len(entry) + FRAME_OVERHEAD
+            state.crowded += 1
+            return cost, more
+        client.state = ClientState.WRITING
+        batches.append(Batch(client.id, out, size, more))
+        return cost, more
 
     def take_crowds(self) -> list[Crowd]:
         """The last cycle's crowds: its clients with an open sink whose batch was one entry, caught up, by
@@ -836,3 +987,18 @@ class Engine:
         topic.idle.pop(old, None)
         self._queue(client, encode_closed(topic.name, reason))  # past the bound, like delete_topic
         self._note_work(client)
+
+
+class _CycleState:
+    """What one fair cycle gathers across its tenants (`Engine._run_fair_cycle`)."""
+
+    __slots__ = ("crowding", "gathered", "crowd", "crowded", "entries", "emitted")
+
+    def __init__(self, crowding: bool) -> None:
+        self.crowding = crowding
+        #: crowds by entry, then variant; the last one joined, which the next client usually joins too
+        self.gathered: dict[bytes, dict[int, Crowd]] = {}
+        self.crowd: Crowd | None = None
+        self.crowded = 0
+        self.entries = 0
+        self.emitted = 0

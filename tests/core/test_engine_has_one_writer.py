@@ -34,6 +34,7 @@ WRITES = frozenset(
         "connect",
         "disconnect",
         "set_owner",
+        "enable_fairness",
         "subscribe",
         "unsubscribe",
         "send_direct",
