@@ -323,6 +323,17 @@ class Engine:
         self._clients[client_id] = client
         return client
 
+    def set_tenant(self, client_id: Hashable, tenant: str, user: Hashable) -> None:
+        """With fairness on, the client's service counts to `user` of `tenant` from now on (a connection that
+        authenticated after it connected); nothing without. A batch it waits for in its old tenant's line
+        still comes from there once."""
+        fair = self.fair
+        if fair is None:
+            return
+        client = self.client(client_id)
+        fair.leave(client)
+        fair.join(client, tenant, user)
+
     def enable_fairness(self, fair: FairShare) -> None:
         """Serve by tenant, then user (core/fairness.py), from now on; only before any client connects."""
         if self._clients:

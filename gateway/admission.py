@@ -144,18 +144,22 @@ def open_client(
     if requested_id is not None:
         raise ClientIdRefused("?id= is not accepted: identity comes from ?token=")
     principal = None
+    tenant = services.clients.tenancy.tenant_of(None)
     try:
         if authorization is not None:
             token = bearer_token(authorization)
         if token is not None:
             principal = services.clients.tokens.verify(token, host)
+            tenant = services.clients.tenancy.tenant_of(principal)
     except TooManyTokenChecks as exc:  # auth.rate_per_ip: not checked at all
         services.bad_input(transport, "token not checked: %s", exc, peer=host)
         raise
     except (BadToken, TokenExpired) as exc:
         services.bad_input(transport, "token refused: %s", exc, peer=host)
         raise
-    identity = ClientIdentity(services.clients.new_client_id(door.id_prefix), transport, f"{host}:{port}", host, principal)
+    identity = ClientIdentity(
+        services.clients.new_client_id(door.id_prefix), transport, f"{host}:{port}", host, principal, tenant
+    )
     if principal is not None and principal.info is not None:
         identity.info = principal.info
     return identity

@@ -66,7 +66,9 @@ class ClientRegistry:
         self.broker = broker
         #: the connections by client id (the scheduler reads the same dict)
         self.conns = conns
-        self.tokens = TokenVerifier(config.auth, tracing)
+        self.tokens = TokenVerifier(config.auth, tracing, tenant_claim=config.fairness.tenant_claim)
+        #: tenants (gateway/tenancy.py): the scheduler's, which gives the engine their weights
+        self.tenancy = scheduler.tenancy
         #: registered clients per (transport, peer IP), for per-address limits (shared memory with workers)
         self.clients_by_ip: Counter[tuple[str, str]] = Counter()
         self.by_transport: Counter[str] = Counter()
@@ -249,6 +251,10 @@ class ClientRegistry:
             self.membership.set_owner(client_id, user)
         except CoreUsageError:
             raise BadToken("this connection holds private queues of its own: reconnect with the token") from None
+
+    def assign_tenant(self, client_id: str, tenant: str, user: str) -> None:
+        """The connection's service counts to `user` of `tenant` (its first token)."""
+        self.membership.set_tenant(client_id, tenant, user)
 
     def authenticated(self, client_id: str, principal: Principal, *, first: bool) -> None:
         """The connection holds `principal` now (`ClientSession.authenticate`): its expiry is armed, and a

@@ -248,6 +248,47 @@ class CentrifugoConfig(_Section, frozen=True, forbid_unknown_fields=True):
     connect_timeout_s: float
 
 
+class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One `[[fairness.tenants]]` table."""
+
+    name: str
+    weight: float = 1.0
+    #: the JWT `kid`s of the keys (in `auth.jwks_url`'s key set) that sign this tenant's tokens
+    key_ids: list[str] = []
+
+
+class FairnessConfig(_Section, frozen=True, forbid_unknown_fields=True):
+    enabled: bool
+    tenant_claim: str
+    default_tenant: str
+    frame_cost_bytes: int
+    cycle_target_ms: float
+    tenants: list[TenantConfig]
+
+    def __post_init__(self) -> None:
+        names: set[str] = set()
+        kids: set[str] = set()
+        for tenant in self.tenants:
+            if not 0 < len(tenant.name) <= MAX_TENANT_NAME:
+                raise ConfigError(f"fairness.tenants: a name is 1..{MAX_TENANT_NAME} characters, not {tenant.name!r}")
+            if tenant.name in names:
+                raise ConfigError(f"fairness.tenants: {tenant.name!r} is listed twice")
+            if not tenant.weight > 0:
+                raise ConfigError(f"fairness.tenants: {tenant.name!r} has weight {tenant.weight!r}: a weight is > 0")
+            taken = kids.intersection(tenant.key_ids)
+            if taken:
+                raise ConfigError(f"fairness.tenants: key id {sorted(taken)[0]!r} is listed for two tenants")
+            names.add(tenant.name)
+            kids.update(tenant.key_ids)
+        if not 0 < len(self.default_tenant) <= MAX_TENANT_NAME:
+            raise ConfigError(f"fairness.default_tenant is 1..{MAX_TENANT_NAME} characters")
+        if self.frame_cost_bytes < 0 or not self.cycle_target_ms > 0:
+            raise ConfigError("fairness.frame_cost_bytes must be >= 0 and fairness.cycle_target_ms > 0")
+
+
+#: longest tenant name (a tenant claim's value too)
+MAX_TENANT_NAME = 64
+
 #: The typed sections, by name. `topics` is not among them: it stays the rules structure ({"rules": [...]}),
 #: whose tables are checked by `topic_config`.
 SECTIONS: dict[str, type[_Section]] = {
@@ -266,6 +307,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "proxy": ProxyConfig,
     "tracing": TracingConfig,
     "centrifugo": CentrifugoConfig,
+    "fairness": FairnessConfig,
 }
 TOPICS = "topics"
 
@@ -299,6 +341,7 @@ class GatewayConfig:
     proxy: ProxyConfig = field(init=False, repr=False)
     tracing: TracingConfig = field(init=False, repr=False)
     centrifugo: CentrifugoConfig = field(init=False, repr=False)
+    fairness: FairnessConfig = field(init=False, repr=False)
     #: the topic rules as in the TOML: {"rules": [{"pattern": ..., ...}, ...]}
     topics: dict[str, list[dict[str, Any]]] = field(init=False, repr=False)
 

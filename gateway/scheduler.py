@@ -35,6 +35,7 @@ from .ops.deliverylog import DeliveryLog
 from .ops.metrics import BATCH_BUCKETS, CYCLE_BUCKETS, BucketHistogram
 from .ops.tracing import ExpectedApply, Fanout, count_fanouts, end_fanouts, forget_applies
 from .presence import Member, Presence, PresenceStore
+from .tenancy import Tenancy
 from .topic_view import TopicView
 
 if TYPE_CHECKING:
@@ -169,6 +170,10 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.engine = Engine(config.engine_config(), instance_id=instance_id)
+        #: whose share each connection's service counts to (`[fairness]`, gateway/tenancy.py)
+        self.tenancy = Tenancy(config.fairness)
+        if self.tenancy.enabled:
+            self.engine.enable_fairness(self.tenancy.fair_share())
         #: the engine for everyone else: read-only (changes go through `membership` or the verbs below)
         self.topics: TopicView = self.engine
         #: the client registry's connections, read-only here
@@ -603,6 +608,7 @@ class Scheduler:
 
     def collect(self) -> Iterator[Metric]:
         """The scheduler's families for /metrics."""
+        yield from self.tenancy.collect(self.engine.fair)
         yield CounterMetricFamily(
             "fanout_rounds", "scheduler rounds (cycles written together, gateway/transports/staging.py)", value=self.rounds
         )
@@ -660,7 +666,7 @@ class Membership:
 
     def connect(self, conn: Connection, *, ready: bool) -> None:
         identity = conn.identity
-        self.engine.connect(identity.client_id, ready=ready, info=identity, owner=identity.owner)
+        self.engine.connect(identity.client_id, ready=ready, info=identity, owner=identity.owner, tenant=identity.tenant)
         if isinstance(conn, DirectWritable):
             self.scheduler.writable_sockets[identity.client_id] = conn
             if conn.crowd_sink is not None:
@@ -678,6 +684,10 @@ class Membership:
     def set_owner(self, client_id: Hashable, owner: Hashable) -> None:
         """Whose private queues the client reads (raises `CoreUsageError` while it holds one of its own)."""
         self.engine.set_owner(client_id, owner)
+
+    def set_tenant(self, client_id: Hashable, tenant: str, user: Hashable) -> None:
+        """Whose share the client's service counts to from now on (its first token, with fairness on)."""
+        self.engine.set_tenant(client_id, tenant, user)
 
     # -- subscriptions ---------------------------------------------------------------------------------------
 

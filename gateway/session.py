@@ -225,8 +225,13 @@ class ClientSession:
         if current is not None and current.user != principal.user:
             raise BadToken("the token is for another user than the connection's")
         clients = self.services.clients
+        tenant = clients.tenancy.tenant_of(principal)
+        if current is not None and tenant != identity.tenant:
+            raise BadToken(f"tenant mismatch: the connection is tenant {identity.tenant!r}'s, the token {tenant!r}'s")
         if current is None:
             clients.claim_owner(identity.client_id, principal.user)
+            identity.tenant = tenant
+            clients.assign_tenant(identity.client_id, tenant, principal.user)
         identity.principal = principal
         if principal.info is not None and (current is None or principal.info is not current.info):
             identity.info = principal.info

@@ -67,6 +67,8 @@ class ClientIdentity:
     ip: str = ""
     #: the verified token, None while anonymous
     principal: Principal | None = None
+    #: whose share its service counts to (gateway/tenancy.py): decided with its first token
+    tenant: str = ""
     connected_at: float = field(default_factory=time.time)
     #: the topic budget's count of this connection's creations (gateway/topic_budget.py): the object stays, the
     #: budget changes its counts

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-from ..config import AuthConfig, ConfigError
+from ..config import MAX_TENANT_NAME, AuthConfig, ConfigError
 from ..edge.ratelog import AddressRates
 from ..errors import BadToken, TokenExpired, TokenRevoked, TooManyTokenChecks
 from ..ops.tracing import NO_TRACING, Tracing
@@ -73,6 +73,10 @@ class Principal:
     #: the token's `jti` and `iat` (Unix seconds), when it has them: what a revocation names (revocations.py)
     jti: str | None = None
     issued_at: float | None = None
+    #: the token's tenant claim (`fairness.tenant_claim`), and the `kid` of the key set's key that verified
+    #: it (a JWKS key, chosen by that kid): where its connection's tenant comes from (gateway/tenancy.py)
+    tenant: str | None = None
+    key_id: str | None = None
 
 
 class CheckLimiter:
@@ -108,7 +112,7 @@ def _public_key(setting: str, file: str) -> tuple[Any, str]:
 
 
 class TokenVerifier:
-    def __init__(self, auth: AuthConfig, tracing: Tracing = NO_TRACING) -> None:
+    def __init__(self, auth: AuthConfig, tracing: Tracing = NO_TRACING, *, tenant_claim: str = "tenant") -> None:
         #: the HMAC secrets, current first: a token is tried with each in turn (rotation)
         self.secrets = [s for s in (auth.jwt_secret, auth.jwt_previous_secret) if s]
         #: the PEM public keys, current first, each with the one algorithm it checks
@@ -132,6 +136,7 @@ class TokenVerifier:
         self.revocations = RevocationTable(auth.max_revocations)
         #: a check against the JWKS key set is an `auth.verify` span (with [tracing] on)
         self.tracing = tracing
+        self.tenant_claim = tenant_claim
 
     @property
     def enabled(self) -> bool:
@@ -180,11 +185,21 @@ class TokenVerifier:
             raise BadToken(f"invalid token: {exc}") from None
         except (ValueError, TypeError) as exc:  # anything else a malformed token makes a library raise
             raise BadToken(f"invalid token: {type(exc).__name__}") from None
-        principal = _principal(claims)
+        principal = _principal(claims, self.tenant_claim, self._verifying_kid(header))
         if self.revocations.revoked(principal) is not None:
             self.revocations.refused += 1
             raise TokenRevoked("the token was revoked")
         return principal
+
+    def _verifying_kid(self, header: dict[str, Any]) -> str | None:
+        """The `kid` of the key that checked a token with this header, when the key set chose the key by it
+        (`_keys_for`); None otherwise: a secret's or a key file's token may name any kid."""
+        kid = header.get("kid")
+        if self.jwks is None or header.get("alg") not in JWKS_ALGORITHMS or not isinstance(kid, str):
+            return None
+        if kid not in self.jwks.keys or (header.get("alg") in HMAC_ALGORITHMS and self.secrets):
+            return None
+        return kid
 
     def _keys_for(self, header: dict[str, Any]) -> list[Any]:
         """The keys that may check a token with this header, current first; each checks only the token's
@@ -231,7 +246,7 @@ def _patterns(claims: dict[str, Any], name: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _principal(claims: dict[str, Any]) -> Principal:
+def _principal(claims: dict[str, Any], tenant_claim: str = "tenant", key_id: str | None = None) -> Principal:
     user = claims["sub"]
     if not isinstance(user, str) or not 0 < len(user) <= MAX_USER_CHARS:
         raise BadToken(f"claim 'sub' must be a string of 1..{MAX_USER_CHARS} characters")
@@ -246,6 +261,9 @@ def _principal(claims: dict[str, Any]) -> Principal:
     if jti is not None and (not isinstance(jti, str) or not 0 < len(jti) <= MAX_JTI_CHARS):
         raise BadToken(f"claim 'jti' must be a string of 1..{MAX_JTI_CHARS} characters")
     iat = claims.get("iat")  # PyJWT checked it is a number when present
+    tenant = claims.get(tenant_claim)
+    if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_NAME):
+        raise BadToken(f"claim {tenant_claim!r} must be a string of 1..{MAX_TENANT_NAME} characters")
     return Principal(
         user,
         float(exp),
@@ -254,4 +272,6 @@ def _principal(claims: dict[str, Any]) -> Principal:
         info=info,
         jti=jti,
         issued_at=float(iat) if iat is not None else None,
+        tenant=tenant,
+        key_id=key_id,
     )

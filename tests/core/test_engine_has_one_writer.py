@@ -35,6 +35,7 @@ WRITES = frozenset(
         "disconnect",
         "set_owner",
         "enable_fairness",
+        "set_tenant",
         "subscribe",
         "unsubscribe",
         "send_direct",

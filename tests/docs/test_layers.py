@@ -38,7 +38,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     ("watch and guard", {"ops/", "edge/"}),
     ("who a client is", {"auth/"}),
-    ("what the engine is told", {"hooks/", "presence", "topic_budget", "pending_connects", "session_tables", "session_store"}),
+    (
+        "what the engine is told",
+        {"hooks/", "presence", "topic_budget", "pending_connects", "session_tables", "tenancy", "session_store"},
+    ),
     ("the engine's writer and the broker", {"broker/", "scheduler", "token_lifetimes"}),
     ("clients and topics", {"clients", "catalog", "user_commands", "control_commands"}),
     ("one connection", {"admission", "session", "session_services", "client_protocol", "commands", "transports/", "centrifugo/"}),

@@ -16,6 +16,7 @@ from gateway.config import (
     GatewayConfig,
     LongPollConfig,
     ServerConfig,
+    TenantConfig,
     load_config,
 )
 
@@ -36,6 +37,10 @@ def test_the_section_structs_have_exactly_the_keys_of_the_default_file():
     assert typed == set(SECTIONS) | {TOPICS}
 
 
+#: keys whose value is a list of tables ([[section.key]]), with their type
+LISTS_OF_TABLES = {("fairness", "tenants"): list[TenantConfig]}
+
+
 def test_the_section_structs_declare_the_type_of_each_default_value():
     default = _default()
     for name, cls in SECTIONS.items():
@@ -43,6 +48,8 @@ def test_the_section_structs_declare_the_type_of_each_default_value():
             value = default[name][f.name]
             assert f.default is msgspec.NODEFAULT, f"{name}.{f.name}: the defaults live in the TOML only"
             expected = list[str] if isinstance(value, list) else type(value)
+            if (name, f.name) in LISTS_OF_TABLES:  # an empty list of tables by default
+                expected = LISTS_OF_TABLES[name, f.name]
             assert f.type == expected, f"{name}.{f.name}: {f.type} for a default of {value!r}"
 
 

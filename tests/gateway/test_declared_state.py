@@ -58,6 +58,7 @@ def test_an_identitys_fields_are_only_who_it_is_its_topic_creations_are_the_budg
         "peer",
         "ip",
         "principal",
+        "tenant",
         "connected_at",
         "creations",
         "info",

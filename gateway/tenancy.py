@@ -1,0 +1,96 @@
+"""Tenants (`[fairness]`, docs/operations.md "Fair shares"): whose share a connection's service counts to.
+
+A connection's tenant is, first that applies: the tenant whose `key_ids` hold the kid of the key that verified
+its token (JWKS keys only: a key set chooses the key by kid, so a tenant with its own key cannot sign for
+another), its token's `fairness.tenant_claim`, else `fairness.default_tenant`. A claim that names another
+tenant than the key's is refused. Its user is its owner (the token's `sub`, or the connection itself while
+anonymous). The engine does the sharing (core/fairness.py); this module decides the names and reports the
+figures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from core.fairness import FairShare
+
+from .errors import BadToken
+
+if TYPE_CHECKING:
+    from core.fairness import Tenant
+
+    from .auth.tokens import Principal
+    from .config import FairnessConfig
+
+#: cost units a millisecond of the cycle is worth: a frame (frame_cost_bytes, 8,192) took ~12 us of the
+#: node's CPU on the measured hosts (docs/benchmarks.md), so ~680 KiB-equivalents a millisecond
+COST_PER_MS = 8192 * 1000 // 12
+#: the label of the tenants not configured in `/metrics` (a claim may name any number of them)
+OTHER = "other"
+
+
+class Tenancy:
+    def __init__(self, config: FairnessConfig) -> None:
+        self.config = config
+        self.enabled = config.enabled
+        self.by_kid = {kid: tenant.name for tenant in config.tenants for kid in tenant.key_ids}
+        self.configured = {tenant.name for tenant in config.tenants} | {config.default_tenant}
+
+    def tenant_of(self, principal: Principal | None) -> str:
+        """The tenant of a connection holding `principal` (None: anonymous). Raises BadToken when the token's
+        claim names another tenant than its key."""
+        if principal is None:
+            return self.config.default_tenant
+        keyed = self.by_kid.get(principal.key_id) if principal.key_id is not None else None
+        claimed = principal.tenant
+        if keyed is not None:
+            if claimed is not None and claimed != keyed:
+                raise BadToken(f"tenant mismatch: the token's key is tenant {keyed!r}'s, its claim says {claimed!r}")
+            return keyed
+        return claimed if claimed is not None else self.config.default_tenant
+
+    def fair_share(self) -> FairShare:
+        """The engine's tenants and users, weights as configured."""
+        share = FairShare(
+            frame_cost=self.config.frame_cost_bytes,
+            cycle_target_cost=max(1, int(self.config.cycle_target_ms * COST_PER_MS)),
+        )
+        for tenant in self.config.tenants:
+            share.set_weight(tenant.name, tenant.weight)
+        return share
+
+    def collect(self, share: FairShare | None) -> Iterator[Metric]:
+        """Per tenant (those configured by name, the others as `other`): what it was served and holds."""
+        if share is None:
+            return
+        sums: dict[str, list[float]] = {}
+        for tenant in share.tenants.values():
+            label = tenant.name if tenant.name in self.configured else OTHER
+            row = sums.setdefault(label, [0, 0, 0, 0, 0, 0, 0.0])
+            for i, value in enumerate(_figures(tenant)):
+                row[i] += value
+        names = ("cost", "bytes", "frames", "messages")
+        docs = (
+            "cost units served (bytes + fairness.frame_cost_bytes per frame)",
+            "bytes of entries served",
+            "frames (batches) served",
+            "entries served",
+        )
+        for i, (name, doc) in enumerate(zip(names, docs)):
+            family = CounterMetricFamily(f"fanout_tenant_{name}", f"per tenant: {doc}", labels=["tenant"])
+            for label, row in sorted(sums.items()):
+                family.add_metric([label], row[i])
+            yield family
+        for i, (name, doc) in enumerate(
+            (("connections", "connections"), ("users", "users with a connection"), ("weight", "weight"))
+        ):
+            gauge = GaugeMetricFamily(f"fanout_tenant_{name}", f"per tenant: {doc}", labels=["tenant"])
+            for label, row in sorted(sums.items()):
+                gauge.add_metric([label], row[4 + i])
+            yield gauge
+
+
+def _figures(tenant: Tenant) -> tuple[int, int, int, int, int, int, float]:
+    return (tenant.cost, tenant.bytes, tenant.frames, tenant.entries, tenant.clients, len(tenant.users), tenant.weight)

@@ -1,0 +1,112 @@
+"""Tenants on a real gateway (`[fairness]`, gateway/tenancy.py): where a connection's tenant comes from, what
+/metrics says of each, and that delivery goes on as before. The shares themselves are the engine's
+(tests/core/test_fairness.py) and the load tool's to measure."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from gateway.auth.tokens import Principal
+from gateway.config import ConfigError, load_config
+from gateway.errors import BadToken
+from gateway.tenancy import Tenancy
+from gateway.testing import make_token, run_gateway
+from tests.gateway.gw_helpers import auth, recv_entries, send, ws_connect
+
+pytestmark = pytest.mark.timeout(60)
+
+RULES = {"rules": [{"pattern": "*", "kind": "ring", "anonymous": True}]}
+FAIRNESS = {
+    "enabled": True,
+    "default_tenant": "public",
+    "tenants": [{"name": "acme", "weight": 3}, {"name": "globex", "key_ids": ["globex-2026"]}],
+}
+
+
+def tenant_samples(gw, name: str) -> dict[str, float]:
+    text = httpx.get(f"{gw.http_url}/metrics", timeout=10, trust_env=False).text
+    return {m[1]: float(m[2]) for m in re.finditer(rf'^{name}{{tenant="([^"]+)"}} (\S+)$', text, re.M)}
+
+
+def test_a_connections_tenant_is_its_tokens_claim_or_the_default_and_each_tenant_is_counted():
+    with run_gateway(topics=RULES, fairness=FAIRNESS) as gw:
+        acme = make_token("ann", tenant="acme")
+        other = make_token("bob", tenant="initech")  # not configured: weight 1, counted as `other`
+        with (
+            ws_connect(gw, query=f"?token={acme}") as a1,
+            ws_connect(gw, query=f"?token={acme}") as a2,
+            ws_connect(gw, query=f"?token={other}") as b,
+            ws_connect(gw) as anonymous,
+        ):
+            for i, ws in enumerate((a1, a2, b, anonymous)):
+                send(ws, op="subscribe", topic="feed.t", id=i)
+                assert recv_entries(ws)[0]["type"] == "subscribed"
+            published = httpx.post(
+                f"{gw.http_url}/api/topics/feed.t/publish", headers=auth(gw), json={"data": {"n": 1}}, trust_env=False
+            )
+            assert published.status_code == 200, published.text
+            for ws in (a1, a2, b, anonymous):
+                assert [e["data"] for e in recv_entries(ws) if e["type"] == "msg"] == [{"n": 1}]
+            assert tenant_samples(gw, "fanout_tenant_connections") == {"acme": 2, "globex": 0, "other": 1, "public": 1}
+            assert tenant_samples(gw, "fanout_tenant_users") == {"acme": 1, "globex": 0, "other": 1, "public": 1}
+            assert tenant_samples(gw, "fanout_tenant_weight")["acme"] == 3
+            frames = tenant_samples(gw, "fanout_tenant_frames_total")
+            assert frames["acme"] >= 4 and frames["other"] >= 2 and frames["public"] >= 2  # subscribed + msg each
+            cost, sent = tenant_samples(gw, "fanout_tenant_cost_total"), tenant_samples(gw, "fanout_tenant_bytes_total")
+            assert cost["acme"] == sent["acme"] + 8192 * frames["acme"]  # bytes + frame_cost_bytes a frame
+            # an anonymous connection's first token decides its tenant; a later one may not change it
+            send(anonymous, op="auth", token=make_token("cy", tenant="acme"), id=9)
+            assert recv_entries(anonymous)[0]["type"] == "reply"
+            assert tenant_samples(gw, "fanout_tenant_connections") == {"acme": 3, "globex": 0, "other": 1, "public": 0}
+            send(anonymous, op="auth", token=make_token("cy", tenant="globex"), id=10)
+            refused = recv_entries(anonymous)[0]
+            assert (refused["type"], refused["code"]) == ("error", "bad_token") and "tenant mismatch" in refused["message"]
+        deadline = time.monotonic() + 5
+        while tenant_samples(gw, "fanout_tenant_connections") != {"acme": 0, "globex": 0, "other": 0, "public": 0}:
+            assert time.monotonic() < deadline, tenant_samples(gw, "fanout_tenant_connections")
+            time.sleep(0.02)
+
+
+def test_without_fairness_no_tenant_figures_and_the_flat_cycle():
+    with run_gateway(topics=RULES) as gw, ws_connect(gw) as ws:
+        assert gw.call(lambda: gw.hub.scheduler.engine.fair) is None
+        send(ws, op="subscribe", topic="feed.u", id=1)
+        assert recv_entries(ws)[0]["type"] == "subscribed"
+        assert tenant_samples(gw, "fanout_tenant_connections") == {}
+
+
+def tenancy(**fairness) -> Tenancy:
+    return Tenancy(load_config(overrides={"fairness": {**FAIRNESS, **fairness}}, environ={}).fairness)
+
+
+@pytest.mark.unit
+def test_the_key_decides_before_the_claim_and_a_claim_that_disagrees_is_refused():
+    tenants = tenancy()
+    signed = Principal("u", 0.0, key_id="globex-2026")
+    assert tenants.tenant_of(signed) == "globex"
+    assert tenants.tenant_of(Principal("u", 0.0, key_id="globex-2026", tenant="globex")) == "globex"
+    with pytest.raises(BadToken, match="tenant mismatch"):
+        tenants.tenant_of(Principal("u", 0.0, key_id="globex-2026", tenant="acme"))
+    assert tenants.tenant_of(Principal("u", 0.0, tenant="acme")) == "acme"
+    assert tenants.tenant_of(Principal("u", 0.0, key_id="unknown-kid")) == "public"
+    assert tenants.tenant_of(None) == "public"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "tenants, words",
+    [
+        ([{"name": "a", "weight": 0}], "weight"),
+        ([{"name": "a"}, {"name": "a"}], "twice"),
+        ([{"name": "a", "key_ids": ["k"]}, {"name": "b", "key_ids": ["k"]}], "two tenants"),
+        ([{"name": ""}], "characters"),
+        ([{"name": "a", "share": 2}], "unknown field"),
+    ],
+)
+def test_a_wrong_tenant_table_is_refused_at_start(tenants, words):
+    with pytest.raises(ConfigError, match=words):
+        tenancy(tenants=tenants)
