@@ -18,6 +18,7 @@ without it its Python twin (gateway/fanwrite_py.py) runs.
 import hashlib
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -81,12 +82,21 @@ class RecordingBuildExt(build_ext):
         return outputs
 
 
+#: commands that build no extension and write nothing a build ships: the egg-info that build's and pip's first
+#: hook (get_requires_for_build_*) writes; the sdist, the wheel and pip's dist_info write theirs again (its
+#: top_level.txt names the mypyc module, so they run mypycify)
+NO_BUILD = {"egg_info"}
+
+
 def extensions() -> list:
     if os.environ.get("FANOUT_PURE_PYTHON", "") not in ("", "0"):
         return []
     from mypyc.build import mypycify
 
-    modules = mypycify(COMPILED, opt_level="3")
+    # mypycify type-checks the core and writes its C (seconds) for a command that never compiles it: skipped
+    # there; any other word in argv runs it
+    commands = [arg for arg in sys.argv[1:] if arg.isidentifier()]
+    modules = [] if commands and set(commands) <= NO_BUILD else mypycify(COMPILED, opt_level="3")
     # the fan-out writer (gateway/fanwrite.py): one frame to many sockets in one call
     modules.append(Extension("gateway._fanwrite", ["gateway/_fanwrite.c"], extra_compile_args=["-O2"]))
     for module in modules:

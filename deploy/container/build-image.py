@@ -133,6 +133,12 @@ def fill_wheelhouse(wheelhouse: Path, base: str, env: dict[str, str]) -> None:
     lock is resolved on a newer 3.11: redis needs async-timeout below 3.11.3, which bookworm's 3.11.2 is)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     wanted = ["pip", "setuptools", *project["project"]["dependencies"], *project["build-system"]["requires"]]
+    # filled before for the same base (its image id), the same packages and the same pins: every wheel is there
+    # (constraints.txt pins each one, so a new fill would fetch the same files)
+    inputs = [image_id(base, env), wanted, (ROOT / "constraints.txt").read_text(), platform.machine()]
+    stamp = wheelhouse / f".filled-{hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]}.json"
+    if stamp.exists() and all((wheelhouse / name).exists() for name in json.loads(stamp.read_text())):
+        return
     probe = (
         "import json, platform; print(json.dumps({'python_full_version': platform.python_version(), "
         "'python_version': '.'.join(platform.python_version_tuple()[:2]), 'implementation_version': "
@@ -176,6 +182,7 @@ def fill_wheelhouse(wheelhouse: Path, base: str, env: dict[str, str]) -> None:
                     ) not in have:
                         missing.add(str(requirement).split(";")[0])
         if not missing:
+            stamp.write_text(json.dumps(sorted(w.name for w in wheelhouse.glob("*.whl"))) + "\n")
             return
         wanted += sorted(missing)
     raise BuildError(f"the wheelhouse still lacks {sorted(missing)}")
@@ -216,7 +223,7 @@ def build(args: argparse.Namespace) -> Report:
     replaced = image_id(args.tag, env)
     say(f"podman build -t {args.tag} (most of it compiling the core: about a minute)")
     started = time.monotonic()
-    run(
+    podman_build = [
         "podman",
         "build",
         "--format",
@@ -231,13 +238,13 @@ def build(args: argparse.Namespace) -> Report:
         f"BUILD_IMAGE={build_base}",
         *build_args,
         *volumes,
-        "-t",
-        args.tag,
-        str(ROOT),
-        env=env,
-        timeout=1800,
-        quiet=args.quiet,
-    )
+    ]
+    if args.build_stage_tag:
+        # the build stage under a name of its own: not dangling, `podman image prune` keeps it, and the next
+        # build reuses its layers (podman's cache, keyed by the files copied) instead of compiling again; the
+        # build below then takes the whole stage from that cache
+        run(*podman_build, "--target", "build", "-t", args.build_stage_tag, str(ROOT), env=env, timeout=1800, quiet=args.quiet)
+    run(*podman_build, "-t", args.tag, str(ROOT), env=env, timeout=1800, quiet=args.quiet)
     built = time.monotonic() - started
     if replaced and replaced != image_id(args.tag, env) and not tags(replaced, env):
         run("podman", "rmi", replaced, env=env, check=False)  # the build this one replaced, if no tag or container has it
@@ -270,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_CACHE,
         metavar="DIR",
         help=f"the bases' tarballs, the wheelhouse and the containers.conf (default {DEFAULT_CACHE}; FANOUT_IMAGE_CACHE)",
+    )
+    parser.add_argument(
+        "--build-stage-tag",
+        metavar="TAG",
+        help="also name the build stage (the compiled wheel, the serving set) TAG: a later build of the same "
+        "sources and pins then reuses it from podman's cache, even after a `podman image prune`",
     )
     parser.add_argument("--report", type=Path, metavar="FILE", help="also write the figures (seconds, bytes) as JSON")
     parser.add_argument("--quiet", action="store_true", help="keep podman build's output (shown if it fails)")
