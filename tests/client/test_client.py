@@ -12,7 +12,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,24 @@ class Gateway:
             await asyncio.to_thread(self._cm.__exit__, None, None, None)
 
 
+#: the module's gateway of the defaults (`shared_gateway`), which `gateway()` without overrides hands out
+_SHARED: list[GatewayHandle] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_gateway() -> Iterator[None]:
+    """One gateway of the defaults for the tests that change no setting: each has topics of its own."""
+    with run_gateway() as gw:
+        _SHARED.append(gw)
+        yield
+        _SHARED.clear()
+
+
 @contextlib.asynccontextmanager
 async def gateway(**overrides: Any) -> AsyncIterator[GatewayHandle]:
+    if not overrides and _SHARED:
+        yield _SHARED[0]
+        return
     g = Gateway(**overrides)
     gw = await g.start()
     try:
@@ -303,9 +319,9 @@ def test_a_full_queue_holds_a_private_topic_back_without_loss() -> None:
             gateway() as gw,
             fanout_client.connect(gw.http_url, token=make_token("alice"), **FAST, max_queued_events=4) as client,
         ):
-            sub = await client.subscribe("private.inbox")
+            sub = await client.subscribe("private.held")
             assert sub.kind == "private"
-            await publish(gw, "private.inbox", [{"n": i} for i in range(40)], client="alice")
+            await publish(gw, "private.held", [{"n": i} for i in range(40)], client="alice")
             await asyncio.sleep(0.2)
             assert sub.queued <= 4
             assert seqs(await take(sub, 40)) == list(range(40))
@@ -321,30 +337,32 @@ def test_private_entries_written_to_a_stalled_connection_come_again_with_acks(pr
     it never got come again; without, the gateway committed them when written: the client can only tell the
     loss (`gone`)."""
 
+    topic = f"private.stalled-{'ack' if private_ack else 'no-ack'}"  # a queue of its own on the module's gateway
+
     async def main() -> None:
         async with gateway() as gw:
             with TcpProxy(gw.http_port) as proxy:
                 async with fanout_client.connect(
                     proxy.url, token=make_token("alice"), **FAST, ping_interval=0.2, ping_timeout=0.3, private_ack=private_ack
                 ) as client:
-                    sub = await client.subscribe("private.inbox")
-                    await publish(gw, "private.inbox", [0, 1], client="alice")
+                    sub = await client.subscribe(topic)
+                    await publish(gw, topic, [0, 1], client="alice")
                     assert seqs(await take(sub, 2)) == [0, 1]
 
                     async def queued() -> int:
-                        return int((await admin(gw, "GET", "/api/topics/private.inbox"))["queued"])
+                        return int((await admin(gw, "GET", f"/api/topics/{topic}"))["queued"])
 
                     deadline = time.monotonic() + 5
                     while await queued():  # acknowledged (or written), so gone from the queue
                         assert time.monotonic() < deadline, "the first two were never acknowledged"
                         await asyncio.sleep(0.02)
                     proxy.freeze(hold_open=True)  # the gateway keeps the old connection: the new one takes over
-                    await publish(gw, "private.inbox", [2, 3], client="alice")
+                    await publish(gw, topic, [2, 3], client="alice")
                     events = await take(sub, 2 if private_ack else 1, timeout=8)
                     if private_ack:
                         assert seqs(events) == [2, 3]  # over the next connection, which took the queue over
                     else:
-                        assert events == [Loss("private.inbox", 2, 4, "gone", sub.epoch or "")]
+                        assert events == [Loss(topic, 2, 4, "gone", sub.epoch or "")]
                     await nothing_more(sub)
                     assert client.reconnects == 1
 

@@ -146,15 +146,32 @@ def test_at_1200_px_it_fits_too(first_sample):
     browser.screenshot(tmp_path / "dashboard-1200.png")
 
 
+@pytest.fixture(scope="module")
+def wide_chromium(tmp_path_factory):
+    with Chromium(tmp_path_factory.mktemp("wide") / "profile", window=WIDE) as browser:
+        yield browser
+
+
+@pytest.fixture
+def wide(wide_chromium):
+    """The module's wide browser, its record of errors cleared: each test opens its own gateway's page in it."""
+    # a blank page first: until the test's own page is committed, nothing of the last test's page answers
+    wide_chromium.call("Page.navigate", url="about:blank")
+    wide_chromium.wait_for("location.href === 'about:blank'", what="a blank page")
+    wide_chromium.errors.clear()
+    wide_chromium.console.clear()
+    return wide_chromium
+
+
 @pytest.mark.timeout(60)
-def test_amber_is_for_losses_not_for_a_full_ring(tmp_path):
+def test_amber_is_for_losses_not_for_a_full_ring(wide):
     """A client resuming from a seq the wrapped ring no longer holds is told it lost 111 messages: the lost / s
     card turns amber for that interval, while the full ring's gauge stays the normal colour."""
     with (
         run_gateway(admin={"stats_interval_s": 0.3}) as gw,
         ExitStack() as stack,
-        Chromium(tmp_path / "profile", window=WIDE) as browser,
     ):
+        browser = wide
         _traffic(gw, stack)
         browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
         browser.wait_for(guarded(FILLED + " && lastSnapshot.dt !== null"), 30, what="a sample with rates")
@@ -197,15 +214,15 @@ def test_the_home_page_links_the_dashboard_the_library_and_the_api(tmp_path):
 
 @pytest.mark.skipif(redis_binary() is None, reason="redis-server is missing: `make redis` installs it")
 @pytest.mark.timeout(90)
-def test_with_a_broker_the_topics_table_says_whose_subscribers_it_counts(tmp_path):
+def test_with_a_broker_the_topics_table_says_whose_subscribers_it_counts(tmp_path, wide):
     redis = RedisProcess(tmp_path / "redis")
     redis.start()
     try:
         with (
             run_gateway(broker={"url": redis.url}, admin={"stats_interval_s": 0.5}) as gw,
             ExitStack() as stack,
-            Chromium(tmp_path / "profile", window=WIDE) as browser,
         ):
+            browser = wide
             _traffic(gw, stack)
             browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
             browser.wait_for(
@@ -226,8 +243,9 @@ def test_with_a_broker_the_topics_table_says_whose_subscribers_it_counts(tmp_pat
 
 
 @pytest.mark.timeout(60)
-def test_without_a_broker_the_subscribers_column_is_plain(tmp_path):
-    with run_gateway(admin=FIRST_SAMPLE_ONLY) as gw, ExitStack() as stack, Chromium(tmp_path / "profile", window=WIDE) as browser:
+def test_without_a_broker_the_subscribers_column_is_plain(wide):
+    browser = wide
+    with run_gateway(admin=FIRST_SAMPLE_ONLY) as gw, ExitStack() as stack:
         _traffic(gw, stack)
         browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
         browser.wait_for(guarded(FILLED), 30, what="the first sample")

@@ -10,15 +10,22 @@ from tests.gateway.gw_helpers import auth, collect, recv_entries, send, ws_conne
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_refuses_without_the_token():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+@pytest.fixture(scope="module")
+def gw():
+    """A gateway of the defaults for the tests that neither change a setting nor count the clients."""
+    with run_gateway() as handle:
+        yield handle
+
+
+def test_refuses_without_the_token(gw):
+    with httpx.Client(base_url=gw.http_url, timeout=10) as http:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
             r = http.get("/api/topics", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
 
 
-def test_topics_crud_and_publish_reach_websocket_clients():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+def test_topics_crud_and_publish_reach_websocket_clients(gw):
+    with httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         r = http.post("/api/topics", json={"name": "scores", "kind": "snapshot"})
         assert r.status_code == 201 and r.json()["kind"] == "snapshot"
         assert http.post("/api/topics", json={"name": "scores"}).status_code == 409
@@ -72,8 +79,8 @@ def test_list_and_kick_clients():
         assert http.delete(f"/api/clients/{carol}").status_code == 404
 
 
-def test_stats_metrics_health_openapi_static():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+def test_stats_metrics_health_openapi_static(gw):
+    with httpx.Client(base_url=gw.http_url, timeout=10) as http:
         assert http.get("/healthz").json() == {"status": "ok"}
         metrics = http.get("/metrics").text
         for name in (
@@ -93,8 +100,8 @@ def test_stats_metrics_health_openapi_static():
         assert r.status_code == 404
 
 
-def test_malformed_admin_requests_get_json_errors():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+def test_malformed_admin_requests_get_json_errors(gw):
+    with httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         for path, body, status, code in [
             ("/api/topics", b"{nope", 400, "bad_json"),
             ("/api/topics", b"[]", 400, "bad_request"),

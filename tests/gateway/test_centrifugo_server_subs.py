@@ -10,6 +10,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,14 @@ PAD = "x" * 100
 JS = Path(__file__).resolve().parents[1] / "centrifugo_js"
 
 
+@pytest.fixture(scope="module")
+def gw(backend: Backend) -> Iterator[Any]:
+    """One gateway on the module's backend (the `app` of each test answers its hooks): each test on a channel
+    of its own."""
+    with run_gateway(proxy=proxy_config(backend), topics=RULES, scheduler=SCHEDULER) as handle:
+        yield handle
+
+
 class ServerEvents(Events):
     """The client's events of its server-side subscriptions."""
 
@@ -60,92 +69,89 @@ class ServerEvents(Events):
         self.publications.append((ctx.channel, ctx.pub.offset, ctx.pub.data))
 
 
-def test_server_side_subscriptions_recover_on_reconnect_python(app: Backend):
+def test_server_side_subscriptions_recover_on_reconnect_python(gw, app: Backend):
     channel = fresh("srv")
     app.answers["connect"] = {"user": "alice", "topics": [channel]}
-    with run_gateway(proxy=proxy_config(app), topics=RULES, scheduler=SCHEDULER) as gw:
 
-        async def main() -> None:
-            proxy = Proxy(gw.http_port)
-            port = await proxy.start()
-            events = ServerEvents()
-            c = client(f"ws://127.0.0.1:{port}{PATH}", events)
-            await c.connect()
-            await until(lambda: events.subscribed, "subscribed server-side")
-            first = events.subscribed[0]
-            assert first.channel == channel and first.recoverable and first.positioned
-            assert not first.was_recovering and not first.recovered
-            for n in range(2):
-                await asyncio.to_thread(publish, gw, channel, n)
-            await until(lambda: len(events.publications) == 2, "2 publications")
+    async def main() -> None:
+        proxy = Proxy(gw.http_port)
+        port = await proxy.start()
+        events = ServerEvents()
+        c = client(f"ws://127.0.0.1:{port}{PATH}", events)
+        await c.connect()
+        await until(lambda: events.subscribed, "subscribed server-side")
+        first = events.subscribed[0]
+        assert first.channel == channel and first.recoverable and first.positioned
+        assert not first.was_recovering and not first.recovered
+        for n in range(2):
+            await asyncio.to_thread(publish, gw, channel, n)
+        await until(lambda: len(events.publications) == 2, "2 publications")
 
-            proxy.cut()  # missed: 2..6, all in the ring; a few go in the connect result, the rest as pushes
-            await until(lambda: len(events.connecting) >= 2, "reconnecting")
-            for n in range(2, 7):
-                await asyncio.to_thread(publish, gw, channel, n)
-            proxy.restore()
-            await until(lambda: len(events.subscribed) == 2, "subscribed again")
-            assert events.subscribed[1].recovered and events.subscribed[1].was_recovering
-            await until(lambda: len(events.publications) == 7, "the missed publications")
-            await asyncio.sleep(0.3)
-            assert events.publications == [(channel, n + 1, n) for n in range(7)]
+        proxy.cut()  # missed: 2..6, all in the ring; a few go in the connect result, the rest as pushes
+        await until(lambda: len(events.connecting) >= 2, "reconnecting")
+        for n in range(2, 7):
+            await asyncio.to_thread(publish, gw, channel, n)
+        proxy.restore()
+        await until(lambda: len(events.subscribed) == 2, "subscribed again")
+        assert events.subscribed[1].recovered and events.subscribed[1].was_recovering
+        await until(lambda: len(events.publications) == 7, "the missed publications")
+        await asyncio.sleep(0.3)
+        assert events.publications == [(channel, n + 1, n) for n in range(7)]
 
-            proxy.cut()  # missed: 12 publications, the ring holds 8
-            await until(lambda: len(events.connecting) >= 3, "reconnecting")
-            for n in range(7, 19):
-                await asyncio.to_thread(publish, gw, channel, n)
-            proxy.restore()
-            await until(lambda: len(events.subscribed) == 3, "subscribed a third time")
-            assert not events.subscribed[2].recovered and events.subscribed[2].was_recovering
-            await asyncio.to_thread(publish, gw, channel, 19)
-            await until(lambda: len(events.publications) == 8, "a live publication")
-            await asyncio.sleep(0.3)
-            assert events.publications[7:] == [(channel, 20, 19)]  # none of the unrecoverable ones, no duplicate
-            assert events.unsubscribed == []  # the subscription went on through every reconnect
-            await c.disconnect()
-            await proxy.stop()
+        proxy.cut()  # missed: 12 publications, the ring holds 8
+        await until(lambda: len(events.connecting) >= 3, "reconnecting")
+        for n in range(7, 19):
+            await asyncio.to_thread(publish, gw, channel, n)
+        proxy.restore()
+        await until(lambda: len(events.subscribed) == 3, "subscribed a third time")
+        assert not events.subscribed[2].recovered and events.subscribed[2].was_recovering
+        await asyncio.to_thread(publish, gw, channel, 19)
+        await until(lambda: len(events.publications) == 8, "a live publication")
+        await asyncio.sleep(0.3)
+        assert events.publications[7:] == [(channel, 20, 19)]  # none of the unrecoverable ones, no duplicate
+        assert events.unsubscribed == []  # the subscription went on through every reconnect
+        await c.disconnect()
+        await proxy.stop()
 
-        run(main())
+    run(main())
 
 
-def test_the_connect_result_carries_the_server_side_subscription(app: Backend):
+def test_the_connect_result_carries_the_server_side_subscription(gw, app: Backend):
     channel = fresh("srv")
     app.answers["connect"] = {"user": "alice", "topics": [channel]}
-    with run_gateway(proxy=proxy_config(app), topics=RULES, scheduler=SCHEDULER) as gw:
-        for n in range(5):
-            publish(gw, channel, [n, PAD])
-        with raw(gw) as ws:
-            ws.send(json.dumps({"id": 1, "connect": {}}))
-            reply = json.loads(ws.recv(timeout=5).split("\n")[0])
-        sub = reply["connect"]["subs"][channel]
-        epoch = sub["epoch"]
-        assert sub == {"recoverable": True, "positioned": True, "epoch": epoch, "offset": 5}
-        with raw(gw) as ws:  # from offset 2: 3, 4, 5 missed; what fits in the result, then pushes
-            ws.send(json.dumps({"id": 1, "connect": {"subs": {channel: {"recover": True, "offset": 2, "epoch": epoch}}}}))
-            got = [json.loads(line) for line in ws.recv(timeout=5).split("\n")]
-            sub = got[0]["connect"]["subs"][channel]
-            inline = [(p["offset"], p["data"]) for p in sub.pop("publications")]
-            assert sub == {
-                "recoverable": True,
-                "positioned": True,
-                "epoch": epoch,
-                "offset": 2,
-                "was_recovering": True,
-                "recovered": True,
-            }
-            pushed = [(m["push"]["pub"]["offset"], m["push"]["pub"]["data"]) for m in got[1:]]
-            while len(inline) + len(pushed) < 3:
-                pushed += [
-                    (m["push"]["pub"]["offset"], m["push"]["pub"]["data"])
-                    for m in map(json.loads, ws.recv(timeout=5).split("\n"))
-                ]
-            assert inline and pushed and inline + pushed == [(3, [2, PAD]), (4, [3, PAD]), (5, [4, PAD])]
-        with raw(gw) as ws:  # another epoch: not recovered, none, from the end
-            ws.send(json.dumps({"id": 1, "connect": {"subs": {channel: {"recover": True, "offset": 2, "epoch": "other"}}}}))
-            sub = json.loads(ws.recv(timeout=5).split("\n")[0])["connect"]["subs"][channel]
-            assert sub == {"recoverable": True, "positioned": True, "epoch": epoch, "offset": 5, "was_recovering": True}
-            publish(gw, channel, 5)
-            assert json.loads(ws.recv(timeout=5)) == {"push": {"channel": channel, "pub": {"data": 5, "offset": 6}}}
+    for n in range(5):
+        publish(gw, channel, [n, PAD])
+    with raw(gw) as ws:
+        ws.send(json.dumps({"id": 1, "connect": {}}))
+        reply = json.loads(ws.recv(timeout=5).split("\n")[0])
+    sub = reply["connect"]["subs"][channel]
+    epoch = sub["epoch"]
+    assert sub == {"recoverable": True, "positioned": True, "epoch": epoch, "offset": 5}
+    with raw(gw) as ws:  # from offset 2: 3, 4, 5 missed; what fits in the result, then pushes
+        ws.send(json.dumps({"id": 1, "connect": {"subs": {channel: {"recover": True, "offset": 2, "epoch": epoch}}}}))
+        got = [json.loads(line) for line in ws.recv(timeout=5).split("\n")]
+        sub = got[0]["connect"]["subs"][channel]
+        inline = [(p["offset"], p["data"]) for p in sub.pop("publications")]
+        assert sub == {
+            "recoverable": True,
+            "positioned": True,
+            "epoch": epoch,
+            "offset": 2,
+            "was_recovering": True,
+            "recovered": True,
+        }
+        pushed = [(m["push"]["pub"]["offset"], m["push"]["pub"]["data"]) for m in got[1:]]
+        while len(inline) + len(pushed) < 3:
+            pushed += [
+                (m["push"]["pub"]["offset"], m["push"]["pub"]["data"]) for m in map(json.loads, ws.recv(timeout=5).split("\n"))
+            ]
+        assert inline and pushed and inline + pushed == [(3, [2, PAD]), (4, [3, PAD]), (5, [4, PAD])]
+    with raw(gw) as ws:  # another epoch: not recovered, none, from the end
+        ws.send(json.dumps({"id": 1, "connect": {"subs": {channel: {"recover": True, "offset": 2, "epoch": "other"}}}}))
+        sub = json.loads(ws.recv(timeout=5).split("\n")[0])["connect"]["subs"][channel]
+        assert sub == {"recoverable": True, "positioned": True, "epoch": epoch, "offset": 5, "was_recovering": True}
+        publish(gw, channel, 5)
+        assert json.loads(ws.recv(timeout=5)) == {"push": {"channel": channel, "pub": {"data": 5, "offset": 6}}}
 
 
 def test_a_bad_subs_is_a_bad_request(app: Backend):
@@ -163,19 +169,18 @@ def test_a_bad_subs_is_a_bad_request(app: Backend):
     reason="node and tests/centrifugo_js/node_modules (make test installs them)",
 )
 @pytest.mark.parametrize("mode", ["json", "protobuf"])
-def test_server_side_subscriptions_recover_on_reconnect_js(app: Backend, mode: str):
+def test_server_side_subscriptions_recover_on_reconnect_js(gw, app: Backend, mode: str):
     channel = fresh("srv")
     app.answers["connect"] = {"user": "alice", "topics": [channel]}
-    with run_gateway(proxy=proxy_config(app), topics=RULES, scheduler=SCHEDULER) as gw:
-        done = subprocess.run(
-            ["node", "server_subs.js", gw.http_url, gw.admin_token, channel, mode],
-            cwd=JS,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        seen = json.loads(done.stdout)
+    done = subprocess.run(
+        ["node", "server_subs.js", gw.http_url, gw.admin_token, channel, mode],
+        cwd=JS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
     assert seen["subscribed"] == [
         {"recovered": False, "wasRecovering": False},
         {"recovered": True, "wasRecovering": True},

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
+from gateway import cli
 from gateway.config import ConfigError, load_config
 from gateway.server import resolve_admin_token
 
@@ -134,22 +135,31 @@ def test_gateway_serve_refuses_an_unknown_key_of_a_known_section_and_ignores_oth
     assert "GATEWAY_SERVER_PROT names no key of [server]" in result.stderr and "port" in result.stderr
 
 
-def _gateway(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**clean, **(env or {})},
-    )
+@pytest.fixture
+def cli_run(monkeypatch, capsys):
+    """`gateway ARGS` for the commands that start nothing (`token`, `check-config`): gateway.cli.main in this
+    process, with no GATEWAY_* variable but `env`'s; what it answered (`returncode`, `stdout`, `stderr`). The
+    program itself (`python -m gateway`) is run by the `serve` tests above."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        with monkeypatch.context() as patch:
+            for name in [k for k in os.environ if k.startswith("GATEWAY_")]:
+                patch.delenv(name)
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            patch.chdir(ROOT)
+            capsys.readouterr()
+            status = cli.main(list(args))
+            out = capsys.readouterr()
+        return subprocess.CompletedProcess(["gateway", *args], status, out.out, out.err)
+
+    return run
 
 
-def test_gateway_token_mints_a_token_the_gateway_accepts():
+def test_gateway_token_mints_a_token_the_gateway_accepts(cli_run):
     from gateway.testing import TEST_JWT_SECRET, run_gateway
 
-    minted = _gateway(
+    minted = cli_run(
         "token",
         "--sub",
         "alice",
@@ -167,17 +177,17 @@ def test_gateway_token_mints_a_token_the_gateway_accepts():
         ws.send(json.dumps({"op": "rpc", "id": 1, "method": "whoami"}))
         reply = next(e for e in json.loads(ws.recv(timeout=5)) if e.get("id") == 1)
         assert reply["result"]["user"] == "alice"
-    unset = _gateway("token", "--sub", "alice")
+    unset = cli_run("token", "--sub", "alice")
     assert unset.returncode == 2 and "auth.jwt_secret is empty" in unset.stderr
 
 
-def test_gateway_check_config_prints_the_values_in_force_with_secrets_masked(tmp_path):
+def test_gateway_check_config_prints_the_values_in_force_with_secrets_masked(tmp_path, cli_run):
     override = tmp_path / "prod.toml"
     override.write_text('[server]\nport = 9000\nadmin_token = "hunter2"\n')
-    checked = _gateway("check-config", str(override), env={"GATEWAY_LIMITS_PUBLISH_RATE": "7.5"})
+    checked = cli_run("check-config", str(override), env={"GATEWAY_LIMITS_PUBLISH_RATE": "7.5"})
     assert checked.returncode == 0, checked.stderr
     effective = json.loads(checked.stdout)
     assert effective["server"]["port"] == 9000 and effective["limits"]["publish_rate"] == 7.5
     assert effective["server"]["admin_token"] == "<set>" and "hunter2" not in checked.stdout
-    beyond = _gateway("check-config", env={"GATEWAY_SERVER_HOST": "0.0.0.0"})
+    beyond = cli_run("check-config", env={"GATEWAY_SERVER_HOST": "0.0.0.0"})
     assert beyond.returncode == 2 and "admin_token" in beyond.stderr  # what `serve` would refuse

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -28,6 +29,13 @@ RULES = {
         {"pattern": "plain.*", "kind": "ring", "anonymous": True},
     ]
 }
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[Any]:
+    """One gateway of RULES for the tests that need no other setting: each on topics of its own."""
+    with run_gateway(topics=copy.deepcopy(RULES)) as handle:
+        yield handle
 
 
 def book(step: int) -> dict[str, Any]:
@@ -61,8 +69,8 @@ def rebuild(entries: list[dict[str, Any]]) -> list[Any]:
     return out
 
 
-def test_ring_deltas_rebuild_what_was_published_and_plain_subscribers_are_unchanged() -> None:
-    with run_gateway(topics=RULES) as gw, ws_connect(gw) as ws, ws_connect(gw) as plain:
+def test_ring_deltas_rebuild_what_was_published_and_plain_subscribers_are_unchanged(gw) -> None:
+    with ws_connect(gw) as ws, ws_connect(gw) as plain:
         send(ws, op="subscribe", topic="book.x", delta="fossil", id=1)
         send(plain, op="subscribe", topic="book.x", id=1)
         first = collect(ws, lambda got: any(e["type"] == "subscribed" for e in got))
@@ -79,20 +87,19 @@ def test_ring_deltas_rebuild_what_was_published_and_plain_subscribers_are_unchan
         assert [e["data"] for e in plain_got] == published and all("delta" not in e for e in plain_got)
 
 
-def test_a_resume_and_a_lagging_subscriber_get_the_first_message_whole() -> None:
-    with run_gateway(topics=RULES) as gw:
-        published = [book(step) for step in range(10)]
-        for data in published[:4]:
+def test_a_resume_and_a_lagging_subscriber_get_the_first_message_whole(gw) -> None:
+    published = [book(step) for step in range(10)]
+    for data in published[:4]:
+        publish(gw, "book.y", data)
+    with ws_connect(gw) as ws:
+        # since seq 2: 2 and 3 come from the ring, the first whole, the next a delta of it
+        send(ws, op="subscribe", topic="book.y", delta="fossil", since={"epoch": epoch_of(gw, "book.y"), "seq": 2})
+        got = collect(ws, lambda got: len(messages(got)) == 2)
+        assert [e["delta"] for e in messages(got)] == [False, True]
+        for data in published[4:]:
             publish(gw, "book.y", data)
-        with ws_connect(gw) as ws:
-            # since seq 2: 2 and 3 come from the ring, the first whole, the next a delta of it
-            send(ws, op="subscribe", topic="book.y", delta="fossil", since={"epoch": epoch_of(gw, "book.y"), "seq": 2})
-            got = collect(ws, lambda got: len(messages(got)) == 2)
-            assert [e["delta"] for e in messages(got)] == [False, True]
-            for data in published[4:]:
-                publish(gw, "book.y", data)
-            got += collect(ws, lambda more: len(messages(more)) == 6)
-            assert rebuild(got) == published[2:]
+        got += collect(ws, lambda more: len(messages(more)) == 6)
+        assert rebuild(got) == published[2:]
 
 
 def epoch_of(gw: Any, topic: str) -> str:
@@ -101,8 +108,8 @@ def epoch_of(gw: Any, topic: str) -> str:
     return epoch
 
 
-def test_snapshot_deltas_and_topics_without_the_rule() -> None:
-    with run_gateway(topics=RULES) as gw, ws_connect(gw) as ws:
+def test_snapshot_deltas_and_topics_without_the_rule(gw) -> None:
+    with ws_connect(gw) as ws:
         publish(gw, "state.a", {"players": list(range(40)), "tick": 0})
         send(ws, op="subscribe", topic="state.a", delta="fossil", id=1)
         send(ws, op="subscribe", topic="plain.a", delta="fossil", id=2)
@@ -119,8 +126,8 @@ def test_snapshot_deltas_and_topics_without_the_rule() -> None:
         assert plain == [{"type": "msg", "topic": "plain.a", "seq": 0, "data": {"n": 1}}]  # not granted: whole
 
 
-def test_a_bad_delta_request_is_refused_and_nothing_else_is_disturbed() -> None:
-    with run_gateway(topics=RULES) as gw, ws_connect(gw) as ws:
+def test_a_bad_delta_request_is_refused_and_nothing_else_is_disturbed(gw) -> None:
+    with ws_connect(gw) as ws:
         send(ws, op="subscribe", topic="book.z", delta="zstd", id=1)
         error = collect(ws, lambda got: any(e["type"] == "error" for e in got))[-1]
         assert error["code"] == "bad_command" and error["id"] == 1

@@ -4,7 +4,9 @@ once answered differently per transport (issue 11), now one answer from one sche
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,7 +16,7 @@ import pytest
 from core import errors as core_errors
 from gateway import close_codes, schema
 from gateway import errors as gateway_errors
-from gateway.testing import run_gateway
+from gateway.testing import GatewayHandle, run_gateway
 from tests.gateway.gw_helpers import Ingest, auth
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
@@ -89,6 +91,15 @@ def test_admin_table_names_every_body_field():
 
 # -- the same bad field, the same answer --------------------------------------------------------------
 
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[GatewayHandle]:
+    """One gateway for the module: each test asks about topics of its own."""
+    with run_gateway() as handle:
+        yield handle
+
 
 @pytest.mark.parametrize(
     "settings",
@@ -107,15 +118,16 @@ def test_admin_table_names_every_body_field():
         {"capacitty": 8},
     ],
 )
-def test_bad_topic_settings_are_a_400_json_error_never_stored(settings):
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
-        r = http.post("/api/topics", json={"name": "t.x", **settings})
+def test_bad_topic_settings_are_a_400_json_error_never_stored(gw, settings):
+    name = f"t.x{next(_names)}"
+    with httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+        r = http.post("/api/topics", json={"name": name, **settings})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
-        assert http.get("/api/topics/t.x").status_code == 404
+        assert http.get(f"/api/topics/{name}").status_code == 404
 
 
-def test_a_negative_seq_gets_the_same_code_on_the_admin_api_and_the_ingest():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+def test_a_negative_seq_gets_the_same_code_on_the_admin_api_and_the_ingest(gw):
+    with httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         r = http.post("/api/topics/t.seq/publish", json={"data": 1, "seq": -1})
         assert (r.status_code, r.json()["error"]["code"]) == (400, "bad_seq")
         pub = Ingest(gw)
@@ -125,8 +137,8 @@ def test_a_negative_seq_gets_the_same_code_on_the_admin_api_and_the_ingest():
         assert (r.status_code, r.json()["error"]["code"]) == (400, "bad_request")
 
 
-def test_the_openapi_bodies_are_the_schemas():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+def test_the_openapi_bodies_are_the_schemas(gw):
+    with httpx.Client(base_url=gw.http_url, timeout=10) as http:
         spec = http.get("/api/openapi.json").json()
     create = spec["components"]["schemas"]["CreateTopic"]
     assert set(create["properties"]) == fields(schema.CreateTopic) and create["additionalProperties"] is False

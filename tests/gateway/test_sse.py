@@ -29,6 +29,20 @@ RING = {
 }
 
 
+@pytest.fixture(scope="module")
+def plain_gw():
+    """A gateway of the defaults for tests that only read their own stream."""
+    with run_gateway() as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def refusing_gw():
+    """A gateway of the defaults that only the refusals at connect use: it never holds a client."""
+    with run_gateway() as gw:
+        yield gw
+
+
 def positions(event_id: str) -> dict[str, tuple[str, int]]:
     return parse_positions(event_id, 1000)
 
@@ -162,8 +176,8 @@ def test_a_recovery_point_off_the_ring_gets_a_loss_and_topics_of_the_point_are_s
 
 
 @pytest.mark.parametrize("point", ["garbage", "e:t.a:-1", "e:t.a:9007199254740992", ":t.a:1", "e::1", "e:t.a:1,e:t.a:2"])
-def test_a_malformed_recovery_point_is_an_error_entry_and_the_topics_go_on(point):
-    with run_gateway() as gw, SseClient(gw, "?topics=chat.a", headers={"Last-Event-ID": point}) as sse:
+def test_a_malformed_recovery_point_is_an_error_entry_and_the_topics_go_on(plain_gw, point):
+    with SseClient(plain_gw, "?topics=chat.a", headers={"Last-Event-ID": point}) as sse:
         sse.session()
         got = sse.collect(lambda g: any(e["type"] == "subscribed" for e in g))
         assert got[0]["type"] == "error" and got[0]["code"] == "bad_request", got
@@ -192,8 +206,9 @@ def test_refused_topics_get_error_entries_and_the_others_go_on():
         ("?id=me", 4006),
     ],
 )
-def test_refusals_at_connect_are_a_stream_of_one_close_event(query, code):
-    with run_gateway() as gw, SseClient(gw, query + "&topics=chat.a") as sse:
+def test_refusals_at_connect_are_a_stream_of_one_close_event(refusing_gw, query, code):
+    gw = refusing_gw
+    with SseClient(gw, query + "&topics=chat.a") as sse:
         assert sse.status == 200 and sse.headers["content-type"] == "text/event-stream"
         event = sse.next_event()
         assert event.event == "close" and event.json()["code"] == code

@@ -25,6 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gateway import cli
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import Ingest, auth, recv_entries, send, wait_for, ws_connect
 from tests.gateway.hook_backend import Backend
@@ -271,6 +272,21 @@ def test_with_tracing_off_no_opentelemetry_module_is_imported() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def check_config(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict[str, str]
+) -> tuple[int, str, str]:
+    """`gateway check-config` (gateway.cli.main, in this process: it starts nothing) with only `env`'s GATEWAY_*
+    variables: its status, stdout and stderr. The command as a program: test_config_cli.py, test_tracing_extra.py."""
+    for name in [k for k in os.environ if k.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    status = cli.main(["check-config"])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
 @pytest.mark.parametrize(
     "variable, value, says",
     [
@@ -279,22 +295,17 @@ def test_with_tracing_off_no_opentelemetry_module_is_imported() -> None:
         ("GATEWAY_TRACING_SERVICE_NAME", " ", "tracing.service_name must not be empty"),
     ],
 )
-def test_check_config_refuses_a_bad_tracing_setting(variable: str, value: str, says: str) -> None:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}, variable: value}
-    done = subprocess.run([sys.executable, "-m", "gateway", "check-config"], capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 2
-    assert says in done.stderr
+def test_check_config_refuses_a_bad_tracing_setting(monkeypatch, capsys, variable: str, value: str, says: str) -> None:
+    status, _out, err = check_config(monkeypatch, capsys, {variable: value})
+    assert status == 2
+    assert says in err
 
 
-def test_check_config_shows_the_tracing_settings_in_force() -> None:
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")},
-        "GATEWAY_TRACING_OTLP_ENDPOINT": "http://collector.example:4318",
-        "GATEWAY_TRACING_SAMPLE_RATE": "0.5",
-    }
-    done = subprocess.run([sys.executable, "-m", "gateway", "check-config"], capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["tracing"] == {
+def test_check_config_shows_the_tracing_settings_in_force(monkeypatch, capsys) -> None:
+    env = {"GATEWAY_TRACING_OTLP_ENDPOINT": "http://collector.example:4318", "GATEWAY_TRACING_SAMPLE_RATE": "0.5"}
+    status, out, err = check_config(monkeypatch, capsys, env)
+    assert status == 0, err
+    assert json.loads(out)["tracing"] == {
         "otlp_endpoint": "http://collector.example:4318",
         "service_name": "fanout-gateway",
         "sample_rate": 0.5,

@@ -12,12 +12,20 @@ from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_con
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture(scope="module")
+def plain_gw():
+    """A gateway of the defaults for the tests that need no setting: each on topics of its own."""
+    with run_gateway() as gw:
+        yield gw
+
+
 def msgs(entries, topic=None):
     return [e for e in entries if e["type"] == "msg" and (topic is None or e["topic"] == topic)]
 
 
-def test_subscribe_publish_receive_in_batch_frames():
-    with run_gateway() as gw, ws_connect(gw) as a, ws_connect(gw) as b:
+def test_subscribe_publish_receive_in_batch_frames(plain_gw):
+    gw = plain_gw
+    with ws_connect(gw) as a, ws_connect(gw) as b:
         for ws in (a, b):
             send(ws, op="subscribe", topic="chat.room", id=1)
             ack = recv_entries(ws)[0]
@@ -118,15 +126,17 @@ def test_recovery_with_since_and_a_loss_notice_when_the_point_is_gone():
             assert [e["seq"] for e in msgs(got)] == list(range(12, 20))
 
 
-def test_client_publish_is_forbidden_where_the_topic_does_not_allow_it():
-    with run_gateway() as gw, ws_connect(gw) as ws:
+def test_client_publish_is_forbidden_where_the_topic_does_not_allow_it(plain_gw):
+    gw = plain_gw
+    with ws_connect(gw) as ws:
         send(ws, op="publish", topic="prices", data=1, id=5)
         err = recv_entries(ws)[0]
         assert err["type"] == "error" and err["code"] == "forbidden" and err["id"] == 5
 
 
-def test_malformed_commands_get_errors_and_the_connection_goes_on():
-    with run_gateway() as gw, ws_connect(gw) as ws, ws_connect(gw) as other:
+def test_malformed_commands_get_errors_and_the_connection_goes_on(plain_gw):
+    gw = plain_gw
+    with ws_connect(gw) as ws, ws_connect(gw) as other:
         send(other, op="subscribe", topic="chat.a")
         recv_entries(other)
         for bad, code in [
@@ -147,8 +157,9 @@ def test_malformed_commands_get_errors_and_the_connection_goes_on():
         assert msgs(collect(other, msgs))[0]["data"] == "still fine"
 
 
-def test_private_queues_belong_to_the_token_user_and_are_reached_through_ingest():
-    with run_gateway() as gw, ws_connect(gw, query=f"?token={make_token('alice')}") as ws:
+def test_private_queues_belong_to_the_token_user_and_are_reached_through_ingest(plain_gw):
+    gw = plain_gw
+    with ws_connect(gw, query=f"?token={make_token('alice')}") as ws:
         send(ws, op="subscribe", topic="private.inbox")
         recv_entries(ws)
         with pytest.raises(Exception) as info:

@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -104,72 +105,74 @@ def subscribe_raw(client: RawClient, topic: str) -> None:
     assert orjson.loads(payload)[0]["type"] == "subscribed"
 
 
-def test_negotiation_is_without_context_takeover_and_off_declines_it() -> None:
-    with run_gateway(topics=RULES) as gw:
-        client = RawClient(gw, "permessage-deflate; client_max_window_bits")
-        answer = client.answer["sec-websocket-extensions"]
-        assert "server_no_context_takeover" in answer and "client_no_context_takeover" in answer
-        client.close()
-        assert "sec-websocket-extensions" not in RawClient(gw, None).answer
-    with run_gateway(topics=RULES, websocket={"compression": "off"}) as gw:
-        assert "sec-websocket-extensions" not in RawClient(gw, "permessage-deflate").answer
+@pytest.fixture(scope="module")
+def gw() -> Iterator[Any]:
+    """One gateway of RULES for the module: each test on topics of its own (metrics compared as differences)."""
+    with run_gateway(topics=RULES) as handle:
+        yield handle
 
 
-def test_one_compression_per_frame_for_every_client_and_small_frames_go_plain() -> None:
-    with run_gateway(topics=RULES) as gw:
-        clients = [RawClient(gw, "permessage-deflate") for _ in range(3)]
-        plain = RawClient(gw, None)
-        for client in (*clients, plain):
-            subscribe_raw(client, "book")
-        before = metric(gw, "fanout_ws_deflated_frames_total")
-        # the counters are the process's (another test's gateway may have run in it): compared as differences
-        wire_before = metric(gw, "fanout_ws_wire_bytes_total")
-        payload_before = metric(gw, "fanout_ws_payload_bytes_total")
-        publish(gw, "book", BOOK)
-        first, expected = plain.frame()
-        assert first == 0x81
-        payloads = []
-        for client in clients:
-            first, payload = client.frame()
-            assert first == 0xC1  # FIN, RSV1, text
-            assert inflate(payload) == expected
-            payloads.append(payload)
-        assert len(set(payloads)) == 1 and len(payloads[0]) < len(expected) / 2
-        assert metric(gw, "fanout_ws_deflated_frames_total") == before + 1  # once for the three
-        publish(gw, "book", {"p": 1})  # below compression_min_bytes: as it is, RSV1 clear
-        for client in clients:
-            first, payload = client.frame()
-            assert first == 0x81 and orjson.loads(payload)[0]["data"] == {"p": 1}
-        assert (
-            metric(gw, "fanout_ws_wire_bytes_total") - wire_before < metric(gw, "fanout_ws_payload_bytes_total") - payload_before
-        )
+def test_negotiation_is_without_context_takeover_and_off_declines_it(gw) -> None:
+    client = RawClient(gw, "permessage-deflate; client_max_window_bits")
+    answer = client.answer["sec-websocket-extensions"]
+    assert "server_no_context_takeover" in answer and "client_no_context_takeover" in answer
+    client.close()
+    assert "sec-websocket-extensions" not in RawClient(gw, None).answer
+    with run_gateway(topics=RULES, websocket={"compression": "off"}) as off:
+        assert "sec-websocket-extensions" not in RawClient(off, "permessage-deflate").answer
 
 
-def test_the_clients_window_request_is_honoured() -> None:
-    with run_gateway(topics=RULES) as gw:
-        small = RawClient(gw, "permessage-deflate; server_max_window_bits=10")
-        assert "server_max_window_bits=10" in small.answer["sec-websocket-extensions"]
-        large = RawClient(gw, "permessage-deflate")
-        for client in (small, large):
-            subscribe_raw(client, "w")
-        data = {"text": "abcdefgh" * 300, "n": list(range(200))}
-        publish(gw, "w", data)
-        _, narrow = small.frame()
-        _, wide = large.frame()
-        assert orjson.loads(inflate(narrow, 10))[0]["data"] == data
-        assert orjson.loads(inflate(wide))[0]["data"] == data
+def test_one_compression_per_frame_for_every_client_and_small_frames_go_plain(gw) -> None:
+    clients = [RawClient(gw, "permessage-deflate") for _ in range(3)]
+    plain = RawClient(gw, None)
+    for client in (*clients, plain):
+        subscribe_raw(client, "book")
+    before = metric(gw, "fanout_ws_deflated_frames_total")
+    # the counters are the process's (another test's gateway may have run in it): compared as differences
+    wire_before = metric(gw, "fanout_ws_wire_bytes_total")
+    payload_before = metric(gw, "fanout_ws_payload_bytes_total")
+    publish(gw, "book", BOOK)
+    first, expected = plain.frame()
+    assert first == 0x81
+    payloads = []
+    for client in clients:
+        first, payload = client.frame()
+        assert first == 0xC1  # FIN, RSV1, text
+        assert inflate(payload) == expected
+        payloads.append(payload)
+    assert len(set(payloads)) == 1 and len(payloads[0]) < len(expected) / 2
+    assert metric(gw, "fanout_ws_deflated_frames_total") == before + 1  # once for the three
+    publish(gw, "book", {"p": 1})  # below compression_min_bytes: as it is, RSV1 clear
+    for client in clients:
+        first, payload = client.frame()
+        assert first == 0x81 and orjson.loads(payload)[0]["data"] == {"p": 1}
+    assert metric(gw, "fanout_ws_wire_bytes_total") - wire_before < metric(gw, "fanout_ws_payload_bytes_total") - payload_before
 
 
-def test_compressed_commands_are_inflated() -> None:
-    with run_gateway(topics=RULES) as gw, connect(gw.ws_url, compression="deflate", open_timeout=5) as ws:
+def test_the_clients_window_request_is_honoured(gw) -> None:
+    small = RawClient(gw, "permessage-deflate; server_max_window_bits=10")
+    assert "server_max_window_bits=10" in small.answer["sec-websocket-extensions"]
+    large = RawClient(gw, "permessage-deflate")
+    for client in (small, large):
+        subscribe_raw(client, "w")
+    data = {"text": "abcdefgh" * 300, "n": list(range(200))}
+    publish(gw, "w", data)
+    _, narrow = small.frame()
+    _, wide = large.frame()
+    assert orjson.loads(inflate(narrow, 10))[0]["data"] == data
+    assert orjson.loads(inflate(wide))[0]["data"] == data
+
+
+def test_compressed_commands_are_inflated(gw) -> None:
+    with connect(gw.ws_url, compression="deflate", open_timeout=5) as ws:
         for i in range(3):  # each compressed on its own (the gateway asked for no context takeover)
             ws.send(json.dumps({"op": "rpc", "method": "whoami", "id": i, "params": {"pad": "x" * 5000}}))
             reply = orjson.loads(ws.recv(timeout=5))[0]
             assert reply["id"] == i and reply["type"] in ("reply", "error")
 
 
-def test_a_deflate_bomb_is_refused_with_1009_and_disturbs_nobody() -> None:
-    with run_gateway(topics=RULES) as gw, connect(gw.ws_url, compression="deflate", open_timeout=5) as other:
+def test_a_deflate_bomb_is_refused_with_1009_and_disturbs_nobody(gw) -> None:
+    with connect(gw.ws_url, compression="deflate", open_timeout=5) as other:
         send(other, op="subscribe", topic="calm", id=1)
         other.recv(timeout=5)
         bomber = RawClient(gw, "permessage-deflate")
