@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,9 @@ CLUSTER_FAULTS = (
 )
 #: how long a `primary-kill` waits for the sentinels to name the replica primary
 PROMOTION_MAX_S = 30.0
+#: Sentinel's primary and replica: a replica syncs at once, not after diskless sync's default 5 s (as the
+#: cluster's nodes, loadtest/clusterproc.py): the start waits less, and a killed primary's replica is in sync
+SYNC_AT_ONCE = ("--repl-diskless-sync-delay", "0")
 RING = ["chaos.ring.0", "chaos.ring.1"]
 SNAP = "chaos.snap"
 PRIVATE = "private.chaos"
@@ -277,6 +281,7 @@ class Chaos:
         tail_s: float = 14.0,
         idle_samples: int = 0,
         redis: str = "single",
+        slow_reader_s: float = 8.0,
     ) -> None:
         self.workdir = workdir
         self.workers = workers
@@ -291,11 +296,16 @@ class Chaos:
         self.tail_s = tail_s
         #: samples taken 1 s apart once every client left (the growth's last ones: what is left over)
         self.idle_samples = idle_samples
+        #: how long the slow reader stops reading (past `blocked_timeout_s` 4)
+        self.slow_reader_s = slow_reader_s
         self.rng = random.Random(seed)
         self.sample_s = sample_s
         self.warmup = warmup
         #: `--redis sentinel`: the topology, whose primary is `redis` (it changes with each `primary-kill`)
         self.topology = SentinelTopology(workdir / "sentinel") if redis == "sentinel" else None
+        if self.topology is not None:
+            for process in (self.topology.primary, self.topology.replica):
+                process.extra = (*process.extra, *SYNC_AT_ONCE)
         #: `--redis cluster`: the Redis Cluster (`redis` is one of its nodes, sampled for memory)
         self.cluster = ClusterTopology(workdir / "cluster") if redis == "cluster" else None
         self.redis = (
@@ -362,7 +372,7 @@ class Chaos:
         ]
         self.clients[4].holds.clear()  # u0's second connection waits for its turn (the takeover fault)
         tasks = [asyncio.create_task(c.run()) for c in self.clients]
-        await asyncio.sleep(2.0)  # subscriptions (and private queues) exist before the publishers start
+        await self.subscribed(20.0)  # subscriptions (and private queues) exist before the publishers start
         ingest = IngestPublisher("ingest", [n.ingest_port for n in self.nodes], RING, 60.0, self.acc)
         admin = AdminPublisher(
             "admin",
@@ -401,7 +411,7 @@ class Chaos:
             p.stop_event.set()
         await asyncio.gather(*ptasks, return_exceptions=True)
         self.say("publishers stopped")
-        await asyncio.sleep(5.0)  # the last deliveries, long-polls included
+        await self.quiet(1.5, 5.0)  # the last deliveries, long-polls included
         rings = {t: await self.read_ring(t) for t in RING}
         self.views = await self.node_views()
         self.say("rings read")
@@ -425,6 +435,30 @@ class Chaos:
         for p in self.proxies:
             await p.close()
         return self.finish(rings)
+
+    async def subscribed(self, bound: float) -> None:
+        """Until every client's subscriptions were answered (at most `bound` seconds; then on regardless)."""
+        deadline = time.monotonic() + bound
+        waiting = list(self.clients)
+        while waiting and time.monotonic() < deadline:
+            waiting = [c for c in waiting if not c.subscribed()]
+            if waiting:
+                await asyncio.sleep(0.05)
+        self.say(
+            f"not subscribed after {bound:g} s: {', '.join(c.name for c in waiting)}"
+            if waiting
+            else f"every client subscribed in {time.monotonic() - deadline + bound:.1f} s"
+        )
+
+    async def quiet(self, quiet_s: float, bound: float) -> None:
+        """Until no client recorded anything for `quiet_s` seconds, at most `bound` seconds."""
+        start = changed = time.monotonic()
+        count = -1
+        while time.monotonic() - changed < quiet_s and time.monotonic() - start < bound:
+            now = sum(len(events) for c in self.clients for events in c.rec.events.values())
+            if now != count:
+                count, changed = now, time.monotonic()
+            await asyncio.sleep(0.05)
 
     async def settle(self, fault: FaultRecord, bound: float) -> None:
         """Until every client got a message published after the fault's end (what `recovery` counts), at most
@@ -516,8 +550,8 @@ class Chaos:
             pa.stalled = False
         elif name == "slow-reader":
             slow = next(c for c in self.clients if c.name == "ws-slow")
-            slow.stall_until = time.monotonic() + 8.0
-            await asyncio.sleep(8.0)
+            slow.stall_until = time.monotonic() + self.slow_reader_s
+            await asyncio.sleep(self.slow_reader_s)
         elif name == "storm":
             for c in self.clients:
                 if isinstance(c, LibClient):
@@ -577,7 +611,7 @@ class Chaos:
         promoted_s = time.monotonic() - killed
         self.redis = survivor
         accepted_s = await accepted
-        victim.extra = ("--replicaof", "127.0.0.1", str(survivor.port))
+        victim.extra = ("--replicaof", "127.0.0.1", str(survivor.port), *SYNC_AT_ONCE)
         await asyncio.to_thread(victim.start)
         return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s, "healed_at": killed_at}
 
@@ -940,19 +974,36 @@ def run(
     tail_s: float = 14.0,
     idle_samples: int = 0,
     redis: str = "single",
+    slow_reader_s: float = 8.0,
 ) -> dict[str, Any]:
     """`duration` bounds the run; with `rounds` it ends once the fault list ran that many times (and `tail_s`
     seconds of traffic after). `settle_s`: after each fault, wait until every client is served again (at most
     that long) before the `pause` (seconds, drawn between the two bounds). `idle_samples`: samples taken 1 s
-    apart once every client left, the last ones of the growth figures (what the run left behind)."""
+    apart once every client left, the last ones of the growth figures (what the run left behind).
+    `slow_reader_s`: how long the `slow-reader` fault's client stops reading."""
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     warm = warmup if warmup is not None else min(60.0, max(10.0, duration * 0.15))
-    chaos = Chaos(workdir, duration, faults, seed, sample_s, warm, workers, pause, settle_s, rounds, tail_s, idle_samples, redis)
+    chaos = Chaos(
+        workdir,
+        duration,
+        faults,
+        seed,
+        sample_s,
+        warm,
+        workers,
+        pause,
+        settle_s,
+        rounds,
+        tail_s,
+        idle_samples,
+        redis,
+        slow_reader_s,
+    )
     try:
         result = asyncio.run(chaos.run())
     finally:
-        for node in chaos.nodes:
-            node.stop()
+        with ThreadPoolExecutor() as pool:  # each waits for its node's drain: side by side
+            list(pool.map(Node.stop, chaos.nodes))
         if chaos.topology is not None:
             chaos.topology.stop()
         elif chaos.cluster is not None:

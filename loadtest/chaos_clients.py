@@ -112,6 +112,14 @@ class BaseClient:
     async def session(self, url: str) -> None:
         raise NotImplementedError
 
+    def wanted(self) -> list[str]:
+        """The topics it subscribes (`subscribed` waits for each one's answer)."""
+        return self.topics
+
+    def subscribed(self) -> bool:
+        """Whether every topic it subscribes was answered `subscribed` (a run's publishers wait for it)."""
+        return all(any(e["ev"] == "sub" for e in self.rec.events.get(t, ())) for t in self.wanted())
+
     async def stalled(self) -> None:
         while time.monotonic() < self.stall_until and not self.stop_event.is_set():
             await asyncio.sleep(0.1)
@@ -181,6 +189,9 @@ class WsClient(BaseClient):
             if self.kick.is_set():
                 self.rec.closed(0, "storm")
 
+    def wanted(self) -> list[str]:
+        return [t for t in self.topics if t not in self.private or t in self.holds]
+
     def take_over(self) -> None:
         self.holds = set(self.private)
         self.take.set()
@@ -207,6 +218,9 @@ class SseClient(BaseClient):
         self.private = private
         self.last_id: str | None = None
         self.acks_sent = 0
+
+    def wanted(self) -> list[str]:
+        return [*self.topics, *self.private]
 
     async def _post(self, http: httpx.AsyncClient, url: str, cmds: list[dict[str, Any]]) -> None:
         with contextlib.suppress(httpx.HTTPError):
@@ -357,6 +371,11 @@ class LibClient:
         self.rec = Recorder(name, self.transport, user)
         self.stop_event = asyncio.Event()
         self.client: Any = None
+        #: the topics whose subscribe returned
+        self.subs: set[str] = set()
+
+    def subscribed(self) -> bool:
+        return self.subs >= set(self.topics)
 
     async def run(self) -> None:
         import fanout_client
@@ -377,6 +396,7 @@ class LibClient:
 
             async def consume(topic: str) -> None:
                 sub = await client.subscribe(topic)
+                self.subs.add(topic)
                 epoch: str | None = None
                 events = self.rec.events[topic]
                 try:

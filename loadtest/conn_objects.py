@@ -182,7 +182,8 @@ def walk(roots: Iterable[object], before: set[int], stop: set[int]) -> tuple[int
     return sum(sizes.values()), sizes, counts
 
 
-async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
+async def measure(clients: int, frames: int, top: int, settle_s: float = 0.5) -> dict[str, Any]:
+    """`settle_s`: the pause after each crowd came or left (twice that before an RSS reading)."""
     from gateway.config import load_config
     from gateway.server import start_gateway
     from gateway.transports.ws import WebSocketProtocol
@@ -215,38 +216,40 @@ async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
             expected = len(hub.clients.conns) + count
             await crowd.command(f"open {count}")
             await _until(lambda: len(hub.clients.conns) >= expected)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(settle_s)
 
         async def leave() -> None:
             await crowd.command("close")
             await _until(lambda: not hub.clients.conns and not connections)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(settle_s)
 
         # warm-up: the topics exist, one-time caches are filled, the pools of a first crowd are there
         await arrive(min(clients, TOPICS))
         await leave()
         _collect()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(2 * settle_s)
 
         # 1. resident set
         _collect()
         rss_before = _rss()
         await arrive(clients)
         _collect()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(2 * settle_s)
         rss_with = _rss()
         await leave()
         _collect()
         result["rss_per_conn"] = (rss_with - rss_before) / clients
 
         # 2. allocations, 3. objects
-        tracemalloc.start(frames)
         _collect()
-        types_before = Counter(type(o).__qualname__ for o in gc.get_objects())
-        # what is there before, by id: kept alive meanwhile, so that no new object gets the id of a dead one
+        # what is there before, by id: kept alive meanwhile, so that no new object gets the id of a dead one;
+        # taken before tracing starts (traced, its ~300k ids made each snapshot's grouping take seconds)
         shared = gc.get_objects()
         shared += [r for obj in shared for r in gc.get_referents(obj)]
         before = {id(o) for o in shared}
+        tracemalloc.start(frames)
+        _collect()
+        types_before = Counter(type(o).__qualname__ for o in gc.get_objects())
         snap_before = tracemalloc.take_snapshot()
         await arrive(clients)
         _collect()
@@ -257,10 +260,11 @@ async def measure(clients: int, frames: int, top: int) -> dict[str, Any]:
         for obj in objects:
             sizes_with[type(obj).__qualname__] += sys.getsizeof(obj)
         del objects
-        filters = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
-        snap_before, snap_with = snap_before.filter_traces(filters), snap_with.filter_traces(filters)
-        by_site = snap_with.compare_to(snap_before, "traceback")
-        by_file = snap_with.compare_to(snap_before, "filename")
+        # tracemalloc's and this file's own allocations left out, by their innermost frame as an exclusive
+        # tracemalloc.Filter would: on the grouped statistics, not on every trace (filter_traces took ~20 s)
+        own = {tracemalloc.__file__, __file__}
+        by_site = [s for s in snap_with.compare_to(snap_before, "traceback") if s.traceback[-1].filename not in own]
+        by_file = [s for s in snap_with.compare_to(snap_before, "filename") if s.traceback[-1].filename not in own]
         traced = sum(stat.size_diff for stat in by_file)
         result["traced_per_conn"] = traced / clients
         result["sites"] = [

@@ -103,7 +103,7 @@ async def crowd(target: Target, clients: int, hold_s: float, settle_s: float, co
     conns.clear()
     deadline = time.monotonic() + 60
     while websocket_clients(target.http_port, target.admin_token) and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.1)
     collections = full_collections(target.http_port)
     after = await settle(target.pid, settle_s)
     return {

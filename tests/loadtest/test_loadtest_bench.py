@@ -209,10 +209,10 @@ def test_idle_memory_measures_each_crowd_in_turn() -> None:
 
 def test_conn_objects_counts_what_one_idle_connection_holds() -> None:
     # in a fresh interpreter, as the command runs: in this one its walk of every object (all of pytest's
-    # too) took three times as long
+    # too) took three times as long; 0.1 s settles (not 0.5): the walk waits for the hub to count the crowd
     code = (
         "import asyncio, json; from loadtest import conn_objects; "
-        "print(json.dumps(asyncio.run(conn_objects.measure(60, frames=5, top=40))))"
+        "print(json.dumps(asyncio.run(conn_objects.measure(60, frames=5, top=40, settle_s=0.1))))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True)
     result = json.loads(done.stdout.splitlines()[-1])
