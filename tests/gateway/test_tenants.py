@@ -8,7 +8,10 @@ import re
 import time
 
 import httpx
+import jwt
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+from websockets.exceptions import ConnectionClosed
 
 from gateway.auth.tokens import Principal
 from gateway.config import ConfigError, load_config
@@ -16,6 +19,7 @@ from gateway.errors import BadToken
 from gateway.tenancy import Tenancy
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import auth, recv_entries, send, ws_connect
+from tests.security.test_jwks import KeySetServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,3 +114,38 @@ def test_the_key_decides_before_the_claim_and_a_claim_that_disagrees_is_refused(
 def test_a_wrong_tenant_table_is_refused_at_start(tenants, words):
     with pytest.raises(ConfigError, match=words):
         tenancy(tenants=tenants)
+
+
+def test_a_tenants_own_signing_key_decides_and_its_claim_may_not_name_another():
+    acme_key, globex_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    keyset = KeySetServer()
+    keyset.thread.start()
+    keyset.publish(("acme-2026", acme_key), ("globex-2026", globex_key))
+    fairness = {
+        **FAIRNESS,
+        "tenants": [{"name": "acme", "key_ids": ["acme-2026"]}, {"name": "globex", "key_ids": ["globex-2026"]}],
+    }
+
+    def token(key, kid: str, sub: str, **claims: str) -> str:
+        return jwt.encode({"sub": sub, "exp": int(time.time()) + 600, **claims}, key, algorithm="ES256", headers={"kid": kid})
+
+    try:
+        auth = {"jwt_secret": "", "jwks_url": keyset.url, "rate_per_ip": 0.0, "rate_per_connection": 0.0}
+        with run_gateway(topics=RULES, fairness=fairness, auth=auth) as gw:
+            with ws_connect(gw, query=f"?token={token(globex_key, 'globex-2026', 'gus')}") as ws:
+                send(ws, op="subscribe", topic="feed.k", id=1)
+                assert recv_entries(ws)[0]["type"] == "subscribed"
+                assert tenant_samples(gw, "fanout_tenant_connections")["globex"] == 1  # by its key, no claim
+            # globex's key signing a token that claims acme: refused (4001, as every refused token)
+            with ws_connect(gw, query=f"?token={token(globex_key, 'globex-2026', 'gus', tenant='acme')}") as ws:
+                with pytest.raises(ConnectionClosed) as closed:
+                    ws.recv(timeout=5)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 4001
+                assert "tenant mismatch" in closed.value.rcvd.reason
+            with ws_connect(gw, query=f"?token={token(acme_key, 'acme-2026', 'ann', tenant='acme')}") as ws:
+                send(ws, op="rpc", method="whoami", id=2)
+                assert recv_entries(ws)[0]["result"]["user"] == "ann"
+                assert tenant_samples(gw, "fanout_tenant_connections")["acme"] == 1
+    finally:
+        keyset.httpd.shutdown()
+        keyset.httpd.server_close()
