@@ -10,7 +10,7 @@ figures."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 COST_PER_MS = 8192 * 1000 // 12
 #: the label of the tenants not configured in `/metrics` (a claim may name any number of them)
 OTHER = "other"
+#: tenants `GET /api/tenants` lists at most (by name)
+MAX_LISTED = 1000
 
 
 class Tenancy:
@@ -60,6 +62,32 @@ class Tenancy:
         for tenant in self.config.tenants:
             share.set_weight(tenant.name, tenant.weight)
         return share
+
+    def describe(self, share: FairShare | None) -> dict[str, Any]:
+        """`GET /api/tenants`: this node's tenants, what each was served since the start, its share of the
+        cost served against its weight's share among the tenants holding connections."""
+        if share is None:
+            return {"enabled": False, "tenants": []}
+        tenants = sorted(share.tenants.values(), key=lambda t: t.name)
+        total_cost = sum(t.cost for t in tenants) or 1
+        weights = sum(t.weight for t in tenants if t.clients) or 1.0
+        rows = [
+            {
+                "name": t.name,
+                "weight": t.weight,
+                "connections": t.clients,
+                "users": len(t.users),
+                "cost": t.cost,
+                "bytes": t.bytes,
+                "frames": t.frames,
+                "messages": t.entries,
+                "share": t.cost / total_cost,
+                "weight_share": t.weight / weights if t.clients else 0.0,
+                "backlogged": bool(t.ready),
+            }
+            for t in tenants[:MAX_LISTED]
+        ]
+        return {"enabled": True, "tenants": rows, "total": len(tenants), "truncated": len(tenants) > MAX_LISTED}
 
     def collect(self, share: FairShare | None) -> Iterator[Metric]:
         """Per tenant (those configured by name, the others as `other`): what it was served and holds."""

@@ -306,6 +306,13 @@ async def stats(request: Request) -> Response:
     )
 
 
+@guarded
+async def list_tenants(request: Request) -> Response:
+    """This node's tenants (`[fairness]`): what each was served, its share against its weight's."""
+    scheduler = _hub(request).scheduler
+    return JSONResponse(scheduler.tenancy.describe(scheduler.engine.fair))
+
+
 async def openapi(request: Request) -> Response:
     return JSONResponse(OPENAPI)
 
@@ -325,6 +332,7 @@ routes = [
     Route("/raw/receivers", raw_receivers, methods=["GET"]),
     Route("/raw/stats", raw_stats, methods=["GET"]),
     Route("/stats", stats, methods=["GET"]),
+    Route("/tenants", list_tenants, methods=["GET"]),
 ]
 
 

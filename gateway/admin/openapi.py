@@ -86,6 +86,13 @@ OPENAPI: dict[str, Any] = {
                 params=("name",),
             ),
         },
+        "/api/tenants": {
+            "get": _op(
+                "This node's tenants ([fairness]): weight, connections, users, cost, bytes, frames and messages "
+                "served since the start, share of the cost against the weight's share, backlogged; at most 1000",
+                "200",
+            )
+        },
         "/api/clients": {
             "get": _op("List connected clients (with a broker: every node's, at most 1000)", "200", errors=(401, 503))
         },

@@ -149,3 +149,23 @@ def test_a_tenants_own_signing_key_decides_and_its_claim_may_not_name_another():
     finally:
         keyset.httpd.shutdown()
         keyset.httpd.server_close()
+
+
+def test_the_admin_api_lists_each_tenants_share_against_its_weights():
+    with run_gateway(topics=RULES, fairness=FAIRNESS) as gw:
+        with ws_connect(gw, query=f"?token={make_token('ann', tenant='acme')}") as ws, ws_connect(gw) as anonymous:
+            for i, client in enumerate((ws, anonymous)):
+                send(client, op="subscribe", topic="feed.api", id=i)
+                assert recv_entries(client)[0]["type"] == "subscribed"
+            listed = httpx.get(f"{gw.http_url}/api/tenants", headers=auth(gw), trust_env=False).json()
+            assert listed["enabled"] and listed["total"] == 3 and not listed["truncated"]
+            rows = {row["name"]: row for row in listed["tenants"]}
+            assert (rows["acme"]["connections"], rows["acme"]["users"], rows["acme"]["weight"]) == (1, 1, 3.0)
+            assert rows["acme"]["weight_share"] == 0.75 and rows["public"]["weight_share"] == 0.25
+            assert rows["globex"]["weight_share"] == 0.0 and rows["globex"]["cost"] == 0
+            assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
+            assert rows["acme"]["cost"] == rows["acme"]["bytes"] + 8192 * rows["acme"]["frames"]
+        assert httpx.get(f"{gw.http_url}/api/tenants", trust_env=False).status_code == 401
+    with run_gateway(topics=RULES) as gw:
+        off = httpx.get(f"{gw.http_url}/api/tenants", headers=auth(gw), trust_env=False).json()
+        assert off == {"enabled": False, "tenants": []}
