@@ -7,12 +7,12 @@ import json
 import socket
 import time
 
-import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
+from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +50,7 @@ def test_topic_names_cannot_fill_the_table_for_good():
 
 
 def test_long_poll_sessions_per_address_are_bounded():
-    with run_gateway(longpoll={"max_sessions_per_ip": 3}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway(longpoll={"max_sessions_per_ip": 3}) as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         sessions = [http.post("/lp") for _ in range(3)]
         assert all(r.status_code == 201 for r in sessions)
         refused = http.post("/lp")
@@ -75,7 +75,7 @@ def raw_http(port: int, head: bytes, body: bytes = b"", *, read: bool = True) ->
 
 
 def test_oversized_bodies_are_refused_before_they_are_read():
-    with run_gateway(longpoll={"max_body_bytes": 1024}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway(longpoll={"max_body_bytes": 1024}) as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         session = http.post("/lp").json()["session"]
         # 256 MiB announced, 10 bytes sent: the answer comes at once, nothing is buffered
         head = (
@@ -102,13 +102,20 @@ def test_oversized_bodies_are_refused_before_they_are_read():
         assert admin.startswith(b"HTTP/1.1 413")
 
 
-def test_json_nested_deeper_than_the_encoder_writes_gets_errors_everywhere_and_nothing_breaks():
+@pytest.fixture(scope="module")
+def shared():
+    """One default gateway for the two tests that need nothing else (each its own topics)."""
+    with run_gateway() as gw:
+        yield gw
+
+
+def test_json_nested_deeper_than_the_encoder_writes_gets_errors_everywhere_and_nothing_breaks(shared):
     nested = deep(600)
+    gw = shared
     with (
-        run_gateway() as gw,
         ws_connect(gw) as ws,
         ws_connect(gw) as bystander,
-        httpx.Client(base_url=gw.http_url, timeout=10) as http,
+        web.Client(base_url=gw.http_url, timeout=10) as http,
     ):
         send(bystander, op="subscribe", topic="chat.x")
         recv_entries(bystander)
@@ -167,9 +174,10 @@ def test_a_connection_that_subscribes_to_nothing_is_closed_when_idle():
         assert recv_entries(busy)[0]["result"] == "pong"
 
 
-def test_out_of_range_seqs_and_topic_settings_are_refused_not_stored():
+def test_out_of_range_seqs_and_topic_settings_are_refused_not_stored(shared):
     headers = {"Authorization": "Bearer test-token"}
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10, headers=headers) as http, ws_connect(gw) as ws:
+    gw = shared
+    with web.Client(base_url=gw.http_url, timeout=10, headers=headers) as http, ws_connect(gw) as ws:
         pub = Ingest(gw)
         for seq in (2**64 - 1, 2**53, -1):
             pub.send({"topic": "t.big", "seq": seq, "data": 1})

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -15,6 +14,7 @@ from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import collect, send, ws_connect
+from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,7 +61,7 @@ def test_a_token_of_the_other_public_key_algorithm_is_a_bad_token(tmp_path, keys
             send(ws, op="auth", token=_token(keys, key_alg), id=2)  # its own algorithm still works
             answer = collect(ws, lambda got: any(e.get("id") == 2 for e in got))[-1]
             assert answer["type"] == "reply" and answer["result"]["user"] == "u1"
-        with httpx.Client(base_url=gw.http_url, timeout=10) as http:
+        with web.Client(base_url=gw.http_url, timeout=10) as http:
             answer = http.post("/lp", headers={"Authorization": f"Bearer {other}"})
             assert answer.status_code == 401 and answer.json()["error"]["code"] == "bad_token"  # was 500
 
@@ -81,8 +81,8 @@ def test_token_checks_are_rate_limited_per_address(tmp_path, keys):
         bad = _token(keys, "RS256")[:-6] + "AAAAAA"
         codes = [_close_code(gw, f"?token={bad}") for _ in range(5)]
         assert codes == [4001, 4001, 4001, 4029, 4029]  # a new connection does not start a new count
-        with httpx.Client(base_url=gw.http_url, timeout=10) as http:
+        with web.Client(base_url=gw.http_url, timeout=10) as http:
             answer = http.post("/lp", headers={"Authorization": f"Bearer {bad}"})
             assert answer.status_code == 429 and answer.json()["error"]["code"] == "rate_limited"
-        metrics = httpx.get(gw.http_url + "/metrics").text
+        metrics = web.get(gw.http_url + "/metrics").text
         assert "fanout_auth_rate_limited_total 3.0" in metrics

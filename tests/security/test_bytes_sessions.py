@@ -4,13 +4,13 @@ two polls learns why on its next poll instead of `404 unknown_session`."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from gateway.testing import run_gateway
 from gateway.transports.sse import MAX_ID_BYTES
 from tests.gateway.gw_helpers import Ingest, auth
 from tests.gateway.sse_client import SseClient
+from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,7 +30,7 @@ def test_the_sse_id_line_is_bounded_with_1000_subscriptions_and_recovers():
     with run_gateway(limits={"subscribe_burst": 1000}) as gw:  # 1000 subscribes at once (limits.subscribe_rate)
         gw.call(lambda: [gw.hub.scheduler.engine.resolve(name) for name in names])  # past the creation limits
         publisher = Ingest(gw)
-        with SseClient(gw, "?topics=", rcvbuf=1 << 20) as sse, httpx.Client(base_url=gw.http_url) as http:
+        with SseClient(gw, "?topics=", rcvbuf=1 << 20) as sse, web.Client(base_url=gw.http_url) as http:
             secret = sse.session()["session"]
             for start in range(0, 1000, 100):
                 commands = [{"op": "subscribe", "topic": name} for name in names[start : start + 100]]
@@ -71,7 +71,7 @@ def test_an_unknown_compact_recovery_point_is_a_bad_request():
 
 
 def test_a_long_poll_client_closed_between_polls_learns_why():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway() as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         created = http.post("/lp").json()
         session, client_id = created["session"], created["client_id"]
         assert http.delete(f"/api/clients/{client_id}", headers=auth(gw)).status_code == 200  # no poll waits

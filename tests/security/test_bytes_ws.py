@@ -43,8 +43,16 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_bounded_and_cut():
             attacker.close()
 
 
-def test_a_held_pong_is_written_once_the_client_reads():
-    with run_gateway() as gw, ws_connect(gw) as ws:
+@pytest.fixture(scope="module")
+def shared():
+    """One default gateway for the tests that need nothing else (each its own connection; no topic is made
+    but test_rpc_topics_lists_at_most_1000_and_is_rate_limited's)."""
+    with run_gateway() as gw:
+        yield gw
+
+
+def test_a_held_pong_is_written_once_the_client_reads(shared):
+    with ws_connect(shared) as ws:
         pong = ws.ping(b"p1")
         assert pong.wait(5)
         send(ws, op="ping", id=1)
@@ -78,8 +86,9 @@ def test_replies_to_a_client_that_never_reads_are_bounded_in_bytes():
             attacker.close()
 
 
-def test_rpc_topics_lists_at_most_1000_and_is_rate_limited():
-    with run_gateway() as gw, ws_connect(gw) as ws:
+def test_rpc_topics_lists_at_most_1000_and_is_rate_limited(shared):
+    gw = shared
+    with ws_connect(gw) as ws:
         gw.call(lambda: [gw.hub.scheduler.engine.resolve(f"chat.t{i}") for i in range(1500)])
         send(ws, op="rpc", method="topics", params=None, id=1)
         reply = collect(ws, lambda got: any(e.get("id") == 1 for e in got))[-1]
@@ -93,31 +102,29 @@ def test_rpc_topics_lists_at_most_1000_and_is_rate_limited():
 
 
 @pytest.mark.parametrize("fragments,closed", [(64, False), (65, True)])
-def test_a_message_in_too_many_fragments_is_closed_with_1008(fragments, closed):
-    with run_gateway() as gw:
-        client = RawWs(gw.http_port, rcvbuf=65536)
-        try:
-            command = json.dumps({"op": "ping", "id": 1}).ljust(fragments)
-            parts = [ws_frame(TEXT, command[0].encode(), fin=False)]
-            parts += [ws_frame(CONT, c.encode(), fin=False) for c in command[1:-1]]
-            parts.append(ws_frame(CONT, command[-1].encode()))
-            client.send(b"".join(parts))
-            if closed:
-                assert client.close_code() == 1008
-            else:
-                opcode, payload = next(client.frames())
-                assert opcode == TEXT and json.loads(payload)[0]["result"] == "pong"
-        finally:
-            client.close()
-
-
-def test_one_byte_fragments_cost_one_slice_of_parsing_at_most():
-    """A flood of one-byte fragments is closed at the 65th and the rest of the read is not parsed."""
-    with run_gateway() as gw:
-        client = RawWs(gw.http_port, rcvbuf=65536)
-        try:
-            flood = ws_frame(TEXT, b"[", fin=False) + ws_frame(CONT, b" ", fin=False) * 200_000
-            client.send(flood, timeout=2)
+def test_a_message_in_too_many_fragments_is_closed_with_1008(shared, fragments, closed):
+    client = RawWs(shared.http_port, rcvbuf=65536)
+    try:
+        command = json.dumps({"op": "ping", "id": 1}).ljust(fragments)
+        parts = [ws_frame(TEXT, command[0].encode(), fin=False)]
+        parts += [ws_frame(CONT, c.encode(), fin=False) for c in command[1:-1]]
+        parts.append(ws_frame(CONT, command[-1].encode()))
+        client.send(b"".join(parts))
+        if closed:
             assert client.close_code() == 1008
-        finally:
-            client.close()
+        else:
+            opcode, payload = next(client.frames())
+            assert opcode == TEXT and json.loads(payload)[0]["result"] == "pong"
+    finally:
+        client.close()
+
+
+def test_one_byte_fragments_cost_one_slice_of_parsing_at_most(shared):
+    """A flood of one-byte fragments is closed at the 65th and the rest of the read is not parsed."""
+    client = RawWs(shared.http_port, rcvbuf=65536)
+    try:
+        flood = ws_frame(TEXT, b"[", fin=False) + ws_frame(CONT, b" ", fin=False) * 200_000
+        client.send(flood, timeout=2)
+        assert client.close_code() == 1008
+    finally:
+        client.close()

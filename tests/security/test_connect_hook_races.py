@@ -23,6 +23,7 @@ import websockets
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import auth, wait_for
 from tests.gateway.hook_backend import Backend, running_backend
+from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,8 +63,8 @@ async def ws_outcome(url: str, source: str | None = None) -> tuple[object, str]:
 
 
 def http(gw, source: str | None = None, **more: Any) -> httpx.AsyncClient:
-    transport = httpx.AsyncHTTPTransport(local_address=source, limits=httpx.Limits(max_connections=200))
-    return httpx.AsyncClient(base_url=gw.http_url, transport=transport, timeout=15, **more)
+    transport = web.AsyncHTTPTransport(local_address=source, limits=httpx.Limits(max_connections=200))
+    return web.AsyncClient(base_url=gw.http_url, transport=transport, timeout=15, **more)
 
 
 async def open_sse(client: httpx.AsyncClient, query: str = "topics=a") -> httpx.Response:

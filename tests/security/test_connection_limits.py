@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import trustme
 import websockets.asyncio.client
@@ -27,6 +26,7 @@ from websockets.sync.client import connect
 
 from gateway.config import ConfigError
 from gateway.testing import run_gateway
+from tests.security import web
 from tests.security.bytes_helpers import open_connections, read_until_closed, refused, tcp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ def test_per_ip_limit_answers_503_and_a_closed_connection_or_websocket_frees_its
         wait_for(lambda: open_connections(gw) == 0)
         assert refused(gw) == {"total": 0, "per_ip": 2, "header_timeout": 0, "header_too_large": 0, "bad_host": 0}
         assert gw.hub.bad_input.by_source["http"] == 2
-        metrics = httpx.get(f"{gw.http_url}/metrics").text
+        metrics = web.get(f"{gw.http_url}/metrics").text
         assert "fanout_http_connections 1.0" in metrics  # the scrape's own connection
         assert 'fanout_connections_refused_total{reason="per_ip"} 2.0' in metrics
 
@@ -161,13 +161,13 @@ def test_total_limit_refuses_beyond_it():
         fourth = tcp(gw)
         assert_refusal(read_until_closed(fourth))
         for _ in range(20):  # an HTTP client sending its request at once reads the answer, never a reset
-            answer = httpx.get(f"{gw.http_url}/healthz")
+            answer = web.get(f"{gw.http_url}/healthz")
             assert answer.status_code == 503 and answer.json()["error"]["code"] == "too_many_connections"
         assert refused(gw)["total"] == 21
         for sock in held:
             sock.close()
         wait_for(lambda: open_connections(gw) == 0)
-        assert httpx.get(f"{gw.http_url}/healthz").json() == {"status": "ok"}
+        assert web.get(f"{gw.http_url}/healthz").json() == {"status": "ok"}
 
 
 # -- request-header deadline (slowloris) ------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_header_deadline_closes_slow_and_idle_connections_but_not_clients():
         bare = tcp(gw)  # connects, sends nothing
         half = tcp(gw)
         half.sendall(b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n")  # a handshake, unfinished
-        with connect(gw.ws_url, open_timeout=5) as ws, httpx.Client(base_url=gw.http_url) as client:
+        with connect(gw.ws_url, open_timeout=5) as ws, web.Client(base_url=gw.http_url) as client:
             assert client.get("/healthz").status_code == 200
             # a byte every 0.1 s: activity does not move the deadline
             assert 0.3 < trickle_until_closed(tcp(gw), HEALTHZ[:-4]) < 3
@@ -240,7 +240,7 @@ def test_tls_serves_wss_and_https(tls):
     with run_gateway(server={"ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile)}) as gw:
         port = gw.http_port
         assert asyncio.run(subscribe(f"wss://127.0.0.1:{port}/ws"))["type"] == "subscribed"
-        assert httpx.get(f"https://127.0.0.1:{port}/healthz", verify=context).json() == {"status": "ok"}
+        assert web.get(f"https://127.0.0.1:{port}/healthz", verify=context).json() == {"status": "ok"}
         wait_for(lambda: open_connections(gw) == 0)
         assert refused(gw) == {"total": 0, "per_ip": 0, "header_timeout": 0, "header_too_large": 0, "bad_host": 0}
 
@@ -262,36 +262,46 @@ def test_tls_config_mistakes_are_config_errors(tls, tmp_path):
 # -- the ready file ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("configured", [True, False], ids=["configured-token", "generated-token"])
-def test_ready_file_is_private_and_holds_only_a_generated_token(tmp_path, configured):
-    config, ready = tmp_path / "gateway.toml", tmp_path / "ready.json"
-    token_line = 'admin_token = "configured-secret"\n' if configured else ""
-    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = 0\n{token_line}[ingest]\nport = 0\n[rawtcp]\nenabled = false\n')
+def test_ready_file_is_private_and_holds_only_a_generated_token(tmp_path):
+    # both gateways (a configured token, a generated one) started at once: one start's wait for the two
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    started = {}
+    for configured in (True, False):
+        folder = tmp_path / ("configured" if configured else "generated")
+        folder.mkdir()
+        config, ready = folder / "gateway.toml", folder / "ready.json"
+        token_line = 'admin_token = "configured-secret"\n' if configured else ""
+        config.write_text(f'[server]\nhost = "127.0.0.1"\nport = 0\n{token_line}[ingest]\nport = 0\n[rawtcp]\nenabled = false\n')
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        started[configured] = (proc, ready)
+    outputs = {}
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert ready.stat().st_mode & 0o777 == 0o600
-        info = json.loads(ready.read_text())
-        assert info["http_port"] > 0
-        assert ("admin_token" in info) is not configured
-        assert httpx.get(f"http://127.0.0.1:{info['http_port']}/healthz").json() == {"status": "ok"}
+        for configured, (proc, ready) in started.items():
+            deadline = time.monotonic() + 30
+            while not ready.exists():
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert ready.stat().st_mode & 0o777 == 0o600, configured
+            info = json.loads(ready.read_text())
+            assert info["http_port"] > 0
+            assert ("admin_token" in info) is not configured
+            assert web.get(f"http://127.0.0.1:{info['http_port']}/healthz").json() == {"status": "ok"}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=20)
-    assert "open-files limit (RLIMIT_NOFILE)" in out
-    assert "configured-secret" not in out
+        for proc, _ready in started.values():
+            proc.send_signal(signal.SIGTERM)
+        for configured, (proc, _ready) in started.items():
+            outputs[configured], _ = proc.communicate(timeout=20)
+    for configured, out in outputs.items():
+        assert "open-files limit (RLIMIT_NOFILE)" in out, configured
+        assert "configured-secret" not in out, configured
 
 
 # -- invalid UTF-8 in WebSocket text frames ----------------------------------------------------------------
@@ -337,12 +347,20 @@ def test_invalid_utf8_text_frames_close_with_1007_counted_without_a_traceback(ca
     ],
     ids=["too-large", "unmasked"],
 )
-def test_other_frame_errors_close_with_their_code_and_are_counted(frame, code):
+def test_other_frame_errors_close_with_their_code_and_are_counted(frame_errors_gateway, frame, code):
+    gw = frame_errors_gateway
+    counted = gw.hub.bad_input.by_source["ws"]
+    sock = tcp(gw)
+    ws_handshake(sock)
+    sock.sendall(frame)
+    data = read_until_closed(sock)
+    assert data[0] == 0x88 and struct.unpack("!H", data[2:4])[0] == code
+    sock.close()
+    wait_for(lambda: gw.hub.bad_input.by_source["ws"] == counted + 1)
+
+
+@pytest.fixture(scope="module")
+def frame_errors_gateway():
+    """One default gateway for both cases of the test above."""
     with run_gateway() as gw:
-        sock = tcp(gw)
-        ws_handshake(sock)
-        sock.sendall(frame)
-        data = read_until_closed(sock)
-        assert data[0] == 0x88 and struct.unpack("!H", data[2:4])[0] == code
-        sock.close()
-        wait_for(lambda: gw.hub.bad_input.by_source["ws"] == 1)
+        yield gw

@@ -4,6 +4,7 @@ the sockets forwards hold, and per-address limits hold across the workers."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import resource
@@ -19,6 +20,7 @@ import pytest
 from loadtest.floodprobe import recv_until
 from loadtest.redisproc import REDIS_SERVER
 from tests.cluster.cluster_helpers import ROOT, Node, NodeFactory, RedisServer
+from tests.security import web
 
 if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):
     pytest.skip("redis-server is missing: `make redis` (part of `make test`) installs it", allow_module_level=True)
@@ -26,14 +28,38 @@ if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-def nodes(tmp_path):
-    redis = RedisServer(tmp_path / "redis")
-    redis.start()
+def nodes(tmp_path, redis):
     factory = NodeFactory(tmp_path, redis)
     yield factory
     factory.stop_all()
-    redis.stop()
+
+
+SECRET = "edge-workers-jwt-secret-of-32-bytes!!"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, redis):
+    """One two-worker node for the tests whose settings do not meet: each takes its own bucket or sessions
+    (anonymous long-poll sessions take no token check and create no topic; token checks create no topic)."""
+    factory = NodeFactory(tmp_path_factory.mktemp("shared"), redis)
+    node = factory.start(
+        "w",
+        server={"workers": 2},
+        longpoll={"poll_timeout_s": 0.1},  # a poll with nothing to give returns after 0.1 s
+        auth={"jwt_secret": SECRET, "rate_per_ip": 0.01, "burst_per_ip": 4},
+        limits={"topic_create_burst": 3, "topic_create_rate": 0.0},
+    )
+    yield node
+    factory.stop_all()
 
 
 def _socket_inodes(pid: int) -> set[str]:
@@ -67,16 +93,20 @@ def listening(pid: int) -> tuple[set[int], int]:
     return ports, unix
 
 
+#: no connection kept: every request on a new one (which the kernel gives to either worker); one client, as a
+#: new httpx client per request costs tens of ms of set-up
+_FRESH = web.Client(timeout=10, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def fresh(method: str, url: str, **kwargs) -> httpx.Response:
-    return httpx.request(method, url, timeout=10, **kwargs)
+    return _FRESH.request(method, url, **kwargs)
 
 
 # -- 5. the internal links ---------------------------------------------------------------------------------
 
 
-def test_workers_listen_on_the_public_ports_only_and_still_forward_sessions(nodes):
-    # a poll with nothing to give returns after 0.1 s: 30 of them below
-    node = nodes.start("w", server={"workers": 2}, longpoll={"poll_timeout_s": 0.1})
+def test_workers_listen_on_the_public_ports_only_and_still_forward_sessions(shared):
+    node = shared
     public = {node.info["http_port"], node.ingest_port}
     for pid in node.info["workers"]:
         ports, unix = listening(pid)
@@ -84,41 +114,47 @@ def test_workers_listen_on_the_public_ports_only_and_still_forward_sessions(node
     # forwards work: sessions of both workers, each polled over fresh connections (either worker)
     secrets = [fresh("POST", f"{node.http_url}/lp").json()["session"] for _ in range(10)]
     assert {s.split(".", 1)[0] for s in secrets} == {"w0", "w1"}
-    for secret in secrets:
-        for _ in range(3):
-            reply = fresh("GET", f"{node.http_url}/lp/{secret}")
-            assert reply.status_code == 200, reply.text
+    # 30 polls of 0.1 s at once, each on a fresh connection
+    with concurrent.futures.ThreadPoolExecutor(30) as pool:
+        replies = list(pool.map(lambda secret: fresh("GET", f"{node.http_url}/lp/{secret}"), secrets * 3))
+    for reply in replies:
+        assert reply.status_code == 200, reply.text
+    for secret in secrets:  # ended: the node's stop has no session to wait for (its drain: up to 1 s)
+        assert fresh("DELETE", f"{node.http_url}/lp/{secret}").status_code == 204
 
 
 # -- 6. descriptors of forwards counted at start -----------------------------------------------------------
 
 
-def test_the_descriptor_check_counts_the_sockets_of_forwards(nodes, tmp_path):
+def test_the_descriptor_check_counts_the_sockets_of_forwards(redis, tmp_path):
     config = tmp_path / "gateway.toml"
-    config.write_text(Node(tmp_path, nodes.redis.url, {"server": {"workers": 2, "max_connections": 100}}).config_text())
+    config.write_text(Node(tmp_path, redis.url, {"server": {"workers": 2, "max_connections": 100}}).config_text())
     ready = tmp_path / "ready.json"
 
     def low_limit() -> None:  # 300 descriptors: above max_connections + 64 (164), below 3 x 100 + 64 (364)
         resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
-        cwd=ROOT,
-        env=env,
-        preexec_fn=low_limit,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log = tmp_path / "gateway.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--ready-file", str(ready)],
+            cwd=ROOT,
+            env=env,
+            preexec_fn=low_limit,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 30
-        while not ready.exists():
+        # the check is made before the workers start: its line, or the start without it, ends the wait
+        while b"descriptors run out first" not in log.read_bytes() and not ready.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "gateway did not start"
             time.sleep(0.05)
     finally:
         proc.terminate()
-        output, _ = proc.communicate(timeout=20)
+        proc.wait(20)
+    output = log.read_text(errors="replace")
     assert "3 x server.max_connections" in output and "(364)" in output, output[-3000:]
 
 
@@ -153,10 +189,14 @@ def test_per_address_limits_hold_across_two_workers(nodes):
             sock.close()
     time.sleep(0.3)  # the closes reach both workers
     # long-poll sessions, each on a fresh connection (the kernel spreads them over both workers)
-    answers = [fresh("POST", f"{node.http_url}/lp").status_code for _ in range(10)]
+    created = [fresh("POST", f"{node.http_url}/lp") for _ in range(10)]
+    answers = [reply.status_code for reply in created]
     assert answers.count(201) == 3 and answers.count(429) == 7, answers
+    for reply in created:  # ended: the node's stop has no session to wait for (its drain: up to 1 s)
+        if reply.status_code == 201:
+            assert fresh("DELETE", f"{node.http_url}/lp/{reply.json()['session']}").status_code == 204
     # SSE streams, held open
-    with httpx.Client(timeout=10) as a, httpx.Client(timeout=10) as b, httpx.Client(timeout=10) as c:
+    with web.Client(timeout=10) as a, web.Client(timeout=10) as b, web.Client(timeout=10) as c:
         streams = []
         statuses = []
         for client in (a, b, c, a, b, c):
@@ -176,24 +216,22 @@ def test_per_address_limits_hold_across_two_workers(nodes):
 
 # -- 7b. token buckets keyed by address across workers ------------------------------------------------------
 
-SECRET = "edge-workers-jwt-secret-of-32-bytes!!"
 
-
-def test_token_checks_per_address_hold_across_two_workers(nodes):
+def test_token_checks_per_address_hold_across_two_workers(shared):
     """auth.rate_per_ip / burst_per_ip: one bucket per address whichever worker checks the token (before,
     each worker had its own: two workers allowed twice the burst)."""
-    node = nodes.start("w", server={"workers": 2}, auth={"jwt_secret": SECRET, "rate_per_ip": 0.01, "burst_per_ip": 4})
+    node = shared
     statuses = [
         fresh("POST", f"{node.http_url}/lp", headers={"Authorization": "Bearer not.a.token"}).status_code for _ in range(30)
     ]  # each on a new connection: the kernel spreads them over both workers
     assert statuses.count(429) == 26 and set(statuses) - {429} == {401}, statuses
 
 
-def test_topic_creations_per_address_hold_across_two_workers(nodes):
+def test_topic_creations_per_address_hold_across_two_workers(shared):
     """limits.topic_create_rate / topic_create_burst: one bucket per address across the workers."""
     from websockets.sync.client import connect
 
-    node = nodes.start("w", server={"workers": 2}, limits={"topic_create_burst": 3, "topic_create_rate": 0.0})
+    node = shared
     answers = []
     for i in range(16):  # one creation per connection, each a new connection (either worker)
         with connect(node.ws_url, open_timeout=10) as ws:

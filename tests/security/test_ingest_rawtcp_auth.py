@@ -71,8 +71,16 @@ def next_msg(ws) -> dict:
             return msgs[0]
 
 
-def test_ingest_right_token_publishes_and_lines_count_the_auth_line():
-    with run_gateway(ingest={"token": TOKEN}) as gw, subscriber(gw, "sec.ok") as ws:
+@pytest.fixture(scope="module")
+def tokened():
+    """One gateway whose ingest needs TOKEN, for the tests that need nothing else (each its own topic)."""
+    with run_gateway(ingest={"token": TOKEN}) as gw:
+        yield gw
+
+
+def test_ingest_right_token_publishes_and_lines_count_the_auth_line(tokened):
+    gw = tokened
+    with subscriber(gw, "sec.ok") as ws:
         pub = Publisher(gw)
         pub.send({"auth": TOKEN}, {"topic": "sec.ok", "data": 1}, b"not json", {"sync": 7})
         assert pub.readline() == {"type": "authed"}
@@ -88,21 +96,26 @@ def test_ingest_right_token_publishes_and_lines_count_the_auth_line():
     [{"auth": "wrong"}, {"auth": 1}, {"topic": "sec.no", "data": 0}, b"not json", b""],
     ids=["wrong", "not-a-string", "no-auth-line", "not-json", "blank"],
 )
-def test_ingest_wrong_or_missing_token_is_answered_closed_and_nothing_is_published(first):
-    with run_gateway(ingest={"token": TOKEN}) as gw, subscriber(gw, "sec.no") as ws:
+def test_ingest_wrong_or_missing_token_is_answered_closed_and_nothing_is_published(tokened, request, first):
+    gw = tokened
+    topic = f"sec.no.{request.node.callspec.id}"  # the gateway is shared: a topic of this case's own
+    if isinstance(first, dict) and "topic" in first:
+        first = {**first, "topic": topic}
+    bad_before = gw.call(lambda: gw.hub.bad_input.by_source["ingest"])
+    with subscriber(gw, topic) as ws:
         pub = Publisher(gw)
-        pub.send(first, {"topic": "sec.no", "data": 1}, {"sync": 1})
+        pub.send(first, {"topic": topic, "data": 1}, {"sync": 1})
         error = pub.readline()
         assert (error["type"], error["line"], error["code"]) == ("error", 1, "unauthorized")
         assert pub.readline() is None  # closed; the sync was never answered
         pub.close()
-        assert gw.call(lambda: gw.hub.bad_input.by_source["ingest"]) == 1
+        assert gw.call(lambda: gw.hub.bad_input.by_source["ingest"]) == bad_before + 1
         # Nothing of the refused connection landed: the first message the topic ever gets is this one.
         good = Publisher(gw)
-        good.send({"auth": TOKEN}, {"topic": "sec.no", "data": 2}, {"sync": 1})
+        good.send({"auth": TOKEN}, {"topic": topic, "data": 2}, {"sync": 1})
         assert good.readline() == {"type": "authed"}
         assert good.readline()["type"] == "synced"
-        assert next_msg(ws) == {"type": "msg", "topic": "sec.no", "seq": 0, "data": 2}
+        assert next_msg(ws) == {"type": "msg", "topic": topic, "seq": 0, "data": 2}
         good.close()
 
 
@@ -118,14 +131,13 @@ def test_ingest_without_an_auth_line_in_time_is_closed():
         pub.close()
 
 
-def test_ingest_auth_line_longer_than_allowed_is_refused_before_buffering_more():
-    with run_gateway(ingest={"token": TOKEN}) as gw:
-        pub = Publisher(gw)
-        pub.sock.sendall(b'{"auth": "' + b"x" * 8192)  # no newline
-        error = pub.readline()
-        assert (error["line"], error["code"]) == (1, "unauthorized")
-        assert pub.readline() is None
-        pub.close()
+def test_ingest_auth_line_longer_than_allowed_is_refused_before_buffering_more(tokened):
+    pub = Publisher(tokened)
+    pub.sock.sendall(b'{"auth": "' + b"x" * 8192)  # no newline
+    error = pub.readline()
+    assert (error["line"], error["code"]) == (1, "unauthorized")
+    assert pub.readline() is None
+    pub.close()
 
 
 def test_ingest_sync_id_must_be_a_scalar_and_the_connection_goes_on():

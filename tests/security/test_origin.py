@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
 from tests.gateway.gw_helpers import recv_entries, send
+from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +39,7 @@ def test_star_allows_every_origin_explicitly():
 
 def test_long_poll_answers_cors_for_allowed_origins_and_403_for_others():
     allowed = "https://app.example.com"
-    with run_gateway(server={"allowed_origins": [allowed]}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway(server={"allowed_origins": [allowed]}) as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         preflight = http.options(
             "/lp",
             headers={

@@ -24,6 +24,7 @@ from gateway.auth.identity import ClientIdentity
 from gateway.auth.tokens import Principal
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import collect, send, ws_connect
+from tests.security import web
 
 ROOT = Path(__file__).resolve().parents[2]
 SECURITY = (ROOT / "docs" / "security.md").read_text()
@@ -165,9 +166,7 @@ def test_the_error_entry_names_the_rule_and_a_topic_with_its_own_settings(tmp_pa
         {"pattern": "*", "kind": "ring", "anonymous": True},
     ]
     with run_gateway(topics={"rules": rules}) as gw:
-        import httpx
-
-        created = httpx.post(
+        created = web.post(
             f"{gw.http_url}/api/topics",
             json={"name": "own", "kind": "ring", "anonymous": False},
             headers={"Authorization": f"Bearer {gw.admin_token}"},

@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from websockets.exceptions import ConnectionClosed
 
+from gateway import cli
 from gateway.testing import make_token, run_gateway
 from tests.gateway.gw_helpers import collect, send, ws_connect
 
@@ -104,15 +105,27 @@ def _check_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]
         ("[server]\ndrain_delay_s = -1.0\n", "server.drain_delay_s must be >= 0"),
     ],
 )
-def test_check_config_refuses_bad_rotation_and_jwks_keys(tmp_path, text, message):
-    pem = tmp_path / "current.pem"
+def test_check_config_refuses_bad_rotation_and_jwks_keys(tmp_path, current_pem, text, message, monkeypatch, capsys):
+    # `gateway check-config`'s own function in this process (the command as a subprocess is the test below):
+    # an interpreter start per case was most of this test's time
+    for name in [k for k in os.environ if k.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    path = tmp_path / "gateway.toml"
+    path.write_text(text.replace("{pem}", str(current_pem)))
+    returncode = cli.main(["check-config", str(path)])
+    stderr = capsys.readouterr().err
+    assert returncode == 2 and message in stderr, stderr
+
+
+@pytest.fixture(scope="module")
+def current_pem(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pem = tmp_path_factory.mktemp("keys") / "current.pem"
     pem.write_bytes(
         rsa.generate_private_key(public_exponent=65537, key_size=2048)
         .public_key()
         .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
-    checked = _check_config(tmp_path, text.replace("{pem}", str(pem)))
-    assert checked.returncode == 2 and message in checked.stderr, checked.stderr
+    return pem
 
 
 def test_check_config_masks_the_previous_secret_and_takes_a_jwks_url(tmp_path):
