@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 import fanout_client
 from fanout_client import FanoutError, Loss, Message
 from gateway.testing import GatewayHandle, make_token, run_gateway
 from loadtest.ports import free_port
+from tests import web
 from tests.e2e.browser_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,7 +83,7 @@ async def gateway(**overrides: Any) -> AsyncIterator[GatewayHandle]:
 
 
 async def admin(gw: GatewayHandle, method: str, path: str, body: Any = None) -> Any:
-    async with httpx.AsyncClient(timeout=5) as http:
+    async with web.AsyncClient(timeout=5) as http:
         r = await http.request(method, f"{gw.http_url}{path}", json=body, headers={"Authorization": f"Bearer {gw.admin_token}"})
     assert r.status_code < 300, r.text
     return r.json()

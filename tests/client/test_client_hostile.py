@@ -23,6 +23,7 @@ from websockets.asyncio.server import ServerConnection, serve
 import fanout_client
 from fanout_client.client import REPLY_BYTES_WHILE_BLOCKED
 from gateway.testing import run_gateway
+from tests import web
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,7 +113,6 @@ def test_the_largest_frame_a_gateway_builds_is_taken_with_the_defaults() -> None
     frame of a gateway with the default config (~1.06 MiB), under the client's default max_frame_bytes."""
 
     async def main(http_url: str, admin_token: str) -> None:
-        import httpx
 
         # feed.* takes 16 entries per cycle: 15 of ~4 KB (under a cycle's budget of 64 KiB), then the large
         # one goes too (an entry goes while the budget is not reached)
@@ -120,7 +120,7 @@ def test_the_largest_frame_a_gateway_builds_is_taken_with_the_defaults() -> None
         big = {"pad": "b" * ((1 << 20) - 300)}  # the entry (topic, seq, data) just under 1 MiB
         async with fanout_client.connect(http_url, start_timeout=10) as client:
             sub = await client.subscribe("feed.big")
-            async with httpx.AsyncClient(timeout=10) as http:
+            async with web.AsyncClient(timeout=10) as http:
                 r = await http.post(
                     f"{http_url}/api/topics/feed.big/publish",
                     json={"messages": [*small, big]},

@@ -29,6 +29,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from tests import web
 from tests.packaging.test_wheel import compiled_modules
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +170,7 @@ def test_the_container_serves_a_subscribe_and_a_publish_and_drains_on_podman_sto
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                if web.get(base + "/readyz", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -186,7 +187,7 @@ def test_the_container_serves_a_subscribe_and_a_publish_and_drains_on_podman_sto
         with connect(f"ws://127.0.0.1:{port}/ws", open_timeout=10) as ws:
             ws.send(json.dumps({"op": "subscribe", "topic": "prices.eurusd", "id": 1}))
             assert any(entry["type"] == "subscribed" for entry in json.loads(ws.recv(timeout=10)))
-            published = httpx.post(
+            published = web.post(
                 f"{base}/api/topics/prices.eurusd/publish",
                 json={"data": {"bid": 1.0842}},
                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},

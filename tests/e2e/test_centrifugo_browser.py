@@ -9,10 +9,10 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.e2e.browser_cdp import CHROMIUM, Chromium
 
 BUNDLE = Path(__file__).resolve().parents[1] / "centrifugo_js" / "node_modules" / "centrifuge" / "dist" / "centrifuge.js"
@@ -65,7 +65,7 @@ def test_the_browser_build_subscribes_receives_publishes_and_calls(site: Path, b
         browser.evaluate("start('news')")
         browser.wait_for("rec.subscribed.length === 1", what="subscribed", dump="JSON.stringify(rec)")
         for n in range(3):
-            answer = httpx.post(
+            answer = web.post(
                 f"{gw.http_url}/api/publish",
                 json={"channel": "news", "data": {"n": n}},
                 headers={"X-API-Key": gw.admin_token},

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway.config import SECTIONS
 from gateway.testing import GatewayHandle, make_token, run_gateway
 from loadtest.ports import free_port
+from tests import web
 from tests.e2e.browser_cdp import CHROMIUM, Chromium
 from tests.e2e.browser_proxy import TcpProxy
 
@@ -68,7 +68,7 @@ def gateway(site: Path, **overrides: dict) -> Iterator[GatewayHandle]:
 
 
 def publish(gw: GatewayHandle, topic: str, messages: list) -> list[int]:
-    r = httpx.post(
+    r = web.post(
         f"{gw.http_url}/api/topics/{topic}/publish",
         json={"messages": messages},
         headers={"Authorization": f"Bearer {gw.admin_token}"},
@@ -156,7 +156,7 @@ def test_deltas_over_compressed_frames_arrive_intact(site: Path, browser: Chromi
         sub = f"subs[{json.dumps(topic)}]"
         assert browser.evaluate(f"{sub}.deltaGranted") is True
         assert browser.evaluate(f"{sub}.deltasApplied") == 19 and browser.evaluate(f"{sub}.deltaFailures") == 0
-        metrics = httpx.get(f"{gw.http_url}/metrics", headers={"Authorization": f"Bearer {gw.admin_token}"}).text
+        metrics = web.get(f"{gw.http_url}/metrics", headers={"Authorization": f"Bearer {gw.admin_token}"}).text
         counts = {
             line.split()[0]: float(line.split()[1])
             for line in metrics.splitlines()
@@ -430,7 +430,7 @@ def test_private_messages_are_acknowledged_so_a_takeover_gets_none_again(
     topic = f"private.ack-{transport}"
     token = make_token("carol")
     start(browser, gw.http_url, topic, transports=[transport], token=token)
-    r = httpx.post(
+    r = web.post(
         f"{gw.http_url}/api/topics/{topic}/publish",
         json={"messages": [0, 1, 2], "client": "carol"},
         headers={"Authorization": f"Bearer {gw.admin_token}"},
@@ -441,7 +441,7 @@ def test_private_messages_are_acknowledged_so_a_takeover_gets_none_again(
     # the acks go at the end of the turn that handed the messages over; acknowledged, they leave the queue
     admin = {"Authorization": f"Bearer {gw.admin_token}"}
     browser.until(
-        lambda: httpx.get(f"{gw.http_url}/api/topics/{topic}", headers=admin, timeout=10).json()["queued"] == 0,
+        lambda: web.get(f"{gw.http_url}/api/topics/{topic}", headers=admin, timeout=10).json()["queued"] == 0,
         what="the page's acks",
     )
     with connect(f"ws://127.0.0.1:{gw.http_port}/ws?token={token}") as ws:

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway.testing import GatewayHandle, run_gateway
+from tests import web
 from tests.e2e.browser_cdp import CHROMIUM, Chromium
 
 pytestmark = [
@@ -79,7 +79,7 @@ def test_a_page_of_another_origin_cannot_import_it_unless_allowed(tmp_path: Path
 
 
 def _publish(gw: GatewayHandle, messages: list) -> None:
-    r = httpx.post(
+    r = web.post(
         f"{gw.http_url}/api/topics/chat.cross/publish",
         json={"messages": messages},
         headers={"Authorization": f"Bearer {gw.admin_token}"},

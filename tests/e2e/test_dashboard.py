@@ -13,12 +13,12 @@ import shutil
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.e2e.browser_cdp import CHROMIUM, Chromium, guarded
 
 WINDOW = (1400, 1000)
@@ -58,7 +58,7 @@ class Traffic:
             self.close_codes[i] = exc.rcvd.code if exc.rcvd else None
 
     def _publish(self, gw) -> None:
-        with httpx.Client(base_url=gw.http_url, headers={"Authorization": f"Bearer {gw.admin_token}"}, timeout=10) as http:
+        with web.Client(base_url=gw.http_url, headers={"Authorization": f"Bearer {gw.admin_token}"}, timeout=10) as http:
             for tick in itertools.count():
                 if self.stop.wait(0.1):
                     return
@@ -118,9 +118,9 @@ def test_the_dashboard_shows_live_topics_clients_rates_and_the_chart(tmp_path):
                     shutil.copyfile(shot, DOCS_IMG)
                 ids = [
                     c["id"]
-                    for c in httpx.get(
-                        f"{gw.http_url}/api/clients", headers={"Authorization": f"Bearer {gw.admin_token}"}
-                    ).json()["clients"]
+                    for c in web.get(f"{gw.http_url}/api/clients", headers={"Authorization": f"Bearer {gw.admin_token}"}).json()[
+                        "clients"
+                    ]
                 ]
                 assert len(ids) == 4
 

@@ -11,12 +11,12 @@ import json
 import re
 from contextlib import ExitStack
 
-import httpx
 import pytest
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
 from loadtest.redisproc import RedisProcess, redis_binary
+from tests import web
 from tests.e2e.browser_cdp import CHROMIUM, Chromium, guarded
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
@@ -60,7 +60,7 @@ def _traffic(gw, stack: ExitStack) -> None:
         subscribed = 0
         while subscribed < len(topics):
             subscribed += sum(e.get("type") == "subscribed" for e in json.loads(ws.recv(timeout=5)))
-    http = stack.enter_context(httpx.Client(base_url=gw.http_url, headers=_admin(gw), timeout=10))
+    http = stack.enter_context(web.Client(base_url=gw.http_url, headers=_admin(gw), timeout=10))
     for batch in range(0, PUBLISHED, 25):
         r = http.post(f"/api/topics/{RING}/publish", json={"messages": [{"bid": 1.08, "n": batch}] * 25})
         assert r.status_code == 200, r.text
@@ -176,7 +176,7 @@ def test_amber_is_for_losses_not_for_a_full_ring(wide):
         browser.call("Page.navigate", url=f"{gw.http_url}/admin/#token={gw.admin_token}")
         browser.wait_for(guarded(FILLED + " && lastSnapshot.dt !== null"), 30, what="a sample with rates")
         assert browser.evaluate("document.getElementById('c-lost').parentElement.classList.contains('warn')") is False
-        epoch = httpx.get(f"{gw.http_url}/api/topics/{RING}", headers=_admin(gw), timeout=10).json()["epoch"]
+        epoch = web.get(f"{gw.http_url}/api/topics/{RING}", headers=_admin(gw), timeout=10).json()["epoch"]
         late = stack.enter_context(connect(gw.ws_url, open_timeout=5, max_queue=None))
         late.send(json.dumps({"op": "subscribe", "topic": RING, "since": {"epoch": epoch, "seq": 0}}))
         entries: list[dict] = []
@@ -208,7 +208,7 @@ def test_the_home_page_links_the_dashboard_the_library_and_the_api(tmp_path):
         browser.screenshot(tmp_path / "home-400.png")
         # every link it gives answers
         for link in links:
-            assert httpx.get(link, timeout=10).status_code == 200, link
+            assert web.get(link, timeout=10).status_code == 200, link
         assert browser.errors == []
 
 

@@ -4,10 +4,10 @@ it connects, subscribes, shows messages, and publishes; `?transports=` picks the
 import json
 import re
 
-import httpx
 import pytest
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.e2e.browser_cdp import CHROMIUM, Chromium
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
@@ -30,9 +30,9 @@ def browser(tmp_path_factory):
 @pytest.mark.timeout(90)
 def test_the_page_subscribes_and_shows_the_state_of_the_world(gw, browser):
     headers = {"Authorization": f"Bearer {gw.admin_token}"}
-    r = httpx.post(f"{gw.http_url}/api/topics/state.demo/publish", json={"data": {"text": "hello-page"}}, headers=headers)
+    r = web.post(f"{gw.http_url}/api/topics/state.demo/publish", json={"data": {"text": "hello-page"}}, headers=headers)
     assert r.status_code == 200
-    assert httpx.get(f"{gw.http_url}/fanout.js").headers["content-type"].startswith(("text/javascript", "application/javascript"))
+    assert web.get(f"{gw.http_url}/fanout.js").headers["content-type"].startswith(("text/javascript", "application/javascript"))
     # polled with a real deadline (a --virtual-time-budget can run out before a handshake on a loaded machine)
     browser.open(f"{gw.http_url}/?topic=state.demo", ready="document.getElementById('log').textContent.includes('state.demo #0')")
     dom = browser.evaluate("document.documentElement.outerHTML")

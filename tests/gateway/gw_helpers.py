@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import orjson
 from websockets.sync.client import connect
 
 from fanout_client.ingest import BadAnswer, Closed, IngestConnection
+from tests import web
 
 
 def ws_connect(gw, *, query: str = "", rcvbuf: int | None = None, max_queue: int | None = None):
@@ -74,7 +74,7 @@ def wait_for(predicate, what: str = "condition", timeout: float = 10.0):
 
 def metric(gw, name: str) -> float:
     """One unlabelled sample of /metrics, by its exposed name (a counter's ends in `_total`)."""
-    for line in httpx.get(f"{gw.http_url}/metrics", timeout=10, trust_env=False).text.splitlines():
+    for line in web.get(f"{gw.http_url}/metrics", timeout=10, trust_env=False).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"no {name} in /metrics")

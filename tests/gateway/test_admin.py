@@ -1,10 +1,10 @@
 """Admin REST API, /metrics, /healthz, static files."""
 
-import httpx
 import pytest
 
 import core
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,14 +18,14 @@ def gw():
 
 
 def test_refuses_without_the_token(gw):
-    with httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with web.Client(base_url=gw.http_url, timeout=10) as http:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
             r = http.get("/api/topics", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
 
 
 def test_topics_crud_and_publish_reach_websocket_clients(gw):
-    with httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         r = http.post("/api/topics", json={"name": "scores", "kind": "snapshot"})
         assert r.status_code == 201 and r.json()["kind"] == "snapshot"
         assert http.post("/api/topics", json={"name": "scores"}).status_code == 409
@@ -47,7 +47,7 @@ def test_private_publish_waits_for_space_then_503():
         run_gateway(
             admin={"publish_timeout_s": 0.5}, topics={"rules": [{"pattern": "*", "kind": "private", "max_count": 2}]}
         ) as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw, query=f"?token={make_token('bob')}") as ws,
     ):
         send(ws, op="subscribe", topic="inbox")
@@ -64,7 +64,7 @@ def test_private_publish_waits_for_space_then_503():
 def test_list_and_kick_clients():
     with (
         run_gateway() as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw, query=f"?token={make_token('carol')}") as ws,
     ):
         send(ws, op="subscribe", topic="t")
@@ -80,7 +80,7 @@ def test_list_and_kick_clients():
 
 
 def test_stats_metrics_health_openapi_static(gw):
-    with httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with web.Client(base_url=gw.http_url, timeout=10) as http:
         assert http.get("/healthz").json() == {"status": "ok"}
         metrics = http.get("/metrics").text
         for name in (
@@ -101,7 +101,7 @@ def test_stats_metrics_health_openapi_static(gw):
 
 
 def test_malformed_admin_requests_get_json_errors(gw):
-    with httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         for path, body, status, code in [
             ("/api/topics", b"{nope", 400, "bad_json"),
             ("/api/topics", b"[]", 400, "bad_request"),

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +48,7 @@ def feed_state(gw) -> dict:
 
 
 def test_the_stream_needs_the_admin_token_in_the_header():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway() as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         for headers, query in (({}, ""), ({"Authorization": "Bearer wrong"}, ""), ({}, f"?token={gw.admin_token}")):
             r = http.get(f"/api/stats/stream{query}", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", r.text
@@ -61,7 +62,7 @@ def test_snapshots_come_at_the_interval_with_rates_of_real_traffic():
     n = 25
     with (
         run_gateway(admin={"stats_interval_s": INTERVAL}) as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw) as ws,
     ):
         send(ws, op="subscribe", topic="t.rate")
@@ -108,7 +109,7 @@ def test_the_snapshot_lists_the_busiest_and_sums_the_rest():
 
     with (
         run_gateway(admin={"stats_interval_s": INTERVAL}) as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
     ):
         top = stats_feed.STREAM_TOP
         http.post("/api/topics/t.busy/publish", json={"messages": [1, 2, 3]})
@@ -127,7 +128,7 @@ def test_the_snapshot_lists_the_busiest_and_sums_the_rest():
 def test_raw_receivers_are_in_the_snapshot_when_rawtcp_is_enabled():
     with (
         run_gateway(rawtcp={"enabled": True}) as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         socket.create_connection(("127.0.0.1", gw.raw_receiver_port), timeout=5),
     ):
         wait_for(lambda: http.get("/api/raw/receivers").json()["receivers"], "the receiver")
@@ -141,7 +142,7 @@ def test_raw_receivers_are_in_the_snapshot_when_rawtcp_is_enabled():
 def test_viewers_beyond_the_bound_get_429_and_a_freed_slot_is_taken_again():
     with (
         run_gateway(admin={"stats_interval_s": INTERVAL, "stats_max_viewers": 2}) as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
     ):
         with http.stream("GET", "/api/stats/stream") as one, http.stream("GET", "/api/stats/stream") as two:
             # keep the readers: dropping a generator of iter_lines closes its response
@@ -184,7 +185,7 @@ def test_the_stream_ends_when_the_viewer_disconnects():
 def test_a_shutdown_ends_the_stream_instead_of_waiting_for_it():
     ended = threading.Event()
     with run_gateway(admin={"stats_interval_s": INTERVAL}) as gw:
-        http = httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10)
+        http = web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10)
 
         def watch() -> None:
             with http.stream("GET", "/api/stats/stream") as r:
@@ -233,7 +234,7 @@ def test_fairness_is_the_share_index_one_while_all_keep_up_and_drops_when_one_st
 
     with (
         run_gateway(**config) as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw) as slow,
         ws_connect(gw) as mid,
         ws_connect(gw) as fast,

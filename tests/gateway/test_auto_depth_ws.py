@@ -4,12 +4,12 @@ refused when bad, and shown by the admin API."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from core.config import AUTO_MAX_SLICE
 from gateway.config import ConfigError
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, auth, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +58,7 @@ def test_a_burst_comes_back_in_few_frames_without_loss_then_one_message_per_fram
 
 
 def test_the_admin_api_creates_shows_and_refuses_auto():
-    with run_gateway(topics=RULES) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with run_gateway(topics=RULES) as gw, web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         r = http.post("/api/topics", json={"name": "t.auto", "batch_depth": "auto"})
         assert r.status_code == 201 and r.json()["batch_depth"] == "auto", r.text
         assert http.get("/api/topics/t.auto").json()["batch_depth"] == "auto"

@@ -9,7 +9,6 @@ import asyncio
 import itertools
 
 import aiohttp
-import httpx
 import pytest
 import requests
 from cent import (
@@ -33,6 +32,7 @@ from cent.exceptions import CentApiResponseError, CentUnauthorizedError
 
 from gateway.config import ConfigError
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 from tests.gateway.test_user_control import close_of
 
@@ -246,7 +246,7 @@ def test_a_wrong_or_missing_key_is_cents_unauthorized_error(gw):
     for key in ("wrong", ""):
         with cent_client(gw, key) as client, pytest.raises(CentUnauthorizedError):
             client.publish(PublishRequest(channel="news.x", data=1))
-    r = httpx.post(f"{gw.http_url}/api/info", headers={"Authorization": f"apikey {gw.admin_token}"}, json={})
+    r = web.post(f"{gw.http_url}/api/info", headers={"Authorization": f"apikey {gw.admin_token}"}, json={})
     assert r.status_code == 200 and r.json()["result"]["nodes"]
 
 
@@ -270,13 +270,13 @@ def test_bad_input_is_107_and_disturbs_nobody(gw, cent):
             assert info.value.code == 107, (request, info.value)
         headers = {"X-API-Key": gw.admin_token}
         for body in (b"{not json", b'{"channel": 5, "data": 1}', b'{"channel": "x", "data": 1, "chanel": "y"}', b"[1]"):
-            r = httpx.post(f"{gw.http_url}/api/publish", headers=headers, content=body)
+            r = web.post(f"{gw.http_url}/api/publish", headers=headers, content=body)
             assert r.status_code == 200 and r.json()["error"]["code"] == 107, r.text
-        r = httpx.post(f"{gw.http_url}/api/history_remove", headers=headers, json={"channel": topic})
+        r = web.post(f"{gw.http_url}/api/history_remove", headers=headers, json={"channel": topic})
         assert r.json()["error"]["code"] == 104
         assert cent.publish(PublishRequest(channel=topic, data="after")).offset == 1  # nothing was published before
         assert [m["data"] for m in messages(ws, topic, 1)] == ["after"]
-        assert httpx.get(f"{gw.http_url}/api/topics/{topic}", headers=auth(gw)).json()["end"] == 1
+        assert web.get(f"{gw.http_url}/api/topics/{topic}", headers=auth(gw)).json()["end"] == 1
 
 
 def test_batch_runs_each_command_in_order(gw, cent):
@@ -295,7 +295,7 @@ def test_batch_runs_each_command_in_order(gw, cent):
     assert (first.offset, second.offset) == (1, 2)
     assert [p.data for p in history.publications] == ["a", "b"]
     assert (stats.num_clients, stats.num_users) == (0, 0)
-    r = httpx.post(
+    r = web.post(
         f"{gw.http_url}/api/batch",
         headers={"X-API-Key": gw.admin_token},
         json={"commands": [{"publish": {"channel": topic, "data": "c"}}, {"nope": {}}, {"publish": {"channel": topic}}]},
@@ -314,14 +314,14 @@ def test_a_batch_of_history_is_bounded_as_one_history_call(gw, cent):
     MiB); the batch's answers now share one call's bound (10,000 publications, 8 MiB), the rest 106."""
     topic = fresh("big")
     for start in range(0, 10000, 5000):
-        r = httpx.post(
+        r = web.post(
             f"{gw.http_url}/api/topics/{topic}/publish",
             headers={"Authorization": f"Bearer {gw.admin_token}"},
             json={"messages": [{"n": n} for n in range(start, start + 5000)]},
             timeout=30,
         )
         assert r.status_code == 200, r.text
-    r = httpx.post(
+    r = web.post(
         f"{gw.http_url}/api/batch",
         headers={"X-API-Key": gw.admin_token},
         timeout=30,
@@ -354,7 +354,7 @@ def test_api_prefix_is_configured_and_a_colliding_one_refused():
     with run_gateway(centrifugo={"api_prefix": "/centrifugo/api"}) as gw:
         with cent_client(gw, prefix="/centrifugo/api") as client:
             assert client.publish(PublishRequest(channel="news.p", data=1)).offset == 1
-        r = httpx.post(f"{gw.http_url}/api/publish", headers={"X-API-Key": gw.admin_token}, json={})
+        r = web.post(f"{gw.http_url}/api/publish", headers={"X-API-Key": gw.admin_token}, json={})
         assert r.status_code == 404
 
 
@@ -367,7 +367,7 @@ def test_a_request_is_a_span_of_the_callers_trace_with_tracing_on(monkeypatch):
     trace_id, parent_id = "ab" * 16, "cd" * 8
     try:
         with run_gateway(tracing={"otlp_endpoint": receiver.url, "sample_rate": 1.0}) as gw:
-            r = httpx.post(
+            r = web.post(
                 f"{gw.http_url}/api/publish",
                 json={"channel": "news.t", "data": 1},
                 headers={"X-API-Key": gw.admin_token, "traceparent": f"00-{trace_id}-{parent_id}-01"},

@@ -16,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 import pytest
 from centrifuge import (  # type: ignore[import-untyped]  # it ships no type information
     Client,
@@ -37,6 +36,7 @@ from websockets.sync.client import connect
 from websockets.typing import Subprotocol
 
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import metric
 from tests.gateway.test_centrifugo_client_units import replies_of
 
@@ -65,7 +65,7 @@ def gw():
 
 def publish(gw, channel: str, data: Any) -> int:
     """A publication through the Centrifugo server API: its offset."""
-    answer = httpx.post(
+    answer = web.post(
         f"{gw.http_url}/api/publish",
         json={"channel": channel, "data": data},
         headers={"X-API-Key": gw.admin_token},
@@ -633,7 +633,7 @@ def test_the_per_user_limit_and_a_revocation_close_with_final_codes():
             newer.send(json.dumps({"id": 1, "connect": {"token": token}}))
             assert "connect" in json.loads(newer.recv(timeout=5))
             assert closed_with(older) == 3504  # the oldest gives way, and its SDK does not come back
-            answer = httpx.post(
+            answer = web.post(
                 f"{gw.http_url}/api/revocations",
                 json={"user": "carol"},
                 trust_env=False,

@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
 from gateway import cli
 from gateway.config import ConfigError, load_config
 from gateway.server import resolve_admin_token
+from tests import web
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,9 +101,9 @@ def test_gateway_serve_runs_on_the_embedded_default_config(tmp_path):
         assert ports["http_port"] == 8080 and ports["ingest_port"] == 7002
         assert (ports["raw_sender_port"], ports["raw_receiver_port"]) == (7000, 7001)
         base = "http://127.0.0.1:8080"
-        assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
+        assert web.get(f"{base}/healthz").json() == {"status": "ok"}
         headers = {"Authorization": f"Bearer {ports['admin_token']}"}
-        assert httpx.post(f"{base}/api/topics/demo/publish", json={"data": 1}, headers=headers).json()["seqs"] == [0]
+        assert web.post(f"{base}/api/topics/demo/publish", json={"data": 1}, headers=headers).json()["seqs"] == [0]
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import time
 
-import httpx
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, metric, send, ws_connect
 
 CLIENTS = 12
@@ -30,7 +30,7 @@ def test_caught_up_ws_clients_plain_and_compressed_go_in_the_engines_crowds() ->
             collect(ws, lambda got: any(e["type"] == "subscribed" for e in got))
         before = metric(gw, "fanout_gathered_writes_total")
         for n in range(MESSAGES):  # one at a time: each client's batch is that one message
-            reply = httpx.post(
+            reply = web.post(
                 f"{gw.http_url}/api/topics/crowd/publish", json={"data": f"{n}:" + "x" * 2000}, headers=auth(gw), trust_env=False
             )
             assert reply.status_code == 200, reply.text

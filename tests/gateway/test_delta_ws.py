@@ -10,7 +10,6 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from centrifuge.fossil import apply_delta  # type: ignore[import-untyped]
@@ -18,6 +17,7 @@ from centrifuge.fossil import apply_delta  # type: ignore[import-untyped]
 import fanout_client
 from fanout_client import Message
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +47,7 @@ def book(step: int) -> dict[str, Any]:
 
 
 def publish(gw: Any, topic: str, data: Any) -> int:
-    reply = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"data": data}, headers=auth(gw))
+    reply = web.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"data": data}, headers=auth(gw))
     assert reply.status_code == 200, reply.text
     seqs: list[int] = reply.json()["seqs"]
     return seqs[0]
@@ -103,7 +103,7 @@ def test_a_resume_and_a_lagging_subscriber_get_the_first_message_whole(gw) -> No
 
 
 def epoch_of(gw: Any, topic: str) -> str:
-    info = httpx.get(f"{gw.http_url}/api/topics/{topic}", headers=auth(gw)).json()
+    info = web.get(f"{gw.http_url}/api/topics/{topic}", headers=auth(gw)).json()
     epoch: str = info["epoch"]
     return epoch
 

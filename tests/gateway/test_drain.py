@@ -17,6 +17,7 @@ import orjson
 import pytest
 import websockets
 
+from tests import web
 from tests.gateway.gw_helpers import serve_process
 
 TOKEN = "drain-test-token"
@@ -69,7 +70,7 @@ async def ws_client(url: str, subscribed: asyncio.Event, counter: list[int]) -> 
 
 
 async def sse_session(base: str) -> dict:
-    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+    async with web.AsyncClient(base_url=base, timeout=30) as http:
         async with http.stream("GET", "/sse?topics=load") as r:
             event = None
             async for line in r.aiter_lines():
@@ -83,7 +84,7 @@ async def sse_session(base: str) -> dict:
 
 
 async def longpoll_session(base: str) -> dict:
-    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+    async with web.AsyncClient(base_url=base, timeout=30) as http:
         sid = (await http.post("/lp")).json()["session"]
         await http.post(f"/lp/{sid}", json={"op": "subscribe", "topic": "load"})
         ack = None
@@ -145,7 +146,7 @@ async def _drain_under_load(proc: subprocess.Popen[bytes], base: str, info: dict
     # draining: the listening ports are closed, a new connection is refused (the process still runs)
     refused_http = refused_ingest = False
     try:
-        async with httpx.AsyncClient(timeout=2) as fresh:
+        async with web.AsyncClient(timeout=2) as fresh:
             await fresh.get(f"{base}/healthz")
     except httpx.ConnectError:
         refused_http = True
@@ -213,8 +214,8 @@ def test_a_long_poll_session_between_polls_gets_its_1012_and_an_abandoned_one_ho
 
     async def main() -> tuple[dict, float, bool]:
         async with (
-            httpx.AsyncClient(base_url=base, timeout=10) as polling,
-            httpx.AsyncClient(base_url=base, timeout=10) as abandoning,
+            web.AsyncClient(base_url=base, timeout=10) as polling,
+            web.AsyncClient(base_url=base, timeout=10) as abandoning,
         ):
             sid = (await polling.post("/lp")).json()["session"]
             await abandoning.post("/lp")  # never polled again

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import types
 
-import httpx
 import orjson
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -20,6 +19,7 @@ from gateway.errors import BadToken, TokenExpired, TooManySessions, TooManySessi
 from gateway.hub import Hub
 from gateway.testing import DEFAULTS, make_token, run_gateway
 from gateway.transports.handshake import close_reason
+from tests import web
 from tests.gateway.gw_helpers import collect, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -158,7 +158,7 @@ def test_ws_refusals_close_with_their_codes_and_a_failing_client_with_1011(monke
 
 def test_every_route_of_a_disabled_transport_gets_the_one_answer():
     off = {"sse": {"enabled": False}, "longpoll": {"enabled": False}, "websocket": {"enabled": False}}
-    with run_gateway(**off) as gw, httpx.Client(base_url=gw.http_url) as http:
+    with run_gateway(**off) as gw, web.Client(base_url=gw.http_url) as http:
         for method, path, name in [
             ("GET", "/sse?topics=a", "the SSE transport is disabled (sse.enabled)"),
             ("POST", "/sse/x", "the SSE transport is disabled (sse.enabled)"),

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed, WebSocketException
 from websockets.sync.client import connect as ws_connect
 
 from gateway.config import ConfigError, load_config
 from gateway.testing import TEST_JWT_SECRET, make_token
+from tests import web
 from tests.gateway.gw_helpers import ROOT, serve_process
 
 ADMIN = "json-logs-admin-token"
@@ -57,7 +57,7 @@ def refuse_a_bad_token_and_kick_a_client(http_port: int) -> str:
             ws.recv(timeout=5)
     with (
         ws_connect(f"{ws_url}?token={make_token('carol')}", open_timeout=5) as ws,
-        httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10, headers={"Authorization": f"Bearer {ADMIN}"}) as http,
+        web.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10, headers={"Authorization": f"Bearer {ADMIN}"}) as http,
     ):
         deadline = time.monotonic() + 5
         while not (clients := http.get("/api/clients").json()["clients"]) and time.monotonic() < deadline:

@@ -4,10 +4,10 @@ settings show it. A topic without linger beside it is not held."""
 
 import time
 
-import httpx
 import pytest
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,7 +40,7 @@ def test_what_is_published_within_the_linger_arrives_in_one_frame_when_it_ends()
 
 
 def test_linger_is_a_topic_setting_on_the_admin_api():
-    with run_gateway(topics=RULES) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with run_gateway(topics=RULES) as gw, web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         r = http.post("/api/topics", json={"name": "px.1", "kind": "snapshot", "linger": 0.5})
         assert r.status_code == 201, r.text
         assert r.json()["linger"] == 0.5

@@ -2,17 +2,17 @@
 
 import time
 
-import httpx
 import pytest
 
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_round_trip_commands_by_post_entries_by_poll():
-    with run_gateway(longpoll={"poll_timeout_s": 2.0}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway(longpoll={"poll_timeout_s": 2.0}) as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         session = http.post("/lp").json()["session"]
         assert http.post(f"/lp/{session}", json={"op": "subscribe", "topic": "chat.lp", "id": 1}).status_code == 202
         first = http.get(f"/lp/{session}").json()
@@ -28,7 +28,7 @@ def test_round_trip_commands_by_post_entries_by_poll():
 
 
 def test_a_poll_waits_and_is_answered_by_a_publish():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway() as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         session = http.post("/lp").json()["session"]
         http.post(f"/lp/{session}", json={"op": "subscribe", "topic": "t"})
         ack = http.get(f"/lp/{session}").json()["batch"]
@@ -43,7 +43,7 @@ def test_a_poll_waits_and_is_answered_by_a_publish():
 
 
 def test_an_unacknowledged_batch_is_sent_again_and_private_entries_commit_on_ack():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway() as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         created = http.post("/lp", headers={"Authorization": f"Bearer {make_token('lena')}"}).json()
         session, client = created["session"], created["client_id"]
         http.post(f"/lp/{session}", json={"op": "subscribe", "topic": "private.box"})
@@ -66,7 +66,7 @@ def test_an_unacknowledged_batch_is_sent_again_and_private_entries_commit_on_ack
 
 
 def test_session_expiry_frees_everything():
-    with run_gateway(longpoll={"session_ttl_s": 0.5}) as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway(longpoll={"session_ttl_s": 0.5}) as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         created = http.post("/lp").json()
         session = created["session"]
         http.post(f"/lp/{session}", json={"op": "subscribe", "topic": "t"})
@@ -79,7 +79,7 @@ def test_session_expiry_frees_everything():
 
 
 def test_bad_requests_get_json_errors():
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway() as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         assert http.get("/lp/nope").json()["error"]["code"] == "unknown_session"
         session = http.post("/lp").json()["session"]
         r = http.post(f"/lp/{session}", content=b"{oops")

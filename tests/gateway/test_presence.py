@@ -4,11 +4,11 @@ real WebSocket clients."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from core import TopicConfig
 from gateway.testing import make_token
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, send, ws_connect
 
 RULES = {
@@ -41,7 +41,7 @@ def test_members_counts_join_leave_and_the_admin_endpoint():
         run(limits={"presence_max_members": 10}) as gw,
         ws_connect(gw) as a,
         ws_connect(gw, query="?token=" + make_token("alice", info={"name": "Alice"})) as b,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
     ):
         a_id, b_id = whoami(a), whoami(b)
         subscribed(a, "room.1")
@@ -93,7 +93,7 @@ def answer_in(got: list[dict], request_id: str) -> dict:
 
 
 def test_who_may_ask_and_topics_without_presence():
-    with run() as gw, ws_connect(gw) as ws, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with run() as gw, ws_connect(gw) as ws, web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         send(ws, op="presence", topic="plain.1", id="plain")
         assert answer(ws, "plain")["code"] == "forbidden"
         send(ws, op="presence", topic="secret.1", id="secret")  # may not subscribe there: may not ask
@@ -116,7 +116,7 @@ def test_counts_only_and_no_join_leave_above_the_bound():
         ws_connect(gw) as b,
         ws_connect(gw, query=carol) as c,
         ws_connect(gw, query=carol) as d,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
     ):
         for ws in (a, b):
             subscribed(ws, "room.big")

@@ -8,10 +8,10 @@ stay until the client acknowledges them: the next connection gets every un-ackno
 order, with the same seqs, and never one that was acknowledged.
 """
 
-import httpx
 import pytest
 
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 from tests.gateway.sse_client import SseClient
 
@@ -48,7 +48,7 @@ def test_without_ack_written_entries_are_gone_for_the_next_connection():
     token = make_token("alice")
     with (
         run_gateway() as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw, query=f"?token={token}") as first,
     ):
         assert subscribed(first)[0]["seq"] == 0
@@ -69,7 +69,7 @@ def test_with_ack_unacknowledged_entries_come_again_to_the_next_connection():
     token = make_token("alice")
     with (
         run_gateway() as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw, query=f"?token={token}") as first,
     ):
         assert subscribed(first, ack=True)[0]["seq"] == 0
@@ -107,7 +107,7 @@ def test_with_ack_unacknowledged_entries_come_again_to_the_next_connection():
 def test_ack_answers_and_errors():
     with (
         run_gateway() as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw, query=f"?token={make_token('alice')}") as ws,
     ):
         assert subscribed(ws, ack=True)[0]["type"] == "subscribed"
@@ -142,7 +142,7 @@ def test_the_window_is_the_queue_bounds():
     rules = [{"pattern": "private.*", "kind": "private", "anonymous": False, "max_count": 2}]
     with (
         run_gateway(admin={"publish_timeout_s": 0.3}, topics={"rules": rules}) as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw, query=f"?token={make_token('alice')}") as ws,
     ):
         subscribed(ws, ack=True)
@@ -162,7 +162,7 @@ def test_sse_acks_by_post():
     token = make_token("alice")
     with (
         run_gateway() as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         SseClient(gw, f"?token={token}") as sse,
     ):
         secret = sse.session()["session"]

@@ -9,7 +9,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import msgspec
 import pytest
 
@@ -17,6 +16,7 @@ from core import errors as core_errors
 from gateway import close_codes, schema
 from gateway import errors as gateway_errors
 from gateway.testing import GatewayHandle, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, auth
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
@@ -120,14 +120,14 @@ def gw() -> Iterator[GatewayHandle]:
 )
 def test_bad_topic_settings_are_a_400_json_error_never_stored(gw, settings):
     name = f"t.x{next(_names)}"
-    with httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         r = http.post("/api/topics", json={"name": name, **settings})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
         assert http.get(f"/api/topics/{name}").status_code == 404
 
 
 def test_a_negative_seq_gets_the_same_code_on_the_admin_api_and_the_ingest(gw):
-    with httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         r = http.post("/api/topics/t.seq/publish", json={"data": 1, "seq": -1})
         assert (r.status_code, r.json()["error"]["code"]) == (400, "bad_seq")
         pub = Ingest(gw)
@@ -138,7 +138,7 @@ def test_a_negative_seq_gets_the_same_code_on_the_admin_api_and_the_ingest(gw):
 
 
 def test_the_openapi_bodies_are_the_schemas(gw):
-    with httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with web.Client(base_url=gw.http_url, timeout=10) as http:
         spec = http.get("/api/openapi.json").json()
     create = spec["components"]["schemas"]["CreateTopic"]
     assert set(create["properties"]) == fields(schema.CreateTopic) and create["additionalProperties"] is False

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import collect, recv_entries, send, wait_for, ws_connect
 from tests.gateway.test_proxy_hooks import free_port
 
@@ -30,7 +30,7 @@ GIB = 1 << 30
 
 def metric(gw: Any, name: str, **labels: str) -> float:
     """One sample of /metrics (0 when absent)."""
-    text = httpx.get(gw.http_url + "/metrics", timeout=5).text
+    text = web.get(gw.http_url + "/metrics", timeout=5).text
     wanted = ",".join(f'{key}="{value}"' for key, value in labels.items())
     found = re.search(rf"^{name}\{{{re.escape(wanted)}\}} (\S+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
@@ -199,7 +199,7 @@ def socket_buffers_max() -> int:
 
 def healthz_seconds(gw: Any) -> float:
     started = time.perf_counter()
-    assert httpx.get(gw.http_url + "/healthz", timeout=10).status_code == 200
+    assert web.get(gw.http_url + "/healthz", timeout=10).status_code == 200
     return time.perf_counter() - started
 
 

@@ -14,6 +14,7 @@ from websockets.sync.client import connect
 
 from gateway.testing import make_token, run_gateway
 from loadtest.ports import free_port
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, recv_entries, send, wait_for, ws_connect
 from tests.gateway.hook_backend import Backend
 from tests.gateway.sse_client import SseClient
@@ -83,9 +84,9 @@ def test_a_grant_makes_the_connection_the_backends_user_with_its_topics_info_and
         assert call["headers"] == {"Cookie": "sid=42"}  # only forward_headers, only those sent
         assert call["transport"] == "ws" and call["address"] == "127.0.0.1" and call["user"] is None
         # long-poll: the same grant, the server-side topic in the first poll
-        session = httpx.post(gw.http_url + "/lp", headers={"Cookie": "sid=7"}, timeout=5)
+        session = web.post(gw.http_url + "/lp", headers={"Cookie": "sid=7"}, timeout=5)
         assert session.status_code == 201
-        polled = httpx.get(f"{gw.http_url}/lp/{session.json()['session']}", timeout=5).json()
+        polled = web.get(f"{gw.http_url}/lp/{session.json()['session']}", timeout=5).json()
         assert [(e["type"], e["topic"]) for e in polled["entries"]] == [("subscribed", "news.a")]
         assert app.received["connect"][1]["headers"] == {"Cookie": "sid=7"}
         app.received["connect"].pop()
@@ -96,7 +97,7 @@ def test_a_grant_makes_the_connection_the_backends_user_with_its_topics_info_and
             recv_entries(ws)
             assert info_of(gw, "bob") == {"plan": "pro"}
         assert len(app.received["connect"]) == 1
-        metrics = httpx.get(gw.http_url + "/metrics").text
+        metrics = web.get(gw.http_url + "/metrics").text
         assert 'fanout_proxy_requests_total{hook="connect",outcome="ok"} 2.0' in metrics
         assert 'fanout_proxy_duration_seconds_count{hook="connect"} 2.0' in metrics
 
@@ -106,9 +107,9 @@ def test_a_refusal_is_4003_on_websocket_and_403_on_long_poll_and_sse(app):
     with run_gateway(proxy=proxy_config(app)) as gw:
         with connect(gw.ws_url, open_timeout=5) as ws:
             assert closed_with(ws) == (4003, "who are you?")
-        r = httpx.post(gw.http_url + "/lp", timeout=5)
+        r = web.post(gw.http_url + "/lp", timeout=5)
         assert r.status_code == 403 and r.json()["error"] == {"code": "forbidden", "message": "who are you?"}
-        r = httpx.get(gw.http_url + "/sse?topics=a", timeout=5)
+        r = web.get(gw.http_url + "/sse?topics=a", timeout=5)
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
         assert [c["transport"] for c in app.received["connect"]] == ["ws", "longpoll", "sse"]
         assert gw.call(lambda: len(gw.hub.clients.conns)) == 0
@@ -121,13 +122,13 @@ def test_a_slow_backend_is_1013_and_503_and_connected_clients_stay(app):
             app.delays["connect"] = 1.5  # from now on the backend does not answer in time
             with connect(gw.ws_url, open_timeout=5) as ws:
                 assert closed_with(ws)[0] == 1013
-            r = httpx.post(gw.http_url + "/lp", timeout=5)
+            r = web.post(gw.http_url + "/lp", timeout=5)
             assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
             assert r.headers["retry-after"] == "5"
-            assert httpx.get(gw.http_url + "/sse", timeout=5).status_code == 503
+            assert web.get(gw.http_url + "/sse", timeout=5).status_code == 503
             send(old, op="ping", id=7)
             assert recv_entries(old) == [{"type": "reply", "id": 7, "result": "pong"}]
-        metrics = httpx.get(gw.http_url + "/metrics").text
+        metrics = web.get(gw.http_url + "/metrics").text
         assert 'fanout_proxy_requests_total{hook="connect",outcome="timeout"} 3.0' in metrics
 
 
@@ -209,7 +210,7 @@ def test_disconnect_and_unsubscribe_events_arrive_once_each_with_the_reason(app)
             kicked = gw.call(lambda: next(iter(gw.hub.clients.conns)))
             assert httpx.delete(f"{gw.http_url}/api/clients/{kicked}", headers=auth(gw)).status_code == 200
             assert closed_with(kicked_ws)[0] == 4000
-        session = httpx.post(gw.http_url + "/lp").json()
+        session = web.post(gw.http_url + "/lp").json()
         httpx.delete(f"{gw.http_url}/lp/{session['session']}")
         wait_for(lambda: len(app.received["disconnect"]) >= 3, "three disconnect events")
         time.sleep(0.3)  # nothing more comes
@@ -223,7 +224,7 @@ def test_disconnect_and_unsubscribe_events_arrive_once_each_with_the_reason(app)
 
 
 def publish(gw, topic: str, data: Any) -> None:
-    r = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"data": data}, headers=auth(gw), timeout=5)
+    r = web.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"data": data}, headers=auth(gw), timeout=5)
     assert r.status_code in (200, 201, 202), r.text
 
 
@@ -268,7 +269,7 @@ def test_connect_always_asks_about_a_client_with_a_token_too(app):
             assert info_of(gw, "henry") == {"seen": True}  # the backend's info replaces the token's
         with ws_connect(gw, query=f"?token={make_token('mallory')}") as ws:
             assert closed_with(ws) == (4003, "banned")
-        r = httpx.post(gw.http_url + "/lp", headers={"Authorization": f"Bearer {make_token('mallory')}"}, timeout=5)
+        r = web.post(gw.http_url + "/lp", headers={"Authorization": f"Bearer {make_token('mallory')}"}, timeout=5)
         assert r.status_code == 403 and r.json()["error"] == {"code": "forbidden", "message": "banned"}
         with ws_connect(gw) as anonymous:  # and a client without a token, as always
             assert [e["topic"] for e in collect(anonymous, lambda got: got)] == ["news.t"]
@@ -292,6 +293,6 @@ def test_connect_always_keeps_the_tokens_jti_so_revoking_the_token_closes_the_co
         with ws_connect(gw, query=f"?token={make_token('judy', jti='t-1')}") as ws:
             send(ws, op="subscribe", topic="secret.j", id=1)  # the grant's pattern
             assert recv_entries(ws)[0]["type"] == "subscribed"
-            r = httpx.post(f"{gw.http_url}/api/revocations", json={"jti": "t-1"}, headers=auth(gw), timeout=5)
+            r = web.post(f"{gw.http_url}/api/revocations", json={"jti": "t-1"}, headers=auth(gw), timeout=5)
             assert r.status_code == 201 and r.json()["disconnected"] == 1, r.text
             assert closed_with(ws)[0] == 4010

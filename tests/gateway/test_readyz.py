@@ -10,10 +10,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import serve_process
 
 
@@ -46,12 +46,12 @@ def start(tmp_path: Path, *server_lines: str) -> tuple[subprocess.Popen[bytes], 
 
 def test_readyz_answers_200_while_serving_and_healthz_stays_liveness():
     with run_gateway() as gw:
-        ready = httpx.get(f"{gw.http_url}/readyz", timeout=5)
+        ready = web.get(f"{gw.http_url}/readyz", timeout=5)
         assert ready.status_code == 200, ready.text
         assert ready.json()["status"] == "ready" and "reason" not in ready.json()
         assert ready.json()["worker"] == 0
         assert ready.headers["cache-control"] == "no-store"
-        assert httpx.get(f"{gw.http_url}/healthz", timeout=5).json() == {"status": "ok"}
+        assert web.get(f"{gw.http_url}/healthz", timeout=5).json() == {"status": "ok"}
 
 
 def test_sigterm_turns_readyz_to_503_draining_at_once_while_the_port_serves_drain_delay_s(tmp_path):
@@ -60,16 +60,16 @@ def test_sigterm_turns_readyz_to_503_draining_at_once_while_the_port_serves_drai
     still answers 200, then the drain closes the port and the process exits 0."""
     proc, base = start(tmp_path, "drain_delay_s = 1.5", "drain_timeout_s = 2")
     try:
-        assert httpx.get(f"{base}/readyz", timeout=5).status_code == 200
+        assert web.get(f"{base}/readyz", timeout=5).status_code == 200
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        answer = httpx.get(f"{base}/readyz", timeout=5)  # a new connection, as a probe makes
+        answer = web.get(f"{base}/readyz", timeout=5)  # a new connection, as a probe makes
         answered = time.monotonic() - sent
         assert answer.status_code == 503, answer.text
         assert answer.json()["reason"] == "draining" and answer.json()["status"] == "unavailable"
         assert answered < 1.0, answered  # generous: the flip itself is immediate (shared, slow machine)
         # still serving during the delay: liveness, and a client that arrives late is still taken
-        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        assert web.get(f"{base}/healthz", timeout=5).status_code == 200
         with connect(base.replace("http", "ws") + "/ws", open_timeout=5) as ws:
             ws.send(json.dumps({"op": "subscribe", "topic": "late"}))
             assert ws.recv(timeout=5)

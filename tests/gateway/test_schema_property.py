@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import msgspec
 import orjson
 import pytest
@@ -21,6 +20,7 @@ from gateway.hub import Hub
 from gateway.scheduler import Delivered
 from gateway.session import ClientSession
 from gateway.testing import DEFAULTS, make_token, run_gateway
+from tests import web
 from tests.gateway.test_protocol_contract import section, table_rows, ticked
 
 DOCUMENTED = {code for row in table_rows(section("Error codes")) for code in ticked(row[0])}
@@ -130,7 +130,7 @@ def test_any_value_in_any_record_field_converts_or_is_a_bad_record(field, value)
 def admin():
     with (
         run_gateway() as gw,
-        httpx.Client(base_url=gw.http_url, timeout=10, headers={"Authorization": f"Bearer {gw.admin_token}"}) as http,
+        web.Client(base_url=gw.http_url, timeout=10, headers={"Authorization": f"Bearer {gw.admin_token}"}) as http,
     ):
         yield http
 

@@ -18,6 +18,7 @@ import gateway.commands
 from gateway.session import ClientSession, LateRefused
 from gateway.testing import make_token, run_gateway
 from gateway.transports.longpoll import LongPollSession
+from tests import web
 from tests.gateway.gw_helpers import auth, wait_for
 from tests.gateway.hook_backend import Backend
 from tests.gateway.sse_client import SseClient
@@ -52,7 +53,7 @@ def places(gw, transport: str) -> tuple[int, int, int]:
 
 def test_a_session_opens_after_its_hook_and_a_disconnect_meanwhile_refuses_it_as_it_opens(app):
     app.answers["connect"] = {"user": "ann"}
-    with run_gateway(proxy=hooks(app)) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw)) as admin:
+    with run_gateway(proxy=hooks(app)) as gw, web.Client(base_url=gw.http_url, headers=auth(gw)) as admin:
         hub = gw.hub
 
         async def opened() -> None:
@@ -101,7 +102,7 @@ def test_the_handshake_refuses_before_the_hook_is_asked_and_the_hook_before_regi
     app.delays["connect"] = 1.0
     with (
         run_gateway(proxy=hooks(app), longpoll={"max_sessions_per_ip": 1}, sse={"max_sessions_per_ip": 1}) as gw,
-        httpx.Client(base_url=gw.http_url, timeout=10) as http,
+        web.Client(base_url=gw.http_url, timeout=10) as http,
     ):
 
         def refused(token: str, query: str = "") -> object:
@@ -156,7 +157,7 @@ def test_a_message_that_fails_closes_only_its_client_with_1011(transport, monkey
         return real(session, payload)
 
     monkeypatch.setattr(gateway.commands, "handle", failing)
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, timeout=10) as http:
+    with run_gateway() as gw, web.Client(base_url=gw.http_url, timeout=10) as http:
         if transport == "longpoll":
             victim, other = (http.post("/lp").json()["session"] for _ in range(2))
             assert http.post(f"/lp/{victim}", json={"op": "boom"}).json() == {"accepted": 0}

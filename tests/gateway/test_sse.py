@@ -19,6 +19,7 @@ from gateway.config import SseConfig
 from gateway.errors import BadRequest
 from gateway.testing import make_token, run_gateway
 from gateway.transports.sse import DELETED, Positions, parse_positions
+from tests import web
 from tests.gateway.gw_helpers import Ingest, auth, wait_for, ws_connect
 from tests.gateway.sse_client import SseClient, msgs
 
@@ -83,14 +84,14 @@ def test_topics_at_connect_then_batches_in_order_with_their_positions():
             ids.append(positions(event.id))
         assert seqs(got, "t.b") == [0]
         assert ids[-1] == {"t.a": (epochs["t.a"], 10), "t.b": (epochs["t.b"], 1)}
-        clients = httpx.get(f"{gw.http_url}/api/clients", headers=auth(gw)).json()["clients"]
+        clients = web.get(f"{gw.http_url}/api/clients", headers=auth(gw)).json()["clients"]
         mine = next(c for c in clients if c["id"] == session["client_id"])
         assert mine["transport"] == "sse" and mine["user"] == "alice" and len(mine["subscriptions"]) == 3
-        assert 'fanout_clients{transport="sse"} 1.0' in httpx.get(f"{gw.http_url}/metrics").text
+        assert 'fanout_clients{transport="sse"} 1.0' in web.get(f"{gw.http_url}/metrics").text
 
 
 def test_commands_by_post_are_answered_on_the_stream():
-    with run_gateway() as gw, SseClient(gw, "?topics=chat.a") as sse, httpx.Client(base_url=gw.http_url) as http:
+    with run_gateway() as gw, SseClient(gw, "?topics=chat.a") as sse, web.Client(base_url=gw.http_url) as http:
         secret = sse.session()["session"]
         event = sse.next_event()
         epoch = event.json()[0]["epoch"]
@@ -228,7 +229,7 @@ def test_origin_session_limit_and_the_disabled_switches():
                 assert second.status == 429 and second.headers["retry-after"] == "5"
                 assert second.json()["error"]["code"] == "too_many_sessions"
     off = {"sse": {"enabled": False}, "longpoll": {"enabled": False}, "websocket": {"enabled": False}}
-    with run_gateway(**off) as gw, httpx.Client(base_url=gw.http_url) as http:
+    with run_gateway(**off) as gw, web.Client(base_url=gw.http_url) as http:
         for method, path in [
             ("GET", "/sse?topics=a"),
             ("POST", "/sse/x"),
@@ -284,7 +285,7 @@ def test_a_slow_consumer_is_cut_with_4008_and_another_stream_is_unharmed():
         assert received == list(range(600))  # the fast reader got everything, in order, unharmed
 
         def cut():
-            stats = httpx.get(f"{gw.http_url}/api/stats", headers=auth(gw)).json()
+            stats = web.get(f"{gw.http_url}/api/stats", headers=auth(gw)).json()
             return stats["disconnects"].get("sse:slow_consumer")
 
         assert wait_for(cut, what="the slow consumer's cut") == 1
@@ -297,7 +298,7 @@ def test_a_slow_consumer_is_cut_with_4008_and_another_stream_is_unharmed():
         assert events[-1].json() == {"code": 4008, "reason": "slow consumer"}
         assert slow.ended
         assert gw.call(lambda: len(gw.hub.clients.conns)) == 1
-        metrics = httpx.get(f"{gw.http_url}/metrics").text
+        metrics = web.get(f"{gw.http_url}/metrics").text
         assert 'fanout_disconnects_total{reason="slow_consumer",transport="sse"} 1.0' in metrics
 
 

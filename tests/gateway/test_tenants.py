@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import time
 
-import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -18,6 +17,7 @@ from gateway.config import ConfigError, load_config
 from gateway.errors import BadToken
 from gateway.tenancy import Tenancy
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, recv_entries, send, ws_connect
 from tests.security.test_jwks import KeySetServer
 
@@ -32,7 +32,7 @@ FAIRNESS = {
 
 
 def tenant_samples(gw, name: str) -> dict[str, float]:
-    text = httpx.get(f"{gw.http_url}/metrics", timeout=10, trust_env=False).text
+    text = web.get(f"{gw.http_url}/metrics", timeout=10, trust_env=False).text
     return {m[1]: float(m[2]) for m in re.finditer(rf'^{name}{{tenant="([^"]+)"}} (\S+)$', text, re.M)}
 
 
@@ -49,7 +49,7 @@ def test_a_connections_tenant_is_its_tokens_claim_or_the_default_and_each_tenant
             for i, ws in enumerate((a1, a2, b, anonymous)):
                 send(ws, op="subscribe", topic="feed.t", id=i)
                 assert recv_entries(ws)[0]["type"] == "subscribed"
-            published = httpx.post(
+            published = web.post(
                 f"{gw.http_url}/api/topics/feed.t/publish", headers=auth(gw), json={"data": {"n": 1}}, trust_env=False
             )
             assert published.status_code == 200, published.text
@@ -157,7 +157,7 @@ def test_the_admin_api_lists_each_tenants_share_against_its_weights():
             for i, client in enumerate((ws, anonymous)):
                 send(client, op="subscribe", topic="feed.api", id=i)
                 assert recv_entries(client)[0]["type"] == "subscribed"
-            listed = httpx.get(f"{gw.http_url}/api/tenants", headers=auth(gw), trust_env=False).json()
+            listed = web.get(f"{gw.http_url}/api/tenants", headers=auth(gw), trust_env=False).json()
             assert listed["enabled"] and listed["total"] == 3 and not listed["truncated"]
             rows = {row["name"]: row for row in listed["tenants"]}
             assert (rows["acme"]["connections"], rows["acme"]["users"], rows["acme"]["weight"]) == (1, 1, 3.0)
@@ -165,7 +165,7 @@ def test_the_admin_api_lists_each_tenants_share_against_its_weights():
             assert rows["globex"]["weight_share"] == 0.0 and rows["globex"]["cost"] == 0
             assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
             assert rows["acme"]["cost"] == rows["acme"]["bytes"] + 8192 * rows["acme"]["frames"]
-        assert httpx.get(f"{gw.http_url}/api/tenants", trust_env=False).status_code == 401
+        assert web.get(f"{gw.http_url}/api/tenants", trust_env=False).status_code == 401
     with run_gateway(topics=RULES) as gw:
-        off = httpx.get(f"{gw.http_url}/api/tenants", headers=auth(gw), trust_env=False).json()
+        off = web.get(f"{gw.http_url}/api/tenants", headers=auth(gw), trust_env=False).json()
         assert off == {"enabled": False, "tenants": []}

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import jwt
 import pytest
 from websockets.exceptions import ConnectionClosed
 
 from gateway import cli
 from gateway.testing import TEST_JWT_SECRET, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, send, ws_connect
 
 
@@ -51,7 +51,7 @@ def test_minted_tokens_carry_iat_and_a_distinct_jti(mint) -> None:
 
 
 def test_a_fresh_token_after_a_user_revocation_connects_and_a_jti_revokes_one_token(mint) -> None:
-    with run_gateway() as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with run_gateway() as gw, web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         with ws_connect(gw, query=f"?token={mint('zoe')}") as holder:
             r = http.post("/api/revocations", json={"user": "zoe"})  # "log out everywhere": T = now
             assert r.status_code == 201 and r.json()["disconnected"] == 1, r.text

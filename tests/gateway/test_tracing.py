@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -27,6 +26,7 @@ from starlette.responses import JSONResponse
 
 from gateway import cli
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, auth, recv_entries, send, wait_for, ws_connect
 from tests.gateway.hook_backend import Backend
 
@@ -170,7 +170,7 @@ def test_an_admin_publish_continues_the_callers_trace_down_to_one_fanout_span(gw
     with ws_connect(gw) as a, ws_connect(gw) as b, ws_connect(gw) as c:
         for ws in (a, b, c):
             _subscribed(ws, "traced.news")
-        answer = httpx.post(
+        answer = web.post(
             f"{gw.http_url}/api/topics/traced.news/publish",
             json={"data": {"headline": "x" * 100}},
             headers={**auth(gw), "traceparent": f"00-{trace_id}-{parent_id}-01"},
@@ -199,7 +199,7 @@ def test_an_admin_publish_continues_the_callers_trace_down_to_one_fanout_span(gw
 
 def test_a_publish_nobody_subscribes_to_ends_its_fanout_span_at_once(gw: Any, receiver: OtlpReceiver) -> None:
     trace_id = secrets.token_hex(16)
-    answer = httpx.post(
+    answer = web.post(
         f"{gw.http_url}/api/topics/traced.empty/publish",
         json={"data": 1},
         headers={**auth(gw), "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},

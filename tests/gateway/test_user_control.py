@@ -7,11 +7,11 @@ from __future__ import annotations
 import itertools
 import time
 
-import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
 
 
@@ -37,16 +37,16 @@ def alive(ws) -> bool:
 def test_disconnect_user_closes_all_its_connections_with_4005_and_no_other():
     with (
         run_gateway() as gw,
-        httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
+        web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http,
         ws_connect(gw, query=f"?token={make_token('alice')}") as a1,
         ws_connect(gw, query=f"?token={make_token('alice')}") as a2,
         ws_connect(gw, query=f"?token={make_token('bob')}") as b,
     ):
-        lp = httpx.post(f"{gw.http_url}/lp", headers={"Authorization": f"Bearer {make_token('alice')}"}).json()
+        lp = web.post(f"{gw.http_url}/lp", headers={"Authorization": f"Bearer {make_token('alice')}"}).json()
         r = http.delete("/api/users/alice")
         assert r.status_code == 200 and r.json() == {"user": "alice", "disconnected": 3, "nodes": 1}
         assert close_of(a1) == close_of(a2) == 4005
-        entries = httpx.get(f"{gw.http_url}/lp/{lp['session']}", timeout=10).json()["entries"]
+        entries = web.get(f"{gw.http_url}/lp/{lp['session']}", timeout=10).json()["entries"]
         assert [(e["code"], e["close_code"]) for e in entries] == [("closed", 4005)]
         assert alive(b)
         assert http.delete("/api/users/alice").json()["disconnected"] == 0
@@ -54,7 +54,7 @@ def test_disconnect_user_closes_all_its_connections_with_4005_and_no_other():
 
 def test_revocations_refuse_at_connect_close_holders_and_expire():
     config = {"auth": {"leeway_s": 0.0, "revocation_ttl_s": 3.0, "max_revocations": 2}}
-    with run_gateway(**config) as gw, httpx.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
+    with run_gateway(**config) as gw, web.Client(base_url=gw.http_url, headers=auth(gw), timeout=10) as http:
         one, two = make_token("dave", jti="j1"), make_token("dave", jti="j2")
         with ws_connect(gw, query=f"?token={one}") as w1, ws_connect(gw, query=f"?token={two}") as w2:
             r = http.post("/api/revocations", json={"jti": "j1", "expires_at": time.time() + 1.5})
@@ -67,7 +67,7 @@ def test_revocations_refuse_at_connect_close_holders_and_expire():
             send(anonymous, op="auth", token=one, id="a")
             error = collect(anonymous, lambda es: any(e.get("id") == "a" for e in es))[-1]
             assert (error["type"], error["code"]) == ("error", "token_revoked")
-        r = httpx.post(f"{gw.http_url}/lp", headers={"Authorization": f"Bearer {one}"})
+        r = web.post(f"{gw.http_url}/lp", headers={"Authorization": f"Bearer {one}"})
         assert (r.status_code, r.json()["error"]["code"]) == (401, "token_revoked")
 
         # by user: tokens issued before the time are revoked, later ones are not

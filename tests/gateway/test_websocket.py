@@ -3,10 +3,10 @@
 import threading
 import time
 
-import httpx
 import pytest
 
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,12 +96,12 @@ def test_a_client_that_stops_reading_does_not_delay_others_and_is_disconnected()
         assert received == list(range(600))  # the fast reader got everything, in order, unharmed
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            stats = httpx.get(f"{gw.http_url}/api/stats", headers={"Authorization": f"Bearer {gw.admin_token}"}).json()
+            stats = web.get(f"{gw.http_url}/api/stats", headers={"Authorization": f"Bearer {gw.admin_token}"}).json()
             if stats["disconnects"].get("ws:slow_consumer"):
                 break
             time.sleep(0.2)
         assert stats["disconnects"].get("ws:slow_consumer") == 1
-        metrics = httpx.get(f"{gw.http_url}/metrics").text
+        metrics = web.get(f"{gw.http_url}/metrics").text
         assert 'fanout_disconnects_total{reason="slow_consumer",transport="ws"} 1.0' in metrics
 
 

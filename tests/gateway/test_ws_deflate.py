@@ -14,12 +14,12 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, metric, send
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,7 +95,7 @@ def compressed(data: bytes) -> bytes:
 
 
 def publish(gw: Any, topic: str, data: Any) -> None:
-    reply = httpx.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"data": data}, headers=auth(gw))
+    reply = web.post(f"{gw.http_url}/api/topics/{topic}/publish", json={"data": data}, headers=auth(gw))
     assert reply.status_code == 200, reply.text
 
 

@@ -25,11 +25,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from gateway.testing import run_gateway
 from loadtest.ports import free_port
+from tests import web
 from tests.gateway.gw_helpers import auth, wait_for
 from tests.gateway.test_tracing import OtlpReceiver
 
@@ -68,7 +68,7 @@ def test_a_refused_request_exports_no_span_on_its_callers_say(receiver: OtlpRece
     # sample_rate 0: every span exported is one a caller's sampled traceparent asked for
     with (
         run_gateway(tracing={"otlp_endpoint": receiver.url, "sample_rate": 0.0}) as gw,
-        httpx.Client(base_url=gw.http_url, timeout=10, trust_env=False) as http,
+        web.Client(base_url=gw.http_url, timeout=10, trust_env=False) as http,
     ):
         for i, trace_id in enumerate(refused):
             if i % 2:  # the admin API
@@ -130,7 +130,7 @@ def test_a_collectors_answer_is_read_within_a_bound(fast_export: None) -> None:
     try:
         with run_gateway(tracing={"otlp_endpoint": collector.url, "sample_rate": 1.0}) as gw:
             for exports in (1, 2):  # and the exporter still exports after a long answer
-                assert httpx.get(f"{gw.http_url}/api/topics", headers=auth(gw), trust_env=False).status_code == 200
+                assert web.get(f"{gw.http_url}/api/topics", headers=auth(gw), trust_env=False).status_code == 200
                 wait_for(lambda: len(collector.written) >= exports, "an export answered", timeout=30)  # noqa: B023
     finally:
         collector.server.shutdown()
@@ -148,7 +148,7 @@ def test_oversized_trace_headers_are_counted_and_logged_at_a_bounded_rate(
     kept = secrets.token_hex(16)
     with (
         run_gateway(limits={"bad_input_log_per_s": 1.0}, tracing={"otlp_endpoint": receiver.url, "sample_rate": 0.0}) as gw,
-        httpx.Client(base_url=gw.http_url, timeout=10, trust_env=False) as http,
+        web.Client(base_url=gw.http_url, timeout=10, trust_env=False) as http,
     ):
         started = time.monotonic()
         for _ in range(30):

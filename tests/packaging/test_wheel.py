@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-import httpx
 import pytest
 
 from build import BuildBackendException, ProjectBuilder
+from tests import web
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,7 +215,7 @@ def test_the_installed_package_serves_from_another_directory_with_the_compiled_c
             time.sleep(0.1)
         base = f"http://127.0.0.1:{json.loads(ready.read_text())['http_port']}"
         for path in ("/", "/fanout.js", "/fanout.d.ts", "/admin/", "/healthz", "/favicon.ico"):
-            assert httpx.get(base + path, timeout=10).status_code == 200, path
+            assert web.get(base + path, timeout=10).status_code == 200, path
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)

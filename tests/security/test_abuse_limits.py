@@ -11,8 +11,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

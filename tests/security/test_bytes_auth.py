@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import collect, send, ws_connect
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

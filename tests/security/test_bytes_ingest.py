@@ -12,8 +12,8 @@ import pytest
 
 from gateway.testing import run_gateway
 from gateway.transports.ingest import IngestProtocol
+from tests import web
 from tests.gateway.gw_helpers import Ingest, auth
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,9 +8,9 @@ import pytest
 
 from gateway.testing import run_gateway
 from gateway.transports.sse import MAX_ID_BYTES
+from tests import web
 from tests.gateway.gw_helpers import Ingest, auth
 from tests.gateway.sse_client import SseClient
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,9 +21,9 @@ import pytest
 import websockets
 
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, wait_for
 from tests.gateway.hook_backend import Backend, running_backend
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

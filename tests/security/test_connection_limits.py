@@ -26,7 +26,7 @@ from websockets.sync.client import connect
 
 from gateway.config import ConfigError
 from gateway.testing import run_gateway
-from tests.security import web
+from tests import web
 from tests.security.bytes_helpers import open_connections, read_until_closed, refused, tcp
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ import pytest
 
 from gateway.config import ConfigError
 from gateway.testing import TEST_TOKEN, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import wait_for
-from tests.security import web
 from tests.security.bytes_helpers import open_connections, read_until_closed, refused, tcp
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,8 +19,8 @@ import pytest
 
 from loadtest.floodprobe import recv_until
 from loadtest.redisproc import REDIS_SERVER
+from tests import web
 from tests.cluster.cluster_helpers import ROOT, Node, NodeFactory, RedisServer
-from tests.security import web
 
 if not (os.path.exists(REDIS_SERVER) or shutil.which("redis-server")):
     pytest.skip("redis-server is missing: `make redis` (part of `make test`) installs it", allow_module_level=True)

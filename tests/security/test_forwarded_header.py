@@ -1,7 +1,7 @@
 """A client cannot choose the address its limits are counted against by sending X-Forwarded-For."""
 
 from gateway.testing import run_gateway
-from tests.security import web
+from tests import web
 
 
 def test_x_forwarded_for_does_not_escape_the_per_address_session_limit():

@@ -74,7 +74,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import connect as sync_connect
 
 from gateway.testing import TEST_JWT_SECRET, make_token
-from tests.security import web
+from tests import web
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 20250611

@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import TEST_JWT_SECRET, make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

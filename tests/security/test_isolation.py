@@ -9,8 +9,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, collect, recv_entries, send, ws_connect
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

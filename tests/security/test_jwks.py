@@ -24,8 +24,8 @@ from jwt.algorithms import ECAlgorithm, OKPAlgorithm, RSAAlgorithm
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import collect, send, wait_for, ws_connect
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -7,8 +7,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import recv_entries, send
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,8 +23,8 @@ from gateway import cli
 from gateway.auth.identity import ClientIdentity
 from gateway.auth.tokens import Principal
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import collect, send, ws_connect
-from tests.security import web
 
 ROOT = Path(__file__).resolve().parents[2]
 SECURITY = (ROOT / "docs" / "security.md").read_text()

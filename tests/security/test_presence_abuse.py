@@ -13,8 +13,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from gateway.testing import run_gateway
+from tests import web
 from tests.gateway.gw_helpers import auth, collect, send, wait_for, ws_connect
-from tests.security import web
 
 RULES = {
     "rules": [

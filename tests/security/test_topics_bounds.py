@@ -12,8 +12,8 @@ import pytest
 from websockets.sync.client import connect
 
 from gateway.testing import make_token, run_gateway
+from tests import web
 from tests.gateway.gw_helpers import Ingest, auth, collect, recv_entries, send, wait_for
-from tests.security import web
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""httpx with one TLS context for the whole run: httpx makes a new one for every client (and every `httpx.get`),
+"""httpx with one TLS context for the whole suite: httpx makes a new one for every client (and every `httpx.get`),
 loading the CA bundle again, ~0.2 s each on a busy machine, which was most of some tests' time. The same
 requests on the same connections (`get` / `post` / `request`: a client, so a connection, of their own)."""
 
