@@ -606,6 +606,10 @@ class Scheduler:
 
     # -- metrics -------------------------------------------------------------------------------------------
 
+    def tenants(self) -> dict[str, Any]:
+        """`GET /api/tenants`: this node's tenants and what each was served (gateway/tenancy.py)."""
+        return self.tenancy.describe(self.engine.fair)
+
     def collect(self) -> Iterator[Metric]:
         """The scheduler's families for /metrics."""
         yield from self.tenancy.collect(self.engine.fair)

@@ -309,8 +309,7 @@ async def stats(request: Request) -> Response:
 @guarded
 async def list_tenants(request: Request) -> Response:
     """This node's tenants (`[fairness]`): what each was served, its share against its weight's."""
-    scheduler = _hub(request).scheduler
-    return JSONResponse(scheduler.tenancy.describe(scheduler.engine.fair))
+    return JSONResponse(_hub(request).scheduler.tenants())
 
 
 async def openapi(request: Request) -> Response:
