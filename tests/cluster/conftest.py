@@ -31,3 +31,20 @@ def nodes(tmp_path, redis_server):
     factory = NodeFactory(tmp_path, redis_server)
     yield factory
     factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory):
+    """One redis-server for a module whose tests do not stop or stall it (each test uses topics of its own)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_nodes(tmp_path_factory, module_redis):
+    """`nodes` for the module: gateways that several tests share (a start is most of a short test's cost)."""
+    factory = NodeFactory(tmp_path_factory.mktemp("nodes"), module_redis)
+    yield factory
+    factory.stop_all()

@@ -62,8 +62,17 @@ def test_creations_are_bounded_per_address_across_reconnects_and_in_the_cluster(
     assert 'fanout_topic_creations_refused_total{bound="cluster"}' in httpx.get(f"{b.http_url}/metrics").text
 
 
-def test_topic_names_cannot_reach_other_keys(nodes):
-    node = nodes.start("a")
+SECRET = "cluster-jwt-secret-of-at-least-32-bytes!"
+
+
+@pytest.fixture(scope="module")
+def authed(module_nodes):
+    """A node with tokens (anonymous clients still welcome) for the tests that need no other override."""
+    return module_nodes.start("authed", auth={"jwt_secret": SECRET})
+
+
+def test_topic_names_cannot_reach_other_keys(authed):
+    node = authed
     with node.ws() as ws:
         for i, name in enumerate(["x}:qc:y", "{x}", "x}:c"]):
             send(ws, op="subscribe", topic=name, id=f"s{i}")
@@ -77,11 +86,8 @@ def test_topic_names_cannot_reach_other_keys(nodes):
         assert [e["data"] for e in messages(ws, "x:qc:y", lambda g: len(g) >= 1)] == ["live"]
 
 
-SECRET = "cluster-jwt-secret-of-at-least-32-bytes!"
-
-
-def test_a_token_subject_cannot_be_an_anonymous_client_id(nodes):
-    node = nodes.start("a", auth={"jwt_secret": SECRET})
+def test_a_token_subject_cannot_be_an_anonymous_client_id(authed):
+    node = authed
     with node.ws() as anon, node.ws() as mallory:
         send(anon, op="rpc", method="whoami", id="w")
         anon_id = answers(anon, 1)[0]["result"]["client_id"]

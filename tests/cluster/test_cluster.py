@@ -17,6 +17,13 @@ from tests.cluster.cluster_helpers import collect, messages, send, subscribe
 from tests.gateway.gw_helpers import wait_for
 
 
+@pytest.fixture(scope="module")
+def pair(module_nodes):
+    """Nodes A and B on the module's Redis, for the tests that need no overrides (each on topics of its own);
+    the tests that stop or restart Redis, or need a Redis of their own, use `nodes`."""
+    return module_nodes.start("a"), module_nodes.start("b")
+
+
 def seqs(entries: list[dict]) -> list[int]:
     return [e["seq"] for e in entries if e["type"] == "msg"]
 
@@ -31,8 +38,8 @@ def subscribed_with_three(ws, topic: str, via) -> dict:
     return subscribed
 
 
-def test_a_subscriber_on_one_node_gets_what_another_publishes_same_seqs_same_epoch(nodes):
-    a, b = nodes.start("a"), nodes.start("b")
+def test_a_subscriber_on_one_node_gets_what_another_publishes_same_seqs_same_epoch(pair):
+    a, b = pair
     with a.ws() as on_a, b.ws() as on_b:
         sub_a, sub_b = subscribe(on_a, "news"), subscribe(on_b, "news")
         assert sub_a["epoch"] == sub_b["epoch"] and sub_a["seq"] == sub_b["seq"] == 0
@@ -51,11 +58,12 @@ def test_a_subscriber_on_one_node_gets_what_another_publishes_same_seqs_same_epo
     assert listed["news"]["epoch"] == sub_a["epoch"] and listed["news"]["end"] == 11
 
 
-def test_kill_9_the_client_recovers_on_another_node_from_the_stream_or_gets_the_exact_loss(nodes):
-    a, b = nodes.start("a"), nodes.start("b")
-    with a.ws() as ws:
+def test_kill_9_the_client_recovers_on_another_node_from_the_stream_or_gets_the_exact_loss(module_nodes, pair):
+    victim = module_nodes.start("victim")
+    c, b = pair  # c serves no "k" when asked: it reads the stream too
+    with victim.ws() as ws:
         epoch = subscribed_with_three(ws, "k", via=b)["epoch"]
-        a.kill9()
+        victim.kill9()
     for i in range(3, 8):
         b.publish("k", i)
     with b.ws() as ws:  # the node never served "k": it reads the stream
@@ -63,7 +71,6 @@ def test_kill_9_the_client_recovers_on_another_node_from_the_stream_or_gets_the_
         assert seqs(messages(ws, "k", lambda g: len(g) >= 5)) == [3, 4, 5, 6, 7]
     for i in range(8, 38):  # 30 more: the ring (and the stream) hold the last 16
         b.publish("k", i)
-    c = nodes.start("c")
     with c.ws() as ws:
         assert subscribe(ws, "k", since=(epoch, 8))["seq"] == 22
         got = messages(ws, "k", lambda g: len(g) >= 17)
@@ -71,8 +78,8 @@ def test_kill_9_the_client_recovers_on_another_node_from_the_stream_or_gets_the_
         assert seqs(got[1:]) == list(range(22, 38))
 
 
-def test_a_restarted_gateway_keeps_the_epoch_and_recovery_works_across_it(nodes):
-    a = nodes.start("a")
+def test_a_restarted_gateway_keeps_the_epoch_and_recovery_works_across_it(module_nodes):
+    a = module_nodes.start("restarted")
     for i in range(3):
         a.publish("r", i)
     epoch = a.api("/topics/r")["epoch"]
@@ -106,14 +113,14 @@ def test_redis_lost_publishes_are_refused_and_subscribers_learn_the_new_epoch_wh
         assert got[2]["seq"] == 0 and got[2]["data"] == "back"
 
 
-def test_messages_missed_on_a_dropped_channel_are_filled_from_the_stream_or_announced_exactly(nodes, redis_server):
-    a, b = nodes.start("a"), nodes.start("b")
+def test_messages_missed_on_a_dropped_channel_are_filled_from_the_stream_or_announced_exactly(pair, module_redis):
+    a, b = pair
     with a.ws() as ws:
         subscribed_with_three(ws, "g", via=b)
         # A is frozen, its channel connection is cut, and 40 messages go by (the stream keeps 16).
         os.kill(a.proc.pid, signal.SIGSTOP)
         try:
-            assert redis_server.command("CLIENT", "KILL", "TYPE", "pubsub").startswith(":")
+            assert module_redis.command("CLIENT", "KILL", "TYPE", "pubsub").startswith(":")
             for i in range(3, 43):  # B's channel connection (the control channel's) is cut too: B refuses
                 # publishes (503, not landed) until it has reconnected, half a second later
                 wait_for(lambda i=i: b.publish("g", i).status_code == 200, what="B to take publishes again")

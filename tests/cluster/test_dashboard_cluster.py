@@ -26,6 +26,13 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 FAST = {"stats_interval_s": 0.3}
 
 
+@pytest.fixture(scope="module")
+def pair(module_nodes):
+    """Nodes A and B for the two tests that need two nodes and no overrides of their own (each test's clients
+    are closed by its end)."""
+    return module_nodes.start("a", admin=FAST), module_nodes.start("b", admin=FAST)
+
+
 def snapshots(response: httpx.Response) -> Iterator[dict]:
     for line in response.iter_lines():
         if line.startswith("data: "):
@@ -55,9 +62,8 @@ def drain(ws, stop: threading.Event, closes: dict | None = None) -> None:
             closes[ws] = exc.rcvd.code if exc.rcvd else None
 
 
-def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
-    a = nodes.start("a", admin=FAST)
-    b = nodes.start("b", admin=FAST)
+def test_node_a_streams_node_b_clients_and_kicks_one(pair, module_redis):
+    a, b = pair
     stop = threading.Event()
     with a.ws() as on_a, b.ws() as b1, b.ws() as b2:
         for ws in (on_a, b1, b2):
@@ -116,7 +122,7 @@ def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
     # nobody watches now: the flag expires (at most 3 s) and B's next refresh drops its summary
     deadline = time.monotonic() + 10
     while True:
-        raw = redis.Redis.from_url(redis_server.url).get(f"fanout:node:{b_node}")
+        raw = redis.Redis.from_url(module_redis.url).get(f"fanout:node:{b_node}")
         if raw is not None and "dash" not in orjson.loads(raw):
             break
         assert time.monotonic() < deadline, "B still writes its summary with nobody watching"
@@ -125,9 +131,8 @@ def test_node_a_streams_node_b_clients_and_kicks_one(nodes, redis_server):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
 @pytest.mark.timeout(120)
-def test_node_a_dashboard_shows_node_b_and_kicks_its_client(nodes, tmp_path):
-    a = nodes.start("a", admin=FAST)
-    b = nodes.start("b", admin=FAST)
+def test_node_a_dashboard_shows_node_b_and_kicks_its_client(pair, tmp_path):
+    a, b = pair
     stop = threading.Event()
     closes: dict = {}
     with a.ws() as on_a, b.ws() as b1, b.ws() as b2:

@@ -5,7 +5,10 @@
 - a sentinel whose `SENTINEL MASTERS` answer is malformed is a sentinel that cannot be used: the start ends
   with the one "unreachable" line and status 2, as for sentinels that do not answer, never a traceback.
   The sentinel is a scripted peer on a real socket (a tiny RESP server here), not a redis-sentinel: no real
-  one answers so. Its well-formed answer, naming the test's real redis-server, still connects."""
+  one answers so. Its well-formed answer, naming the test's real redis-server, still connects.
+
+Each case is a gateway process that ends on its own: the cases of a test run side by side (their start-ups
+overlap), each checked on its own with its name in the message."""
 
 from __future__ import annotations
 
@@ -102,7 +105,8 @@ def fake_sentinel() -> Iterator[Callable[[bytes], FakeSentinel]]:
 
     def start(masters: bytes) -> FakeSentinel:
         server = FakeSentinel(masters)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        # polled every 50 ms, not 0.5 s: the shutdown of each after the test waits for its next poll
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
         return server
 
@@ -120,20 +124,26 @@ def sentinel_node(workdir: Path, sentinel: str) -> Node:
     )
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("answer", sorted(MALFORMED))
-def test_a_malformed_sentinel_masters_answer_is_the_unreachable_line_and_status_2(tmp_path, fake_sentinel, answer) -> None:
-    sentinel = fake_sentinel(MALFORMED[answer])
-    node = sentinel_node(tmp_path / "gw", sentinel.address)
-    node.start(wait=False)
-    assert node.proc is not None
-    assert node.proc.wait(30) == 2, node.log()
-    log = node.log()
-    assert sentinel.asked > 0 and "Traceback" not in log, log
-    said = [line for line in log.splitlines() if line.startswith("gateway: broker ")]
-    assert len(said) == 1, log
-    assert re.match(rf"gateway: broker sentinel 'mymaster' at {sentinel.address}: unreachable after 1 s", said[0]), said
-    assert f"{sentinel.address} gave a malformed SENTINEL MASTERS answer" in said[0], said
+@pytest.mark.timeout(90)
+def test_a_malformed_sentinel_masters_answer_is_the_unreachable_line_and_status_2(tmp_path, fake_sentinel) -> None:
+    started = []
+    for answer in sorted(MALFORMED):  # every case's gateway at once, each on a sentinel of its own
+        sentinel = fake_sentinel(MALFORMED[answer])
+        node = sentinel_node(tmp_path / answer, sentinel.address)
+        node.start(wait=False)
+        started.append((answer, sentinel, node))
+    for answer, sentinel, node in started:
+        assert node.proc is not None
+        assert node.proc.wait(60) == 2, (answer, node.log())
+        log = node.log()
+        assert sentinel.asked > 0 and "Traceback" not in log, (answer, log)
+        said = [line for line in log.splitlines() if line.startswith("gateway: broker ")]
+        assert len(said) == 1, (answer, log)
+        assert re.match(rf"gateway: broker sentinel 'mymaster' at {sentinel.address}: unreachable after 1 s", said[0]), (
+            answer,
+            said,
+        )
+        assert f"{sentinel.address} gave a malformed SENTINEL MASTERS answer" in said[0], (answer, said)
 
 
 @pytest.mark.timeout(60)
@@ -157,28 +167,40 @@ def test_a_well_formed_answer_still_names_the_primary(tmp_path, fake_sentinel, r
 
 
 @pytest.fixture
-def taken_port() -> Iterator[int]:
-    holder = socket.socket()  # no SO_REUSEPORT: the workers' SO_REUSEPORT sockets cannot share it
-    holder.bind(("127.0.0.1", 0))
-    holder.listen()
-    yield holder.getsockname()[1]
-    holder.close()
+def taken_ports() -> Iterator[Callable[[], int]]:
+    holders: list[socket.socket] = []
+
+    def take() -> int:
+        holder = socket.socket()  # no SO_REUSEPORT: the workers' SO_REUSEPORT sockets cannot share it
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        holders.append(holder)
+        return holder.getsockname()[1]
+
+    yield take
+    for holder in holders:
+        holder.close()
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("section, key", [("server", "port"), ("ingest", "port"), ("rawtcp", "sender_port")])
-def test_two_workers_and_a_port_in_use_end_with_one_line_and_status_2(tmp_path, redis_server, taken_port, section, key) -> None:
-    sections: dict[str, dict[str, object]] = {"server": {"workers": 2}}
-    if section == "rawtcp":  # worker 0 alone binds it
-        sections["rawtcp"] = {"enabled": True, "sender_port": 0, "receiver_port": 0}
-    sections.setdefault(section, {})[key] = taken_port
-    node = Node(tmp_path / "gw", redis_server.url, sections)
-    node.start(wait=False)
-    assert node.proc is not None
-    assert node.proc.wait(60) == 2, node.log()
-    log = node.log()
-    assert "Traceback" not in log, log
-    said = [line for line in log.splitlines() if f"port {taken_port} " in line]
-    assert said and all(re.match(rf"gateway worker [01]: port {taken_port} \(", line) for line in said), log
-    assert f"{section}.{key}, GATEWAY_{section.upper()}_{key.upper()}" in said[0] and "in use" in said[0], said
-    assert re.search(r"^gateway: worker [01] \(pid \d+\) ended during start-up with status 2", log, re.M), log
+@pytest.mark.timeout(120)
+def test_two_workers_and_a_port_in_use_end_with_one_line_and_status_2(tmp_path, redis_server, taken_ports) -> None:
+    started = []
+    for section, key in [("server", "port"), ("ingest", "port"), ("rawtcp", "sender_port")]:  # all at once
+        taken_port = taken_ports()
+        sections: dict[str, dict[str, object]] = {"server": {"workers": 2}}
+        if section == "rawtcp":  # worker 0 alone binds it
+            sections["rawtcp"] = {"enabled": True, "sender_port": 0, "receiver_port": 0}
+        sections.setdefault(section, {})[key] = taken_port
+        node = Node(tmp_path / f"{section}-{key}", redis_server.url, sections)
+        node.start(wait=False)
+        started.append((section, key, taken_port, node))
+    for section, key, taken_port, node in started:
+        case = f"{section}.{key}"
+        assert node.proc is not None
+        assert node.proc.wait(90) == 2, (case, node.log())
+        log = node.log()
+        assert "Traceback" not in log, (case, log)
+        said = [line for line in log.splitlines() if f"port {taken_port} " in line]
+        assert said and all(re.match(rf"gateway worker [01]: port {taken_port} \(", line) for line in said), (case, log)
+        assert f"{section}.{key}, GATEWAY_{section.upper()}_{key.upper()}" in said[0] and "in use" in said[0], said
+        assert re.search(r"^gateway: worker [01] \(pid \d+\) ended during start-up with status 2", log, re.M), (case, log)

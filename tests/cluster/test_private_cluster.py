@@ -9,6 +9,7 @@ import time
 
 import httpx
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
@@ -40,6 +41,12 @@ def start(nodes, name: str, max_count: int = 8, **sections) -> Node:
     return node.start()
 
 
+@pytest.fixture(scope="module")
+def pair(module_nodes) -> tuple[Node, Node]:
+    """Nodes A and B with the default queue bound, for the tests that kill neither (each with users of its own)."""
+    return start(module_nodes, "a"), start(module_nodes, "b")
+
+
 def ws_as(node: Node, user: str):
     return connect(f"{node.ws_url}?token={make_token(user)}", open_timeout=5, max_size=None, compression=None)
 
@@ -48,8 +55,8 @@ def msgs(entries: list[dict]) -> list[tuple[int, object]]:
     return [(e["seq"], e["data"]) for e in entries if e["type"] == "msg"]
 
 
-def test_a_queue_outlives_its_node_and_uncommitted_entries_come_again_with_their_seqs(nodes):
-    a, b = start(nodes, "a"), start(nodes, "b")
+def test_a_queue_outlives_its_node_and_uncommitted_entries_come_again_with_their_seqs(module_nodes, pair):
+    a, b = start(module_nodes, "killed"), pair[1]
     lp = httpx.Client(base_url=a.http_url, timeout=10)
     session = lp.post("/lp", headers={"Authorization": f"Bearer {make_token('alice')}"}).json()["session"]
     assert lp.post(f"/lp/{session}", json={"op": "subscribe", "topic": TOPIC, "id": 1}).status_code == 202
@@ -110,8 +117,8 @@ def test_the_queue_is_bounded_in_redis_and_a_held_back_publisher_goes_on_when_it
             time.sleep(0.05)
 
 
-def test_a_takeover_on_another_node_closes_the_old_handle(nodes):
-    a, b = start(nodes, "a"), start(nodes, "b")
+def test_a_takeover_on_another_node_closes_the_old_handle(pair):
+    a, b = pair
     with ws_as(a, "dave") as old:
         subscribe(old, TOPIC)
         with ws_as(b, "dave") as new:
@@ -175,10 +182,10 @@ def _ack(ws, topic: str, seq: int) -> dict:
                 return e
 
 
-def test_acknowledged_entries_leave_redis_and_unacknowledged_ones_come_again_after_a_disconnect(nodes):
+def test_acknowledged_entries_leave_redis_and_unacknowledged_ones_come_again_after_a_disconnect(pair):
     """`ack: true` (docs/design/private-queues.md §9): entries written to a connection that then ends stay
     in Redis until acknowledged; the user's next connection, on any node, gets them again with their seqs."""
-    a, b = start(nodes, "a"), start(nodes, "b")
+    a, b = pair
     with ws_as(a, "erin") as ws:
         first = _subscribe_acked(ws, TOPIC)
         assert first["seq"] == 0

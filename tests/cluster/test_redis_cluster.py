@@ -3,12 +3,16 @@
 over the shards, their channels are shard channels (SSUBSCRIBE on the slot's primary, SPUBLISH from the scripts)
 and none travels by classic pub/sub; a shard's primary killed (-9) is a Redis back from an older state for
 its topics (an exact `epoch` notice where the promoted replica lacked writes) while the other shards' topics
-go on without a notice; a slot moved to another primary under publishing loses nothing."""
+go on without a notice; a slot moved to another primary under publishing loses nothing.
+
+One cluster and one pair of nodes for the module (a cluster's start is the module's cost): each test has topics
+of its own, and the failover tests pick a shard that still has its replica."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -20,8 +24,10 @@ from tests.cluster.cluster_helpers import TOKEN, Node, subscribe, topology_nodes
 from tests.cluster.test_private_cluster import PrivateNode, ws_as
 from tests.cluster.test_user_control_cluster import close_of
 
-#: topic names on distinct slots; enough of them to land on every shard
-TOPICS = [f"t{i}" for i in range(12)]
+
+def topics(prefix: str) -> list[str]:
+    """Topic names on distinct slots, enough of them to land on every shard; one prefix per test."""
+    return [f"{prefix}{i}" for i in range(12)]
 
 
 def seqs(entries: list[dict]) -> list[int]:
@@ -32,18 +38,29 @@ def slot(topic: str) -> int:
     return key_slot(f"fanout:{{{topic}}}:c")
 
 
-@pytest.fixture
-def topology(tmp_path):
-    topology = ClusterTopology(tmp_path / "redis")
+@pytest.fixture(scope="module")
+def topology(tmp_path_factory):
+    topology = ClusterTopology(tmp_path_factory.mktemp("redis"))
     topology.start()
     yield topology
     topology.stop()
 
 
-@pytest.fixture
-def cluster_nodes(tmp_path, topology):
-    with topology_nodes(tmp_path, topology.broker_section(), TEST_JWT_SECRET) as start:
-        yield start
+@pytest.fixture(scope="module")
+def cluster_nodes(tmp_path_factory, topology) -> Iterator[tuple[Node, Node]]:
+    """Two gateway nodes on the cluster, with private queues (`private.*`) besides the ring topics."""
+    with topology_nodes(tmp_path_factory.mktemp("gw"), topology.broker_section(), TEST_JWT_SECRET) as start:
+        yield start("a", PrivateNode), start("b", PrivateNode)
+
+
+def with_replica(topology: ClusterTopology, candidates: list[str], away_from: object = None) -> str:
+    """The first topic whose shard's primary still has a replica in sync (an earlier test may have
+    killed that shard's old primary) and is not `away_from`."""
+    for topic in candidates:
+        primary = topology.primary_of(slot(topic))
+        if primary is not away_from and "connected_slaves:1" in primary.reply("INFO", "replication"):
+            return topic
+    raise AssertionError("no shard with a replica left")
 
 
 def by_topic(ws, until, timeout: float = 10.0) -> dict[str, list[dict]]:
@@ -74,31 +91,32 @@ def publish_until_accepted(node: Node, topic: str, data: str, deadline: float) -
 
 
 def test_topics_spread_over_the_shards_by_sharded_pub_sub_in_seq_order_on_both_nodes(topology, cluster_nodes):
-    a, b = cluster_nodes("a"), cluster_nodes("b")
+    a, b = cluster_nodes
+    names = topics("s")
     with a.ws() as on_a, b.ws() as on_b:
-        for topic in TOPICS:
+        for topic in names:
             subscribe(on_a, topic)
             subscribe(on_b, topic)
         for i in range(3):
-            for topic in TOPICS:
+            for topic in names:
                 assert a.publish(topic, f"{topic}-{i}").json()["seqs"] == [i]
         for ws in (on_a, on_b):
-            got = by_topic(ws, lambda g: all(len(seqs(g.get(t, []))) >= 3 for t in TOPICS))
-            for topic in TOPICS:
+            got = by_topic(ws, lambda g: all(len(seqs(g.get(t, []))) >= 3 for t in names))
+            for topic in names:
                 assert [(e["seq"], e["data"]) for e in got[topic]] == [(i, f"{topic}-{i}") for i in range(3)]
     shards_used = set()
     for node in topology.live():
-        assert "{t" not in node.reply("PUBSUB", "CHANNELS")  # no topic channel by classic pub/sub
+        assert "fanout:{" not in node.reply("PUBSUB", "CHANNELS")  # no topic channel by classic pub/sub
         shard_channels = node.reply("PUBSUB", "SHARDCHANNELS")
-        if "{t" in shard_channels:
+        if "fanout:{s" in shard_channels:
             shards_used.add(node.port)
     assert len(shards_used) > 1
     # every topic's channel is subscribed on the primary that holds its slot
-    for topic in TOPICS:
+    for topic in names:
         assert f"fanout:{{{topic}}}:c" in topology.primary_of(slot(topic)).reply("PUBSUB", "SHARDCHANNELS")
     # the cluster-wide listing, which the nodes write once a second (topic_directory.py)
     deadline = time.monotonic() + 5
-    while not {t["name"] for t in b.api("/topics")["topics"]} >= set(TOPICS):
+    while not {t["name"] for t in b.api("/topics")["topics"]} >= set(names):
         assert time.monotonic() < deadline, b.api("/topics")
         time.sleep(0.2)
 
@@ -127,42 +145,44 @@ def tiles(entries: list[dict]) -> list[int]:
 
 
 def test_a_shard_primary_killed_only_its_topics_may_start_a_new_epoch_and_publishing_resumes(topology, cluster_nodes):
-    a, b = cluster_nodes("a"), cluster_nodes("b")
-    victim_slot = slot(TOPICS[0])
+    a, b = cluster_nodes
+    names = topics("k")
+    names.insert(0, names.pop(names.index(with_replica(topology, names))))  # the victim's topic first
+    victim_slot = slot(names[0])
     with a.ws() as on_a, b.ws() as on_b:
-        for topic in TOPICS:
+        for topic in names:
             subscribe(on_a, topic)
             subscribe(on_b, topic)
-        for topic in TOPICS:
+        for topic in names:
             for i in range(2):
                 assert b.publish(topic, f"{topic}-{i}").json()["seqs"] == [i]
         for ws in (on_a, on_b):
-            by_topic(ws, lambda g: all(len(seqs(g.get(t, []))) >= 2 for t in TOPICS))
+            by_topic(ws, lambda g: all(len(seqs(g.get(t, []))) >= 2 for t in names))
         dead = topology.kill_primary(victim_slot)
-        on_dead_shard = {t for t in TOPICS if topology.primary_of(slot(t)) is dead}
-        assert TOPICS[0] in on_dead_shard and len(on_dead_shard) < len(TOPICS)
+        on_dead_shard = {t for t in names if topology.primary_of(slot(t)) is dead}
+        assert names[0] in on_dead_shard and len(on_dead_shard) < len(names)
         killed = time.monotonic()
-        after = {topic: publish_until_accepted(a, topic, "after", killed + 20)[0] for topic in TOPICS}
+        after = {topic: publish_until_accepted(a, topic, "after", killed + 20)[0] for topic in names}
         resumed = time.monotonic() - killed
         assert topology.wait_promoted(victim_slot, dead) is not dead
         for ws in (on_a, on_b):
-            got = by_topic(ws, lambda g: all(after[t] in seqs(g.get(t, [])) for t in TOPICS), timeout=15)
-            for topic in TOPICS:
+            got = by_topic(ws, lambda g: all(after[t] in seqs(g.get(t, [])) for t in names), timeout=15)
+            for topic in names:
                 line = tiles(got[topic])
                 assert line[-1] == after[topic]
                 if topic not in on_dead_shard:  # the other shards' topics went on untouched
                     assert [e["type"] for e in got[topic]] == ["msg"] and after[topic] == 2, got[topic]
-        for topic in TOPICS:
+        for topic in names:
             assert a.api(f"/topics/{topic}")["epoch"] == b.api(f"/topics/{topic}")["epoch"]
     assert resumed < 10, resumed
 
 
 def test_a_shard_failover_to_a_replica_that_lacked_writes_is_announced_exactly(topology, cluster_nodes):
-    a, b = cluster_nodes("a"), cluster_nodes("b")
+    a, b = cluster_nodes
     # a topic away from the cluster-wide keys' shard: the cut-off primary takes no new connection (the nodes'
     # stats writes there would open one, which its password refuses)
     wide = topology.primary_of(key_slot("{cluster wide}"))
-    fo = next(t for t in TOPICS if topology.primary_of(slot(t)) is not wide)
+    fo = with_replica(topology, topics("f"), away_from=wide)
     with a.ws() as on_a, b.ws() as on_b:
         old = subscribe(on_a, fo)["epoch"]
         subscribe(on_b, fo)
@@ -186,8 +206,8 @@ def test_a_shard_failover_to_a_replica_that_lacked_writes_is_announced_exactly(t
 
 
 def test_a_slot_moved_to_another_primary_under_publishing_loses_nothing(topology, cluster_nodes):
-    a, b = cluster_nodes("a"), cluster_nodes("b")
-    topic = TOPICS[0]
+    a, b = cluster_nodes
+    topic = "moved0"
     accepted: list[int] = []
     stop = threading.Event()
 
@@ -225,7 +245,7 @@ def test_a_slot_moved_to_another_primary_under_publishing_loses_nothing(topology
 
 
 def test_private_queues_control_commands_and_the_node_registry_work_across_shards(topology, cluster_nodes):
-    a, b = cluster_nodes("a", PrivateNode), cluster_nodes("b", PrivateNode)
+    a, b = cluster_nodes
     with ws_as(a, "pat") as pat:
         subscribe(pat, "private.q")
         for i in range(3):  # published on b, queued in the queue's slot, pulled by a (its shard channel)

@@ -1,7 +1,10 @@
 """Redis behind Sentinel (`[broker] sentinel_addresses`, gateway/broker/link.py): two gateway nodes follow a
 failover to a replica that lacked accepted writes, announce the loss per topic exactly as for a restored
 snapshot (`loss [cursor, null)` `epoch`, then `subscribed` of the new epoch), give no seq twice, and take
-publishes again. A real topology on loopback: a primary, a replica, three sentinels (down-after 1 s)."""
+publishes again. A real topology on loopback: a primary, a replica, three sentinels (down-after 1 s).
+
+A topology's start and its failover are the cost: one failover serves the three cases at once (a topic both
+nodes serve, one nobody serves, a private queue), each on a topic of its own, each checked on its own."""
 
 from __future__ import annotations
 
@@ -33,34 +36,45 @@ def sentinel_nodes(tmp_path, topology):
         yield start
 
 
-def test_a_failover_to_a_replica_that_lacked_writes_is_announced_and_publishing_resumes(topology, sentinel_nodes):
-    a, b = sentinel_nodes("a"), sentinel_nodes("b")
-    with a.ws() as on_a, b.ws() as on_b:
+def publish_until_accepted(node, topic: str, data: object, deadline: float, **extra) -> list[int]:
+    """Publish until accepted (meanwhile `broker_unavailable` only: refused, none lost); the seqs it got."""
+    while (reply := node.publish(topic, data, **extra)).status_code != 200:
+        assert reply.json()["error"]["code"] == "broker_unavailable", reply.text
+        assert time.monotonic() < deadline, f"publishes to {topic} were not accepted again"
+        time.sleep(0.1)
+    return reply.json()["seqs"]
+
+
+def test_one_failover_to_a_replica_that_lacked_writes_is_announced_and_gives_no_seq_twice(topology, sentinel_nodes):
+    """`fo`: served by both nodes, seqs 3-5 delivered then lost: a new epoch at 6, told exactly to both.
+    `quiet`: served by no node, so only the publisher's node knows Redis accepted 3-5: 6 next, not 3 again.
+    `private.inbox` (alice, on a): her node pulled 3-5 from the old primary: 6 next, not 3."""
+    a, b = sentinel_nodes("a", PrivateNode), sentinel_nodes("b", PrivateNode)
+    with a.ws() as on_a, b.ws() as on_b, ws_as(a, "alice") as alice:
         old = subscribe(on_a, "fo")["epoch"]
         subscribe(on_b, "fo")
+        subscribe(alice, "private.inbox")
         for i in range(3):
             assert a.publish("fo", f"m{i}").json()["seqs"] == [i]
-        topology.lag_replica()  # the replica holds seqs 0-2 only
+            assert a.publish("quiet", f"m{i}").json()["seqs"] == [i]
+            assert a.publish("private.inbox", i, client="alice").json()["seqs"] == [i]
+        quiet_old = a.api("/topics/quiet")["epoch"]
+        assert msgs(messages(alice, "private.inbox", lambda g: len(msgs(g)) >= 3)) == [(0, 0), (1, 1), (2, 2)]
+        topology.lag_replica()  # the replica holds seqs 0-2 only (of all three)
         for i in range(3, 6):
             assert b.publish("fo", f"m{i}").json()["seqs"] == [i]  # accepted by the primary alone
+            assert a.publish("quiet", f"m{i}").json()["seqs"] == [i]
+            assert a.publish("private.inbox", i, client="alice").json()["seqs"] == [i]
         for ws in (on_a, on_b):
             assert seqs(messages(ws, "fo", lambda g: 5 in seqs(g))) == [0, 1, 2, 3, 4, 5]
+        assert msgs(messages(alice, "private.inbox", lambda g: len(msgs(g)) >= 3)) == [(3, 3), (4, 4), (5, 5)]
 
         killed = time.monotonic()
         topology.kill_primary()
-        accepted = None
-        deadline = killed + 20
-        while accepted is None:  # meanwhile publishes are refused (broker_unavailable), none is lost
-            assert time.monotonic() < deadline, "publishes were not accepted again"
-            reply = a.publish("fo", "after")
-            if reply.status_code == 200:
-                accepted = reply.json()["seqs"]
-            else:
-                assert reply.json()["error"]["code"] == "broker_unavailable", reply.text
-                time.sleep(0.1)
+        accepted = publish_until_accepted(a, "fo", "after", killed + 20)
         resumed = time.monotonic() - killed
         assert topology.promoted(topology.replica.port)
-        # Seqs 3-5 are lost with the old primary, and were delivered: the topic starts a new epoch at 6 on
+        # fo: seqs 3-5 are lost with the old primary, and were delivered: the topic starts a new epoch at 6 on
         # every node, so no seq is given twice, and every subscriber is told exactly.
         assert accepted == [6]
         for ws in (on_a, on_b):
@@ -69,52 +83,20 @@ def test_a_failover_to_a_replica_that_lacked_writes_is_announced_and_publishing_
             assert got[1]["type"] == "subscribed" and got[1]["epoch"] != old and got[1]["seq"] == 6
             assert [(e["seq"], e["data"]) for e in got[2:]] == [(6, "after")]
         assert a.api("/topics/fo")["epoch"] == b.api("/topics/fo")["epoch"] == got[1]["epoch"]
-    assert resumed < 15, resumed
 
+        # private.inbox: not 3, alice had 3-5 already
+        assert publish_until_accepted(a, "private.inbox", "after", killed + 20, client="alice") == [6]
+        assert msgs(messages(alice, "private.inbox", lambda g: len(msgs(g)) >= 1)) == [(6, "after")]
 
-def test_seqs_accepted_for_a_topic_nobody_served_are_not_given_again_after_a_failover(topology, sentinel_nodes):
-    # No node serves the topic, so no node delivered seqs 3-5: only the publisher's node knows Redis
-    # accepted them. The promoted replica lacks them; it must not give seq 3 to another message.
-    a = sentinel_nodes("a")
-    for i in range(3):
-        assert a.publish("quiet", f"m{i}").json()["seqs"] == [i]
-    old = a.api("/topics/quiet")["epoch"]
-    topology.lag_replica()
-    for i in range(3, 6):
-        assert a.publish("quiet", f"m{i}").json()["seqs"] == [i]
-    topology.kill_primary()
-    deadline = time.monotonic() + 20
-    while (reply := a.publish("quiet", "after")).status_code != 200:
-        assert reply.json()["error"]["code"] == "broker_unavailable" and time.monotonic() < deadline, reply.text
-        time.sleep(0.1)
-    assert reply.json()["seqs"] == [6]
+    # quiet: the promoted replica lacks 3-5; it must not give seq 3 to another message
+    assert publish_until_accepted(a, "quiet", "after", killed + 20) == [6]
     info = a.api("/topics/quiet")
-    assert info["epoch"] != old and info["end"] == 7
+    assert info["epoch"] != quiet_old and info["end"] == 7
     with a.ws() as ws:  # a client that had read up to seq 3 of the old epoch is told exactly
-        entry = subscribe(ws, "quiet", since=(old, 3))
+        entry = subscribe(ws, "quiet", since=(quiet_old, 3))
         assert (entry["epoch"], entry["seq"]) == (info["epoch"], 6)
         assert messages(ws, "quiet", lambda g: 6 in seqs(g)) == [
             {"type": "loss", "topic": "quiet", "from": 3, "to": None, "reason": "epoch"},
             {"type": "msg", "topic": "quiet", "seq": 6, "data": "after"},
         ]
-
-
-def test_a_private_queue_the_promoted_replica_lacked_gives_no_seq_twice(topology, sentinel_nodes):
-    # alice's node pulled seqs 3-5 of her queue from the old primary; the replica has the queue up to 3 only.
-    a = sentinel_nodes("a", PrivateNode)
-    with ws_as(a, "alice") as ws:
-        subscribe(ws, "private.inbox")
-        for i in range(3):
-            assert a.publish("private.inbox", i, client="alice").json()["seqs"] == [i]
-        assert msgs(messages(ws, "private.inbox", lambda g: len(msgs(g)) >= 3)) == [(0, 0), (1, 1), (2, 2)]
-        topology.lag_replica()
-        for i in range(3, 6):
-            assert a.publish("private.inbox", i, client="alice").json()["seqs"] == [i]
-        assert msgs(messages(ws, "private.inbox", lambda g: len(msgs(g)) >= 3)) == [(3, 3), (4, 4), (5, 5)]
-        topology.kill_primary()
-        deadline = time.monotonic() + 20
-        while (reply := a.publish("private.inbox", "after", client="alice")).status_code != 200:
-            assert reply.json()["error"]["code"] == "broker_unavailable" and time.monotonic() < deadline, reply.text
-            time.sleep(0.1)
-        assert reply.json()["seqs"] == [6]  # not 3: alice had 3-5 already
-        assert msgs(messages(ws, "private.inbox", lambda g: len(msgs(g)) >= 1)) == [(6, "after")]
+    assert resumed < 15, resumed

@@ -16,20 +16,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.workers.forward import owner_of
+from tests.cluster.cluster_helpers import http
 from tests.gateway.test_forward_upstream import answer, run, run_forward
 
 #: a long poll returns this soon when nothing comes (the forwarder waits for it plus its own margin)
 POLL_S = 2.0
 
 
-@pytest.fixture
-def node(nodes):
-    return nodes.start("w", server={"workers": 2}, longpoll={"poll_timeout_s": POLL_S})
+@pytest.fixture(scope="module")
+def node(module_nodes):
+    """One two-worker gateway for the module: each test makes sessions and topics of its own."""
+    return module_nodes.start("w", server={"workers": 2}, longpoll={"poll_timeout_s": POLL_S})
 
 
 def fresh(method: str, url: str, **kwargs) -> httpx.Response:
-    """One request on a new connection (httpx's module functions open a client each time)."""
-    return httpx.request(method, url, timeout=POLL_S + 10, **kwargs)
+    """One request on a new connection (the helpers' client keeps none open)."""
+    return http().request(method, url, timeout=POLL_S + 10, **kwargs)
 
 
 def test_owner_of_reads_the_worker_index_of_session_paths_only():

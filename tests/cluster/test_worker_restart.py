@@ -161,9 +161,11 @@ def test_a_killed_worker_is_forked_again_and_its_siblings_clients_are_not_cut(no
             _raw_carries(node.info, rx)
     assert node.proc.poll() is None
     assert (ready.read_text(), ready.stat().st_mtime_ns) == (ready_text, ready_mtime)  # written once
-    log = node.log()
+    deadline = time.monotonic() + 5  # the supervisor tells it when it next looks (every 50 ms; later when busy)
+    while not re.search(rf"^gateway: worker {victim} serving again \(pid {new}\)", log := node.log(), re.M):
+        assert time.monotonic() < deadline, log
+        time.sleep(0.05)
     assert re.search(rf"^gateway: worker {victim} \(pid {old}\) killed by SIGKILL.*: restarting it now$", log, re.M), log
-    assert re.search(rf"^gateway: worker {victim} serving again \(pid {new}\)", log, re.M), log
     assert node.stop() == 0
 
 
