@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.pipeline.pipeline_jvm import fast_jvm
+
 
 @pytest.fixture(scope="session")
 def spark():
@@ -11,6 +13,7 @@ def spark():
     pytest.importorskip("pyspark")
     from pipeline.spark import get_session
 
-    session = get_session("local[2]", "pipeline-tests")
+    with fast_jvm():  # read by the launcher as the JVM starts
+        session = get_session("local[2]", "pipeline-tests")
     yield session
     session.stop()

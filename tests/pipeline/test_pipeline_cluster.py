@@ -1,14 +1,15 @@
-"""On a real standalone cluster (issue 12, step 4): a master and one 1-core worker started from the installed
-pyspark on 127.0.0.1, a real gateway, and
+"""On a real standalone cluster (issue 12, step 4): a master and one 2-core worker started from the installed
+pyspark on 127.0.0.1 (each application gets 1 core: spark.deploy.defaultCores), a real gateway, and
 
 * the commands of docs/pipeline.md's "On a cluster", with the test's master, gateway and paths: the zip +
   ``spark-submit --py-files pipeline.zip pipeline/__main__.py audit ...`` recipe (nothing shipped a second
   time), and the client-mode ``python -m pipeline feed --master spark://...`` whose tasks run on the
-  worker's executor;
-* in the same driver, ``--lockstep`` refused at once because the cluster has 1 task slot for 2 partitions;
-  the user's ``PYSPARK_PYTHON`` is the executors' interpreter; no temporary directory is left behind.
+  worker's executor, both applications at once (each JVM start waits on the other's less);
+* in the same driver, ``--lockstep`` refused at once because the application has 1 task slot for 2
+  partitions; the user's ``PYSPARK_PYTHON`` is the executors' interpreter; no temporary directory is left behind.
 
-Skipped when the master or the worker does not come up. One small run of each (about a minute).
+Skipped when the master or the worker does not come up. One small run of each (about a minute; the
+timeout is longer than the suite's: on a busy machine the eight JVMs of the test start slowly).
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.pipeline.pipeline_docs import CLUSTER_MASTER, argv, commands, is_cluster_command
+from tests.pipeline.pipeline_jvm import fast_jvm_env
 from tests.pipeline.test_pipeline_audit import hand_log, write_log
 
 gateway_testing = pytest.importorskip("gateway.testing")
 pyspark = pytest.importorskip("pyspark")
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -66,8 +69,10 @@ def _stop(process: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     work = tmp_path_factory.mktemp("cluster")
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(work),
-           "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false", "SPARK_WORKER_DIR": str(work / "work")}  # fmt: skip
+    env = {**fast_jvm_env(), "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(work),
+           # each application 1 core of the worker's 2: the two of the test run side by side
+           "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false -Dspark.deploy.defaultCores=1",
+           "SPARK_WORKER_DIR": str(work / "work")}  # fmt: skip
     master = _start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", "0",
                      "--webui-port", "0"], work / "master.log", env)  # fmt: skip
     processes = [master]
@@ -76,8 +81,8 @@ def cluster(tmp_path_factory):
         if found is None:
             pytest.skip(f"the standalone master did not start: {(work / 'master.log').read_text()[-500:]}")
         url = found.group(1)
-        worker = _start(["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1", "--memory",
-                         "1g", "--webui-port", "0", url], work / "worker.log", env)  # fmt: skip
+        worker = _start(["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "2", "--memory",
+                         "2g", "--webui-port", "0", url], work / "worker.log", env)  # fmt: skip
         processes.append(worker)
         if _wait_for(work / "worker.log", r"Successfully registered with master", worker, 40) is None:
             pytest.skip(f"the worker did not register: {(work / 'worker.log').read_text()[-500:]}")
@@ -88,8 +93,8 @@ def cluster(tmp_path_factory):
 
 
 def _driver_env(tmp: Path, **extra: str) -> dict:
-    return {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "TMPDIR": str(tmp), "PYSPARK_PYTHON": sys.executable,
-            **extra}  # fmt: skip
+    env = fast_jvm_env(conf_dir=tmp.parent / "conf")  # SPARK_CONF_DIR outside `tmp`, which must stay empty
+    return {**env, "SPARK_LOCAL_IP": "127.0.0.1", "TMPDIR": str(tmp), "PYSPARK_PYTHON": sys.executable, **extra}
 
 
 def _doc_commands() -> dict[str, str]:
@@ -98,8 +103,8 @@ def _doc_commands() -> dict[str, str]:
     return found
 
 
-def test_spark_submit_recipe(cluster, tmp_path):
-    url, _ = cluster
+def _spark_submit_recipe(url: str, tmp_path: Path, stack: contextlib.ExitStack) -> Callable[[], None]:
+    """Starts the zip + spark-submit recipe; returns the check of its outcome (which waits for it)."""
     docs = _doc_commands()
     log = write_log(hand_log(), tmp_path / "log.parquet")
     archive = tmp_path / "pipeline.zip"  # written outside the repository
@@ -109,25 +114,61 @@ def test_spark_submit_recipe(cluster, tmp_path):
     (tmp_path / "tmp").mkdir()
     words = argv(docs["spark-submit"], subs)
     words[0] = str(BIN / "spark-submit")
-    out = subprocess.run(words, cwd=ROOT, env=_driver_env(tmp_path / "tmp"), capture_output=True, text=True,
-                         timeout=180)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "loss rate 0.095238" in out.stdout and (tmp_path / "report" / "report.json").exists()
-    assert "already registered" not in out.stderr
-    assert list((tmp_path / "tmp").iterdir()) == []  # nothing shipped: the zip of --py-files is enough
+    submit = stack.enter_context(_Run(words, tmp_path, _driver_env(tmp_path / "tmp")))
+
+    def check() -> None:
+        returncode, stdout, stderr = submit.wait()
+        assert returncode == 0, f"spark-submit: {stderr[-3000:]}"
+        assert "loss rate 0.095238" in stdout and (tmp_path / "report" / "report.json").exists()
+        assert "already registered" not in stderr
+        assert list((tmp_path / "tmp").iterdir()) == []  # nothing shipped: the zip of --py-files is enough
+
+    return check
 
 
-def test_client_mode_feed_and_lockstep(cluster, tmp_path):
+class _Run:
+    """A process whose output goes to files (two run at once: neither may block on a full pipe); killed on
+    leaving if still running."""
+
+    def __init__(self, words: list[str], directory: Path, env: dict) -> None:
+        self.out, self.err = directory / "stdout", directory / "stderr"
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            self.process = subprocess.Popen(words, cwd=ROOT, env=env, stdout=out, stderr=err)
+
+    def wait(self, timeout: float = 240) -> tuple[int, str, str]:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.__exit__()
+        return self.process.returncode, self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+    def __enter__(self) -> _Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def test_spark_submit_recipe_and_client_mode_feed_with_lockstep(cluster, tmp_path):
+    """Both applications at once (each takes 1 of the worker's 2 cores): the recipe's audit, and in the
+    client-mode driver the documented feed then ``--lockstep`` refused for want of a second task slot."""
     url, _ = cluster
     docs = _doc_commands()
-    marker = tmp_path / "executor-python-was-used"
-    wrapper = tmp_path / "python"
+    submit, client = tmp_path / "submit", tmp_path / "client"
+    submit.mkdir()
+    client.mkdir()
+    marker = client / "executor-python-was-used"
+    wrapper = client / "python"
     wrapper.write_text(f'#!/bin/sh\ntouch "{marker}"\nexec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
-    (tmp_path / "tmp").mkdir()
-    with gateway_testing.run_gateway() as gw:
+    (client / "tmp").mkdir()
+    with contextlib.ExitStack() as stack:
+        check_recipe = _spark_submit_recipe(url, submit, stack)
+        gw = stack.enter_context(gateway_testing.run_gateway())
         subs = {CLUSTER_MASTER: url, "--host gateway.internal --port 7002": f"--host 127.0.0.1 --port {gw.ingest_port}",
-                "http://gateway.internal:8080": gw.http_url, "/shared/ck/feed": str(tmp_path / "ck")}  # fmt: skip
+                "http://gateway.internal:8080": gw.http_url, "/shared/ck/feed": str(client / "ck")}  # fmt: skip
         feed = argv(docs["python"], subs)[3:]
         script = (
             "import json, sys, time\n"
@@ -141,18 +182,16 @@ def test_client_mode_feed_and_lockstep(cluster, tmp_path):
             "print('RESULT', rc_feed, rc_lockstep, round(time.monotonic() - t, 1))\n"
             "spark.stop()\n"
         )
-        with contextlib.suppress(FileNotFoundError):
-            marker.unlink()
-        out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                             env=_driver_env(tmp_path / "tmp", PYSPARK_PYTHON=str(wrapper),
-                                             GATEWAY_SERVER_ADMIN_TOKEN=gw.admin_token))  # fmt: skip
+        env = _driver_env(client / "tmp", PYSPARK_PYTHON=str(wrapper), GATEWAY_SERVER_ADMIN_TOKEN=gw.admin_token)
+        returncode, stdout, stderr = stack.enter_context(_Run([sys.executable, "-c", script], client, env)).wait()
         ends = gw.call(lambda: {t.name: t.info()["end"] for t in gw.hub.scheduler.engine.topics()})
-    assert out.returncode == 0, out.stderr[-3000:]
-    rc_feed, rc_lockstep, seconds = out.stdout.split("RESULT ")[1].split()
-    assert rc_feed == "0", out.stderr[-2000:]
-    assert "10000 records: 10000 delivered into the ring (10000 accepted now, 0 landed earlier), 0 lost" in out.stdout
+        check_recipe()
+    assert returncode == 0, stderr[-3000:]
+    rc_feed, rc_lockstep, seconds = stdout.split("RESULT ")[1].split()
+    assert rc_feed == "0", stderr[-2000:]
+    assert "10000 records: 10000 delivered into the ring (10000 accepted now, 0 landed earlier), 0 lost" in stdout
     assert ends == {f"feed.rate-{t}": 2500 for t in range(4)}
     assert rc_lockstep == "1" and float(seconds) < 15
-    assert "feed: --lockstep runs all 2 partitions at once (a barrier stage) but Spark has 1 task slots" in out.stderr
+    assert "feed: --lockstep runs all 2 partitions at once (a barrier stage) but Spark has 1 task slots" in stderr
     assert marker.exists()  # the executors ran the user's PYSPARK_PYTHON
-    assert list((tmp_path / "tmp").iterdir()) == []  # temporary directories removed at exit
+    assert list((client / "tmp").iterdir()) == []  # temporary directories removed at exit

@@ -1,7 +1,8 @@
 """Every command of docs/pipeline.md runs as written against a gateway started from the shipped config
 (gateway.testing.run_gateway with no topic overrides: config/default.toml's rules, ephemeral ports), with
 these substitutions only: the gateway's ports and admin token, /data and /tmp/ck in a temporary directory,
---max-seconds 600 -> 6, and the benchmarks' sizes made small. The cluster commands (spark://spark-master...,
+--max-seconds 600 -> 4 (the one micro-batch of the file only has to start by then), and the benchmarks'
+sizes made small. The cluster commands (spark://spark-master...,
 the zip + spark-submit recipe) are run by test_pipeline_cluster.py on a standalone cluster.
 
 The demo is watched by a live WebSocket subscriber, which must get every record of every topic, in order,
@@ -19,7 +20,7 @@ import pipeline.bench
 from pipeline.__main__ import main
 from tests.pipeline.pipeline_docs import argv, commands, is_cluster_command
 from tests.pipeline.test_pipeline_audit import hand_log, write_log
-from tests.pipeline.test_pipeline_e2e import Subscriber, connect
+from tests.pipeline.test_pipeline_e2e import Subscriber, subscriber_socket
 
 gateway_testing = pytest.importorskip("gateway.testing")
 
@@ -41,10 +42,10 @@ def test_the_documented_commands(spark, tmp_path, monkeypatch, capsys):
     )
     ran = []
     with gateway_testing.run_gateway() as gw, contextlib.ExitStack() as stack:
-        subscriber = Subscriber(stack.enter_context(connect(gw.ws_url, open_timeout=10)),
+        subscriber = Subscriber(stack.enter_context(subscriber_socket(gw.ws_url)),
                                 [f"feed.rate-{t}" for t in range(4)])  # fmt: skip
         where = ["--port", str(gw.ingest_port), "--admin-url", gw.http_url]
-        substitutions = {"/tmp/ck": str(tmp_path / "ck"), "/data/": f"{data}/", "--max-seconds 600": "--max-seconds 6",
+        substitutions = {"/tmp/ck": str(tmp_path / "ck"), "/data/": f"{data}/", "--max-seconds 600": "--max-seconds 4",
                          "--rows 10000000": "--rows 20000", "--port 7002": f"--port {gw.ingest_port}",
                          "--follow deliverylog": f"--follow {tmp_path / 'deliverylog'}"}  # fmt: skip
         for command in commands():

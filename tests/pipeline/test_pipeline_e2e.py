@@ -22,7 +22,7 @@ from pipeline.feed import FeedOptions, run_feed
 gateway_testing = pytest.importorskip(
     "gateway.testing", reason="gateway/testing.py (run_gateway) is not there yet: no real gateway to feed"
 )
-from websockets.sync.client import connect  # noqa: E402
+from websockets.sync.client import ClientConnection, connect  # noqa: E402
 
 pytestmark = pytest.mark.spark
 
@@ -82,8 +82,15 @@ def topics() -> list[str]:
     return [f"feed.rate-{t}" for t in range(TOPICS)]
 
 
+def subscriber_socket(ws_url: str) -> ClientConnection:
+    """A WebSocket connection whose reader never pauses for a full queue: closing it gets the server's close
+    frame at once even when the test left messages unread (with the default high-water mark, 16 frames, the
+    reader stops and the close waits out close_timeout, 10 s)."""
+    return connect(ws_url, open_timeout=10, max_queue=None)
+
+
 def subscribe(stack: contextlib.ExitStack, ws_url: str) -> Subscriber:
-    return Subscriber(stack.enter_context(connect(ws_url, open_timeout=10)), topics())
+    return Subscriber(stack.enter_context(subscriber_socket(ws_url)), topics())
 
 
 @pytest.mark.parametrize(

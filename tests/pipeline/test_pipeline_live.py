@@ -14,7 +14,7 @@ import pytest
 from fanout_client.ingest import IngestConnection
 from pipeline import reference
 from pipeline.live import follow, window_figures
-from tests.pipeline.test_pipeline_e2e import Subscriber, connect
+from tests.pipeline.test_pipeline_e2e import Subscriber, subscriber_socket
 
 gateway_testing = pytest.importorskip("gateway.testing")
 
@@ -48,9 +48,7 @@ def read_log(directory) -> list[dict]:
 
 def test_the_gateway_logs_what_it_delivers(tmp_path):
     with logged_gateway(tmp_path / "log") as gw, contextlib.ExitStack() as stack:
-        clients = [
-            Subscriber(stack.enter_context(connect(gw.ws_url, open_timeout=10, close_timeout=1)), TOPICS) for _ in range(2)
-        ]
+        clients = [Subscriber(stack.enter_context(subscriber_socket(gw.ws_url)), TOPICS) for _ in range(2)]
         sent = publish_for(gw.ingest_port, 1.0)
         for client in clients:
             client.wait_for({t: sent - 1 for t in TOPICS})
@@ -103,7 +101,7 @@ def test_follow_writes_windowed_figures_while_traffic_flows(spark, tmp_path):
     result: dict = {}
     with logged_gateway(tmp_path / "log") as gw, contextlib.ExitStack() as stack:
         for _ in range(2):
-            Subscriber(stack.enter_context(connect(gw.ws_url, open_timeout=10, close_timeout=1)), TOPICS)
+            Subscriber(stack.enter_context(subscriber_socket(gw.ws_url)), TOPICS)
 
         def run() -> None:
             try:

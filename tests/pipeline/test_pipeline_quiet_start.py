@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from tests.pipeline.pipeline_jvm import fast_jvm_env
+
 pytestmark = pytest.mark.spark
 
 
@@ -29,7 +31,8 @@ def test_starting_a_session_prints_no_jvm_start_up_warning() -> None:
         print("a line of ours", file=sys.stderr, flush=True)
         spark.stop()
     """)
-    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    # fast_jvm_env: JVM options only (C1, serial GC), which print nothing
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=fast_jvm_env())
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "Using incubator modules" not in ran.stderr, ran.stderr
     assert "a line of ours" in ran.stderr
