@@ -613,6 +613,18 @@ class Chaos:
         accepted_s = await accepted
         victim.extra = ("--replicaof", "127.0.0.1", str(survivor.port), *SYNC_AT_ONCE)
         await asyncio.to_thread(victim.start)
+        # healed once a next kill could be failed over: every sentinel sees the victim back as a linked
+        # replica (a kill before that found no replica to promote)
+        while not await asyncio.to_thread(topology.replica_ready, victim.port):
+            if time.monotonic() - killed > PROMOTION_MAX_S:
+                return {
+                    "promoted": True,
+                    "promoted_s": round(promoted_s, 2),
+                    "accepted_s": accepted_s,
+                    "replica_ready": False,
+                    "healed_at": killed_at,
+                }
+            await asyncio.sleep(0.1)
         return {"promoted": True, "promoted_s": round(promoted_s, 2), "accepted_s": accepted_s, "healed_at": killed_at}
 
     def ring_slot(self) -> int:

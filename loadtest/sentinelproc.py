@@ -60,6 +60,27 @@ class SentinelProcess(RedisProcess):
         return int(replicas.lstrip("*")), int(sentinels.lstrip("*"))
 
 
+#: (flags, master-link-status) of a replica a failover may promote
+READY = {("slave", "ok")}
+
+
+def _replica_fields(reply: str, port: int) -> tuple[str, str] | None:
+    """(flags, master-link-status) of the replica on `port` in a `SENTINEL REPLICAS` reply (RESP2 text: each
+    replica a flat array of field, value), None when it is not listed (or the reply came cut)."""
+    values = [line for line in reply.split("\r\n") if line and line[0] not in "*$"]
+    entries: list[list[str]] = []
+    for value in values:
+        if value == "name" and (not entries or len(entries[-1]) % 2 == 0):
+            entries.append([])
+        if entries:
+            entries[-1].append(value)
+    for entry in entries:
+        fields = dict(zip(entry[::2], entry[1::2]))
+        if fields.get("port") == str(port):
+            return fields.get("flags", ""), fields.get("master-link-status", "")
+    return None
+
+
 class SentinelTopology:
     def __init__(self, workdir: Path) -> None:
         self.dir = workdir
@@ -112,6 +133,14 @@ class SentinelTopology:
             victim.proc.wait(5)
             victim.proc = None
         return victim
+
+    def replica_ready(self, port: int) -> bool:
+        """Every sentinel lists the process on `port` as a replica it can reach, linked to its primary: a
+        failover may pick it (one it still flags down, or whose link is not up, it will not promote)."""
+        try:
+            return all(_replica_fields(s.reply("SENTINEL", "REPLICAS", MASTER), port) in READY for s in self.sentinels)
+        except OSError:
+            return False
 
     def promoted(self, port: int) -> bool:
         """Every sentinel names the process on `port` primary."""
