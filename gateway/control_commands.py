@@ -117,6 +117,7 @@ class ControlCommands:
                 {
                     "id": client.id,
                     "user": conn.identity.user,
+                    "tenant": conn.identity.tenant,
                     "state": client.state.value,
                     "subscriptions": sorted(client.subs),
                     "direct_queued": client.queued(),

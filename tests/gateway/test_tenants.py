@@ -158,6 +158,8 @@ def test_the_admin_api_lists_each_tenants_share_against_its_weights():
                 send(client, op="subscribe", topic="feed.api", id=i)
                 assert recv_entries(client)[0]["type"] == "subscribed"
             listed = web.get(f"{gw.http_url}/api/tenants", headers=auth(gw), trust_env=False).json()
+            clients = web.get(f"{gw.http_url}/api/clients", headers=auth(gw), trust_env=False).json()["clients"]
+            assert sorted((c["user"] or "", c["tenant"]) for c in clients) == [("", "public"), ("ann", "acme")]
             assert listed["enabled"] and listed["total"] == 3 and not listed["truncated"]
             rows = {row["name"]: row for row in listed["tenants"]}
             assert (rows["acme"]["connections"], rows["acme"]["users"], rows["acme"]["weight"]) == (1, 1, 3.0)
