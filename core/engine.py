@@ -787,7 +787,6 @@ class Engine:
                 client.in_line = False
                 cost, more = self._serve(client, batches, cycle_state, frame_cost, tenant)
                 user.deficit -= cost
-                user.cost += cost
                 spent += cost
                 if more:
                     eager.append(user)

@@ -35,7 +35,7 @@ CYCLE_TARGET_COST = 4 * 1024 * 1024
 class User:
     """One user of a tenant: an accounting object only (its clients are in the tenant's deque)."""
 
-    __slots__ = ("key", "weight", "deficit", "stamp", "clients", "passed", "cost")
+    __slots__ = ("key", "weight", "deficit", "stamp", "clients", "passed")
 
     def __init__(self, key: Hashable, weight: float) -> None:
         self.key = key
@@ -48,7 +48,6 @@ class User:
         self.clients = 0
         #: a client of it was passed over this cycle
         self.passed = False
-        self.cost = 0
 
 
 class Tenant:

@@ -9,18 +9,16 @@ figures."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from core.fairness import FairShare
+from core.fairness import FairShare, Tenant
 
 from .errors import BadToken
 
 if TYPE_CHECKING:
-    from core.fairness import Tenant
-
     from .auth.tokens import Principal
     from .config import FairnessConfig
 
@@ -90,35 +88,26 @@ class Tenancy:
         return {"enabled": True, "tenants": rows, "total": len(tenants), "truncated": len(tenants) > MAX_LISTED}
 
     def collect(self, share: FairShare | None) -> Iterator[Metric]:
-        """Per tenant (those configured by name, the others as `other`): what it was served and holds."""
+        """Per tenant (those configured by name, the others summed as `other`): what it was served and holds."""
         if share is None:
             return
-        sums: dict[str, list[float]] = {}
+        by_label: dict[str, list[Tenant]] = {}
         for tenant in share.tenants.values():
-            label = tenant.name if tenant.name in self.configured else OTHER
-            row = sums.setdefault(label, [0, 0, 0, 0, 0, 0, 0.0])
-            for i, value in enumerate(_figures(tenant)):
-                row[i] += value
-        names = ("cost", "bytes", "frames", "messages")
-        docs = (
-            "cost units served (bytes + fairness.frame_cost_bytes per frame)",
-            "bytes of entries served",
-            "frames (batches) served",
-            "entries served",
-        )
-        for i, (name, doc) in enumerate(zip(names, docs)):
-            family = CounterMetricFamily(f"fanout_tenant_{name}", f"per tenant: {doc}", labels=["tenant"])
-            for label, row in sorted(sums.items()):
-                family.add_metric([label], row[i])
+            by_label.setdefault(tenant.name if tenant.name in self.configured else OTHER, []).append(tenant)
+        for name, family_type, doc, figure in _FAMILIES:
+            family = family_type(f"fanout_tenant_{name}", f"per tenant: {doc}", labels=["tenant"])
+            for label, tenants in sorted(by_label.items()):
+                family.add_metric([label], sum(figure(tenant) for tenant in tenants))
             yield family
-        for i, (name, doc) in enumerate(
-            (("connections", "connections"), ("users", "users with a connection"), ("weight", "weight"))
-        ):
-            gauge = GaugeMetricFamily(f"fanout_tenant_{name}", f"per tenant: {doc}", labels=["tenant"])
-            for label, row in sorted(sums.items()):
-                gauge.add_metric([label], row[4 + i])
-            yield gauge
 
 
-def _figures(tenant: Tenant) -> tuple[int, int, int, int, int, int, float]:
-    return (tenant.cost, tenant.bytes, tenant.frames, tenant.entries, tenant.clients, len(tenant.users), tenant.weight)
+#: the per-tenant families of /metrics: name, type, help, the figure of one tenant
+_FAMILIES: tuple[tuple[str, type[CounterMetricFamily] | type[GaugeMetricFamily], str, Callable[[Tenant], float]], ...] = (
+    ("cost", CounterMetricFamily, "cost units served (bytes + fairness.frame_cost_bytes per frame)", lambda t: t.cost),
+    ("bytes", CounterMetricFamily, "bytes of entries served", lambda t: t.bytes),
+    ("frames", CounterMetricFamily, "frames (batches) served", lambda t: t.frames),
+    ("messages", CounterMetricFamily, "entries served", lambda t: t.entries),
+    ("connections", GaugeMetricFamily, "connections", lambda t: t.clients),
+    ("users", GaugeMetricFamily, "users with a connection", lambda t: len(t.users)),
+    ("weight", GaugeMetricFamily, "weight", lambda t: t.weight),
+)

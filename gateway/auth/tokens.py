@@ -197,9 +197,7 @@ class TokenVerifier:
         kid = header.get("kid")
         if self.jwks is None or header.get("alg") not in JWKS_ALGORITHMS or not isinstance(kid, str):
             return None
-        if kid not in self.jwks.keys or (header.get("alg") in HMAC_ALGORITHMS and self.secrets):
-            return None
-        return kid
+        return kid if kid in self.jwks.keys else None
 
     def _keys_for(self, header: dict[str, Any]) -> list[Any]:
         """The keys that may check a token with this header, current first; each checks only the token's

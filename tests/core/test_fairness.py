@@ -152,7 +152,6 @@ def test_idle_tenants_are_never_visited_and_a_disconnect_frees_its_user():
     engine.connect("busy", tenant="B", user="u")
     engine.subscribe("busy", "t.busy")
     engine.publish("t.busy", PAYLOAD)
-    assert len(fair.order()) == 0 or True  # order() is the cycle's business: run one
     batches = engine.run_cycle()
     assert [b.client_id for b in batches] == ["busy"] and list(fair.active) == []
     engine.writes_done(["busy"])
@@ -253,7 +252,6 @@ def test_with_tenants_and_users_nobody_starves_and_no_client_is_in_line_twice(op
     share = FairShare(frame_cost=500, cycle_target_cost=3000)
     engine.enable_fairness(share)
     share.set_weight("B", weight_b)
-    written: dict[str, bool] = {}
     for op in ops:
         client = f"c{op[1]}"
         try:
@@ -267,7 +265,6 @@ def test_with_tenants_and_users_nobody_starves_and_no_client_is_in_line_twice(op
             lined = [c.id for c in tenant.ready]
             assert len(lined) == len(set(lined)), lined
             assert all(c.in_line for c in tenant.ready)
-        written.clear()
     # every client ready again and every write done: the cycles drain everything, whatever the shares
     for client in engine.clients():
         engine.mark_ready(client.id)
